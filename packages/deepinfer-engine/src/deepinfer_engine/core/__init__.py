@@ -1,0 +1,1 @@
+"""Torch-free engine core: requests, scheduler, cache manager. Must not import torch or the model."""
