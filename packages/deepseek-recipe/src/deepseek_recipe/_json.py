@@ -1,0 +1,169 @@
+"""JSON helpers that reproduce the reference's serde_json behaviour in Python.
+
+* Parsing (`loads`): RFC 8259 only (no NaN/Infinity), integers outside the
+  i64/u64 range become floats (serde_json without arbitrary precision), keys
+  keep insertion order, duplicate keys keep the last value.
+* Serialization: "spaced" (`", "`, `": "`) and compact flavours; non-ASCII is
+  written raw; floats as Python `repr` except the V4 spaced style, which writes
+  values in [1e-5, 1e-4) in plain decimal and smaller exponents unpadded
+  (recipe.md §3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+__all__ = ["loads", "dumps_spaced", "dumps_python_style", "dumps_compact", "JSONError"]
+
+_I64_MIN = -(2**63)
+_U64_MAX = 2**64 - 1
+
+
+class JSONError(ValueError):
+    """Invalid JSON text."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise JSONError(f"invalid JSON number {name}")
+
+
+def _parse_int(text: str) -> int | float:
+    value = int(text)
+    if _I64_MIN <= value <= _U64_MAX:
+        return value
+    return float(text)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_int=_parse_int)
+
+
+def loads(text: str) -> Any:
+    """Parse JSON text; raises `JSONError` (a ValueError) with json's message."""
+    try:
+        value = _DECODER.decode(text)
+    except json.JSONDecodeError as exc:
+        raise JSONError(str(exc)) from None
+    except RecursionError:
+        raise JSONError("recursion limit exceeded") from None
+    _check_finite(value)
+    return value
+
+
+def _check_finite(value: Any) -> None:
+    # Numbers like 1e999 parse to inf in Python; serde_json rejects them.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if type(v) is float:
+            if not math.isfinite(v):
+                raise JSONError("number out of range")
+        elif type(v) is dict:
+            stack.extend(v.values())
+        elif type(v) is list:
+            stack.extend(v)
+
+
+def _float_python(value: float) -> str:
+    return repr(value)
+
+
+def _float_v4(value: float) -> str:
+    text = repr(value)
+    if "e-0" in text:
+        mantissa, exp = text.split("e-0")
+        if exp == "5":
+            # [1e-5, 1e-4): serde's default formatter writes plain decimal.
+            sign = ""
+            if mantissa.startswith("-"):
+                sign, mantissa = "-", mantissa[1:]
+            digits = mantissa.replace(".", "")
+            return f"{sign}0.0000{digits}"
+        return f"{mantissa}e-{exp}"
+    return text
+
+
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
+for _i in range(0x20):
+    _ESCAPES.setdefault(chr(_i), f"\\u{_i:04x}")
+del _i
+
+
+def _str(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _dumps(value: Any, float_fmt, item_sep: str, key_sep: str) -> str:
+    out: list[str] = []
+    append = out.append
+
+    def emit(v: Any) -> None:
+        t = type(v)
+        if t is str:
+            append(_str(v))
+        elif v is None:
+            append("null")
+        elif v is True:
+            append("true")
+        elif v is False:
+            append("false")
+        elif t is int:
+            append(str(v))
+        elif t is float:
+            if not math.isfinite(v):
+                append("null")  # serde_json writes non-finite floats as null
+            else:
+                append(float_fmt(v))
+        elif t is dict:
+            append("{")
+            first = True
+            for k, item in v.items():
+                if not first:
+                    append(item_sep)
+                first = False
+                append(_str(k if isinstance(k, str) else str(k)))
+                append(key_sep)
+                emit(item)
+            append("}")
+        elif t is list or t is tuple:
+            append("[")
+            first = True
+            for item in v:
+                if not first:
+                    append(item_sep)
+                first = False
+                emit(item)
+            append("]")
+        elif isinstance(v, bool):
+            append("true" if v else "false")
+        elif isinstance(v, int):
+            append(str(int(v)))
+        elif isinstance(v, float):
+            append(float_fmt(float(v)))
+        elif isinstance(v, str):
+            append(_str(str(v)))
+        elif isinstance(v, dict):
+            emit(dict(v))
+        elif isinstance(v, (list, tuple)):
+            emit(list(v))
+        else:
+            raise TypeError(f"value of type {type(v).__name__} is not JSON serializable")
+
+    emit(value)
+    return "".join(out)
+
+
+def dumps_spaced(value: Any) -> str:
+    """V4 "spaced" JSON (serde_json default float formatting)."""
+    return _dumps(value, _float_v4, ", ", ": ")
+
+
+def dumps_python_style(value: Any) -> str:
+    """V4.1 "python style" JSON: like `json.dumps(value, ensure_ascii=False)`."""
+    return _dumps(value, _float_python, ", ", ": ")
+
+
+def dumps_compact(value: Any) -> str:
+    """Compact JSON as serde_json writes it (`,` and `:`)."""
+    return _dumps(value, _float_v4, ",", ":")
