@@ -1,0 +1,160 @@
+"""Pure-torch sampling reference: penalties, min-p / top-k / top-p masking, counter-based seeded sampling.
+
+Everything is batched over rows (one row = one sequence's next-token distribution) and runs on whatever device
+the inputs live on; nothing here reads a tensor value back to the host, so a step costs no per-request syncs.
+
+Randomness is counter-based: the uniform noise of row i is a pure function of (seed_i, offset_i, vocab index),
+so a request's sampled tokens depend only on its own seed and output position — never on which other requests
+share the batch, on chunking, or on preemption.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+# Odd multipliers below 2**31 so that (x < 2**32) * c stays below 2**63: exact in int64 on every backend.
+_C1 = 0x7FEB352D
+_C2 = 0x2C1B3C6D
+_GOLDEN = 0x9E3779B9
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Integer avalanche hash of 32-bit values held in int64 (lowbias32-style); returns values in [0, 2**32)."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & _M32
+    x = x ^ (x >> 16)
+    return x
+
+
+def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Uniform noise in the open interval (0, 1), a pure function of (seed, offset, column).
+
+    seeds: [N] int64 (any 64-bit value); offsets: [N] int64 (e.g. the output position being sampled);
+    returns [N, num_cols] float32. Values are k/2**24 + 2**-25, never 0 or 1, so -log(u) is finite and > 0.
+    """
+    seeds = seeds.to(torch.int64)
+    offsets = offsets.to(torch.int64)
+    lo = seeds & _M32
+    hi = (seeds >> 32) & _M32
+    row_key = _mix32(lo ^ _mix32(hi + _GOLDEN))
+    row_key = _mix32(row_key ^ _mix32(offsets & _M32))
+    row_key2 = _mix32(row_key + _C2)
+    cols = torch.arange(num_cols, device=seeds.device, dtype=torch.int64)
+    h = _mix32(row_key[:, None] + cols[None, :] * _GOLDEN)
+    h = _mix32(h ^ row_key2[:, None])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Occurrence counts per vocabulary id.
+
+    token_ids: [N, L] int64, -1 = padding; returns [N, vocab_size] int32.
+    """
+    n = token_ids.shape[0]
+    counts = torch.zeros(n, vocab_size + 1, dtype=torch.int32, device=token_ids.device)
+    idx = torch.where(token_ids < 0, vocab_size, token_ids)
+    counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    *,
+    prompt_ids: torch.Tensor,
+    output_ids: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI / vLLM-style penalties; returns new logits [N, V] float32.
+
+    logits: [N, V] float32; prompt_ids / output_ids: [N, L] int64 padded with -1;
+    repetition_penalty [N] (1 = off): tokens seen in prompt or output get logit/r if > 0 else logit*r;
+    presence_penalty [N] (0 = off): minus p once per token present in the output;
+    frequency_penalty [N] (0 = off): minus f times the token's output count.
+    """
+    vocab = logits.shape[1]
+    out_counts = token_counts(output_ids, vocab)
+    seen = (token_counts(prompt_ids, vocab) > 0) | (out_counts > 0)
+    rep = repetition_penalty.to(logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - frequency_penalty.to(logits.dtype)[:, None] * out_counts.to(logits.dtype)
+    logits = logits - presence_penalty.to(logits.dtype)[:, None] * (out_counts > 0).to(logits.dtype)
+    return logits
+
+
+def mask_logits(
+    logits: torch.Tensor, *, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Set logits outside the min-p, top-k and top-p sets to -inf (applied in that order, as vLLM does).
+
+    logits: [N, V] float32 (already temperature-scaled); top_k: [N] int64 (<= 0 or >= V = off);
+    top_p: [N] float32 in (0, 1] (1 = off); min_p: [N] float32 in [0, 1] (0 = off).
+    min-p keeps tokens with prob >= min_p * max prob; top-p keeps the smallest prefix (by descending prob, ties
+    by index order of the sort) whose mass reaches top_p, computed after min-p/top-k renormalisation.
+    The most likely token is always kept. Returns [N, V] float32.
+    """
+    n, vocab = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).to(torch.int64)[:, None]
+    drop = ranks >= k
+    # min-p in log space: p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+    log_min_p = torch.log(min_p.to(torch.float32).clamp_min(0.0))[:, None]
+    drop |= sorted_logits < sorted_logits[:, :1] + log_min_p
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(kept, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p.to(torch.float32)[:, None]
+    drop[:, 0] = False
+    kept = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, kept)
+
+
+def sample(
+    logits: torch.Tensor,
+    *,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """Sample one token per row without host syncs.
+
+    logits: [N, V] float32 (penalties already applied); temperature: [N] float32, 0 = greedy (argmax);
+    top_k/top_p/min_p as in `mask_logits`; seeds/offsets: [N] int64 keys of the counter-based noise.
+    Sampling is an exponential race: argmax_i p_i / E_i with E_i = -log(u_i) ~ Exp(1), which draws i with
+    probability p_i (equivalent to Gumbel-max on log p). Returns [N] int64 token ids.
+    """
+    greedy = temperature <= 0
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
+    scaled = mask_logits(logits / temp[:, None], top_k=top_k, top_p=top_p, min_p=min_p)
+    probs = torch.softmax(scaled, dim=-1)
+    expo = -torch.log(counter_uniform(seeds, offsets, logits.shape[1]))
+    sampled = (probs / expo).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def logprobs_topk(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Log-probabilities of the raw model distribution.
+
+    logits: [N, V] float32; token_ids: [N] int64 (the sampled/selected token per row); k >= 0.
+    Returns (selected_logprob [N] float32, top_ids [N, k] int64, top_logprobs [N, k] float32,
+    selected_rank [N] int64 = 1 + number of tokens with a strictly larger logprob).
+    """
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = logp.gather(1, token_ids[:, None].to(torch.int64))
+    rank = (logp > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_vals, top_ids = logp.topk(k, dim=-1)
+    else:
+        top_vals = logp.new_empty(logp.shape[0], 0)
+        top_ids = torch.empty(logp.shape[0], 0, dtype=torch.int64, device=logp.device)
+    return chosen[:, 0], top_ids, top_vals, rank
