@@ -1,0 +1,362 @@
+"""V4.1 CSA2: shared compressed KV, indexer keys/queries, candidate filter, Full/Reuse/Reindex (§C.3-C.4).
+
+Who does what in one forward (layers run in order, so a source always runs before its users):
+- kv-source layers (``plan.has_compressor``) turn their new tokens into compressed entries ``C_w`` and index keys
+  ``KI_w`` and write them into their paged caches (entry w = tokens ``ratio*w .. ratio*w+ratio-1``; an entry
+  exists once its last token was processed, so ratio-1 sources see their own current entry).
+- index-source layers (``plan.has_indexer_q``) score the visible entries of their kv source and pick the top-k;
+  the candidate publisher also publishes CB(t); consumers (index sources after the publisher) drop scores
+  outside CB(t) first. The selection is stored in ``Csa2ForwardState`` for the Reuse layers that follow.
+- every CSA2 layer (Full / Reuse / Reindex) then gets ``[T, index_topk, head_dim]`` compressed KV rows of its
+  kv source with a validity mask; its own window KV and the sink softmax are the attention module's job.
+
+Ratio-2 sources keep the raw ``(A, Z)`` rows of their last tokens in the cache's per-slot ring
+``cache.comp_state[(l, "main")]`` (row = position mod ring), so a chunk that starts at an odd position pools
+with the saved row of the previous token, and a rejected speculative tail is simply overwritten next time.
+The published state lives in ``ForwardContext`` (``compressed[l]``, ``topk[l]``, ``candidates[l]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from deepinfer_kernels.indexer import (
+    candidate_blocks,
+    causal_mask,
+    index_scores,
+    topk_indices,
+    visible_counts,
+)
+from torch import Tensor, nn
+
+from deepinfer_engine.errors import ModelConfigError
+from deepinfer_engine.model.cache import paged_read, paged_write, ring_history
+from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
+
+RopeFn = Callable[[Tensor, Tensor], Tensor]
+"""``rope(x [T, ..., D], positions [T] int64) -> x`` rotating the trailing rope dims (compress θ + YaRN)."""
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in fp32 (§2), multiplied by ``weight`` in fp32, cast back to ``x.dtype``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def pool_ratio2(a: Tensor, z: Tensor) -> Tensor:
+    """Ratio-2 pooling: per-channel softmax over the 2 tokens of each group (§C.3, no ape, no overlap).
+
+    a, z: ``[G, 2, D] float32`` (token 2w then 2w+1 of group w). Returns ``[G, D] float32``
+    ``Σ_s softmax_s(z[:, s, c]) · a[:, s, c]``.
+    """
+    if a.shape != z.shape or a.dim() != 3 or a.shape[1] != 2:
+        raise ValueError(f"pool_ratio2: expected a, z [G, 2, D], found {tuple(a.shape)} and {tuple(z.shape)}")
+    return (torch.softmax(z.float(), dim=1) * a.float()).sum(dim=1)
+
+
+def compress_chunk(
+    a: Tensor, z: Tensor | None, start: int, ratio: int, prev_a: Tensor | None, prev_z: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Compressed latents (pre-norm) completed by a chunk of consecutive tokens ``start .. start+L-1``.
+
+    a, z: ``[L, D] float32`` projections of the chunk (z is None for ratio 1). For ratio 2 and an odd
+    ``start`` the group's first token is the previous token, whose rows ``prev_a/prev_z [D]`` must be given.
+    Returns ``(entry_ids [n] int64, pooled [n, D] float32)`` for every entry whose last token is in the chunk.
+    """
+    length = a.shape[0]
+    if ratio == 1:
+        return torch.arange(start, start + length, dtype=torch.int64, device=a.device), a.float()
+    if ratio != 2:
+        raise ModelConfigError(f"compress_ratios: CSA2 supports ratios 1 and 2, found {ratio}")
+    if z is None:
+        raise ValueError("compress_chunk: ratio 2 needs the gate projection z")
+    if start % 2 == 1:
+        if prev_a is None or prev_z is None:
+            raise ValueError(f"compress_chunk: chunk starts at odd position {start}; previous row needed")
+        a = torch.cat([prev_a[None].float(), a.float()], 0)
+        z = torch.cat([prev_z[None].float(), z.float()], 0)
+        first = start - 1
+    else:
+        first = start
+    groups, d = a.shape[0] // 2, a.shape[1]
+    pooled = pool_ratio2(a[: 2 * groups].reshape(groups, 2, d), z[: 2 * groups].reshape(groups, 2, d))
+    w0 = first // 2
+    return torch.arange(w0, w0 + groups, dtype=torch.int64, device=a.device), pooled
+
+
+class Csa2Compressor(nn.Module):
+    """``attn.compressor.{wkv, wgate (ratio 2 only), norm}`` of a kv-source layer (§C.3)."""
+
+    def __init__(self, *, dim: int, head_dim: int, ratio: int, eps: float) -> None:
+        super().__init__()
+        if ratio not in (1, 2):
+            raise ModelConfigError(f"compress_ratios: CSA2 kv source needs ratio 1 or 2, found {ratio}")
+        self.ratio = ratio
+        self.eps = eps
+        self.wkv = nn.Linear(dim, head_dim, bias=False)
+        self.wgate = nn.Linear(dim, head_dim, bias=False) if ratio == 2 else None
+        self.norm = _Norm(head_dim)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``x [L, d]`` -> ``A [L, Dh] float32``, ``Z [L, Dh] float32 | None`` (fp32 math like the reference)."""
+        xf = x.float()
+        a = xf @ self.wkv.weight.float().T
+        z = xf @ self.wgate.weight.float().T if self.wgate is not None else None
+        return a, z
+
+
+class Csa2Indexer(nn.Module):
+    """``attn.indexer.{wk, k_norm}`` (kv sources) and ``attn.indexer.{wq_b, weights_proj}`` (index sources)."""
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        q_lora_rank: int,
+        head_dim: int,
+        n_heads: int,
+        index_head_dim: int,
+        has_k: bool,
+        has_q: bool,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.n_heads = n_heads
+        self.index_head_dim = index_head_dim
+        self.wk = nn.Linear(head_dim, index_head_dim, bias=False) if has_k else None
+        self.k_norm = _Norm(index_head_dim) if has_k else None
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False) if has_q else None
+        self.weights_proj = nn.Linear(dim, n_heads, bias=False) if has_q else None
+
+    def keys(self, latent: Tensor, positions: Tensor, rope: RopeFn) -> Tensor:
+        """Index keys from the PRE-RoPE normed latent: ``RoPE(RMSNorm(wk latent; k_norm))`` ``[n, Di]``."""
+        assert self.wk is not None and self.k_norm is not None  # guarded by plan.has_indexer_k
+        k = rms_norm(latent @ self.wk.weight.to(latent.dtype).T, self.k_norm.weight, self.eps)
+        return rope(k, positions)
+
+    def queries(self, qr: Tensor, x: Tensor, positions: Tensor, rope: RopeFn) -> tuple[Tensor, Tensor]:
+        """``qI [T, H, Di]`` (RoPE at the query position) and head weights ``wI [T, H] float32``."""
+        assert self.wq_b is not None and self.weights_proj is not None  # guarded by plan.has_indexer_q
+        t = qr.shape[0]
+        q = (qr @ self.wq_b.weight.to(qr.dtype).T).view(t, self.n_heads, self.index_head_dim)
+        q = rope(q, positions)
+        w = (x.float() @ self.weights_proj.weight.float().T) * (
+            self.index_head_dim**-0.5 * self.n_heads**-0.5
+        )
+        return q, w
+
+
+class _Norm(nn.Module):
+    """A bare ``weight`` holder so checkpoint names read ``...norm.weight``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Csa2Plan:
+    """The CSA2 facts of one layer (taken from ``LayerPlan`` + ``ModelArgs``)."""
+
+    layer_id: int
+    ratio: int
+    kv_source: int
+    index_source: int
+    has_compressor: bool
+    has_indexer_k: bool
+    has_indexer_q: bool
+    publishes_candidates: bool
+    consumes_candidates: bool
+    candidate_source: int | None
+    index_topk: int
+    candidate_block_size: int
+    candidate_topk_blocks: int
+    eps: float
+
+    def __post_init__(self) -> None:
+        if self.ratio not in (1, 2):
+            raise ModelConfigError(f"compress_ratios[{self.layer_id}]: found {self.ratio}, expected 1 or 2")
+        if self.has_compressor != (self.kv_source == self.layer_id):
+            raise ModelConfigError(
+                f"kv_source_layer_ids: layer {self.layer_id} has_compressor={self.has_compressor} but its kv "
+                f"source is {self.kv_source}"
+            )
+        if self.has_indexer_q != (self.index_source == self.layer_id):
+            raise ModelConfigError(
+                f"index_source_layer_ids: layer {self.layer_id} has_indexer_q={self.has_indexer_q} but its "
+                f"index source is {self.index_source}"
+            )
+        if self.publishes_candidates and (self.candidate_block_size < 1 or self.candidate_topk_blocks < 1):
+            raise ModelConfigError(
+                f"candidate_block_size / candidate_topk_blocks: found {self.candidate_block_size} / "
+                f"{self.candidate_topk_blocks}, expected >= 1 on the candidate source layer {self.layer_id}"
+            )
+        if self.consumes_candidates and self.candidate_source is None:
+            raise ModelConfigError(
+                f"candidate_source_layer_id: layer {self.layer_id} consumes candidates, found None"
+            )
+
+    @staticmethod
+    def from_layer_plan(plan: object, args: object) -> Csa2Plan:
+        """Build from C's ``LayerPlan`` and ``ModelArgs`` (duck-typed: this module does not import args.py)."""
+        return Csa2Plan(
+            layer_id=plan.layer_id,
+            ratio=plan.ratio,
+            kv_source=plan.kv_source,
+            index_source=plan.index_source,
+            has_compressor=plan.has_compressor,
+            has_indexer_k=plan.has_indexer_k,
+            has_indexer_q=plan.has_indexer_q,
+            publishes_candidates=plan.publishes_candidates,
+            consumes_candidates=plan.consumes_candidates,
+            candidate_source=args.candidate_source_layer_id,
+            index_topk=args.index_topk,
+            candidate_block_size=args.candidate_block_size,
+            candidate_topk_blocks=args.candidate_topk_blocks,
+            eps=args.rms_norm_eps,
+        )
+
+
+def csa2_update_source(
+    *,
+    plan: Csa2Plan,
+    compressor: Csa2Compressor,
+    indexer: Csa2Indexer,
+    x: Tensor,
+    ctx: ForwardContext,
+    rope: RopeFn,
+) -> CompressedView:
+    """kv-source layer: compress the new tokens, write ``C_w`` / ``KI_w`` / the ratio-2 ring, publish the view.
+
+    x: ``[T, d]`` the layer's attention input (after attn_norm), sequence-major like the batch.
+    Publishes ``ctx.compressed[layer_id]``: every sequence's entries ``0 .. floor((ctx+n)/ratio)-1``.
+    """
+    r, lid = plan.ratio, plan.layer_id
+    cache = ctx.cache
+    page = cache.page_size
+    kv_store, k_store = cache.compressed_kv[lid], cache.index_keys[lid]
+    ring = cache.comp_state.get((lid, "main")) if r == 2 else None
+    if r == 2 and ring is None:
+        raise ModelConfigError(f"layer {lid}: ratio-2 kv source without a compressor state ring in the cache")
+    kv_parts, k_parts, offsets, counts = [], [], [], []
+    total = 0
+    for i in range(ctx.num_seqs):
+        rows = ctx.seq_rows(i)
+        p0, n = ctx.ctx_lens[i], ctx.query_lens[i]
+        slot, bt = ctx.batch.slots[i], ctx.batch.block_tables[i]
+        a, z = compressor.project(x[rows])
+        prev_a = prev_z = None
+        if r == 2:
+            # rows of positions [p0 - back, p0 + n): back = 1 when the chunk starts inside a group
+            back = p0 % 2
+            both = ring_history(ring, slot, p0, torch.stack([a, z], dim=1), back)  # [back + n, 2, Dh]
+            if back:
+                prev_a, prev_z = both[0, 0], both[0, 1]
+        ids, pooled = compress_chunk(a, z, p0, r, prev_a, prev_z)
+        if ids.numel():
+            # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
+            latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps)  # pre-RoPE latent
+            entry_pos = ids * r  # RoPE at the group's first token
+            paged_write(kv_store, bt, r, page, ids, rope(latent, entry_pos), seq=i)
+            paged_write(k_store, bt, r, page, ids, indexer.keys(latent, entry_pos, rope), seq=i)
+        count = (p0 + n) // r
+        kv_parts.append(paged_read(kv_store, bt, r, page, count, seq=i))
+        k_parts.append(paged_read(k_store, bt, r, page, count, seq=i))
+        offsets.append(total)
+        counts.append(count)
+        total += count
+    view = CompressedView(
+        kv=torch.cat(kv_parts, 0),
+        index_keys=torch.cat(k_parts, 0),
+        seq_offsets=tuple(offsets),
+        seq_counts=tuple(counts),
+        ratio=r,
+    )
+    ctx.compressed[lid] = view
+    return view
+
+
+def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:
+    """``[L, NB] bool`` chosen blocks -> ``[L, count] bool`` allowed entries."""
+    ent_block = torch.arange(count, device=blocks.device) // block_size
+    return blocks[:, ent_block]
+
+
+def csa2_select(
+    *,
+    plan: Csa2Plan,
+    indexer: Csa2Indexer | None,
+    x: Tensor,
+    qr: Tensor,
+    ctx: ForwardContext,
+    rope: RopeFn,
+) -> CompressedSelection:
+    """Compressed entries each query attends to (besides its window), for a Full / Reuse / Reindex layer.
+
+    x: ``[T, d]`` attention input (after attn_norm), qr: ``[T, q_lora_rank]`` normed q latent. The kv source
+    must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = source view kv,
+    indices [T, index_topk] rows of it, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
+    entry ids w); the candidate publisher also publishes ``ctx.candidates[layer_id] [T, num_blocks] bool``.
+    Reuse layers (no indexer-Q) take the top-k of their index source unchanged.
+    """
+    lid, r, k = plan.layer_id, plan.ratio, plan.index_topk
+    view = ctx.compressed.get(plan.kv_source)
+    if view is None:
+        raise ModelConfigError(
+            f"kv_source_layer_ids: layer {lid} reads the compressed cache of layer {plan.kv_source}, "
+            "which did not run in this forward"
+        )
+    if not plan.has_indexer_q:
+        sel = ctx.topk.get(plan.index_source)
+        if sel is None:
+            raise ModelConfigError(
+                f"index_source_layer_ids: layer {lid} reuses the top-k of layer {plan.index_source}, "
+                "which did not run in this forward"
+            )
+    else:
+        if indexer is None or indexer.wq_b is None:
+            raise ModelConfigError(f"layer {lid}: index source without attn.indexer.wq_b")
+        q_all, w_all = indexer.queries(qr, x, ctx.batch.positions, rope)
+        t = x.shape[0]
+        sel = torch.full((t, k), -1, dtype=torch.int64, device=x.device)
+        pub_blocks: list[Tensor] = []
+        for i in range(ctx.num_seqs):
+            rows = ctx.seq_rows(i)
+            vis = visible_counts(ctx.batch.positions[rows], r)
+            off, count = view.seq_offsets[i], view.seq_counts[i]
+            keys = view.index_keys[off : off + count]
+            scores = causal_mask(index_scores(q_all[rows], w_all[rows], keys), vis)
+            if plan.publishes_candidates:
+                ids, allowed = candidate_blocks(
+                    scores, vis, plan.candidate_block_size, plan.candidate_topk_blocks
+                )
+                nb = -(-count // plan.candidate_block_size)
+                blk = torch.zeros((ids.shape[0], nb + 1), dtype=torch.bool, device=x.device)
+                blk.scatter_(1, ids.masked_fill(ids < 0, nb), True)
+                pub_blocks.append(blk[:, :nb])
+            if plan.consumes_candidates:
+                blocks = ctx.candidates.get(plan.candidate_source)
+                if blocks is None or plan.candidate_source != plan.kv_source:
+                    raise ModelConfigError(
+                        f"candidate_source_layer_id: consumer {lid} (kv source {plan.kv_source}) needs the "
+                        f"candidates of layer {plan.candidate_source} over the same kv source in this forward"
+                    )
+                bsz = plan.candidate_block_size
+                allowed = _entry_mask_from_blocks(blocks[rows], count, bsz)
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            sel[rows] = topk_indices(scores, k)
+        if plan.publishes_candidates:
+            nb_max = max((b.shape[1] for b in pub_blocks), default=0)
+            full = torch.zeros((t, nb_max), dtype=torch.bool, device=x.device)
+            for i, b in enumerate(pub_blocks):
+                full[ctx.seq_rows(i), : b.shape[1]] = b
+            ctx.candidates[lid] = full
+        ctx.topk[lid] = sel
+    # per-sequence entry ids -> rows of the source view
+    offs = torch.tensor(view.seq_offsets, dtype=torch.int64, device=sel.device)[ctx.seq_of_token]
+    rows_idx = torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1))
+    return CompressedSelection(kv=view.kv, indices=rows_idx)
