@@ -1,0 +1,311 @@
+"""Attention of every layer kind (architecture.md §A.4-§A.7, §C.3): q LoRA path, window K=V ring, one sink softmax
+over window ∪ selected compressed entries, inverse RoPE, grouped low-rank output; the V4 CSA/HCA compressors and
+the V4 lightning indexer. V4.1 CSA2 compressed paths come from `csa2.py` (M-41) through `_compressed()`.
+
+Shapes: T tokens of the step, H heads, Dh head dim, G o_groups, Ro o_lora_rank. Einsum letters: t token,
+g group, r o_lora row, i group input (H/G * Dh).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from deepinfer_engine.model.cache import paged_read, paged_write, ring_history
+from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
+from deepinfer_kernels.compressor import compress_pool
+from deepinfer_kernels.indexer import causal_mask, index_scores, topk_indices, visible_counts
+from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs
+from deepinfer_kernels.sparse_attn import sparse_attn
+
+__all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
+
+
+class Linear(nn.Module):
+    """y = x W^T with `weight [out, in]` (checkpoint name `.weight`); input cast to the weight's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Weighted RMSNorm, fp32 math, result in the input dtype (§2)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Rope:
+    """RoPE of one layer kind: θ = rope_theta plain (ratio 0) or compress_rope_theta + YaRN (ratio > 0).
+
+    Callable as `rope(x [T, ..., D], positions [T] int64, inverse=False)`, rotating the trailing rope dims.
+    """
+
+    def __init__(self, args: object, theta: float, use_yarn: bool) -> None:
+        rs = args.rope_scaling
+        if use_yarn and rs is not None:
+            self.freqs = rope_freqs(
+                args.qk_rope_head_dim,
+                theta,
+                yarn_factor=rs.factor,
+                original_max_pos=rs.original_max_position_embeddings,
+                beta_fast=rs.beta_fast,
+                beta_slow=rs.beta_slow,
+            )
+        else:
+            self.freqs = rope_freqs(args.qk_rope_head_dim, theta)
+
+    def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
+        cos, sin = rope_cos_sin(positions, self.freqs.to(positions.device))
+        return apply_rope(x, cos, sin, inverse=inverse)
+
+
+class Compressor(nn.Module):
+    """V4 compressor `attn.compressor.*` (or `attn.indexer.compressor.*`): gated per-channel softmax pooling.
+
+    overlap=True (CSA, ratio 4): wkv/wgate are [2*width, d]; entry w pools the first halves of window w-1 with the
+    second halves of window w. overlap=False (HCA): [width, d], entry w pools window w only. `ape [ratio, 2w|w]`.
+    """
+
+    def __init__(self, args: object, *, ratio: int, width: int, overlap: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = args.hidden_size
+        out = (2 if overlap else 1) * width
+        self.ratio, self.width, self.overlap = ratio, width, overlap
+        # the reference converts compressor projections to fp32 and runs them in fp32 (§A.10)
+        self.wkv = Linear(d, out, torch.float32)
+        self.wgate = Linear(d, out, torch.float32)
+        self.ape = nn.Parameter(torch.zeros(ratio, out, dtype=torch.float32))
+        self.norm = RMSNorm(width, args.rms_norm_eps, dtype)
+
+    def update(
+        self, x: Tensor, ctx: ForwardContext, store: Tensor, state: Tensor, rope: Rope, out_dtype: torch.dtype
+    ) -> tuple[list[Tensor], list[int], list[int]]:
+        """Write the entries completed by this step into `store` (paged) and return every sequence's entries.
+
+        x: [T, d] attention input. Returns (per-sequence [count_i, width] entries, offsets, counts).
+        """
+        r, wd = self.ratio, self.width
+        page = ctx.cache.page_size
+        a_all = self.wkv(x.float())
+        z_all = self.wgate(x.float())
+        parts, offsets, counts, total = [], [], [], 0
+        for i in range(ctx.num_seqs):
+            rows = ctx.seq_rows(i)
+            c, n = ctx.ctx_lens[i], ctx.query_lens[i]
+            pos = ctx.batch.positions[rows]
+            a = a_all[rows]
+            z = z_all[rows] + self.ape[pos % r]
+            back = c % r + (r if self.overlap else 0)
+            hist = ring_history(state, ctx.batch.slots[i], c, torch.stack([a, z], dim=1), back)  # [b+n, 2, C]
+            s0 = c - min(back, c)  # position of hist row 0
+            w_lo, w_hi = c // r, (c + n) // r
+            bt = ctx.batch.block_tables[i]
+            if w_hi > w_lo:
+                ws = torch.arange(w_lo, w_hi, device=x.device)
+                cur = (ws[:, None] * r + torch.arange(r, device=x.device)[None, :]) - s0  # [nw, r] hist rows
+                if self.overlap:
+                    a_cur, z_cur = hist[cur, 0, wd:], hist[cur, 1, wd:]
+                    prev = cur - r
+                    has_prev = (ws > 0)[:, None, None]
+                    a_prev = hist[prev.clamp(min=0), 0, :wd]
+                    z_prev = torch.where(has_prev, hist[prev.clamp(min=0), 1, :wd], float("-inf"))
+                    pooled = compress_pool(torch.cat([a_prev, a_cur], 1), torch.cat([z_prev, z_cur], 1))
+                else:
+                    pooled = compress_pool(hist[cur, 0], hist[cur, 1])
+                latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
+                paged_write(store, bt, r, page, ws, rope(latent, ws * r), seq=i)
+            count = (c + n) // r
+            parts.append(paged_read(store, bt, r, page, count, seq=i))
+            offsets.append(total)
+            counts.append(count)
+            total += count
+        return parts, offsets, counts
+
+
+class Indexer(nn.Module):
+    """V4 lightning indexer `attn.indexer.*`: own overlapping compressor for keys, wq_b queries, head weights."""
+
+    def __init__(self, args: object, *, ratio: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim, dtype)
+        self.weights_proj = Linear(args.hidden_size, self.n_heads, dtype)
+        self.compressor = Compressor(args, ratio=ratio, width=self.head_dim, overlap=True, dtype=dtype)
+
+    def select(self, x: Tensor, qr: Tensor, ctx: ForwardContext, keys: list[Tensor], ratio: int, rope: Rope) -> Tensor:
+        """[T, topk] int64 per-sequence entry ids (ascending, -1 padded): causal top-min(k, visible)."""
+        t = x.shape[0]
+        pos = ctx.batch.positions
+        q = rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), pos)
+        w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
+        sel = torch.full((t, self.topk), -1, dtype=torch.int64, device=x.device)
+        for i in range(ctx.num_seqs):
+            rows = ctx.seq_rows(i)
+            scores = causal_mask(index_scores(q[rows], w[rows], keys[i]), visible_counts(pos[rows], ratio))
+            sel[rows] = topk_indices(scores, self.topk)
+        return sel
+
+
+class Attention(nn.Module):
+    """`layers.{l}.attn.*` / `mtp.{k}.attn.*` of any layer kind (plan.kind: swa | csa | hca | csa2)."""
+
+    def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
+        super().__init__()
+        d, H, Dh = args.hidden_size, args.num_attention_heads, args.head_dim
+        G, Ro, Rq = args.o_groups, args.o_lora_rank, args.q_lora_rank
+        self.layer_id, self.kind, self.ratio = plan.layer_id, plan.kind, plan.ratio
+        self.n_heads, self.head_dim, self.n_groups, self.o_rank = H, Dh, G, Ro
+        self.eps = args.rms_norm_eps
+        self.q_head_norm = args.arch == "v4"
+        self.window = args.sliding_window
+        self.wq_a = Linear(d, Rq, dtype)
+        self.q_norm = RMSNorm(Rq, self.eps, dtype)
+        self.wq_b = Linear(Rq, H * Dh, dtype)
+        self.wkv = Linear(d, Dh, dtype)
+        self.kv_norm = RMSNorm(Dh, self.eps, dtype)
+        self.wo_a = Linear(H * Dh // G, G * Ro, dtype)
+        self.wo_b = Linear(G * Ro, d, dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.rope = Rope(args, plan.rope_theta, plan.use_yarn)
+        self.compressor: nn.Module | None = None
+        self.indexer: nn.Module | None = None
+        self._csa2_plan = None
+        if plan.kind in ("csa", "hca"):
+            self.compressor = Compressor(args, ratio=plan.ratio, width=Dh, overlap=plan.kind == "csa", dtype=dtype)
+            if plan.kind == "csa":
+                self.indexer = Indexer(args, ratio=plan.ratio, dtype=dtype)
+        elif plan.kind == "csa2":
+            from deepinfer_engine.model import csa2  # V4.1 pieces (M-41); imported only when used
+
+            self._csa2_plan = csa2.Csa2Plan.from_layer_plan(plan, args)
+            if plan.has_compressor:
+                self.compressor = csa2.Csa2Compressor(dim=d, head_dim=Dh, ratio=plan.ratio, eps=self.eps)
+            if plan.has_indexer_k or plan.has_indexer_q:
+                self.indexer = csa2.Csa2Indexer(
+                    dim=d, q_lora_rank=Rq, head_dim=Dh, n_heads=args.index_n_heads,
+                    index_head_dim=args.index_head_dim, has_k=plan.has_indexer_k, has_q=plan.has_indexer_q,
+                    eps=self.eps,
+                )  # fmt: skip
+            # csa2 modules are created in fp32 (nn defaults); cast to the model dtype, keeping fp32 where the
+            # reference computes in fp32 is csa2's own business (it upcasts inside).
+            for m in (self.compressor, self.indexer):
+                if m is not None:
+                    m.to(dtype)
+
+    # ---------------------------------------------------------------------------------------------- pieces
+    def project_q(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """q [T, H, Dh] (rotated) and the normed latent qr [T, Rq] (also the indexer's input)."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        if self.q_head_norm:
+            q = rms_norm(q, None, self.eps)
+        return self.rope(q, positions), qr
+
+    def project_kv(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
+        return self.rope(self.kv_norm(self.wkv(x)), positions)
+
+    def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
+        """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
+        ring = ctx.cache.swa[self.layer_id]
+        for i in range(ctx.num_seqs):
+            ring_history(ring, ctx.batch.slots[i], ctx.ctx_lens[i], kv[ctx.seq_rows(i)], 0)
+
+    def _window(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """Window pool [Sw, Dh] (all sequences) and per-query indices [T, K] into it (-1 = none)."""
+        ring = ctx.cache.swa[self.layer_id]
+        W = self.window
+        parts, idx_parts, off = [], [], 0
+        for i in range(ctx.num_seqs):
+            c, n = ctx.ctx_lens[i], ctx.query_lens[i]
+            kv_i = kv[ctx.seq_rows(i)]
+            if ctx.block_noncausal:
+                rows = ring_history(ring, ctx.batch.slots[i], c, kv_i, W, write=False)  # [max(0,c-W), c) + block
+                m = rows.shape[0]
+                idx = torch.arange(m, device=kv.device)[None, :].expand(n, m) + off
+                idx = F.pad(idx, (0, W + n - m), value=-1) if W + n > m else idx
+            else:
+                rows = ring_history(ring, ctx.batch.slots[i], c, kv_i, W - 1)  # positions [s0, c+n)
+                s0 = c - min(W - 1, c)
+                t = torch.arange(c, c + n, device=kv.device)[:, None]
+                p = t - W + 1 + torch.arange(W, device=kv.device)[None, :]  # [n, W] positions t-W+1..t
+                idx = torch.where(p >= 0, p - s0 + off, torch.full_like(p, -1))
+            parts.append(rows)
+            idx_parts.append(idx)
+            off += rows.shape[0]
+        k = max(x.shape[1] for x in idx_parts)
+        idx_parts = [F.pad(x, (0, k - x.shape[1]), value=-1) for x in idx_parts]
+        return torch.cat(parts, 0), torch.cat(idx_parts, 0)
+
+    def _compressed(self, x: Tensor, qr: Tensor, ctx: ForwardContext) -> CompressedSelection | None:
+        """The compressed entries each query attends to besides its window (None for SWA layers).
+
+        THE plug-in point for V4.1: kind "csa2" delegates to csa2.csa2_update_source (kv sources) and
+        csa2.csa2_select (every CSA2 layer), which read/publish ctx.compressed / ctx.topk / ctx.candidates.
+        """
+        if self.kind == "swa":
+            return None
+        if self.kind == "csa2":
+            from deepinfer_engine.model import csa2
+
+            plan = self._csa2_plan
+            if plan.has_compressor:
+                csa2.csa2_update_source(
+                    plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope
+                )
+            return csa2.csa2_select(plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope)
+        cache = ctx.cache
+        lid, r = self.layer_id, self.ratio
+        parts, offsets, counts = self.compressor.update(
+            x, ctx, cache.compressed_kv[lid], cache.comp_state[(lid, "main")], self.rope, x.dtype
+        )
+        kv = torch.cat(parts, 0)
+        view = CompressedView(kv=kv, index_keys=None, seq_offsets=tuple(offsets), seq_counts=tuple(counts), ratio=r)
+        pos = ctx.batch.positions
+        if self.kind == "hca":  # dense over all visible entries
+            k = max(counts) if counts else 0
+            w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
+            sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
+        else:  # csa: lightning indexer top-k
+            keys, _, _ = self.indexer.compressor.update(
+                x, ctx, cache.index_keys[lid], cache.comp_state[(lid, "indexer")], self.rope, x.dtype
+            )
+            view = CompressedView(
+                kv=kv, index_keys=torch.cat(keys, 0), seq_offsets=view.seq_offsets, seq_counts=view.seq_counts, ratio=r
+            )
+            sel = self.indexer.select(x, qr, ctx, keys, r, self.rope)
+            ctx.topk[lid] = sel
+        ctx.compressed[lid] = view
+        offs = torch.tensor(offsets, dtype=torch.int64, device=x.device)[ctx.seq_of_token]
+        return CompressedSelection(kv=kv, indices=torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1)))
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
+        """x [T, d] = attn_norm(collapsed streams) -> [T, d]."""
+        pos = ctx.batch.positions
+        t = x.shape[0]
+        q, qr = self.project_q(x, pos)
+        kv = self.project_kv(x, pos)
+        pool, idx = self._window(kv, ctx)
+        sel = self._compressed(x, qr, ctx)
+        if sel is not None and sel.indices.shape[1] > 0:
+            shifted = torch.where(sel.indices >= 0, sel.indices + pool.shape[0], torch.full_like(sel.indices, -1))
+            pool = torch.cat([pool, sel.kv.to(pool.dtype)], 0)
+            idx = torch.cat([idx, shifted], 1)
+        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5)  # [T, H, Dh]
+        o = self.rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
+        o = o.reshape(t, self.n_groups, -1)
+        wa = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
+        z = torch.einsum("tgi,gri->tgr", o.to(wa.dtype), wa)
+        return self.wo_b(z.reshape(t, -1))

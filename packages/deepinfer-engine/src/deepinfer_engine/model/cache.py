@@ -1,0 +1,237 @@
+"""Model-side cache storage (architecture.md §7): named per-layer tensors of every family, addressed by position.
+
+Slot families (one row block per running sequence, `slot` index from the ForwardBatch):
+  swa[l]           [num_slots, ring, head_dim]            window K=V ring, row = position mod ring (ring = W + slack)
+  comp_state[l,n]  [num_slots, state_ring, 2, width] f32  raw compressor rows (A, Z incl. ape) per position,
+                                                          row = position mod state_ring; n = "main" | "indexer"
+  token_ring       [num_slots, hist_ring] int64           input token ids by position (Engram n-gram history)
+Paged families (grow with the sequence; block table per sequence in units of page_size tokens):
+  compressed_kv[l] [num_pages, page_size // ratio, head_dim]        rotated compressed entries C_w
+  index_keys[l]    [num_pages, page_size // ratio, index_head_dim]  indexer keys KI_w
+  entry w of ratio r lives in page block_table[w*r // page_size], row (w*r % page_size) // r.
+Everything is indexed by absolute position, so a rejected speculative tail is simply overwritten later; the
+rings keep `slack` extra rows so that rows needed after a rollback of <= slack+1 tokens are still intact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from deepinfer_engine.errors import CapacityError, ConfigError
+
+__all__ = [
+    "ModelCache",
+    "comp_state_spec",
+    "paged_read",
+    "paged_write",
+    "ring_history",
+]
+
+DEFAULT_SLACK = 8
+
+
+def comp_state_spec(args: object, plan: object) -> list[tuple[str, int, int]]:
+    """(name, width, rows-needed) of the raw compressor state rings of one layer (empty if none).
+
+    rows-needed = how many positions before the current one the pooling may read: ratio (open window) and, for the
+    V4 overlapping CSA compressor, another ratio for the previous window.
+    """
+    ratio = int(plan.ratio)
+    if not plan.has_compressor or ratio <= 1:
+        return []
+    overlap = args.arch == "v4" and ratio == 4
+    mult = 2 if overlap else 1
+    out = [("main", mult * args.head_dim, mult * ratio)]
+    if args.arch == "v4" and plan.kind == "csa":
+        out.append(("indexer", mult * args.index_head_dim, mult * ratio))
+    return out
+
+
+def _has_index_keys(args: object, plan: object) -> bool:
+    if args.arch == "v4":
+        return plan.kind == "csa"
+    return bool(plan.has_indexer_k)
+
+
+@dataclass(kw_only=True)
+class ModelCache:
+    """All cached state of one model instance (see module docstring for the families and their addressing)."""
+
+    page_size: int
+    num_slots: int
+    num_pages: int
+    slack: int
+    swa: dict[int, Tensor]
+    comp_state: dict[tuple[int, str], Tensor]
+    compressed_kv: dict[int, Tensor]
+    index_keys: dict[int, Tensor]
+    ratios: dict[int, int]
+    token_ring: Tensor | None
+
+    @classmethod
+    def allocate(
+        cls,
+        args: object,
+        *,
+        num_slots: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        slack: int = DEFAULT_SLACK,
+    ) -> ModelCache:
+        if num_slots < 1 or num_pages < 0:
+            raise ConfigError(f"cache: num_slots={num_slots}, num_pages={num_pages}; expected >= 1 and >= 0")
+        if slack < 0:
+            raise ConfigError(f"cache slack: found {slack}, expected >= 0")
+        plans = args.layer_plans
+        for p in plans:
+            if p.ratio > 0 and page_size % p.ratio != 0:
+                raise ConfigError(
+                    f"page_size: found {page_size}, expected a multiple of every compress ratio "
+                    f"(layer {p.layer_id} has ratio {p.ratio})"
+                )
+        ring = args.sliding_window + slack
+        swa: dict[int, Tensor] = {}
+        comp_state: dict[tuple[int, str], Tensor] = {}
+        compressed_kv: dict[int, Tensor] = {}
+        index_keys: dict[int, Tensor] = {}
+        ratios: dict[int, int] = {}
+        for p in plans:
+            swa[p.layer_id] = torch.zeros(num_slots, ring, args.head_dim, dtype=dtype, device=device)
+            for name, width, rows in comp_state_spec(args, p):
+                comp_state[(p.layer_id, name)] = torch.zeros(
+                    num_slots, rows + slack, 2, width, dtype=torch.float32, device=device
+                )
+            if p.has_compressor:
+                ratios[p.layer_id] = p.ratio
+                compressed_kv[p.layer_id] = torch.zeros(
+                    num_pages, page_size // p.ratio, args.head_dim, dtype=dtype, device=device
+                )
+                if _has_index_keys(args, p):
+                    index_keys[p.layer_id] = torch.zeros(
+                        num_pages, page_size // p.ratio, args.index_head_dim, dtype=dtype, device=device
+                    )
+        token_ring = None
+        if getattr(args, "engram_layer_ids", None):
+            token_ring = torch.full(
+                (num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=torch.int64, device=device
+            )
+        return cls(
+            page_size=page_size,
+            num_slots=num_slots,
+            num_pages=num_pages,
+            slack=slack,
+            swa=swa,
+            comp_state=comp_state,
+            compressed_kv=compressed_kv,
+            index_keys=index_keys,
+            ratios=ratios,
+            token_ring=token_ring,
+        )
+
+    @classmethod
+    def allocate_dense(
+        cls,
+        args: object,
+        max_lens: Sequence[int],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        page_size: int | None = None,
+        slack: int = DEFAULT_SLACK,
+    ) -> tuple[ModelCache, Tensor]:
+        """A cache for len(max_lens) sequences (slots 0..S-1) with contiguous pages; returns (cache, block_tables)."""
+        if page_size is None:
+            page_size = 1
+            for p in args.layer_plans:
+                if p.ratio > 0:
+                    page_size = page_size * p.ratio // _gcd(page_size, p.ratio)
+            page_size = max(page_size, 16)
+        pages = [max(1, -(-int(n) // page_size)) for n in max_lens]
+        bt = torch.full((len(pages), max(pages)), -1, dtype=torch.int32)
+        nxt = 0
+        for i, k in enumerate(pages):
+            bt[i, :k] = torch.arange(nxt, nxt + k, dtype=torch.int32)
+            nxt += k
+        cache = cls.allocate(
+            args, num_slots=len(pages), num_pages=nxt, page_size=page_size, dtype=dtype, device=device, slack=slack
+        )
+        return cache, bt
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a finished sequence's slot state (not required for correctness: positions overwrite)."""
+        for t in self.swa.values():
+            t[slot].zero_()
+        for t in self.comp_state.values():
+            t[slot].zero_()
+        if self.token_ring is not None:
+            self.token_ring[slot].fill_(-1)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def ring_history(ring: Tensor, slot: int, ctx_len: int, fresh: Tensor, back: int, *, write: bool = True) -> Tensor:
+    """Rows for positions [ctx_len - b, ctx_len + n) of one sequence, b = min(back, ctx_len).
+
+    ring:  [num_slots, R, *C] (row = position mod R);  fresh: [n, *C] rows of positions ctx_len .. ctx_len+n-1.
+    The history part is read BEFORE this step's rows are written, so chunks longer than the ring work.
+    With write=True the last min(n, R) fresh rows are stored afterwards.
+    """
+    R = ring.shape[1]
+    b = min(back, ctx_len)
+    if b > R:
+        raise CapacityError(f"ring of {R} rows cannot hold {b} history positions; raise the cache slack")
+    n = fresh.shape[0]
+    if b > 0:
+        pos = torch.arange(ctx_len - b, ctx_len, device=ring.device) % R
+        hist = ring[slot, pos].to(fresh.dtype)
+        out = torch.cat([hist, fresh], dim=0)
+    else:
+        out = fresh
+    if write and n > 0:
+        k = min(n, R)
+        pos = torch.arange(ctx_len + n - k, ctx_len + n, device=ring.device) % R
+        ring[slot, pos] = fresh[n - k :].to(ring.dtype)
+    return out
+
+
+def _page_rows(block_row: Tensor, ratio: int, page_size: int, w: Tensor, seq: int) -> tuple[Tensor, Tensor]:
+    tok = w * ratio
+    page_idx = tok // page_size
+    if page_idx.numel() and int(page_idx.max()) >= block_row.shape[0]:
+        raise CapacityError(
+            f"sequence {seq}: block table has {block_row.shape[0]} pages, entry needs page {int(page_idx.max())}"
+        )
+    pages = block_row.to(torch.int64)[page_idx]
+    if pages.numel() and int(pages.min()) < 0:
+        raise CapacityError(f"sequence {seq}: block table has no page (-1) for a needed compressed entry")
+    rows = (tok % page_size) // ratio
+    return pages, rows
+
+
+def paged_write(
+    store: Tensor, block_row: Tensor, ratio: int, page_size: int, w: Tensor, values: Tensor, *, seq: int = 0
+) -> None:
+    """store[page(w), row(w)] = values.  store: [num_pages, page_size//ratio, C]; w: [m] int64; values: [m, C]."""
+    if w.numel() == 0:
+        return
+    pages, rows = _page_rows(block_row, ratio, page_size, w, seq)
+    store[pages, rows] = values.to(store.dtype)
+
+
+def paged_read(store: Tensor, block_row: Tensor, ratio: int, page_size: int, count: int, *, seq: int = 0) -> Tensor:
+    """Entries w = 0..count-1 of one sequence: [count, C] in the store's dtype."""
+    w = torch.arange(count, device=store.device)
+    if count == 0:
+        return store.new_zeros((0, store.shape[-1]))
+    pages, rows = _page_rows(block_row, ratio, page_size, w, seq)
+    return store[pages, rows]

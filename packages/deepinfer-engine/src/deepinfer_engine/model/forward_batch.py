@@ -1,0 +1,203 @@
+"""What the model needs per step (`ForwardBatch`, contracts.md §3) and the per-forward `ForwardContext`.
+
+`ForwardBatch` is built by the runner; `ForwardContext` is built by `Transformer.forward` from the batch and the
+cache and passed explicitly to every layer (no global forward context). It carries the per-sequence bookkeeping
+plus the state that one layer publishes for later layers of the same forward (V4.1 CSA2: compressed-KV source
+views, top-k indices of index sources, candidate-block masks; DSpark: captured target features).
+
+Shapes: T = tokens of this step (flattened varlen, sequence-major), S = sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from deepinfer_engine.errors import InputError
+
+__all__ = ["CompressedSelection", "CompressedView", "ForwardBatch", "ForwardContext"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBatch:
+    """One model step over several sequences (contracts.md §3).
+
+    input_ids:      [T] int64 token ids (raw ids, also for image positions: MoE `bias_vl` needs them)
+    positions:      [T] int64 absolute positions; sequence i's new tokens are ctx_i, ctx_i+1, ... (consecutive)
+    query_lens:     new tokens per sequence, sequence-major order, sum == T
+    slots:          per-sequence slot index into the "slot" cache families (SWA rings, compressor state, history)
+    block_tables:   [S, max_pages] int32 page ids for the paged families; -1 = unused
+    logits_indices: [N] int64 rows of T whose logits are returned
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    query_lens: tuple[int, ...]
+    slots: tuple[int, ...]
+    block_tables: Tensor
+    logits_indices: Tensor
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 1 or self.input_ids.dtype != torch.int64:
+            raise InputError(
+                f"ForwardBatch.input_ids: found shape {tuple(self.input_ids.shape)} dtype {self.input_ids.dtype}, "
+                "expected [T] int64"
+            )
+        if self.positions.shape != self.input_ids.shape or self.positions.dtype != torch.int64:
+            raise InputError(
+                f"ForwardBatch.positions: found shape {tuple(self.positions.shape)} dtype {self.positions.dtype}, "
+                f"expected [{self.input_ids.shape[0]}] int64"
+            )
+        if len(self.query_lens) != len(self.slots):
+            raise InputError(
+                f"ForwardBatch: {len(self.query_lens)} query_lens but {len(self.slots)} slots, expected equal"
+            )
+        if any(n < 1 for n in self.query_lens) or sum(self.query_lens) != self.input_ids.shape[0]:
+            raise InputError(
+                f"ForwardBatch.query_lens: found {self.query_lens}, expected positive lengths summing to "
+                f"T={self.input_ids.shape[0]}"
+            )
+        if len(set(self.slots)) != len(self.slots):
+            raise InputError(f"ForwardBatch.slots: found duplicates in {self.slots}, expected distinct slots")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != len(self.query_lens):
+            raise InputError(
+                f"ForwardBatch.block_tables: found shape {tuple(self.block_tables.shape)}, expected "
+                f"[{len(self.query_lens)}, max_pages]"
+            )
+        if self.logits_indices.dim() != 1 or self.logits_indices.dtype != torch.int64:
+            raise InputError(
+                f"ForwardBatch.logits_indices: found shape {tuple(self.logits_indices.shape)} dtype "
+                f"{self.logits_indices.dtype}, expected [N] int64"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @classmethod
+    def single(
+        cls,
+        input_ids: Tensor,
+        *,
+        start_pos: int = 0,
+        slot: int = 0,
+        block_table: Tensor | None = None,
+        all_logits: bool = True,
+    ) -> ForwardBatch:
+        """One sequence, tokens at positions start_pos..start_pos+n-1 (a convenience for tests and tools)."""
+        ids = input_ids.reshape(-1).to(torch.int64)
+        n = int(ids.shape[0])
+        bt = block_table if block_table is not None else torch.full((1, 1), -1, dtype=torch.int32)
+        return cls(
+            input_ids=ids,
+            positions=torch.arange(start_pos, start_pos + n, dtype=torch.int64, device=ids.device),
+            query_lens=(n,),
+            slots=(slot,),
+            block_tables=bt.reshape(1, -1).to(torch.int32),
+            logits_indices=torch.arange(n if all_logits else 1, dtype=torch.int64, device=ids.device)
+            + (0 if all_logits else n - 1),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedView:
+    """Compressed entries of one kv-source layer, gathered for this forward (all sequences concatenated).
+
+    kv:          [E_total, head_dim] attention dtype, rotated (RoPE at position ratio*w), ready to attend to
+    index_keys:  [E_total, index_head_dim] or None (V4 HCA / sources without indexer keys)
+    seq_offsets: per sequence, first row in kv of its entry w = 0
+    seq_counts:  per sequence, number of entries that exist after this step (floor((ctx+n)/ratio))
+    ratio:       compression ratio of the source
+    """
+
+    kv: Tensor
+    index_keys: Tensor | None
+    seq_offsets: tuple[int, ...]
+    seq_counts: tuple[int, ...]
+    ratio: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedSelection:
+    """What a layer's compressed path hands to the attention core.
+
+    kv:      [E, head_dim] pool of compressed entries (attention dtype, rotated)
+    indices: [T, K] int64 rows of `kv` each query attends to in addition to its window; -1 = none.
+             Must respect causality (entry w visible to query t iff w < floor((t+1)/ratio)).
+    """
+
+    kv: Tensor
+    indices: Tensor
+
+
+@dataclass(kw_only=True)
+class ForwardContext:
+    """Per-forward state passed explicitly to every layer (mutable: layers publish into the dicts).
+
+    Sequence bookkeeping (host ints, this is the CPU reference path):
+      seq_starts[i]  first row of sequence i in T;  query_lens[i] its new tokens;  ctx_lens[i] = its first position
+      seq_of_token:  [T] int64 sequence index per token
+    Published state (key = layer id of the publisher):
+      compressed[l]:  CompressedView of kv-source layer l (written by l, read by Reuse/Reindex layers)
+      topk[l]:        [T, K] int64 selected entry ids w (per-sequence local, -1 = none) of index-source layer l
+      candidates[l]:  [T, num_blocks] bool candidate-block mask published by the candidate source layer l
+      features[l]:    [T, d] captured hc-stream means for DSpark (input of l for V4.1, output of l for V4)
+    token_history:    [T, max_ngram] int64 ids at positions p-max_ngram+1..p (-1 for p<0), for Engram; or None
+    block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
+                      window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
+                      tokens' window kv is NOT written into the ring.
+    """
+
+    batch: ForwardBatch
+    cache: object  # ModelCache (typed loosely to avoid an import cycle)
+    seq_starts: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    ctx_lens: tuple[int, ...]
+    seq_of_token: Tensor
+    block_noncausal: bool = False
+    token_history: Tensor | None = None
+    compressed: dict[int, CompressedView] = field(default_factory=dict)
+    topk: dict[int, Tensor] = field(default_factory=dict)
+    candidates: dict[int, Tensor] = field(default_factory=dict)
+    features: dict[int, Tensor] = field(default_factory=dict)
+    capture_layers: tuple[int, ...] = ()
+    rope_cache: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, cache: object, **kw: object) -> ForwardContext:
+        starts, s = [], 0
+        for n in batch.query_lens:
+            starts.append(s)
+            s += n
+        ctx_lens = tuple(int(v) for v in batch.positions[list(starts)].tolist()) if starts else ()
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(batch.num_seqs, device=batch.input_ids.device),
+            torch.tensor(batch.query_lens, device=batch.input_ids.device),
+        )
+        return cls(
+            batch=batch,
+            cache=cache,
+            seq_starts=tuple(starts),
+            query_lens=batch.query_lens,
+            ctx_lens=ctx_lens,
+            seq_of_token=seq_of_token,
+            **kw,  # type: ignore[arg-type]
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    def seq_rows(self, i: int) -> slice:
+        """Rows of T that belong to sequence i."""
+        return slice(self.seq_starts[i], self.seq_starts[i] + self.query_lens[i])
+
+    def end_len(self, i: int) -> int:
+        """Sequence i's length after this step (ctx + new)."""
+        return self.ctx_lens[i] + self.query_lens[i]

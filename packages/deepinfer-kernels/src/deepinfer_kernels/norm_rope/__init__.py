@@ -1,0 +1,47 @@
+"""RMSNorm and interleaved RoPE on the trailing rope dims (architecture.md §2). Reference backend only for now."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepinfer_kernels.norm_rope import reference
+from deepinfer_kernels.norm_rope.reference import rope_freqs, yarn_correction_range
+
+__all__ = ["apply_rope", "rms_norm", "rope_cos_sin", "rope_freqs", "yarn_correction_range"]
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend: found {backend!r}, expected 'auto' or 'torch' (no GPU backend yet)")
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, backend: str = "auto") -> Tensor:
+    """x [..., D] any float dtype; weight [D] or None; fp32 math; returns x's dtype."""
+    _check_backend(backend)
+    if weight is not None and weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    return reference.rms_norm(x, weight, eps)
+
+
+def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
+    """positions [T] int64, freqs [P] fp32 -> cos, sin [T, P] fp32."""
+    if positions.dim() != 1 or freqs.dim() != 1:
+        raise ValueError(
+            f"rope_cos_sin: expected positions [T], freqs [P]; found {tuple(positions.shape)}, {tuple(freqs.shape)}"
+        )
+    return reference.rope_cos_sin(positions, freqs)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, backend: str = "auto") -> Tensor:
+    """x [T, ..., D] (rope on the last 2P channels, interleaved pairs), cos/sin [T, P] fp32."""
+    _check_backend(backend)
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"apply_rope: cos/sin must be [T={x.shape[0]}, P]; found {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
+    if 2 * cos.shape[1] > x.shape[-1]:
+        raise ValueError(f"apply_rope: {2 * cos.shape[1]} rope dims exceed the last dim {x.shape[-1]}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"apply_rope: x dtype {x.dtype} is not a float type")
+    return reference.apply_rope(x, cos, sin, inverse=inverse)
