@@ -1,0 +1,34 @@
+"""Checkpoint number formats: FP8 e4m3 block scales, FP4 e2m1 packed experts, E8M0 scales (torch references).
+
+Only the reference exists; dequantization happens once at load time, so it is not a hot path.
+"""
+
+from deepinfer_kernels.quant.reference import (
+    E2M1_VALUES,
+    FP4_E2M1_MAX,
+    FP8_E4M3_MAX,
+    dequant_fp4,
+    dequant_fp8_block,
+    e2m1_lut,
+    e8m0_to_float,
+    float_to_e8m0,
+    pack_fp4,
+    quant_fp4,
+    quant_fp8_block,
+    unpack_fp4,
+)
+
+__all__ = [
+    "E2M1_VALUES",
+    "FP4_E2M1_MAX",
+    "FP8_E4M3_MAX",
+    "dequant_fp4",
+    "dequant_fp8_block",
+    "e2m1_lut",
+    "e8m0_to_float",
+    "float_to_e8m0",
+    "pack_fp4",
+    "quant_fp4",
+    "quant_fp8_block",
+    "unpack_fp4",
+]
