@@ -26,6 +26,20 @@ from .messages import (
     UserMessage,
 )
 from .tokenizer import Tokenizer
+from .options import (
+    ConversionOptions,
+    InferenceOptions,
+    ModelVersion,
+    OutputConstraint,
+    ParsingOptions,
+    ReasoningContentBehavior,
+    ThinkingInitialStage,
+    WebSearchBehavior,
+)
+from .requests._common import ConversationRequest
+from .requests.chat_completions import ChatCompletionRequest
+from .requests.messages import MessagesRequest
+from .requests.responses import ResponsesRequest
 
 try:
     __version__ = version("deepseek-recipe")

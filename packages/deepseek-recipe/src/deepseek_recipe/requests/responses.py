@@ -1,0 +1,5 @@
+"""OpenAI Responses request conversion."""
+
+class ResponsesRequest:
+    def __init__(self, body):
+        raise NotImplementedError

@@ -1,0 +1,120 @@
+"""Helpers for tests and golden replay: build objects from the golden corpus's JSON shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .messages import (
+    AssistantMessage,
+    Conversation,
+    LatestReminderMessage,
+    SystemMessage,
+    ToolCall,
+    ToolDefinition,
+    ToolMessage,
+    UserMessage,
+)
+from .options import ConversionOptions, ReasoningContentBehavior, WebSearchBehavior
+
+__all__ = ["build_conversation", "conversion_options", "request_class", "convert_request"]
+
+
+def _tool(t: dict) -> ToolDefinition:
+    return ToolDefinition(t["name"], t.get("description"), t.get("parameters"), t.get("strict"), t.get("defer_loading", False))
+
+
+def build_conversation(spec: dict) -> Conversation:
+    """A `Conversation` from the corpus's `conversation_spec` shape."""
+    messages = []
+    for m in spec["messages"]:
+        role = m["role"]
+        if role == "system":
+            tools = m.get("tools")
+            messages.append(SystemMessage(m["content"], tools=None if tools is None else [_tool(t) for t in tools]))
+        elif role == "user":
+            messages.append(UserMessage(m["content"]))
+        elif role == "assistant":
+            calls = m.get("tool_calls")
+            messages.append(
+                AssistantMessage(
+                    m["content"],
+                    m.get("reasoning_content"),
+                    None if calls is None else [ToolCall(c["id"], c["name"], c["arguments"]) for c in calls],
+                    m.get("prefix", False),
+                )
+            )
+        elif role == "tool":
+            messages.append(ToolMessage(m["content"], m.get("tool_call_id")))
+        else:
+            messages.append(LatestReminderMessage(m["content"]))
+    kwargs: dict[str, Any] = {
+        k: spec[k]
+        for k in ("thinking_mode", "tool_choice", "reasoning_effort", "response_format", "response_schema", "response_regex")
+        if k in spec
+    }
+    return Conversation(messages, tools=[_tool(t) for t in spec.get("tools", ())], **kwargs)
+
+
+def conversion_options(opts: dict) -> ConversionOptions:
+    """`ConversionOptions` from the corpus's `options` shape (absent key = default)."""
+    kw: dict[str, Any] = {}
+    if "default_thinking_mode" in opts:
+        kw["default_thinking_mode"] = opts["default_thinking_mode"]
+    if "reasoning_content_behavior" in opts:
+        kw["reasoning_content_behavior"] = ReasoningContentBehavior(opts["reasoning_content_behavior"])
+    if "responses_web_search" in opts:
+        kw["responses_web_search"] = WebSearchBehavior(opts["responses_web_search"])
+    if "messages_web_search" in opts:
+        kw["messages_web_search"] = WebSearchBehavior(opts["messages_web_search"])
+    for k in ("thinking_max_tokens_upper_bound", "non_thinking_max_tokens_upper_bound"):
+        if k in opts:
+            kw[k] = opts[k]
+    return ConversionOptions(**kw)
+
+
+def request_class(api: str):
+    from .requests.chat_completions import ChatCompletionRequest
+    from .requests.messages import MessagesRequest
+    from .requests.responses import ResponsesRequest
+
+    return {"chat_completions": ChatCompletionRequest, "messages": MessagesRequest, "responses": ResponsesRequest}[api]
+
+
+def convert_request(api: str, body: Any, opts: dict):
+    """Parse and convert a request the way the corpus generator handed it to the reference."""
+    import json
+
+    text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+    return request_class(api)(text).convert(conversion_options(opts))
+
+
+def golden_dir():
+    """The golden corpus directory: $DEEPINFER_RECIPE_GOLDEN, else a `shared/recipe-golden` found upwards."""
+    import os
+    from pathlib import Path
+
+    env = os.environ.get("DEEPINFER_RECIPE_GOLDEN")
+    if env:
+        p = Path(env)
+        return p if p.is_dir() else None
+    for parent in Path(__file__).resolve().parents:
+        for candidate in (parent / "shared" / "recipe-golden", parent.parent / "shared" / "recipe-golden"):
+            if (candidate / "render.jsonl").is_file():
+                return candidate
+    cwd = Path.cwd().resolve()
+    for parent in (cwd, *cwd.parents):
+        for candidate in (parent / "shared" / "recipe-golden", parent.parent / "shared" / "recipe-golden"):
+            if (candidate / "render.jsonl").is_file():
+                return candidate
+    return None
+
+
+def golden_cases(name: str) -> list[dict]:
+    """The cases of one golden JSONL file ([] when the corpus is absent)."""
+    import json
+
+    d = golden_dir()
+    if d is None or not (d / name).is_file():
+        return []
+    with open(d / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
