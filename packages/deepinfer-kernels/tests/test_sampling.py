@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from deepinfer_kernels.sampling import apply_penalties, counter_uniform, logprobs_topk, mask_logits, sample
 
 

@@ -1,7 +1,13 @@
-"""What one cache family costs; shared by the model (which derives it) and the torch-free cache manager."""
+"""What one cache family costs; shared by the model (which derives it) and the torch-free cache manager.
+
+Also the per-token record-size rules of the compressed (paged) caches, so that the bytes per token of a real
+config can be checked against the design figures (runtime.md §6.2, architecture.md §7) without torch.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,3 +32,81 @@ class CacheFamily:
             raise ValueError(f"CacheFamily {self.name!r}: kind must be 'paged' or 'slot', got {self.kind!r}")
         if self.bytes_per_token < 0 or self.bytes_per_slot < 0:
             raise ValueError(f"CacheFamily {self.name!r}: sizes must be >= 0")
+
+
+RecordFormat = Literal["bf16", "fp32", "fp8_ds", "mxfp8", "nvfp4", "mxfp4", "fp8_f32scale"]
+
+
+def record_bytes(fmt: RecordFormat, dim: int, *, rope_dim: int = 0) -> int:
+    """Bytes of one cached vector of `dim` values in a storage format.
+
+    bf16/fp32: plain. mxfp8: e4m3 values + one UE8M0 scale per 32 (512 -> 528). nvfp4: e2m1 nibbles + one e4m3
+    scale per 16 (512 -> 288). mxfp4: nibbles + one UE8M0 per 32 (128 -> 68). fp8_f32scale: e4m3 + one fp32
+    scale (128 -> 132). fp8_ds (V4 production main KV, vLLM layout): fp8 nope part + one UE8M0 scale per 64
+    nope dims padded to 8 bytes + bf16 rope part (512 with rope 64 -> 448 + 8 + 128 = 584).
+    Record sizes are quoted from the design docs ([V] there, vLLM layouts), not measured here.
+    """
+    if fmt == "bf16":
+        return 2 * dim
+    if fmt == "fp32":
+        return 4 * dim
+    if fmt == "mxfp8":
+        return dim + math.ceil(dim / 32)
+    if fmt == "nvfp4":
+        return math.ceil(dim / 2) + math.ceil(dim / 16)
+    if fmt == "mxfp4":
+        return math.ceil(dim / 2) + math.ceil(dim / 32)
+    if fmt == "fp8_f32scale":
+        return dim + 4
+    if fmt == "fp8_ds":
+        nope = dim - rope_dim
+        return nope + 8 * math.ceil(math.ceil(nope / 64) / 8) + 2 * rope_dim
+    raise ValueError(f"record format: unknown {fmt!r}, expected one of bf16, fp32, fp8_ds, mxfp8, nvfp4, mxfp4, "
+                     "fp8_f32scale")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedOwner:
+    """A layer that owns compressed (paged) KV: one main entry (and optionally one index key) per `ratio` tokens."""
+
+    layer_id: int
+    ratio: int
+    has_index_keys: bool
+
+
+def compressed_owners(
+    compress_ratios: Sequence[int],
+    num_hidden_layers: int,
+    kv_source_layer_ids: Sequence[int] | None = None,
+) -> list[CompressedOwner]:
+    """Layers owning paged compressed KV, from the config fields.
+
+    V4.1 (`kv_source_layer_ids` given): only the kv sources own main KV and index keys (CSA2 reuse).
+    V4 (no sources): every backbone layer with ratio > 0 owns main KV; ratio-4 (CSA) layers also own index
+    keys, other ratios (HCA) do not. Entries past `num_hidden_layers` (MTP / DSpark, ratio 0) own nothing.
+    """
+    if kv_source_layer_ids:
+        return [
+            CompressedOwner(layer_id=l, ratio=int(compress_ratios[l]), has_index_keys=True)
+            for l in kv_source_layer_ids
+        ]
+    return [
+        CompressedOwner(layer_id=l, ratio=int(r), has_index_keys=int(r) == 4)
+        for l, r in enumerate(compress_ratios[:num_hidden_layers])
+        if int(r) > 0
+    ]
+
+
+def paged_bytes_per_token(
+    owners: Sequence[CompressedOwner],
+    *,
+    head_dim: int,
+    index_head_dim: int,
+    rope_dim: int = 64,
+    main_format: RecordFormat = "bf16",
+    index_format: RecordFormat = "bf16",
+) -> float:
+    """Bytes of paged compressed state one token adds, summed over owners: sum (main [+ index]) / ratio."""
+    main = record_bytes(main_format, head_dim, rope_dim=rope_dim)
+    index = record_bytes(index_format, index_head_dim, rope_dim=rope_dim)
+    return sum((main + (index if o.has_index_keys else 0)) / o.ratio for o in owners)

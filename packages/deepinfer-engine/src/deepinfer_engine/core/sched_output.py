@@ -1,0 +1,96 @@
+"""The per-step contracts between scheduler and model runner (vLLM v1 shape). Pure Python, no torch.
+
+One step = {req_id: num_tokens}: a prefill chunk, a whole prompt, a recompute after preemption and a decode
+token are all just "feed these tokens at these positions", so there is no phase flag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewRequestData:
+    """Sent the first time the runner sees a request (and again after a preemption, which drops nothing but
+    the cache contents): what the sampler needs for the request's whole life."""
+
+    req_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Any  # the engine's SamplingParams (opaque to the core)
+    seed: int  # resolved seed of the counter-based RNG (requests without a seed get one from the engine)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduledChunk:
+    """Tokens [start_position, start_position + len(token_ids)) of one request, fed in this step.
+
+    `page_ids` is the request's whole block table (page of token t = page_ids[t // page_size]); `slot` its
+    per-sequence state slot; `sample` is True when the chunk ends at the request's last known token, i.e. the
+    step produces its next token. `output_index` = number of tokens the request has generated so far (the RNG
+    offset of the token sampled now).
+    """
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    slot: int
+    page_ids: tuple[int, ...]
+    sample: bool
+    output_index: int
+    num_prompt_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]  # batch order (running requests first, then newly admitted)
+    new_requests: tuple[NewRequestData, ...] = ()
+    finished_req_ids: frozenset[str] = frozenset()  # runner may drop their state
+    preempted_req_ids: frozenset[str] = frozenset()
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {c.req_id: c.num_tokens for c in self.chunks}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprobs:
+    """Log-probabilities (raw model distribution) at one position: the chosen token and the top ones."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # one per chunk with sample=True
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # new prompt positions only
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestUpdate:
+    """What changed for one request in one step (the engine turns these into RequestOutputs)."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
+    new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None

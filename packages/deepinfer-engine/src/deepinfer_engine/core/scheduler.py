@@ -1,0 +1,253 @@
+"""Continuous batching with chunked prefill under a token budget, LCFS preemption (recompute) when pages run out.
+
+Pure Python, no torch. Shape follows vLLM v1: each step schedules {req_id: num_tokens} over running requests
+first (decode tokens and unfinished prefill chunks), then admits waiting requests FIFO while budget, sequence
+count, slots and pages allow.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from deepinfer_engine.core.kv_cache import KVCacheManager
+from deepinfer_engine.core.request import Request, RequestStatus
+from deepinfer_engine.core.sched_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestUpdate,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the runner next step
+        self._pending_updates: list[RequestUpdate] = []  # finished outside a model step (errors, aborts)
+        self._seeds: dict[str, int] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests in / out
+    def add_request(self, request: Request, *, seed: int = 0) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in the scheduler")
+        self.requests[request.request_id] = request
+        self._seeds[request.request_id] = seed
+        error = self._never_fits(request)
+        if error is not None:
+            self._finish(request, RequestStatus.FINISHED_ERROR, error=error)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def _never_fits(self, req: Request) -> str | None:
+        n = req.num_prompt_tokens
+        if n == 0:
+            return "prompt is empty: give at least one token"
+        if n >= self.max_model_len:
+            return (f"prompt has {n} tokens but max_model_len is {self.max_model_len} (prompt + output must fit): "
+                    f"shorten the prompt or raise max_model_len")
+        if not self.kv.can_ever_fit(n):
+            return (f"prompt has {n} tokens and needs {self.kv.pages_for(n)} cache pages of {self.kv.page_size} "
+                    f"tokens, but the whole cache has {self.kv.num_pages} pages "
+                    f"({self.kv.num_pages * self.kv.page_size} tokens): raise kv_cache_memory_bytes")
+        if not self.enable_chunked_prefill and n > self.max_num_batched_tokens:
+            return (f"prompt has {n} tokens, more than max_num_batched_tokens={self.max_num_batched_tokens}, and "
+                    f"chunked prefill is off: enable_chunked_prefill=True or raise max_num_batched_tokens")
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, stop_reason=None) -> None:
+        """Finish from outside (the engine's stop-string matcher); no update is emitted for these."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                req.stop_reason = stop_reason
+                self._finish(req, status, emit=False)
+
+    def _finish(self, req: Request, status: RequestStatus, *, error: str | None = None, emit: bool = True) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = status
+        req.error = error
+        self._finished_ids.add(req.request_id)
+        if emit:
+            self._pending_updates.append(
+                RequestUpdate(req_id=req.request_id, finished=True, finish_reason=status.finish_reason,
+                              stop_reason=req.stop_reason, error=error)
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def has_pending_updates(self) -> bool:
+        return bool(self._pending_updates)
+
+    def get_request(self, request_id: str) -> Request:
+        return self.requests[request_id]
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (the engine calls this after reporting it)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished:
+            del self.requests[request_id]
+            self._seeds.pop(request_id, None)
+
+    # ------------------------------------------------------------------ one step
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (recompute %d tokens)", req.request_id, req.num_tokens)
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.long_prefill_token_threshold > 0:
+            n = min(n, self.long_prefill_token_threshold)
+        return n
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        planned: list[tuple[Request, int]] = []
+        new_reqs: list[Request] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_len(req, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self.kv.can_ever_fit(req.num_computed_tokens + n):
+                total = req.num_computed_tokens + n
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=(
+                    f"sequence reached {total} tokens, more than the whole cache holds "
+                    f"({self.kv.num_pages} pages x {self.kv.page_size} tokens): raise kv_cache_memory_bytes or "
+                    f"lower max_tokens / max_model_len"))
+                continue
+            ok = True
+            while not self.kv.allocate(req, n):
+                victim = self.running[-1]  # most recently admitted first (LCFS)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            planned.append((req, n))
+            budget -= n
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                remaining = req.num_tokens - req.num_computed_tokens
+                n = self._chunk_len(req, budget)
+                if n < remaining and not self.enable_chunked_prefill:
+                    break
+                if not self.kv.allocate(req, n):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                new_reqs.append(req)
+                planned.append((req, n))
+                budget -= n
+
+        chunks = tuple(
+            ScheduledChunk(
+                req_id=req.request_id,
+                token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
+                start_position=req.num_computed_tokens,
+                slot=self.kv.slot(req.request_id),
+                page_ids=tuple(self.kv.page_ids(req.request_id)),
+                sample=req.num_computed_tokens + n == req.num_tokens,
+                output_index=req.num_output_tokens,
+                num_prompt_tokens=req.num_prompt_tokens,
+            )
+            for req, n in planned
+        )
+        new_data = tuple(
+            NewRequestData(req_id=r.request_id, prompt_token_ids=tuple(r.prompt_token_ids), sampling=r.payload,
+                           seed=self._seeds.get(r.request_id, 0))
+            for r in new_reqs
+        )
+        finished = frozenset(self._finished_ids)
+        self._finished_ids.clear()
+        return SchedulerOutput(chunks=chunks, new_requests=new_data, finished_req_ids=finished,
+                               preempted_req_ids=frozenset(preempted))
+
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestUpdate]:
+        updates = self._pending_updates
+        self._pending_updates = []
+        for chunk in sched.chunks:
+            req = self.requests.get(chunk.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += chunk.num_tokens
+            plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
+            if not chunk.sample:
+                if plp:
+                    updates.append(RequestUpdate(req_id=req.request_id, new_prompt_logprobs=plp))
+                continue
+            tok = out.sampled_token_ids[chunk.req_id]
+            req.output_token_ids.append(tok)
+            status = self._stop_status(req, tok)
+            lp = out.logprobs.get(chunk.req_id)
+            if status is not None:
+                self._finish(req, status, emit=False)
+            updates.append(RequestUpdate(
+                req_id=req.request_id, new_token_ids=(tok,), new_logprobs=(lp,) if lp is not None else (),
+                new_prompt_logprobs=plp, finished=status is not None,
+                finish_reason=status.finish_reason if status is not None else None, stop_reason=req.stop_reason))
+        return updates
+
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        if req.num_output_tokens >= req.min_tokens:
+            if not req.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in req.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.max_tokens is not None and req.num_output_tokens >= req.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
