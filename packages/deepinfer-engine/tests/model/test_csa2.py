@@ -151,7 +151,7 @@ def _run(args, mods, cache, bt, xs, qrs, chunks_per_seq):
                 # the gathered kv of the selection, for value comparisons
                 kv = torch.where((ind >= 0)[..., None], sel.kv[ind.clamp(min=0)], torch.zeros(()))
                 views.setdefault(lid, [[] for _ in xs])[i].append(kv)
-        for j, i in enumerate(seqs):
+        for i in seqs:
             done[i] += chunks_per_seq[i][s]
     cat = {lid: [torch.cat(v) for v in per] for lid, per in seen.items()}
     kvs = {lid: [torch.cat(v) for v in per] for lid, per in views.items()}
@@ -204,7 +204,7 @@ def test_consumer_stays_inside_candidate_blocks(tiny: ModelArgs) -> None:
     batch = ForwardBatch.single(torch.zeros(16, dtype=torch.int64), block_table=bt[0])
     ctx = ForwardContext.build(batch, cache)
     x, q = xs[0], qrs[0]
-    for lid, (plan, comp, idx) in mods.items():
+    for plan, comp, idx in mods.values():
         if plan.has_compressor:
             csa2_update_source(plan=plan, compressor=comp, indexer=idx, x=x, ctx=ctx, rope=_rope)
         csa2_select(plan=plan, indexer=idx, x=x, qr=q, ctx=ctx, rope=_rope)

@@ -1,0 +1,118 @@
+"""V4.1 Engram n-gram memory injection (architecture.md §C.6), applied to the hc streams before a layer's
+attention mixes.
+
+Row ids come from G's ``EngramHasher`` (host, numpy): they depend only on token ids, so one call per forward
+serves every engram layer. The history of the last ``max_ngram-1`` ids of each sequence comes from
+``ForwardContext.token_history`` (M-core fills it from the cache's per-slot token ring).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from deepinfer_engine.errors import InputError, ModelConfigError
+
+# Tokens whose id lies in [image_token_id, image_token_id + IMAGE_ID_SPAN) are image-span positions (§C.5).
+IMAGE_ID_SPAN = 5
+
+
+def image_positions(input_ids: Tensor, image_token_id: int | None) -> Tensor:
+    """``[T] bool``: positions that carry an image-sentinel id (Engram gate 0, MoE ``bias_vl``)."""
+    if image_token_id is None:
+        return torch.zeros_like(input_ids, dtype=torch.bool)
+    return (input_ids >= image_token_id) & (input_ids < image_token_id + IMAGE_ID_SPAN)
+
+
+def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
+    """Per-stream Engram gate (§C.6), fp32.
+
+    r: ``[T, n, d]`` hc streams, key: ``[T, n, d]`` per-stream keys, q_weight / k_weight: ``[n, d]``.
+    ``g_i = (Σ_c r_i[c] q_i[c] k_i[c] key_i[c]) · rsqrt(mean(r_i²)+ε) · rsqrt(mean(key_i²)+ε) / sqrt(d)``;
+    returns ``sigmoid(sign(g)·sqrt(max(|g|, 1e-6)))`` ``[T, n] float32``.
+    """
+    rf, kf = r.float(), key.float()
+    d = rf.shape[-1]
+    dot = (rf * q_weight.float() * k_weight.float() * kf).sum(-1)
+    g = dot * torch.rsqrt(rf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps) / d**0.5
+    return torch.sigmoid(torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6)))
+
+
+class _Table(nn.Module):
+    """``engram.embed.weight [N, head_dim]`` (the loader dequantizes FP8 + ``embed.scale`` into it)."""
+
+    def __init__(self, rows: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(rows, dim))
+
+
+class Engram(nn.Module):
+    """``layers.{l}.engram.{embed.weight, wkv.weight, q_weight, k_weight}``.
+
+    embed: ``[N_l, engram_head_dim]``; wkv: ``[(hc_mult+1)·d, (max_ngram-1)·n_heads·head_dim]``
+    (keys of the hc_mult streams, then the value); q_weight, k_weight: ``[hc_mult, d]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        dim: int,
+        hc_mult: int,
+        num_embeddings: int,
+        head_dim: int,
+        num_lookups: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.dim, self.hc_mult, self.num_lookups, self.eps = dim, hc_mult, num_lookups, eps
+        self.embed = _Table(num_embeddings, head_dim)
+        self.wkv = nn.Linear(num_lookups * head_dim, (hc_mult + 1) * dim, bias=False)
+        self.q_weight = nn.Parameter(torch.ones(hc_mult, dim))
+        self.k_weight = nn.Parameter(torch.ones(hc_mult, dim))
+
+    def forward(self, r: Tensor, row_ids: Tensor, image_mask: Tensor) -> Tensor:
+        """r: ``[T, hc, d]`` streams; row_ids: ``[T, num_lookups] int64`` (this layer's column of the hasher
+        output); image_mask: ``[T] bool``. Returns ``R_i + gate_i · val`` in ``r.dtype``."""
+        t = r.shape[0]
+        if row_ids.shape != (t, self.num_lookups):
+            raise InputError(
+                f"engram row_ids: found {tuple(row_ids.shape)}, expected [{t}, {self.num_lookups}]"
+            )
+        e = self.embed.weight[row_ids].reshape(t, -1)  # [T, lookups * head_dim]
+        kv = (e @ self.wkv.weight.to(e.dtype).T).view(t, self.hc_mult + 1, self.dim)
+        keys, val = kv[:, : self.hc_mult], kv[:, self.hc_mult]
+        gate = engram_gate(r, keys, self.q_weight, self.k_weight, self.eps)  # [T, hc]
+        gate = gate.masked_fill(image_mask[:, None], 0.0)
+        return (r.float() + gate[..., None] * val.float()[:, None, :]).to(r.dtype)
+
+
+def engram_row_ids(
+    hasher: object, input_ids: Tensor, query_lens: tuple[int, ...], token_history: Tensor
+) -> Tensor:
+    """Row ids of every engram layer for one forward: ``[T, num_engram_layers, num_lookups] int64``.
+
+    token_history: ``[T, max_ngram] int64`` ids at positions ``p-max_ngram+1 .. p`` (-1 for p < 0), as in
+    ``ForwardContext.token_history``; only each sequence's first row is needed (its previous ids), the rest
+    come from ``input_ids``. Image ids are DEAD in the hasher's token map, so n-grams break across them.
+    """
+    hist_len = int(hasher.history_len)
+    if token_history.dim() != 2 or token_history.shape[1] < hist_len + 1:
+        raise InputError(
+            f"token_history: found {tuple(token_history.shape)}, expected [T, >= {hist_len + 1}] (max_ngram)"
+        )
+    histories, start = [], 0
+    hist_np = token_history.cpu().numpy()
+    for n in query_lens:
+        prev = hist_np[start, -hist_len - 1 : -1]
+        histories.append(prev[prev >= 0])  # -1 = before the sequence start
+        start += n
+    rows = hasher.hash_batch(input_ids.cpu().numpy().astype(np.int64), query_lens, histories)
+    return torch.from_numpy(np.ascontiguousarray(rows)).to(device=input_ids.device, dtype=torch.int64)
+
+
+def engram_layer_index(engram_layer_ids: tuple[int, ...], layer_id: int) -> int:
+    """Column of ``engram_row_ids`` output that belongs to ``layer_id``."""
+    if layer_id not in engram_layer_ids:
+        raise ModelConfigError(f"engram_layer_ids: layer {layer_id} not in {list(engram_layer_ids)}")
+    return engram_layer_ids.index(layer_id)
