@@ -1,0 +1,334 @@
+"""HF transformers oracle for the DeepSeek-V4-Flash backbone (test-only; `transformers` >= 5.23 is a dev dependency).
+
+The official checkpoint names (architecture.md §6.3, no ``model.`` prefix) are mapped to the parameter names of
+``transformers.DeepseekV4ForCausalLM`` (checked against transformers 5.24: ``models/deepseek_v4/modeling_deepseek_v4.py``
+and the ``"deepseek_v4"`` rules of ``conversion_mapping.py``), so a dequantized fp32 state dict of our model can run
+through HF's eager reference. HF covers Part A only: no MTP / DSpark (``mtp.*`` is dropped) and no V4.1.
+HF's indexer omits the reference's Hadamard / FP4 simulation, and HF runs no FP8 KV fake-quantization, which is also
+what our bf16/fp32 reference path does.
+
+Typical parity test (M-core)::
+
+    from deepinfer_engine.testing_hf import build_hf_model, hf_logits
+    hf = build_hf_model(state, args)          # state: official name -> dequantized fp32 tensor
+    ref = hf_logits(hf, input_ids)            # [T, V] float32, full causal prefill, no cache
+
+``transformers`` is imported lazily inside the functions; importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deepinfer_engine.errors import CheckpointError, ModelConfigError
+
+__all__ = [
+    "HF_IGNORED_PREFIXES",
+    "build_hf_model",
+    "hf_config_from_args",
+    "hf_incremental_logits",
+    "hf_logits",
+    "hf_reference_logits",
+    "official_to_hf_name",
+    "official_to_hf_state_dict",
+]
+
+HF_IGNORED_PREFIXES = ("mtp.",)
+"""Official tensors HF has no module for (DeepseekV4PreTrainedModel ignores ``mtp.*`` on load)."""
+
+_GLOBAL_NAMES = {
+    "embed.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+
+# Per-layer official suffix -> HF suffix (under ``model.layers.{l}.``). Experts are handled separately because
+# HF stacks them into 3-D parameters.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "hc_attn_fn": "attn_hc.fn",
+    "hc_attn_base": "attn_hc.base",
+    "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn",
+    "hc_ffn_base": "ffn_hc.base",
+    "hc_ffn_scale": "ffn_hc.scale",
+    "attn.attn_sink": "self_attn.sinks",
+    "attn.q_norm.weight": "self_attn.q_a_norm.weight",
+    "attn.kv_norm.weight": "self_attn.kv_norm.weight",
+    "attn.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attn.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attn.wkv.weight": "self_attn.kv_proj.weight",
+    "attn.wo_a.weight": "self_attn.o_a_proj.weight",
+    "attn.wo_b.weight": "self_attn.o_b_proj.weight",
+    "attn.compressor.wkv.weight": "self_attn.compressor.kv_proj.weight",
+    "attn.compressor.wgate.weight": "self_attn.compressor.gate_proj.weight",
+    "attn.compressor.ape": "self_attn.compressor.position_bias",
+    "attn.compressor.norm.weight": "self_attn.compressor.kv_norm.weight",
+    # HF nests the CSA indexer inside the CSA compressor; the scorer owns weights_proj.
+    "attn.indexer.wq_b.weight": "self_attn.compressor.indexer.q_b_proj.weight",
+    "attn.indexer.weights_proj.weight": "self_attn.compressor.indexer.scorer.weights_proj.weight",
+    "attn.indexer.compressor.wkv.weight": "self_attn.compressor.indexer.kv_proj.weight",
+    "attn.indexer.compressor.wgate.weight": "self_attn.compressor.indexer.gate_proj.weight",
+    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
+    "attn.indexer.compressor.norm.weight": "self_attn.compressor.indexer.kv_norm.weight",
+    "ffn.gate.weight": "mlp.gate.weight",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+    "ffn.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+}
+
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+def official_to_hf_name(name: str) -> str | None:
+    """HF parameter name of one official non-expert tensor; ``None`` for tensors HF ignores (``mtp.*``).
+
+    Routed-expert tensors (``layers.l.ffn.experts.e.w{1,2,3}.weight``) have no 1:1 name (HF stacks them into
+    ``mlp.experts.gate_up_proj`` / ``down_proj``) and raise; use `official_to_hf_state_dict`.
+    """
+    if name.startswith(HF_IGNORED_PREFIXES):
+        return None
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m is not None:
+        layer, rest = m.group(1), m.group(2)
+        if rest in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+    if name.endswith(".scale"):  # FP8/FP4 companions; hc_*_scale names have no dot before "scale"
+        raise CheckpointError(
+            f"tensor {name!r}: found a quantization scale, expected dequantized weights only "
+            "(load with CheckpointReader.load, which folds the scale into the weight)"
+        )
+    raise CheckpointError(
+        f"tensor {name!r}: found no HF DeepseekV4 equivalent, expected an official V4 name (§6.3)"
+    )
+
+
+def official_to_hf_state_dict(state: Mapping[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+    """Map an official-name state dict (dequantized; fp32 expected) to ``DeepseekV4ForCausalLM`` names.
+
+    Routed experts of layer l: ``gate_up_proj [E, 2I, d] = cat(stack(w1), stack(w3), dim=1)`` (gate rows first,
+    HF's ``_apply_gate`` chunks gate|up) and ``down_proj [E, d, I] = stack(w2)``. Every expert 0..E-1 of every
+    layer that has any must be present. ``mtp.*`` is dropped. Tensors are not copied where HF's layout equals
+    the official one.
+    """
+    n_experts = int(args.n_routed_experts)
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        m = _LAYER_RE.match(name)
+        if m is not None:
+            em = _EXPERT_RE.match(m.group(2))
+            if em is not None:
+                per = experts.setdefault(int(m.group(1)), {"w1": {}, "w2": {}, "w3": {}})
+                per[em.group(2)][int(em.group(1))] = tensor
+                continue
+        hf_name = official_to_hf_name(name)
+        if hf_name is not None:
+            out[hf_name] = tensor
+    for layer, per in sorted(experts.items()):
+        for w in ("w1", "w2", "w3"):
+            got = sorted(per[w])
+            if got != list(range(n_experts)):
+                missing = sorted(set(range(n_experts)) - set(got))
+                raise CheckpointError(
+                    f"tensor layers.{layer}.ffn.experts.*.{w}.weight: found experts {got[:8]}... "
+                    f"(missing {missing[:8]}), expected 0..{n_experts - 1} (n_routed_experts)"
+                )
+        w1 = torch.stack([per["w1"][e] for e in range(n_experts)])  # [E, I, d]
+        w3 = torch.stack([per["w3"][e] for e in range(n_experts)])  # [E, I, d]
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([w1, w3], dim=1)  # [E, 2I, d]
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(
+            [per["w2"][e] for e in range(n_experts)]
+        )  # [E, d, I]
+    return out
+
+
+def _hf_layer_types(args: Any) -> tuple[list[str], dict[str, int]]:
+    """HF ``layer_types`` + ``compress_rates`` for the backbone layers (HF maps only 0/4/128 from ratios)."""
+    ratios = list(args.compress_ratios[: args.num_hidden_layers])
+    types: list[str] = []
+    hca_rates = set()
+    for layer, r in enumerate(ratios):
+        if r == 0:
+            types.append("sliding_attention")
+        elif r == 4:
+            types.append("compressed_sparse_attention")
+        elif r > 0:
+            types.append("heavily_compressed_attention")
+            hca_rates.add(r)
+        else:
+            raise ModelConfigError(
+                f"compress_ratios[{layer}]: found {r}, expected 0, 4 or a positive HCA ratio"
+            )
+    if len(hca_rates) > 1:
+        raise ModelConfigError(
+            f"compress_ratios: found HCA ratios {sorted(hca_rates)}, expected one HCA ratio "
+            "(HF DeepseekV4Config has a single compress_rates['heavily_compressed_attention'])"
+        )
+    rates = {
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": hca_rates.pop() if hca_rates else 128,
+    }
+    return types, rates
+
+
+def hf_config_from_args(args: Any) -> Any:
+    """``transformers.DeepseekV4Config`` equivalent to a V4 ``ModelArgs`` (backbone only; MTP not built by HF).
+
+    Eager attention and eager experts (the reference loops), fp32 compute by the caller's choice of dtype.
+    """
+    if getattr(args, "arch", "v4") != "v4":
+        raise ModelConfigError(f"arch: found {args.arch!r}, expected 'v4' (HF has no DeepSeek-V4.1 model)")
+    from transformers import DeepseekV4Config
+
+    layer_types, compress_rates = _hf_layer_types(args)
+    n_hash = int(args.num_hash_layers)
+    mlp_layer_types = ["hash_moe"] * n_hash + ["moe"] * (args.num_hidden_layers - n_hash)
+    rope: dict[str, Any] = {"rope_type": "default"}
+    rs = args.rope_scaling
+    if rs is not None:
+        rope = {
+            "rope_type": "yarn",
+            "factor": float(rs.factor),
+            "beta_fast": float(rs.beta_fast),
+            "beta_slow": float(rs.beta_slow),
+            "original_max_position_embeddings": int(rs.original_max_position_embeddings),
+        }
+    cfg = DeepseekV4Config(
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        moe_intermediate_size=args.moe_intermediate_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        q_lora_rank=args.q_lora_rank,
+        num_experts_per_tok=args.num_experts_per_tok,
+        n_routed_experts=args.n_routed_experts,
+        n_shared_experts=args.n_shared_experts,
+        scoring_func=args.scoring_func,
+        norm_topk_prob=args.norm_topk_prob,
+        routed_scaling_factor=float(args.routed_scaling_factor),
+        max_position_embeddings=args.max_position_embeddings,
+        rope_theta=float(args.rope_theta),
+        layer_types=layer_types,
+        compress_rates=compress_rates,
+        compress_rope_theta=float(args.compress_rope_theta),
+        hc_mult=args.hc_mult,
+        hc_sinkhorn_iters=args.hc_sinkhorn_iters,
+        hc_eps=float(args.hc_eps),
+        mlp_layer_types=mlp_layer_types,
+        swiglu_limit=float(args.swiglu_limit),
+        sliding_window=args.sliding_window,
+        o_groups=args.o_groups,
+        o_lora_rank=args.o_lora_rank,
+        index_n_heads=args.index_n_heads,
+        index_head_dim=args.index_head_dim,
+        index_topk=args.index_topk,
+        num_nextn_predict_layers=args.num_nextn_predict_layers,
+        hidden_act=args.hidden_act,
+        rms_norm_eps=float(args.rms_norm_eps),
+        bos_token_id=args.bos_token_id,
+        eos_token_id=args.eos_token_id,
+        tie_word_embeddings=bool(args.tie_word_embeddings),
+        rope_parameters=rope,
+        partial_rotary_factor=args.qk_rope_head_dim / args.head_dim,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+    return cfg
+
+
+def build_hf_model(
+    state: Mapping[str, torch.Tensor], args: Any, *, dtype: torch.dtype = torch.float32
+) -> Any:
+    """``DeepseekV4ForCausalLM`` in eval mode holding ``state`` (official names), loaded strictly.
+
+    Raises `CheckpointError` naming the missing / unexpected HF keys if the mapped state does not cover the HF
+    model exactly (non-persistent RoPE buffers excepted).
+    """
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = hf_config_from_args(args)
+    hf_state = official_to_hf_state_dict(state, args)
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg)
+    expected = set(model.state_dict().keys())
+    missing = sorted(expected - set(hf_state))
+    unexpected = sorted(set(hf_state) - expected)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"HF DeepseekV4ForCausalLM state: found {len(missing)} missing keys {missing[:6]} and "
+            f"{len(unexpected)} unexpected keys {unexpected[:6]}, expected an exact match"
+        )
+    casted = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in hf_state.items()}
+    model.load_state_dict(casted, strict=True, assign=True)
+    # RoPE inverse frequencies are non-persistent buffers: rebuild them on CPU (they were created on meta).
+    _rebuild_rotary_buffers(model, cfg)
+    model.eval()
+    return model
+
+
+def _rebuild_rotary_buffers(model: Any, cfg: Any) -> None:
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, DeepseekV4RotaryEmbedding):
+            fresh = DeepseekV4RotaryEmbedding(cfg, device="cpu")
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, attr, fresh)
+
+
+@torch.no_grad()
+def hf_logits(model: Any, input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """Full causal prefill of one sequence without a cache: ``[T, V] float32`` logits."""
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    out = model(input_ids=ids, use_cache=False)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def hf_incremental_logits(
+    model: Any, input_ids: torch.Tensor | Sequence[int], chunks: Sequence[int]
+) -> torch.Tensor:
+    """Same sequence fed as consecutive chunks through HF's DynamicCache: ``[T, V] float32``."""
+    from transformers import DynamicCache
+
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    if sum(chunks) != ids.shape[1] or min(chunks, default=1) < 1:
+        raise ModelConfigError(
+            f"chunks: found {list(chunks)} (sum {sum(chunks)}), expected positive sizes summing to {ids.shape[1]}"
+        )
+    cache = DynamicCache(config=model.config)
+    outs, pos = [], 0
+    for n in chunks:
+        piece = ids[:, pos : pos + n]
+        positions = torch.arange(pos, pos + n).reshape(1, -1)
+        out = model(input_ids=piece, position_ids=positions, cache=cache, use_cache=True)
+        outs.append(out.logits[0].float())
+        pos += n
+    return torch.cat(outs)
+
+
+def hf_reference_logits(
+    state: Mapping[str, torch.Tensor], args: Any, input_ids: torch.Tensor | Sequence[int]
+) -> torch.Tensor:
+    """One-shot oracle: build HF from ``state`` (official names, dequantized) and return ``[T, V] float32``.
+
+    Builds the model on every call; use `build_hf_model` + `hf_logits` for several sequences.
+    """
+    return hf_logits(build_hf_model(state, args), input_ids)
