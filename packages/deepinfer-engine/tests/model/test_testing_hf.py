@@ -249,7 +249,7 @@ def test_logits_finite_and_prefill_equals_incremental(tiny_hf, tiny_args):
     assert full.shape == (40, tiny_args.vocab_size) and full.dtype == torch.float32
     assert torch.isfinite(full).all()
     assert full.std() > 1e-2  # the random state is not degenerate
-    for chunks in ([13] + [1] * 27, [13, 6, 1, 7, 13]):
+    for chunks in ([13, 1, 1, 1, 6, 1, 7, 10], [8, 4, 28]):
         inc = hf_incremental_logits(tiny_hf, ids, chunks)
         err = ((inc - full).abs().max() / full.abs().max()).item()
         assert err < 1e-5, (chunks, err)
