@@ -42,15 +42,18 @@ def test_engram_gate_small_values_use_clamp() -> None:
 
 def test_engram_forward_adds_gated_value_and_zero_at_images() -> None:
     torch.manual_seed(0)
-    d, hc, hd, lookups = 8, 4, 4, 6
-    m = Engram(dim=d, hc_mult=hc, num_embeddings=20, head_dim=hd, num_lookups=lookups, eps=1e-20)
+    args = ModelArgs.from_config_dict(tiny_v41_config())
+    m = Engram(args, 1, torch.float32)
+    d, hc, lookups = args.hidden_size, args.hc_mult, m.num_lookups
+    assert m.embed.weight.shape == (args.engram_num_embeddings[0], args.engram_head_dim)
+    assert m.wkv.weight.shape == ((hc + 1) * d, lookups * args.engram_head_dim)
     with torch.no_grad():
         for p in m.parameters():
             p.normal_()
     r = torch.randn(3, hc, d)
-    rows = torch.randint(0, 20, (3, lookups))
+    rows = torch.randint(0, args.engram_num_embeddings[0], (3, lookups))
     img = torch.tensor([False, True, False])
-    out = m(r, rows, img)
+    out = m.forward_rows(r, rows, img)
     e = m.embed.weight[rows].reshape(3, -1)
     kv = (e @ m.wkv.weight.T).view(3, hc + 1, d)
     gate = engram_gate(r, kv[:, :hc], m.q_weight, m.k_weight, 1e-20)
