@@ -1,0 +1,184 @@
+"""Engine options: small frozen config dataclasses composed into `EngineConfig`, one flat option namespace.
+
+`LLM(model, **options)`, the CLI (`deepinfer generate --max-num-seqs 8 ...`) and the benchmarks share one
+definition: argparse flags are generated from the dataclass fields and their `help` metadata, and an unknown
+option name raises `ConfigError` with the closest valid names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from deepinfer_engine.errors import ConfigError
+
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "engine_option_names", "parse_bytes"]
+
+
+def _opt(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    model: str | None = _opt(None, "checkpoint directory; default: the embedded tiny random V4.1-Flash checkpoint")
+    tokenizer: str | None = _opt(None, "tokenizer.json or its directory (default: the checkpoint's)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = _opt(
+        "auto", "compute dtype of weights and caches (auto: bfloat16 on CUDA, float32 on CPU)")
+    device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's limit)")
+    seed: int = _opt(0, "engine seed: requests without SamplingParams.seed get seeds derived from it")
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: found {self.dtype!r}, expected auto, float32, bfloat16 or float16")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len: found {self.max_model_len}, expected >= 2")
+        if not isinstance(self.seed, int):
+            raise ConfigError(f"seed: found {self.seed!r}, expected an integer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    page_size: int | None = _opt(
+        None, "tokens per cache page; a multiple of every compress ratio (default: 128, or 16 for tiny models)")
+    kv_cache_memory_bytes: int | None = _opt(
+        None, "bytes for all caches (e.g. 2GiB); default: gpu_memory_utilization of free CUDA memory, 512MiB on CPU",
+        parse=lambda s: parse_bytes(s))
+    gpu_memory_utilization: float = _opt(0.9, "fraction of free CUDA memory given to the caches")
+    num_kv_pages: int | None = _opt(None, "override the number of cache pages (testing / debugging)")
+
+    def __post_init__(self) -> None:
+        if self.page_size is not None and self.page_size < 1:
+            raise ConfigError(f"page_size: found {self.page_size}, expected >= 1")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ConfigError(f"kv_cache_memory_bytes: found {self.kv_cache_memory_bytes}, expected > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: found {self.gpu_memory_utilization}, expected in (0, 1]")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ConfigError(f"num_kv_pages: found {self.num_kv_pages}, expected >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = _opt(256, "most sequences in one step")
+    max_num_batched_tokens: int = _opt(8192, "token budget of one step (prefill chunks + decode tokens)")
+    enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps")
+    long_prefill_token_threshold: int = _opt(0, "cap on one request's prefill chunk per step (0 = budget only)")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs: found {self.max_num_seqs}, expected >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens: found {self.max_num_batched_tokens}, expected >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold: found {self.long_prefill_token_threshold}, expected >= 0")
+
+
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """All engine options; build it with `EngineConfig.from_options(model=..., max_num_seqs=...)`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        table = _option_table()
+        unknown = [k for k in options if k not in table]
+        if unknown:
+            parts = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, list(table), n=3, cutoff=0.5)
+                parts.append(f"{k!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+            raise ConfigError(f"unknown engine option(s): {'; '.join(parts)}. Valid options: {', '.join(table)}")
+        per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+        for k, v in options.items():
+            per_section[table[k][0]][k] = v
+        try:
+            return cls(**{s: _SECTIONS[s](**kw) for s, kw in per_section.items()})
+        except TypeError as exc:  # pragma: no cover - every name was checked above
+            raise ConfigError(str(exc)) from exc
+
+    def to_options(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for s in _SECTIONS:
+            out.update(dataclasses.asdict(getattr(self, s)))
+        return out
+
+    def replace(self, **options: Any) -> EngineConfig:
+        merged = self.to_options()
+        merged.update(options)
+        return EngineConfig.from_options(**merged)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace, **overrides: Any) -> EngineConfig:
+        opts = {k: getattr(ns, k) for k in _option_table() if hasattr(ns, k) and getattr(ns, k) is not None}
+        opts.update(overrides)
+        return cls.from_options(**opts)
+
+
+def _option_table() -> dict[str, tuple[str, dataclasses.Field]]:
+    table: dict[str, tuple[str, dataclasses.Field]] = {}
+    for section, klass in _SECTIONS.items():
+        for f in dataclasses.fields(klass):
+            table[f.name] = (section, f)
+    return table
+
+
+def engine_option_names() -> list[str]:
+    return list(_option_table())
+
+
+def _base_type(annotation: Any) -> tuple[type, tuple | None]:
+    hints = annotation
+    if typing.get_origin(hints) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hints) if a is not type(None)]
+        hints = args[0]
+    if typing.get_origin(hints) is Literal:
+        return str, typing.get_args(hints)
+    return hints, None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...] = ()) -> None:
+    """Add one `--flag` per engine option (defaults None: unset flags keep the dataclass defaults)."""
+    group = parser.add_argument_group("engine options")
+    for klass in _SECTIONS.values():
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            if f.name in exclude:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            typ, choices = _base_type(hints[f.name])
+            help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+            if typ is bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                                   help=help_text)
+            else:
+                conv = f.metadata.get("parse", typ)
+                group.add_argument(flag, dest=f.name, type=conv, choices=choices, default=None, help=help_text)
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'512MiB', '2GB', '1e9'-free plain integers -> bytes."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m or (m.group(2) or "").lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a byte size like 4096, 512MiB or 2GB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])

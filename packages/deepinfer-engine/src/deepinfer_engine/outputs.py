@@ -1,0 +1,59 @@
+"""Typed results of `LLM.generate` / `LLM.chat` (vLLM field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_engine.core.sched_output import TokenLogprobs
+
+__all__ = ["CompletionOutput", "RequestOutput", "RequestMetrics", "TokenLogprobs"]
+
+
+@dataclass(kw_only=True)
+class CompletionOutput:
+    """One sample of a request.
+
+    finish_reason: "stop" (EOS, stop string or stop token id), "length" (max_tokens / max_model_len),
+    "abort", "error" (see RequestOutput.error), None while running. stop_reason: the stop string or token id
+    that ended it. logprobs: one TokenLogprobs per generated token when requested. For chat, `reasoning_content`,
+    `content` and `tool_calls` hold the recipe's parse of the text.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    reasoning_content: str | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(kw_only=True)
+class RequestMetrics:
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass(kw_only=True)
+class RequestOutput:
+    """Result for one prompt, in input order. `error` is set (and every output's finish_reason is "error")
+    when the request could not be served at all, e.g. a prompt longer than max_model_len."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)

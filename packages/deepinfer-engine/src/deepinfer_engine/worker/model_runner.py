@@ -1,0 +1,159 @@
+"""Model runner: `SchedulerOutput` -> batched `ForwardBatch` -> model forward -> sampler -> `ModelRunnerOutput`.
+
+Keeps only per-request sampling state (params, seed, token history for penalties); every cache address comes
+from the scheduler's chunks (slot + block table), so preemption and recompute need nothing special here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from deepinfer_engine.worker.sampler import Sampler, build_sampling_batch
+
+
+@dataclass
+class _RequestState:
+    params: Any  # SamplingParams
+    seed: int
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    next_prompt_logprob: int = 1  # next prompt index j whose logprob (given ids < j) is still to be returned
+
+
+def _default_batch_cls() -> type:
+    from deepinfer_engine.model.forward_batch import ForwardBatch
+
+    return ForwardBatch
+
+
+class ModelRunner:
+    """Runs `model.forward(batch, cache) -> logits [N, V] float32` for one scheduled step.
+
+    `model` and `cache` honour contracts.md §3 (`Transformer` / `ModelCache`); `batch_cls` builds the
+    `ForwardBatch` (injectable so tests can drive a stand-in model).
+    """
+
+    def __init__(
+        self,
+        model: Callable[..., torch.Tensor],
+        cache: Any,
+        *,
+        device: torch.device | str,
+        eos_token_ids: Sequence[int] = (),
+        batch_cls: type | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = torch.device(device)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.batch_cls = batch_cls or _default_batch_cls()
+        self.sampler = Sampler()
+        self.states: dict[str, _RequestState] = {}
+
+    def _banned(self, st: _RequestState) -> tuple[int, ...]:
+        p = st.params
+        if len(st.output_ids) >= p.min_tokens:
+            return ()
+        return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_req_ids:
+            self.states.pop(rid, None)
+        for nr in sched.new_requests:
+            if nr.req_id not in self.states:  # a preempted request keeps its state (outputs so far)
+                self.states[nr.req_id] = _RequestState(params=nr.sampling, seed=nr.seed,
+                                                       prompt_ids=list(nr.prompt_token_ids))
+        if sched.is_empty:
+            return ModelRunnerOutput()
+
+        ids: list[int] = []
+        positions: list[int] = []
+        logit_rows: list[int] = []
+        sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
+        plp_at: list[tuple[str, int, int]] = []  # (req_id, index into logit_rows, target prompt index j)
+        row = 0
+        for c in sched.chunks:
+            st = self.states[c.req_id]
+            n = c.num_tokens
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start_position, c.start_position + n))
+            if st.params.prompt_logprobs is not None:
+                for p in range(c.start_position, c.start_position + n):
+                    j = p + 1
+                    if st.next_prompt_logprob <= j < len(st.prompt_ids):
+                        plp_at.append((c.req_id, len(logit_rows), j))
+                        logit_rows.append(row + p - c.start_position)
+            if c.sample:
+                sample_at.append((c.req_id, len(logit_rows)))
+                logit_rows.append(row + n - 1)
+            row += n
+
+        max_pages = max(1, max(len(c.page_ids) for c in sched.chunks))
+        tables = torch.full((len(sched.chunks), max_pages), -1, dtype=torch.int32)
+        for i, c in enumerate(sched.chunks):
+            if c.page_ids:
+                tables[i, : len(c.page_ids)] = torch.tensor(c.page_ids, dtype=torch.int32)
+        dev = self.device
+        batch = self.batch_cls(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+            query_lens=tuple(c.num_tokens for c in sched.chunks),
+            slots=tuple(c.slot for c in sched.chunks),
+            block_tables=tables.to(dev, non_blocking=True),
+            logits_indices=torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True),
+        )
+        logits = self.model(batch, self.cache)  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+        if not logit_rows:
+            return ModelRunnerOutput()
+        logits = logits.float()
+
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if sample_at:
+            chunk_by_id = {c.req_id: c for c in sched.chunks}
+            states = [self.states[rid] for rid, _ in sample_at]
+            sbatch = build_sampling_batch(
+                [s.params for s in states],
+                [s.seed for s in states],
+                [chunk_by_id[rid].output_index for rid, _ in sample_at],
+                [s.prompt_ids for s in states],
+                [s.output_ids for s in states],
+                [self._banned(s) for s in states],
+                logits.device,
+            )
+            rows = torch.tensor([i for _, i in sample_at], dtype=torch.int64, device=logits.device)
+            out = self.sampler(logits.index_select(0, rows), sbatch)
+            tokens = out.token_ids.tolist()  # the one sync of the step (plus logprobs when asked for)
+            lp = [t.tolist() for t in out.logprobs] if out.logprobs is not None else None
+            for k, ((rid, _), st, tok) in enumerate(zip(sample_at, states, tokens)):
+                sampled[rid] = tok
+                st.output_ids.append(tok)
+                if lp is not None and st.params.logprobs is not None:
+                    want = st.params.logprobs
+                    logprobs[rid] = TokenLogprobs(token_id=tok, logprob=lp[0][k], rank=lp[3][k],
+                                                  top=tuple(zip(lp[1][k][:want], lp[2][k][:want])))
+
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if plp_at:
+            from deepinfer_kernels.sampling import logprobs_topk
+
+            k_max = max(self.states[rid].params.prompt_logprobs for rid, _, _ in plp_at)
+            rows = torch.tensor([i for _, i, _ in plp_at], dtype=torch.int64, device=logits.device)
+            targets = torch.tensor([self.states[rid].prompt_ids[j] for rid, _, j in plp_at], dtype=torch.int64,
+                                   device=logits.device)
+            chosen, top_ids, top_vals, rank = (t.tolist() for t in
+                                               logprobs_topk(logits.index_select(0, rows), targets, k_max))
+            for k, (rid, _, j) in enumerate(plp_at):
+                st = self.states[rid]
+                want = st.params.prompt_logprobs
+                prompt_logprobs.setdefault(rid, []).append(TokenLogprobs(
+                    token_id=st.prompt_ids[j], logprob=chosen[k], rank=rank[k],
+                    top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
+                st.next_prompt_logprob = j + 1
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)

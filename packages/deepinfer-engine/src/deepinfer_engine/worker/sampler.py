@@ -1,0 +1,102 @@
+"""Batched sampler over the rows of one step: penalties, min-tokens masking, temperature / min-p / top-k / top-p,
+counter-based seeded sampling, logprobs. One set of small host->device copies per step, no per-request syncs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from deepinfer_kernels.sampling import apply_penalties, logprobs_topk, sample
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingBatch:
+    """Per-row sampling inputs of one step (row i = the i-th request that samples this step).
+
+    temperature/top_p/min_p: [N] float32; top_k/seeds/offsets: [N] int64 on the logits' device.
+    penalties: (prompt_ids [N, Lp] int64 -1 padded, output_ids [N, Lo], repetition [N], presence [N],
+    frequency [N]) or None when no row uses penalties. banned: (rows, token ids) pairs set to -inf
+    (EOS / stop ids before min_tokens). max_logprobs: top-k alternatives to return (None = no logprobs).
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    all_greedy: bool
+    penalties: tuple[torch.Tensor, ...] | None = None
+    banned: tuple[list[int], list[int]] | None = None
+    max_logprobs: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: tuple[torch.Tensor, ...] | None = None  # (chosen [N], top_ids [N,k], top_vals [N,k], rank [N])
+
+
+def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(1, max((len(r) for r in rows), default=1))
+    out = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+def build_sampling_batch(
+    params: list, seeds: list[int], offsets: list[int], prompt_ids: list[list[int]], output_ids: list[list[int]],
+    banned_ids: list[tuple[int, ...]], device: torch.device,
+) -> SamplingBatch:
+    """From per-row SamplingParams (and the request state the runner keeps) to device tensors."""
+    f32 = dict(dtype=torch.float32, device=device)
+    i64 = dict(dtype=torch.int64, device=device)
+    penalties = None
+    if any(p.uses_penalties for p in params):
+        penalties = (
+            _pad(prompt_ids, device),
+            _pad(output_ids, device),
+            torch.tensor([p.repetition_penalty for p in params], **f32),
+            torch.tensor([p.presence_penalty for p in params], **f32),
+            torch.tensor([p.frequency_penalty for p in params], **f32),
+        )
+    rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
+    cols = [t for ids in banned_ids for t in ids]
+    wants = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
+        temperature=torch.tensor([p.temperature for p in params], **f32),
+        top_k=torch.tensor([max(p.top_k, 0) for p in params], **i64),
+        top_p=torch.tensor([p.top_p for p in params], **f32),
+        min_p=torch.tensor([p.min_p for p in params], **f32),
+        seeds=torch.tensor([s & 0x7FFFFFFFFFFFFFFF for s in seeds], **i64),
+        offsets=torch.tensor(offsets, **i64),
+        all_greedy=all(p.greedy for p in params),
+        penalties=penalties,
+        banned=(rows, cols) if rows else None,
+        max_logprobs=max(wants) if wants else None,
+    )
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: [N, V] float32 raw model outputs (row order = batch rows)."""
+        raw = logits
+        if batch.penalties is not None:
+            prompt_ids, output_ids, rep, pres, freq = batch.penalties
+            logits = apply_penalties(logits, prompt_ids=prompt_ids, output_ids=output_ids, repetition_penalty=rep,
+                                     presence_penalty=pres, frequency_penalty=freq)
+        if batch.banned is not None:
+            rows, cols = batch.banned
+            logits = logits.clone() if logits is raw else logits
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        if batch.all_greedy:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = sample(logits, temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
+                            min_p=batch.min_p, seeds=batch.seeds, offsets=batch.offsets)
+        lps = None
+        if batch.max_logprobs is not None:
+            lps = logprobs_topk(raw, tokens, batch.max_logprobs)
+        return SamplerOutput(token_ids=tokens, logprobs=lps)
