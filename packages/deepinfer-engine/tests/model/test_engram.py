@@ -43,8 +43,15 @@ def test_engram_gate_small_values_use_clamp() -> None:
 def test_engram_forward_adds_gated_value_and_zero_at_images() -> None:
     torch.manual_seed(0)
     args = ModelArgs.from_config_dict(tiny_v41_config())
-    m = Engram(args, 1, torch.float32)
-    d, hc, lookups = args.hidden_size, args.hc_mult, m.num_lookups
+    d, hc, lookups = args.hidden_size, args.hc_mult, args.engram_num_ngram_heads
+    m = Engram(
+        dim=d,
+        hc_mult=hc,
+        num_embeddings=args.engram_num_embeddings[0],
+        head_dim=args.engram_head_dim,
+        num_lookups=lookups,
+        eps=args.rms_norm_eps,
+    )
     assert m.embed.weight.shape == (args.engram_num_embeddings[0], args.engram_head_dim)
     assert m.wkv.weight.shape == ((hc + 1) * d, lookups * args.engram_head_dim)
     with torch.no_grad():
@@ -53,7 +60,7 @@ def test_engram_forward_adds_gated_value_and_zero_at_images() -> None:
     r = torch.randn(3, hc, d)
     rows = torch.randint(0, args.engram_num_embeddings[0], (3, lookups))
     img = torch.tensor([False, True, False])
-    out = m.forward_rows(r, rows, img)
+    out = m(r, rows, img)
     e = m.embed.weight[rows].reshape(3, -1)
     kv = (e @ m.wkv.weight.T).view(3, hc + 1, d)
     gate = engram_gate(r, kv[:, :hc], m.q_weight, m.k_weight, 1e-20)

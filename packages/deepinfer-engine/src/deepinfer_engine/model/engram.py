@@ -3,7 +3,8 @@ attention mixes.
 
 Row ids come from G's ``EngramHasher`` (host, numpy): they depend only on token ids, so one call per forward
 serves every engram layer. The history of the last ``max_ngram-1`` ids of each sequence comes from
-``ForwardContext.token_history`` (M-core fills it from the cache's per-slot token ring).
+``ForwardContext.token_history`` (M-core fills it from the cache's per-slot token ring); the model computes
+``ctx.engram_rows`` once per forward with ``engram_row_ids`` and hands each layer its column.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
-from deepinfer_engine.model.forward_batch import ForwardContext
 
 # Tokens whose id lies in [image_token_id, image_token_id + IMAGE_ID_SPAN) are image-span positions (§C.5).
 IMAGE_ID_SPAN = 5
@@ -43,61 +43,32 @@ def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps:
 class _Table(nn.Module):
     """``engram.embed.weight [N, head_dim]`` (the loader dequantizes FP8 + ``embed.scale`` into it)."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(rows, dim, dtype=dtype))
+        self.weight = nn.Parameter(torch.zeros(rows, dim))
 
 
 class Engram(nn.Module):
     """``layers.{l}.engram.{embed.weight, wkv.weight, q_weight, k_weight}`` (§C.6).
 
-    embed: ``[N_l, engram_head_dim]``; wkv: ``[(hc_mult+1)·d, (max_ngram-1)·n_heads·head_dim]``
-    (keys of the hc_mult streams, then the value); q_weight, k_weight: ``[hc_mult, d]``.
-    The token map for the row-id hasher defaults to the synthetic ``cid = id mod engram_compressed_vocab_size``
-    map (§9.2 tiny configs) [I: chosen default]; the loader must call ``set_token_map`` with
-    ``compressed_token_map(tokenizer)`` for checkpoints whose tokenizer defines the classes (real V4.1).
+    embed: ``[N_l, head_dim]``; wkv: ``[(hc_mult+1)·d, num_lookups·head_dim]`` with num_lookups =
+    ``(max_ngram-1)·n_heads`` (keys of the hc_mult streams, then the value); q_weight, k_weight: ``[hc_mult, d]``.
+    Row ids are hashed once per forward for all engram layers (``engram_row_ids``, called by the model).
     """
 
-    def __init__(self, args: object, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, *, dim: int, hc_mult: int, num_embeddings: int, head_dim: int, num_lookups: int, eps: float
+    ) -> None:
         super().__init__()
-        if layer_id not in args.engram_layer_ids:
-            raise ModelConfigError(f"engram_layer_ids: layer {layer_id} not in {list(args.engram_layer_ids)}")
-        self.args = args
-        self.layer_id = layer_id
-        self.layer_index = args.engram_layer_ids.index(layer_id)
-        d, n = args.hidden_size, args.hc_mult
-        self.dim, self.hc_mult, self.eps = d, n, args.rms_norm_eps
-        self.num_lookups = (args.engram_max_ngram_size - 1) * args.engram_n_heads
-        rows = args.engram_num_embeddings[self.layer_index]
-        self.embed = _Table(rows, args.engram_head_dim, dtype)
-        self.wkv = nn.Linear(self.num_lookups * args.engram_head_dim, (n + 1) * d, bias=False, dtype=dtype)
-        self.q_weight = nn.Parameter(torch.ones(n, d, dtype=dtype))
-        self.k_weight = nn.Parameter(torch.ones(n, d, dtype=dtype))
-        self._hasher = None  # built on first use from the token map (host-side numpy object, not a tensor)
-        self._token_map: np.ndarray | None = None
+        self.dim, self.hc_mult, self.num_lookups, self.eps = dim, hc_mult, num_lookups, eps
+        self.embed = _Table(num_embeddings, head_dim)
+        self.wkv = nn.Linear(num_lookups * head_dim, (hc_mult + 1) * dim, bias=False)
+        self.q_weight = nn.Parameter(torch.ones(hc_mult, dim))
+        self.k_weight = nn.Parameter(torch.ones(hc_mult, dim))
 
-    def set_token_map(self, token_map: np.ndarray) -> None:
-        """Use this compressed token map (G's ``compressed_token_map``) for the n-gram row ids."""
-        self._token_map = np.asarray(token_map, dtype=np.int64)
-        self._hasher = None
-
-    @property
-    def hasher(self) -> object:
-        if self._hasher is None:
-            from deepinfer_engine.model.engram_hash import EngramHasher, synthetic_token_map
-
-            a = self.args
-            tmap = self._token_map
-            if tmap is None:
-                tmap = synthetic_token_map(
-                    a.vocab_size, a.engram_compressed_vocab_size, image_token_id=a.image_token_id
-                )
-            self._hasher = EngramHasher.from_args(a, tmap)
-        return self._hasher
-
-    def forward_rows(self, r: Tensor, row_ids: Tensor, image_mask: Tensor) -> Tensor:
-        """r: ``[T, hc, d]`` streams; row_ids: ``[T, num_lookups] int64`` (this layer's column of the hasher
-        output); image_mask: ``[T] bool``. Returns ``R_i + gate_i · val`` in ``r.dtype``."""
+    def forward(self, r: Tensor, row_ids: Tensor, image_mask: Tensor | None) -> Tensor:
+        """r: ``[T, hc, d]`` streams; row_ids: ``[T, num_lookups] int64`` (this layer's column of
+        ``engram_row_ids``); image_mask: ``[T] bool`` or None. Returns ``R_i + gate_i · val`` in ``r.dtype``."""
         t = r.shape[0]
         if row_ids.shape != (t, self.num_lookups):
             raise InputError(
@@ -107,19 +78,9 @@ class Engram(nn.Module):
         kv = (e @ self.wkv.weight.to(e.dtype).T).view(t, self.hc_mult + 1, self.dim)
         keys, val = kv[:, : self.hc_mult], kv[:, self.hc_mult]
         gate = engram_gate(r, keys, self.q_weight, self.k_weight, self.eps)  # [T, hc]
-        gate = gate.masked_fill(image_mask[:, None], 0.0)
+        if image_mask is not None:
+            gate = gate.masked_fill(image_mask[:, None], 0.0)  # no memory injection at image-span positions
         return (r.float() + gate[..., None] * val.float()[:, None, :]).to(r.dtype)
-
-    def forward(self, r: Tensor, ctx: ForwardContext) -> Tensor:
-        """r: ``[T, hc, d]``; row ids from ``ctx.token_history`` + ``ctx.batch.input_ids``."""
-        if ctx.token_history is None:
-            raise ModelConfigError(
-                f"layer {self.layer_id}: Engram needs ctx.token_history (cache token_ring)"
-            )
-        ids = ctx.batch.input_ids
-        # [I] both engram layers hash all layers' ids (cheap host work); a shared per-forward memo could avoid it
-        rows = engram_row_ids(self.hasher, ids, ctx.query_lens, ctx.token_history)[:, self.layer_index]
-        return self.forward_rows(r, rows, image_positions(ids, self.args.image_token_id))
 
 
 def engram_row_ids(
