@@ -35,6 +35,9 @@ __all__ = [
     "hf_reference_logits",
     "official_to_hf_name",
     "official_to_hf_state_dict",
+    "random_official_v4_state",
+    "v4_official_shapes",
+    "v4_official_shapes_from_spec",
 ]
 
 HF_IGNORED_PREFIXES = ("mtp.",)
@@ -332,3 +335,126 @@ def hf_reference_logits(
     Builds the model on every call; use `build_hf_model` + `hf_logits` for several sequences.
     """
     return hf_logits(build_hf_model(state, args), input_ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random official-name states for oracle tests
+# ----------------------------------------------------------------------------------------------------------
+
+
+def v4_official_shapes_from_spec(args: Any) -> dict[str, tuple[int, ...]]:
+    """Official V4 backbone tensor names -> logical shapes, from architecture.md §6.3 (MTP included)."""
+    d, hc = args.hidden_size, args.hc_mult
+    H, Dh, Rq = args.num_attention_heads, args.head_dim, args.q_lora_rank
+    G, Ro, E, I = args.o_groups, args.o_lora_rank, args.n_routed_experts, args.moe_intermediate_size
+    nI, dI, V = args.index_n_heads, args.index_head_dim, args.vocab_size
+    mix = (2 + hc) * hc
+    out: dict[str, tuple[int, ...]] = {
+        "embed.weight": (V, d),
+        "head.weight": (V, d),
+        "norm.weight": (d,),
+        "hc_head_fn": (hc, hc * d),
+        "hc_head_base": (hc,),
+        "hc_head_scale": (1,),
+    }
+    n_layers = len(args.compress_ratios)  # backbone + MTP
+    for l in range(n_layers):
+        ratio = args.compress_ratios[l]
+        is_mtp = l >= args.num_hidden_layers
+        p = f"mtp.{l - args.num_hidden_layers}." if is_mtp else f"layers.{l}."
+        out |= {
+            p + "attn_norm.weight": (d,),
+            p + "ffn_norm.weight": (d,),
+            p + "hc_attn_fn": (mix, hc * d),
+            p + "hc_ffn_fn": (mix, hc * d),
+            p + "hc_attn_base": (mix,),
+            p + "hc_ffn_base": (mix,),
+            p + "hc_attn_scale": (3,),
+            p + "hc_ffn_scale": (3,),
+            p + "attn.attn_sink": (H,),
+            p + "attn.q_norm.weight": (Rq,),
+            p + "attn.kv_norm.weight": (Dh,),
+            p + "attn.wq_a.weight": (Rq, d),
+            p + "attn.wq_b.weight": (H * Dh, Rq),
+            p + "attn.wkv.weight": (Dh, d),
+            p + "attn.wo_a.weight": (G * Ro, H * Dh // G),
+            p + "attn.wo_b.weight": (d, G * Ro),
+            p + "ffn.gate.weight": (E, d),
+            p + "ffn.shared_experts.w1.weight": (I, d),
+            p + "ffn.shared_experts.w3.weight": (I, d),
+            p + "ffn.shared_experts.w2.weight": (d, I),
+        }
+        if ratio > 0:
+            width = 2 * Dh if ratio == 4 else Dh  # CSA overlap doubles the compressor width
+            out |= {
+                p + "attn.compressor.wkv.weight": (width, d),
+                p + "attn.compressor.wgate.weight": (width, d),
+                p + "attn.compressor.ape": (ratio, width),
+                p + "attn.compressor.norm.weight": (Dh,),
+            }
+        if ratio == 4:
+            out |= {
+                p + "attn.indexer.wq_b.weight": (nI * dI, Rq),
+                p + "attn.indexer.weights_proj.weight": (nI, d),
+                p + "attn.indexer.compressor.wkv.weight": (2 * dI, d),
+                p + "attn.indexer.compressor.wgate.weight": (2 * dI, d),
+                p + "attn.indexer.compressor.ape": (ratio, 2 * dI),
+                p + "attn.indexer.compressor.norm.weight": (dI,),
+            }
+        if not is_mtp and l < args.num_hash_layers:
+            out[p + "ffn.gate.tid2eid"] = (V, args.num_experts_per_tok)
+        else:
+            out[p + "ffn.gate.bias"] = (E,)
+        for e in range(E):
+            out |= {
+                p + f"ffn.experts.{e}.w1.weight": (I, d),
+                p + f"ffn.experts.{e}.w3.weight": (I, d),
+                p + f"ffn.experts.{e}.w2.weight": (d, I),
+            }
+        if is_mtp:
+            out |= {
+                p + "e_proj.weight": (d, d),
+                p + "h_proj.weight": (d, d),
+                p + "enorm.weight": (d,),
+                p + "hnorm.weight": (d,),
+                p + "norm.weight": (d,),
+                p + "hc_head_fn": (hc, hc * d),
+                p + "hc_head_base": (hc,),
+                p + "hc_head_scale": (1,),
+            }
+    return out
+
+
+def v4_official_shapes(args: Any) -> dict[str, tuple[int, ...]]:
+    """C's inventory when it exists (official names, logical shapes), else the §6.3 list above."""
+    try:
+        from deepinfer_engine.model.inventory import tensor_inventory
+    except ImportError:
+        return v4_official_shapes_from_spec(args)
+    return {t.name: tuple(t.shape) for t in tensor_inventory(args) if not t.name.endswith(".scale")}
+
+
+def random_official_v4_state(args: Any, seed: int) -> dict[str, torch.Tensor]:
+    """Random fp32 official-name state with well-conditioned magnitudes (non-zero ape, sinks, biases)."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in sorted(v4_official_shapes(args).items()):
+        if name.endswith("tid2eid"):
+            out[name] = torch.randint(0, args.n_routed_experts, shape, generator=g, dtype=torch.int64)
+            continue
+        if name.endswith(("norm.weight",)):
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif name.endswith(("_fn",)):
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif name.endswith(("_base", "ape", "gate.bias")):
+            t = 0.5 * torch.randn(shape, generator=g)
+        elif name.endswith("_scale"):
+            t = 1.0 + 0.2 * torch.randn(shape, generator=g)
+        elif name.endswith("attn_sink"):
+            t = torch.randn(shape, generator=g)
+        elif name == "embed.weight":
+            t = torch.randn(shape, generator=g)
+        else:  # [out, in] linear: unit-variance outputs
+            t = torch.randn(shape, generator=g) / shape[-1] ** 0.5
+        out[name] = t.float()
+    return out
