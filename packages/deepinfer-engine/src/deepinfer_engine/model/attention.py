@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
-from deepinfer_engine.model.cache import paged_read, paged_write, ring_history
-from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_kernels.compressor import compress_pool
 from deepinfer_kernels.indexer import causal_mask, index_scores, topk_indices, visible_counts
 from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs
 from deepinfer_kernels.sparse_attn import sparse_attn
+from torch import Tensor, nn
+
+from deepinfer_engine.model.cache import paged_read, paged_write, ring_history
+from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
 

@@ -149,6 +149,8 @@ class ForwardContext:
       candidates[l]:  [T, num_blocks] bool candidate-block mask published by the candidate source layer l
       features[l]:    [T, d] captured hc-stream means for DSpark (input of l for V4.1, output of l for V4)
     token_history:    [T, max_ngram] int64 ids at positions p-max_ngram+1..p (-1 for p<0), for Engram; or None
+    engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (computed once per forward)
+    image_mask:       [T] bool positions carrying image-sentinel ids
     block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
                       window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
                       tokens' window kv is NOT written into the ring.
@@ -162,6 +164,8 @@ class ForwardContext:
     seq_of_token: Tensor
     block_noncausal: bool = False
     token_history: Tensor | None = None
+    engram_rows: Tensor | None = None  # [T, num_engram_layers, lookups] int64 rows into each engram.embed
+    image_mask: Tensor | None = None  # [T] bool image-sentinel positions (Engram gate 0)
     compressed: dict[int, CompressedView] = field(default_factory=dict)
     topk: dict[int, Tensor] = field(default_factory=dict)
     candidates: dict[int, Tensor] = field(default_factory=dict)

@@ -1,0 +1,248 @@
+"""The DeepSeek-V4 / V4.1 text model (architecture.md §A.1-§A.9, §C.1-§C.2), module by module as the reference.
+
+Parameter names equal the official checkpoint names (`embed.weight`, `layers.{l}.attn.wq_a.weight`, `mtp.{k}.…`).
+V4: mHC with the learned hc_head, SWA / CSA / HCA, hash-routed MoE in the first `num_hash_layers`, MTP block.
+V4.1: delayed mHC (pre from the previous sub-layer, no hc_head), CSA2 (csa2.py), Engram (engram.py), DSpark
+stages (dspark.py). Runs on CPU through the torch references of deepinfer-kernels.
+
+Shapes: T tokens of the step (flattened varlen), n = hc_mult streams, d hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer_engine.errors import InputError, ModelConfigError
+from deepinfer_engine.model.attention import Attention, Linear, RMSNorm
+from deepinfer_engine.model.cache import ModelCache, ring_history
+from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+from deepinfer_engine.model.mhc import (
+    add_hc_head_params,
+    add_hc_mix_params,
+    apply_hc_head,
+    apply_hc_mix,
+    hc_post,
+    hc_pre,
+)
+from deepinfer_engine.model.moe import MoE
+
+__all__ = ["Block", "MTPBlock", "ModelOutput", "Transformer"]
+
+
+class Block(nn.Module):
+    """One layer `layers.{l}.` (or a draft layer `mtp.{k}.`): [Engram] → attention sub-layer → MoE sub-layer.
+
+    forward(R, ctx, pre_prev) -> (R', pre_ffn). V4 collapses each sub-layer input with its own `pre`; V4.1
+    (delayed mHC) with the `pre` of the previous sub-layer (`pre_prev`; None = layer 0 → stream 0).
+    """
+
+    def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        self.layer_id = plan.layer_id
+        self.delayed = args.uses_delayed_mhc
+        d = args.hidden_size
+        self.attn = Attention(args, plan, dtype)
+        self.ffn = MoE(args, plan, dtype)
+        self.attn_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        add_hc_mix_params(self, "hc_attn", args)
+        add_hc_mix_params(self, "hc_ffn", args)
+        self.engram: nn.Module | None = None
+        if plan.has_engram:
+            from deepinfer_engine.model import engram  # V4.1 (M-41)
+
+            self.engram_col = engram.engram_layer_index(tuple(args.engram_layer_ids), plan.layer_id)
+            self.engram = engram.Engram(
+                dim=d, hc_mult=args.hc_mult, num_embeddings=args.engram_num_embeddings[self.engram_col],
+                head_dim=args.engram_head_dim, num_lookups=args.engram_num_ngram_heads, eps=args.rms_norm_eps,
+            ).to(dtype)  # fmt: skip
+
+    def forward(self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """r [T, n, d] -> (r' [T, n, d], pre of the FFN mixes [T, n] f32)."""
+        if self.engram is not None:
+            if ctx.engram_rows is None:
+                raise ModelConfigError(
+                    f"layer {self.layer_id} has Engram but the forward has no Engram row ids "
+                    "(set Transformer.engram_hasher, e.g. via load_model or set_engram_token_map)"
+                )
+            r = self.engram(r, ctx.engram_rows[:, self.engram_col], ctx.image_mask)
+        pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
+        if not self.delayed:
+            x = hc_pre(r, pre_a)
+        elif pre_prev is None:
+            x = r[:, 0]  # delayed mHC starts from stream 0 (= the embedding)
+        else:
+            x = hc_pre(r, pre_prev)
+        r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a)
+        pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
+        x = hc_pre(r, pre_a if self.delayed else pre_f)
+        r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f)
+        return r, pre_f
+
+
+class MTPBlock(Block):
+    """V4-Flash MTP block `mtp.{k}.` (§A.9): e_proj/h_proj/enorm/hnorm/norm + own hc_head around a ratio-0 Block."""
+
+    def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
+        super().__init__(args, plan, dtype)
+        d = args.hidden_size
+        self.e_proj = Linear(d, d, dtype)
+        self.h_proj = Linear(d, d, dtype)
+        self.enorm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        add_hc_head_params(self, args)
+
+    def forward_mtp(self, r_t: Tensor, e: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """r_t [T, n, d] backbone streams at t (before hc_head), e [T, d] = embed[token t+1].
+
+        Returns (normed head input [T, d], the block's output streams [T, n, d])."""
+        x = self.h_proj(self.hnorm(r_t)) + self.e_proj(self.enorm(e))[:, None, :]
+        x, _ = Block.forward(self, x, ctx)
+        return self.norm(apply_hc_head(self, x, self.args)), x
+
+
+@dataclass(kw_only=True)
+class ModelOutput:
+    """logits [N, V] f32 (rows batch.logits_indices); hidden: final streams [T, n, d] before the head collapse;
+    pre_last: V4.1 pre of the last FFN mixes [T, n] (None for V4); features: captured [T, d] per layer id."""
+
+    logits: Tensor
+    hidden: Tensor
+    pre_last: Tensor | None
+    features: dict[int, Tensor] = field(default_factory=dict)
+
+
+class Transformer(nn.Module):
+    """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits)."""
+
+    def __init__(self, args: object, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.args = args
+        self.dtype = dtype
+        d, V = args.hidden_size, args.vocab_size
+        self.embed = nn.Module()
+        self.embed.weight = nn.Parameter(torch.empty(V, d, dtype=dtype))
+        backbone = [p for p in args.layer_plans if not p.is_draft]
+        self.layers = nn.ModuleList(Block(args, p, dtype) for p in backbone)
+        self.norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.head = Linear(d, V, dtype)
+        if args.has_hc_head:
+            add_hc_head_params(self, args)
+        # Engram row ids depend only on token ids: one host-side hasher per model (needs the token map).
+        self.engram_hasher: object | None = None
+        drafts = [p for p in args.layer_plans if p.is_draft]
+        self.mtp: nn.ModuleList | None = None
+        if drafts:
+            if args.has_dspark:
+                from deepinfer_engine.model import dspark  # DSpark stages (M-41)
+
+                self.mtp = dspark.build_stages(args, dtype)
+            else:
+                self.mtp = nn.ModuleList(MTPBlock(args, p, dtype) for p in drafts)
+
+    def set_engram_token_map(self, token_map: object) -> None:
+        """Install the Engram hasher from a compressed token map (numpy int64 [vocab], engram_hash)."""
+        from deepinfer_engine.model.engram_hash import EngramHasher
+
+        self.engram_hasher = EngramHasher.from_args(self.args, token_map)
+
+    # ---------------------------------------------------------------------------------------------- checks
+    def check_inputs(self, batch: ForwardBatch, cache: ModelCache) -> None:
+        """Typed errors for bad input before any matmul (contracts §3: InputError)."""
+        a = self.args
+        ids, pos = batch.input_ids, batch.positions
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= a.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise InputError(f"input_ids: found token id {bad}, expected 0 <= id < vocab_size={a.vocab_size}")
+            pmin, pmax = int(pos.min()), int(pos.max())
+            if pmin < 0 or pmax >= a.max_position_embeddings:
+                bad = pmin if pmin < 0 else pmax
+                raise InputError(
+                    f"positions: found {bad}, expected 0 <= position < max_position_embeddings="
+                    f"{a.max_position_embeddings}"
+                )
+        start = 0
+        for i, n in enumerate(batch.query_lens):
+            p = pos[start : start + n]
+            if n > 1 and not bool((p[1:] - p[:-1] == 1).all()):
+                raise InputError(f"positions of sequence {i}: found {p.tolist()[:8]}..., expected consecutive")
+            start += n
+        if any(s < 0 or s >= cache.num_slots for s in batch.slots):
+            raise InputError(f"slots: found {batch.slots}, expected each in [0, {cache.num_slots})")
+        li = batch.logits_indices
+        if li.numel() and (int(li.min()) < 0 or int(li.max()) >= batch.num_tokens):
+            raise InputError(f"logits_indices: found {li.min()}..{li.max()}, expected in [0, {batch.num_tokens})")
+
+    def _token_history(self, ctx: ForwardContext) -> Tensor | None:
+        """[T, max_ngram] ids at positions p-max_ngram+1..p (-1 before 0), and store this step's ids in the ring."""
+        ring = ctx.cache.token_ring
+        if ring is None:
+            return None
+        k = self.args.engram_max_ngram_size
+        out = []
+        for i in range(ctx.num_seqs):
+            c, n = ctx.ctx_lens[i], ctx.query_lens[i]
+            ids = ctx.batch.input_ids[ctx.seq_rows(i)]
+            hist = ring_history(ring, ctx.batch.slots[i], c, ids, k - 1)  # positions [c-b, c+n)
+            b = hist.shape[0] - n
+            hist = torch.cat([hist.new_full((k - 1 - b,), -1), hist])  # positions [c-k+1, c+n)
+            out.append(hist.unfold(0, k, 1))  # [n, k]: row j = positions c+j-k+1 .. c+j
+        return torch.cat(out, 0)
+
+    # ---------------------------------------------------------------------------------------------- forward
+    def forward_features(
+        self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
+    ) -> ModelOutput:
+        self.check_inputs(batch, cache)
+        ctx = ForwardContext.build(batch, cache, capture_layers=tuple(capture))
+        ctx.token_history = self._token_history(ctx)
+        a = self.args
+        if a.engram_layer_ids and self.engram_hasher is not None:
+            from deepinfer_engine.model import engram
+
+            ctx.engram_rows = engram.engram_row_ids(
+                self.engram_hasher, batch.input_ids, batch.query_lens, ctx.token_history
+            )
+            ctx.image_mask = engram.image_positions(batch.input_ids, a.image_token_id)
+        e = self.embed.weight[batch.input_ids]  # [T, d]
+        r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
+        pre: Tensor | None = None
+        for layer in self.layers:
+            lid = layer.layer_id
+            if a.arch == "v41" and lid in ctx.capture_layers:
+                ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
+            r, pre = layer(r, ctx, pre)
+            if a.arch == "v4" and lid in ctx.capture_layers:
+                ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
+        rows = r[batch.logits_indices]
+        if a.has_hc_head:
+            h = apply_hc_head(self, rows, a)
+            pre_last = None
+        else:
+            pre_last = pre
+            h = hc_pre(rows, pre[batch.logits_indices])
+        # fp32 logits: head.weight.float() @ h.float() as the reference (§A.1)
+        logits = torch.nn.functional.linear(self.norm(h).float(), self.head.weight.float())
+        return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
+
+    def forward(self, batch: ForwardBatch, cache: ModelCache) -> Tensor:
+        """[N, V] float32 logits of the rows batch.logits_indices (contracts §3)."""
+        return self.forward_features(batch, cache).logits
+
+    def forward_mtp(self, batch: ForwardBatch, cache: ModelCache, hidden: Tensor, k: int = 0) -> Tensor:
+        """V4 MTP block k: batch carries the NEXT tokens (id t+1) at the chosen positions; hidden [T, n, d] the
+        backbone streams of the same rows. Returns [N, V] f32 logits (predicting t+2)."""
+        if self.mtp is None or self.args.has_dspark:
+            raise InputError("forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)")
+        self.check_inputs(batch, cache)
+        ctx = ForwardContext.build(batch, cache)
+        blk: MTPBlock = self.mtp[k]
+        h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
+        return torch.nn.functional.linear(h[batch.logits_indices].float(), self.head.weight.float())
