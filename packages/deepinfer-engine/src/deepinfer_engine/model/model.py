@@ -120,9 +120,10 @@ class ModelOutput:
 class Transformer(nn.Module):
     """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits)."""
 
-    def __init__(self, args: object, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, args: object, dtype: torch.dtype = torch.float32, *, with_draft: bool = True) -> None:
         super().__init__()
         self.args = args
+        self.with_draft = with_draft
         self.dtype = dtype
         d, V = args.hidden_size, args.vocab_size
         self.embed = nn.Module()
@@ -137,7 +138,7 @@ class Transformer(nn.Module):
         self.engram_hasher: object | None = None
         drafts = [p for p in args.layer_plans if p.is_draft]
         self.mtp: nn.ModuleList | None = None
-        if drafts:
+        if drafts and with_draft:
             if args.has_dspark:
                 from deepinfer_engine.model import dspark  # DSpark stages (M-41)
 

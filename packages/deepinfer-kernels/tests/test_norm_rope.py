@@ -1,0 +1,68 @@
+"""norm_rope references against hand-derived values (architecture.md §2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs, yarn_correction_range
+
+
+def test_rms_norm_hand_case() -> None:
+    x = torch.tensor([[3.0, 4.0]])
+    # mean(x^2) = 12.5 -> x / sqrt(12.5) * w
+    w = torch.tensor([2.0, 0.5])
+    out = rms_norm(x, w, 0.0)
+    s = 1 / math.sqrt(12.5)
+    assert torch.allclose(out, torch.tensor([[3 * s * 2.0, 4 * s * 0.5]]), rtol=1e-6)
+    assert rms_norm(x.bfloat16(), None, 1e-6).dtype == torch.bfloat16
+
+
+def test_rms_norm_tiny_eps_is_not_clamped() -> None:
+    # V4.1 uses eps 1e-20: a tiny input must still be normalised to unit RMS (eps must not dominate)
+    x = torch.full((1, 4), 1e-6)  # mean(x^2) = 1e-12
+    assert torch.allclose(rms_norm(x, None, 1e-20), torch.ones(1, 4), rtol=1e-5)
+    assert torch.allclose(rms_norm(x, None, 1e-6), torch.full((1, 4), 1e-6 / (1e-6 + 1e-12) ** 0.5), rtol=1e-5)
+
+
+def test_yarn_range_real_config() -> None:
+    # §2: theta 160000, L0 65536, beta 32/1, 64 rope dims -> low 15, high 25
+    assert yarn_correction_range(64, 160000.0, 65536, 32.0, 1.0) == (15, 25)
+
+
+def test_yarn_freqs_ramp() -> None:
+    plain = rope_freqs(64, 160000.0)
+    yarn = rope_freqs(64, 160000.0, yarn_factor=16.0, original_max_pos=65536, beta_fast=32.0, beta_slow=1.0)
+    i = torch.arange(32, dtype=torch.float64)
+    omega = 160000.0 ** (-2 * i / 64)
+    assert torch.allclose(plain.double(), omega, rtol=1e-6)
+    # pairs below low keep omega, above high are divided by the factor, in between linear blend
+    assert torch.allclose(yarn[:16].double(), omega[:16], rtol=1e-6)
+    assert torch.allclose(yarn[25:].double(), omega[25:] / 16, rtol=1e-6)
+    ramp = (20 - 15) / (25 - 15)
+    assert math.isclose(float(yarn[20]), float(omega[20] * (1 - ramp) + omega[20] / 16 * ramp), rel_tol=1e-6)
+
+
+def test_apply_rope_interleaved_trailing_dims() -> None:
+    # D = 6, rope on the last 4 dims (2 pairs); pair 0 at channels 2,3; pair 1 at 4,5
+    x = torch.tensor([[10.0, 20.0, 1.0, 0.0, 0.0, 1.0]])
+    cos = torch.tensor([[math.cos(math.pi / 2), math.cos(math.pi)]])
+    sin = torch.tensor([[math.sin(math.pi / 2), math.sin(math.pi)]])
+    out = apply_rope(x, cos, sin)
+    # (a,b)->(a cos - b sin, a sin + b cos): (1,0) by 90deg -> (0,1); (0,1) by 180deg -> (0,-1)
+    assert torch.allclose(out, torch.tensor([[10.0, 20.0, 0.0, 1.0, 0.0, -1.0]]), atol=1e-6)
+    back = apply_rope(out, cos, sin, inverse=True)
+    assert torch.allclose(back, x, atol=1e-6)
+
+
+def test_rope_cos_sin_angles() -> None:
+    freqs = torch.tensor([1.0, 0.5])
+    cos, sin = rope_cos_sin(torch.tensor([0, 3]), freqs)
+    assert torch.allclose(cos[1], torch.tensor([math.cos(3.0), math.cos(1.5)]))
+    assert torch.allclose(sin[0], torch.zeros(2))
+
+
+def test_apply_rope_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="rope dims exceed"):
+        apply_rope(torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2))
