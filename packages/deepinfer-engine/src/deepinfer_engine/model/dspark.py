@@ -1,0 +1,214 @@
+"""DSpark draft stages (architecture.md Part B, §C.7): modules ``mtp.{k}.*`` and their forward.
+
+Two forwards, both on ``Transformer.mtp`` (built by ``build_stages``):
+- ``insert_context``: for accepted positions s with target features ``a_s`` (hc-stream means at the target
+  layers: V4.1 inputs of ``dspark_target_layer_ids``, V4 outputs), ``m_s = RMSNorm(main_proj(a_s); main_norm)``
+  and every stage k writes ``RoPE_{1e4}(RMSNorm(wkv_k m_s; kv_norm_k), s)`` into its own window ring.
+- ``draft_block``: the block ``[y_p, noise, ...]`` at positions ``p .. p+N-1`` runs through the stages with the
+  non-causal draft mask (``ctx.block_noncausal``: context ``[max(0, p-W), p)`` + the whole block), V4.1 delayed
+  mHC starting from stream 0 (V4: per-stage own pre, learned ``mtp.{last}.hc_head``), then
+  ``head(RMSNorm(h; mtp.{last}.norm))`` -> base logits ``U [T, V] float32`` and the pre-norm hidden ``h``.
+The Markov head adds ``head.weight @ embed.weight[prev]`` sequentially with the SAMPLED previous token; the
+sampling policy belongs to deepinfer-dspark; ``greedy_draft`` here is the reference/test helper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer_engine.errors import InputError, ModelConfigError
+from deepinfer_engine.model.attention import Linear, RMSNorm
+from deepinfer_engine.model.cache import ModelCache
+from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
+from deepinfer_engine.model.model import Block
+
+__all__ = [
+    "ConfidenceHead",
+    "DSparkStage",
+    "DraftOutput",
+    "MarkovHead",
+    "build_stages",
+    "draft_block",
+    "draft_block_ids",
+    "greedy_draft",
+    "insert_context",
+    "markov_step",
+]
+
+
+class MarkovHead(nn.Module):
+    """Low-rank previous-token bias: ``bias = W2 · W1[prev]`` with ``W1, W2 [V, rank]``.
+
+    Names: V4.1 ``markov_head.embed.weight`` / ``markov_head.head.weight``; V4-0731 ``markov_head.markov_w1.weight``
+    / ``markov_head.markov_w2.weight`` (§B.2, §C.7).
+    """
+
+    def __init__(self, *, vocab: int, rank: int, arch: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        w1, w2 = ("embed", "head") if arch == "v41" else ("markov_w1", "markov_w2")
+        self._names = (w1, w2)
+        setattr(self, w1, Linear(rank, vocab, dtype))  # weight [V, rank]: used as an embedding table
+        setattr(self, w2, Linear(rank, vocab, dtype))  # weight [V, rank]: rank -> vocab projection
+
+    @property
+    def w1(self) -> Tensor:
+        return getattr(self, self._names[0]).weight
+
+    @property
+    def w2(self) -> Tensor:
+        return getattr(self, self._names[1]).weight
+
+    def forward(self, prev: Tensor) -> tuple[Tensor, Tensor]:
+        """prev ``[B] int64`` -> (markov embed ``e [B, rank]``, vocab bias ``[B, V] float32``)."""
+        e = self.w1[prev]
+        return e, (e.float() @ self.w2.float().T)
+
+
+class ConfidenceHead(nn.Module):
+    """``confidence_head.proj.weight [1, d + rank]``, no bias [I: vLLM/SGLang load it without one, §11.3]."""
+
+    def __init__(self, *, dim: int, rank: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        del dtype  # stored fp32 in the checkpoint (§B.2) and kept fp32
+        self.proj = Linear(dim + rank, 1, torch.float32)
+
+    def forward(self, h: Tensor, e: Tensor) -> Tensor:
+        """h ``[B, d]`` PRE-norm head hidden of the position, e ``[B, rank]`` markov embed of the token BEFORE
+        the drafted one -> ``sigmoid(w · [h; e]) [B] float32``."""
+        x = torch.cat([h.float(), e.float()], dim=-1)
+        return torch.sigmoid(x @ self.proj.weight.float().T).squeeze(-1)
+
+
+class DSparkStage(Block):
+    """Draft stage ``mtp.{k}.``: a ratio-0 Block (own SWA ring) plus stage-specific extras.
+
+    Stage 0: ``main_proj [d, n_targets·d]``, ``main_norm``. Last stage: ``norm``, ``markov_head``,
+    ``confidence_head`` and (V4 only) ``hc_head_{fn,base,scale}``.
+    """
+
+    def __init__(self, args: object, plan: object, dtype: torch.dtype, *, index: int, count: int) -> None:
+        super().__init__(args, plan, dtype)
+        if plan.ratio != 0:
+            raise ModelConfigError(
+                f"compress_ratios[{plan.layer_id}]: DSpark stage needs ratio 0, found {plan.ratio}"
+            )
+        d = args.hidden_size
+        self.index = index
+        if index == 0:
+            self.main_proj = Linear(len(args.dspark_target_layer_ids) * d, d, dtype)
+            self.main_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        if index == count - 1:
+            self.norm = RMSNorm(d, args.rms_norm_eps, dtype)
+            rank = args.dspark_markov_rank
+            self.markov_head = MarkovHead(vocab=args.vocab_size, rank=rank, arch=args.arch, dtype=dtype)
+            self.confidence_head = ConfidenceHead(dim=d, rank=rank, dtype=dtype)
+            if args.has_hc_head:
+                add_hc_head_params(self, args)
+
+
+def build_stages(args: object, dtype: torch.dtype) -> nn.ModuleList:
+    """``Transformer.mtp``: one DSparkStage per draft layer id (checkpoint prefix ``mtp.{k}.``)."""
+    if not args.has_dspark:
+        raise ModelConfigError(
+            "dspark_block_size: found None, expected a DSpark config to build draft stages"
+        )
+    plans = [args.plan(lid) for lid in args.draft_layer_ids]
+    return nn.ModuleList(DSparkStage(args, p, dtype, index=k, count=len(plans)) for k, p in enumerate(plans))
+
+
+def _stages(model: nn.Module) -> nn.ModuleList:
+    stages = getattr(model, "mtp", None)
+    if stages is None or not model.args.has_dspark:
+        raise InputError("DSpark: this model has no DSpark draft stages (dspark_block_size missing)")
+    return stages
+
+
+def target_features(features: dict[int, Tensor], target_ids: tuple[int, ...]) -> Tensor:
+    """``a [T, n_targets·d]``: concatenation of the captured hc-stream means in ``dspark_target_layer_ids`` order."""
+    missing = [lid for lid in target_ids if lid not in features]
+    if missing:
+        raise InputError(
+            f"DSpark target features: layers {missing} were not captured (forward_features capture=)"
+        )
+    return torch.cat([features[lid] for lid in target_ids], dim=-1)
+
+
+def insert_context(model: nn.Module, batch: ForwardBatch, cache: ModelCache, features: Tensor) -> Tensor:
+    """Write the stages' context KV for the batch's positions; features ``[T, n_targets·d]``.
+
+    ``batch`` carries the accepted positions (input_ids are not used). Returns ``m [T, d]``.
+    """
+    stages = _stages(model)
+    ctx = ForwardContext.build(batch, cache)
+    s0 = stages[0]
+    m = s0.main_norm(s0.main_proj(features))
+    for st in stages:
+        st.attn.write_window(st.attn.project_kv(m, batch.positions), ctx)
+    return m
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftOutput:
+    """base_logits ``[T, V] float32`` (no Markov bias); hidden ``[T, d]`` pre-norm head input (confidence)."""
+
+    base_logits: Tensor
+    hidden: Tensor
+
+
+def draft_block_ids(anchors: Tensor, block_size: int, noise_token_id: int) -> Tensor:
+    """``[B·N] int64`` block tokens ``[y_p, noise, ..., noise]`` per sequence (sequence-major)."""
+    out = torch.full((anchors.shape[0], block_size), noise_token_id, dtype=torch.int64, device=anchors.device)
+    out[:, 0] = anchors
+    return out.reshape(-1)
+
+
+def draft_block(model: nn.Module, batch: ForwardBatch, cache: ModelCache) -> DraftOutput:
+    """One parallel pass of the draft stages over the batch's blocks (non-causal inside each block).
+
+    batch: per sequence the block tokens at positions ``p .. p+N-1`` (p = the anchor's position); the stages'
+    rings must hold the context KV of positions ``< p`` (``insert_context``). Nothing is written to the rings.
+    """
+    stages = _stages(model)
+    a = model.args
+    ctx = ForwardContext.build(batch, cache, block_noncausal=True)
+    e = model.embed.weight[batch.input_ids]
+    r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
+    pre: Tensor | None = None  # V4.1: delayed mHC starts again from stream 0
+    for st in stages:
+        r, pre = st(r, ctx, pre)
+    last = stages[-1]
+    h = apply_hc_head(last, r, a) if a.has_hc_head else hc_pre(r, pre)
+    logits = torch.nn.functional.linear(last.norm(h).float(), model.head.weight.float())
+    return DraftOutput(base_logits=logits, hidden=h)
+
+
+def markov_step(markov: MarkovHead, base_logits: Tensor, prev: Tensor) -> tuple[Tensor, Tensor]:
+    """One sequential Markov correction: ``logits_i = U_i + W2 · W1[prev]``; returns (logits ``[B, V]`` f32,
+    markov embed ``e_i [B, rank]``). ``prev`` is the token sampled at the previous block position (y_p for i=0)."""
+    e, bias = markov(prev)
+    return base_logits.float() + bias, e
+
+
+def greedy_draft(model: nn.Module, out: DraftOutput, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Greedy sequential drafting (test/reference policy) over ``out`` of ``B`` blocks of ``N`` positions.
+
+    Returns (draft tokens ``[B, N] int64``, corrected logits ``[B, N, V]`` f32, confidences ``[B, N]`` f32).
+    """
+    last = _stages(model)[-1]
+    b = anchors.shape[0]
+    u = out.base_logits.view(b, -1, out.base_logits.shape[-1])
+    hid = out.hidden.view(b, u.shape[1], -1)
+    prev = anchors
+    toks, logits, conf = [], [], []
+    for i in range(u.shape[1]):
+        li, ei = markov_step(last.markov_head, u[:, i], prev)
+        prev = torch.argmax(li, dim=-1)
+        toks.append(prev)
+        logits.append(li)
+        conf.append(last.confidence_head(hid[:, i], ei))
+    return torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(conf, 1)
