@@ -12,6 +12,7 @@ import re
 from typing import Any, Literal
 
 from deepinfer_engine.errors import ConfigError
+from deepinfer_engine.model.engram_hash import engram_num_embeddings
 
 __all__ = [
     "PRESETS",
@@ -29,6 +30,9 @@ REAL_VOCAB_SIZE = 129280
 V41_IMAGE_TOKEN_ID = 129264
 # Placeholder id that V4-Flash-0731 / V4.1 use as DSpark noise token (§1.2, §1.3).
 DSPARK_NOISE_TOKEN_ID = 128799
+
+# Prime base of the Engram tables in `layers-N` presets (real: 16,000,000).
+LAYERS_N_ENGRAM_VOCAB_SIZE = 65536
 
 PRESETS = ("tiny", "tiny-dspark", "full", "layers-N")
 
@@ -396,10 +400,16 @@ def _layers_n(full: dict[str, Any], arch: Literal["v4", "v41"], n: int) -> dict[
     if tc.get("candidate_source_layer_id") is not None and tc["candidate_source_layer_id"] >= n:
         for key in ("candidate_source_layer_id", "candidate_topk_blocks", "candidate_block_size"):
             tc.pop(key)
-    keep = [i for i, l in enumerate(tc["engram_layer_ids"]) if l < n]
-    tc["engram_layer_ids"] = [tc["engram_layer_ids"][i] for i in keep]
-    # Engram primes depend on the order of all engram layers; keeping a prefix keeps the sums.
-    tc["engram_num_embeddings"] = [tc["engram_num_embeddings"][i] for i in keep]
+    tc["engram_layer_ids"] = [l for l in tc["engram_layer_ids"] if l < n]
+    # The real Engram tables hold ~384M rows (~100 GB per layer): a benchmark checkpoint keeps the real row
+    # width and lookup count but a small prime base, so the tables are ~1.6M rows. Hashing cost is unchanged.
+    tc["engram_vocab_size"] = LAYERS_N_ENGRAM_VOCAB_SIZE
+    tc["engram_num_embeddings"] = engram_num_embeddings(
+        tc["engram_layer_ids"], tc["engram_max_ngram_size"], tc["engram_n_heads"], tc["engram_vocab_size"]
+    )
+    if not tc["engram_layer_ids"]:
+        for key in [k for k in tc if k.startswith("engram_")]:
+            tc.pop(key)
     tc["dspark_target_layer_ids"] = _shift_targets(tc["dspark_target_layer_ids"], L, n)
     tc["compress_ratios"] = tc["compress_ratios"][:n] + [0] * len(tc["dspark_target_layer_ids"])
     tc["num_nextn_predict_layers"] = len(tc["dspark_target_layer_ids"])

@@ -1,0 +1,26 @@
+"""Test helpers shared by the packages' test suites: tiny random checkpoints in the official format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["make_tiny_checkpoint"]
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    arch: str = "v41",
+    seed: int = 0,
+    preset: str = "tiny",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write a tiny random checkpoint (config.json, index, shards, tokenizer files) into `path`; return it.
+
+    `preset`: "tiny" (architecture.md §9 shapes, real 129,280-token vocabulary) or "tiny-dspark" (arch v4 only).
+    About 40 MB; takes ~1-2 s on CPU. Share one per test session (e.g. a session-scoped fixture).
+    """
+    from deepinfer_engine.model.writer import make_checkpoint
+
+    return make_checkpoint(path, arch, preset, seed, max_shard_bytes=max_shard_bytes)
