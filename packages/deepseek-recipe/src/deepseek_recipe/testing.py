@@ -118,3 +118,87 @@ def golden_cases(name: str) -> list[dict]:
         return []
     with open(d / name, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def drive_stream(api, converted, chunks, *, tokenizer, call_finish, model, response_id="resp-golden", created=1700000000):
+    """Feed corpus chunks to a stream processor the way the golden driver did; normalized output."""
+    from .parsing.stream_processor import InferenceChunk, InferenceFinishReason, PromptUsage, StreamProcessor
+    from .responses import response_class
+
+    gen = request_class(api).chunk_generator(converted, response_id, model)
+    gen._clock = lambda: created
+    processor = StreamProcessor(gen, converted.parsing_options, tokenizer)
+    resp_cls = response_class(api)
+    ready = next((c for c in chunks if c["kind"] == "ready"), None)
+    response = resp_cls(
+        response_id,
+        model,
+        created,
+        ready["prompt_tokens"] if ready else 0,
+        ready["prompt_cache_hit_tokens"] if ready else 0,
+    )
+    stream: list = []
+    pushed = 0
+    error = None
+
+    def take(events):
+        for ev in events:
+            response.accumulate(ev)
+            stream.append({"event": resp_cls.sse_event_name(ev), "data": normalize(ev.to_dict())})
+
+    import json
+
+    try:
+        for c in chunks:
+            if processor.finished:
+                break
+            kind = c["kind"]
+            if kind == "ready":
+                chunk = InferenceChunk.ready(
+                    prompt_usage=PromptUsage(
+                        prompt_tokens=c["prompt_tokens"], prompt_cache_hit_tokens=c["prompt_cache_hit_tokens"]
+                    ),
+                    system_fingerprint=c.get("system_fingerprint"),
+                )
+            elif kind == "text":
+                chunk = InferenceChunk.text(c["content"], c.get("token_count", 0))
+            elif kind == "tokens":
+                chunk = InferenceChunk.tokens(c["token_ids"])
+            else:
+                chunk = InferenceChunk.finish(getattr(InferenceFinishReason, c["finish_reason"]))
+            pushed += 1
+            take(processor.push(chunk))
+        if call_finish:
+            take(processor.finish())
+    except RuntimeError as exc:
+        error = exc
+    return {
+        "stream": stream,
+        "response": normalize(response.to_dict()),
+        "chunks_pushed": pushed,
+        "finished": processor.finished,
+        "error_exc": error,
+        "sse_done_data": resp_cls.sse_done_data(),
+    }
+
+
+def normalize(value):
+    """Corpus normalization: timestamps → 1700000000, generated tool-call ids → call_NN_<ID>."""
+    import re
+
+    pattern = re.compile(r"^call_(\d\d)_(ET_)?[A-Za-z0-9]{20}\d{4}$")
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if k in ("created", "created_at", "completed_at") and type(v) is int:
+                out[k] = 1700000000
+            else:
+                out[k] = normalize(v)
+        return out
+    if isinstance(value, list):
+        return [normalize(v) for v in value]
+    if isinstance(value, str):
+        m = pattern.match(value)
+        if m:
+            return f"call_{m.group(1)}_{m.group(2) or ''}<ID>"
+    return value

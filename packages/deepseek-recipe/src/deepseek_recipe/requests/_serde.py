@@ -93,10 +93,11 @@ def _serde_json_error(text: str) -> str:
     try:
         json.loads(text)
         return "number out of range"
-    except json.JSONDecodeError as exc:
-        pos = exc.pos
+    except json.JSONDecodeError as e:
+        exc = e
     except ValueError:
         return "number out of range"
+    pos = exc.pos
     ws = " \t\n\r"
     i = pos
     if exc.msg.startswith("Expecting value"):

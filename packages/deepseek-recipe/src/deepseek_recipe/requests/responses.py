@@ -228,6 +228,8 @@ def _parse(value: Any) -> dict:
     q["tools_raw"] = copy.deepcopy(tools)
     q["top_logprobs"] = r.opt("top_logprobs", "uint", 8)
     q["top_p"] = r.opt("top_p", "f32")
+    q["top_p_raw"] = r.raw("top_p")
+    q["temperature_raw"] = r.raw("temperature")
     q["user"] = r.opt("user", "str")
     return q
 
@@ -239,6 +241,55 @@ def _join(parts: list[Prompt]) -> Prompt:
             out.push_plain("\n\n")
         out.extend(p)
     return out
+
+
+def _format_echo(fmt: tuple) -> dict:
+    if fmt[0] == "json_schema":
+        return {"type": "json_schema", "name": fmt[1], "schema": copy.deepcopy(fmt[2]), "description": fmt[3], "strict": fmt[4]}
+    return {"type": fmt[0]}
+
+
+def _tool_choice_echo(tc: Any) -> Any:
+    if isinstance(tc, tuple):
+        if tc[1] in ("function", "custom"):
+            return {"type": tc[1], "name": tc[2]}
+        return {"type": tc[1]}
+    return tc
+
+
+def _function_echo(raw: dict) -> dict:
+    return {
+        "type": "function",
+        "name": raw.get("name"),
+        "description": raw.get("description"),
+        "parameters": copy.deepcopy(raw.get("parameters")),
+        "strict": raw.get("strict"),
+    }
+
+
+def _tool_echo(raw: dict) -> dict:
+    t = raw["type"]
+    if t == "function":
+        return _function_echo(raw)
+    if t in ("web_search", "web_search_2025_08_26"):
+        loc = raw.get("user_location")
+        if loc is not None:
+            loc = {k: loc.get(k) for k in ("city", "country", "region", "timezone")}
+        return {"type": t, "search_context_size": raw.get("search_context_size"), "user_location": loc}
+    if t == "namespace":
+        inner = [
+            _function_echo(x) if x.get("type") == "function" else {"type": "custom", "name": x.get("name")}
+            for x in raw.get("tools") or []
+        ]
+        return {"type": "namespace", "name": raw.get("name"), "description": raw.get("description"), "tools": inner}
+    if t == "custom":
+        return {"type": "custom", "name": raw.get("name")}
+    return {
+        "type": "tool_search",
+        "execution": raw.get("execution"),
+        "description": raw.get("description"),
+        "parameters": copy.deepcopy(raw.get("parameters")),
+    }
 
 
 class _ToolSet:
@@ -576,15 +627,14 @@ class ResponsesRequest:
         e._max_output_tokens = q["max_output_tokens"]
         if q["reasoning_raw"] is not None:
             e._reasoning = dict(q["reasoning_raw"])
-        e._temperature = 1.0 if q["temperature"] is None else q["temperature"]
+        e._temperature = 1.0 if q["temperature"] is None else q["temperature_raw"]
         if q["text_raw"] is not None:
-            fmt = q["text_raw"]["format"]
-            e._text = {"format": {"type": "text"} if fmt is None else copy.deepcopy(fmt), "verbosity": q["text_raw"]["verbosity"]}
+            e._text = {"format": _format_echo(q["format"]), "verbosity": q["text_raw"]["verbosity"]}
         if q["tool_choice_raw"] is not None:
-            e._tool_choice = q["tool_choice_raw"]
-        e._tools = [copy.deepcopy(raw) for raw, t in zip(q["tools_raw"] or [], q["tools"] or []) if t[0] != "unsupported"]
+            e._tool_choice = _tool_choice_echo(q["tool_choice"])
+        e._tools = [_tool_echo(raw) for raw, t in zip(q["tools_raw"] or [], q["tools"] or []) if t[0] != "unsupported"]
         e._top_logprobs = q["top_logprobs"] or 0
-        e._top_p = 1.0 if q["top_p"] is None else q["top_p"]
+        e._top_p = 1.0 if q["top_p"] is None else q["top_p_raw"]
         e._user = q["user"]
         return e
 
