@@ -16,7 +16,16 @@ from .messages import (
 )
 from .options import ConversionOptions, ReasoningContentBehavior, WebSearchBehavior
 
-__all__ = ["build_conversation", "conversion_options", "request_class", "convert_request"]
+__all__ = [
+    "build_conversation",
+    "conversion_options",
+    "request_class",
+    "convert_request",
+    "golden_dir",
+    "golden_cases",
+    "drive_stream",
+    "normalize",
+]
 
 
 def _tool(t: dict) -> ToolDefinition:
