@@ -157,3 +157,21 @@ def test_markov_head_sequential_greedy_hand_case() -> None:
     assert logits[0].tolist() == [[2.0, -2.0, 0.0], [1.0, 1.5, 0.0], [0.0, 0.0, 0.5]]
     want = [1 / (1 + math.exp(-v)) for v in (0.5 + 4.0, 0.0 + 2.0, -1.0 + 0.0)]
     torch.testing.assert_close(conf[0], torch.tensor(want), rtol=0, atol=1e-6)
+
+
+def test_v4_0731_stage_names_and_draft_runs() -> None:
+    """V4-0731 flavour: learned mtp.2.hc_head, markov_w1/markov_w2, features = layer OUTPUTS."""
+    from deepinfer_engine.model.presets import tiny_v4_dspark_config
+
+    a = ModelArgs.from_config_dict(tiny_v4_dspark_config())
+    m = Transformer(a, torch.float32)
+    init_random_(m, seed=2)
+    names = {n for n, _ in m.named_parameters()}
+    for n in ("mtp.2.hc_head_fn", "mtp.2.markov_head.markov_w1.weight", "mtp.2.markov_head.markov_w2.weight"):
+        assert n in names
+    assert "mtp.2.markov_head.embed.weight" not in names
+    ids = torch.randint(3, 400, (9,), generator=torch.Generator().manual_seed(0))
+    cache, bt = _prefill_and_context(m, ids)
+    d = _draft(m, cache, bt, 5, 9)
+    assert d.base_logits.shape == (a.dspark_block_size, a.vocab_size)
+    assert bool(torch.isfinite(d.base_logits).all())

@@ -87,3 +87,30 @@ def test_image_ids_change_the_output(model: Transformer) -> None:
         finally:
             emb[7] = saved
     assert float(diff) > 1e-3
+
+
+def test_rejected_speculative_tail_is_overwritten(model: Transformer) -> None:
+    """Rollback by position: after a forward over a rejected tail, re-running from the rollback point with the
+    real tokens reproduces the full forward (ratio-2 ring, compressed entries, index keys, token ring, SWA)."""
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.forward_batch import ForwardBatch
+
+    s0 = _seqs(model)[0]
+    n = s0.numel()
+    full = run_full(model, s0)
+    cache, bt = ModelCache.allocate_dense(model.args, [n + 8], dtype=torch.float32)
+    outs = []
+    with torch.no_grad():
+        for start, stop, junk in ((0, 7, 6), (7, 12, 5), (12, n, 0)):  # rollback points 7 (odd) and 12 (even)
+            if junk:
+                bad = torch.randint(3, 500, (junk,), generator=torch.Generator().manual_seed(start))
+                model(ForwardBatch.single(torch.cat([s0[start : start + 1], bad]), start_pos=start,
+                                          block_table=bt[0]), cache)  # fmt: skip
+            outs.append(model(ForwardBatch.single(s0[start:stop], start_pos=start, block_table=bt[0]), cache))
+            # a verify-style step that is only partly accepted: run junk after `stop`, keep nothing of it
+            if stop < n:
+                tail = torch.randint(3, 500, (3,), generator=torch.Generator().manual_seed(stop))
+                model(ForwardBatch.single(tail, start_pos=stop, block_table=bt[0]), cache)
+    err = max_rel_err(torch.cat(outs), full)
+    print(f"v41 rollback: max rel err {err:.3g}")
+    assert err <= TOL
