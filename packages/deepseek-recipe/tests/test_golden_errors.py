@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import deepseek_recipe as R
-from deepseek_recipe.testing import build_conversation, conversion_options, drive_stream, golden_cases, request_class
+import pytest
+from deepseek_recipe.testing import (
+    build_conversation,
+    conversion_options,
+    drive_stream,
+    golden_cases,
+    request_class,
+)
 
 
 def golden_params(name: str):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from deepseek_recipe.testing import convert_request, drive_stream, golden_cases
 
 
@@ -22,7 +21,8 @@ def _summary(response: dict) -> dict:
         "reasoning_content": msg.get("reasoning_content"),
         "content": msg.get("content"),
         "tool_calls": [
-            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in msg.get("tool_calls") or []
+            {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+            for c in msg.get("tool_calls") or []
         ],
         "finish_reason": choice["finish_reason"],
         "usage": response.get("usage"),

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import deepseek_recipe as R
+import pytest
 from deepseek_recipe.testing import build_conversation, convert_request, golden_cases
 
 

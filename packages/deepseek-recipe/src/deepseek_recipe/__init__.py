@@ -25,7 +25,6 @@ from .messages import (
     UrlImageSource,
     UserMessage,
 )
-from .tokenizer import Tokenizer
 from .options import (
     ConversionOptions,
     InferenceOptions,
@@ -36,39 +35,77 @@ from .options import (
     ThinkingInitialStage,
     WebSearchBehavior,
 )
+from .parsing.stream_processor import InferenceChunk, InferenceFinishReason, PromptUsage, StreamProcessor
 from .requests._common import ConversationRequest
 from .requests.chat_completions import ChatCompletionRequest
 from .requests.messages import MessagesRequest
-from .requests.responses import ResponsesRequest
+from .requests.responses import ResponsesEcho, ResponsesRequest
+from .responses.chat_completions import (
+    ChatCompletionChunk,
+    ChatCompletionChunkGenerator,
+    ChatCompletionResponse,
+)
+from .responses.messages import MessagesChunkGenerator, MessagesResponse, MessagesStreamEvent
+from .responses.responses import ResponsesChunkGenerator, ResponsesResponse, ResponsesStreamEvent
+from .tokenizer import Tokenizer
 
 try:
     __version__ = version("deepseek-recipe")
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
 
+# Names of the official wheel that need OpenCV / network image handling are not provided by this
+# pure-Python package: ImageInfo, ImageQuota, ImageResolver, MultiModalData, OpenCvImagePreprocessor,
+# PreprocessOptions, ReqwestImageFetcher.
 __all__ = [
     "IMAGE_SPECIAL_TOKEN_ID",
     "AssistantMessage",
     "BytesImageSource",
     "CalcResizeError",
+    "ChatCompletionChunk",
+    "ChatCompletionChunkGenerator",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
     "Conversation",
+    "ConversationRequest",
     "ConversionError",
+    "ConversionOptions",
     "DataUrlImageSource",
     "DeepseekV41Encoding",
     "DeepseekV4Encoding",
     "ImageError",
     "ImageSource",
+    "InferenceChunk",
+    "InferenceFinishReason",
+    "InferenceOptions",
     "LatestReminderMessage",
     "Message",
+    "MessagesChunkGenerator",
+    "MessagesRequest",
+    "MessagesResponse",
+    "MessagesStreamEvent",
+    "ModelVersion",
+    "OutputConstraint",
+    "ParsingOptions",
+    "PromptUsage",
+    "ReasoningContentBehavior",
     "RenderedPrompt",
+    "ResponsesChunkGenerator",
+    "ResponsesEcho",
+    "ResponsesRequest",
+    "ResponsesResponse",
+    "ResponsesStreamEvent",
     "SpecialToken",
     "SpecialTokens",
+    "StreamProcessor",
     "SystemMessage",
+    "ThinkingInitialStage",
     "Tokenizer",
     "ToolCall",
     "ToolDefinition",
     "ToolMessage",
     "UrlImageSource",
     "UserMessage",
+    "WebSearchBehavior",
     "__version__",
 ]

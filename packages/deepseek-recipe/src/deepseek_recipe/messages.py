@@ -235,7 +235,14 @@ class SystemMessage(_ContentMessage):
     __slots__ = ("_tools",)
     role = "system"
 
-    def __init__(self, content: str, image_sources=None, tools: Sequence[ToolDefinition] | None = None, *, image_token=None) -> None:
+    def __init__(
+        self,
+        content: str,
+        image_sources=None,
+        tools: Sequence[ToolDefinition] | None = None,
+        *,
+        image_token=None,
+    ) -> None:
         self._set_content(content, image_sources, image_token)
         self._tools = None if tools is None else list(tools)
 
@@ -265,7 +272,11 @@ class UserMessage(_ContentMessage):
         self._set_content(content, image_sources, image_token)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"role": "user", "content": self._content, "image_sources": [s.to_dict() for s in self._image_sources]}
+        return {
+            "role": "user",
+            "content": self._content,
+            "image_sources": [s.to_dict() for s in self._image_sources],
+        }
 
     def __repr__(self) -> str:
         return f"UserMessage({self._content!r})"
@@ -277,7 +288,9 @@ class ToolMessage(_ContentMessage):
     __slots__ = ("_tool_call_id",)
     role = "tool"
 
-    def __init__(self, content: str, tool_call_id: str | None = None, image_sources=None, *, image_token=None) -> None:
+    def __init__(
+        self, content: str, tool_call_id: str | None = None, image_sources=None, *, image_token=None
+    ) -> None:
         self._set_content(content, image_sources, image_token)
         self._tool_call_id = tool_call_id
 

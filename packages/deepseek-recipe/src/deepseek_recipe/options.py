@@ -75,7 +75,10 @@ class WebSearchBehavior(enum.Enum):
 
 
 def _default_models() -> dict[str, ModelVersion]:
-    return {"DeepSeek-V4-Pro": ModelVersion.DeepseekV4Pro, "DeepSeek-V4.1-Flash": ModelVersion.DeepseekV41Flash}
+    return {
+        "DeepSeek-V4-Pro": ModelVersion.DeepseekV4Pro,
+        "DeepSeek-V4.1-Flash": ModelVersion.DeepseekV41Flash,
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +130,9 @@ class ConversionOptions:
         table[str(model)] = model_version
         return replace(self, model_versions_by_name=table)
 
-    def with_model_versions_by_name(self, model_versions_by_name: dict[str, ModelVersion]) -> ConversionOptions:
+    def with_model_versions_by_name(
+        self, model_versions_by_name: dict[str, ModelVersion]
+    ) -> ConversionOptions:
         return replace(self, model_versions_by_name=dict(model_versions_by_name))
 
     def with_thinking_max_tokens_upper_bound(self, bound: int) -> ConversionOptions:
@@ -146,7 +151,11 @@ class ConversionOptions:
         return version
 
     def resolve_max_tokens_upper_bound(self, thinking_mode: bool) -> int:
-        return self.thinking_max_tokens_upper_bound if thinking_mode else self.non_thinking_max_tokens_upper_bound
+        return (
+            self.thinking_max_tokens_upper_bound
+            if thinking_mode
+            else self.non_thinking_max_tokens_upper_bound
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,7 +216,9 @@ class ParsingOptions:
     special_tokens: SpecialTokens = DEFAULT_SPECIAL_TOKENS
 
     def __post_init__(self) -> None:
-        if self.thinking_initial_stage is not None and not isinstance(self.thinking_initial_stage, ThinkingInitialStage):
+        if self.thinking_initial_stage is not None and not isinstance(
+            self.thinking_initial_stage, ThinkingInitialStage
+        ):
             raise TypeError(
                 f"thinking_initial_stage must be a ThinkingInitialStage or None, got {self.thinking_initial_stage!r}"
             )
@@ -223,6 +234,8 @@ class ParsingOptions:
             "parse_tool_calls": self.parse_tool_calls,
             "starts_in_tool_calls": self.starts_in_tool_calls,
             "parse_json_output": self.parse_json_output,
-            "thinking_initial_stage": None if self.thinking_initial_stage is None else self.thinking_initial_stage.value,
+            "thinking_initial_stage": None
+            if self.thinking_initial_stage is None
+            else self.thinking_initial_stage.value,
             "stop_sequences": list(self.stop_sequences),
         }

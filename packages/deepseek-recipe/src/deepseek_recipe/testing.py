@@ -29,7 +29,9 @@ __all__ = [
 
 
 def _tool(t: dict) -> ToolDefinition:
-    return ToolDefinition(t["name"], t.get("description"), t.get("parameters"), t.get("strict"), t.get("defer_loading", False))
+    return ToolDefinition(
+        t["name"], t.get("description"), t.get("parameters"), t.get("strict"), t.get("defer_loading", False)
+    )
 
 
 def build_conversation(spec: dict) -> Conversation:
@@ -39,7 +41,9 @@ def build_conversation(spec: dict) -> Conversation:
         role = m["role"]
         if role == "system":
             tools = m.get("tools")
-            messages.append(SystemMessage(m["content"], tools=None if tools is None else [_tool(t) for t in tools]))
+            messages.append(
+                SystemMessage(m["content"], tools=None if tools is None else [_tool(t) for t in tools])
+            )
         elif role == "user":
             messages.append(UserMessage(m["content"]))
         elif role == "assistant":
@@ -58,7 +62,14 @@ def build_conversation(spec: dict) -> Conversation:
             messages.append(LatestReminderMessage(m["content"]))
     kwargs: dict[str, Any] = {
         k: spec[k]
-        for k in ("thinking_mode", "tool_choice", "reasoning_effort", "response_format", "response_schema", "response_regex")
+        for k in (
+            "thinking_mode",
+            "tool_choice",
+            "reasoning_effort",
+            "response_format",
+            "response_schema",
+            "response_regex",
+        )
         if k in spec
     }
     return Conversation(messages, tools=[_tool(t) for t in spec.get("tools", ())], **kwargs)
@@ -86,7 +97,11 @@ def request_class(api: str):
     from .requests.messages import MessagesRequest
     from .requests.responses import ResponsesRequest
 
-    return {"chat_completions": ChatCompletionRequest, "messages": MessagesRequest, "responses": ResponsesRequest}[api]
+    return {
+        "chat_completions": ChatCompletionRequest,
+        "messages": MessagesRequest,
+        "responses": ResponsesRequest,
+    }[api]
 
 
 def convert_request(api: str, body: Any, opts: dict):
@@ -129,7 +144,9 @@ def golden_cases(name: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def drive_stream(api, converted, chunks, *, tokenizer, call_finish, model, response_id="resp-golden", created=1700000000):
+def drive_stream(
+    api, converted, chunks, *, tokenizer, call_finish, model, response_id="resp-golden", created=1700000000
+):
     """Feed corpus chunks to a stream processor the way the golden driver did; normalized output."""
     from .parsing.stream_processor import InferenceChunk, InferenceFinishReason, PromptUsage, StreamProcessor
     from .responses import response_class
@@ -154,8 +171,6 @@ def drive_stream(api, converted, chunks, *, tokenizer, call_finish, model, respo
         for ev in events:
             response.accumulate(ev)
             stream.append({"event": resp_cls.sse_event_name(ev), "data": normalize(ev.to_dict())})
-
-    import json
 
     try:
         for c in chunks:

@@ -18,7 +18,11 @@ __all__ = ["Tokenizer", "default_tokenizer_path"]
 
 def _bytes_to_unicode() -> dict[int, str]:
     # GPT-2 byte-level alphabet: printable bytes map to themselves, the rest to U+0100+.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = list(bs)
     n = 0
     for b in range(256):
@@ -84,7 +88,9 @@ class Tokenizer:
         return cls(text)
 
     @classmethod
-    def from_pretrained(cls, identifier: str, revision: str | None = None, token: str | None = None) -> Tokenizer:
+    def from_pretrained(
+        cls, identifier: str, revision: str | None = None, token: str | None = None
+    ) -> Tokenizer:
         """Load `tokenizer.json` from a local model directory (no network access in this package)."""
         path = os.path.join(identifier, "tokenizer.json")
         if os.path.isfile(path):
@@ -155,7 +161,11 @@ class Tokenizer:
                 )
             special_ids.append(i)
         nonempty = [r for r in regions if r]
-        encoded = iter(e.ids for e in self._plain.encode_batch_fast(nonempty, add_special_tokens=False)) if nonempty else iter(())
+        encoded = (
+            iter(e.ids for e in self._plain.encode_batch_fast(nonempty, add_special_tokens=False))
+            if nonempty
+            else iter(())
+        )
         ids: list[int] = []
         for k, region in enumerate(regions):
             if region:

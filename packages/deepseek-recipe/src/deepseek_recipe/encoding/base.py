@@ -44,7 +44,9 @@ class RenderedPrompt:
 
     __slots__ = ("_prompt", "_special_ranges", "_image_sources")
 
-    def __init__(self, prompt: str, special_ranges: list[tuple[int, int]], image_sources: list[ImageSource]) -> None:
+    def __init__(
+        self, prompt: str, special_ranges: list[tuple[int, int]], image_sources: list[ImageSource]
+    ) -> None:
         self._prompt = prompt
         self._special_ranges = special_ranges
         self._image_sources = image_sources
@@ -73,12 +75,17 @@ class WorkMessage:
 
 def to_work(message: Message) -> WorkMessage:
     if isinstance(message, SystemMessage):
-        return WorkMessage("system", message._prompt.copy(), image_sources=list(message._image_sources), tools=message._tools)
+        return WorkMessage(
+            "system", message._prompt.copy(), image_sources=list(message._image_sources), tools=message._tools
+        )
     if isinstance(message, UserMessage):
         return WorkMessage("user", message._prompt.copy(), image_sources=list(message._image_sources))
     if isinstance(message, ToolMessage):
         return WorkMessage(
-            "tool", message._prompt.copy(), image_sources=list(message._image_sources), tool_call_id=message._tool_call_id
+            "tool",
+            message._prompt.copy(),
+            image_sources=list(message._image_sources),
+            tool_call_id=message._tool_call_id,
         )
     if isinstance(message, AssistantMessage):
         return WorkMessage(
@@ -121,8 +128,10 @@ def tool_call_instructions(tokens: SpecialTokens, block: str, call: str, param: 
     ts, te = tokens.thinking_start, tokens.thinking_end
     p = Prompt()
     P, S = p.push_plain, p.push_special
-    P('## Tools\n\nYou have access to a set of tools to help answer the user\'s question. '
-      'You can invoke tools by writing a "<')
+    P(
+        "## Tools\n\nYou have access to a set of tools to help answer the user's question. "
+        'You can invoke tools by writing a "<'
+    )
     S(d)
     P(f'{block}>" block like the following:\n\n<')
     S(d)
@@ -141,8 +150,8 @@ def tool_call_instructions(tokens: SpecialTokens, block: str, call: str, param: 
     P(f"{call}>\n</")
     S(d)
     P(
-        f"{block}>\n\nString parameters should be specified as is and set `string=\"true\"`. For all other types "
-        "(numbers, booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+        f'{block}>\n\nString parameters should be specified as is and set `string="true"`. For all other types '
+        '(numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
         "If thinking_mode is enabled (triggered by "
     )
     S(ts)

@@ -89,7 +89,9 @@ class SpecialTokens:
         known = {f.name for f in fields(type(self))}
         for name, value in spellings.items():
             if name not in known:
-                raise TypeError(f"SpecialTokens got an unknown token {name!r}; expected one of {sorted(known)}")
+                raise TypeError(
+                    f"SpecialTokens got an unknown token {name!r}; expected one of {sorted(known)}"
+                )
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"SpecialTokens.{name} must be a non-empty string, got {value!r}")
         for f in fields(type(self)):

@@ -34,9 +34,7 @@ REASONING_EFFORT_MAX = (
     "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
     "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
 )
-JSON_OBJECT_SYSTEM_PROMPT = (
-    "You are a helpful assistant designed to output JSON.\n## Response Format:\n\nReply with JSON object ONLY."
-)
+JSON_OBJECT_SYSTEM_PROMPT = "You are a helpful assistant designed to output JSON.\n## Response Format:\n\nReply with JSON object ONLY."
 
 
 def _normalize(messages: list[WorkMessage]) -> list[WorkMessage]:

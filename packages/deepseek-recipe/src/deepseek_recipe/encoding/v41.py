@@ -50,10 +50,14 @@ def _sort_tool_results(messages: list[WorkMessage]) -> None:
             start = i
             while i < n and messages[i].role in ("user", "tool"):
                 i += 1
-            slots = [j for j in range(start, i) if messages[j].role == "tool" and messages[j].tool_call_id is not None]
+            slots = [
+                j
+                for j in range(start, i)
+                if messages[j].role == "tool" and messages[j].tool_call_id is not None
+            ]
             if len(slots) > 1 and order:
 
-                def key(msg: WorkMessage) -> int:
+                def key(msg: WorkMessage, order: list[str] = order) -> int:
                     try:
                         return order.index(msg.tool_call_id)
                     except ValueError:
@@ -72,7 +76,9 @@ class DeepseekV41Encoding(EncodingBase):
     __slots__ = ()
 
     def _tool_prompt(self, tools) -> Prompt:
-        schemas = "\n".join(_json.dumps_python_style(tool_definition_json(t)) for t in tools if not t._defer_loading)
+        schemas = "\n".join(
+            _json.dumps_python_style(tool_definition_json(t)) for t in tools if not t._defer_loading
+        )
         p = tool_call_instructions(self._tokens, " calls", " invoke", " parameter")
         p.push_plain(schemas)
         p.push_plain(

@@ -93,7 +93,17 @@ def _kmp_table(pattern: tuple) -> tuple:
 class _Branch:
     """One marker being matched: pattern, KMP table, progress, and what a match does."""
 
-    __slots__ = ("kind", "pattern", "table", "matched", "newlines", "first", "next_stage", "action", "first_bytes")
+    __slots__ = (
+        "kind",
+        "pattern",
+        "table",
+        "matched",
+        "newlines",
+        "first",
+        "next_stage",
+        "action",
+        "first_bytes",
+    )
 
     def __init__(self, kind: int, pattern: tuple, next_stage: tuple, action: tuple) -> None:
         self.kind = kind

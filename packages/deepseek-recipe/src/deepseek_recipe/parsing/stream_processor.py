@@ -33,7 +33,10 @@ class PromptUsage:
     __slots__ = ("prompt_tokens", "prompt_cache_hit_tokens")
 
     def __init__(self, *, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0) -> None:
-        for name, v in (("prompt_tokens", prompt_tokens), ("prompt_cache_hit_tokens", prompt_cache_hit_tokens)):
+        for name, v in (
+            ("prompt_tokens", prompt_tokens),
+            ("prompt_cache_hit_tokens", prompt_cache_hit_tokens),
+        ):
             if type(v) is not int or v < 0:
                 raise ValueError(f"PromptUsage.{name} must be a non-negative int, got {v!r}")
         self.prompt_tokens = prompt_tokens
@@ -60,7 +63,15 @@ class FinishReason(enum.Enum):
 class InferenceChunk:
     """One backend update, constructed with `ready`, `text`, `tokens`, or `finish`."""
 
-    __slots__ = ("kind", "content", "token_count", "token_ids", "finish_reason", "prompt_usage", "system_fingerprint")
+    __slots__ = (
+        "kind",
+        "content",
+        "token_count",
+        "token_ids",
+        "finish_reason",
+        "prompt_usage",
+        "system_fingerprint",
+    )
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -72,7 +83,9 @@ class InferenceChunk:
         self.system_fingerprint = None
 
     @staticmethod
-    def ready(*, prompt_usage: PromptUsage | None = None, system_fingerprint: str | None = None) -> InferenceChunk:
+    def ready(
+        *, prompt_usage: PromptUsage | None = None, system_fingerprint: str | None = None
+    ) -> InferenceChunk:
         c = InferenceChunk("ready")
         c.prompt_usage = prompt_usage or PromptUsage()
         c.system_fingerprint = system_fingerprint
@@ -111,8 +124,18 @@ class InferenceChunk:
 class OutputChunk:
     """An event handed to a protocol chunk generator: `kind` + fields."""
 
-    __slots__ = ("kind", "content", "tool_name", "arguments", "finish_reason", "stop_sequence", "completion_tokens",
-                 "reasoning_tokens", "system_fingerprint", "prompt_usage")
+    __slots__ = (
+        "kind",
+        "content",
+        "tool_name",
+        "arguments",
+        "finish_reason",
+        "stop_sequence",
+        "completion_tokens",
+        "reasoning_tokens",
+        "system_fingerprint",
+        "prompt_usage",
+    )
 
     def __init__(self, kind: str, **fields) -> None:
         self.kind = kind
@@ -243,7 +266,11 @@ class StreamProcessor:
 
     def _start(self, out: list, fingerprint=None) -> None:
         if not self._started:
-            out.extend(self._gen.generate(OutputChunk("start", system_fingerprint=fingerprint, prompt_usage=self._prompt_usage)))
+            out.extend(
+                self._gen.generate(
+                    OutputChunk("start", system_fingerprint=fingerprint, prompt_usage=self._prompt_usage)
+                )
+            )
             self._started = True
 
     def push(self, chunk: InferenceChunk) -> list:
@@ -278,7 +305,11 @@ class StreamProcessor:
                 self._closed = True
                 raise
             pieces = [
-                (d.content.encode("utf-8"), d.token_count, P.SPECIAL_TOKEN if d.is_special_token else P.PLAIN_TOKENS)
+                (
+                    d.content.encode("utf-8"),
+                    d.token_count,
+                    P.SPECIAL_TOKEN if d.is_special_token else P.PLAIN_TOKENS,
+                )
                 for d in decoded
             ]
         if not pieces:

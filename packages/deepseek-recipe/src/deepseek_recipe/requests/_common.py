@@ -8,7 +8,14 @@ from typing import Any
 
 from .. import _json
 from ..errors import ConversionError
-from ..messages import AssistantMessage, Conversation, DataUrlImageSource, ImageSource, ToolDefinition, UserMessage
+from ..messages import (
+    AssistantMessage,
+    Conversation,
+    DataUrlImageSource,
+    ImageSource,
+    ToolDefinition,
+    UserMessage,
+)
 from ..options import InferenceOptions, ModelVersion, OutputConstraint, ParsingOptions, ThinkingInitialStage
 from ._schema_check import default_strict_schema, normalize_strict_schema, validate_schema
 
@@ -69,7 +76,9 @@ class ConversationRequest:
         self._response_options = ResponseOptions()
 
     @classmethod
-    def _build(cls, conversation, inference_options, parsing_options, model_version, stream, response_options):
+    def _build(
+        cls, conversation, inference_options, parsing_options, model_version, stream, response_options
+    ):
         self = cls.__new__(cls)
         self._conversation = conversation
         self._inference_options = inference_options
@@ -117,7 +126,9 @@ class ConversationRequest:
 # -- thinking / effort ----------------------------------------------------------------------
 
 
-def resolve_thinking_mode(default: bool, thinking_type: str | None, effort: str | None) -> tuple[bool, str | None]:
+def resolve_thinking_mode(
+    default: bool, thinking_type: str | None, effort: str | None
+) -> tuple[bool, str | None]:
     if thinking_type in ("enabled", "adaptive"):
         thinking = True
     elif thinking_type == "disabled":
@@ -162,10 +173,14 @@ def normalize_reasoning_content(messages: list, thinking_mode: bool, has_tools: 
         if m._reasoning_content is not None:
             continue
         required = last_user is None or index > last_user
-        empty_thinking = m._tool_calls is not None and any(is_empty_thinking_tool_call_id(c._id) for c in m._tool_calls)
+        empty_thinking = m._tool_calls is not None and any(
+            is_empty_thinking_tool_call_id(c._id) for c in m._tool_calls
+        )
         must = required and not empty_thinking and (m._tool_calls is not None or has_tools)
         if must and reject:
-            raise ConversionError("The `reasoning_content` in the thinking mode must be passed back to the API.")
+            raise ConversionError(
+                "The `reasoning_content` in the thinking mode must be passed back to the API."
+            )
         m._reasoning_content = ""
 
 
@@ -269,7 +284,9 @@ class ClientTool:
     defer_loading: bool = False
 
 
-def convert_client_tools(tools: list[ClientTool], choice: Any, thinking_mode: bool) -> tuple[list[ToolDefinition], str]:
+def convert_client_tools(
+    tools: list[ClientTool], choice: Any, thinking_mode: bool
+) -> tuple[list[ToolDefinition], str]:
     """choice: "auto", "required" or ("named", name)."""
     names: set[str] = set()
     definitions: list[ToolDefinition] = []
@@ -279,7 +296,9 @@ def convert_client_tools(tools: list[ClientTool], choice: Any, thinking_mode: bo
         names.add(tool.name)
         params = normalize_tool_parameters(tool.name, tool.parameters, tool.strict)
         definitions.append(
-            ToolDefinition(tool.name, tool.description, {} if params is None else params, tool.strict, tool.defer_loading)
+            ToolDefinition(
+                tool.name, tool.description, {} if params is None else params, tool.strict, tool.defer_loading
+            )
         )
     if isinstance(choice, tuple):
         name = choice[1]
@@ -296,7 +315,9 @@ def convert_client_tools(tools: list[ClientTool], choice: Any, thinking_mode: bo
     return definitions, ("required" if required else "auto")
 
 
-def resolve_output_constraint(tools: list[ToolDefinition], tool_choice: str, fmt: tuple, has_response_format: bool):
+def resolve_output_constraint(
+    tools: list[ToolDefinition], tool_choice: str, fmt: tuple, has_response_format: bool
+):
     """fmt: ("text",) | ("json_object",) | ("json_schema", schema) | ("regex", regex)."""
     if tools and tool_choice != "none":
         if any(t._strict is True for t in tools):
@@ -308,7 +329,12 @@ def resolve_output_constraint(tools: list[ToolDefinition], tool_choice: str, fmt
         for t in tools:
             d: dict = {
                 "type": "function",
-                "function": {"name": t._name, "description": t._description, "parameters": t._parameters, "strict": t._strict},
+                "function": {
+                    "name": t._name,
+                    "description": t._description,
+                    "parameters": t._parameters,
+                    "strict": t._strict,
+                },
             }
             if t._defer_loading:
                 d["defer_loading"] = True
@@ -346,7 +372,9 @@ def inference_options(
             raise ConversionError(f"Invalid {name} value, the valid range of {name} is [-2, 2]")
     if temperature is not None and not 0.0 <= temperature <= 2.0:
         raise ConversionError("Invalid temperature value, the valid range of temperature is [0, 2]")
-    if top_p is not None and (top_p != top_p or top_p in (float("inf"), float("-inf")) or top_p <= 0.0 or top_p > 1.0):
+    if top_p is not None and (
+        top_p != top_p or top_p in (float("inf"), float("-inf")) or top_p <= 0.0 or top_p > 1.0
+    ):
         raise ConversionError("Invalid top_p value, the valid range of top_p is (0, 1.0]")
     lp = logprobs is True
     if top_logprobs is not None:
@@ -359,7 +387,9 @@ def inference_options(
     if max_tokens is not None and clamp_max_tokens:
         max_tokens = min(max_tokens, upper_bound)
     if max_tokens is not None and not 1 <= max_tokens <= upper_bound:
-        raise ConversionError(f"Invalid max_tokens value, the valid range of max_tokens is [1, {upper_bound}]")
+        raise ConversionError(
+            f"Invalid max_tokens value, the valid range of max_tokens is [1, {upper_bound}]"
+        )
     if seed is not None and seed >= 1 << 63:
         raise ConversionError("Invalid seed value, the valid range of seed is [0, 2^63)")
     return {

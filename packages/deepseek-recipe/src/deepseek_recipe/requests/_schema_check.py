@@ -26,7 +26,16 @@ _SCHEMA_SINGLE = (
     "unevaluatedProperties",
     "additionalItems",
 )
-_NON_NEGATIVE = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains", "maxContains")
+_NON_NEGATIVE = (
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
 
 
 def _j(value: Any) -> str:
@@ -51,7 +60,10 @@ def _check(s: Any) -> str | None:
     if "type" in s:
         t = s["type"]
         ok = (type(t) is str and t in _SIMPLE_TYPES) or (
-            type(t) is list and t and all(type(x) is str and x in _SIMPLE_TYPES for x in t) and len(set(t)) == len(t)
+            type(t) is list
+            and t
+            and all(type(x) is str and x in _SIMPLE_TYPES for x in t)
+            and len(set(t)) == len(t)
         )
         if not ok:
             return f"{_j(t)} is not valid under any of the schemas listed in the 'anyOf' keyword"
@@ -253,7 +265,15 @@ def _parse_type(v: Any) -> dict:
                     raise _Err(str(invalid_type(x, "a string")))
             out["enum"] = list(e)
     elif t in ("number", "integer"):
-        for key in ("const", "default", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+        for key in (
+            "const",
+            "default",
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+            "multipleOf",
+        ):
             x = _opt_number(v, key, t == "integer")
             if x is not None:
                 out[key] = x
@@ -339,7 +359,9 @@ def default_strict_schema() -> dict:
     return {"type": "object", "properties": {}, "additionalProperties": False, "required": []}
 
 
-def normalize_strict_schema(schema: Any, allow_empty_object: bool, error_prefix: str, top_level_error: str) -> dict:
+def normalize_strict_schema(
+    schema: Any, allow_empty_object: bool, error_prefix: str, top_level_error: str
+) -> dict:
     try:
         parsed = _parse_schema(schema)
     except _Err as exc:

@@ -75,7 +75,9 @@ def parse_body(body: Any) -> Any:
         try:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"invalid JSON request: invalid unicode code point at byte {exc.start}") from None
+            raise ValueError(
+                f"invalid JSON request: invalid unicode code point at byte {exc.start}"
+            ) from None
     elif isinstance(body, str):
         text = body
     else:

@@ -17,7 +17,7 @@ from ..messages import (
 )
 from ..options import ConversionOptions, InferenceOptions, ModelVersion, ParsingOptions
 from . import _common as C
-from ._serde import Reader, SchemaError, invalid_type, parse_body, tagged, variant
+from ._serde import Reader, SchemaError, parse_body, tagged, variant
 
 __all__ = ["ChatCompletionRequest"]
 
@@ -31,7 +31,12 @@ def _content(value: Any) -> Any:
     if type(value) is list:
         blocks = []
         for b in value:
-            kind = tagged(b, "type", ("text", "image_url", "file"), "internally tagged enum ChatCompletionRequestContentBlock")
+            kind = tagged(
+                b,
+                "type",
+                ("text", "image_url", "file"),
+                "internally tagged enum ChatCompletionRequestContentBlock",
+            )
             r = Reader(b, "struct")
             if kind == "text":
                 blocks.append(("text", r.req("text", "str")))
@@ -42,7 +47,9 @@ def _content(value: Any) -> Any:
                     detail = variant(detail, ("low", "high", "original", "auto"))
                 blocks.append(("image_url", iu.req("url", "str"), detail))
             else:
-                blocks.append(("file", r.opt("file_id", "str"), r.opt("file_data", "str"), r.opt("filename", "str")))
+                blocks.append(
+                    ("file", r.opt("file_id", "str"), r.opt("file_data", "str"), r.opt("filename", "str"))
+                )
         return blocks
     raise SchemaError("content should be a string or a list")
 
@@ -56,7 +63,9 @@ def _parse(value: Any) -> dict:
         role = tagged(m, "role", _ROLES, "internally tagged enum ChatCompletionRequestMessage")
         mr = Reader(m, "struct")
         if role in ("system", "user"):
-            parsed_msgs.append({"role": role, "content": _content(mr.required("content")), "name": mr.opt("name", "str")})
+            parsed_msgs.append(
+                {"role": role, "content": _content(mr.required("content")), "name": mr.opt("name", "str")}
+            )
         elif role == "assistant":
             content = mr.raw("content")
             calls = mr.opt("tool_calls", "list")
@@ -81,7 +90,11 @@ def _parse(value: Any) -> dict:
             )
         elif role == "tool":
             parsed_msgs.append(
-                {"role": role, "content": _content(mr.required("content")), "tool_call_id": mr.req("tool_call_id", "str")}
+                {
+                    "role": role,
+                    "content": _content(mr.required("content")),
+                    "tool_call_id": mr.req("tool_call_id", "str"),
+                }
             )
         else:
             parsed_msgs.append({"role": role, "content": mr.req("content", "str")})
@@ -130,7 +143,12 @@ def _parse(value: Any) -> dict:
             variant(tr.required("type"), ("function",))
             fr = Reader(tr.required("function"), "struct ChatCompletionFunctionDefinition")
             pt.append(
-                C.ClientTool(fr.req("name", "str"), fr.opt("description", "str"), fr.raw("parameters"), fr.opt("strict", "bool"))
+                C.ClientTool(
+                    fr.req("name", "str"),
+                    fr.opt("description", "str"),
+                    fr.raw("parameters"),
+                    fr.opt("strict", "bool"),
+                )
             )
         tools = pt
     out["tools"] = tools
@@ -280,7 +298,9 @@ def _transform_messages(messages: list, image_token: str, mv: ModelVersion) -> l
                 ids: set[str] = set()
                 for cid, _, _ in tcs:
                     if cid in ids:
-                        raise ConversionError(f"Duplicate value for 'tool_call_id' of {cid} in message[{index}]")
+                        raise ConversionError(
+                            f"Duplicate value for 'tool_call_id' of {cid} in message[{index}]"
+                        )
                     ids.add(cid)
                 checked: set[str] = set()
                 for _ in range(len(tcs)):
@@ -299,13 +319,17 @@ def _transform_messages(messages: list, image_token: str, mv: ModelVersion) -> l
                             f"each 'tool_call_id', The following tool_call_ids did not have response messages: {tcid}"
                         )
                     if tcid in checked:
-                        raise ConversionError(f"Duplicate value for 'tool_call_id' of {tcid} in message[{ti}]")
+                        raise ConversionError(
+                            f"Duplicate value for 'tool_call_id' of {tcid} in message[{ti}]"
+                        )
                     checked.add(tcid)
                     tcontent, tsources = _into_content(tm["content"], ti, image_token, mv)
                     C.validate_data_url_sources(tsources, f".messages[{ti}]")
                     tool_results.append(ToolMessage._from_prompt(tcontent, tsources, _tool_call_id=tcid))
                 calls = [ToolCall(cid, name, args) for cid, name, args in tcs]
-            result.append(AssistantMessage(content.text(), m["reasoning_content"], calls, m["prefix"] is True))
+            result.append(
+                AssistantMessage(content.text(), m["reasoning_content"], calls, m["prefix"] is True)
+            )
             result.extend(tool_results)
         elif role == "tool":
             raise ConversionError(
@@ -336,13 +360,16 @@ class ChatCompletionRequest:
             raise TypeError(f"options must be ConversionOptions, got {type(options).__name__}")
         q = self._req
         mv = options.resolve_model_version(q["model"])
-        thinking, effort = C.resolve_thinking_mode(options.default_thinking_mode, q["thinking"], q["reasoning_effort"])
+        thinking, effort = C.resolve_thinking_mode(
+            options.default_thinking_mode, q["thinking"], q["reasoning_effort"]
+        )
         tools = q["tools"] or []
         for index, tool in enumerate(tools):
             C.validate_tool_name(tool.name, f"tools[{index}].function")
         has_tools = bool(tools)
         has_tool_context = has_tools or any(
-            (m["role"] == "assistant" and m["tool_calls"] is not None) or m["role"] == "tool" for m in q["messages"]
+            (m["role"] == "assistant" and m["tool_calls"] is not None) or m["role"] == "tool"
+            for m in q["messages"]
         )
         image_token = options.special_tokens.image
         messages = _transform_messages(q["messages"], image_token, mv)
@@ -415,7 +442,12 @@ class ChatCompletionRequest:
             special_tokens=options.special_tokens,
         )
         conversation = Conversation(
-            messages, thinking_mode=thinking, tools=tool_defs, tool_choice=tool_choice, reasoning_effort=effort, **conv_kw
+            messages,
+            thinking_mode=thinking,
+            tools=tool_defs,
+            tool_choice=tool_choice,
+            reasoning_effort=effort,
+            **conv_kw,
         )
         so = q["stream_options"]
         ro = C.ResponseOptions(include_usage=bool(so and so["include_usage"]))

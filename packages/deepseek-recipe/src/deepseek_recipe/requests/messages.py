@@ -7,10 +7,18 @@ from typing import Any
 from .. import _json
 from ..encoding.prompt import Prompt
 from ..errors import ConversionError
-from ..messages import AssistantMessage, Conversation, SystemMessage, ToolCall, ToolDefinition, ToolMessage, UserMessage
+from ..messages import (
+    AssistantMessage,
+    Conversation,
+    SystemMessage,
+    ToolCall,
+    ToolDefinition,
+    ToolMessage,
+    UserMessage,
+)
 from ..options import ConversionOptions, InferenceOptions, ModelVersion, ParsingOptions, ThinkingInitialStage
 from . import _common as C
-from ._serde import Reader, SchemaError, invalid_type, parse_body, tagged, variant
+from ._serde import Reader, SchemaError, parse_body, tagged, variant
 
 __all__ = ["MessagesRequest"]
 
@@ -25,7 +33,13 @@ _BLOCKS = (
     "web_search_tool_result",
     "tool_addition",
 )
-_MEDIA = {"image/jpeg": "image/jpeg", "image/jpg": "image/jpeg", "image/png": "image/png", "image/gif": "image/gif", "image/webp": "image/webp"}
+_MEDIA = {
+    "image/jpeg": "image/jpeg",
+    "image/jpg": "image/jpeg",
+    "image/png": "image/png",
+    "image/gif": "image/gif",
+    "image/webp": "image/webp",
+}
 
 
 def _image_source(v: Any) -> tuple:
@@ -50,7 +64,9 @@ def _block(v: Any) -> dict:
     elif kind == "image":
         b["source"] = _image_source(r.required("source"))
     elif kind == "document":
-        b["media_type"] = Reader(r.required("source"), "struct MessagesDocumentSource").opt("media_type", "str")
+        b["media_type"] = Reader(r.required("source"), "struct MessagesDocumentSource").opt(
+            "media_type", "str"
+        )
     elif kind == "thinking":
         r.opt("signature", "str")
         b["thinking"] = r.req("thinking", "str")
@@ -67,14 +83,18 @@ def _block(v: Any) -> dict:
             elif type(content) is list:
                 blocks = []
                 for x in content:
-                    k = tagged(x, "type", ("text", "image", "document", "tool_reference"), "internally tagged enum")
+                    k = tagged(
+                        x, "type", ("text", "image", "document", "tool_reference"), "internally tagged enum"
+                    )
                     xr = Reader(x, "struct")
                     if k == "text":
                         blocks.append(("text", xr.req("text", "str")))
                     elif k == "image":
                         blocks.append(("image", _image_source(xr.required("source"))))
                     elif k == "document":
-                        blocks.append(("document", Reader(xr.required("source"), "struct").opt("media_type", "str")))
+                        blocks.append(
+                            ("document", Reader(xr.required("source"), "struct").opt("media_type", "str"))
+                        )
                     else:
                         blocks.append(("tool_reference", xr.req("tool_name", "str")))
                 content = blocks
@@ -139,7 +159,13 @@ def _parse(value: Any) -> dict:
             elif type(t) is dict and "name" in t:
                 tr = Reader(t, "struct")
                 parsed.append(
-                    ("client", tr.req("name", "str"), tr.opt("description", "str"), tr.required("input_schema"), tr.opt("defer_loading", "bool"))
+                    (
+                        "client",
+                        tr.req("name", "str"),
+                        tr.opt("description", "str"),
+                        tr.required("input_schema"),
+                        tr.opt("defer_loading", "bool"),
+                    )
                 )
             else:
                 raise SchemaError("missing field `name`")
@@ -147,7 +173,9 @@ def _parse(value: Any) -> dict:
     q["tools"] = tools
     tc = r.raw("tool_choice")
     if tc is not None:
-        kind = tagged(tc, "type", ("auto", "any", "tool", "none"), "internally tagged enum MessagesToolChoice")
+        kind = tagged(
+            tc, "type", ("auto", "any", "tool", "none"), "internally tagged enum MessagesToolChoice"
+        )
         tcr = Reader(tc, "struct")
         tcr.opt("disable_parallel_tool_use", "bool")
         tc = ("tool", tcr.req("name", "str")) if kind == "tool" else (kind,)
@@ -243,10 +271,14 @@ def _pending_error(prefix: str, pending: dict) -> ConversionError:
 
 
 def _tool_def(t: C.ClientTool) -> ToolDefinition:
-    return ToolDefinition(t.name, t.description, {} if t.parameters is None else t.parameters, t.strict, t.defer_loading)
+    return ToolDefinition(
+        t.name, t.description, {} if t.parameters is None else t.parameters, t.strict, t.defer_loading
+    )
 
 
-def _transform(q: dict, image_token: str, web_search_reject: bool, mv: ModelVersion, tools: list[C.ClientTool]) -> list:
+def _transform(
+    q: dict, image_token: str, web_search_reject: bool, mv: ModelVersion, tools: list[C.ClientTool]
+) -> list:
     messages = q["messages"]
     if not messages:
         raise ConversionError("messages: at least one message is required")
@@ -300,11 +332,17 @@ def _transform(q: dict, image_token: str, web_search_reject: bool, mv: ModelVers
                             )
                         added.append(_tool_def(tool))
                     elif t == "thinking":
-                        raise ConversionError(f"messages.{mi}.content: thinking blocks may only be in `assistant` messages")
+                        raise ConversionError(
+                            f"messages.{mi}.content: thinking blocks may only be in `assistant` messages"
+                        )
                     elif t in ("tool_use", "server_tool_use"):
-                        raise ConversionError(f"messages.{mi}: `tool_use` blocks can only be in `assistant` messages")
+                        raise ConversionError(
+                            f"messages.{mi}: `tool_use` blocks can only be in `assistant` messages"
+                        )
                     elif t == "tool_result":
-                        raise ConversionError(f"messages.{mi}: `tool_result` blocks can only be in `user` messages")
+                        raise ConversionError(
+                            f"messages.{mi}: `tool_result` blocks can only be in `user` messages"
+                        )
                     else:
                         raise ConversionError(
                             f"messages.{mi}: `web_search_tool_result` blocks can only be in `assistant` messages"
@@ -330,7 +368,9 @@ def _transform(q: dict, image_token: str, web_search_reject: bool, mv: ModelVers
                     p, s = _simple_block(b, path, path, image_token, mv)
                     out.append(UserMessage._from_prompt(p, [] if s is None else [s]))
                 elif t in ("tool_use", "server_tool_use"):
-                    raise ConversionError(f"messages.{mi}: `tool_use` blocks can only be in `assistant` messages")
+                    raise ConversionError(
+                        f"messages.{mi}: `tool_use` blocks can only be in `assistant` messages"
+                    )
                 elif t == "tool_result":
                     tid = b["tool_use_id"]
                     if tid in matched:
@@ -377,9 +417,13 @@ def _transform(q: dict, image_token: str, web_search_reject: bool, mv: ModelVers
                         tp = _join(parts)
                     out.append(ToolMessage._from_prompt(tp, ts, _tool_call_id=tid))
                 elif t == "tool_addition":
-                    raise ConversionError(f"messages.{mi}: `tool_addition` blocks can only be in `system` messages")
+                    raise ConversionError(
+                        f"messages.{mi}: `tool_addition` blocks can only be in `system` messages"
+                    )
                 elif t == "thinking":
-                    raise ConversionError(f"messages.{mi}.content: thinking blocks may only be in `assistant` messages")
+                    raise ConversionError(
+                        f"messages.{mi}.content: thinking blocks may only be in `assistant` messages"
+                    )
                 else:
                     raise ConversionError(
                         f"messages.{mi}: `web_search_tool_result` blocks can only be in `assistant` messages"
@@ -415,9 +459,13 @@ def _transform(q: dict, image_token: str, web_search_reject: bool, mv: ModelVers
                         raise ConversionError(f"messages.{mi}.content.{bi}: `tool_use` ids must be unique")
                     pending[b["id"]] = bi
                 elif t == "tool_result":
-                    raise ConversionError(f"messages.{mi}: `tool_result` blocks can only be in `user` messages")
+                    raise ConversionError(
+                        f"messages.{mi}: `tool_result` blocks can only be in `user` messages"
+                    )
                 elif t == "tool_addition":
-                    raise ConversionError(f"messages.{mi}: `tool_addition` blocks can only be in `system` messages")
+                    raise ConversionError(
+                        f"messages.{mi}: `tool_addition` blocks can only be in `system` messages"
+                    )
                 elif t == "thinking":
                     reasoning = b["thinking"] if reasoning is None else reasoning + "\n\n" + b["thinking"]
                 else:
@@ -471,12 +519,22 @@ class MessagesRequest:
                 raise ConversionError(f"tools[{index}]: server tools are not supported")
             _, name, desc, schema, defer = t
             C.validate_tool_name(name, f"tools[{index}]")
-            client.append(C.ClientTool(name, desc, schema, None, mv.supports_mid_conversation_system() and defer is True))
+            client.append(
+                C.ClientTool(
+                    name, desc, schema, None, mv.supports_mid_conversation_system() and defer is True
+                )
+            )
         if client and all(t.defer_loading for t in client):
-            raise ConversionError("tools: at least one tool must have defer_loading=false. All tools cannot be deferred.")
-        messages = _transform(q, options.special_tokens.image, options.messages_web_search.value == "reject", mv, client)
+            raise ConversionError(
+                "tools: at least one tool must have defer_loading=false. All tools cannot be deferred."
+            )
+        messages = _transform(
+            q, options.special_tokens.image, options.messages_web_search.value == "reject", mv, client
+        )
         try:
-            C.normalize_reasoning_content(messages, thinking, bool(raw_tools), options.reasoning_content_behavior.value == "reject")
+            C.normalize_reasoning_content(
+                messages, thinking, bool(raw_tools), options.reasoning_content_behavior.value == "reject"
+            )
         except ConversionError:
             raise ConversionError(
                 "The `content[].thinking` in the thinking mode must be passed back to the API."
@@ -513,9 +571,16 @@ class MessagesRequest:
             starts_in_tool_calls=tool_choice == "required",
             special_tokens=options.special_tokens,
         )
-        conversation = Conversation(messages, thinking_mode=thinking, tools=tools, tool_choice=tool_choice, reasoning_effort=effort)
+        conversation = Conversation(
+            messages, thinking_mode=thinking, tools=tools, tool_choice=tool_choice, reasoning_effort=effort
+        )
         return C.ConversationRequest._build(
-            conversation, InferenceOptions(**io, output_constraint=oc), parsing, mv, q["stream"] is True, C.ResponseOptions()
+            conversation,
+            InferenceOptions(**io, output_constraint=oc),
+            parsing,
+            mv,
+            q["stream"] is True,
+            C.ResponseOptions(),
         )
 
     @staticmethod

@@ -8,7 +8,14 @@ from typing import Any
 from .. import _json
 from ..encoding.prompt import Prompt
 from ..errors import ConversionError
-from ..messages import AssistantMessage, Conversation, SystemMessage, ToolCall, ToolDefinition, ToolMessage, UserMessage
+from ..messages import (
+    AssistantMessage,
+    Conversation,
+    SystemMessage,
+    ToolCall,
+    ToolMessage,
+    UserMessage,
+)
 from ..options import ConversionOptions, InferenceOptions, ModelVersion, ParsingOptions, ThinkingInitialStage
 from . import _common as C
 from ._serde import Reader, SchemaError, parse_body, tagged, variant
@@ -61,7 +68,12 @@ def _message(v: dict) -> dict:
     elif type(content) is list:
         blocks = []
         for b in content:
-            k = tagged(b, "type", ("input_text", "output_text", "input_image", "input_file"), "internally tagged enum ResponsesContentBlock")
+            k = tagged(
+                b,
+                "type",
+                ("input_text", "output_text", "input_image", "input_file"),
+                "internally tagged enum ResponsesContentBlock",
+            )
             br = Reader(b, "struct")
             if k in ("input_text", "output_text"):
                 blocks.append((k, br.req("text", "str")))
@@ -89,7 +101,12 @@ def _output(v: Any) -> Any:
     if type(v) is list:
         items = []
         for b in v:
-            k = tagged(b, "type", ("input_text", "input_image", "input_file"), "internally tagged enum ResponsesToolCallOutputItem")
+            k = tagged(
+                b,
+                "type",
+                ("input_text", "input_image", "input_file"),
+                "internally tagged enum ResponsesToolCallOutputItem",
+            )
             if k == "input_text":
                 items.append((k, Reader(b, "struct").req("text", "str")))
             elif k == "input_image":
@@ -127,10 +144,19 @@ def _item(v: Any) -> dict:
             r.opt("encrypted_content", "str")
             return {"kind": t, "texts": texts}
         if t == "custom_tool_call":
-            return {"kind": t, "call_id": r.req("call_id", "str"), "name": r.req("name", "str"), "input": r.req("input", "str")}
+            return {
+                "kind": t,
+                "call_id": r.req("call_id", "str"),
+                "name": r.req("name", "str"),
+                "input": r.req("input", "str"),
+            }
         if t == "custom_tool_call_output":
             out = r.raw("output")
-            return {"kind": t, "call_id": r.req("call_id", "str"), "output": None if out is None else _output(out)}
+            return {
+                "kind": t,
+                "call_id": r.req("call_id", "str"),
+                "output": None if out is None else _output(out),
+            }
         if t in ("tool_search_call", "tool_search_output"):
             return {"kind": "unsupported"}  # tool search needs V4.1 deferred tools; not supported here
         return {"kind": "web_search_call"}
@@ -153,7 +179,11 @@ def _tool(v: Any) -> tuple:
         inner = []
         for t in r.req("tools", "list"):
             ik = tagged(t, "type", ("function", "custom"), "internally tagged enum ResponsesNamespaceTool")
-            inner.append(("function", _function(t)) if ik == "function" else ("custom", Reader(t, "struct").req("name", "str")))
+            inner.append(
+                ("function", _function(t))
+                if ik == "function"
+                else ("custom", Reader(t, "struct").req("name", "str"))
+            )
         return ("namespace", r.req("name", "str"), r.opt("description", "str"), inner)
     if k == "custom":
         return ("custom", r.req("name", "str"))
@@ -162,7 +192,9 @@ def _tool(v: Any) -> tuple:
 
 def _function(v: dict) -> C.ClientTool:
     r = Reader(v, "struct ResponsesFunctionTool")
-    return C.ClientTool(r.req("name", "str"), r.opt("description", "str"), r.raw("parameters"), r.opt("strict", "bool"))
+    return C.ClientTool(
+        r.req("name", "str"), r.opt("description", "str"), r.raw("parameters"), r.opt("strict", "bool")
+    )
 
 
 def _parse(value: Any) -> dict:
@@ -201,10 +233,21 @@ def _parse(value: Any) -> dict:
         tr = Reader(text, "struct ResponsesTextConfig")
         f = tr.raw("format")
         if f is not None:
-            k = tagged(f, "type", ("text", "json_schema", "json_object"), "internally tagged enum ResponsesTextFormat")
+            k = tagged(
+                f,
+                "type",
+                ("text", "json_schema", "json_object"),
+                "internally tagged enum ResponsesTextFormat",
+            )
             fr = Reader(f, "struct")
             if k == "json_schema":
-                fmt = ("json_schema", fr.req("name", "str"), fr.required("schema"), fr.opt("description", "str"), fr.opt("strict", "bool"))
+                fmt = (
+                    "json_schema",
+                    fr.req("name", "str"),
+                    fr.required("schema"),
+                    fr.opt("description", "str"),
+                    fr.opt("strict", "bool"),
+                )
             else:
                 fmt = (k,)
         verbosity = tr.raw("verbosity")
@@ -217,8 +260,17 @@ def _parse(value: Any) -> dict:
         if tc in ("none", "auto", "required"):
             pass
         elif type(tc) is dict and "type" in tc:
-            k = tagged(tc, "type", ("function", "web_search", "web_search_2025_08_26", "custom"), "internally tagged enum")
-            tc = ("named", k, Reader(tc, "struct").req("name", "str") if k in ("function", "custom") else None)
+            k = tagged(
+                tc,
+                "type",
+                ("function", "web_search", "web_search_2025_08_26", "custom"),
+                "internally tagged enum",
+            )
+            tc = (
+                "named",
+                k,
+                Reader(tc, "struct").req("name", "str") if k in ("function", "custom") else None,
+            )
         else:
             raise SchemaError("expected one of `none`, `auto`, `required` or a tool choice object")
     q["tool_choice"] = tc
@@ -245,7 +297,13 @@ def _join(parts: list[Prompt]) -> Prompt:
 
 def _format_echo(fmt: tuple) -> dict:
     if fmt[0] == "json_schema":
-        return {"type": "json_schema", "name": fmt[1], "schema": copy.deepcopy(fmt[2]), "description": fmt[3], "strict": fmt[4]}
+        return {
+            "type": "json_schema",
+            "name": fmt[1],
+            "schema": copy.deepcopy(fmt[2]),
+            "description": fmt[3],
+            "strict": fmt[4],
+        }
     return {"type": fmt[0]}
 
 
@@ -281,7 +339,12 @@ def _tool_echo(raw: dict) -> dict:
             _function_echo(x) if x.get("type") == "function" else {"type": "custom", "name": x.get("name")}
             for x in raw.get("tools") or []
         ]
-        return {"type": "namespace", "name": raw.get("name"), "description": raw.get("description"), "tools": inner}
+        return {
+            "type": "namespace",
+            "name": raw.get("name"),
+            "description": raw.get("description"),
+            "tools": inner,
+        }
     if t == "custom":
         return {"type": "custom", "name": raw.get("name")}
     return {
@@ -440,7 +503,9 @@ def _resize_notice(item: dict) -> str | None:
     if type(c) is not list or len(c) != 1 or c[0][0] != "input_text":
         return None
     text = c[0][1]
-    return text if text.startswith("<image_resize_notice>") and text.endswith("</image_resize_notice>") else None
+    return (
+        text if text.startswith("<image_resize_notice>") and text.endswith("</image_resize_notice>") else None
+    )
 
 
 class _Group:
@@ -503,7 +568,9 @@ def _push_reasoning(item: dict, messages: list) -> None:
     if not (isinstance(last, AssistantMessage) and not last._content):
         messages.append(AssistantMessage("", None, None, False))
     last = messages[-1]
-    last._reasoning_content = text if last._reasoning_content is None else last._reasoning_content + "\n" + text
+    last._reasoning_content = (
+        text if last._reasoning_content is None else last._reasoning_content + "\n" + text
+    )
 
 
 def _transform_items(items: list, messages: list, tools: _ToolSet, conv: _Converter) -> None:
@@ -632,7 +699,9 @@ class ResponsesRequest:
             e._text = {"format": _format_echo(q["format"]), "verbosity": q["text_raw"]["verbosity"]}
         if q["tool_choice_raw"] is not None:
             e._tool_choice = _tool_choice_echo(q["tool_choice"])
-        e._tools = [_tool_echo(raw) for raw, t in zip(q["tools_raw"] or [], q["tools"] or []) if t[0] != "unsupported"]
+        e._tools = [
+            _tool_echo(raw) for raw, t in zip(q["tools_raw"] or [], q["tools"] or []) if t[0] != "unsupported"
+        ]
         e._top_logprobs = q["top_logprobs"] or 0
         e._top_p = 1.0 if q["top_p"] is None else q["top_p_raw"]
         e._user = q["user"]
@@ -664,11 +733,18 @@ class ResponsesRequest:
             raise ConversionError("Either input or instructions must be provided")
         try:
             C.normalize_reasoning_content(
-                messages, thinking, bool(tool_set.client), options.reasoning_content_behavior.value == "reject"
+                messages,
+                thinking,
+                bool(tool_set.client),
+                options.reasoning_content_behavior.value == "reject",
             )
         except ConversionError:
-            raise ConversionError("The `reasoning_text` in the thinking mode must be passed back to the API.") from None
-        ro = C.ResponseOptions(namespace_tool_map={n: k for n, k in tool_set.namespace_tools}, responses_echo=echo)
+            raise ConversionError(
+                "The `reasoning_text` in the thinking mode must be passed back to the API."
+            ) from None
+        ro = C.ResponseOptions(
+            namespace_tool_map={n: k for n, k in tool_set.namespace_tools}, responses_echo=echo
+        )
         tc = q["tool_choice"]
         if isinstance(tc, tuple) and tc[1] in ("web_search", "web_search_2025_08_26"):
             if options.responses_web_search.value == "reject":
@@ -721,7 +797,12 @@ class ResponsesRequest:
             special_tokens=options.special_tokens,
         )
         conversation = Conversation(
-            messages, thinking_mode=thinking, tools=tools, tool_choice=tool_choice, reasoning_effort=effort, **conv_kw
+            messages,
+            thinking_mode=thinking,
+            tools=tools,
+            tool_choice=tool_choice,
+            reasoning_effort=effort,
+            **conv_kw,
         )
         return C.ConversationRequest._build(
             conversation, InferenceOptions(**io, output_constraint=oc), parsing, mv, q["stream"] is True, ro
@@ -731,4 +812,6 @@ class ResponsesRequest:
     def chunk_generator(request: C.ConversationRequest, id: str, model: str):  # noqa: A002 - official name
         from ..responses.responses import ResponsesChunkGenerator
 
-        return ResponsesChunkGenerator(id, model, request.conversation.thinking_mode, request._response_options)
+        return ResponsesChunkGenerator(
+            id, model, request.conversation.thinking_mode, request._response_options
+        )

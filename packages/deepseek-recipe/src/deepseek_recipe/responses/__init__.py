@@ -7,4 +7,8 @@ def response_class(api: str):
     from .messages import MessagesResponse
     from .responses import ResponsesResponse
 
-    return {"chat_completions": ChatCompletionResponse, "messages": MessagesResponse, "responses": ResponsesResponse}[api]
+    return {
+        "chat_completions": ChatCompletionResponse,
+        "messages": MessagesResponse,
+        "responses": ResponsesResponse,
+    }[api]

@@ -44,7 +44,15 @@ def _usage(prompt: PromptUsage, completion_tokens: int, reasoning_tokens, thinki
 class ChatCompletionChunkGenerator:
     """Turns parser events into Chat Completions chunks."""
 
-    def __init__(self, id: str, model: str, *, include_usage: bool, thinking_mode: bool, starts_in_reasoning: bool | None = None) -> None:  # noqa: A002
+    def __init__(
+        self,
+        id: str,
+        model: str,
+        *,
+        include_usage: bool,
+        thinking_mode: bool,
+        starts_in_reasoning: bool | None = None,
+    ) -> None:  # noqa: A002
         self._id = id
         self._model = model
         self._clock = now
@@ -104,14 +112,21 @@ class ChatCompletionChunkGenerator:
             return self._chunk(
                 {
                     "tool_calls": [
-                        {"index": index, "id": call_id, "type": "function", "function": {"name": ev.tool_name, "arguments": ""}}
+                        {
+                            "index": index,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": ev.tool_name, "arguments": ""},
+                        }
                     ]
                 }
             )
         if k == "arguments":
             if self._next_index == 0:
                 return []
-            return self._chunk({"tool_calls": [{"index": self._next_index - 1, "function": {"arguments": ev.arguments}}]})
+            return self._chunk(
+                {"tool_calls": [{"index": self._next_index - 1, "function": {"arguments": ev.arguments}}]}
+            )
         # finish
         delta = {"content": ""}
         if self._thinking:
@@ -123,7 +138,9 @@ class ChatCompletionChunkGenerator:
 class ChatCompletionResponse:
     """The non-streamed `chat.completion` object built by accumulating chunks."""
 
-    def __init__(self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0) -> None:  # noqa: A002
+    def __init__(
+        self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
+    ) -> None:  # noqa: A002
         self._data: dict = {
             "id": id,
             "object": "chat.completion",

@@ -80,7 +80,13 @@ class MessagesChunkGenerator:
             return
         if self._active == "thinking":
             out.append(
-                self._ev({"type": "content_block_delta", "index": self._index, "delta": {"type": "signature_delta", "signature": self._signature}})
+                self._ev(
+                    {
+                        "type": "content_block_delta",
+                        "index": self._index,
+                        "delta": {"type": "signature_delta", "signature": self._signature},
+                    }
+                )
             )
         out.append(self._ev({"type": "content_block_stop", "index": self._index}))
         self._index += 1
@@ -106,7 +112,16 @@ class MessagesChunkGenerator:
                 return out
             self._started = True
             self._prompt_usage = pu = ev.prompt_usage
-            out.append(self._ev({"type": "message_start", "message": _message(self._id, self._model, pu.prompt_tokens, pu.prompt_cache_hit_tokens)}))
+            out.append(
+                self._ev(
+                    {
+                        "type": "message_start",
+                        "message": _message(
+                            self._id, self._model, pu.prompt_tokens, pu.prompt_cache_hit_tokens
+                        ),
+                    }
+                )
+            )
             if self._thinking:
                 self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}, out)
         elif k == "content":
@@ -122,7 +137,9 @@ class MessagesChunkGenerator:
         elif k == "tool_call_named":
             call_id = new_tool_call_id(self._next_call, self._thinking and not self._reasoning)
             self._next_call += 1
-            self._open("tool_use", {"type": "tool_use", "id": call_id, "name": ev.tool_name, "input": {}}, out)
+            self._open(
+                "tool_use", {"type": "tool_use", "id": call_id, "name": ev.tool_name, "input": {}}, out
+            )
         elif k == "arguments":
             if self._active == "tool_use":
                 out.append(self._delta({"type": "input_json_delta", "partial_json": ev.arguments}))
@@ -146,7 +163,9 @@ class MessagesChunkGenerator:
 class MessagesResponse:
     """The non-streamed Messages response built by accumulating events."""
 
-    def __init__(self, id: str, model: str, created: int = 0, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0) -> None:  # noqa: A002
+    def __init__(
+        self, id: str, model: str, created: int = 0, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
+    ) -> None:  # noqa: A002
         self._data = _message(id, model, prompt_tokens, prompt_cache_hit_tokens)
         self._partial: dict[int, str] = {}
 

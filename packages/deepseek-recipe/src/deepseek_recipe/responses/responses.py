@@ -134,7 +134,16 @@ class ResponsesChunkGenerator:
         if item["type"] in ("message", "reasoning") and item["content"]:
             part = item["content"].pop()
         self._active = index
-        out.append(self._ev({"type": "response.output_item.added", "item": item, "output_index": index, "sequence_number": self._n()}))
+        out.append(
+            self._ev(
+                {
+                    "type": "response.output_item.added",
+                    "item": item,
+                    "output_index": index,
+                    "sequence_number": self._n(),
+                }
+            )
+        )
         if part is not None:
             out.append(
                 self._ev(
@@ -209,7 +218,16 @@ class ResponsesChunkGenerator:
                     }
                 )
             )
-        out.append(self._ev({"type": "response.output_item.done", "item": item, "output_index": index, "sequence_number": self._n()}))
+        out.append(
+            self._ev(
+                {
+                    "type": "response.output_item.done",
+                    "item": item,
+                    "output_index": index,
+                    "sequence_number": self._n(),
+                }
+            )
+        )
 
     def _append_text(self, delta: str, reasoning: bool, out: list) -> None:
         r = self._resp()
@@ -279,8 +297,20 @@ class ResponsesChunkGenerator:
             self._started = True
             self._prompt_usage = ev.prompt_usage
             r = self._resp()
-            out.append(self._ev({"type": "response.created", "response": copy.deepcopy(r), "sequence_number": self._n()}))
-            out.append(self._ev({"type": "response.in_progress", "response": copy.deepcopy(r), "sequence_number": self._n()}))
+            out.append(
+                self._ev(
+                    {"type": "response.created", "response": copy.deepcopy(r), "sequence_number": self._n()}
+                )
+            )
+            out.append(
+                self._ev(
+                    {
+                        "type": "response.in_progress",
+                        "response": copy.deepcopy(r),
+                        "sequence_number": self._n(),
+                    }
+                )
+            )
         elif k == "content":
             self._append_text(ev.content, False, out)
         elif k == "reasoning":
@@ -295,7 +325,13 @@ class ResponsesChunkGenerator:
             index = len(r["output"])
             call_id = new_tool_call_id(self._next_call, self._thinking and not self._reasoning)
             name, namespace = self._resolve(ev.tool_name)
-            item = {"type": "function_call", "id": f"fc_{self._id}_{index}", "status": "in_progress", "call_id": call_id, "name": name}
+            item = {
+                "type": "function_call",
+                "id": f"fc_{self._id}_{index}",
+                "status": "in_progress",
+                "call_id": call_id,
+                "name": name,
+            }
             if namespace is not None:
                 item["namespace"] = namespace
             item["arguments"] = ""
@@ -319,7 +355,10 @@ class ResponsesChunkGenerator:
                 )
         elif k == "finish":
             r = self._resp()
-            reason = {FinishReason.Length: "max_output_tokens", FinishReason.ContentFilter: "content_filter"}.get(ev.finish_reason)
+            reason = {
+                FinishReason.Length: "max_output_tokens",
+                FinishReason.ContentFilter: "content_filter",
+            }.get(ev.finish_reason)
             r["incomplete_details"] = None if reason is None else {"reason": reason}
             r["status"] = "incomplete" if reason is not None else "completed"
             pu = self._prompt_usage
@@ -341,7 +380,9 @@ class ResponsesChunkGenerator:
 class ResponsesResponse:
     """The non-streamed Responses object built by accumulating events."""
 
-    def __init__(self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0) -> None:  # noqa: A002
+    def __init__(
+        self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
+    ) -> None:  # noqa: A002
         self._data = _new_response(id, model, created)
 
     def accumulate(self, event: ResponsesStreamEvent) -> None:
