@@ -1,0 +1,210 @@
+"""`deepinfer inspect`: architecture, per-layer plan, parameter and byte counts; checks a checkpoint.
+
+`deepinfer inspect DIR` reads DIR/config.json and checks the shards against the inventory;
+`deepinfer inspect --config FILE` does the same from a bare config.json (no weights);
+without either it inspects the embedded default checkpoint. `--forward` runs the model on a short prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deepinfer_engine.errors import DeepInferError
+from deepinfer_engine.model.args import LayerPlan, ModelArgs
+from deepinfer_engine.model.inventory import InventorySummary, summarize, tensor_inventory
+
+__all__ = ["add_arguments", "format_report", "run"]
+
+_SECTION_TITLE = {"backbone": "backbone", "engram": "Engram", "draft": "draft (MTP/DSpark)"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "dir", nargs="?", type=Path, help="checkpoint directory (default: the embedded default)"
+    )
+    parser.add_argument("--config", type=Path, help="inspect a bare config.json instead (no weights)")
+    parser.add_argument("--no-plan", action="store_true", help="omit the per-layer table")
+    parser.add_argument(
+        "--forward", action="store_true", help="run the model on a short prompt, print logit stats"
+    )
+    parser.add_argument("--prompt", default="Hello, DeepSeek!", help="prompt for --forward")
+    parser.add_argument("--device", default="cpu", help="device for --forward (default cpu)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype for --forward (default float32)",
+    )
+
+
+def _arch_lines(a: ModelArgs) -> list[str]:
+    name = {"v4": "DeepSeek-V4-Flash family", "v41": "DeepSeek-V4.1-Flash family"}[a.arch]
+    draft = (
+        f"{a.num_draft_layers} DSpark stages (block {a.dspark_block_size}, targets {list(a.dspark_target_layer_ids)})"
+        if a.has_dspark
+        else f"{a.num_draft_layers} MTP block(s)"
+    )
+    if a.expert_dtype == "fp4":
+        experts = "FP4 e2m1 experts with 1x32 E8M0 scales"
+    else:
+        experts = "FP8 experts"
+    lines = [
+        f"architecture: {name} (model_type {a.model_type}, arch {a.arch})",
+        f"  hidden {a.hidden_size}, layers {a.num_hidden_layers} + {draft}, vocab {a.vocab_size}",
+        f"  attention: {a.num_attention_heads} heads x {a.head_dim} (rope {a.qk_rope_head_dim}), 1 shared KV head, "
+        f"q_lora {a.q_lora_rank}, wo {a.o_groups} groups x {a.o_lora_rank}, window {a.sliding_window}",
+        f"  indexer: {a.index_n_heads} heads x {a.index_head_dim}, top-{a.index_topk}",
+        f"  MoE: {a.n_routed_experts} experts top-{a.num_experts_per_tok} (I={a.moe_intermediate_size}) + "
+        f"{a.n_shared_experts} shared, {a.scoring_func}, x{a.routed_scaling_factor}, hash layers {a.num_hash_layers}",
+        f"  mHC: {a.hc_mult} streams, {a.hc_sinkhorn_iters} Sinkhorn iters"
+        + (", delayed pre-mix, no hc_head" if a.uses_delayed_mhc else ", learned hc_head"),
+        f"  RoPE: theta {a.rope_theta:g} (ratio 0) / {a.compress_rope_theta:g}"
+        + (
+            f" + YaRN x{a.rope_scaling.factor:g} from {a.rope_scaling.original_max_position_embeddings}"
+            if a.rope_scaling
+            else ""
+        )
+        + f"; rms_norm_eps {a.rms_norm_eps:g}",
+        f"  weights: FP8 e4m3, {a.weight_block_size[0]}x{a.weight_block_size[1]} blocks, "
+        f"{a.scale_fmt or 'float32'} scales; {experts}",
+    ]
+    if a.engram_layer_ids:
+        lines.append(
+            f"  Engram: layers {list(a.engram_layer_ids)}, rows {list(a.engram_num_embeddings)}, "
+            f"{a.engram_num_ngram_heads} lookups x {a.engram_head_dim}, compressed vocab "
+            f"{a.engram_compressed_vocab_size}"
+        )
+    if a.arch == "v41":
+        lines.append(
+            f"  CSA2: kv sources {list(a.kv_source_layer_ids)}, index sources {list(a.index_source_layer_ids)}, "
+            f"candidate source {a.candidate_source_layer_id} ({a.candidate_topk_blocks} blocks x "
+            f"{a.candidate_block_size})"
+        )
+    return lines
+
+
+def _plan_lines(plans: tuple[LayerPlan, ...]) -> list[str]:
+    def flag(b: bool, c: str) -> str:
+        return c if b else "."
+
+    out = [
+        "layer plan:",
+        "  layer  prefix     ratio kind mode    kv idx  C K Q P U H E  rope            experts",
+    ]
+    for p in plans:
+        out.append(
+            f"  {p.layer_id:>5}  {p.prefix:<10} {p.ratio:>5} {p.kind:<4} {p.mode:<7} "
+            f"{'-' if p.kv_source is None else p.kv_source:>2} {'-' if p.index_source is None else p.index_source:>3}  "
+            f"{flag(p.has_compressor, 'C')} {flag(p.has_indexer_k, 'K')} {flag(p.has_indexer_q, 'Q')} "
+            f"{flag(p.publishes_candidates, 'P')} {flag(p.consumes_candidates, 'U')} {flag(p.is_hash_layer, 'H')} "
+            f"{flag(p.has_engram, 'E')}  {p.rope_theta:>8g}{' yarn' if p.use_yarn else '     '}  "
+            f"{p.n_routed_experts} top-{p.num_experts_per_tok}"
+        )
+    out.append(
+        "  (C compressor, K indexer keys, Q indexer query/top-k, P publishes / U consumes candidate blocks, "
+        "H hash-routed, E Engram)"
+    )
+    return out
+
+
+def _count_lines(s: InventorySummary) -> list[str]:
+    out = ["parameters:"]
+    sections = [sec for sec, _ in s.params_by_section]
+    for sec in sections:
+        out.append(f"  {_SECTION_TITLE.get(sec, sec):<22} {s.params(sec):>20,}")
+        for sec2, comp, v in s.params_by_component:
+            if sec2 == sec:
+                out.append(f"    {comp:<20} {v:>20,}")
+    if "draft" in sections:
+        out.append(f"  {'total without draft':<22} {s.total_params - s.params('draft'):>20,}")
+    out.append(f"  {'total':<22} {s.total_params:>20,}")
+    out.append("bytes (weights + scales, as stored):")
+    for sec in sections:
+        out.append(f"  {_SECTION_TITLE.get(sec, sec):<22} {s.bytes(sec):>20,}")
+    out.append(f"  {'total_size':<22} {s.total_bytes:>20,}")
+    out.append(f"tensors (weights + scales): {s.num_tensors:,}")
+    return out
+
+
+def format_report(args: ModelArgs, *, plan: bool = True) -> list[str]:
+    lines = _arch_lines(args)
+    if plan:
+        lines += _plan_lines(args.layer_plans)
+    lines += _count_lines(summarize(tensor_inventory(args)))
+    return lines
+
+
+def _forward_lines(directory: Path, prompt: str, device: str, dtype_name: str) -> list[str]:
+    import torch
+
+    try:
+        from deepinfer_engine.model.cache import ModelCache
+        from deepinfer_engine.model.forward_batch import ForwardBatch
+        from deepinfer_engine.model.loader import load_model
+    except ImportError as exc:
+        raise DeepInferError(
+            f"--forward needs the model modules, which are not importable yet ({exc})"
+        ) from exc
+    from tokenizers import Tokenizer
+
+    tok_path = directory / "tokenizer.json"
+    if not tok_path.is_file():
+        raise DeepInferError(f"--forward: {directory} has no tokenizer.json to encode the prompt")
+    ids = [0, *Tokenizer.from_file(str(tok_path)).encode(prompt, add_special_tokens=False).ids]  # BOS first
+    dtype = getattr(torch, dtype_name)
+    model = load_model(directory, dtype=dtype, device=device, with_draft=False)
+    input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
+    cache, block_tables = ModelCache.allocate_dense(model.args, [len(ids)], dtype=dtype, device=device)
+    batch = ForwardBatch.single(input_ids, block_table=block_tables.to(device))
+    with torch.inference_mode():
+        logits = model.forward(batch, cache).float()
+    last = logits[-1]
+    finite = bool(torch.isfinite(logits).all())
+    return [
+        f"forward: {len(ids)} tokens ({device}, {dtype_name}), logits {list(logits.shape)}",
+        f"  all positions: mean {logits.mean().item():.4f} std {logits.std().item():.4f} "
+        f"min {logits.min().item():.4f} max {logits.max().item():.4f} finite {finite}",
+        f"  last position: argmax {int(last.argmax())} max {last.max().item():.4f} std {last.std().item():.4f}",
+    ]
+
+
+def run(ns: argparse.Namespace) -> int:
+    try:
+        if ns.config is not None:
+            if ns.dir is not None:
+                raise DeepInferError("give either a checkpoint DIR or --config FILE, not both")
+            if ns.forward:
+                raise DeepInferError("--forward needs weights: give a checkpoint DIR, not --config")
+            args = ModelArgs.from_file(ns.config)
+            print(f"config: {ns.config}")
+            print("\n".join(format_report(args, plan=not ns.no_plan)))
+            return 0
+        directory = ns.dir
+        if directory is None:
+            from deepinfer_engine.default_model import default_model_dir
+
+            directory = default_model_dir()
+        from deepinfer_engine.model.checkpoint import CheckpointReader
+
+        with CheckpointReader(directory) as reader:
+            print(f"checkpoint: {directory}")
+            print("\n".join(format_report(reader.args, plan=not ns.no_plan)))
+            names = reader.tensor_names()
+            shards = len({reader.shard_of(n) for n in names})
+            probs = reader.problems(limit=0)
+            if probs:
+                print(f"check: FAILED, {len(probs)} problems")
+                for p in probs[:50]:
+                    print(f"  {p}")
+                if len(probs) > 50:
+                    print(f"  ... {len(probs) - 50} more")
+                return 1
+            print(f"check: OK ({len(names):,} tensors in {shards} shards, {reader.stored_nbytes():,} bytes)")
+        if ns.forward:
+            print("\n".join(_forward_lines(Path(directory), ns.prompt, ns.device, ns.dtype)))
+    except DeepInferError as exc:
+        print(f"deepinfer inspect: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

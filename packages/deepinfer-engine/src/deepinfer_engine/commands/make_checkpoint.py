@@ -1,0 +1,52 @@
+"""`deepinfer make-checkpoint`: write a random checkpoint in the official release format."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deepinfer_engine.errors import DeepInferError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", choices=["v41", "v4"], default="v41", help="architecture (default v41)")
+    parser.add_argument(
+        "--preset",
+        default="tiny",
+        help="tiny (architecture.md §9 shapes, real vocabulary), tiny-dspark (v4 with 3 DSpark stages), "
+        "layers-N (real widths, N layers), full (the released size)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (created)")
+    parser.add_argument(
+        "--max-shard-bytes",
+        type=int,
+        default=None,
+        help="split shards at this many bytes (default 10 MB below 1 GB total, else 4 GB)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="write into a directory that holds a checkpoint"
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    from deepinfer_engine.model.checkpoint import CheckpointReader
+    from deepinfer_engine.model.writer import make_checkpoint
+
+    try:
+        out = make_checkpoint(
+            ns.out, ns.arch, ns.preset, ns.seed, max_shard_bytes=ns.max_shard_bytes, overwrite=ns.overwrite
+        )
+        with CheckpointReader(out) as reader:
+            names = reader.tensor_names()
+            shards = len({reader.shard_of(n) for n in names})
+            total = reader.total_size
+    except DeepInferError as exc:
+        print(f"deepinfer make-checkpoint: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}: arch {ns.arch}, preset {ns.preset}, seed {ns.seed}")
+    print(f"  {len(names):,} tensors in {shards} shards, {total:,} bytes")
+    return 0
