@@ -225,3 +225,43 @@ def test_consumer_stays_inside_candidate_blocks(tiny: ModelArgs) -> None:
         n_valid = int((ctx.topk[7][t] >= 0).sum())
         assert n_valid == min(tiny.index_topk, sum(min(bs, t + 1 - b * bs) for b in chosen))
     assert restricted > 0
+
+
+def test_compressed_entries_and_index_keys_follow_the_formula(tiny: ModelArgs) -> None:
+    """C_w = RoPE(RMSNorm(Σ softmax(Z)·A; norm), 2w) and KI_w = RoPE(RMSNorm(wk · pre-RoPE latent; k_norm), 2w)."""
+    mods = _modules(tiny, seed=7)
+    n = 7
+    xs, qrs = _inputs(tiny, [n], seed=2)
+    cache, bt = ModelCache.allocate_dense(tiny, [n], dtype=torch.float32, page_size=4)
+    ctx = ForwardContext.build(
+        ForwardBatch.single(torch.zeros(n, dtype=torch.int64), block_table=bt[0]), cache
+    )
+    plan, comp, idx = mods[2]
+    view = csa2_update_source(plan=plan, compressor=comp, indexer=idx, x=xs[0], ctx=ctx, rope=_rope)
+    assert view.seq_counts == (3,) and view.ratio == 2  # token 6 opened group 3
+    eps = tiny.rms_norm_eps
+    for w in range(3):
+        xa, xb = xs[0][2 * w], xs[0][2 * w + 1]
+        a = torch.stack([comp.wkv.weight @ xa, comp.wkv.weight @ xb])
+        z = torch.stack([comp.wgate.weight @ xa, comp.wgate.weight @ xb])
+        pooled = (torch.softmax(z, 0) * a).sum(0)
+        latent = pooled / torch.sqrt(pooled.pow(2).mean() + eps) * comp.norm.weight
+        pos = torch.tensor([2 * w])
+        torch.testing.assert_close(view.kv[w], _rope(latent[None], pos)[0], rtol=1e-5, atol=1e-5)
+        k = idx.wk.weight @ latent
+        k = k / torch.sqrt(k.pow(2).mean() + eps) * idx.k_norm.weight
+        torch.testing.assert_close(view.index_keys[w], _rope(k[None], pos)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_full_v41_layout_builds_valid_plans() -> None:
+    from deepinfer_engine.model.presets import v41_flash_config
+
+    args = ModelArgs.from_config_dict(v41_flash_config())
+    plans = {p.layer_id: Csa2Plan.from_layer_plan(p, args) for p in args.layer_plans if p.kind == "csa2"}
+    assert sorted(plans) == list(range(2, 40))
+    assert [lid for lid, p in plans.items() if p.has_compressor] == [2, 8, 14, 20]
+    assert [lid for lid, p in plans.items() if p.publishes_candidates] == [20]
+    consumers = [lid for lid, p in plans.items() if p.consumes_candidates]
+    assert consumers == [24, 28, 32, 36]
+    assert all(plans[c].kv_source == 20 for c in consumers)
+    assert plans[37].index_source == 36 and plans[37].kv_source == 20 and not plans[37].has_indexer_q

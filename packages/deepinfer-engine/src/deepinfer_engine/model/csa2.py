@@ -134,13 +134,19 @@ class Csa2Indexer(nn.Module):
 
     def keys(self, latent: Tensor, positions: Tensor, rope: RopeFn) -> Tensor:
         """Index keys from the PRE-RoPE normed latent: ``RoPE(RMSNorm(wk latent; k_norm))`` ``[n, Di]``."""
-        assert self.wk is not None and self.k_norm is not None  # guarded by plan.has_indexer_k
+        if self.wk is None or self.k_norm is None:
+            raise ModelConfigError(
+                "kv_source_layer_ids: index keys requested from a layer without attn.indexer.wk"
+            )
         k = rms_norm(latent @ self.wk.weight.to(latent.dtype).T, self.k_norm.weight, self.eps)
         return rope(k, positions)
 
     def queries(self, qr: Tensor, x: Tensor, positions: Tensor, rope: RopeFn) -> tuple[Tensor, Tensor]:
         """``qI [T, H, Di]`` (RoPE at the query position) and head weights ``wI [T, H] float32``."""
-        assert self.wq_b is not None and self.weights_proj is not None  # guarded by plan.has_indexer_q
+        if self.wq_b is None or self.weights_proj is None:
+            raise ModelConfigError(
+                "index_source_layer_ids: queries requested from a layer without attn.indexer.wq_b"
+            )
         t = qr.shape[0]
         q = (qr @ self.wq_b.weight.to(qr.dtype).T).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
