@@ -19,6 +19,7 @@ from deepinfer_engine.model.dspark import (
     draft_block_ids,
     greedy_draft,
     insert_context,
+    markov_logits,
     target_features,
 )
 from deepinfer_engine.model.engram_hash import synthetic_token_map
@@ -157,6 +158,10 @@ def test_markov_head_sequential_greedy_hand_case() -> None:
     assert logits[0].tolist() == [[2.0, -2.0, 0.0], [1.0, 1.5, 0.0], [0.0, 0.0, 0.5]]
     want = [1 / (1 + math.exp(-v)) for v in (0.5 + 4.0, 0.0 + 2.0, -1.0 + 0.0)]
     torch.testing.assert_close(conf[0], torch.tensor(want), rtol=0, atol=1e-6)
+    # the batched form for given drafts reproduces the sequential logits and embeds
+    with torch.no_grad():
+        bl, be = markov_logits(mk, u[None], torch.tensor([2]), toks)
+    assert torch.equal(bl, logits) and be[0, :, 0].tolist() == [2.0, 1.0, 0.0]
 
 
 def test_v4_0731_stage_names_and_draft_runs() -> None:

@@ -36,7 +36,9 @@ __all__ = [
     "draft_block_ids",
     "greedy_draft",
     "insert_context",
+    "markov_logits",
     "markov_step",
+    "target_features",
 ]
 
 
@@ -192,6 +194,20 @@ def markov_step(markov: MarkovHead, base_logits: Tensor, prev: Tensor) -> tuple[
     markov embed ``e_i [B, rank]``). ``prev`` is the token sampled at the previous block position (y_p for i=0)."""
     e, bias = markov(prev)
     return base_logits.float() + bias, e
+
+
+def markov_logits(
+    markov: MarkovHead, base_logits: Tensor, anchors: Tensor, drafted: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Corrected logits for ALREADY sampled drafts in one batched op (e.g. for rejection sampling).
+
+    base_logits ``[B, N, V]``, anchors ``[B]`` (y_p), drafted ``[B, N]`` (d_0..d_{N-1}); position i uses
+    prev = y_p for i = 0, else d_{i-1}. Returns (logits ``[B, N, V]`` f32, markov embeds ``[B, N, rank]``).
+    """
+    prev = torch.cat([anchors[:, None], drafted[:, :-1]], dim=1)  # [B, N]
+    e, bias = markov(prev.reshape(-1))
+    b, n = prev.shape
+    return base_logits.float() + bias.view(b, n, -1), e.view(b, n, -1)
 
 
 def greedy_draft(model: nn.Module, out: DraftOutput, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
