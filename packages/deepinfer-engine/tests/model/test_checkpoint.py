@@ -246,3 +246,52 @@ def test_config_mismatch(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
         match=r"does not match its config .*experts.0.w1.weight.*shape \[32, 32\], expected \[64, 32\]",
     ):
         r.check()
+
+
+def test_fp4_direct_code_path_for_real_width_experts() -> None:
+    # a real V4-Flash expert [2048, 4096] is drawn as random e2m1 codes with one power-of-two scale
+    args = ModelArgs.from_config_dict(presets.v4_flash_config())
+    spec = next(s for s in tensor_inventory(args) if s.name == "layers.3.ffn.experts.0.w1.weight")
+    out = init_tensor(spec, args, torch.Generator().manual_seed(0))
+    q, s = out[spec.name], out[spec.scale.name]
+    assert q.dtype == torch.int8 and q.shape == (2048, 2048) and s.shape == (2048, 128)
+    from deepinfer_kernels.quant import dequant_fp4
+
+    w = dequant_fp4(q[:64], s[:64])
+    std = w.std().item()
+    assert 0.5 / 64 < std < 2.0 / 64  # target 1/sqrt(4096), within the power-of-two rounding
+
+
+def test_layers_n_shard_plan_uses_real_widths() -> None:
+    from deepinfer_engine.model.writer import iter_shard_plan
+
+    cfg = presets.preset_config("v41", "layers-2")
+    args = ModelArgs.from_config_dict(cfg)
+    assert args.hidden_size == 5120 and args.num_hidden_layers == 2 and args.engram_layer_ids == (1,)
+    shards = list(iter_shard_plan(cfg, 4_000_000_000))
+    assert len(shards) > 3 and sum(map(len, shards)) == len(tensor_inventory(args))
+
+
+def test_random_weights_keep_activations_well_conditioned(tiny_dirs: dict[str, Path]) -> None:
+    loader = pytest.importorskip("deepinfer_engine.model.loader")
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.forward_batch import ForwardBatch
+
+    for arch in ("v4", "v41"):
+        # synthetic Engram token map (architecture.md §9.2) keeps this test fast; the real map is G's to test
+        tmap = torch.arange(129280).numpy() % 99092 if arch == "v41" else None
+        model = loader.load_model(tiny_dirs[arch], dtype=torch.float32, token_map=tmap)
+        rms: list[float] = []
+        for layer in model.layers:
+            layer.register_forward_hook(
+                lambda mod, inp, out, rms=rms: rms.append(
+                    float((out[0] if isinstance(out, tuple) else out).pow(2).mean().sqrt())
+                )
+            )
+        ids = torch.randint(0, 129000, (12,), generator=torch.Generator().manual_seed(0))
+        cache, bt = ModelCache.allocate_dense(model.args, [12], dtype=torch.float32)
+        with torch.inference_mode():
+            logits = model.forward(ForwardBatch.single(ids, block_table=bt), cache)
+        assert len(rms) == model.args.num_hidden_layers
+        assert all(0.3 < v < 4.0 for v in rms), (arch, rms)
+        assert torch.isfinite(logits).all() and 0.3 < logits.std().item() < 3.0
