@@ -34,12 +34,17 @@ class ModelConfig:
     device: str = _opt("auto", "torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:1 ...")
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's limit)")
     seed: int = _opt(0, "engine seed: requests without SamplingParams.seed get seeds derived from it")
+    num_cpu_threads: int | None = _opt(
+        None, "torch intra-op threads when running on CPU (default: 1 for tiny models, whose ops are too small to "
+        "gain from threads and lose a lot to thread contention; torch's default otherwise)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: found {self.dtype!r}, expected auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len: found {self.max_model_len}, expected >= 2")
+        if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
+            raise ConfigError(f"num_cpu_threads: found {self.num_cpu_threads}, expected >= 1")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: found {self.seed!r}, expected an integer")
 
@@ -49,7 +54,7 @@ class CacheConfig:
     page_size: int | None = _opt(
         None, "tokens per cache page; a multiple of every compress ratio (default: 128, or 16 for tiny models)")
     kv_cache_memory_bytes: int | None = _opt(
-        None, "bytes for all caches (e.g. 2GiB); default: gpu_memory_utilization of free CUDA memory, 512MiB on CPU",
+        None, "bytes for all caches (e.g. 2GiB); default: gpu_memory_utilization of free CUDA memory, 64MiB on CPU",
         parse=lambda s: parse_bytes(s))
     gpu_memory_utilization: float = _opt(0.9, "fraction of free CUDA memory given to the caches")
     num_kv_pages: int | None = _opt(None, "override the number of cache pages (testing / debugging)")

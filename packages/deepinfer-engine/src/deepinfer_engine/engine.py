@@ -31,7 +31,7 @@ from deepinfer_engine.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
-DEFAULT_CPU_CACHE_BYTES = 512 * 2**20
+DEFAULT_CPU_CACHE_BYTES = 64 * 2**20
 
 
 def mix_seed(*parts: int) -> int:
@@ -189,6 +189,10 @@ class LLMEngine:
         device = resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
+        if device.type == "cpu":
+            threads = mc.num_cpu_threads or (1 if int(args.hidden_size) < 1024 else None)
+            if threads is not None:
+                torch.set_num_threads(threads)  # process-wide; measured: tiny model 1.5 s/step on 2 busy cores -> 0.08 s
         model = _load_model(model_dir, dtype, device)
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))

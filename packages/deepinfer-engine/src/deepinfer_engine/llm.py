@@ -221,3 +221,10 @@ def _parse_with_recipe(token_ids, parsing, tokenizer, finish_reason):
     except ImportError:
         return None
     return None  # wired once the recipe's StreamProcessor API is committed (see docs/contracts.md)
+
+
+def llm_from_cli(ns: Any, **overrides: Any) -> LLM:
+    """An `LLM` from parsed CLI flags (see `config.add_engine_args`); unset flags keep the defaults."""
+    config = EngineConfig.from_cli(ns, **overrides)
+    engine = LLMEngine.from_config(config)
+    return LLM.from_engine(engine)

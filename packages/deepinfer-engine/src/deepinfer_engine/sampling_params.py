@@ -114,3 +114,43 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+
+_CLI_FIELDS = {
+    "max_tokens": (int, "tokens to generate per prompt"),
+    "min_tokens": (int, "tokens before EOS / stop ids may end the output"),
+    "temperature": (float, "0 = greedy"),
+    "top_p": (float, "nucleus mass (1 = off)"),
+    "top_k": (int, "keep the k most likely tokens (0 = off)"),
+    "min_p": (float, "drop tokens below min_p x the top probability (0 = off)"),
+    "repetition_penalty": (float, "1 = off"),
+    "presence_penalty": (float, "0 = off"),
+    "frequency_penalty": (float, "0 = off"),
+    "seed": (int, "per-request seed (reproducible, batch independent)"),
+    "n": (int, "samples per prompt"),
+    "logprobs": (int, "top alternatives' logprobs per generated token"),
+}
+
+
+def add_sampling_args(parser, *, defaults: dict | None = None) -> None:
+    """`--max-tokens`, `--temperature`, ... `--stop S` (repeatable), `--ignore-eos` from the SamplingParams fields."""
+    import argparse
+
+    defaults = defaults or {}
+    base = {f.name: f.default for f in fields(SamplingParams)}
+    group = parser.add_argument_group("sampling")
+    for name, (typ, text) in _CLI_FIELDS.items():
+        d = defaults.get(name, base[name])
+        group.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=d,
+                           help=f"{text} (default: {d})")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=defaults.get("ignore_eos", False),
+                       help="keep generating after EOS")
+
+
+def sampling_params_from_cli(ns, **overrides) -> SamplingParams:
+    kw = {name: getattr(ns, name) for name in _CLI_FIELDS if hasattr(ns, name)}
+    kw["stop"] = getattr(ns, "stop", None)
+    kw["ignore_eos"] = bool(getattr(ns, "ignore_eos", False))
+    kw.update(overrides)
+    return SamplingParams(**kw)

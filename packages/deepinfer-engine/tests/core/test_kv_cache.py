@@ -18,13 +18,16 @@ FAMS = [
 def test_plan_from_budget() -> None:
     # page = 16 tokens x 12.5 B = 200 B; slot = 1000 B; 10_000 B -> min(4, 10000 // 1200 = 8) = 4 slots,
     # (10000 - 4000) // 200 = 30 pages
-    plan = plan_cache(FAMS, page_size=16, memory_bytes=10_000, max_num_seqs=4, max_model_len=64)
+    plan = plan_cache(FAMS, page_size=16, memory_bytes=10_000, max_num_seqs=4, max_model_len=1024)
     assert (plan.bytes_per_page, plan.bytes_per_slot, plan.num_slots, plan.num_pages) == (200, 1000, 4, 30)
+    # never more pages than all slots filled to max_model_len: 4 slots x ceil(40 / 16) = 12
+    capped = plan_cache(FAMS, page_size=16, memory_bytes=10_000, max_num_seqs=4, max_model_len=40)
+    assert capped.num_pages == 12
     assert plan.total_bytes <= 10_000
     text = "\n".join(plan.describe())
     assert "compressed_kv: paged, 2 layer(s), 10 B/token" in text and "12.5 B/token" in text
     # budget smaller than max_num_seqs slots: slots shrink so each keeps at least one page
-    small = plan_cache(FAMS, page_size=16, memory_bytes=3000, max_num_seqs=8, max_model_len=64)
+    small = plan_cache(FAMS, page_size=16, memory_bytes=3000, max_num_seqs=8, max_model_len=1024)
     assert small.num_slots == 2 and small.num_pages == 5
 
 

@@ -65,6 +65,7 @@ def plan_cache(
     """Split a byte budget into sequence slots and pages.
 
     Slots are capped by `max_num_seqs` and by giving every slot at least one page; the rest becomes pages.
+    Pages beyond num_slots * ceil(max_model_len / page_size) are never allocated (they could not be used).
     `num_pages` / `num_slots` override the derived counts (tests force preemption with them). A model without
     paged families still gets page bookkeeping (0 bytes), sized for `max_num_seqs` full-length sequences.
     """
@@ -83,7 +84,8 @@ def plan_cache(
         if per_page == 0 or memory_bytes is None:
             num_pages = max(1, num_slots) * full_len_pages
         else:
-            num_pages = (memory_bytes - num_slots * per_slot) // per_page
+            # more pages than every slot filled to max_model_len is memory that can never be used
+            num_pages = min((memory_bytes - num_slots * per_slot) // per_page, max(1, num_slots) * full_len_pages)
     if num_slots < 1 or num_pages < 1:
         need = per_slot + per_page
         raise CapacityError(
