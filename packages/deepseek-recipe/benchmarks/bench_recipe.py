@@ -26,7 +26,9 @@ def _sentence(i: int, n: int) -> str:
 
 def _conversation(turns: int, thinking: bool, system: bool) -> dr.Conversation:
     # [I] V4.1 prompts with a system part need `<｜System｜>`, absent from the public V4 tokenizer: no system there.
-    msgs: list[dr.Message] = [dr.SystemMessage("You are a careful assistant. " + _sentence(0, 40))] if system else []
+    msgs: list[dr.Message] = (
+        [dr.SystemMessage("You are a careful assistant. " + _sentence(0, 40))] if system else []
+    )
     for t in range(turns):
         msgs.append(dr.UserMessage(_sentence(t, 80)))
         if t % 4 == 3:
