@@ -295,3 +295,16 @@ def test_random_weights_keep_activations_well_conditioned(tiny_dirs: dict[str, P
         assert len(rms) == model.args.num_hidden_layers
         assert all(0.3 < v < 4.0 for v in rms), (arch, rms)
         assert torch.isfinite(logits).all() and 0.3 < logits.std().item() < 3.0
+
+
+@pytest.mark.gpu
+def test_load_on_cuda_matches_cpu(tiny_dirs: dict[str, Path]) -> None:
+    with CheckpointReader(tiny_dirs["v41"]) as r:
+        for name in (
+            "layers.2.attn.wq_b.weight",
+            "layers.5.ffn.experts.2.w3.weight",
+            "layers.1.engram.embed.weight",
+        ):
+            cpu = r.load(name)
+            gpu = r.load(name, device="cuda")
+            assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu), name
