@@ -97,6 +97,7 @@ class MTPBlock(Block):
         self.norm = RMSNorm(d, args.rms_norm_eps, dtype)
         add_hc_head_params(self, args)
 
+    @torch.no_grad()
     def forward_mtp(self, r_t: Tensor, e: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """r_t [T, n, d] backbone streams at t (before hc_head), e [T, d] = embed[token t+1].
 
@@ -198,6 +199,7 @@ class Transformer(nn.Module):
         return torch.cat(out, 0)
 
     # ---------------------------------------------------------------------------------------------- forward
+    @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
     def forward_features(
         self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
     ) -> ModelOutput:
@@ -237,6 +239,7 @@ class Transformer(nn.Module):
         """[N, V] float32 logits of the rows batch.logits_indices (contracts §3)."""
         return self.forward_features(batch, cache).logits
 
+    @torch.no_grad()
     def forward_mtp(self, batch: ForwardBatch, cache: ModelCache, hidden: Tensor, k: int = 0) -> Tensor:
         """V4 MTP block k: batch carries the NEXT tokens (id t+1) at the chosen positions; hidden [T, n, d] the
         backbone streams of the same rows. Returns [N, V] f32 logits (predicting t+2)."""

@@ -1,0 +1,68 @@
+"""ModelCache families and addressing (architecture.md §7, contracts §3): rings by position, paged entries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_engine.errors import CapacityError, ConfigError
+from deepinfer_engine.model.args import ModelArgs
+from deepinfer_engine.model.cache import DEFAULT_SLACK, ModelCache, paged_read, paged_write, ring_history
+from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
+
+
+def test_families_v4():
+    a = ModelArgs.from_config_dict(tiny_v4_config())
+    c = ModelCache.allocate(a, num_slots=3, num_pages=5, page_size=16, dtype=torch.float32)
+    assert set(c.swa) == set(range(7))  # 6 layers + MTP, each its own ring
+    assert c.swa[0].shape == (3, a.sliding_window + DEFAULT_SLACK, a.head_dim)
+    # CSA (layer 1): main overlap state 2*ratio rows of [A | Z] at 2*head_dim, indexer state, keys; HCA: main only
+    assert c.comp_state[(1, "main")].shape == (3, 8 + DEFAULT_SLACK, 2, 2 * a.head_dim)
+    assert c.comp_state[(1, "indexer")].shape == (3, 8 + DEFAULT_SLACK, 2, 2 * a.index_head_dim)
+    assert c.comp_state[(2, "main")].shape == (3, 8 + DEFAULT_SLACK, 2, a.head_dim)
+    assert (2, "indexer") not in c.comp_state
+    assert c.compressed_kv[1].shape == (5, 16 // 4, a.head_dim) and c.compressed_kv[2].shape == (5, 2, a.head_dim)
+    assert set(c.index_keys) == {1, 3, 5}
+    assert c.token_ring is None
+
+
+def test_families_v41():
+    a = ModelArgs.from_config_dict(tiny_v41_config())
+    c = ModelCache.allocate(a, num_slots=2, num_pages=4, page_size=8, dtype=torch.float32)
+    assert set(c.compressed_kv) == {2, 4, 5}  # kv sources only
+    assert c.compressed_kv[5].shape == (4, 8, a.head_dim)  # ratio 1
+    assert set(c.index_keys) == {2, 4, 5}
+    assert set(k for k, _ in c.comp_state) == {2, 4}  # ratio-2 sources keep (A, Z) rows; ratio 1 needs none
+    assert c.token_ring.shape == (2, a.engram_max_ngram_size - 1 + DEFAULT_SLACK)
+
+
+def test_page_size_must_be_multiple_of_ratios():
+    a = ModelArgs.from_config_dict(tiny_v4_config())
+    with pytest.raises(ConfigError, match="page_size"):
+        ModelCache.allocate(a, num_slots=1, num_pages=1, page_size=12, dtype=torch.float32)
+
+
+def test_ring_history_reads_before_writing_long_chunks():
+    ring = torch.zeros(2, 4, 1)
+    # positions 0..5 in slot 1: the ring keeps the last 4 (rows = position mod 4)
+    out = ring_history(ring, 1, 0, torch.arange(6.0)[:, None], back=3)
+    assert out[:, 0].tolist() == [0, 1, 2, 3, 4, 5]
+    assert ring[1, :, 0].tolist() == [4, 5, 2, 3]
+    # next chunk of 5 (longer than the ring) at position 6: history 3..5 comes from the ring, read before the write
+    out = ring_history(ring, 1, 6, torch.arange(6.0, 11.0)[:, None], back=3)
+    assert out[:, 0].tolist() == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert ring[1, :, 0].tolist() == [8, 9, 10, 7]
+    assert ring[0].abs().sum() == 0  # other slot untouched
+    with pytest.raises(CapacityError):
+        ring_history(ring, 0, 10, torch.zeros(1, 1), back=5)
+
+
+def test_paged_addressing_formula():
+    # entry w of ratio r -> page block_table[w*r // page_size], row (w*r % page_size) // r
+    store = torch.zeros(6, 4, 1)  # page_size 8, ratio 2 -> 4 rows per page
+    bt = torch.tensor([5, 2, -1], dtype=torch.int32)
+    w = torch.arange(8)
+    paged_write(store, bt, 2, 8, w, (w.float() + 1)[:, None])
+    assert store[5, :, 0].tolist() == [1, 2, 3, 4] and store[2, :, 0].tolist() == [5, 6, 7, 8]
+    assert paged_read(store, bt, 2, 8, 6)[:, 0].tolist() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(CapacityError, match="no page"):
+        paged_write(store, bt, 2, 8, torch.tensor([8]), torch.ones(1, 1))
