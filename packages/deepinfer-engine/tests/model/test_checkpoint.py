@@ -308,3 +308,20 @@ def test_load_on_cuda_matches_cpu(tiny_dirs: dict[str, Path]) -> None:
             cpu = r.load(name)
             gpu = r.load(name, device="cuda")
             assert gpu.device.type == "cuda" and torch.equal(gpu.cpu(), cpu), name
+
+
+def test_v4_base_style_fp8_experts_with_float32_scales(tmp_path: Path) -> None:
+    # V4-Flash-Base: FP8 block experts and float32 scales (no scale_fmt) (architecture.md §1.1, §6.2)
+    from deepinfer_engine.model.writer import write_checkpoint
+
+    cfg = presets.tiny_v4_config()
+    cfg["expert_dtype"] = "fp8"
+    del cfg["quantization_config"]["scale_fmt"]
+    d = write_checkpoint(tmp_path / "base", cfg, seed=0, tokenizer=False)
+    with CheckpointReader(d) as r:
+        r.check()
+        raw = r.load_raw("layers.2.ffn.experts.0.w2.weight")
+        scale = r.load_raw("layers.2.ffn.experts.0.w2.scale")
+        assert raw.dtype == torch.float8_e4m3fn and raw.shape == (64, 32)
+        assert scale.dtype == torch.float32 and scale.shape == (1, 1)
+        assert torch.equal(r.load("layers.2.ffn.experts.0.w2.weight"), raw.float() * scale[0, 0])
