@@ -126,14 +126,16 @@ _CLI_FIELDS = {
     "repetition_penalty": (float, "1 = off"),
     "presence_penalty": (float, "0 = off"),
     "frequency_penalty": (float, "0 = off"),
-    "seed": (int, "per-request seed (reproducible, batch independent)"),
     "n": (int, "samples per prompt"),
     "logprobs": (int, "top alternatives' logprobs per generated token"),
 }
 
 
 def add_sampling_args(parser, *, defaults: dict | None = None) -> None:
-    """`--max-tokens`, `--temperature`, ... `--stop S` (repeatable), `--ignore-eos` from the SamplingParams fields."""
+    """`--max-tokens`, `--temperature`, ... `--stop S` (repeatable), `--ignore-eos` from the SamplingParams fields.
+
+    There is no per-request `--seed` here: on the command line `--seed` is the engine seed, from which every
+    request's seed is derived (so runs are reproducible, as with a per-request seed)."""
     import argparse
 
     defaults = defaults or {}

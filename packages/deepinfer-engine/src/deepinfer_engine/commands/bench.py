@@ -1,0 +1,44 @@
+"""`deepinfer bench throughput | latency`: benchmark the engine (default: the embedded tiny model on CPU)."""
+
+from __future__ import annotations
+
+import argparse
+
+from deepinfer_engine.config import add_engine_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+    t = sub.add_parser("throughput", help="many random prompts at once: requests/s and tokens/s")
+    t.add_argument("--num-prompts", type=int, default=16)
+    t.add_argument("--input-len", type=int, default=32)
+    t.add_argument("--output-len", type=int, default=32)
+    lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles")
+    lat.add_argument("--batch-size", type=int, default=4)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=32)
+    lat.add_argument("--num-iters", type=int, default=3)
+    lat.add_argument("--num-iters-warmup", type=int, default=1)
+    for p in (t, lat):
+        p.add_argument("--temperature", type=float, default=0.0)
+        p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+        p.add_argument("--output-json", help="also write the result as JSON here")
+        add_engine_args(p)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from deepinfer_engine import bench
+    from deepinfer_engine.llm import llm_from_cli
+
+    llm = llm_from_cli(ns)
+    if ns.bench_kind == "throughput":
+        r = bench.throughput(llm, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
+                             temperature=ns.temperature, seed=ns.bench_seed)
+    else:
+        r = bench.latency(llm, batch_size=ns.batch_size, input_len=ns.input_len, output_len=ns.output_len,
+                          num_iters=ns.num_iters, num_iters_warmup=ns.num_iters_warmup,
+                          temperature=ns.temperature, seed=ns.bench_seed)
+    print(bench.format_result(r))
+    if ns.output_json:
+        bench.write_json(r, ns.output_json)
+    return 0
