@@ -29,8 +29,10 @@ from deepinfer_engine.errors import CheckpointError, ModelConfigError
 __all__ = [
     "HF_IGNORED_PREFIXES",
     "build_hf_model",
+    "canonical_tie_break",
     "hf_config_from_args",
     "hf_incremental_logits",
+    "hf_indexer_boundary_ties",
     "hf_logits",
     "hf_reference_logits",
     "official_to_hf_name",
@@ -256,12 +258,23 @@ def hf_config_from_args(args: Any) -> Any:
 
 
 def build_hf_model(
-    state: Mapping[str, torch.Tensor], args: Any, *, dtype: torch.dtype = torch.float32
+    state: Mapping[str, torch.Tensor],
+    args: Any,
+    *,
+    dtype: torch.dtype = torch.float32,
+    canonical_topk_ties: bool = True,
 ) -> Any:
     """``DeepseekV4ForCausalLM`` in eval mode holding ``state`` (official names), loaded strictly.
 
     Raises `CheckpointError` naming the missing / unexpected HF keys if the mapped state does not cover the HF
     model exactly (non-persistent RoPE buffers excepted).
+
+    ``canonical_topk_ties``: HF selects the CSA top-k with ``torch.topk``, whose order among EXACTLY equal scores
+    is unspecified (the reference uses torch.topk too); our indexer kernel takes the lower entry id first.
+    Exact ties are common with tiny random weights (score = sum_h w_h * ReLU(q_h . k) is exactly 0 whenever
+    every head's dot product is <= 0; index_n_heads = 4 in tiny V4). With this flag a forward hook on each
+    indexer scorer breaks exact ties toward the lower entry id without reordering distinct fp32 scores, so
+    both models select the same set (see `canonical_tie_break`). Selection is the only use of these scores.
     """
     from transformers import DeepseekV4ForCausalLM
 
@@ -281,8 +294,72 @@ def build_hf_model(
     model.load_state_dict(casted, strict=True, assign=True)
     # RoPE inverse frequencies are non-persistent buffers: rebuild them on CPU (they were created on meta).
     _rebuild_rotary_buffers(model, cfg)
+    if canonical_topk_ties:
+        for module in _indexer_scorers(model).values():
+            module.register_forward_hook(lambda _m, _inp, out: canonical_tie_break(out))
     model.eval()
     return model
+
+
+def canonical_tie_break(scores: torch.Tensor) -> torch.Tensor:
+    """``scores [..., N]`` (fp32) -> float64 scores whose descending order is the stable one (ties: lower index).
+
+    Distinct fp32 values differ by at least 2**-24 relative; the perturbation is at most N * 2**-40 relative
+    (plus 1e-300 per index, which only separates exact zeros), so for N < 2**16 no order between distinct values
+    changes. -inf stays -inf.
+    """
+    s = scores.double()
+    idx = torch.arange(s.shape[-1], dtype=torch.float64, device=s.device)
+    pert = idx * (s.abs().nan_to_num(posinf=0.0) * 2.0**-40 + 1e-300)
+    return s - pert
+
+
+def _indexer_scorers(model: Any) -> dict[int, Any]:
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4IndexerScorer
+
+    out: dict[int, Any] = {}
+    for layer_idx, layer in enumerate(model.model.layers):
+        for module in layer.modules():
+            if isinstance(module, DeepseekV4IndexerScorer):
+                out[layer_idx] = module
+    return out
+
+
+@torch.no_grad()
+def hf_indexer_boundary_ties(model: Any, input_ids: torch.Tensor | Sequence[int]) -> list[tuple[int, int]]:
+    """(layer, position) pairs where HF's raw CSA index scores tie EXACTLY at the top-k boundary.
+
+    At such a query the selected set is implementation-defined (k-th and (k+1)-th best visible scores equal).
+    Diagnostic for parity failures; hooks are removed afterwards.
+    """
+    scorers = _indexer_scorers(model)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for layer_idx, module in scorers.items():
+        # registered first, so it sees the raw scores (before any canonical_tie_break hook rewrites them)
+        handles.append(
+            module.register_forward_hook(
+                lambda _m, _inp, out, i=layer_idx: captured.__setitem__(i, out[0].detach().clone()),
+                prepend=True,
+            )
+        )
+    try:
+        hf_logits(model, input_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    ratio = model.config.compress_rates["compressed_sparse_attention"]
+    k_max = model.config.index_topk
+    ties: list[tuple[int, int]] = []
+    for layer_idx, scores in sorted(captured.items()):
+        for t in range(scores.shape[0]):
+            visible = min((t + 1) // ratio, scores.shape[1])
+            k = min(k_max, visible)
+            if visible > k:
+                v = scores[t, :visible].sort(descending=True).values
+                if v[k - 1] == v[k]:
+                    ties.append((layer_idx, t))
+    return ties
 
 
 def _rebuild_rotary_buffers(model: Any, cfg: Any) -> None:

@@ -12,8 +12,10 @@ from deepinfer_engine.model.args import ModelArgs  # noqa: E402
 from deepinfer_engine.model.presets import tiny_v4_config  # noqa: E402
 from deepinfer_engine.testing_hf import (  # noqa: E402
     build_hf_model,
+    canonical_tie_break,
     hf_config_from_args,
     hf_incremental_logits,
+    hf_indexer_boundary_ties,
     hf_logits,
     official_to_hf_name,
     official_to_hf_state_dict,
@@ -147,3 +149,37 @@ def test_spec_tensor_list_matches_inventory(tiny_args):
     spec = v4_official_shapes_from_spec(tiny_args)
     assert sorted(set(inv) ^ set(spec)) == []
     assert {n: s for n, s in inv.items() if spec[n] != s} == {}
+
+
+def test_canonical_tie_break_orders_ties_by_lower_index():
+    s = torch.tensor([[0.0, 0.5, 0.0, float("-inf"), 0.5, 1e-30, -0.25]])
+    order = canonical_tie_break(s).sort(dim=-1, descending=True, stable=False).indices[0].tolist()
+    assert order == [1, 4, 5, 0, 2, 6, 3]
+    # adjacent distinct fp32 values keep their order even at the far end of a long row
+    for x in (1e-3, 0.7, 3.0e4, -2.5):
+        a = torch.tensor(x, dtype=torch.float32)
+        b = torch.nextafter(a, torch.tensor(float("inf")))
+        row = torch.zeros(4096)
+        row[0], row[4095] = a, b  # the larger value gets the largest perturbation
+        got = canonical_tie_break(row[None])[0]
+        assert got[4095] > got[0], x
+
+
+def test_boundary_tie_detector_and_canonical_hook(tiny_state, tiny_args):
+    # The tie hook must not change anything when no tie occurs, and the detector must see raw scores.
+    raw = build_hf_model(tiny_state, tiny_args, canonical_topk_ties=False)
+    canon = build_hf_model(tiny_state, tiny_args)
+    found_tie = found_clean = False
+    for seed in range(6):
+        ids = torch.randint(0, tiny_args.vocab_size, (40,), generator=torch.Generator().manual_seed(seed))
+        ties = hf_indexer_boundary_ties(canon, ids)
+        assert ties == hf_indexer_boundary_ties(raw, ids)
+        if not ties:
+            found_clean = True
+            assert torch.equal(hf_logits(raw, ids), hf_logits(canon, ids))
+        else:
+            found_tie = True
+            assert all(tiny_args.compress_ratios[layer] == 4 and 0 <= t < 40 for layer, t in ties)
+        if found_tie and found_clean:
+            break
+    assert found_tie and found_clean
