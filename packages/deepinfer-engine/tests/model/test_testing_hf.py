@@ -17,6 +17,7 @@ from deepinfer_engine.testing_hf import (  # noqa: E402
     hf_incremental_logits,
     hf_indexer_boundary_ties,
     hf_logits,
+    hf_reference_logits,
     official_to_hf_name,
     official_to_hf_state_dict,
     random_official_v4_state,
@@ -183,3 +184,10 @@ def test_boundary_tie_detector_and_canonical_hook(tiny_state, tiny_args):
         if found_tie and found_clean:
             break
     assert found_tie and found_clean
+
+
+def test_one_shot_reference_equals_prebuilt_model(tiny_hf, tiny_state, tiny_args):
+    ids = torch.tensor([0, 17, 4242, 9, 129279, 3, 3])
+    ref = hf_reference_logits(tiny_state, tiny_args, ids)
+    assert ref.shape == (7, tiny_args.vocab_size) and ref.dtype == torch.float32
+    assert torch.equal(ref, hf_logits(tiny_hf, ids))
