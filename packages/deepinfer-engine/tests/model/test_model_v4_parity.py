@@ -12,35 +12,18 @@ values is arbitrary, so while HF runs we replace `Tensor.topk` by a stable versi
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 pytest.importorskip("transformers.models.deepseek_v4")
 
-from deepinfer_engine.model._equality import max_rel_err, run_chunked, run_full  # noqa: E402
+from deepinfer_engine.model._equality import max_rel_err, run_chunked, run_full, stable_topk  # noqa: E402
 from deepinfer_engine.model.args import ModelArgs  # noqa: E402
 from deepinfer_engine.model.model import Transformer  # noqa: E402
 from deepinfer_engine.model.presets import tiny_v4_config  # noqa: E402
 from deepinfer_engine.testing_hf import build_hf_model, hf_logits, random_official_v4_state  # noqa: E402
 
 TOL = 1e-5
-
-
-@contextlib.contextmanager
-def stable_topk():
-    orig = torch.Tensor.topk
-
-    def topk(self, k, dim=-1, largest=True, sorted=True):  # noqa: A002 - torch's keyword name
-        order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
-        return torch.return_types.topk((self.gather(dim, order), order))
-
-    torch.Tensor.topk = topk
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = orig
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,66 @@
+"""load_model on tiny checkpoints written by make_checkpoint (real file format: FP8/FP4 + E8M0 scales)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from deepinfer_engine.errors import CheckpointError
+from deepinfer_engine.model._equality import max_rel_err, run_chunked, run_full, stable_topk
+from deepinfer_engine.model.checkpoint import CheckpointReader
+from deepinfer_engine.model.loader import load_model
+from deepinfer_engine.model.writer import make_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def ckpt_v4(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("v4") / "ck", "v4", "tiny", 0)
+
+
+def test_v4_checkpoint_loads_and_matches_hf(ckpt_v4):
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from deepinfer_engine.testing_hf import build_hf_model, hf_logits
+
+    model = load_model(ckpt_v4, torch.float32)
+    assert model.mtp is not None and len(model.mtp) == 1
+    with CheckpointReader(ckpt_v4) as reader:
+        # the dequantized official tensors, exactly what the loader put into the model
+        state = {n: reader.load(n) for n in model.state_dict()}
+    for n, t in model.state_dict().items():
+        assert torch.equal(t, state[n]), n
+    ids = torch.randint(0, model.args.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
+    with stable_topk():  # pin HF's indexer tie rule to ours (see test_model_v4_parity.py)
+        ref = hf_logits(build_hf_model(state, model.args), ids)
+    assert max_rel_err(run_full(model, ids), ref) <= 1e-5
+
+
+def test_v41_checkpoint_loads_with_engram_and_dspark(tmp_path):
+    d = make_checkpoint(tmp_path / "ck", "v41", "tiny", 1)
+    model = load_model(d, torch.float32)
+    assert model.engram_hasher is not None and model.mtp is not None and len(model.mtp) == 3
+    ids = torch.randint(0, model.args.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
+    full = run_full(model, ids)
+    assert torch.isfinite(full).all()
+    assert max_rel_err(run_chunked(model, ids, [5, 1, 1, 14]), full) <= 1e-5
+
+
+def test_checkpoint_shapes_not_matching_config(ckpt_v4, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ckpt_v4.iterdir():
+        (bad / f.name).symlink_to(f)
+    cfg = json.loads((ckpt_v4 / "config.json").read_text())
+    cfg["q_lora_rank"] = 48  # the shards still hold 32-wide q latents
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"wq_a\.weight"):
+        load_model(bad, torch.float32)
