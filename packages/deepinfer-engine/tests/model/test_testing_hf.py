@@ -25,6 +25,15 @@ from deepinfer_engine.testing_hf import (  # noqa: E402
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny shapes: intra-op threads only add overhead (and contention) on the 2 shared cores
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny_args():
     return ModelArgs.from_config_dict(tiny_v4_config())
