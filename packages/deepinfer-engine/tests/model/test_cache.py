@@ -66,3 +66,23 @@ def test_paged_addressing_formula():
     assert paged_read(store, bt, 2, 8, 6)[:, 0].tolist() == [1, 2, 3, 4, 5, 6]
     with pytest.raises(CapacityError, match="no page"):
         paged_write(store, bt, 2, 8, torch.tensor([8]), torch.ones(1, 1))
+
+
+@pytest.mark.parametrize("cfg", [tiny_v4_config, tiny_v41_config])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_families_match_allocation(cfg, dtype):
+    from deepinfer_engine.model.cache_layout import cache_families
+
+    a = ModelArgs.from_config_dict(cfg())
+    page = 16
+    fams = {f.name: f for f in cache_families(a, page, dtype)}
+    c = ModelCache.allocate(a, num_slots=1, num_pages=1, page_size=page, dtype=dtype, device="meta")
+    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert fams["swa_ring"].bytes_per_slot == nb(c.swa.values())
+    assert fams["compressor_state"].bytes_per_slot == nb(c.comp_state.values())
+    assert fams["compressed_kv"].bytes_per_token == nb(c.compressed_kv.values()) / page
+    assert fams["indexer_keys"].bytes_per_token == nb(c.index_keys.values()) / page
+    if c.token_ring is not None:
+        assert fams["engram_history"].bytes_per_slot == nb([c.token_ring])
+    else:
+        assert "engram_history" not in fams
