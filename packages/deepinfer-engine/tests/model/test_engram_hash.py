@@ -252,3 +252,25 @@ def test_normalize_token_text_rules():
     assert normalize_token_text("Ｆｕｌｌ") == "full"  # NFKC
     assert normalize_token_text("Ça") == "ca"
     assert normalize_token_text("\u093e") == ""  # Devanagari vowel sign AA (Mc, combining class 0)
+
+
+def test_real_v41_config_hasher_fits_its_tables(real_map):
+    # C's ModelArgs for the released V4.1-Flash config + the real token map: table sizes and row ranges agree.
+    from deepinfer_engine.model.args import ModelArgs
+    from deepinfer_engine.model.presets import v41_flash_config
+
+    args = ModelArgs.from_config_dict(v41_flash_config())
+    hasher = EngramHasher.from_args(args, real_map)
+    assert hasher.num_embeddings == tuple(args.engram_num_embeddings) == (384006168, 384016682)
+    assert num_token_classes(real_map) == args.engram_compressed_vocab_size
+    ids = np.random.default_rng(0).integers(0, args.vocab_size, size=512)
+    ids[100:103] = args.image_token_id
+    rows = hasher.hash_batch(ids, [300, 212], [[], [5, 6, 7]])
+    assert rows.shape == (512, 2, 24)
+    for li, n_rows in enumerate(hasher.num_embeddings):
+        assert rows[:, li].min() >= 0 and rows[:, li].max() < n_rows
+        # column c only addresses its own (n, h) block
+        lo, hi = hasher.offsets[li], hasher.offsets[li] + hasher.primes[li]
+        assert ((rows[:, li] >= lo) & (rows[:, li] < hi)).all()
+    # at an image position every n-gram is the all-pad n-gram: identical rows at the three image positions
+    assert (rows[100] == rows[101]).all() and (rows[101] == rows[102]).all()
