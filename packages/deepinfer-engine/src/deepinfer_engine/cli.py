@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != f"deepinfer_engine.commands.{module_name}":
                 raise
             continue  # command not built yet
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # allow_abbrev=False: a misspelt or truncated option must fail, not silently match a longer one
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -35,11 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub = _subparser(parser, getattr(ns, "command", None)) or parser
+        known = [o for a in sub._actions for o in a.option_strings]
+        hints = []
+        for arg in unknown:
+            close = difflib.get_close_matches(arg.split("=")[0], known, n=3, cutoff=0.6) if arg.startswith("-") else []
+            hints.append(arg + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        sub.error(f"unrecognized arguments: {'; '.join(hints)}")
     if not hasattr(ns, "_run"):
         parser.print_help()
         return 2
     return int(ns._run(ns) or 0)
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return None
 
 
 if __name__ == "__main__":

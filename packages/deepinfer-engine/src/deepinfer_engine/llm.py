@@ -140,7 +140,7 @@ class LLM:
         if len(params) != len(convs):
             raise InputError(f"sampling_params: found a list of {len(params)}, expected one per conversation "
                              f"({len(convs)}) or a single SamplingParams")
-        renders = [self._render_chat(conv, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort)
+        renders = [self.render_chat(conv, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort)
                    for conv in convs]
         prompts = [{"prompt_token_ids": r.token_ids} for r in renders]
         full = [r.sampling(sp) for sp, r in zip(params, renders)]
@@ -163,30 +163,42 @@ class LLM:
             self._recipe_tok = tok
         return tok
 
-    def _render_chat(self, conv, *, tools, thinking: bool, reasoning_effort: str | None) -> _RenderedChat:
-        from deepseek_recipe import ChatCompletionRequest, ConversionOptions, ModelVersion
-
-        arch = getattr(self.engine.args, "arch", "v41")
-        version = ModelVersion.DeepseekV41Flash if arch == "v41" else ModelVersion.DeepseekV4Pro
+    def render_chat(self, conv, *, tools=None, thinking: bool = False, reasoning_effort: str | None = None
+                    ) -> _RenderedChat:
+        """Messages -> prompt token ids (+ parsing options) through deepseek-recipe, for this model's version."""
         body: dict[str, Any] = {"model": "deepinfer", "messages": list(conv),
                                 "thinking": {"type": "enabled" if thinking else "disabled"}}
         if tools:
             body["tools"] = list(tools)
         if reasoning_effort is not None:
             body["reasoning_effort"] = reasoning_effort
-        request = ChatCompletionRequest(body).convert(ConversionOptions().with_model_alias("deepinfer", version))
+        return self.render_chat_body(body)
+
+    def render_chat_body(self, body: dict[str, Any]) -> _RenderedChat:
+        """An OpenAI Chat Completions body -> rendered prompt; its `model` name is accepted as this model.
+
+        Raises the recipe's `ConversionError` (or ValueError) for an invalid body."""
+        from deepseek_recipe import ChatCompletionRequest, ConversionOptions, ModelVersion
+
+        arch = getattr(self.engine.args, "arch", "v41")
+        version = ModelVersion.DeepseekV41Flash if arch == "v41" else ModelVersion.DeepseekV4Pro
+        name = str(body.get("model") or "deepinfer")
+        body = {**body, "model": name}
+        request = ChatCompletionRequest(body).convert(ConversionOptions().with_model_alias(name, version))
         encoding = request.encoding().with_tokenizer(self._recipe_tokenizer())
         ids = list(encoding.encode(request.conversation))
-        return _RenderedChat(token_ids=ids, parsing=request.parsing_options, thinking=request.conversation.thinking_mode)
+        return _RenderedChat(token_ids=ids, parsing=request.parsing_options,
+                             thinking=request.conversation.thinking_mode, request=request)
 
 
 class _RenderedChat:
     """A rendered conversation plus what is needed to parse its completion."""
 
-    def __init__(self, *, token_ids: list[int], parsing: Any, thinking: bool) -> None:
+    def __init__(self, *, token_ids: list[int], parsing: Any, thinking: bool, request: Any = None) -> None:
         self.token_ids = token_ids
         self.parsing = parsing
         self.thinking = thinking
+        self.request = request
 
     def sampling(self, sp: SamplingParams) -> SamplingParams:
         # special tokens must survive detokenization so that </think> and tool-call markup can be parsed;
@@ -200,7 +212,7 @@ class _RenderedChat:
         Uses the recipe's StreamProcessor when the installed recipe has it; otherwise a minimal split on
         `</think>` (tool-call markup is then left in `content`).
         """
-        parsed = _parse_with_recipe(co.token_ids, self.parsing, tokenizer, co.finish_reason)
+        parsed = _parse_with_recipe(self.request, co.token_ids, tokenizer, co.finish_reason)
         if parsed is not None:
             co.reasoning_content, co.content, co.tool_calls = parsed
             return
@@ -215,12 +227,32 @@ class _RenderedChat:
         co.tool_calls = None
 
 
-def _parse_with_recipe(token_ids, parsing, tokenizer, finish_reason):
-    try:
-        from deepseek_recipe import StreamProcessor  # noqa: F401
-    except ImportError:
+_EOS_IDS = (1,)
+
+
+def _parse_with_recipe(request, token_ids, tokenizer, finish_reason):
+    """(reasoning_content, content, tool_calls) from the recipe's StreamProcessor + ChatCompletionResponse,
+    or None when the installed recipe lacks them or fails (then the caller's minimal split is used)."""
+    if request is None:
         return None
-    return None  # wired once the recipe's StreamProcessor API is committed (see docs/contracts.md)
+    try:
+        import deepseek_recipe as dr
+
+        ids = list(token_ids)
+        if ids and ids[-1] in _EOS_IDS:
+            ids = ids[:-1]  # the recipe expects the backend to strip EOS
+        reason = dr.InferenceFinishReason.Length if finish_reason == "length" else dr.InferenceFinishReason.Stop
+        gen = dr.ChatCompletionRequest.chunk_generator(request, "chatcmpl-deepinfer", "deepinfer")
+        proc = dr.StreamProcessor(gen, request.parsing_options, tokenizer)
+        chunks = list(proc.push(dr.InferenceChunk.tokens(ids))) if ids else []
+        chunks += list(proc.push(dr.InferenceChunk.finish(reason)))
+        resp = dr.ChatCompletionResponse("chatcmpl-deepinfer", "deepinfer", 0)
+        for c in chunks:
+            resp.accumulate(c)
+        msg = resp.to_dict()["choices"][0]["message"]
+    except Exception:  # noqa: BLE001 - parsing must never lose the generated text; fall back
+        return None
+    return msg.get("reasoning_content"), msg.get("content"), msg.get("tool_calls")
 
 
 def llm_from_cli(ns: Any, **overrides: Any) -> LLM:

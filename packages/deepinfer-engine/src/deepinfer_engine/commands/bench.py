@@ -9,11 +9,12 @@ from deepinfer_engine.config import add_engine_args
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
-    t = sub.add_parser("throughput", help="many random prompts at once: requests/s and tokens/s")
+    t = sub.add_parser("throughput", help="many random prompts at once: requests/s and tokens/s", allow_abbrev=False)
     t.add_argument("--num-prompts", type=int, default=16)
     t.add_argument("--input-len", type=int, default=32)
     t.add_argument("--output-len", type=int, default=32)
-    lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles")
+    lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles",
+                         allow_abbrev=False)
     lat.add_argument("--batch-size", type=int, default=4)
     lat.add_argument("--input-len", type=int, default=32)
     lat.add_argument("--output-len", type=int, default=32)
