@@ -1,0 +1,47 @@
+"""MoE gate wiring (architecture.md §A.8, §C.5): hash layers route by the current token id without bias; V4.1
+image-sentinel ids select with `bias_vl`; weights always from the unbiased scores; shared expert added."""
+
+from __future__ import annotations
+
+import torch
+from deepinfer_engine.model._equality import init_random_
+from deepinfer_engine.model.args import ModelArgs
+from deepinfer_engine.model.moe import MoE
+from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
+
+
+def test_hash_layer_routes_by_token_id():
+    a = ModelArgs.from_config_dict(tiny_v4_config())
+    moe = init_random_(MoE(a, a.plan(0), torch.float32), seed=1)
+    assert a.plan(0).is_hash_layer and moe.gate.bias is None
+    ids = torch.tensor([5, 77, 5])
+    x = torch.randn(3, a.hidden_size, generator=torch.Generator().manual_seed(0))
+    w, sel = moe.gate(x, ids)
+    assert torch.equal(sel, moe.gate.tid2eid[ids])
+    scores = torch.sqrt(torch.nn.functional.softplus(x @ moe.gate.weight.T))
+    want = scores.gather(1, sel)
+    torch.testing.assert_close(w, want / want.sum(-1, keepdim=True) * a.routed_scaling_factor)
+    # whole MoE = weighted routed experts + shared expert
+    y = moe(x, ids)
+    ref = moe.shared_experts(x) + sum(
+        w[:, k : k + 1] * torch.stack([moe.experts[int(e)](x[t : t + 1])[0] for t, e in enumerate(sel[:, k])])
+        for k in range(sel.shape[1])
+    )
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_image_ids_select_with_bias_vl():
+    a = ModelArgs.from_config_dict(tiny_v41_config())
+    moe = init_random_(MoE(a, a.plan(3), torch.float32), seed=2)
+    assert moe.gate.bias_vl is not None
+    with torch.no_grad():
+        moe.gate.bias.zero_()
+        moe.gate.bias_vl.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 100.0, 100.0]))  # image tokens forced to 6, 7
+    x = torch.randn(3, a.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.tensor([10, a.image_token_id, a.image_token_id + 4])
+    w, sel = moe.gate(x, ids)
+    assert sorted(sel[1].tolist()) == [6, 7] and sorted(sel[2].tolist()) == [6, 7]
+    scores = torch.sqrt(torch.nn.functional.softplus(x @ moe.gate.weight.T))
+    assert sorted(sel[0].tolist()) == sorted(torch.topk(scores[0], 2).indices.tolist())
+    want = scores[1, sel[1]]
+    torch.testing.assert_close(w[1], want / want.sum() * a.routed_scaling_factor)
