@@ -27,6 +27,7 @@ def ckpt_v4(tmp_path_factory):
 
 
 def test_v4_checkpoint_loads_and_matches_hf(ckpt_v4):
+    pytest.importorskip("transformers", minversion="5.23")  # 5.17 ships deepseek_v4 but its incremental decode differs from its prefill (seen: rel err 1.1); the oracle needs >= 5.23
     pytest.importorskip("transformers.models.deepseek_v4")
     from deepinfer_engine.testing_hf import build_hf_model, hf_logits
 
