@@ -63,6 +63,7 @@ def test_error_case(case, v4_tokenizer):
         _check_error(info.value, expected["error"])
         return
     request = cls(_body(case["request"]))
+    model = request.model  # convert() consumes the request
     if stage in ("convert", "accepted"):
         try:
             request.convert(options)
@@ -89,7 +90,7 @@ def test_error_case(case, v4_tokenizer):
         extra["chunks"],
         tokenizer=v4_tokenizer if extra["with_tokenizer"] else None,
         call_finish=True,
-        model=request.model,
+        model=model,
     )
     _check_error(out["error_exc"], expected["error"])
     assert out["stream"] == expected["stream"]

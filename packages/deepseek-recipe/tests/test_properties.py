@@ -214,7 +214,9 @@ def test_garbage_requests_raise_only_documented_errors(body):
         try:
             cls(body).convert()
         except (ValueError, dr.ConversionError):
-            pass
+            pass  # documented: malformed body / invalid request
+        except (TypeError, OverflowError, RecursionError):
+            assert isinstance(body, dict)  # documented for Python-object bodies (non-JSON values)
 
 
 @SETTINGS

@@ -131,3 +131,77 @@ def test_custom_special_tokens_render():
     )
     assert rendered.prompt.startswith("<｜begin▁of▁sentence｜><|sys|>s")
     assert rendered.prompt[slice(*rendered.special_ranges[1])] == "<|sys|>"
+
+
+def test_convert_consumes_the_request():
+    req = dr.ChatCompletionRequest({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert req.model == "nope"
+    with pytest.raises(dr.ConversionError):
+        req.convert()
+    with pytest.raises(RuntimeError, match="consumed"):
+        _ = req.model
+    with pytest.raises(RuntimeError, match="consumed"):
+        req.convert()
+
+
+def test_accumulate_consumes_the_chunk():
+    req = dr.ChatCompletionRequest(
+        {"model": "DeepSeek-V4-Pro", "messages": [{"role": "user", "content": "x"}]}
+    ).convert()
+    proc = dr.StreamProcessor(dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options)
+    (first,) = proc.push(dr.InferenceChunk.ready())
+    assert dr.ChatCompletionResponse.sse_event_name(first) is None
+    dr.ChatCompletionResponse("r", "m", 0).accumulate(first)
+    with pytest.raises(RuntimeError, match="consumed"):
+        first.to_json()
+
+
+def test_python_values_are_checked_as_json():
+    cyclic: dict = {}
+    cyclic["self"] = cyclic
+    with pytest.raises(ValueError, match="circular reference"):
+        dr.ToolDefinition("f", parameters=cyclic)
+    deep: dict = {}
+    node = deep
+    for _ in range(128):
+        node["n"] = {}
+        node = node["n"]
+    with pytest.raises(RecursionError):
+        dr.ToolDefinition("f", parameters=deep)
+    shared = {"type": "string"}
+    params = {"type": "object", "properties": {"a": shared, "b": (shared,)}}
+    assert dr.ToolDefinition("f", parameters=params).parameters == {
+        "type": "object",
+        "properties": {"a": shared, "b": [shared]},
+    }
+    with pytest.raises(ValueError, match="not a finite JSON number"):
+        dr.ChatCompletionRequest({"model": "m", "messages": [], "temperature": float("nan")})
+    with pytest.raises(TypeError):
+        dr.ToolDefinition("f", parameters={1: "x"})
+
+
+def test_logprobs_flow_into_chat_chunks(v4_tokenizer):
+    req = dr.ChatCompletionRequest(
+        {
+            "model": "DeepSeek-V4-Pro",
+            "messages": [{"role": "user", "content": "x"}],
+            "thinking": {"type": "disabled"},
+        }
+    ).convert()
+    proc = dr.StreamProcessor(
+        dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options, v4_tokenizer
+    )
+    ids = v4_tokenizer.encode("Hi there")
+    resp = dr.ChatCompletionResponse("r", "m", 0)
+    chunks = (
+        proc.push(dr.InferenceChunk.tokens(ids, [(-0.25, [(ids[0], -0.25)]) for _ in ids])) + proc.finish()
+    )
+    for c in chunks:
+        resp.accumulate(c)
+    entries = resp.to_dict()["choices"][0]["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == "Hi there"
+    assert entries[0]["bytes"] == list(entries[0]["token"].encode()) and entries[1]["logprob"] == -0.25
+    with pytest.raises(RuntimeError, match="1 log probabilities for 2 token IDs"):
+        dr.StreamProcessor(
+            dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options, v4_tokenizer
+        ).push(dr.InferenceChunk.tokens([5, 6], [(0.0, [])]))

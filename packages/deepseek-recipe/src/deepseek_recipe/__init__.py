@@ -10,6 +10,15 @@ from .encoding.special_tokens import IMAGE_SPECIAL_TOKEN_ID, SpecialToken, Speci
 from .encoding.v4 import DeepseekV4Encoding
 from .encoding.v41 import DeepseekV41Encoding
 from .errors import CalcResizeError, ConversionError, ImageError
+from .images import (
+    ImageInfo,
+    ImageQuota,
+    ImageResolver,
+    MultiModalData,
+    OpenCvImagePreprocessor,
+    PreprocessOptions,
+    ReqwestImageFetcher,
+)
 from .messages import (
     AssistantMessage,
     BytesImageSource,
@@ -54,9 +63,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
 
-# Names of the official wheel that need OpenCV / network image handling are not provided by this
-# pure-Python package: ImageInfo, ImageQuota, ImageResolver, MultiModalData, OpenCvImagePreprocessor,
-# PreprocessOptions, ReqwestImageFetcher.
+# Same public names as the official wheel; the image fetch/preprocess names are stand-ins (see images.py).
 __all__ = [
     "IMAGE_SPECIAL_TOKEN_ID",
     "AssistantMessage",
@@ -74,6 +81,9 @@ __all__ = [
     "DeepseekV41Encoding",
     "DeepseekV4Encoding",
     "ImageError",
+    "ImageInfo",
+    "ImageQuota",
+    "ImageResolver",
     "ImageSource",
     "InferenceChunk",
     "InferenceFinishReason",
@@ -85,11 +95,15 @@ __all__ = [
     "MessagesResponse",
     "MessagesStreamEvent",
     "ModelVersion",
+    "MultiModalData",
+    "OpenCvImagePreprocessor",
     "OutputConstraint",
     "ParsingOptions",
+    "PreprocessOptions",
     "PromptUsage",
     "ReasoningContentBehavior",
     "RenderedPrompt",
+    "ReqwestImageFetcher",
     "ResponsesChunkGenerator",
     "ResponsesEcho",
     "ResponsesRequest",

@@ -47,22 +47,26 @@ def loads(text: str) -> Any:
         raise JSONError(str(exc)) from None
     except RecursionError:
         raise JSONError("recursion limit exceeded") from None
-    _check_finite(value)
+    _check(value)
     return value
 
 
-def _check_finite(value: Any) -> None:
-    # Numbers like 1e999 parse to inf in Python; serde_json rejects them.
-    stack = [value]
+_SERDE_DEPTH = 128  # serde_json's recursion limit for nested arrays/objects
+
+
+def _check(value: Any) -> None:
+    # Numbers like 1e999 parse to inf in Python and nesting is unlimited; serde_json rejects both.
+    stack = [(value, 0)]
     while stack:
-        v = stack.pop()
-        if type(v) is float:
+        v, depth = stack.pop()
+        t = type(v)
+        if t is float:
             if not math.isfinite(v):
                 raise JSONError("number out of range")
-        elif type(v) is dict:
-            stack.extend(v.values())
-        elif type(v) is list:
-            stack.extend(v)
+        elif t is dict or t is list:
+            if depth >= _SERDE_DEPTH:
+                raise JSONError("recursion limit exceeded")
+            stack.extend((x, depth + 1) for x in (v.values() if t is dict else v))
 
 
 def _float_python(value: float) -> str:
@@ -167,3 +171,57 @@ def dumps_python_style(value: Any) -> str:
 def dumps_compact(value: Any) -> str:
     """Compact JSON as serde_json writes it (`,` and `:`)."""
     return _dumps(value, _float_v4, ",", ":")
+
+
+MAX_JSON_DEPTH = 128
+
+
+def from_python(value: Any) -> Any:
+    """Validate and copy a Python value as JSON (the reference's Python → JSON conversion).
+
+    None/bool/str/int/float pass through (ints must fit i64 or u64, floats must be
+    finite); lists and tuples become lists; dicts need str keys. A container that
+    contains itself raises ValueError; nesting deeper than 128 containers raises
+    RecursionError; any other type raises TypeError.
+    """
+    return _from_python(value, [])
+
+
+def _from_python(value: Any, parents: list[int]) -> Any:
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        if not _I64_MIN <= value <= _U64_MAX:
+            raise OverflowError("integer is outside the JSON number range")
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{_rust_float(value)} is not a finite JSON number")
+        return float(value)
+    if not isinstance(value, (list, tuple, dict)):
+        raise TypeError(f"{type(value).__name__} is not a JSON value")
+    ident = id(value)
+    if ident in parents:
+        raise ValueError("circular reference in JSON input")
+    if len(parents) >= MAX_JSON_DEPTH:
+        raise RecursionError(f"JSON input exceeds the maximum nesting depth of {MAX_JSON_DEPTH}")
+    parents.append(ident)
+    try:
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise TypeError("JSON object keys must be str")
+                out[str(k)] = _from_python(v, parents)
+            return out
+        return [_from_python(v, parents) for v in value]
+    finally:
+        parents.pop()
+
+
+def _rust_float(value: float) -> str:
+    if value != value:
+        return "NaN"
+    return "inf" if value > 0 else "-inf"

@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from . import _json
 from .encoding.prompt import Prompt
 from .encoding.special_tokens import SpecialToken
 
@@ -76,7 +77,7 @@ class ToolDefinition:
     ) -> None:
         self._name = str(name)
         self._description = description
-        self._parameters = copy.deepcopy(parameters)
+        self._parameters = _json.from_python(parameters)
         self._strict = strict
         self._defer_loading = bool(defer_loading)
 
@@ -423,7 +424,7 @@ class Conversation:
             self._response_format = "regex"
         else:
             self._response_format = response_format
-        self._response_schema = copy.deepcopy(response_schema)
+        self._response_schema = None if response_schema is None else _json.from_python(response_schema)
         self._response_regex = response_regex
 
     messages = property(lambda self: list(self._messages))

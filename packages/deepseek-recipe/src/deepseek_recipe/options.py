@@ -108,7 +108,13 @@ class ConversionOptions:
                 raise ValueError(f"{name} must be an integer in [0, 2^32), got {value!r}")
         if not isinstance(self.special_tokens, SpecialTokens):
             raise TypeError(f"special_tokens must be SpecialTokens, got {self.special_tokens!r}")
-        object.__setattr__(self, "model_versions_by_name", dict(self.model_versions_by_name))
+        table = dict(self.model_versions_by_name)
+        for name, version in table.items():
+            if not isinstance(name, str) or not isinstance(version, ModelVersion):
+                raise TypeError(
+                    f"model_versions_by_name must map str to ModelVersion, got {name!r}: {version!r}"
+                )
+        object.__setattr__(self, "model_versions_by_name", table)
 
     def with_default_thinking_mode(self, default_thinking_mode: bool) -> ConversionOptions:
         return replace(self, default_thinking_mode=bool(default_thinking_mode))
@@ -126,6 +132,10 @@ class ConversionOptions:
         return replace(self, special_tokens=special_tokens)
 
     def with_model_alias(self, model: str, model_version: ModelVersion) -> ConversionOptions:
+        if not isinstance(model, str) or not isinstance(model_version, ModelVersion):
+            raise TypeError(
+                f"with_model_alias expects (str, ModelVersion), got ({model!r}, {model_version!r})"
+            )
         table = dict(self.model_versions_by_name)
         table[str(model)] = model_version
         return replace(self, model_versions_by_name=table)

@@ -169,8 +169,9 @@ def drive_stream(
 
     def take(events):
         for ev in events:
-            response.accumulate(ev)
+            # Name and serialize before accumulating: accumulate() consumes the chunk.
             stream.append({"event": resp_cls.sse_event_name(ev), "data": normalize(ev.to_dict())})
+            response.accumulate(ev)
 
     try:
         for c in chunks:

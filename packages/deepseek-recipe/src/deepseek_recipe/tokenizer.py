@@ -52,7 +52,7 @@ class Tokenizer:
             data = json.loads(json_text)
             self._full = tokenizers.Tokenizer.from_str(json_text)
         except Exception as exc:  # tokenizers raises its own Exception type
-            raise ValueError(f"invalid tokenizer.json: {exc}") from None
+            raise RuntimeError(f"invalid tokenizer.json: {exc}") from None
         added = {t["content"]: int(t["id"]) for t in data.get("added_tokens", ())}
         plain = dict(data)
         plain["added_tokens"] = []
@@ -79,7 +79,7 @@ class Tokenizer:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as exc:
-            raise ValueError(f"cannot read tokenizer file {os.fspath(path)!r}: {exc}") from None
+            raise RuntimeError(f"cannot read tokenizer file {os.fspath(path)!r}: {exc}") from None
         return cls(text)
 
     @classmethod
@@ -95,7 +95,7 @@ class Tokenizer:
         path = os.path.join(identifier, "tokenizer.json")
         if os.path.isfile(path):
             return cls.from_file(path)
-        raise ValueError(
+        raise RuntimeError(
             f"from_pretrained({identifier!r}): no tokenizer.json in that directory; this pure-Python package "
             "does not download from the Hub"
         )

@@ -68,6 +68,7 @@ class InferenceChunk:
         "content",
         "token_count",
         "token_ids",
+        "logprobs",
         "finish_reason",
         "prompt_usage",
         "system_fingerprint",
@@ -78,6 +79,7 @@ class InferenceChunk:
         self.content = None
         self.token_count = None
         self.token_ids = None
+        self.logprobs = None
         self.finish_reason = None
         self.prompt_usage = None
         self.system_fingerprint = None
@@ -104,12 +106,11 @@ class InferenceChunk:
 
     @staticmethod
     def tokens(token_ids, logprobs=None) -> InferenceChunk:
+        """Token ids of one backend output; `logprobs` holds one `(logprob, top_logprobs)` pair per id."""
         c = InferenceChunk("tokens")
         c.token_ids = list(token_ids)
-        if logprobs is not None and len(logprobs) != len(c.token_ids):
-            raise RuntimeError(
-                f"invalid log probabilities: {len(logprobs)} log probabilities for {len(c.token_ids)} token IDs"
-            )
+        if logprobs is not None:
+            c.logprobs = [(float(lp), [(int(i), float(v)) for i, v in top]) for lp, top in logprobs]
         return c
 
     @staticmethod
@@ -127,6 +128,7 @@ class OutputChunk:
     __slots__ = (
         "kind",
         "content",
+        "logprobs",
         "tool_name",
         "arguments",
         "finish_reason",
@@ -140,6 +142,7 @@ class OutputChunk:
     def __init__(self, kind: str, **fields) -> None:
         self.kind = kind
         self.content = fields.get("content")
+        self.logprobs = fields.get("logprobs")
         self.tool_name = fields.get("tool_name")
         self.arguments = fields.get("arguments")
         self.finish_reason = fields.get("finish_reason")
@@ -160,7 +163,7 @@ class _Pending:
     __slots__ = ("chunks", "segment", "tool_name", "previous", "stop_sequence", "has_tool_calls", "reasoning")
 
     def __init__(self) -> None:
-        self.chunks: deque[bytes] = deque()
+        self.chunks: deque[tuple[bytes, list | None]] = deque()
         self.segment: list | None = None  # [action, byte_len]
         self.tool_name = ""
         self.previous = P.SKIP
@@ -171,21 +174,22 @@ class _Pending:
     def take_piece(self, action: tuple, nbytes: int, out: list) -> None:
         if not self.chunks:
             return
-        piece = self.chunks.popleft()
+        piece, logprobs = self.chunks.popleft()
         if nbytes < len(piece):
-            self.chunks.appendleft(piece[nbytes:])
+            # Both halves keep the piece's log probabilities, as the reference does.
+            self.chunks.appendleft((piece[nbytes:], logprobs))
             piece = piece[:nbytes]
         text = piece.decode("utf-8", errors="replace")
         first = self.previous != action
         self.previous = action
         a = action[0]
         if a == "content":
-            out.append(OutputChunk("content", content=text))
+            out.append(OutputChunk("content", content=text, logprobs=logprobs))
         elif a == "reasoning":
             self.reasoning.append(text)
-            out.append(OutputChunk("reasoning", content=text))
+            out.append(OutputChunk("reasoning", content=text, logprobs=logprobs))
         elif a == "to_space":
-            out.append(OutputChunk("content", content=" "))
+            out.append(OutputChunk("content", content=" ", logprobs=logprobs))
         elif a in ("skip", "skip_invalid"):
             pass
         elif a == "stop_sequence":
@@ -210,11 +214,11 @@ class _Pending:
                 out.append(OutputChunk("arguments", arguments=action[1]))
         elif a == "label":
             if first:
-                out.append(OutputChunk("content", content=action[1]))
+                out.append(OutputChunk("content", content=action[1], logprobs=logprobs))
 
     def _whole(self, seg: list, out: list) -> None:
-        while self.chunks and len(self.chunks[0]) <= seg[1]:
-            n = len(self.chunks[0])
+        while self.chunks and len(self.chunks[0][0]) <= seg[1]:
+            n = len(self.chunks[0][0])
             self.take_piece(seg[0], n, out)
             seg[1] -= n
 
@@ -244,6 +248,13 @@ class StreamProcessor:
             raise TypeError(f"options must be ParsingOptions, got {type(options).__name__}")
         if not hasattr(generator, "generate"):
             raise TypeError(f"generator must be a chunk generator, got {type(generator).__name__}")
+        if tokenizer is not None:
+            from ..tokenizer import Tokenizer
+
+            if not isinstance(tokenizer, Tokenizer):
+                raise TypeError(
+                    f"tokenizer must be a deepseek_recipe.Tokenizer or None, got {type(tokenizer).__name__}"
+                )
         self._gen = generator
         self._thinking = options.thinking_initial_stage is not None
         self._decoder = None if tokenizer is None else StreamDecoder(tokenizer)
@@ -294,13 +305,15 @@ class StreamProcessor:
             self._complete(out)
             return self._emit(out)
         if kind == "text":
-            pieces = [(chunk.content.encode("utf-8"), chunk.token_count, P.TEXT)] if chunk.content else []
+            pieces = (
+                [(chunk.content.encode("utf-8"), chunk.token_count, P.TEXT, None)] if chunk.content else []
+            )
         else:
             if self._decoder is None:
                 self._closed = True
                 raise RuntimeError("token chunk received without a tokenizer")
             try:
-                decoded = self._decoder.decode_incrementally(chunk.token_ids)
+                decoded = self._decoder.decode_incrementally(chunk.token_ids, chunk.logprobs)
             except RuntimeError:
                 self._closed = True
                 raise
@@ -309,6 +322,7 @@ class StreamProcessor:
                     d.content.encode("utf-8"),
                     d.token_count,
                     P.SPECIAL_TOKEN if d.is_special_token else P.PLAIN_TOKENS,
+                    d.logprobs,
                 )
                 for d in decoded
             ]
@@ -316,10 +330,10 @@ class StreamProcessor:
             return self._emit(out)
         self._start(out)
         events: list = []
-        for data, count, pkind in pieces:
+        for data, count, pkind, logprobs in pieces:
             self._completion_tokens += count
             actions = self._parser.feed(data, pkind)
-            self._pending.chunks.append(data)
+            self._pending.chunks.append((data, logprobs))
             self._pending.apply(actions, events)
             if self._pending.stop_sequence is not None:
                 self._stop_sequence = self._pending.stop_sequence

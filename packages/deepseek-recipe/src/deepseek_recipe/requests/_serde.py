@@ -66,12 +66,10 @@ def invalid_type(value: Any, expected: str) -> SchemaError:
 def parse_body(body: Any) -> Any:
     """Body (dict, str or bytes) → JSON value; raises ValueError('invalid JSON request: ...')."""
     if isinstance(body, dict):
-        # Round-trip to get serde's number semantics (huge ints become floats, no NaN).
-        try:
-            text = _json.dumps_compact(body)
-        except TypeError as exc:
-            raise ValueError(f"invalid request body: {exc}") from None
-    elif isinstance(body, (bytes, bytearray, memoryview)):
+        # Python → JSON conversion as the reference binding does it (ValueError for cycles and
+        # non-finite floats, RecursionError beyond 128 levels, TypeError/OverflowError otherwise).
+        return _json.from_python(body)
+    if isinstance(body, (bytes, bytearray, memoryview)):
         try:
             text = bytes(body).decode("utf-8")
         except UnicodeDecodeError as exc:

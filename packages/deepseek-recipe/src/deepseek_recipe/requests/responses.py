@@ -677,17 +677,29 @@ class ResponsesRequest:
     """An OpenAI Responses request (dict, JSON str or bytes)."""
 
     def __init__(self, body: Any) -> None:
+        self._consumed = False
         value = parse_body(body)
         try:
             self._req = _parse(value)
         except SchemaError as exc:
             raise ValueError(f"invalid request body: {exc}") from None
 
+    def _live(self) -> None:
+        if self._consumed:
+            raise RuntimeError(f"this {type(self).__name__} has been consumed by convert()")
+
     @property
     def model(self) -> str:
+        """The requested model name; read it before `convert` consumes the request."""
+        self._live()
         return self._req["model"]
 
     def echo(self) -> ResponsesEcho:
+        """The request settings that responses report (read them before `convert`)."""
+        self._live()
+        return self._echo()
+
+    def _echo(self) -> ResponsesEcho:
         q = self._req
         e = ResponsesEcho()
         e._instructions = q["instructions"]
@@ -709,16 +721,21 @@ class ResponsesRequest:
 
     def namespace_tool_map(self, options: ConversionOptions | None = None) -> dict[str, tuple[str, str]]:
         options = ConversionOptions() if options is None else options
+        self._live()
         mv = options.resolve_model_version(self._req["model"])
         tools = [t for t in (self._req["tools"] or []) if t[0] in ("function", "namespace")]
         return {n: k for n, k in _ToolSet(tools, options, mv).namespace_tools}
 
     def convert(self, options: ConversionOptions | None = None) -> C.ConversationRequest:
         options = ConversionOptions() if options is None else options
+        if not isinstance(options, ConversionOptions):
+            raise TypeError(f"options must be ConversionOptions, got {type(options).__name__}")
+        self._live()
+        self._consumed = True  # even a failed conversion consumes the request, as in the reference
         q = self._req
         mv = options.resolve_model_version(q["model"])
         thinking, effort = C.resolve_thinking_mode(options.default_thinking_mode, None, q["effort"])
-        echo = self.echo()
+        echo = self._echo()
         tool_set = _ToolSet(q["tools"], options, mv)
         conv = _Converter(options.special_tokens.image, mv)
         messages: list = []

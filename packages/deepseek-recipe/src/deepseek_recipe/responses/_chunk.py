@@ -15,19 +15,48 @@ def now() -> int:
 
 
 class ProtocolChunk:
-    """One protocol chunk/event; `data` is the JSON payload, `event` the SSE event name (or None)."""
+    """One protocol chunk/event; `data` is the JSON payload, `event` the SSE event name (or None).
 
-    __slots__ = ("data", "event")
+    Like the reference, a response's `accumulate(chunk)` consumes the chunk: using it afterwards
+    raises RuntimeError (serialize or name it before accumulating).
+    """
+
+    __slots__ = ("_data", "_event", "_consumed")
 
     def __init__(self, data: dict, event: str | None = None) -> None:
-        self.data = data
-        self.event = event
+        self._data = data
+        self._event = event
+        self._consumed = False
+
+    def _check(self) -> None:
+        if self._consumed:
+            raise RuntimeError(f"this {type(self).__name__} has been consumed by accumulate()")
+
+    def _take(self) -> dict:
+        """Mark consumed and hand the payload to an accumulator."""
+        self._check()
+        self._consumed = True
+        return self._data
+
+    @property
+    def data(self) -> dict:
+        self._check()
+        return self._data
+
+    @property
+    def event(self) -> str | None:
+        self._check()
+        return self._event
 
     def to_json(self) -> str:
-        return json.dumps(self.data, ensure_ascii=False, separators=(",", ":"))
+        self._check()
+        return json.dumps(self._data, ensure_ascii=False, separators=(",", ":"))
 
     def to_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.data)
+        self._check()
+        return copy.deepcopy(self._data)
 
     def __repr__(self) -> str:
+        if self._consumed:
+            return f"{type(self).__name__}(<consumed>)"
         return f"{type(self).__name__}({self.to_json()[:120]})"

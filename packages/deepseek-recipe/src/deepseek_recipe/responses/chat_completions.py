@@ -65,7 +65,7 @@ class ChatCompletionChunkGenerator:
         self._prompt_usage = PromptUsage()
         self._fingerprint = None
 
-    def _chunk(self, delta: dict, finish_reason=None, usage=None) -> list:
+    def _chunk(self, delta: dict, finish_reason=None, usage=None, logprobs=None) -> list:
         if self._created is None:
             self._created = self._clock()
         data = {
@@ -74,7 +74,7 @@ class ChatCompletionChunkGenerator:
             "created": self._created,
             "model": self._model,
             "system_fingerprint": self._fingerprint,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
         }
         if self._include_usage or usage is not None:
             data["usage"] = usage
@@ -98,11 +98,13 @@ class ChatCompletionChunkGenerator:
             delta = {"content": ev.content}
             if self._thinking:
                 delta["reasoning_content"] = None
-            return self._chunk(delta)
+            lp = None if ev.logprobs is None else {"content": copy.deepcopy(ev.logprobs)}
+            return self._chunk(delta, logprobs=lp)
         if k == "reasoning":
             if ev.content:
                 self._reasoning = True
-            return self._chunk({"content": None, "reasoning_content": ev.content})
+            lp = None if ev.logprobs is None else {"reasoning_content": copy.deepcopy(ev.logprobs)}
+            return self._chunk({"content": None, "reasoning_content": ev.content}, logprobs=lp)
         if k == "tool_call_begin":
             return []
         if k == "tool_call_named":
@@ -152,7 +154,7 @@ class ChatCompletionResponse:
         self._usage = None
 
     def accumulate(self, chunk: ChatCompletionChunk) -> None:
-        data = chunk.data
+        data = chunk._take()
         if data.get("usage") is not None:
             self._usage = copy.deepcopy(data["usage"])
         if self._data["system_fingerprint"] is None:
@@ -183,6 +185,13 @@ class ChatCompletionResponse:
                             if c["index"] == td["index"]:
                                 c["function"]["arguments"] += td["function"]["arguments"]
                                 break
+            lp = cc.get("logprobs")
+            if lp is not None:
+                if choice["logprobs"] is None:
+                    choice["logprobs"] = copy.deepcopy(lp)
+                else:
+                    for key, entries in lp.items():
+                        choice["logprobs"].setdefault(key, []).extend(copy.deepcopy(entries))
             if cc.get("finish_reason") is not None:
                 choice["finish_reason"] = cc["finish_reason"]
 
@@ -205,6 +214,7 @@ class ChatCompletionResponse:
 
     @staticmethod
     def sse_event_name(chunk) -> str | None:
+        chunk._check()
         return None
 
     @staticmethod

@@ -170,7 +170,7 @@ class MessagesResponse:
         self._partial: dict[int, str] = {}
 
     def accumulate(self, event: MessagesStreamEvent) -> None:
-        e = event.data
+        e = event._take()
         t = e["type"]
         content = self._data["content"]
         if t == "message_start":

@@ -229,7 +229,7 @@ class ResponsesChunkGenerator:
             )
         )
 
-    def _append_text(self, delta: str, reasoning: bool, out: list) -> None:
+    def _append_text(self, delta: str, reasoning: bool, out: list, logprobs=None) -> None:
         r = self._resp()
         current = r["output"][self._active] if self._active is not None else None
         want = "reasoning" if reasoning else "message"
@@ -258,6 +258,9 @@ class ResponsesChunkGenerator:
         index = self._active
         item = r["output"][index]
         item["content"][0]["text"] += delta
+        delta_logprobs = [] if reasoning or logprobs is None else copy.deepcopy(logprobs)
+        if not reasoning:
+            item["content"][0]["logprobs"].extend(copy.deepcopy(delta_logprobs))
         if reasoning:
             out.append(
                 self._ev(
@@ -279,7 +282,7 @@ class ResponsesChunkGenerator:
                         "content_index": 0,
                         "delta": delta,
                         "item_id": item["id"],
-                        "logprobs": [],
+                        "logprobs": delta_logprobs,
                         "output_index": index,
                         "sequence_number": self._n(),
                     }
@@ -312,7 +315,7 @@ class ResponsesChunkGenerator:
                 )
             )
         elif k == "content":
-            self._append_text(ev.content, False, out)
+            self._append_text(ev.content, False, out, ev.logprobs)
         elif k == "reasoning":
             if ev.content:
                 self._reasoning = True
@@ -386,7 +389,7 @@ class ResponsesResponse:
         self._data = _new_response(id, model, created)
 
     def accumulate(self, event: ResponsesStreamEvent) -> None:
-        e = event.data
+        e = event._take()
         t = e["type"]
         out = self._data["output"]
         if t in ("response.created", "response.in_progress", "response.completed", "response.incomplete"):
@@ -414,10 +417,14 @@ class ResponsesResponse:
                 ci = e["content_index"]
                 if ci < len(item.get("content", [])):
                     item["content"][ci]["text"] += e["delta"]
+                    if t == "response.output_text.delta":
+                        item["content"][ci]["logprobs"].extend(copy.deepcopy(e["logprobs"]))
             elif t in ("response.output_text.done", "response.reasoning_text.done"):
                 ci = e["content_index"]
                 if ci < len(item.get("content", [])):
                     item["content"][ci]["text"] = e["text"]
+                    if t == "response.output_text.done":
+                        item["content"][ci]["logprobs"] = copy.deepcopy(e["logprobs"])
             elif t == "response.function_call_arguments.delta" and item["type"] == "function_call":
                 item["arguments"] += e["delta"]
             elif t == "response.function_call_arguments.done" and item["type"] == "function_call":
