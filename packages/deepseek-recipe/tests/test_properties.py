@@ -165,9 +165,10 @@ def _run(req, chunks, tok):
     for out in proc.finish():
         resp.accumulate(out)
     data = normalize(json.loads(resp.to_json()))
-    choice = data["choices"][0]
-    if choice["finish_reason"] == "stop" and "END" in json.dumps(choice):
-        data.pop("usage", None)  # completion-token count at a stop sequence depends on piece granularity
+    if req.parsing_options.stop_sequences:
+        # Where a stop sequence ends the stream, the completion-token count depends on how the ids
+        # were grouped into decoded pieces (the whole piece holding the stop is counted), as in the reference.
+        data.pop("usage", None)
     return data
 
 
