@@ -35,7 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _setup_logging() -> None:
+    # start-up facts (cache families and their bytes per token, the cache plan) go to stderr at INFO
+    import logging
+
+    log = logging.getLogger("deepinfer_engine")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
     parser = build_parser()
     ns, unknown = parser.parse_known_args(argv)
     if unknown:

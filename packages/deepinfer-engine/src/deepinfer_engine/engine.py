@@ -211,6 +211,7 @@ class LLMEngine:
         plan = plan_cache(families, page_size=page_size, memory_bytes=budget,
                           max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
                           num_pages=config.cache.num_kv_pages)
+        _log_record_formats(args)
         cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
                                     dtype=dtype, device=device)
         eos = _read_eos_ids(model_dir, args)
@@ -229,16 +230,23 @@ class LLMEngine:
             ids = [self.bos_token_id] + ids
         return ids
 
+    def check_prompt(self, token_ids: Sequence[int], *, where: str = "prompt_token_ids") -> None:
+        """Raise InputError for ids outside the vocabulary (length limits are the scheduler's: they finish the
+        request with an error instead, so one long prompt does not stop a batch)."""
+        vocab = getattr(self.args, "vocab_size", None)
+        if vocab is None:
+            return
+        for t in token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InputError(f"{where}: found token id {t!r}, expected integers in [0, {vocab})")
+
     def add_request(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, prompt: str | None = None
     ) -> None:
         if request_id in self._tracked:
             raise InputError(f"request_id: {request_id!r} is already in use")
-        vocab = getattr(self.args, "vocab_size", None)
         ids = [int(t) for t in prompt_token_ids]
-        if vocab is not None and any(t < 0 or t >= vocab for t in ids):
-            bad = next(t for t in ids if t < 0 or t >= vocab)
-            raise InputError(f"prompt_token_ids: found id {bad}, expected ids in [0, {vocab})")
+        self.check_prompt(ids)
         arrival = self._arrivals
         self._arrivals += 1
         base_seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, arrival)
@@ -358,6 +366,30 @@ class LLMEngine:
             return text, None
         i, s = best
         return (text[: i + len(s)] if params.include_stop_str_in_output else text[:i]), s
+
+
+def _log_record_formats(args: Any) -> None:
+    """Bytes per token of the compressed caches in the design's record formats (runtime.md §6.2), for comparison
+    with the cache actually allocated (which stores the reference dtype)."""
+    from deepinfer_engine.core.kv_cache_spec import compressed_owners, paged_bytes_per_token
+
+    try:
+        owners = compressed_owners(args.compress_ratios, args.num_hidden_layers,
+                                   getattr(args, "kv_source_layer_ids", None) or None)
+        kw = dict(head_dim=args.head_dim, index_head_dim=args.index_head_dim, rope_dim=args.qk_rope_head_dim)
+        bf16 = paged_bytes_per_token(owners, **kw)
+        if args.arch == "v41":
+            prod = {"NVFP4 main + MXFP4 index": paged_bytes_per_token(owners, main_format="nvfp4",
+                                                                      index_format="mxfp4", **kw),
+                    "MXFP8 main + MXFP4 index": paged_bytes_per_token(owners, main_format="mxfp8",
+                                                                      index_format="mxfp4", **kw)}
+        else:
+            prod = {"FP8 main + MXFP4 index": paged_bytes_per_token(owners, main_format="fp8_ds",
+                                                                    index_format="mxfp4", **kw)}
+    except (AttributeError, TypeError, ValueError):  # configs without compressed layers / fields
+        return
+    logger.info("compressed cache record formats: bf16 %g B/token; %s", bf16,
+                "; ".join(f"{k} {v:g} B/token" for k, v in prod.items()))
 
 
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):

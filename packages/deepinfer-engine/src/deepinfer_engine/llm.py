@@ -81,12 +81,17 @@ class LLM:
             if len(params) != len(items):
                 raise InputError(f"sampling_params: found a list of {len(params)}, expected one per prompt "
                                  f"({len(items)}) or a single SamplingParams")
-        ids: list[str] = []
-        for (text, token_ids), sp in zip(items, params):
+        # validate and tokenize everything first, so that a bad input leaves no half-added batch behind
+        ready: list[tuple[str | None, list[int], SamplingParams]] = []
+        for i, ((text, token_ids), sp) in enumerate(zip(items, params)):
             if not isinstance(sp, SamplingParams):
-                raise InputError(f"sampling_params: found {type(sp).__name__}, expected SamplingParams")
+                raise InputError(f"sampling_params[{i}]: found {type(sp).__name__}, expected SamplingParams")
             if token_ids is None:
                 token_ids = self.engine.encode_prompt(text)
+            self.engine.check_prompt(token_ids, where=f"prompts[{i}]")
+            ready.append((text, token_ids, sp))
+        ids: list[str] = []
+        for text, token_ids, sp in ready:
             rid = str(self._counter)
             self._counter += 1
             self.engine.add_request(rid, token_ids, sp, prompt=text)
