@@ -78,15 +78,21 @@ def max_rel_err(a: Tensor, b: Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
 
 
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _cache_for(model: nn.Module, lens: Sequence[int], page_size: int | None) -> tuple[ModelCache, Tensor]:
-    return ModelCache.allocate_dense(model.args, list(lens), dtype=model.dtype, page_size=page_size)
+    # cache, block tables and ids follow the model's device, so the same runs work on CPU and CUDA
+    return ModelCache.allocate_dense(model.args, list(lens), dtype=model.dtype, page_size=page_size,
+                                     device=_device(model))
 
 
 @torch.no_grad()
 def run_full(model: nn.Module, ids: Tensor, *, page_size: int | None = None) -> Tensor:
     """One forward over the whole sequence: [n, V]."""
     cache, bt = _cache_for(model, [ids.numel()], page_size)
-    return model(ForwardBatch.single(ids, block_table=bt[0]), cache)
+    return model(ForwardBatch.single(ids.to(_device(model)), block_table=bt[0]), cache)
 
 
 @torch.no_grad()
@@ -95,6 +101,7 @@ def run_chunked(model: nn.Module, ids: Tensor, chunks: Sequence[int], *, page_si
     if sum(chunks) != ids.numel():
         raise ValueError(f"chunks {list(chunks)} do not sum to {ids.numel()}")
     cache, bt = _cache_for(model, [ids.numel()], page_size)
+    ids = ids.to(_device(model))
     out, s = [], 0
     for c in chunks:
         out.append(model(ForwardBatch.single(ids[s : s + c], start_pos=s, block_table=bt[0]), cache))
@@ -139,13 +146,14 @@ def run_batched(
             slots.append(slot_of[i])
             rows.append(bt[slot_of[i]])
         # block tables are allocated per slot by allocate_dense; rows follow the batch's sequence order
+        dev = _device(model)
         batch = ForwardBatch(
-            input_ids=torch.cat(ids).to(torch.int64),
-            positions=torch.cat(pos).to(torch.int64),
+            input_ids=torch.cat(ids).to(dev, torch.int64),
+            positions=torch.cat(pos).to(dev, torch.int64),
             query_lens=tuple(qlens),
             slots=tuple(slots),
-            block_tables=torch.stack(rows),
-            logits_indices=torch.arange(sum(qlens), dtype=torch.int64),
+            block_tables=torch.stack(rows).to(dev),
+            logits_indices=torch.arange(sum(qlens), dtype=torch.int64, device=dev),
         )
         logits = model(batch, cache)
         s = 0

@@ -66,7 +66,9 @@ class Rope:
             self.freqs = rope_freqs(args.qk_rope_head_dim, theta)
 
     def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
-        cos, sin = rope_cos_sin(positions, self.freqs.to(positions.device))
+        if self.freqs.device != positions.device:  # move once (Rope is no nn.Module), not a copy per call
+            self.freqs = self.freqs.to(positions.device)
+        cos, sin = rope_cos_sin(positions, self.freqs)
         return apply_rope(x, cos, sin, inverse=inverse)
 
 

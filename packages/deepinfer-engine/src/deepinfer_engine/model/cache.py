@@ -161,7 +161,8 @@ class ModelCache:
         cache = cls.allocate(
             args, num_slots=len(pages), num_pages=nxt, page_size=page_size, dtype=dtype, device=device, slack=slack
         )
-        return cache, bt
+        # block tables live with the cache: paged reads index them with device tensors
+        return cache, (bt if torch.device(device).type == "meta" else bt.to(device))
 
     def reset_slot(self, slot: int) -> None:
         """Forget a finished sequence's slot state (not required for correctness: positions overwrite)."""
@@ -211,7 +212,7 @@ def _page_rows(block_row: Tensor, ratio: int, page_size: int, w: Tensor, seq: in
         raise CapacityError(
             f"sequence {seq}: block table has {block_row.shape[0]} pages, entry needs page {int(page_idx.max())}"
         )
-    pages = block_row.to(torch.int64)[page_idx]
+    pages = block_row.to(device=page_idx.device, dtype=torch.int64)[page_idx]
     if pages.numel() and int(pages.min()) < 0:
         raise CapacityError(f"sequence {seq}: block table has no page (-1) for a needed compressed entry")
     rows = (tok % page_size) // ratio

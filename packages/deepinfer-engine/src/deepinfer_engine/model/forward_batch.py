@@ -94,6 +94,7 @@ class ForwardBatch:
         ids = input_ids.reshape(-1).to(torch.int64)
         n = int(ids.shape[0])
         bt = block_table if block_table is not None else torch.full((1, 1), -1, dtype=torch.int32)
+        bt = bt.to(ids.device)  # on the ids' device, like every other batch tensor
         return cls(
             input_ids=ids,
             positions=torch.arange(start_pos, start_pos + n, dtype=torch.int64, device=ids.device),

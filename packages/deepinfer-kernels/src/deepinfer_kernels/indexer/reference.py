@@ -101,10 +101,9 @@ def candidate_blocks(
     padded[:, :n] = scores.float()
     block_score = padded.view(t, nb, block_size).amax(dim=-1)  # [T, nb]
     newest = torch.div(visible - 1, block_size, rounding_mode="floor")  # [T]; -1 .. when nothing visible
-    has_any = visible > 0
-    if nb > 0 and bool(has_any.any()):
-        rows = torch.nonzero(has_any).squeeze(-1)
-        block_score[rows, newest[rows]] = float("inf")
+    # pin with a mask rather than nonzero() + scatter: no host sync (this runs once per layer on the GPU path)
+    pinned = (torch.arange(nb, device=scores.device)[None, :] == newest[:, None]) & (visible > 0)[:, None]
+    block_score = block_score.masked_fill(pinned, float("inf"))
     block_ids = (
         topk_indices(block_score, topk_blocks)
         if nb > 0
