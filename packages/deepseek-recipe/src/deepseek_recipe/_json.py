@@ -88,12 +88,6 @@ def _float_v4(value: float) -> str:
     return text
 
 
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
-for _i in range(0x20):
-    _ESCAPES.setdefault(chr(_i), f"\\u{_i:04x}")
-del _i
-
-
 def _str(s: str) -> str:
     return json.dumps(s, ensure_ascii=False)
 

@@ -216,7 +216,11 @@ class ThinkingInitialStage(enum.Enum):
 
 @dataclass(kw_only=True)
 class ParsingOptions:
-    """Output-parser settings (what to recognise in generated text)."""
+    """Output-parser settings (what to recognise in generated text).
+
+    Mutable on purpose: the official API exposes setters (e.g. `stop_sequences`), and a
+    `StreamProcessor` snapshots the options when it is built.
+    """
 
     parse_tool_calls: bool = True
     starts_in_tool_calls: bool = False

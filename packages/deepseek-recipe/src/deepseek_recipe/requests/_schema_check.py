@@ -42,10 +42,6 @@ def _j(value: Any) -> str:
     return _json.dumps_compact(value)
 
 
-def _type_name(value: Any) -> str:
-    return "object"
-
-
 def validate_schema(schema: Any) -> str | None:
     """Validate `schema` against (a subset of) the JSON Schema meta-schema; return the first error."""
     # Wording follows the `jsonschema` crate used by the reference.
