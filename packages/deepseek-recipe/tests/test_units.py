@@ -205,3 +205,22 @@ def test_logprobs_flow_into_chat_chunks(v4_tokenizer):
         dr.StreamProcessor(
             dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options, v4_tokenizer
         ).push(dr.InferenceChunk.tokens([5, 6], [(0.0, [])]))
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "tokens", "best_w", "best_h"),
+    # Reference V4.1 preprocessing results (official 0.2.0 token-spec test vectors).
+    [
+        (978, 479, 302, 980, 490),
+        (2, 165, 356, 70, 4942),
+        (10000, 158, 962, 10010, 168),
+        (1920, 1080, 968, 1708, 966),
+    ],
+)
+def test_v41_image_token_spec(width, height, tokens, best_w, best_h):
+    from deepseek_recipe.images import ImageTokenSpec
+
+    _, _, h, w, n = ImageTokenSpec().calc_resize(width, height)
+    assert (n, w, h) == (tokens, best_w, best_h)
+    data = dr.MultiModalData([dr.ImageInfo(b"", width, height), dr.ImageInfo(b"", 1, 1)])
+    assert data.image_token_adjustment() == (tokens - 1) + (184 - 1)
