@@ -389,7 +389,15 @@ class _ToolSet:
                     fn.name = full
                     self.client.append(fn)
             elif t[0] == "custom":
-                raise ConversionError(f"Unsupported custom tool: '{t[1]}'. Only 'apply_patch' is supported.")
+                if t[1] != "apply_patch":
+                    raise ConversionError(
+                        f"Unsupported custom tool: '{t[1]}'. Only 'apply_patch' is supported."
+                    )
+                # The reference accepts `apply_patch` (a fixed tool description plus a custom-input
+                # output stream); this package does not implement it yet and says so.
+                raise ConversionError(
+                    "Custom tool 'apply_patch' is not supported by the pure-Python deepseek-recipe."
+                )
             elif t[0] == "web_search":
                 if options.responses_web_search.value == "reject":
                     raise ConversionError("Server tools are not supported")
