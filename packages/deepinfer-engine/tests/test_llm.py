@@ -100,3 +100,32 @@ def test_text_prompt_order_and_errors(v41_llm: LLM, ckpt_dirs) -> None:
 def test_invalid_sampling_params_name_the_field(field: str, value) -> None:
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_batch_equals_dense_and_sampling_is_batch_independent(ckpt_dirs) -> None:
+    llm = LLM(str(ckpt_dirs("v41")), device="cuda", dtype="float32", page_size=4, num_kv_pages=5,
+              max_num_batched_tokens=7, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    model, eos = llm.engine.runner.model, llm.engine.eos_token_ids[0]
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.outputs[0].token_ids == _dense_greedy_on(model, prompt, MAX_TOKENS, eos, "cuda"), prompt
+    sp = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, seed=7, ignore_eos=True)
+    (alone,) = llm.generate([PROMPTS[3]], sp, use_tqdm=False)
+    mixed = llm.generate([PROMPTS[0], PROMPTS[3]], [SamplingParams(max_tokens=2, seed=3), sp], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
+def _dense_greedy_on(model, prompt: list[int], n: int, eos: int, device: str) -> list[int]:
+    ids, out = list(prompt), []
+    for _ in range(n):
+        cache, bt = ModelCache.allocate_dense(model.args, [len(ids)], dtype=torch.float32, device=device)
+        batch = ForwardBatch.single(torch.tensor(ids, device=device), block_table=bt[0].to(device), all_logits=False)
+        with torch.inference_mode():
+            tok = int(model(batch, cache)[-1].argmax())
+        out.append(tok)
+        ids.append(tok)
+        if tok == eos:
+            break
+    return out

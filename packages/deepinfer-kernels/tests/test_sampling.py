@@ -151,3 +151,17 @@ def test_logprobs_topk_matches_log_softmax() -> None:
         assert ids[i].tolist() == ref[i].topk(3).indices.tolist()
         assert rank[i].item() == 1 + int((ref[i] > ref[i, toks[i]]).sum())
     assert math.isclose(float(vals[0, 0]), float(ref[0].max()), abs_tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_noise_and_samples_equal_cpu() -> None:
+    seeds = torch.tensor([3, 2**40 + 5, -9], dtype=torch.int64)
+    offs = torch.tensor([0, 17, 2], dtype=torch.int64)
+    u_cpu = counter_uniform(seeds, offs, 1000)
+    u_gpu = counter_uniform(seeds.cuda(), offs.cuda(), 1000).cpu()
+    assert torch.equal(u_cpu, u_gpu)  # integer hash: bit-identical on every device
+    logits = _rows(3, 1000, seed=11)
+    p = _params(3, 0.9)
+    a = sample(logits, **p, seeds=seeds, offsets=offs)
+    b = sample(logits.cuda(), **{k: v.cuda() for k, v in p.items()}, seeds=seeds.cuda(), offsets=offs.cuda())
+    assert torch.equal(a, b.cpu())
