@@ -140,6 +140,7 @@ def target_features(features: dict[int, Tensor], target_ids: tuple[int, ...]) ->
     return torch.cat([features[lid] for lid in target_ids], dim=-1)
 
 
+@torch.no_grad()  # inference only: no autograd graph whatever the caller's grad mode
 def insert_context(model: nn.Module, batch: ForwardBatch, cache: ModelCache, features: Tensor) -> Tensor:
     """Write the stages' context KV for the batch's positions; features ``[T, n_targets·d]``.
 
@@ -169,6 +170,7 @@ def draft_block_ids(anchors: Tensor, block_size: int, noise_token_id: int) -> Te
     return out.reshape(-1)
 
 
+@torch.no_grad()  # inference only: no autograd graph whatever the caller's grad mode
 def draft_block(model: nn.Module, batch: ForwardBatch, cache: ModelCache) -> DraftOutput:
     """One parallel pass of the draft stages over the batch's blocks (non-causal inside each block).
 
@@ -210,6 +212,7 @@ def markov_logits(
     return base_logits.float() + bias.view(b, n, -1), e.view(b, n, -1)
 
 
+@torch.no_grad()
 def greedy_draft(model: nn.Module, out: DraftOutput, anchors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Greedy sequential drafting (test/reference policy) over ``out`` of ``B`` blocks of ``N`` positions.
 
