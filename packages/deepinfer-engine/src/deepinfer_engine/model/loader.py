@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -18,7 +19,7 @@ from deepinfer_engine.model.model import Transformer
 __all__ = ["MODULE_TO_CHECKPOINT", "checkpoint_name", "load_model", "load_state_into"]
 
 # module state-dict name -> official checkpoint name, where they differ (none so far).
-MODULE_TO_CHECKPOINT: dict[str, str] = {}
+MODULE_TO_CHECKPOINT: MappingProxyType[str, str] = MappingProxyType({})
 
 DRAFT_PREFIX = "mtp."
 

@@ -34,6 +34,7 @@ class Gate(nn.Module):
             self.bias = None
         else:
             self.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        # [I] DSpark stages carry no bias_vl (SGLang's stage config; not read from a checkpoint header, §C.5)
         self.bias_vl = (
             nn.Parameter(torch.zeros(E, dtype=torch.float32)) if (args.has_gate_bias_vl and not plan.is_draft) else None
         )
