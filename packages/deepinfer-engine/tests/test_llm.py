@@ -129,3 +129,18 @@ def _dense_greedy_on(model, prompt: list[int], n: int, eos: int, device: str) ->
         if tok == eos:
             break
     return out
+
+
+def test_incremental_text_equals_full_decode(v41_llm: LLM) -> None:
+    sp = SamplingParams(temperature=1.0, max_tokens=24, seed=11, ignore_eos=True)
+    outs = v41_llm.generate([PROMPTS[0], PROMPTS[3]], [sp, sp.replace(seed=12, skip_special_tokens=False)],
+                            use_tqdm=False)
+    tok = v41_llm.tokenizer
+    for out, skip in zip(outs, (True, False)):
+        co = out.outputs[0]
+        assert co.text == tok.decode(co.token_ids, skip_special_tokens=skip)
+    # a stop string cut at its first occurrence, searched across token boundaries
+    text = outs[0].outputs[0].text
+    stop = text[5:8]
+    (cut,) = v41_llm.generate([PROMPTS[0]], sp.replace(stop=[stop]), use_tqdm=False)
+    assert cut.outputs[0].text == text[: text.find(stop)] and cut.outputs[0].stop_reason == stop

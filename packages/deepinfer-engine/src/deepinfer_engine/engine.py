@@ -55,6 +55,7 @@ class _Tracked:
     children: list[str]
     output: RequestOutput
     done: set[str] = field(default_factory=set)
+    detok: dict[int, _Detok] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -329,7 +330,7 @@ class LLMEngine:
             tr.output.prompt_logprobs.extend(u.new_prompt_logprobs)
         finish_reason, stop_reason = u.finish_reason, u.stop_reason
         if u.new_token_ids and self.tokenizer is not None:
-            text, hit = self._detokenize(co, tr.params)
+            text, hit = self._detokenize(co, tr.params, tr.detok.setdefault(idx, _Detok()))
             co.text = text
             if hit is not None and finish_reason is None:
                 finish_reason, stop_reason = "stop", hit
@@ -348,24 +349,44 @@ class LLMEngine:
                     tr.output.metrics.num_preemptions = req.num_preemptions
         return tr
 
-    def _detokenize(self, co: CompletionOutput, params: SamplingParams) -> tuple[str, str | None]:
+    def _detokenize(self, co: CompletionOutput, params: SamplingParams, state: _Detok) -> tuple[str, str | None]:
+        """Incremental detokenization (decodes a short window per new token, not the whole output) and the
+        stop-string search over the newly added text."""
         ids = co.token_ids
         if ids and (ids[-1] in self.eos_token_ids or ids[-1] in params.stop_token_ids):
             ids = ids[:-1]  # the token that stopped generation is kept in token_ids but not in text
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        if text.endswith("\ufffd"):
-            text = text[:-1]  # incomplete UTF-8 sequence: wait for the next token
+        skip = params.skip_special_tokens
+        before = len(state.text)
+        while state.read < len(ids):
+            # byte-level BPE: text of ids[read:] is only final once decoding it together with a few earlier ids
+            # no longer ends in an incomplete UTF-8 sequence (U+FFFD)
+            prefix = self.tokenizer.decode(ids[state.prefix : state.read], skip_special_tokens=skip)
+            full = self.tokenizer.decode(ids[state.prefix : state.read + 1], skip_special_tokens=skip)
+            state.read += 1
+            if full.endswith("\ufffd"):
+                continue
+            state.text += full[len(prefix):]
+            state.prefix = max(state.prefix, state.read - 4)
         if not params.stop:
-            return text, None
+            return state.text, None
+        longest = max(len(x) for x in params.stop)
+        start = max(0, before - longest + 1)
         best: tuple[int, str] | None = None
-        for s in params.stop:
-            i = text.find(s)
+        for x in params.stop:
+            i = state.text.find(x, start)
             if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
+                best = (i, x)
         if best is None:
-            return text, None
-        i, s = best
-        return (text[: i + len(s)] if params.include_stop_str_in_output else text[:i]), s
+            return state.text, None
+        i, x = best
+        return (state.text[: i + len(x)] if params.include_stop_str_in_output else state.text[:i]), x
+
+
+@dataclass(kw_only=True)
+class _Detok:
+    prefix: int = 0  # first id of the decode window
+    read: int = 0  # ids before this are in `text`
+    text: str = ""
 
 
 def _log_record_formats(args: Any) -> None:
