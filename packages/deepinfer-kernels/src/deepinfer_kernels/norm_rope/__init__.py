@@ -1,26 +1,38 @@
-"""RMSNorm and interleaved RoPE on the trailing rope dims (architecture.md §2). Reference backend only for now."""
+"""RMSNorm and interleaved RoPE on the trailing rope dims (architecture.md §2): torch references; Triton RMSNorm."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.norm_rope import reference
 from deepinfer_kernels.norm_rope.reference import rope_freqs, yarn_correction_range
 
 __all__ = ["apply_rope", "rms_norm", "rope_cos_sin", "rope_freqs", "yarn_correction_range"]
 
 
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TRITON_MAX_D = 16384  # == norm_rope.triton.MAX_D (kept here so the dispatcher does not import triton)
+
+
 def _check_backend(backend: str) -> None:
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend: found {backend!r}, expected 'auto' or 'torch' (no GPU backend yet)")
+    """apply_rope has no kernel yet: 'auto' (and the env override) resolve to the reference, 'triton' raises."""
+    resolve_backend("apply_rope", backend, triton_ok=False, why_not="no triton kernel for apply_rope yet")
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, backend: str = "auto") -> Tensor:
-    """x [..., D] any float dtype; weight [D] or None; fp32 math; returns x's dtype."""
-    _check_backend(backend)
+    """x [..., D] any float dtype; weight [D] or None; fp32 math; returns x's dtype.
+    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x with D <= 16384)."""
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    ok = x.dtype in _TRITON_DTYPES and 0 < x.shape[-1] <= _TRITON_MAX_D
+    why = f"x {x.dtype} with D {x.shape[-1]}; needs bf16/fp16/fp32 and 0 < D <= {_TRITON_MAX_D}"
+    tensors = (x,) if weight is None else (x, weight)
+    if resolve_backend("rms_norm", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.norm_rope import triton as triton_backend
+
+        return triton_backend.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps)
 
 

@@ -1,0 +1,147 @@
+"""Triton sparse attention vs the torch reference: CPU interpreter at tiny shapes, GPU at V4.1 decode shapes.
+
+Tolerances (|triton - reference| <= atol + rtol * |reference|, elementwise):
+- fp32 inputs: atol 2e-6, rtol 1e-5 (exact fp32 dots; only the summation order differs).
+- bf16 inputs, interpreter: atol 1e-3, rtol 2^-7 = 1 bf16 ULP of the output (dots run on fp32 upcasts there;
+  the interpreter truncates f32 -> bf16 instead of rounding).
+- bf16 inputs, GPU: atol 1.5e-2, rtol 2e-2 (P is rounded to bf16 for the P@V tensor-core dot).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+from deepinfer_kernels.sparse_attn import reference, sparse_attn
+from deepinfer_kernels.testing import triton_interpreter
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+_TOL = {
+    ("cpu", torch.float32): (2e-6, 1e-5),
+    ("cpu", torch.bfloat16): (1e-3, 2.0**-7),
+    ("cuda", torch.float32): (2e-6, 1e-5),
+    ("cuda", torch.bfloat16): (1.5e-2, 2e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def interp():
+    with triton_interpreter("deepinfer_kernels.sparse_attn.triton") as (mod,):
+        yield mod
+
+
+def _case(t, h, d, s, k, dtype, device="cpu", seed=0, invalid_frac=0.25):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    kv = torch.randn(s, d, generator=g).to(dtype)
+    idx = torch.randint(0, s, (t, k), generator=g)
+    idx[torch.rand(t, k, generator=g) < invalid_frac] = -1
+    sink = torch.randn(h, generator=g) * 2
+    return q.to(device), kv.to(device), idx.to(device), sink.to(device)
+
+
+def _check(out, ref, device, dtype):
+    atol, rtol = _TOL[(device, dtype)]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# (T, H, D, S, K): irregular heads (not a multiple of BLOCK_H=16), D not a power of two, K not a multiple of
+# BLOCK_N=32, K shorter than one block, one decode token (split path chosen automatically).
+_SHAPES = [(1, 4, 64, 50, 37), (3, 20, 40, 23, 70), (2, 16, 32, 9, 5), (5, 3, 24, 64, 33)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_interpreter_matches_reference(interp, shape, dtype):
+    q, kv, idx, sink = _case(*shape, dtype)
+    scale = shape[2] ** -0.5
+    _check(interp.sparse_attn(q, kv, idx, sink, scale), reference.sparse_attn(q, kv, idx, sink, scale), "cpu", dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 100])
+def test_interpreter_split_counts(interp, num_splits):
+    """Flash-decoding merge: any split count (more than blocks = clamped) gives the same result."""
+    q, kv, idx, sink = _case(2, 5, 32, 40, 100, torch.float32, seed=1)
+    out = interp.sparse_attn(q, kv, idx, sink, 0.3, num_splits=num_splits, block_n=16)
+    _check(out, reference.sparse_attn(q, kv, idx, sink, 0.3), "cpu", torch.float32)
+
+
+def test_interpreter_corner_rows(interp):
+    """All-invalid rows give exactly 0; -1 padding at the end (window style) and duplicates count like the
+    reference; a split that sees only -1 entries must not disturb the merge; out-of-range rows act as -1."""
+    t, h, d, s, k = 4, 4, 16, 12, 40
+    q, kv, idx, sink = _case(t, h, d, s, k, torch.float32, seed=2, invalid_frac=0.0)
+    idx[0] = -1  # all invalid
+    idx[1, 7:] = -1  # trailing padding: the later splits see nothing
+    idx[2] = 3  # one row repeated: weight K * exp(s) vs the sink
+    idx[3, ::2] = -1
+    out = interp.sparse_attn(q, kv, idx, sink, 0.25, num_splits=3, block_n=16)
+    ref = reference.sparse_attn(q, kv, idx, sink, 0.25)
+    _check(out, ref, "cpu", torch.float32)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    bad = idx.clone()
+    bad[3, ::2] = s + 5  # out of range: masked like -1 by the kernel (no device-side range check)
+    torch.testing.assert_close(interp.sparse_attn(q, kv, bad, sink, 0.25, num_splits=3, block_n=16), out)
+
+
+def test_interpreter_extreme_sink_and_scores(interp):
+    """A huge sink swamps every score (output -> 0); a very negative sink leaves plain softmax attention."""
+    q, kv, idx, sink = _case(2, 4, 16, 10, 20, torch.float32, seed=3, invalid_frac=0.1)
+    q = q * 30  # large logits stress the running max
+    for value in (80.0, -80.0):
+        sk = torch.full_like(sink, value)
+        out = interp.sparse_attn(q, kv, idx, sk, 1.0, num_splits=2, block_n=16)
+        _check(out, reference.sparse_attn(q, kv, idx, sk, 1.0), "cpu", torch.float32)
+
+
+def test_interpreter_non_contiguous_q_and_empty(interp):
+    q, kv, idx, sink = _case(3, 8, 32, 16, 20, torch.float32, seed=4)
+    wide = torch.randn(3, 8, 64)
+    wide[..., :32] = q
+    qs = wide[..., :32]  # stride(2)=1, stride(1)=64
+    _check(interp.sparse_attn(qs, kv, idx, sink, 0.2), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu", torch.float32)
+    empty = interp.sparse_attn(q[:0], kv, idx[:0], sink, 0.2)
+    assert empty.shape == (0, 8, 32)
+
+
+def test_dispatcher_routes_to_interpreter(interp, monkeypatch):
+    """The public sparse_attn(backend='triton') reaches the (interpreted) kernel and keeps the dtype."""
+    q, kv, idx, sink = _case(2, 4, 16, 8, 12, torch.bfloat16, seed=5)
+    out = sparse_attn(q, kv, idx, sink, 0.25, backend="triton")
+    _check(out, reference.sparse_attn(q, kv, idx, sink, 0.25), "cpu", torch.bfloat16)
+    called = []
+    monkeypatch.setattr(interp, "sparse_attn", lambda *a, **kw: called.append(1) or reference.sparse_attn(*a))
+    sparse_attn(q, kv, idx, sink, 0.25, backend="triton")
+    assert called == [1]
+    sparse_attn(q, kv, idx, sink, 0.25)  # auto on CPU: reference, not the kernel
+    assert called == [1]
+
+
+# ------------------------------------------------------------------------------------------------ GPU (H200)
+_GPU_SHAPES = [(1, 64, 512, 4096, 640), (7, 64, 512, 3000, 640), (64, 64, 512, 65536, 640), (33, 16, 512, 900, 129)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", _GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_gpu_matches_reference(shape, dtype):
+    q, kv, idx, sink = _case(*shape, dtype, device="cuda", seed=7)
+    idx[0] = -1
+    scale = 1 / math.sqrt(shape[2])
+    out = sparse_attn(q, kv, idx, sink, scale, backend="triton")
+    _check(out, reference.sparse_attn(q, kv, idx, sink, scale), "cuda", dtype)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 5, 20])
+def test_gpu_split_counts(num_splits):
+    q, kv, idx, sink = _case(3, 64, 512, 2000, 640, torch.bfloat16, device="cuda", seed=8)
+    from deepinfer_kernels.sparse_attn import triton as triton_backend
+
+    out = triton_backend.sparse_attn(q, kv, idx, sink, 512**-0.5, num_splits=num_splits)
+    _check(out, reference.sparse_attn(q, kv, idx, sink, 512**-0.5), "cuda", torch.bfloat16)
