@@ -1,0 +1,145 @@
+"""Acceptance statistics of speculative decoding (runtime.md §1.7): histogram of accepted drafts, mean accepted
+length tau (includes the bonus/correction token), per-position acceptance, verification efficiency, confidence
+calibration error. Host-side accumulators (plain ints / floats); imports torch only to read tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepinfer_dspark.errors import DSparkInputError
+
+__all__ = ["AcceptanceStats"]
+
+
+def _as_list(name: str, values: Sequence[int] | Tensor) -> list[int]:
+    if isinstance(values, Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point:
+            raise DSparkInputError(f"{name}: expected a [B] integer tensor, found {tuple(values.shape)} {values.dtype}")
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+class AcceptanceStats:
+    """Accumulates verification outcomes over steps (mutable runtime state, so a plain class).
+
+    One "request-step" = one request verified in one step. For block size N:
+      histogram[k]      request-steps that accepted exactly k drafts (k = 0..N);
+      verified[j]       request-steps that verified a draft at position j (num_drafts > j);
+      reached[j]        ... that verified position j and accepted every draft before it;
+      accepted[j]       ... that accepted the draft at position j (num_accepted > j).
+    """
+
+    def __init__(self, block_size: int) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise DSparkInputError(f"block_size: expected an int >= 1, found {block_size!r}")
+        self.block_size = block_size
+        self.request_steps = 0
+        self.histogram = [0] * (block_size + 1)
+        self.verified = [0] * block_size
+        self.reached = [0] * block_size
+        self.accepted = [0] * block_size
+        self._conf_abs_err = 0.0
+        self._conf_count = 0
+
+    def update(
+        self,
+        num_accepted: Sequence[int] | Tensor,
+        num_drafts: Sequence[int] | Tensor,
+        *,
+        confidence: Tensor | None = None,
+        accept_prob: Tensor | None = None,
+    ) -> None:
+        """Add one step: `num_accepted [B]`, `num_drafts [B]` (verified drafts per request); optionally the
+        predicted `confidence [B, N]` and the analytic `accept_prob [B, N]` (AcceptResult.accept_prob) to track
+        mean |c - accept_prob| over verified positions (runtime.md §1.5 `batch_confidence_error`)."""
+        acc = _as_list("num_accepted", num_accepted)
+        ver = _as_list("num_drafts", num_drafts)
+        if len(acc) != len(ver):
+            raise DSparkInputError(f"num_accepted / num_drafts: lengths differ ({len(acc)} vs {len(ver)})")
+        for a, m in zip(acc, ver):
+            if not 0 <= m <= self.block_size or not 0 <= a <= m:
+                raise DSparkInputError(
+                    f"num_accepted / num_drafts: expected 0 <= accepted <= drafts <= {self.block_size}, found "
+                    f"accepted={a}, drafts={m}"
+                )
+        for a, m in zip(acc, ver):
+            self.request_steps += 1
+            self.histogram[a] += 1
+            for j in range(m):
+                self.verified[j] += 1
+                if j <= a:
+                    self.reached[j] += 1
+                if j < a:
+                    self.accepted[j] += 1
+        if (confidence is None) != (accept_prob is None):
+            raise DSparkInputError("confidence / accept_prob: pass both or neither")
+        if confidence is not None and accept_prob is not None:
+            batch = len(ver)
+            if confidence.shape != accept_prob.shape or confidence.dim() != 2 or confidence.shape[0] != batch:
+                raise DSparkInputError(
+                    f"confidence / accept_prob: expected equal [{batch}, N] shapes, found {tuple(confidence.shape)} "
+                    f"and {tuple(accept_prob.shape)}"
+                )
+            cols = torch.arange(confidence.shape[1], device=confidence.device)
+            mask = cols[None, :] < torch.as_tensor(ver, device=confidence.device)[:, None]
+            err = (confidence.to(torch.float64) - accept_prob.to(torch.float64)).abs()[mask]
+            self._conf_abs_err += float(err.sum())
+            self._conf_count += int(err.numel())
+
+    # -- derived numbers ------------------------------------------------------------------------------------------
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens emitted = accepted drafts + one correction/bonus token per request-step."""
+        return sum(k * n for k, n in enumerate(self.histogram)) + self.request_steps
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau = generated tokens per request-step (1.0 = no draft ever accepted); 0.0 before any update."""
+        return self.generated_tokens / self.request_steps if self.request_steps else 0.0
+
+    @property
+    def verification_efficiency(self) -> float:
+        """Accepted drafts / verified drafts (0.0 when nothing was verified)."""
+        total = sum(self.verified)
+        return sum(self.accepted) / total if total else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """accepted[j] / verified[j]: the chance that a verified draft at position j is emitted."""
+        return [a / v if v else 0.0 for a, v in zip(self.accepted, self.verified)]
+
+    def conditional_acceptance_by_position(self) -> list[float]:
+        """accepted[j] / reached[j]: P(d_j accepted | all earlier drafts accepted) — what the confidence head
+        predicts."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def confidence_error(self) -> float | None:
+        """Mean |confidence - analytic acceptance| over verified positions, None if never given."""
+        return self._conf_abs_err / self._conf_count if self._conf_count else None
+
+    def merge(self, other: AcceptanceStats) -> None:
+        """Add another accumulator's counts (e.g. from another DP rank)."""
+        if other.block_size != self.block_size:
+            raise DSparkInputError(f"other.block_size: expected {self.block_size}, found {other.block_size}")
+        self.request_steps += other.request_steps
+        for mine, theirs in ((self.histogram, other.histogram), (self.verified, other.verified),
+                             (self.reached, other.reached), (self.accepted, other.accepted)):
+            for i, v in enumerate(theirs):
+                mine[i] += v
+        self._conf_abs_err += other._conf_abs_err
+        self._conf_count += other._conf_count
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "request_steps": self.request_steps,
+            "generated_tokens": self.generated_tokens,
+            "mean_accepted_length": self.mean_accepted_length,
+            "verification_efficiency": self.verification_efficiency,
+            "histogram": list(self.histogram),
+            "acceptance_by_position": self.acceptance_by_position(),
+            "conditional_acceptance_by_position": self.conditional_acceptance_by_position(),
+            "confidence_error": self.confidence_error,
+        }

@@ -1,0 +1,304 @@
+"""Verification of speculative drafts against the target model: greedy acceptance and exact rejection-sampling
+acceptance (runtime.md §1.5), batched over requests that verify different numbers of drafts. Imports torch only.
+
+Layout shared by every function here (B requests, N = max drafts in the batch, V vocab):
+  target rows `[R, V]`, R = sum_b (num_drafts[b] + 1), sequence-major: request b owns num_drafts[b] + 1 consecutive
+    rows; its row j is the target's next-token distribution after [anchor, d_1 .. d_j], so rows 0..m-1 verify
+    d_1..d_m and row m (m = num_drafts[b]) gives the bonus token when every draft is accepted.
+    (This is the order of the engine's `logits_indices` for a verify step.)
+  draft_ids `[B, N] int64`: the proposals, entries at j >= num_drafts[b] are ignored (any value, e.g. -1).
+  draft_probs `[B, N, V] float`: the distribution each draft was sampled from (after the request's temperature /
+    top-k / top-p), only read at j < num_drafts[b].
+  num_drafts: `[B]` ints in [0, N] (a sequence of ints or an int64 tensor).
+Result: `AcceptResult.output_ids [B, N + 1] int64`, request b's emitted tokens first (num_accepted[b] drafts, then
+  one correction or bonus token), -1 after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from deepinfer_dspark.errors import DSparkInputError
+from deepinfer_dspark.protocol import DraftProposal
+
+__all__ = ["AcceptResult", "greedy_accept", "probs_from_logits", "rejection_accept", "verify", "verify_uniforms"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AcceptResult:
+    """Outcome of one verification step.
+
+    output_ids: `[B, N + 1] int64`, the num_accepted[b] + 1 emitted tokens of request b first, then -1.
+    num_accepted: `[B] int64`, accepted drafts per request (0..num_drafts[b]).
+    accept_prob: `[B, N] float32` analytic acceptance probability sum_v min(p, q) = 1 - TV(p, q) of every verified
+        position (rejection sampling only; 0 at j >= num_drafts[b]) — the confidence head's training target, for
+        calibration monitoring. None for greedy acceptance.
+    """
+
+    output_ids: Tensor
+    num_accepted: Tensor
+    accept_prob: Tensor | None = None
+
+    @property
+    def num_emitted(self) -> Tensor:
+        """`[B] int64` tokens emitted per request (accepted drafts + the correction/bonus token)."""
+        return self.num_accepted + 1
+
+    def tokens(self) -> list[list[int]]:
+        """Emitted token ids per request as Python lists (one host sync)."""
+        rows = self.output_ids.tolist()
+        counts = self.num_emitted.tolist()
+        return [row[:n] for row, n in zip(rows, counts)]
+
+
+def _num_drafts(num_drafts: Sequence[int] | Tensor, batch: int, width: int, device: torch.device) -> Tensor:
+    m = torch.as_tensor(num_drafts, dtype=torch.int64).to(device)
+    if m.shape != (batch,):
+        raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {tuple(m.shape)}")
+    if m.numel() and (int(m.min()) < 0 or int(m.max()) > width):
+        raise DSparkInputError(
+            f"num_drafts: expected values in [0, {width}] (draft_ids has {width} columns), found "
+            f"[{int(m.min())}, {int(m.max())}]"
+        )
+    return m
+
+
+def _check_draft_ids(draft_ids: Tensor) -> None:
+    if not isinstance(draft_ids, Tensor) or draft_ids.dim() != 2 or draft_ids.dtype.is_floating_point:
+        found = f"{tuple(draft_ids.shape)} {draft_ids.dtype}" if isinstance(draft_ids, Tensor) else type(draft_ids).__name__
+        raise DSparkInputError(f"draft_ids: expected a [B, N] integer tensor, found {found}")
+
+
+def _padded_target(target: Tensor, m: Tensor, width: int) -> Tensor:
+    """`[R, V]` varlen target rows -> `[B, N + 1, V]`; positions past a request's last row repeat its last row."""
+    if target.dim() != 2:
+        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target.shape)}")
+    expected = int((m + 1).sum())
+    if target.shape[0] != expected:
+        raise DSparkInputError(
+            f"target: expected sum(num_drafts + 1) = {expected} rows, found {target.shape[0]}"
+        )
+    starts = torch.cumsum(m + 1, 0) - (m + 1)
+    cols = torch.arange(width + 1, device=target.device)
+    rows = starts[:, None] + torch.minimum(cols[None, :], m[:, None])
+    return target[rows]
+
+
+def greedy_accept(target: Tensor, draft_ids: Tensor, num_drafts: Sequence[int] | Tensor) -> AcceptResult:
+    """Temperature-0 verification: accept the longest prefix of drafts equal to the target argmax at each row, then
+    emit the target argmax of the first mismatching row (correction) or of row m (bonus).
+
+    target: `[R, V]` logits or probabilities (only the argmax is used; exact ties -> the lowest token id).
+    """
+    _check_draft_ids(draft_ids)
+    batch, width = draft_ids.shape
+    m = _num_drafts(num_drafts, batch, width, target.device)
+    return _greedy_padded(_padded_target(target, m, width), draft_ids, m)
+
+
+def _greedy_padded(target: Tensor, draft_ids: Tensor, m: Tensor) -> AcceptResult:
+    width = draft_ids.shape[1]
+    device = target.device
+    best = target.argmax(-1)  # [B, N + 1]; argmax returns the first maximum
+    cols = torch.arange(width, device=device)
+    match = (draft_ids.to(device, torch.int64) == best[:, :width]) & (cols[None, :] < m[:, None])
+    num_accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(1)
+    # Accepted drafts equal the argmax, so the emitted tokens are simply best[:, :a + 1].
+    keep = torch.arange(width + 1, device=device)[None, :] <= num_accepted[:, None]
+    output = torch.where(keep, best, torch.full_like(best, -1))
+    return AcceptResult(output_ids=output, num_accepted=num_accepted)
+
+
+def verify_uniforms(
+    num_drafts: Sequence[int] | Tensor,
+    width: int,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    *,
+    device: torch.device | str = "cpu",
+) -> Tensor:
+    """The uniforms `[B, N + 1] float32` in [0, 1) consumed by `rejection_accept`: column j < N decides draft j,
+    column N samples the correction / bonus token.
+
+    generator: one torch.Generator for the whole batch (one `rand(B, N + 1)` call; depends on the batch layout), or
+    one per request: request b then draws exactly num_drafts[b] + 1 values from its own generator (acceptance
+    uniforms, then the sampling uniform), so its result does not depend on the other requests or on N.
+    Generators must live on `device`.
+    """
+    m = torch.as_tensor(num_drafts, dtype=torch.int64)
+    batch = m.numel()
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(batch, width + 1, generator=generator, device=device)
+    gens = list(generator)
+    if len(gens) != batch:
+        raise DSparkInputError(f"generator: expected one generator per request ({batch}), found {len(gens)}")
+    out = torch.zeros(batch, width + 1, device=device)
+    for b, (g, count) in enumerate(zip(gens, m.tolist())):
+        draws = torch.rand(count + 1, generator=g, device=device)
+        out[b, :count] = draws[:count]
+        out[b, width] = draws[count]
+    return out
+
+
+def _sample_inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
+    """Token ids `[B]` from unnormalised non-negative `weights [B, V]` and uniforms `u [B]` in [0, 1): the first id
+    whose cumulative weight exceeds u * total (zero-weight ids are never chosen)."""
+    cdf = torch.cumsum(weights, dim=-1)
+    x = (u * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return idx.clamp(max=weights.shape[-1] - 1)
+
+
+def rejection_accept(
+    target_probs: Tensor,
+    draft_ids: Tensor,
+    draft_probs: Tensor,
+    num_drafts: Sequence[int] | Tensor,
+    *,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
+    uniforms: Tensor | None = None,
+    draft_prob_penalty: float = 1.0,
+) -> AcceptResult:
+    """Exact speculative (rejection) sampling: the emitted tokens are distributed as if sampled from the target
+    one by one (Leviathan et al. / Chen et al.).
+
+    For each request and j = 1..m: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) (tested as
+    u_j * q_j(d_j) < p_j(d_j), so q_j(d_j) = 0 accepts iff p_j(d_j) > 0). At the first rejection emit a sample of
+    the residual max(0, p_j - alpha * q_j) / Z (falling back to p_j if it is all zero); if all m drafts are accepted
+    emit a sample of the bonus row p_{m+1}.
+
+    target_probs: `[R, V] float` normalised target distributions (after temperature / top-k / top-p), varlen rows.
+    draft_probs: `[B, N, V] float` the draft distributions q_j the drafts were sampled from.
+    generator / uniforms: randomness, see `verify_uniforms`; `uniforms [B, N + 1]` (e.g. from a counter-based hash,
+        runtime.md §1.5) takes precedence and keeps the whole call free of host syncs except num_drafts checks.
+    draft_prob_penalty: alpha in the residual. 1.0 is the exact textbook rule; DeepInfer uses exp(-5e-5) so that a
+        rounding-level p ~= q does not leave an all-zero residual (a tiny, bounded bias) [I].
+    """
+    _check_draft_ids(draft_ids)
+    batch, width = draft_ids.shape
+    device = target_probs.device
+    m = _num_drafts(num_drafts, batch, width, device)
+    vocab = target_probs.shape[-1]
+    if draft_probs.shape != (batch, width, vocab):
+        raise DSparkInputError(
+            f"draft_probs: expected shape {(batch, width, vocab)} ([B, N, V]), found {tuple(draft_probs.shape)}"
+        )
+    if not target_probs.dtype.is_floating_point or not draft_probs.dtype.is_floating_point:
+        raise DSparkInputError(
+            f"target_probs / draft_probs: expected float probabilities, found {target_probs.dtype} / {draft_probs.dtype}"
+        )
+    if uniforms is None:
+        uniforms = verify_uniforms(m.cpu(), width, generator, device=device)
+    elif uniforms.shape != (batch, width + 1):
+        raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
+
+    p = _padded_target(target_probs, m, width)
+    return _rejection_padded(p, draft_ids, draft_probs, m, uniforms, draft_prob_penalty)
+
+
+def _rejection_padded(
+    target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor, uniforms: Tensor, alpha: float
+) -> AcceptResult:
+    """Core of `rejection_accept` on padded target rows `[B, N + 1, V]`."""
+    batch, width = draft_ids.shape
+    device = target_probs.device
+    vocab = target_probs.shape[-1]
+    dtype = torch.promote_types(torch.promote_types(target_probs.dtype, draft_probs.dtype), torch.float32)
+    p = target_probs.to(dtype)
+    q = draft_probs.to(dtype)
+    ids = draft_ids.to(device, torch.int64)
+    cols = torch.arange(width, device=device)
+    verified = cols[None, :] < m[:, None]  # [B, N]
+    safe_ids = torch.where(verified, ids, torch.zeros_like(ids))
+    if bool(((safe_ids < 0) | (safe_ids >= vocab)).any()):
+        raise DSparkInputError(f"draft_ids: expected ids in [0, {vocab}) at verified positions")
+    p_d = p[:, :width].gather(-1, safe_ids[..., None]).squeeze(-1)
+    q_d = q.gather(-1, safe_ids[..., None]).squeeze(-1)
+    accept = (uniforms[:, :width].to(dtype) * q_d < p_d) & verified
+    num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(1)  # [B]
+
+    rows = torch.arange(batch, device=device)
+    p_final = p[rows, num_accepted]  # [B, V]: row of the correction / bonus token
+    rejected = num_accepted < m
+    if width > 0:
+        q_final = q[rows, num_accepted.clamp(max=width - 1)]
+        residual = torch.clamp(p_final - alpha * q_final, min=0)
+        empty = residual.sum(-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_final, residual)
+        weights = torch.where(rejected[:, None], residual, p_final)
+    else:
+        weights = p_final
+    final = _sample_inverse_cdf(weights, uniforms[:, width].to(dtype))
+
+    pos = torch.arange(width + 1, device=device)[None, :]
+    padded_ids = torch.cat([ids, torch.full((batch, 1), -1, dtype=torch.int64, device=device)], 1)
+    output = torch.where(pos < num_accepted[:, None], padded_ids, torch.full_like(padded_ids, -1))
+    output = torch.where(pos == num_accepted[:, None], final[:, None], output)
+    accept_prob = torch.where(verified, torch.minimum(p[:, :width], q).sum(-1), torch.zeros_like(p_d))
+    return AcceptResult(output_ids=output, num_accepted=num_accepted, accept_prob=accept_prob.to(torch.float32))
+
+
+def verify(
+    target_probs: Tensor,
+    proposal: DraftProposal,
+    num_drafts: Sequence[int] | Tensor,
+    *,
+    greedy: bool | Tensor = False,
+    generators: Sequence[torch.Generator] | None = None,
+    draft_prob_penalty: float = 1.0,
+) -> AcceptResult:
+    """Verify a proposal for a batch that mixes greedy and sampled requests.
+
+    target_probs: `[R, V]` varlen target rows (see module docstring): probabilities for sampled requests; for greedy
+        requests only the argmax is used, so softmax(logits) at any temperature > 0 works.
+    proposal: the `DraftProposal` of this round; only its first num_drafts[b] drafts are verified. Its draft_probs
+        are required when any request samples.
+    greedy: True / False for the whole batch or a `[B] bool` tensor.
+    generators: one per request (requests draw randomness only when they sample, see `verify_uniforms`).
+    """
+    draft_ids = proposal.draft_ids
+    batch, width = draft_ids.shape
+    device = target_probs.device
+    m = _num_drafts(num_drafts, batch, width, device)
+    padded = _padded_target(target_probs, m, width)
+    mask = torch.as_tensor(greedy, dtype=torch.bool, device=device)
+    if mask.dim() > 1 or (mask.dim() == 1 and mask.shape[0] != batch):
+        raise DSparkInputError(f"greedy: expected a bool or a [{batch}] bool tensor, found shape {tuple(mask.shape)}")
+    mask = mask.expand(batch)
+    if generators is not None and len(generators) != batch:
+        raise DSparkInputError(f"generators: expected one per request ({batch}), found {len(generators)}")
+    sampled = (~mask).nonzero().squeeze(-1)
+    if sampled.numel() == 0:
+        return _greedy_padded(padded, draft_ids, m)
+    if proposal.draft_probs is None:
+        raise DSparkInputError("proposal.draft_probs: required when a request samples (greedy is False), found None")
+    output = torch.full((batch, width + 1), -1, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
+    accept_prob = torch.zeros(batch, width, dtype=torch.float32, device=device)
+    greedy_rows = mask.nonzero().squeeze(-1)
+    if greedy_rows.numel():
+        g = _greedy_padded(padded[greedy_rows], draft_ids[greedy_rows], m[greedy_rows])
+        output[greedy_rows], num_accepted[greedy_rows] = g.output_ids, g.num_accepted
+    chosen = None if generators is None else [generators[i] for i in sampled.tolist()]
+    uniforms = verify_uniforms(m[sampled].cpu(), width, chosen, device=device)
+    r = _rejection_padded(
+        padded[sampled], draft_ids[sampled], proposal.draft_probs[sampled], m[sampled], uniforms, draft_prob_penalty
+    )
+    output[sampled], num_accepted[sampled] = r.output_ids, r.num_accepted
+    assert r.accept_prob is not None
+    accept_prob[sampled] = r.accept_prob
+    return AcceptResult(output_ids=output, num_accepted=num_accepted, accept_prob=accept_prob)
+
+
+def probs_from_logits(logits: Tensor, temperature: float | Tensor) -> Tensor:
+    """Softmax of `logits [..., V]` at `temperature` (> 0; a float or a tensor whose shape is a prefix of
+    logits.shape[:-1], e.g. `[B]` for `[B, N, V]`), in float32. Temperature-0 requests use `greedy_accept`."""
+    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    if bool((t <= 0).any()):
+        raise DSparkInputError(f"temperature: expected > 0 for sampling (use greedy_accept for 0), found {temperature!r}")
+    if t.dim() > 0:
+        t = t.reshape(*t.shape, *([1] * (logits.dim() - t.dim())))
+    return torch.softmax(logits.to(torch.float32) / t, dim=-1)

@@ -1,0 +1,84 @@
+"""AcceptanceStats: histogram, tau, per-position and conditional acceptance, efficiency, confidence error, merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_dspark import AcceptanceStats, DSparkInputError, rejection_accept
+
+
+def test_by_hand():
+    s = AcceptanceStats(3)
+    # Step 1: (accepted, drafts) = (2, 3), (0, 1), (3, 3); step 2: (1, 2), (0, 0).
+    s.update([2, 0, 3], [3, 1, 3])
+    s.update(torch.tensor([1, 0]), torch.tensor([2, 0]))
+    assert s.request_steps == 5
+    assert s.histogram == [2, 1, 1, 1]
+    assert s.generated_tokens == (2 + 0 + 3 + 1 + 0) + 5
+    assert s.mean_accepted_length == pytest.approx(11 / 5)
+    assert s.verified == [4, 3, 2]
+    assert s.accepted == [3, 2, 1]
+    assert s.reached == [4, 3, 2]  # position 1 reached by (2,3), (3,3), (1,2); position 2 by (2,3), (3,3)
+    assert s.acceptance_by_position() == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert s.conditional_acceptance_by_position() == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert s.verification_efficiency == pytest.approx(6 / 9)
+    assert s.confidence_error is None
+    d = s.as_dict()
+    assert d["histogram"] == [2, 1, 1, 1] and d["request_steps"] == 5
+
+
+def test_reached_differs_from_verified_after_early_rejection():
+    s = AcceptanceStats(2)
+    s.update([0, 1], [2, 2])  # first request stops at position 0: position 1 verified but not reached
+    assert s.verified == [2, 2] and s.reached == [2, 1] and s.accepted == [1, 0]
+    assert s.acceptance_by_position() == [0.5, 0.0]
+    assert s.conditional_acceptance_by_position() == [0.5, 0.0]
+
+
+def test_confidence_error_only_over_verified_positions():
+    s = AcceptanceStats(3)
+    conf = torch.tensor([[0.9, 0.5, 0.1], [0.2, 0.2, 0.2]])
+    prob = torch.tensor([[0.8, 0.7, 0.9], [0.0, 0.0, 0.0]])
+    s.update([1, 0], [2, 1], confidence=conf, accept_prob=prob)
+    assert s.confidence_error == pytest.approx((0.1 + 0.2 + 0.2) / 3)
+
+
+def test_merge_equals_single_accumulator():
+    a, b, both = AcceptanceStats(4), AcceptanceStats(4), AcceptanceStats(4)
+    a.update([1, 4], [2, 4])
+    b.update([0, 3, 2], [0, 4, 2])
+    both.update([1, 4], [2, 4])
+    both.update([0, 3, 2], [0, 4, 2])
+    a.merge(b)
+    assert a.as_dict() == both.as_dict()
+
+
+def test_stats_from_rejection_sampling_match_analytic_rate():
+    # One draft per request with acceptance probability sum min(p, q) = 0.6.
+    n = 20_000
+    p = torch.tensor([0.6, 0.4, 0.0])
+    q = torch.tensor([0.0, 0.4, 0.6])  # sum min = 0.4
+    drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(0))[:, None]
+    r = rejection_accept(torch.stack([p, p]).repeat(n, 1), drafts, q.expand(n, 1, 3), [1] * n,
+                         generator=torch.Generator().manual_seed(1))
+    s = AcceptanceStats(1)
+    s.update(r.num_accepted, [1] * n, confidence=torch.full((n, 1), 0.4), accept_prob=r.accept_prob)
+    assert s.acceptance_by_position()[0] == pytest.approx(0.4, abs=0.015)  # binomial std 0.0035
+    assert s.mean_accepted_length == pytest.approx(1.4, abs=0.015)
+    assert s.confidence_error == pytest.approx(0.0, abs=1e-6)
+
+
+def test_errors():
+    s = AcceptanceStats(2)
+    with pytest.raises(DSparkInputError, match="accepted"):
+        s.update([3], [2])
+    with pytest.raises(DSparkInputError, match="drafts"):
+        s.update([0], [3])
+    with pytest.raises(DSparkInputError, match="lengths"):
+        s.update([0, 0], [1])
+    with pytest.raises(DSparkInputError, match="both"):
+        s.update([0], [1], confidence=torch.zeros(1, 2))
+    with pytest.raises(DSparkInputError, match="block_size"):
+        AcceptanceStats(0)
+    with pytest.raises(DSparkInputError, match="block_size"):
+        s.merge(AcceptanceStats(3))
