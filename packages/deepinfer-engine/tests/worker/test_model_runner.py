@@ -167,3 +167,17 @@ def test_abort_request(fake_model, make_fake_engine) -> None:
     assert finished["a"].outputs[0].finish_reason == "abort" and len(finished["a"].outputs[0].token_ids) == 1
     assert finished["b"].outputs[0].finish_reason == "length"
     assert eng.scheduler.kv.num_free_pages == eng.plan.num_pages
+
+
+def test_prompt_logprobs_survive_preemption_without_duplicates(fake_model, make_fake_engine) -> None:
+    eng = make_fake_engine(fake_model, num_pages=6, max_num_batched_tokens=5)
+    llm = LLM.from_engine(eng)
+    sp = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert eng.scheduler.num_preemptions > 0
+    for prompt, out in zip(PROMPTS, outs):
+        assert len(out.prompt_logprobs) == len(prompt)
+        dense = torch.log_softmax(fake_model.dense_logits(prompt).double(), -1)
+        got = [lp.logprob for lp in out.prompt_logprobs[1:]]
+        want = [dense[j - 1, prompt[j]].item() for j in range(1, len(prompt))]
+        assert got == pytest.approx(want, abs=1e-4)
