@@ -165,3 +165,11 @@ def test_cuda_noise_and_samples_equal_cpu() -> None:
     a = sample(logits, **p, seeds=seeds, offsets=offs)
     b = sample(logits.cuda(), **{k: v.cuda() for k, v in p.items()}, seeds=seeds.cuda(), offsets=offs.cuda())
     assert torch.equal(a, b.cpu())
+
+
+def test_skipping_masks_equals_masks_that_keep_everything() -> None:
+    logits = _rows(8, 300, seed=12)
+    p = _params(8, 0.7)
+    seeds, offs = torch.arange(8) * 3, torch.arange(8)
+    assert torch.equal(sample(logits, **p, seeds=seeds, offsets=offs),
+                       sample(logits, **p, seeds=seeds, offsets=offs, apply_masks=False))

@@ -26,6 +26,7 @@ class SamplingBatch:
     seeds: torch.Tensor
     offsets: torch.Tensor
     all_greedy: bool
+    any_masks: bool = True
     penalties: tuple[torch.Tensor, ...] | None = None
     banned: tuple[list[int], list[int]] | None = None
     max_logprobs: int | None = None
@@ -73,6 +74,7 @@ def build_sampling_batch(
         seeds=torch.tensor([s & 0x7FFFFFFFFFFFFFFF for s in seeds], **i64),
         offsets=torch.tensor(offsets, **i64),
         all_greedy=all(p.greedy for p in params),
+        any_masks=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         penalties=penalties,
         banned=(rows, cols) if rows else None,
         max_logprobs=max(wants) if wants else None,
@@ -95,7 +97,7 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
         else:
             tokens = sample(logits, temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
-                            min_p=batch.min_p, seeds=batch.seeds, offsets=batch.offsets)
+                            min_p=batch.min_p, seeds=batch.seeds, offsets=batch.offsets, apply_masks=batch.any_masks)
         lps = None
         if batch.max_logprobs is not None:
             lps = logprobs_topk(raw, tokens, batch.max_logprobs)

@@ -125,6 +125,7 @@ def sample(
     min_p: torch.Tensor,
     seeds: torch.Tensor,
     offsets: torch.Tensor,
+    apply_masks: bool = True,
 ) -> torch.Tensor:
     """Sample one token per row without host syncs.
 
@@ -132,10 +133,14 @@ def sample(
     top_k/top_p/min_p as in `mask_logits`; seeds/offsets: [N] int64 keys of the counter-based noise.
     Sampling is an exponential race: argmax_i p_i / E_i with E_i = -log(u_i) ~ Exp(1), which draws i with
     probability p_i (equivalent to Gumbel-max on log p). Returns [N] int64 token ids.
+    apply_masks=False skips the (sorting) min-p/top-k/top-p step; the caller knows from the host-side
+    parameters that no row uses them.
     """
     greedy = temperature <= 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32)
-    scaled = mask_logits(logits / temp[:, None], top_k=top_k, top_p=top_p, min_p=min_p)
+    scaled = logits / temp[:, None]
+    if apply_masks:
+        scaled = mask_logits(scaled, top_k=top_k, top_p=top_p, min_p=min_p)
     probs = torch.softmax(scaled, dim=-1)
     expo = -torch.log(counter_uniform(seeds, offsets, logits.shape[1]))
     sampled = (probs / expo).argmax(dim=-1)
