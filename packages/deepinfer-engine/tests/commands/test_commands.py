@@ -11,10 +11,11 @@ from deepinfer_engine.cli import main
 FAST = ["--device", "cpu", "--dtype", "float32", "--no-progress"]
 
 
-def test_generate_prompts_from_args_and_file(tiny_v41_dir, tmp_path, capsys) -> None:
+def test_generate_prompts_from_args_stdin_and_file(tiny_v41_dir, tmp_path, monkeypatch, capsys) -> None:
     f = tmp_path / "prompts.txt"
     f.write_text("Third prompt\n\nFourth\n")
-    rc = main(["generate", "Hello", "World", "--prompt-file", str(f), "--model", str(tiny_v41_dir),
+    monkeypatch.setattr("sys.stdin", io.StringIO("World\n"))
+    rc = main(["generate", "Hello", "-", "--prompt-file", str(f), "--model", str(tiny_v41_dir),
                "--max-tokens", "3", "--json", *FAST])
     cap = capsys.readouterr()
     assert rc == 0
