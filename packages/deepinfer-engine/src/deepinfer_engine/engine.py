@@ -68,7 +68,15 @@ class StepStats:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device: found {name!r}, expected auto, cpu, cuda or cuda:N") from exc
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0 or (device.index or 0) >= count:
+            raise ConfigError(f"device: found {name!r} but this machine has {count} CUDA device(s); use device='cpu'")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

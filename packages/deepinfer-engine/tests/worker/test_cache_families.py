@@ -23,3 +23,15 @@ def test_real_config_paged_bytes_per_token(make_config, per_token: int) -> None:
     assert swa.num_layers == len(args.layer_plans)
     assert swa.bytes_per_slot % (len(args.layer_plans) * 512 * 2) == 0
     assert swa.bytes_per_slot >= len(args.layer_plans) * args.sliding_window * 1024
+
+
+def test_resolve_device_errors_name_the_option() -> None:
+    from deepinfer_engine.engine import resolve_device
+    from deepinfer_engine.errors import ConfigError
+
+    assert resolve_device("cpu").type == "cpu"
+    with pytest.raises(ConfigError, match="device: found 'bogus'"):
+        resolve_device("bogus")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ConfigError, match=f"has {n} CUDA device"):
+        resolve_device(f"cuda:{n}")
