@@ -144,3 +144,29 @@ def test_incremental_text_equals_full_decode(v41_llm: LLM) -> None:
     stop = text[5:8]
     (cut,) = v41_llm.generate([PROMPTS[0]], sp.replace(stop=[stop]), use_tqdm=False)
     assert cut.outputs[0].text == text[: text.find(stop)] and cut.outputs[0].stop_reason == stop
+
+
+def test_engine_options_are_one_flat_validated_table() -> None:
+    import argparse
+
+    from deepinfer_engine import EngineConfig
+    from deepinfer_engine.config import add_engine_args, engine_option_names
+
+    cfg = EngineConfig.from_options(max_num_seqs=3, kv_cache_memory_bytes=2**20, page_size=8)
+    assert (cfg.scheduler.max_num_seqs, cfg.cache.kv_cache_memory_bytes, cfg.cache.page_size) == (3, 2**20, 8)
+    with pytest.raises(ConfigError, match=r"'max_num_seq' \(did you mean max_num_seqs"):
+        EngineConfig.from_options(max_num_seq=3)
+    for bad, msg in [(dict(max_num_seqs="4"), "max_num_seqs: found '4'"), (dict(dtype="fp8"), "dtype: found 'fp8'"),
+                     (dict(max_num_seqs=0), "max_num_seqs: found 0"),
+                     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization")]:
+        with pytest.raises(ConfigError, match=msg):
+            EngineConfig.from_options(**bad)
+    # the CLI flags are generated from the same fields
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert flags == set(engine_option_names())
+    ns = parser.parse_args(["--max-num-seqs", "5", "--kv-cache-memory-bytes", "1MiB", "--no-enable-chunked-prefill"])
+    cfg = EngineConfig.from_cli(ns)
+    assert cfg.scheduler.max_num_seqs == 5 and cfg.cache.kv_cache_memory_bytes == 2**20
+    assert cfg.scheduler.enable_chunked_prefill is False and cfg.scheduler.max_num_batched_tokens == 8192

@@ -109,6 +109,7 @@ class EngineConfig:
             raise ConfigError(f"unknown engine option(s): {'; '.join(parts)}. Valid options: {', '.join(table)}")
         per_section: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
         for k, v in options.items():
+            _check_type(k, v, table[k])
             per_section[table[k][0]][k] = v
         try:
             return cls(**{s: _SECTIONS[s](**kw) for s, kw in per_section.items()})
@@ -139,6 +140,31 @@ def _option_table() -> dict[str, tuple[str, dataclasses.Field]]:
         for f in dataclasses.fields(klass):
             table[f.name] = (section, f)
     return table
+
+
+def _check_type(name: str, value: Any, entry: tuple[str, dataclasses.Field]) -> None:
+    """Reject a value of the wrong type before the dataclass compares it (ConfigError naming the option)."""
+    hints = typing.get_type_hints(_SECTIONS[entry[0]])
+    annotation = hints[name]
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in typing.get_args(
+        annotation)
+    if value is None:
+        if optional:
+            return
+        raise ConfigError(f"{name}: found None, expected a value")
+    typ, choices = _base_type(annotation)
+    if choices is not None:
+        if value not in choices:
+            raise ConfigError(f"{name}: found {value!r}, expected one of {', '.join(map(str, choices))}")
+        return
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, int | float) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(typ, True)
+    if not ok:
+        raise ConfigError(f"{name}: found {value!r} ({type(value).__name__}), expected {typ.__name__}")
 
 
 def engine_option_names() -> list[str]:
