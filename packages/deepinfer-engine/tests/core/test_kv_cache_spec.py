@@ -14,17 +14,20 @@ from deepinfer_engine.core.kv_cache_spec import (
     paged_bytes_per_token,
     record_bytes,
 )
+from deepinfer_engine.model.presets import v4_flash_config, v41_flash_config  # config data, no torch
 
-V41_CONFIG = Path("/work/shared/design/v41_flash_config.json")
-# V4-Flash layout (architecture.md §1.1): 43 layers + MTP; ratios 0,0 then alternating 4 / 128, MTP 0.
-V4_RATIOS = [0, 0] + [4, 128] * 20 + [4, 0]
+V41_DESIGN_CONFIG = Path("/work/shared/design/v41_flash_config.json")
 
 
 def _v41_text_config() -> dict:
-    if not V41_CONFIG.exists():
-        pytest.skip(f"{V41_CONFIG} not present")
-    cfg = json.loads(V41_CONFIG.read_text())
-    return cfg.get("text_config", cfg)
+    cfg = v41_flash_config()
+    text = cfg.get("text_config", cfg)
+    if V41_DESIGN_CONFIG.exists():  # where the design docs are mounted: the preset must agree with them
+        design = json.loads(V41_DESIGN_CONFIG.read_text())
+        design = design.get("text_config", design)
+        for k in ("compress_ratios", "num_hidden_layers", "kv_source_layer_ids", "head_dim", "index_head_dim"):
+            assert text[k] == design[k], k
+    return text
 
 
 def test_record_sizes_of_the_production_formats() -> None:
@@ -49,9 +52,11 @@ def test_v41_flash_paged_bytes_per_token() -> None:
 
 
 def test_v4_flash_paged_bytes_per_token() -> None:
-    owners = compressed_owners(V4_RATIOS, 43)
+    cfg = v4_flash_config()
+    assert cfg["compress_ratios"] == [0, 0] + [4, 128] * 20 + [4, 0]  # architecture.md §1.1
+    owners = compressed_owners(cfg["compress_ratios"], cfg["num_hidden_layers"])
     assert sum(o.has_index_keys for o in owners) == 21 and len(owners) == 41
-    kw = dict(head_dim=512, index_head_dim=128, rope_dim=64)
+    kw = dict(head_dim=cfg["head_dim"], index_head_dim=cfg["index_head_dim"], rope_dim=cfg["qk_rope_head_dim"])
     assert paged_bytes_per_token(owners, **kw) == 6880
     assert int(paged_bytes_per_token(owners, main_format="fp8_ds", index_format="mxfp4", **kw)) == 3514
 
