@@ -120,3 +120,16 @@ def test_bf16_mode_close_to_fp32(model):
     cos = torch.nn.functional.cosine_similarity(lo, ref, dim=-1)
     # bf16 rounding can flip a discrete choice (top-k entry / expert) for a token: bound the median tightly
     assert float(cos.median()) > 0.999 and float(cos.min()) > 0.9
+
+
+def test_rollback_beyond_slack_is_a_capacity_error(model):
+    from deepinfer_engine.errors import CapacityError
+
+    ids = _ids(model, 30, 8)
+    cache, bt = ModelCache.allocate_dense(model.args, [30], dtype=torch.float32, slack=2)
+    model(ForwardBatch.single(ids[:20], block_table=bt[0]), cache)
+    model(ForwardBatch.single(ids[17:18], start_pos=17, block_table=bt[0]), cache)  # 3 = slack + 1: fine
+    model(ForwardBatch.single(ids[18:22], start_pos=18, block_table=bt[0]), cache)
+    with pytest.raises(CapacityError, match="rollback of 4 tokens"):
+        model(ForwardBatch.single(ids[18:19], start_pos=18, block_table=bt[0]), cache)
+    model(ForwardBatch.single(ids[:3], block_table=bt[0]), cache)  # a new sequence in the slot is always fine

@@ -16,7 +16,7 @@ rings keep `slack` extra rows so that rows needed after a rollback of <= slack+1
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -71,6 +71,26 @@ class ModelCache:
     index_keys: dict[int, Tensor]
     ratios: dict[int, int]
     token_ring: Tensor | None
+    # per slot: end position (exclusive) of the last backbone forward; host ints, for the rollback guard
+    high_water: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.high_water:
+            self.high_water = [0] * self.num_slots
+
+    def check_resume(self, slot: int, ctx_len: int) -> None:
+        """Raise CapacityError if resuming `slot` at `ctx_len` rolls back more tokens than the rings can undo.
+
+        A rejected tail of k tokens overwrote ring rows of positions k - ring back; the rows the next step reads
+        are intact while k <= slack + 1. ctx_len == 0 (a new sequence in the slot) is always fine.
+        """
+        back = self.high_water[slot] - ctx_len
+        if ctx_len > 0 and back > self.slack + 1:
+            raise CapacityError(
+                f"slot {slot}: resuming at position {ctx_len} after positions up to {self.high_water[slot] - 1} "
+                f"were written: a rollback of {back} tokens exceeds the cache slack ({self.slack}) + 1; "
+                "allocate the cache with a larger slack"
+            )
 
     @classmethod
     def allocate(

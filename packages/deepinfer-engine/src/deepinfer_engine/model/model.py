@@ -178,6 +178,10 @@ class Transformer(nn.Module):
             start += n
         if any(s < 0 or s >= cache.num_slots for s in batch.slots):
             raise InputError(f"slots: found {batch.slots}, expected each in [0, {cache.num_slots})")
+        start = 0
+        for slot, n in zip(batch.slots, batch.query_lens):
+            cache.check_resume(slot, int(pos[start]))
+            start += n
         li = batch.logits_indices
         if li.numel() and (int(li.min()) < 0 or int(li.max()) >= batch.num_tokens):
             raise InputError(f"logits_indices: found {li.min()}..{li.max()}, expected in [0, {batch.num_tokens})")
@@ -224,6 +228,8 @@ class Transformer(nn.Module):
             r, pre = layer(r, ctx, pre)
             if a.arch == "v4" and lid in ctx.capture_layers:
                 ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
+        for i, slot in enumerate(batch.slots):
+            cache.high_water[slot] = ctx.end_len(i)
         rows = r[batch.logits_indices]
         if a.has_hc_head:
             h = apply_hc_head(self, rows, a)
