@@ -66,7 +66,9 @@ def test_unsupported_inputs(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(KernelBackendError, match="no kernel for these inputs \\(fp64\\)"):
         resolve_backend("op", "triton", x, triton_ok=False, why_not="fp64")
     clean_env.setenv(ENV_VAR, "triton")
-    assert resolve_backend("op", "auto", x, triton_ok=False) == "torch"  # env keeps the reference for such ops
+    assert (
+        resolve_backend("op", "auto", x, triton_ok=False) == "torch"
+    )  # env keeps the reference for such ops
 
 
 def test_meta_tensors_are_not_cuda(clean_env: pytest.MonkeyPatch) -> None:

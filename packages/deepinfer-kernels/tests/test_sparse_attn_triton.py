@@ -59,7 +59,12 @@ _SHAPES = [(1, 4, 64, 50, 37), (3, 20, 40, 23, 70), (2, 16, 32, 9, 5), (5, 3, 24
 def test_interpreter_matches_reference(interp, shape, dtype):
     q, kv, idx, sink = _case(*shape, dtype)
     scale = shape[2] ** -0.5
-    _check(interp.sparse_attn(q, kv, idx, sink, scale), reference.sparse_attn(q, kv, idx, sink, scale), "cpu", dtype)
+    _check(
+        interp.sparse_attn(q, kv, idx, sink, scale),
+        reference.sparse_attn(q, kv, idx, sink, scale),
+        "cpu",
+        dtype,
+    )
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 100])
@@ -103,7 +108,12 @@ def test_interpreter_non_contiguous_q_and_empty(interp):
     wide = torch.randn(3, 8, 64)
     wide[..., :32] = q
     qs = wide[..., :32]  # stride(2)=1, stride(1)=64
-    _check(interp.sparse_attn(qs, kv, idx, sink, 0.2), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu", torch.float32)
+    _check(
+        interp.sparse_attn(qs, kv, idx, sink, 0.2),
+        reference.sparse_attn(q, kv, idx, sink, 0.2),
+        "cpu",
+        torch.float32,
+    )
     empty = interp.sparse_attn(q[:0], kv, idx[:0], sink, 0.2)
     assert empty.shape == (0, 8, 32)
 
@@ -122,7 +132,12 @@ def test_dispatcher_routes_to_interpreter(interp, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ GPU (H200)
-_GPU_SHAPES = [(1, 64, 512, 4096, 640), (7, 64, 512, 3000, 640), (64, 64, 512, 65536, 640), (33, 16, 512, 900, 129)]
+_GPU_SHAPES = [
+    (1, 64, 512, 4096, 640),
+    (7, 64, 512, 3000, 640),
+    (64, 64, 512, 65536, 640),
+    (33, 16, 512, 900, 129),
+]
 
 
 @pytest.mark.gpu

@@ -78,7 +78,9 @@ def resolve_backend(
     if backend == "torch":
         return "torch"
     if not triton_ok:
-        raise KernelBackendError(f"{op}: backend='triton' has no kernel for these inputs ({why_not}); use 'torch'")
+        raise KernelBackendError(
+            f"{op}: backend='triton' has no kernel for these inputs ({why_not}); use 'torch'"
+        )
     if not triton_available():
         raise KernelBackendError(
             f"{op}: backend='triton' but triton is not importable; install deepinfer-kernels[gpu] or use 'torch'"

@@ -28,7 +28,9 @@ def check_launchable(op: str, kernel: object, *tensors: torch.Tensor) -> bool:
     interp = is_interpreted(kernel)
     on_cpu = [t.device.type == "cpu" for t in tensors]
     if interp and not all(on_cpu):
-        raise KernelBackendError(f"{op}: the triton backend was imported with TRITON_INTERPRET=1 and needs CPU tensors")
+        raise KernelBackendError(
+            f"{op}: the triton backend was imported with TRITON_INTERPRET=1 and needs CPU tensors"
+        )
     if not interp and any(on_cpu):
         raise KernelBackendError(
             f"{op}: CPU tensors need the triton interpreter, but the backend module was imported without "

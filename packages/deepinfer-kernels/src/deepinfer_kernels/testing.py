@@ -36,7 +36,9 @@ def triton_interpreter(*module_names: str) -> Iterator[list[ModuleType]]:
         standard = sys.modules.get("triton.language.standard")
         if standard is not None and type(standard.zeros).__name__ != "InterpretedFunction":
             saved_triton = {
-                k: m for k, m in sys.modules.items() if (k == "triton" or k.startswith("triton.")) and not k.startswith("triton._C")
+                k: m
+                for k, m in sys.modules.items()
+                if (k == "triton" or k.startswith("triton.")) and not k.startswith("triton._C")
             }
             for k in saved_triton:
                 del sys.modules[k]
@@ -49,7 +51,11 @@ def triton_interpreter(*module_names: str) -> Iterator[list[ModuleType]]:
         else:
             os.environ["TRITON_INTERPRET"] = saved_env
         if saved_triton:
-            for k in [k for k in sys.modules if (k == "triton" or k.startswith("triton.")) and not k.startswith("triton._C")]:
+            for k in [
+                k
+                for k in sys.modules
+                if (k == "triton" or k.startswith("triton.")) and not k.startswith("triton._C")
+            ]:
                 del sys.modules[k]
             sys.modules.update(saved_triton)
         for name, module in saved.items():

@@ -50,10 +50,14 @@ def _hc_mix_partial_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
         x = tl.load(
-            r_ptr + offs_t[:, None] * stride_rt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
+            r_ptr + offs_t[:, None] * stride_rt + offs_k[None, :],
+            mask=t_mask[:, None] & k_mask[None, :],
+            other=0.0,
         ).to(tl.float32)
         w = tl.load(
-            fn_ptr + offs_m[:, None] * stride_fn + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+            fn_ptr + offs_m[:, None] * stride_fn + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
         ).to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         sq += tl.sum(x * x, 1)
@@ -99,12 +103,17 @@ def _hc_mix_finish_kernel(
 
     pre_l = tl.sum(tl.load(part_ptr + row[:, None] + offs_n[None, :], mask=s_mask[:, None], other=0.0), 0)
     pre = _sigmoid(pre_l * rs * s_pre + tl.load(base_ptr + offs_n)) + hc_eps
-    post_l = tl.sum(tl.load(part_ptr + row[:, None] + N + offs_n[None, :], mask=s_mask[:, None], other=0.0), 0)
+    post_l = tl.sum(
+        tl.load(part_ptr + row[:, None] + N + offs_n[None, :], mask=s_mask[:, None], other=0.0), 0
+    )
     post = 2.0 * _sigmoid(post_l * rs * s_post + tl.load(base_ptr + N + offs_n))
 
     ij = offs_n[:, None] * N + offs_n[None, :]  # comb[i, j] = coefficient 2N + i*N + j (row-major view)
     comb_l = tl.sum(
-        tl.load(part_ptr + row[:, None, None] + 2 * N + ij[None, :, :], mask=s_mask[:, None, None], other=0.0), 0
+        tl.load(
+            part_ptr + row[:, None, None] + 2 * N + ij[None, :, :], mask=s_mask[:, None, None], other=0.0
+        ),
+        0,
     )
     c0 = comb_l * rs * s_comb + tl.load(base_ptr + 2 * N + ij)
     # Sinkhorn exactly as the reference: row softmax + eps, column normalise, then (ITERS-1) x (rows, columns).

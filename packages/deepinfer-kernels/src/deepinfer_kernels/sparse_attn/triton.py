@@ -151,7 +151,9 @@ def _sparse_attn_combine_kernel(
     m_max = tl.max(m, 0)  # finite: split 0 always starts from the sink
     w = tl.exp2(m - m_max)
     denom = tl.sum(w * l, 0)
-    acc = tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    acc = tl.load(
+        acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
     o = tl.sum(acc * w[:, None], 0) / denom
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -253,4 +255,3 @@ def sparse_attn(
             num_warps=4,
         )
     return out
-

@@ -1,0 +1,76 @@
+"""Triton RMSNorm vs the torch reference (fp32 math, io in x's dtype).
+
+Tolerances (|triton - reference| <= atol + rtol * |reference|):
+- fp32: atol 1e-6, rtol 2e-6 (summation order of the mean of squares).
+- bf16 / fp16: rtol 2^-7 (bf16) / 2^-10 (fp16) = 1 ULP, atol 1e-6: the fp32 results agree to ~1e-7 relative,
+  the final rounding may land on the neighbouring value, and the CPU interpreter truncates instead of rounding.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from deepinfer_kernels.norm_rope import reference, rms_norm
+from deepinfer_kernels.testing import triton_interpreter
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+_TOL = {torch.float32: (1e-6, 2e-6), torch.bfloat16: (1e-6, 2.0**-7), torch.float16: (1e-6, 2.0**-10)}
+
+
+@pytest.fixture(scope="module")
+def interp():
+    with triton_interpreter("deepinfer_kernels.norm_rope.triton") as (mod,):
+        yield mod
+
+
+def _check(out, ref):
+    atol, rtol = _TOL[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# Shapes: D not a power of two (40, 1280, 5120), one row, rows not a multiple of the row block, 3-D input.
+_SHAPES = [(1, 5120), (7, 40), (3, 5, 128), (33, 1280), (2, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_weight", [True, False], ids=["w", "now"])
+def test_interpreter_matches_reference(interp, shape, dtype, with_weight):
+    g = torch.Generator().manual_seed(len(shape) * 100 + shape[-1])
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (torch.rand(shape[-1], generator=g) + 0.5).to(dtype) if with_weight else None
+    _check(interp.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+
+
+def test_interpreter_strided_rows_tiny_eps_and_empty(interp):
+    base = torch.randn(6, 96).to(torch.bfloat16)
+    x = base[:, 8:72]  # row stride 96, last dim contiguous
+    w = torch.rand(64) + 0.5  # fp32 weight on bf16 activations, as the checkpoint norms
+    _check(interp.rms_norm(x, w, 1e-20), reference.rms_norm(x, w, 1e-20))
+    xt = base.t()[:40]  # last dim not contiguous: copied
+    _check(interp.rms_norm(xt, None, 1e-6), reference.rms_norm(xt, None, 1e-6))
+    z = torch.zeros(3, 32)
+    torch.testing.assert_close(interp.rms_norm(z, None, 1e-20), z)  # 0 * rsqrt(eps) stays 0
+    assert interp.rms_norm(torch.zeros(0, 32), None, 1e-6).shape == (0, 32)
+
+
+def test_dispatcher_routes_and_falls_back(interp):
+    x = torch.randn(4, 48).to(torch.bfloat16)
+    _check(rms_norm(x, None, 1e-6, backend="triton"), reference.rms_norm(x, None, 1e-6))
+    x64 = torch.randn(4, 48, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rms_norm: backend='triton' has no kernel.*float64"):
+        rms_norm(x64, None, 1e-6, backend="triton")
+    torch.testing.assert_close(rms_norm(x64, None, 1e-6), reference.rms_norm(x64, None, 1e-6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 5120), (256, 5120), (256, 64, 512), (4096, 1280), (3, 7, 100)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_matches_reference(shape, dtype):
+    x = torch.randn(*shape, device="cuda").to(dtype)
+    w = (torch.rand(shape[-1], device="cuda") + 0.5).to(dtype)
+    _check(rms_norm(x, w, 1e-6, backend="triton"), reference.rms_norm(x, w, 1e-6))
