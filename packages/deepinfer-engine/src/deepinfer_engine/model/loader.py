@@ -74,7 +74,9 @@ def load_model(
 
     reader = CheckpointReader(ckpt_dir)
     try:
-        model = Transformer(reader.args, dtype, with_draft=with_draft)
+        # build directly on the target device (parameters are placeholders until loaded; no CPU staging copy)
+        with torch.device(device):
+            model = Transformer(reader.args, dtype, with_draft=with_draft)
         load_state_into(model, reader, device=device)
     finally:
         reader.close()
