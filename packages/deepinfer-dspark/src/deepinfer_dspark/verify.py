@@ -173,7 +173,8 @@ def rejection_accept(
     target_probs: `[R, V] float` normalised target distributions (after temperature / top-k / top-p), varlen rows.
     draft_probs: `[B, N, V] float` the draft distributions q_j the drafts were sampled from.
     generator / uniforms: randomness, see `verify_uniforms`; `uniforms [B, N + 1]` (e.g. from a counter-based hash,
-        runtime.md §1.5) takes precedence and keeps the whole call free of host syncs except num_drafts checks.
+        runtime.md §1.5) takes precedence; then the only host syncs left are the input checks (num_drafts range,
+        row count, draft id range).
     draft_prob_penalty: alpha in the residual. 1.0 is the exact textbook rule; DeepInfer uses exp(-5e-5) so that a
         rounding-level p ~= q does not leave an all-zero residual (a tiny, bounded bias) [I].
     """
