@@ -87,19 +87,20 @@ def test_rollback_by_position_overwrites(model):
 
 
 def test_mtp_block_runs_and_is_causal(model):
-    """MTP (§A.9): one pass over all rows == step by step through its own window cache."""
+    """MTP (§A.9): one pass over all rows == step by step through its own window cache, sharing the backbone's
+    ModelCache (the MTP layer has its own ring; its steps do not trip the backbone rollback guard)."""
     args = model.args
     ids = _ids(model, 14, 6)
     cache, bt = ModelCache.allocate_dense(args, [15], dtype=torch.float32)
     out = model.forward_features(ForwardBatch.single(ids, block_table=bt[0]), cache)
     nxt = torch.roll(ids, -1)
-    c1, bt1 = ModelCache.allocate_dense(args, [15], dtype=torch.float32)
-    one = model.forward_mtp(ForwardBatch.single(nxt, start_pos=1, block_table=bt1[0]), c1, out.hidden)
+    one = model.forward_mtp(ForwardBatch.single(nxt, start_pos=1, block_table=bt[0]), cache, out.hidden)
     c2, bt2 = ModelCache.allocate_dense(args, [15], dtype=torch.float32)
     steps = [
-        model.forward_mtp(ForwardBatch.single(nxt[i : i + 1], start_pos=1 + i, block_table=bt2[0]), c2, out.hidden[i : i + 1])
+        model.forward_mtp(ForwardBatch.single(nxt[i : i + 1], start_pos=1 + i, block_table=bt2[0]), c2,
+                          out.hidden[i : i + 1])
         for i in range(14)
-    ]
+    ]  # fmt: skip
     assert one.shape == (14, args.vocab_size) and torch.isfinite(one).all()
     assert max_rel_err(torch.cat(steps), one) <= TOL
 

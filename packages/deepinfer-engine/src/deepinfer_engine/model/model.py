@@ -154,8 +154,9 @@ class Transformer(nn.Module):
         self.engram_hasher = EngramHasher.from_args(self.args, token_map)
 
     # ---------------------------------------------------------------------------------------------- checks
-    def check_inputs(self, batch: ForwardBatch, cache: ModelCache) -> None:
-        """Typed errors for bad input before any matmul (contracts §3: InputError)."""
+    def check_inputs(self, batch: ForwardBatch, cache: ModelCache, *, backbone: bool = True) -> None:
+        """Typed errors for bad input before any matmul (contracts §3: InputError; CapacityError for a backbone
+        step that rolls back further than the cache slack)."""
         a = self.args
         ids, pos = batch.input_ids, batch.positions
         if ids.numel():
@@ -180,7 +181,8 @@ class Transformer(nn.Module):
             raise InputError(f"slots: found {batch.slots}, expected each in [0, {cache.num_slots})")
         start = 0
         for slot, n in zip(batch.slots, batch.query_lens):
-            cache.check_resume(slot, int(pos[start]))
+            if backbone:  # draft steps (MTP) run at positions of their own; they do not move the mark
+                cache.check_resume(slot, int(pos[start]))
             start += n
         li = batch.logits_indices
         if li.numel() and (int(li.min()) < 0 or int(li.max()) >= batch.num_tokens):
@@ -251,7 +253,7 @@ class Transformer(nn.Module):
         backbone streams of the same rows. Returns [N, V] f32 logits (predicting t+2)."""
         if self.mtp is None or self.args.has_dspark:
             raise InputError("forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)")
-        self.check_inputs(batch, cache)
+        self.check_inputs(batch, cache, backbone=False)
         ctx = ForwardContext.build(batch, cache)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
