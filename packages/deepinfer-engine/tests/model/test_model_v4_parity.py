@@ -97,3 +97,17 @@ def test_hca_ratio_128_matches_hf():
     ref = _hf(hf, ids)
     assert max_rel_err(run_full(ours, ids), ref) <= TOL
     assert max_rel_err(run_chunked(ours, ids, [100, 1, 27, 1, 171]), ref) <= TOL
+
+
+def test_v4_0731_backbone_matches_hf():
+    """V4-Flash-0731 (tiny-dspark): three DSpark stages instead of MTP; the backbone logits are still HF's."""
+    from deepinfer_engine.model._equality import init_random_
+    from deepinfer_engine.model.presets import tiny_v4_dspark_config
+
+    a = ModelArgs.from_config_dict(tiny_v4_dspark_config())
+    ours = init_random_(Transformer(a, torch.float32), seed=5).eval()
+    assert ours.mtp is not None and len(ours.mtp) == 3
+    backbone = {k: v for k, v in ours.state_dict().items() if not k.startswith("mtp.")}
+    hf = build_hf_model(backbone, a)
+    ids = _ids(a, 33, 5)
+    assert max_rel_err(run_full(ours, ids), _hf(hf, ids)) <= TOL
