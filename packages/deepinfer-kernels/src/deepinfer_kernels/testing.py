@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from types import ModuleType
 
-__all__ = ["triton_interpreter"]
+__all__ = ["sm90_compile_report", "triton_interpreter"]
 
 
 @contextlib.contextmanager
@@ -69,3 +72,53 @@ def triton_interpreter(*module_names: str) -> Iterator[list[ModuleType]]:
                 sys.modules[name] = module
                 if parent is not None:
                     setattr(parent, child, module)
+
+
+def sm90_compile_report(
+    kernel: object,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    *,
+    num_warps: int,
+    num_stages: int = 2,
+) -> dict[str, object]:
+    """Compile a (non-interpreted) @triton.jit kernel ahead of time for sm_90a on a machine without a GPU and
+    return its resource use read back from the cubin with the cuobjdump that ships in the triton wheel:
+    {"regs", "stack" (spill bytes), "shared_static", "shared" (triton's dynamic smem), "wgmma", "mma"}.
+
+    signature: {arg name: triton type string ("*bf16", "i32", "fp32", ...)} for the runtime arguments;
+    constexprs: {name: value}. Works with triton 3.6 .. 3.9 (ASTSource + GPUTarget("cuda", 90, 32)).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    arg_names = kernel.arg_names  # type: ignore[attr-defined]
+    sig = dict(signature) | {k: "constexpr" for k in constexprs}
+    src = ASTSource(kernel, sig, constexprs={(arg_names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
+    ptx = compiled.asm["ptx"]
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        usage = subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
+    if m is None:
+        raise RuntimeError(f"sm90_compile_report: no resource line in cuobjdump output: {usage[-300:]!r}")
+    return {
+        "regs": int(m.group(1)),
+        "stack": int(m.group(2)),
+        "shared_static": int(m.group(3)),
+        "shared": int(compiled.metadata.shared),
+        "wgmma": "wgmma" in ptx,
+        "mma": "mma.sync" in ptx,
+    }

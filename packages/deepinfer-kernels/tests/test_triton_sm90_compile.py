@@ -1,0 +1,85 @@
+"""Offline sm_90a compile of every Triton kernel at its default V4.1 configuration (no GPU needed).
+
+Runs in a subprocess: the CPU test session imports triton in interpreter mode (conftest.py), and ahead-of-time
+compilation needs the compiled (JITFunction) objects. Checks: it compiles for Hopper, the bf16 attention dots
+use tensor cores (mma / wgmma in the PTX), nothing spills to local memory, shared memory fits an H200 SM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+]
+
+_SCRIPT = r"""
+import json
+from deepinfer_kernels.testing import sm90_compile_report as rep
+from deepinfer_kernels.sparse_attn import triton as sa
+from deepinfer_kernels.hyper_conn import triton as hc
+from deepinfer_kernels.norm_rope import triton as rn
+from deepinfer_kernels.routing import triton as rt
+
+cfg = sa.DEFAULT_CONFIG
+sa_sig = {n: t for n, t in zip(
+    ["q_ptr", "kv_ptr", "idx_ptr", "sink_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr", "H", "D", "K", "S_ROWS",
+     "blocks_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot", "stride_oh", "qk_scale"],
+    ["*bf16", "*bf16", "*i64", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"])}
+out = {}
+for split in (False, True):
+    out[f"sparse_attn split={split}"] = rep(
+        sa._sparse_attn_kernel, sa_sig,
+        dict(BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+out["sparse_attn combine"] = rep(
+    sa._sparse_attn_combine_kernel,
+    {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32", "D": "i32",
+     "num_splits": "i32", "stride_ot": "i32", "stride_oh": "i32"},
+    dict(BLOCK_S=32, BLOCK_D=512), num_warps=4)
+out["hc_mix partial"] = rep(
+    hc._hc_mix_partial_kernel,
+    {"r_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32", "T": "i32", "KDIM": "i32",
+     "chunks_per_split": "i32", "stride_rt": "i32", "stride_fn": "i32"},
+    dict(M=24, BLOCK_T=16, BLOCK_M=32, BLOCK_K=128), num_warps=4)
+out["hc_mix finish"] = rep(
+    hc._hc_mix_finish_kernel,
+    {"part_ptr": "*fp32", "sq_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "pre_ptr": "*fp32",
+     "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32", "num_splits": "i32", "inv_k": "fp32",
+     "rms_eps": "fp32", "hc_eps": "fp32"},
+    dict(N=4, ITERS=20, BLOCK_S=64), num_warps=1)
+out["rms_norm d5120"] = rep(
+    rn._rms_norm_kernel,
+    {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "R": "i32", "D": "i32", "stride_x": "i32",
+     "stride_y": "i32", "eps": "fp32"},
+    dict(HAS_W=True, BLOCK_R=1, BLOCK_D=8192), num_warps=8)
+out["route_topk e384"] = rep(
+    rt._route_topk_kernel,
+    {"x_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64", "E": "i32", "stride_x": "i32",
+     "stride_b": "i32", "route_scale": "fp32"},
+    dict(K=6, BLOCK_E=512, BLOCK_K=8, SQRTSOFTPLUS=True, HAS_BIAS=True, RENORM=True), num_warps=2)
+print(json.dumps(out))
+"""
+
+
+def test_default_configs_compile_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 = its current default
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(report) == 7
+    for name, r in report.items():
+        assert r["stack"] == 0, (name, r)  # spill bytes
+        assert r["shared"] <= 227 * 1024, (name, r)  # H200: 227 KiB of shared memory per block
+    for name in ("sparse_attn split=False", "sparse_attn split=True"):
+        assert report[name]["mma"] or report[name]["wgmma"], report[name]
