@@ -184,14 +184,19 @@ def main(argv: list[str] | None = None) -> int:
                          kernels=kb, load_s=load_s)
                 rows.append(r)
                 print(f"  done: {r['arch']} {r['dtype']} kernels={kb} B={b}", file=sys.stderr, flush=True)
+                _write_json(ns.output_json, device, model_dir, rows)  # after every row: a cut run keeps its rows
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    result = {"env": env_info(device), "model": str(model_dir), "rows": rows}
     print(format_table(rows))
-    if ns.output_json:
-        Path(ns.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    _write_json(ns.output_json, device, model_dir, rows)
     return 0
+
+
+def _write_json(path: str | None, device: torch.device, model_dir: Path, rows: list[dict[str, Any]]) -> None:
+    if path:
+        result = {"env": env_info(device), "model": str(model_dir), "rows": rows}
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ step gpu_torch_kernels 120 env DEEPINFER_KERNEL_BACKEND=torch "$PY" -m pytest -m
     packages/deepinfer-engine/tests/test_llm_cuda.py
 
 # 3) model-only forward benchmark (tiny checkpoints are written once into $BENCH_DIR)
-if [ "$DEV" = cuda ]; then BATCH=1,8,32; LEN=128; STEPS=8; else BATCH=1,4; LEN=32; STEPS=4; fi
+if [ "$DEV" = cuda ]; then BATCH=1,8,32; LEN=128; STEPS=8; else BATCH=1,2; LEN=16; STEPS=2; fi
 for arch in v41 v4; do
     KB=auto
     [ "$arch" = v41 ] && KB=auto,torch  # V4.1 also with the reference kernels: what the Triton kernels buy
