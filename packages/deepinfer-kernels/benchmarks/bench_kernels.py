@@ -9,7 +9,8 @@ removed; the eager per-call wall time is shown beside it), achieved GB/s and TFL
 must move/do, and % of the H200 roofline max(bytes / 4.8 TB/s, FLOPs / 790 TFLOP/s) (datasheet HBM, measured
 bf16 dense rate; kernels.md §6.2). Inputs rotate over several sets so repeated calls do not run out of the 60 MB
 L2 (decode reads each layer's KV and weights cold). Every triton result is checked against the reference first.
-`--sweep` also times a few sparse-attention launch configurations (block_h, block_n, num_warps).
+`--sweep` (default on) also times a few sparse-attention launch configurations (block_h, block_n, num_warps)
+within `--sweep-budget-s`; `--smoke-cpu` runs the script on CPU through the Triton interpreter (no timings).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ L2_BYTES = 60 * 2**20
 V41 = {"heads": 64, "head_dim": 512, "window": 128, "topk": 512, "hc_mult": 4, "hidden": 5120, "experts": 384}
 
 
-def _sets_for(bytes_per_call: float, cap: int) -> int:
-    """Input sets to rotate so one pass over them moves >= 3x L2 (cold-cache timing)."""
+def _sets_for(bytes_per_call: float, cap: int, dev: torch.device) -> int:
+    """Input sets to rotate so one pass over them moves >= 3x L2 (cold-cache timing); 2 in the CPU smoke run."""
+    if dev.type != "cuda":
+        return 2
     return max(2, min(cap, math.ceil(3 * L2_BYTES / max(bytes_per_call, 1.0))))
 
 
@@ -61,16 +64,17 @@ def _time_graph(calls: list[Callable[[], Any]], reps: int = 3, trials: int = 5) 
     return statistics.median(samples)
 
 
-def _time_eager(calls: list[Callable[[], Any]], trials: int = 3) -> float:
+def _time_eager(calls: list[Callable[[], Any]], dev: torch.device, trials: int = 3) -> float:
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for c in calls[:2]:
         c()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(trials):
         t0 = time.perf_counter()
         for c in calls:
             c()
-        torch.cuda.synchronize()
+        sync()
         samples.append((time.perf_counter() - t0) * 1e6 / len(calls))
     return statistics.median(samples)
 
@@ -86,7 +90,9 @@ def _err(out: Any, ref: Any) -> float:
     return worst
 
 
-def _record(rows, op, backend, shape, config, nbytes, flops, calls, err, base_us=None) -> dict[str, Any]:
+def _record(
+    rows, op, backend, shape, config, nbytes, flops, calls, err, base_us=None, *, dev
+) -> dict[str, Any]:
     row: dict[str, Any] = {
         "op": op,
         "backend": backend,
@@ -97,11 +103,11 @@ def _record(rows, op, backend, shape, config, nbytes, flops, calls, err, base_us
         "rel_err": err,
     }
     try:
-        row["time_us"] = _time_graph(calls)
+        row["time_us"] = _time_graph(calls) if dev.type == "cuda" else None
     except Exception as exc:  # graph capture can fail for a reference op; keep the eager number
         row["time_us"] = None
         row["graph_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    row["eager_us"] = _time_eager(calls)
+    row["eager_us"] = _time_eager(calls, dev)
     t = row["time_us"] or row["eager_us"]
     row["gbps"] = nbytes / (t * 1e-6) / 1e9
     row["tflops"] = flops / (t * 1e-6) / 1e12
@@ -134,33 +140,36 @@ def _print_row(r: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- ops
-def bench_sparse_attn(rows, batches, sweep, deadline) -> None:
+def bench_sparse_attn(rows, batches, sweep, deadline, dev) -> None:
     from deepinfer_kernels.sparse_attn import reference
     from deepinfer_kernels.sparse_attn import triton as tk
 
     h, d, w, k = V41["heads"], V41["head_dim"], V41["window"], V41["topk"]
     n_idx = w + k
-    pool_rows = 262144  # 256 MiB of bf16 kv rows: windows + compressed entries of many sequences
-    g = torch.Generator(device="cuda").manual_seed(0)
-    kv = torch.randn(pool_rows, d, device="cuda", generator=g).to(torch.bfloat16)
-    sink = torch.randn(h, device="cuda", generator=g)
+    # 256 MiB of bf16 kv rows (windows + compressed entries of many sequences); small in the CPU smoke run
+    pool_rows = 262144 if dev.type == "cuda" else 2048
+    g = torch.Generator(device=dev).manual_seed(0)
+    kv = torch.randn(pool_rows, d, device=dev, generator=g).to(torch.bfloat16)
+    sink = torch.randn(h, device=dev, generator=g)
     scale = d**-0.5
     for t in batches:
         nbytes = float(t * n_idx * d * 2 + 2 * t * h * d * 2 + t * n_idx * 8)
         flops = 4.0 * t * h * n_idx * d
-        sets = _sets_for(t * n_idx * d * 2, 256 if t < 8 else 32)
-        q = torch.randn(t, h, d, device="cuda", generator=g).to(torch.bfloat16)
+        sets = _sets_for(t * n_idx * d * 2, 256 if t < 8 else 32, dev)
+        q = torch.randn(t, h, d, device=dev, generator=g).to(torch.bfloat16)
         idx_sets = []
         for _ in range(sets):  # window: 128 consecutive rows; top-k: 512 distinct sorted rows
-            start = torch.randint(0, pool_rows - w, (t, 1), device="cuda", generator=g)
-            win = start + torch.arange(w, device="cuda")[None, :]
-            top = torch.randint(0, pool_rows, (t, k), device="cuda", generator=g).sort(-1).values
+            start = torch.randint(0, pool_rows - w, (t, 1), device=dev, generator=g)
+            win = start + torch.arange(w, device=dev)[None, :]
+            top = torch.randint(0, pool_rows, (t, k), device=dev, generator=g).sort(-1).values
             idx_sets.append(torch.cat([win, top], 1).contiguous())
         shape = f"T={t} H={h} D={d} K={n_idx}"
         ref_calls = [lambda i=i, q=q: reference.sparse_attn(q, kv, i, sink, scale) for i in idx_sets]
-        base = _record(rows, "sparse_attn", "torch", shape, "", nbytes, flops, ref_calls, None)["time_us"]
+        base = _record(rows, "sparse_attn", "torch", shape, "", nbytes, flops, ref_calls, None, dev=dev)[
+            "time_us"
+        ]
         configs = [dict(tk.DEFAULT_CONFIG)]
-        if sweep and t in (1, 64, 256):
+        if sweep and t in (1, 64, 256) and dev.type == "cuda":
             configs += [  # sm_90 resource use from an offline compile (triton 3.9): regs / spill bytes
                 {"block_h": 16, "block_n": 32, "num_warps": 8, "num_stages": 2},  # 153 regs, no spill
                 {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},  # 241 regs, no spill
@@ -176,7 +185,7 @@ def bench_sparse_attn(rows, batches, sweep, deadline) -> None:
         ref_out = reference.sparse_attn(q, kv, idx_sets[0], sink, scale)
         for i, cfg in enumerate(configs):
             if i > 0 and time.time() > deadline:
-                print(f"# sweep cut short by --budget-s at T={t}", flush=True)
+                print(f"# sweep cut short by --sweep-budget-s at T={t}", flush=True)
                 break
             label = f"h{cfg['block_h']} n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
             try:
@@ -184,7 +193,7 @@ def bench_sparse_attn(rows, batches, sweep, deadline) -> None:
                 calls = [
                     lambda i=i, q=q, cfg=cfg: tk.sparse_attn(q, kv, i, sink, scale, **cfg) for i in idx_sets
                 ]
-                _record(rows, "sparse_attn", "triton", shape, label, nbytes, flops, calls, err, base)
+                _record(rows, "sparse_attn", "triton", shape, label, nbytes, flops, calls, err, base, dev=dev)
             except Exception as exc:  # e.g. out of shared memory for a sweep point
                 print(f"# sparse_attn {shape} {label}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
                 rows.append(
@@ -198,26 +207,24 @@ def bench_sparse_attn(rows, batches, sweep, deadline) -> None:
                 )
 
 
-def bench_hc_mix(rows, batches, deadline) -> None:
+def bench_hc_mix(rows, batches, dev) -> None:
     from deepinfer_kernels.hyper_conn import reference
     from deepinfer_kernels.hyper_conn import triton as tk
 
     n, d = V41["hc_mult"], V41["hidden"]
     m = (2 + n) * n
     kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-20)
-    g = torch.Generator(device="cuda").manual_seed(1)
+    g = torch.Generator(device=dev).manual_seed(1)
     for t in batches:
-        if time.time() > deadline:
-            break
         nbytes = float(t * n * d * 2 + m * n * d * 4 + t * m * 4)
         flops = 2.0 * t * m * n * d
-        sets = _sets_for(nbytes, 96)
+        sets = _sets_for(nbytes, 96, dev)
         data = []
         for _ in range(sets):  # fn rotates too: 40 layers x 2 mixes of 1.97 MB are cold in a real step
-            r = torch.randn(t, n, d, device="cuda", generator=g).to(torch.bfloat16)
-            fn = torch.randn(m, n * d, device="cuda", generator=g) * (n * d) ** -0.5
-            base = torch.randn(m, device="cuda", generator=g) * 0.5
-            sc = torch.rand(3, device="cuda", generator=g) + 0.5
+            r = torch.randn(t, n, d, device=dev, generator=g).to(torch.bfloat16)
+            fn = torch.randn(m, n * d, device=dev, generator=g) * (n * d) ** -0.5
+            base = torch.randn(m, device=dev, generator=g) * 0.5
+            sc = torch.rand(3, device=dev, generator=g) + 0.5
             data.append((r, fn, base, sc))
         shape = f"T={t} n={n} d={d}"
         base_us = _record(
@@ -230,6 +237,7 @@ def bench_hc_mix(rows, batches, deadline) -> None:
             flops,
             [lambda a=a: reference.hc_mix(*a, **kw) for a in data],
             None,
+            dev=dev,
         )["time_us"]
         err = _err(tk.hc_mix(*data[0], **kw), reference.hc_mix(*data[0], **kw))
         _record(
@@ -243,28 +251,27 @@ def bench_hc_mix(rows, batches, deadline) -> None:
             [lambda a=a: tk.hc_mix(*a, **kw) for a in data],
             err,
             base_us,
+            dev=dev,
         )
 
 
-def bench_rms_norm(rows, batches, deadline) -> None:
+def bench_rms_norm(rows, batches, dev) -> None:
     from deepinfer_kernels.norm_rope import reference
     from deepinfer_kernels.norm_rope import triton as tk
 
-    g = torch.Generator(device="cuda").manual_seed(2)
+    g = torch.Generator(device=dev).manual_seed(2)
     for t in batches:
         for shape_t, label, has_w in (
             ((t, V41["hidden"]), "hidden", True),
             ((t, V41["heads"], V41["head_dim"]), "q heads", False),
         ):
-            if time.time() > deadline:
-                return
             numel = math.prod(shape_t)
             dd = shape_t[-1]
             nbytes = float(2 * numel * 2 + (dd * 2 if has_w else 0))
             flops = 4.0 * numel
-            sets = _sets_for(nbytes, 128)
-            xs = [torch.randn(*shape_t, device="cuda", generator=g).to(torch.bfloat16) for _ in range(sets)]
-            w = (torch.rand(dd, device="cuda", generator=g) + 0.5).to(torch.bfloat16) if has_w else None
+            sets = _sets_for(nbytes, 128, dev)
+            xs = [torch.randn(*shape_t, device=dev, generator=g).to(torch.bfloat16) for _ in range(sets)]
+            w = (torch.rand(dd, device=dev, generator=g) + 0.5).to(torch.bfloat16) if has_w else None
             shape = f"{label} {list(shape_t)}"
             base_us = _record(
                 rows,
@@ -276,6 +283,7 @@ def bench_rms_norm(rows, batches, deadline) -> None:
                 flops,
                 [lambda x=x, w=w: reference.rms_norm(x, w, 1e-6) for x in xs],
                 None,
+                dev=dev,
             )["time_us"]
             err = _err(tk.rms_norm(xs[0], w, 1e-6), reference.rms_norm(xs[0], w, 1e-6))
             _record(
@@ -289,25 +297,24 @@ def bench_rms_norm(rows, batches, deadline) -> None:
                 [lambda x=x, w=w: tk.rms_norm(x, w, 1e-6) for x in xs],
                 err,
                 base_us,
+                dev=dev,
             )
 
 
-def bench_routing(rows, batches, deadline) -> None:
+def bench_routing(rows, batches, dev) -> None:
     try:
         from deepinfer_kernels.routing import reference
         from deepinfer_kernels.routing import triton as tk
     except ImportError:
         return
     e, k = V41["experts"], 6
-    g = torch.Generator(device="cuda").manual_seed(3)
+    g = torch.Generator(device=dev).manual_seed(3)
     for t in batches:
-        if time.time() > deadline:
-            return
         nbytes = float(t * e * 4 + e * 4 + t * k * 12)
         flops = 4.0 * t * e
-        sets = _sets_for(nbytes, 64)
+        sets = _sets_for(nbytes, 64, dev)
         data = [
-            (torch.randn(t, e, device="cuda", generator=g), torch.randn(e, device="cuda", generator=g) * 0.1)
+            (torch.randn(t, e, device=dev, generator=g), torch.randn(e, device=dev, generator=g) * 0.1)
             for _ in range(sets)
         ]
 
@@ -326,6 +333,7 @@ def bench_routing(rows, batches, deadline) -> None:
             flops,
             [lambda a=a: ref(*a) for a in data],
             None,
+            dev=dev,
         )["time_us"]
         w_t, i_t = tk.route_topk(*data[0], k, route_scale=2.5)
         w_r, i_r = ref(*data[0])
@@ -341,6 +349,7 @@ def bench_routing(rows, batches, deadline) -> None:
             [lambda a=a: tk.route_topk(*a, k, route_scale=2.5) for a in data],
             err,
             base_us,
+            dev=dev,
         )
 
 
@@ -354,26 +363,43 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also time a few sparse_attn launch configs at T in {1, 64, 256}",
     )
-    p.add_argument("--budget-s", type=float, default=100.0, help="stop optional work after this many seconds")
+    p.add_argument(
+        "--sweep-budget-s",
+        type=float,
+        default=60.0,
+        help="stop the optional config sweep after this many seconds",
+    )
     p.add_argument("--output-json", default=None)
+    p.add_argument(
+        "--smoke-cpu",
+        action="store_true",
+        help="exercise this script on CPU through the Triton interpreter (T=1 only, timings meaningless)",
+    )
     ns = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if ns.smoke_cpu:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: triton.jit reads it at decoration
+        dev = torch.device("cpu")
+    elif not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA device (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
+    else:
+        dev = torch.device("cuda")
     import triton
 
     t0 = time.time()
-    deadline = t0 + ns.budget_s
-    batches = [int(b) for b in ns.batches.split(",") if b]
+    deadline = t0 + ns.sweep_budget_s
+    batches = [1] if ns.smoke_cpu else [int(b) for b in ns.batches.split(",") if b]
     ops = set(ns.ops.split(","))
     info = {
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
         "hbm_bps": HBM_BPS,
         "peak_flops": PEAK_FLOPS,
-        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count if dev.type == "cuda" else 0,
     }
     print("# " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     _print_header()
@@ -381,13 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # references stay true fp32 (their spec)
     with torch.no_grad():
         if "sparse_attn" in ops:
-            bench_sparse_attn(rows, batches, ns.sweep, deadline)
+            bench_sparse_attn(rows, batches, ns.sweep, deadline, dev)
         if "hc_mix" in ops:
-            bench_hc_mix(rows, batches, deadline)
+            bench_hc_mix(rows, batches, dev)
         if "rms_norm" in ops:
-            bench_rms_norm(rows, batches, deadline)
+            bench_rms_norm(rows, batches, dev)
         if "routing" in ops:
-            bench_routing(rows, batches, deadline)
+            bench_routing(rows, batches, dev)
     info["wall_s"] = time.time() - t0
     print(f"# wall {info['wall_s']:.1f} s", flush=True)
     if ns.output_json:
