@@ -287,6 +287,15 @@ class LLMEngine:
             if tr is not None:
                 self.scheduler.abort_requests(tr.children)
 
+    def stop_sample(self, request_id: str, index: int = 0, stop_reason: int | str | None = None) -> None:
+        """Finish sample `index` of a request now with finish_reason "stop" (e.g. a chat parser matched a stop
+        sequence); the finish is reported by the next `step()`. Unknown or finished samples are ignored."""
+        tr = self._tracked.get(request_id)
+        if tr is None or not 0 <= index < len(tr.children):
+            return
+        self.scheduler.finish_requests([tr.children[index]], RequestStatus.FINISHED_STOPPED, stop_reason=stop_reason,
+                                       emit=True)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_updates()
 

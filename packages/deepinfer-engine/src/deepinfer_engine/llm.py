@@ -3,10 +3,12 @@ prefill/decode tokens per second. Outputs come back in input order."""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from deepinfer_engine.chat_stream import ChatDelta, ChatStream, hidden_special_ids
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.engine import LLMEngine
 from deepinfer_engine.errors import InputError
@@ -14,6 +16,9 @@ from deepinfer_engine.outputs import RequestOutput
 from deepinfer_engine.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | dict[str, Any]
+DeltaCallback = Callable[[int, int, ChatDelta], None]
+
+logger = logging.getLogger(__name__)
 
 
 def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
@@ -46,6 +51,9 @@ class LLM:
     Engine options are the flat names of `EngineConfig` (`max_num_seqs`, `kv_cache_memory_bytes`, `device`, ...);
     an unknown name raises `ConfigError` listing the closest valid ones.
     """
+
+    bar_refresh_s: float = 0.1
+    """Seconds between progress-bar redraws while no prompt finishes (live prefill/decode tok/s)."""
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.config = EngineConfig.from_options(model=model, **engine_options)
@@ -81,7 +89,11 @@ class LLM:
             if len(params) != len(items):
                 raise InputError(f"sampling_params: found a list of {len(params)}, expected one per prompt "
                                  f"({len(items)}) or a single SamplingParams")
-        # validate and tokenize everything first, so that a bad input leaves no half-added batch behind
+        ids = self._add(items, params)
+        return self._run(ids, use_tqdm=use_tqdm)
+
+    def _add(self, items: list[tuple[str | None, list[int] | None]], params: list[SamplingParams]) -> list[str]:
+        """Validate and tokenize everything first, so that a bad input leaves no half-added batch behind."""
         ready: list[tuple[str | None, list[int], SamplingParams]] = []
         for i, ((text, token_ids), sp) in enumerate(zip(items, params)):
             if not isinstance(sp, SamplingParams):
@@ -96,10 +108,16 @@ class LLM:
             self._counter += 1
             self.engine.add_request(rid, token_ids, sp, prompt=text)
             ids.append(rid)
-        return self._run(ids, use_tqdm=use_tqdm)
+        return ids
 
-    def _run(self, ids: list[str], *, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], *, use_tqdm: bool, streams: dict[str, list[ChatStream]] | None = None,
+             on_delta: DeltaCallback | None = None) -> list[RequestOutput]:
+        """Step until every request of `ids` is done. `streams`: per request id, one ChatStream per sample, fed
+        the new token ids after every step (a sample whose stream hit a stop sequence is stopped at once);
+        `on_delta(position in ids, sample index, delta)` sees each parsed event as it arrives."""
         done: dict[str, RequestOutput] = {}
+        streams = streams or {}
+        order = {rid: i for i, rid in enumerate(ids)}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -108,21 +126,50 @@ class LLM:
         eng = self.engine
         wanted = set(ids)
         pre0, dec0, t0 = eng.total.prefill_tokens, eng.total.decode_tokens, time.perf_counter()
+        shown = t0
         try:
             while eng.has_unfinished_requests():
                 for out in eng.step():
+                    if out.request_id in streams:
+                        self._feed(out, streams[out.request_id], order[out.request_id], on_delta)
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
                 if bar is not None:
-                    dt = max(time.perf_counter() - t0, 1e-9)
+                    now = time.perf_counter()
+                    dt = max(now - t0, 1e-9)
                     bar.set_postfix_str(f"prefill {(eng.total.prefill_tokens - pre0) / dt:.0f} tok/s, "
                                         f"decode {(eng.total.decode_tokens - dec0) / dt:.0f} tok/s", refresh=False)
+                    # tqdm redraws only on update(); the rates must move while prompts are still running
+                    if now - shown >= self.bar_refresh_s:
+                        bar.refresh()
+                        shown = now
         finally:
             if bar is not None:
                 bar.close()
         return [done[i] for i in ids]
+
+    def _feed(self, out: RequestOutput, streams: list[ChatStream], position: int,
+              on_delta: DeltaCallback | None) -> None:
+        for co, stream in zip(out.outputs, streams):
+            if stream.num_pushed > len(co.token_ids) or (stream.done and not co.finished):
+                continue
+            new = co.token_ids[stream.num_pushed:]
+            stop_id = co.stop_reason if isinstance(co.stop_reason, int) else None
+            deltas = stream.push(new, final=co.finished, stop_token_id=stop_id) if new else []
+            if stream.stopped and not co.finished:
+                # the recipe matched a stop sequence: no more tokens for this sample
+                self.engine.stop_sample(out.request_id, co.index)
+            if co.finished:
+                deltas += stream.finish(co.finish_reason)
+                stream.apply_to(co)
+                if co.parse_error is not None:
+                    logger.warning("chat output %s[%d]: %s (raw text kept in .text: %r)", out.request_id, co.index,
+                                   co.parse_error, co.text)
+            if on_delta is not None:
+                for d in deltas:
+                    on_delta(position, co.index, d)
 
     # ------------------------------------------------------------------ chat through deepseek-recipe
     def chat(
@@ -134,9 +181,19 @@ class LLM:
         thinking: bool = False,
         reasoning_effort: str | None = None,
         use_tqdm: bool = True,
+        on_delta: DeltaCallback | None = None,
+        hide_special_tokens: bool = False,
     ) -> list[RequestOutput]:
-        """OpenAI-style message lists, rendered by deepseek-recipe for this model's version (V4.1 / V4),
-        generated, and parsed back into `reasoning_content` / `content` / `tool_calls` on each output."""
+        """OpenAI-style message lists, rendered by deepseek-recipe for this model's version (V4.1 / V4).
+
+        The generated ids of every sample are parsed incrementally by the recipe's StreamProcessor into
+        `reasoning_content` / `content` / `tool_calls` (a recipe stop sequence stops the sample as soon as it
+        is generated). `on_delta(conversation index, sample index, ChatDelta)` receives the reasoning / content
+        deltas, completed tool calls and the finish reason as they arrive. `hide_special_tokens`: drop generated
+        added-vocabulary ids that are not parser markers (for displays; see ChatStream). If the recipe cannot
+        parse a sample,
+        its `parse_error` names the problem, the parsed fields stay None and `.text` holds the raw text.
+        """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams(max_tokens=256)] * len(convs)
@@ -147,13 +204,31 @@ class LLM:
                              f"({len(convs)}) or a single SamplingParams")
         renders = [self.render_chat(conv, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort)
                    for conv in convs]
-        prompts = [{"prompt_token_ids": r.token_ids} for r in renders]
-        full = [r.sampling(sp) for sp, r in zip(params, renders)]
-        outs = self.generate(prompts, full, use_tqdm=use_tqdm)
-        for out, r in zip(outs, renders):
-            for co in out.outputs:
-                r.parse_into(co, self._recipe_tokenizer())
-        return outs
+        return self.generate_chat(renders, params, use_tqdm=use_tqdm, on_delta=on_delta,
+                                  hide_special_tokens=hide_special_tokens)
+
+    def generate_chat(self, renders: Sequence[_RenderedChat | None], params: Sequence[SamplingParams], *,
+                      use_tqdm: bool = True, prompts: Sequence[dict[str, Any]] | None = None,
+                      on_delta: DeltaCallback | None = None, hide_special_tokens: bool = False
+                      ) -> list[RequestOutput]:
+        """Generate rendered chats (and, where `renders[i]` is None, the plain `prompts[i]`) in one batch,
+        parsing the chat samples incrementally (see `chat`)."""
+        items = _normalize_prompts([{"prompt_token_ids": r.token_ids} if r is not None else prompts[i]
+                                    for i, r in enumerate(renders)])
+        full = [r.sampling(sp) if r is not None else sp for r, sp in zip(renders, params)]
+        ids = self._add(items, full)
+        streams: dict[str, list[ChatStream]] = {}
+        for rid, r, sp in zip(ids, renders, full):
+            if r is not None:
+                hidden = (hidden_special_ids(self._added_tokens(), r.request.parsing_options)
+                          if hide_special_tokens else frozenset())
+                streams[rid] = [ChatStream(r.request, self._recipe_tokenizer(), eos_token_ids=self.engine.eos_token_ids,
+                                           hidden_token_ids=hidden) for _ in range(sp.n)]
+        return self._run(ids, use_tqdm=use_tqdm, streams=streams, on_delta=on_delta)
+
+    def _added_tokens(self) -> dict[int, str]:
+        tok = self.engine.tokenizer
+        return {} if tok is None else {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
 
     def _recipe_tokenizer(self):
         tok = getattr(self, "_recipe_tok", None)
@@ -170,7 +245,10 @@ class LLM:
 
     def render_chat(self, conv, *, tools=None, thinking: bool = False, reasoning_effort: str | None = None
                     ) -> _RenderedChat:
-        """Messages -> prompt token ids (+ parsing options) through deepseek-recipe, for this model's version."""
+        """Messages -> prompt token ids (+ parsing options) through deepseek-recipe, for this model's version.
+
+        Assistant history turns are OpenAI messages (`content`, optional `reasoning_content` / `tool_calls`),
+        e.g. `ChatStream.message()` of an earlier turn; the recipe converts them into its AssistantMessage."""
         body: dict[str, Any] = {"model": "deepinfer", "messages": list(conv),
                                 "thinking": {"type": "enabled" if thinking else "disabled"}}
         if tools:
@@ -192,72 +270,24 @@ class LLM:
         request = ChatCompletionRequest(body).convert(ConversionOptions().with_model_alias(name, version))
         encoding = request.encoding().with_tokenizer(self._recipe_tokenizer())
         ids = list(encoding.encode(request.conversation))
-        return _RenderedChat(token_ids=ids, parsing=request.parsing_options,
-                             thinking=request.conversation.thinking_mode, request=request)
+        return _RenderedChat(token_ids=ids, request=request)
 
 
 class _RenderedChat:
-    """A rendered conversation plus what is needed to parse its completion."""
+    """A rendered conversation: prompt ids plus the recipe request whose parsing options parse its completion."""
 
-    def __init__(self, *, token_ids: list[int], parsing: Any, thinking: bool, request: Any = None) -> None:
+    def __init__(self, *, token_ids: list[int], request: Any) -> None:
         self.token_ids = token_ids
-        self.parsing = parsing
-        self.thinking = thinking
         self.request = request
 
+    @property
+    def thinking(self) -> bool:
+        return bool(self.request.conversation.thinking_mode)
+
     def sampling(self, sp: SamplingParams) -> SamplingParams:
-        # special tokens must survive detokenization so that </think> and tool-call markup can be parsed;
-        # the recipe's stop sequences apply to content only, so they are matched here only without thinking
-        stops = tuple(sp.stop) + (tuple(self.parsing.stop_sequences or ()) if not self.thinking else ())
-        return sp.replace(skip_special_tokens=False, stop=stops or None)
-
-    def parse_into(self, co, tokenizer) -> None:
-        """Split the completion into reasoning / content / tool calls.
-
-        Uses the recipe's StreamProcessor when the installed recipe has it; otherwise a minimal split on
-        `</think>` (tool-call markup is then left in `content`).
-        """
-        parsed = _parse_with_recipe(self.request, co.token_ids, tokenizer, co.finish_reason)
-        if parsed is not None:
-            co.reasoning_content, co.content, co.tool_calls = parsed
-            return
-        text = co.text.replace("<｜end▁of▁sentence｜>", "")
-        if self.thinking:
-            reasoning, sep, content = text.partition("</think>")
-            co.reasoning_content = reasoning.lstrip("\n")
-            co.content = content.lstrip("\n") if sep else ""
-        else:
-            co.content = text.lstrip("\n")
-            co.reasoning_content = None
-        co.tool_calls = None
-
-
-_EOS_IDS = (1,)
-
-
-def _parse_with_recipe(request, token_ids, tokenizer, finish_reason):
-    """(reasoning_content, content, tool_calls) from the recipe's StreamProcessor + ChatCompletionResponse,
-    or None when the installed recipe lacks them or fails (then the caller's minimal split is used)."""
-    if request is None:
-        return None
-    try:
-        import deepseek_recipe as dr
-
-        ids = list(token_ids)
-        if ids and ids[-1] in _EOS_IDS:
-            ids = ids[:-1]  # the recipe expects the backend to strip EOS
-        reason = dr.InferenceFinishReason.Length if finish_reason == "length" else dr.InferenceFinishReason.Stop
-        gen = dr.ChatCompletionRequest.chunk_generator(request, "chatcmpl-deepinfer", "deepinfer")
-        proc = dr.StreamProcessor(gen, request.parsing_options, tokenizer)
-        chunks = list(proc.push(dr.InferenceChunk.tokens(ids))) if ids else []
-        chunks += list(proc.push(dr.InferenceChunk.finish(reason)))
-        resp = dr.ChatCompletionResponse("chatcmpl-deepinfer", "deepinfer", 0)
-        for c in chunks:
-            resp.accumulate(c)
-        msg = resp.to_dict()["choices"][0]["message"]
-    except Exception:  # noqa: BLE001 - parsing must never lose the generated text; fall back
-        return None
-    return msg.get("reasoning_content"), msg.get("content"), msg.get("tool_calls")
+        # keep special tokens in `.text`: it is the raw output shown when parsing fails. The recipe's own stop
+        # sequences are applied by its StreamProcessor (content only, not reasoning), which stops the sample.
+        return sp.replace(skip_special_tokens=False)
 
 
 def llm_from_cli(ns: Any, **overrides: Any) -> LLM:

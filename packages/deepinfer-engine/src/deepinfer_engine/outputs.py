@@ -17,7 +17,8 @@ class CompletionOutput:
     finish_reason: "stop" (EOS, stop string or stop token id), "length" (max_tokens / max_model_len),
     "abort", "error" (see RequestOutput.error), None while running. stop_reason: the stop string or token id
     that ended it. logprobs: one TokenLogprobs per generated token when requested. For chat, `reasoning_content`,
-    `content` and `tool_calls` hold the recipe's parse of the text.
+    `content` and `tool_calls` hold the recipe's parse of the generated ids; `parse_error` names the problem when
+    the recipe could not parse them (those three are then None and `text` is the raw output).
     """
 
     index: int
@@ -30,6 +31,7 @@ class CompletionOutput:
     reasoning_content: str | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    parse_error: str | None = None
 
     @property
     def finished(self) -> bool:

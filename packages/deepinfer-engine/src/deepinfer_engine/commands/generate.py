@@ -76,7 +76,8 @@ def run(ns: argparse.Namespace) -> int:
             print(json.dumps({
                 "index": i, "prompt": label, "prompt_tokens": len(out.prompt_token_ids), "error": out.error,
                 "outputs": [{"text": o.text, "token_ids": o.token_ids, "finish_reason": o.finish_reason,
-                             "reasoning_content": o.reasoning_content, "content": o.content} for o in out.outputs],
+                             "reasoning_content": o.reasoning_content, "content": o.content, "tool_calls": o.tool_calls,
+                             "parse_error": o.parse_error} for o in out.outputs],
             }, ensure_ascii=False))
             continue
         print(f"--- [{i}] {label!r} ({len(out.prompt_token_ids)} prompt tokens)")
@@ -84,9 +85,15 @@ def run(ns: argparse.Namespace) -> int:
             print(f"    error: {out.error}")
         for o in out.outputs:
             tag = f"[{o.index}] " if len(out.outputs) > 1 else ""
-            body = o.content if use_chat and o.content is not None else o.text
+            if use_chat and o.parse_error is not None:
+                print(f"    {tag}warning: {o.parse_error}; raw output follows", file=sys.stderr)
+                body = o.text
+            else:
+                body = o.content if use_chat and o.content is not None else o.text
             if use_chat and o.reasoning_content:
                 print(f"    {tag}reasoning: {o.reasoning_content!r}")
+            for call in (o.tool_calls or []) if use_chat else []:
+                print(f"    {tag}tool call: {call['function']['name']}({call['function']['arguments']})")
             print(f"    {tag}{body!r}  ({len(o.token_ids)} tokens, finish_reason={o.finish_reason})")
     stats = llm.engine.total
     n_in = sum(len(o.prompt_token_ids) for o in outs)

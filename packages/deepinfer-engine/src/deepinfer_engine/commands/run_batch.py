@@ -97,7 +97,6 @@ def process(llm, lines: list[str], *, default_max_tokens: int = 64, use_tqdm: bo
             sp = sampling_from_body(body, default_max_tokens, chat=url == CHAT_URL)
             if url == CHAT_URL:
                 render = llm.render_chat_body(body)
-                sp = render.sampling(sp)
                 prompt = {"prompt_token_ids": render.token_ids}
             else:
                 render = None
@@ -120,17 +119,21 @@ def process(llm, lines: list[str], *, default_max_tokens: int = 64, use_tqdm: bo
         results.append(None)
         prompts.append(prompt)
         params.append(sp)
-    outs = llm.generate(prompts, params, use_tqdm=use_tqdm) if prompts else []
+    renders = [p[5] for p in pending]
+    outs = llm.generate_chat(renders, params, prompts=prompts, use_tqdm=use_tqdm) if prompts else []
     created = int(time.time())
-    tok = llm._recipe_tokenizer if any(p[3] == CHAT_URL for p in pending) else None
-    for (idx, line_no, cid, url, body, render), out in zip(pending, outs):
+    for (idx, line_no, cid, url, body, _render), out in zip(pending, outs):
         if out.error is not None:
             results[idx] = _error(line_no, cid, "request_failed", out.error)
+            continue
+        bad = [co for co in out.outputs if co.parse_error is not None]
+        if bad:
+            results[idx] = _error(line_no, cid, "output_parse_failed",
+                                  f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}")
             continue
         if url == CHAT_URL:
             choices = []
             for co in out.outputs:
-                render.parse_into(co, tok())
                 msg: dict[str, Any] = {"role": "assistant", "content": co.content}
                 if co.reasoning_content is not None:
                     msg["reasoning_content"] = co.reasoning_content

@@ -85,13 +85,15 @@ class Scheduler:
                 continue
             self._finish(req, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, stop_reason=None) -> None:
-        """Finish from outside (the engine's stop-string matcher); no update is emitted for these."""
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, stop_reason=None, *,
+                        emit: bool = False) -> None:
+        """Finish from outside: the engine's stop-string matcher (emit=False: the engine records the finish
+        itself) or a caller's parser (emit=True: the finish comes back as an update of the next step)."""
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None and not req.is_finished:
                 req.stop_reason = stop_reason
-                self._finish(req, status, emit=False)
+                self._finish(req, status, emit=emit)
 
     def _finish(self, req: Request, status: RequestStatus, *, error: str | None = None, emit: bool = True) -> None:
         if req in self.running:
