@@ -175,19 +175,20 @@ def bench_sparse_attn(rows, batches, sweep, deadline, dev) -> None:
                 {"block_h": 16, "block_n": 64, "num_warps": 8, "num_stages": 2},  # 241 regs, no spill
                 {"block_h": 32, "block_n": 32, "num_warps": 8, "num_stages": 2},  # 225 regs, no spill
                 {"block_h": 16, "block_n": 16, "num_warps": 4, "num_stages": 3},  # 167 regs, no spill
-                {
-                    "block_h": 64,
-                    "block_n": 32,
-                    "num_warps": 8,
-                    "num_stages": 2,
-                },  # wgmma, 255 regs + ~0.5 KB spill
+                # wgmma; 255 regs, ~0.5 KB spill
+                {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages": 2},
             ]
+        # split-K counts at small batch (default: enough splits to fill 2x the SMs)
+        if sweep and t in (1, 8) and dev.type == "cuda":
+            configs += [dict(tk.DEFAULT_CONFIG, num_splits=ns) for ns in (2, 5, 10)]
         ref_out = reference.sparse_attn(q, kv, idx_sets[0], sink, scale)
-        for i, cfg in enumerate(configs):
-            if i > 0 and time.time() > deadline:
+        for ci, cfg in enumerate(configs):
+            if ci > 0 and time.time() > deadline:
                 print(f"# sweep cut short by --sweep-budget-s at T={t}", flush=True)
                 break
             label = f"h{cfg['block_h']} n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
+            if "num_splits" in cfg:
+                label += f" k{cfg['num_splits']}"
             try:
                 err = _err(tk.sparse_attn(q, kv, idx_sets[0], sink, scale, **cfg), ref_out)
                 calls = [
