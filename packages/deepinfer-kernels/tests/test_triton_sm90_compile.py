@@ -37,7 +37,8 @@ out = {}
 for split in (False, True):
     out[f"sparse_attn split={split}"] = rep(
         sa._sparse_attn_kernel, sa_sig,
-        dict(BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False),
+        dict(HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=512,
+             SPLIT=split, UPCAST=False, EXACT_F32=False),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 out["sparse_attn combine"] = rep(
     sa._sparse_attn_combine_kernel,

@@ -1,6 +1,7 @@
 """Triton backend of sparse MQA attention with attn_sink (decode and prefill share one kernel).
 
-One program = one token x a block of heads x one split of that token's index list. The kv rows named by the
+One program = one token x a block of heads x one split of that token's index list (the head blocks of a token
+are adjacent in launch order, so its gathered kv rows come from HBM about once). The kv rows named by the
 indices are gathered tile by tile ([BLOCK_N, D], K = V = the row), scores and the online softmax run in fp32 in the
 log2 domain, and the sink enters as the initial running max / denominator of split 0 (so an all-invalid row gives
 exactly 0, as the reference). When one token cannot fill the GPU (decode), the index list is split over programs
@@ -49,6 +50,7 @@ def _sparse_attn_kernel(
     stride_ot,
     stride_oh,
     qk_scale,
+    HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -56,10 +58,13 @@ def _sparse_attn_kernel(
     UPCAST: tl.constexpr,
     EXACT_F32: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    s = tl.program_id(2)
-    num_splits = tl.num_programs(2)
+    # Axis 0 enumerates (token, head block) with the head blocks of one token adjacent, so the programs that
+    # gather the same kv rows run together and all but the first read them from L2. Splits are axis 1 (<= 32).
+    pid = tl.program_id(0)
+    hb = pid % HEAD_BLOCKS
+    t = (pid // HEAD_BLOCKS).to(tl.int64)
+    s = tl.program_id(1)
+    num_splits = tl.num_programs(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
@@ -209,7 +214,7 @@ def sparse_attn(
     else:  # unused pointers (the SPLIT=False specialisation never touches them)
         m_ws = l_ws = acc_ws = sink
     exact = q.dtype == torch.float32
-    _sparse_attn_kernel[(t, head_blocks, num_splits)](
+    _sparse_attn_kernel[(t * head_blocks, num_splits)](
         q,
         kv,
         indices,
@@ -230,6 +235,7 @@ def sparse_attn(
         out.stride(0),
         out.stride(1),
         float(softmax_scale) * _LOG2E,
+        HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
