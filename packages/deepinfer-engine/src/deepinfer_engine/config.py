@@ -191,7 +191,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, exclude: tuple[str, ...]
                 continue
             flag = "--" + f.name.replace("_", "-")
             typ, choices = _base_type(hints[f.name])
-            help_text = f"{f.metadata.get('help', '')} (default: {f.default})"
+            help_text = f.metadata.get("help", "")
+            if "default" not in help_text:  # the help text may already explain a computed default
+                help_text += f" (default: {'none' if f.default is None else f.default})"
             if typ is bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                                    help=help_text)

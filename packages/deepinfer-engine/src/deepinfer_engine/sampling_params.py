@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 from deepinfer_engine.errors import InputError
 
 
 class SamplingParamsError(InputError):
     """A SamplingParams field is out of range; the message names the field, the value and the allowed range."""
+
+
+def _f(default, help: str, cli=None):
+    return field(default=default, metadata={"help": help, "cli": cli})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,24 +29,25 @@ class SamplingParams:
     per position (0 = only the chosen token), None = off. n: independent samples per prompt.
     """
 
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: str | tuple[str, ...] | list[str] | None = None
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
+    # metadata "help" documents the field; "cli" (argparse type, or "flag" / "append") makes it a command-line flag
+    n: int = _f(1, "samples per prompt", int)
+    max_tokens: int | None = _f(16, "tokens to generate per prompt", int)
+    min_tokens: int = _f(0, "tokens before EOS / stop ids may end the output", int)
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy", float)
+    top_p: float = _f(1.0, "nucleus mass (1 = off)", float)
+    top_k: int = _f(0, "keep the k most likely tokens (0 = off)", int)
+    min_p: float = _f(0.0, "drop tokens below min_p x the top probability (0 = off)", float)
+    repetition_penalty: float = _f(1.0, "tokens seen in prompt or output: logit / p if > 0 else logit x p (1 = off)", float)
+    presence_penalty: float = _f(0.0, "subtract this from logits of tokens already generated (0 = off)", float)
+    frequency_penalty: float = _f(0.0, "subtract this x count of each generated token (0 = off)", float)
+    seed: int | None = _f(None, "per-request seed (on the command line --seed is the engine seed instead)")
+    stop: str | tuple[str, ...] | list[str] | None = _f(None, "stop string (repeatable)", "append")
+    stop_token_ids: tuple[int, ...] | list[int] | None = _f(None, "stop token id (repeatable)", "append_int")
+    ignore_eos: bool = _f(False, "keep generating after EOS", "flag")
+    include_stop_str_in_output: bool = _f(False, "keep the matched stop string in the text", "flag")
+    logprobs: int | None = _f(None, "top alternatives' logprobs per generated token", int)
+    prompt_logprobs: int | None = _f(None, "top alternatives' logprobs per prompt token")
+    skip_special_tokens: bool = _f(True, "leave special tokens out of the text", "flag")
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> SamplingParamsError:
@@ -116,43 +121,37 @@ class SamplingParams:
         return tuple(f.name for f in fields(cls))
 
 
-_CLI_FIELDS = {
-    "max_tokens": (int, "tokens to generate per prompt"),
-    "min_tokens": (int, "tokens before EOS / stop ids may end the output"),
-    "temperature": (float, "0 = greedy"),
-    "top_p": (float, "nucleus mass (1 = off)"),
-    "top_k": (int, "keep the k most likely tokens (0 = off)"),
-    "min_p": (float, "drop tokens below min_p x the top probability (0 = off)"),
-    "repetition_penalty": (float, "1 = off"),
-    "presence_penalty": (float, "0 = off"),
-    "frequency_penalty": (float, "0 = off"),
-    "n": (int, "samples per prompt"),
-    "logprobs": (int, "top alternatives' logprobs per generated token"),
-}
-
-
 def add_sampling_args(parser, *, defaults: dict | None = None) -> None:
-    """`--max-tokens`, `--temperature`, ... `--stop S` (repeatable), `--ignore-eos` from the SamplingParams fields.
+    """One flag per SamplingParams field with "cli" metadata (`--max-tokens`, `--stop S` repeatable, ...), help
+    text and default from the dataclass (`defaults` overrides a command's defaults).
 
     There is no per-request `--seed` here: on the command line `--seed` is the engine seed, from which every
     request's seed is derived (so runs are reproducible, as with a per-request seed)."""
     import argparse
 
     defaults = defaults or {}
-    base = {f.name: f.default for f in fields(SamplingParams)}
     group = parser.add_argument_group("sampling")
-    for name, (typ, text) in _CLI_FIELDS.items():
-        d = defaults.get(name, base[name])
-        group.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=d,
-                           help=f"{text} (default: {d})")
-    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=defaults.get("ignore_eos", False),
-                       help="keep generating after EOS")
+    for f in fields(SamplingParams):
+        cli = f.metadata.get("cli")
+        if cli is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        d = defaults.get(f.name, f.default)
+        text = f"{f.metadata['help']} (default: {'none' if d is None else d})"
+        if cli == "flag":
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=d, help=text)
+        elif cli in ("append", "append_int"):
+            group.add_argument(flag, dest=f.name, action="append", type=int if cli == "append_int" else str,
+                               default=None, help=f"{f.metadata['help']} (default: none)")
+        else:
+            group.add_argument(flag, dest=f.name, type=cli, default=d, help=text)
+
+
+def sampling_flag_names() -> list[str]:
+    return [f.name for f in fields(SamplingParams) if f.metadata.get("cli") is not None]
 
 
 def sampling_params_from_cli(ns, **overrides) -> SamplingParams:
-    kw = {name: getattr(ns, name) for name in _CLI_FIELDS if hasattr(ns, name)}
-    kw["stop"] = getattr(ns, "stop", None)
-    kw["ignore_eos"] = bool(getattr(ns, "ignore_eos", False))
+    kw = {name: getattr(ns, name) for name in sampling_flag_names() if hasattr(ns, name)}
     kw.update(overrides)
     return SamplingParams(**kw)

@@ -160,3 +160,46 @@ def test_deepinfer_chat_cli_real_model_hides_special_tokens(tiny_v41_dir, monkey
     tok = Tokenizer.from_file(str(tiny_v41_dir / "tokenizer.json"))
     shown = [t.content for t in tok.get_added_tokens_decoder().values() if t.content in text]
     assert not shown, shown
+
+
+def test_generate_help_documents_every_flag(capsys) -> None:
+    import dataclasses
+
+    from deepinfer_engine.cli import _subparser, build_parser
+    from deepinfer_engine.config import engine_option_names
+    from deepinfer_engine.sampling_params import SamplingParams
+
+    sub = _subparser(build_parser(), "generate")
+    flags = {o for a in sub._actions for o in a.option_strings}
+    for name in engine_option_names():  # engine flags come from the config dataclasses
+        assert "--" + name.replace("_", "-") in flags, name
+    cli_fields = [f.name for f in dataclasses.fields(SamplingParams) if f.metadata.get("cli") is not None]
+    assert {"max_tokens", "temperature", "stop", "stop_token_ids", "logprobs"} <= set(cli_fields)
+    for name in cli_fields:
+        assert "--" + name.replace("_", "-") in flags, name
+    for action in sub._actions:
+        assert action.help and action.help.strip(), f"{action.option_strings or action.dest} has no help"
+        if action.option_strings and action.option_strings[0] != "-h":
+            assert "default" in action.help, f"{action.option_strings[0]}: help does not state the default"
+            assert action.help.count("(default:") <= 1, f"{action.option_strings[0]}: two defaults: {action.help!r}"
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    assert "--kv-cache-memory-bytes" in text and "--stop-token-ids" in text and "(default: None)" not in text
+
+
+def test_generate_progress_bar_shows_live_rates(llm, capsys) -> None:
+    import re
+
+    from deepinfer_engine.sampling_params import SamplingParams
+
+    llm.bar_refresh_s = 0.0  # redraw after every step
+    try:
+        llm.generate(["Hello"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=True)
+    finally:
+        del llm.bar_refresh_s
+    frames = re.split(r"[\r\n]", capsys.readouterr().err)
+    running = [f for f in frames if "0/1" in f]
+    # while the only prompt is still running, the bar already shows non-zero prefill and decode rates
+    assert any(re.search(r"prefill [1-9]\d* tok/s", f) for f in running), running
+    assert any(re.search(r"decode [1-9]\d* tok/s", f) for f in running), running

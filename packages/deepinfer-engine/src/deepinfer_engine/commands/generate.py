@@ -20,14 +20,15 @@ EXAMPLE_CONVERSATIONS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompts", nargs="*", help="prompt texts; '-' reads one prompt per line from stdin")
-    parser.add_argument("--prompt-file", help="file with one prompt per line ('-' = stdin)")
+    parser.add_argument("--prompt-file", help="file with one prompt per line ('-' = stdin; default: none)")
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                         help="render prompts as user turns of the chat template (default: on for the built-in "
                              "examples, off for given prompts)")
     parser.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=False,
-                        help="chat in thinking mode")
-    parser.add_argument("--json", action="store_true", help="print one JSON object per output instead of text")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="tqdm progress bar")
+                        help="chat in thinking mode (default: off)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per output instead of text (default: off)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="tqdm progress bar with live prefill/decode tok/s on stderr (default: on)")
     add_sampling_args(parser, defaults={"max_tokens": 32, "temperature": 0.0})
     add_engine_args(parser)
 
