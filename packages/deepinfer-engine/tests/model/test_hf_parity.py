@@ -1,7 +1,8 @@
 """Parity of our V4 model (deepinfer_engine.model.model.Transformer) with the HF DeepseekV4 oracle (fp32).
 
 Tiny V4 (architecture.md §9.1: SWA, CSA ratio 4 with overlap + indexer top-k 4, HCA ratio 8, hash MoE, mHC):
-random official-name weights go into both models; logits must agree to rel err <= 1e-5 (max |diff| / max |ref|)
+random checkpoints written by `make_checkpoint` (official format: FP8 block scales, FP4 experts) are loaded by
+our loader; the same dequantized tensors go into HF. Logits must agree to rel err <= 1e-5 (max |diff| / max |ref|)
 over every position, for several seeds, prompt lengths past the window (8), many CSA/HCA blocks, chunked
 prefill + decode through our cache, and a varlen multi-sequence batch. A second config uses HCA ratio 128 with
 300 tokens (two 128-blocks). The sensitivity test shows the comparison fails when one compressed-path weight
@@ -21,10 +22,14 @@ pytest.importorskip("transformers", minversion="5.23")  # 5.17 ships deepseek_v4
 pytest.importorskip("transformers.models.deepseek_v4")
 model_mod = pytest.importorskip("deepinfer_engine.model.model")
 
+from deepinfer_engine.model._equality import init_random_  # noqa: E402
 from deepinfer_engine.model.args import ModelArgs  # noqa: E402
 from deepinfer_engine.model.cache import ModelCache  # noqa: E402
+from deepinfer_engine.model.checkpoint import CheckpointReader  # noqa: E402
 from deepinfer_engine.model.forward_batch import ForwardBatch  # noqa: E402
-from deepinfer_engine.model.presets import tiny_v4_config  # noqa: E402
+from deepinfer_engine.model.loader import load_model  # noqa: E402
+from deepinfer_engine.model.presets import tiny_v4_config, tiny_v4_dspark_config  # noqa: E402
+from deepinfer_engine.model.writer import write_checkpoint  # noqa: E402
 from deepinfer_engine.testing_hf import (  # noqa: E402
     build_hf_model,
     hf_indexer_boundary_ties,
@@ -76,15 +81,25 @@ def args():
     return ModelArgs.from_config_dict(tiny_v4_config())
 
 
+def _from_checkpoint(root, config: dict, seed: int):
+    """(our model loaded from a freshly written checkpoint, its dequantized official tensors)."""
+    d = write_checkpoint(root / f"seed{seed}", config, seed)
+    ours = load_model(d, torch.float32).eval()
+    with CheckpointReader(d) as reader:
+        state = {n: reader.load(n) for n in ours.state_dict()}
+    return ours, state
+
+
 @pytest.fixture(scope="module")
-def pairs(args):
-    """seed -> (seed, our model, HF model, state), built once per module on first use."""
+def pairs(args, tmp_path_factory):
+    """seed -> (seed, our model, HF model, state), each from a make_checkpoint checkpoint, built on first use."""
     built: dict[int, tuple] = {}
+    root = tmp_path_factory.mktemp("v4-parity")
 
     def get(seed: int) -> tuple:
         if seed not in built:
-            state = random_official_v4_state(args, seed=seed)
-            built[seed] = (seed, our_model(state, args), build_hf_model(state, args), state)
+            ours, state = _from_checkpoint(root, tiny_v4_config(), seed)
+            built[seed] = (seed, ours, build_hf_model(state, args), state)
         return built[seed]
 
     return get
@@ -164,14 +179,13 @@ def test_comparison_is_sensitive_to_compressed_paths(pairs, args, name):
     assert rel_err(our_logits_chunked(our_model(bent, args), args, ids, [40]), ref) > 1e3 * TOL
 
 
-def test_hca_ratio_128_matches_hf():
+def test_hca_ratio_128_matches_hf(tmp_path):
     cfg = tiny_v4_config()
     cfg["compress_ratios"] = [0, 4, 128, 4, 128, 4, 0]
     args = ModelArgs.from_config_dict(cfg)
-    state = random_official_v4_state(args, seed=3)
-    ids = _ids(args, 300, 3)
+    ours, state = _from_checkpoint(tmp_path, cfg, 3)
+    ids = _ids(args, 300, 3)  # two complete 128-blocks and a partial one
     ref = hf_logits(build_hf_model(state, args), ids)
-    ours = our_model(state, args)
     assert rel_err(our_logits_chunked(ours, args, ids, [300]), ref) <= TOL
     assert rel_err(our_logits_chunked(ours, args, ids, [100, 1, 27, 1, 171]), ref) <= TOL
 
@@ -188,3 +202,13 @@ def test_raw_hf_tie_order_is_the_only_difference(args):
     ours = our_logits_chunked(our_model(state, args), args, ids, [40])
     assert rel_err(ours[:first], hf_logits(raw, ids)[:first]) <= TOL
     assert rel_err(ours, hf_logits(build_hf_model(state, args), ids)) <= TOL
+
+
+def test_v4_0731_backbone_matches_hf():
+    """V4-Flash-0731 (tiny-dspark): three DSpark stages instead of MTP; the backbone logits are still HF's."""
+    a = ModelArgs.from_config_dict(tiny_v4_dspark_config())
+    ours = init_random_(model_mod.Transformer(a, torch.float32), seed=5).eval()
+    assert ours.mtp is not None and len(ours.mtp) == 3
+    backbone = {k: v for k, v in ours.state_dict().items() if not k.startswith("mtp.")}
+    ids = _ids(a, 33, 5)
+    assert rel_err(our_logits_chunked(ours, a, ids, [33]), hf_logits(build_hf_model(backbone, a), ids)) <= TOL

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from deepinfer_engine.errors import CheckpointError
-from deepinfer_engine.model._equality import max_rel_err, run_chunked, run_full, stable_topk
+from deepinfer_engine.model._equality import max_rel_err, run_chunked, run_full
 from deepinfer_engine.model.checkpoint import CheckpointReader
 from deepinfer_engine.model.loader import load_model
 from deepinfer_engine.model.writer import make_checkpoint
@@ -26,22 +26,13 @@ def ckpt_v4(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("v4") / "ck", "v4", "tiny", 0)
 
 
-def test_v4_checkpoint_loads_and_matches_hf(ckpt_v4):
-    pytest.importorskip("transformers", minversion="5.23")  # 5.17 ships deepseek_v4 but its incremental decode differs from its prefill (seen: rel err 1.1); the oracle needs >= 5.23
-    pytest.importorskip("transformers.models.deepseek_v4")
-    from deepinfer_engine.testing_hf import build_hf_model, hf_logits
-
+def test_v4_checkpoint_loads_exactly_the_dequantized_tensors(ckpt_v4):
+    """Parity of these weights with HF is test_hf_parity.py (also on make_checkpoint checkpoints)."""
     model = load_model(ckpt_v4, torch.float32)
     assert model.mtp is not None and len(model.mtp) == 1
     with CheckpointReader(ckpt_v4) as reader:
-        # the dequantized official tensors, exactly what the loader put into the model
-        state = {n: reader.load(n) for n in model.state_dict()}
-    for n, t in model.state_dict().items():
-        assert torch.equal(t, state[n]), n
-    ids = torch.randint(0, model.args.vocab_size, (24,), generator=torch.Generator().manual_seed(2))
-    with stable_topk():  # pin HF's indexer tie rule to ours (see test_model_v4_parity.py)
-        ref = hf_logits(build_hf_model(state, model.args), ids)
-    assert max_rel_err(run_full(model, ids), ref) <= 1e-5
+        for n, t in model.state_dict().items():
+            assert torch.equal(t, reader.load(n)), n
 
 
 def test_v41_checkpoint_loads_with_engram_and_dspark(tmp_path):

@@ -6,8 +6,7 @@ Every run returns per-token logits [n, V] float32 for each sequence, so results 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -15,27 +14,7 @@ from torch import Tensor, nn
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch
 
-__all__ = ["init_random_", "max_rel_err", "random_chunks", "run_batched", "run_chunked", "run_full", "stable_topk"]
-
-
-@contextlib.contextmanager
-def stable_topk() -> Iterator[None]:
-    """While active, `Tensor.topk` breaks exact ties by the lower index (our indexer rule, contracts §3b).
-
-    For running the HF oracle: its `torch.topk` orders equal values arbitrarily, and exact ties do occur in the
-    tiny configs' indexer (ReLU zeros over 4 heads). Tie-free rows select the same set either way.
-    """
-    orig = torch.Tensor.topk
-
-    def topk(self: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: A002
-        order = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
-        return torch.return_types.topk((self.gather(dim, order), order))
-
-    torch.Tensor.topk = topk  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = orig  # type: ignore[method-assign]
+__all__ = ["init_random_", "max_rel_err", "random_chunks", "run_batched", "run_chunked", "run_full"]
 
 
 @torch.no_grad()
