@@ -256,6 +256,82 @@ def bench_hc_mix(rows, batches, dev) -> None:
         )
 
 
+def bench_hc_streams(rows, batches, dev) -> None:
+    """hc_pre (collapse) and hc_post (combine) over [T, 4, 5120] bf16 streams."""
+    from deepinfer_kernels.hyper_conn import reference
+    from deepinfer_kernels.hyper_conn import triton as tk
+
+    n, d = V41["hc_mult"], V41["hidden"]
+    g = torch.Generator(device=dev).manual_seed(4)
+    for t in batches:
+        sets = _sets_for(t * n * d * 2 * 2, 128, dev)
+        data = []
+        for _ in range(sets):
+            r = torch.randn(t, n, d, device=dev, generator=g).to(torch.bfloat16)
+            y = torch.randn(t, d, device=dev, generator=g).to(torch.bfloat16)
+            pre = torch.rand(t, n, device=dev, generator=g)
+            post = torch.rand(t, n, device=dev, generator=g)
+            comb = torch.rand(t, n, n, device=dev, generator=g)
+            data.append((r, y, pre, post, comb))
+        shape = f"T={t} n={n} d={d}"
+        pre_bytes = float(t * n * d * 2 + t * d * 2 + t * n * 4)
+        base = _record(
+            rows,
+            "hc_pre",
+            "torch",
+            shape,
+            "",
+            pre_bytes,
+            2.0 * t * n * d,
+            [lambda a=a: reference.hc_pre(a[0], a[2]) for a in data],
+            None,
+            dev=dev,
+        )["time_us"]
+        err = _err(tk.hc_pre(data[0][0], data[0][2]), reference.hc_pre(data[0][0], data[0][2]))
+        _record(
+            rows,
+            "hc_pre",
+            "triton",
+            shape,
+            "bd1024",
+            pre_bytes,
+            2.0 * t * n * d,
+            [lambda a=a: tk.hc_pre(a[0], a[2]) for a in data],
+            err,
+            base,
+            dev=dev,
+        )
+        post_bytes = float(2 * t * n * d * 2 + t * d * 2 + t * (n + n * n) * 4)
+        flops = 2.0 * t * n * d * (n + 1)
+        base = _record(
+            rows,
+            "hc_post",
+            "torch",
+            shape,
+            "",
+            post_bytes,
+            flops,
+            [lambda a=a: reference.hc_post(a[1], a[0], a[3], a[4]) for a in data],
+            None,
+            dev=dev,
+        )["time_us"]
+        a0 = data[0]
+        err = _err(tk.hc_post(a0[1], a0[0], a0[3], a0[4]), reference.hc_post(a0[1], a0[0], a0[3], a0[4]))
+        _record(
+            rows,
+            "hc_post",
+            "triton",
+            shape,
+            "bd1024",
+            post_bytes,
+            flops,
+            [lambda a=a: tk.hc_post(a[1], a[0], a[3], a[4]) for a in data],
+            err,
+            base,
+            dev=dev,
+        )
+
+
 def bench_rms_norm(rows, batches, dev) -> None:
     from deepinfer_kernels.norm_rope import reference
     from deepinfer_kernels.norm_rope import triton as tk
@@ -411,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             bench_sparse_attn(rows, batches, ns.sweep, deadline, dev)
         if "hc_mix" in ops:
             bench_hc_mix(rows, batches, dev)
+            bench_hc_streams(rows, batches, dev)
         if "rms_norm" in ops:
             bench_rms_norm(rows, batches, dev)
         if "routing" in ops:

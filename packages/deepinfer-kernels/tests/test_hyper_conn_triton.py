@@ -4,6 +4,9 @@ Tolerances (|triton - reference| <= atol + rtol * |reference|): pre, post, comb 
 reads r in its own dtype (bf16 upcast exactly) and uses exact fp32 dots, so only summation order differs:
 atol 2e-5, rtol 1e-4 on CPU (interpreter) and GPU alike. The Sinkhorn output is also checked to be doubly
 stochastic, which the reference satisfies by construction.
+
+hc_pre / hc_post (fp32 math, output in r's dtype): fp32 atol 1e-6, rtol 1e-5; bf16 1 ULP (rtol 2^-7, atol 1e-6;
+the interpreter truncates f32 -> bf16).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.hyper_conn import hc_mix, reference
+from deepinfer_kernels.hyper_conn import hc_mix, hc_post, hc_pre, reference
 from deepinfer_kernels.testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -82,6 +85,73 @@ def test_dispatcher_routes_to_interpreter(interp):
     _check(hc_mix(r, fn, base, scale, backend="triton", **kw), reference.hc_mix(r, fn, base, scale, **kw))
     empty = hc_mix(r[:0], fn, base, scale, backend="triton", **kw)
     assert [tuple(x.shape) for x in empty] == [(0, 4), (0, 4), (0, 4, 4)]
+
+
+_STREAM_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 2.0**-7)}
+
+
+def _streams_case(t, n, d, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(t, n, d, generator=g).to(dtype)
+    y = torch.randn(t, d, generator=g).to(dtype)
+    pre = torch.rand(t, n, generator=g) + 0.1
+    post = 2 * torch.rand(t, n, generator=g)
+    comb = torch.softmax(torch.randn(t, n, n, generator=g), -1)
+    return [x.to(device) for x in (r, y, pre, post, comb)]
+
+
+def _check_streams(out, ref):
+    atol, rtol = _STREAM_TOL[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# d not a multiple of BLOCK_D (1024) and smaller than it; one token; n = 2 and 4.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 4, 1100), (6, 4, 40), (3, 2, 24)], ids=lambda s: "x".join(map(str, s)))
+def test_interpreter_pre_post_match_reference(interp, shape, dtype):
+    r, y, pre, post, comb = _streams_case(*shape, dtype)
+    _check_streams(interp.hc_pre(r, pre), reference.hc_pre(r, pre))
+    _check_streams(interp.hc_post(y, r, post, comb), reference.hc_post(y, r, post, comb))
+
+
+def test_interpreter_post_contracts_first_index_and_mixed_dtypes(interp):
+    """A non-symmetric comb catches a transposed contraction; fp32 y on bf16 streams; strided r is copied."""
+    r, y, pre, post, comb = _streams_case(2, 4, 48, torch.bfloat16, seed=5)
+    comb = torch.zeros(2, 4, 4)
+    comb[:, 0, 3] = 1.0  # R'_3 = R_0, the other streams get only post * y
+    out = interp.hc_post(y.float(), r, post, comb)
+    _check_streams(out, reference.hc_post(y.float(), r, post, comb))
+    torch.testing.assert_close(
+        out[:, 3].float(),
+        (post[:, 3:4] * y.float() + r[:, 0].float()).to(torch.bfloat16).float(),
+        atol=1e-6,
+        rtol=2.0**-7,
+    )
+    wide = torch.randn(2, 4, 96).to(torch.bfloat16)
+    rs = wide[..., :48]
+    _check_streams(interp.hc_pre(rs, pre), reference.hc_pre(rs, pre))
+
+
+def test_dispatchers_pre_post(interp):
+    r, y, pre, post, comb = _streams_case(3, 4, 40, torch.bfloat16, seed=6)
+    _check_streams(hc_pre(r, pre, backend="triton"), reference.hc_pre(r, pre))
+    _check_streams(hc_post(y, r, post, comb, backend="triton"), reference.hc_post(y, r, post, comb))
+    with pytest.raises(ValueError, match="hc_post: comb shape"):
+        hc_post(y, r, post, comb[:, :2])
+    r3 = torch.randn(2, 3, 8)  # n = 3: the reference handles it, the kernel does not
+    torch.testing.assert_close(hc_pre(r3, torch.ones(2, 3)), r3.sum(1))
+    with pytest.raises(ValueError, match="hc_pre: backend='triton' has no kernel"):
+        hc_pre(r3, torch.ones(2, 3), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_pre_post_v41_shape(t, dtype):
+    r, y, pre, post, comb = _streams_case(t, 4, 5120, dtype, device="cuda", seed=7)
+    _check_streams(hc_pre(r, pre, backend="triton"), reference.hc_pre(r, pre))
+    _check_streams(hc_post(y, r, post, comb, backend="triton"), reference.hc_post(y, r, post, comb))
 
 
 @pytest.mark.gpu

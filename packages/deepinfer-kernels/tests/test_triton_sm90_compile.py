@@ -56,6 +56,13 @@ out["hc_mix finish"] = rep(
      "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32", "num_splits": "i32", "inv_k": "fp32",
      "rms_eps": "fp32", "hc_eps": "fp32"},
     dict(N=4, ITERS=20, BLOCK_S=64), num_warps=1)
+out["hc_pre"] = rep(
+    hc._hc_pre_kernel, {"r_ptr": "*bf16", "pre_ptr": "*fp32", "x_ptr": "*bf16", "D": "i32"},
+    dict(N=4, BLOCK_D=1024), num_warps=4)
+out["hc_post"] = rep(
+    hc._hc_post_kernel,
+    {"y_ptr": "*bf16", "r_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "out_ptr": "*bf16", "D": "i32"},
+    dict(N=4, BLOCK_D=1024), num_warps=4)
 out["rms_norm d5120"] = rep(
     rn._rms_norm_kernel,
     {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "R": "i32", "D": "i32", "stride_x": "i32",
@@ -78,7 +85,7 @@ def test_default_configs_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 7
+    assert len(report) == 9
     for name, r in report.items():
         assert r["stack"] == 0, (name, r)  # spill bytes
         assert r["shared"] <= 227 * 1024, (name, r)  # H200: 227 KiB of shared memory per block

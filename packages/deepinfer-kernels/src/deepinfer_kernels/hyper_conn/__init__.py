@@ -1,4 +1,4 @@
-"""mHC hyper-connection mixing (architecture.md §A.3 / §C.2): torch references; Triton for `hc_mix`."""
+"""mHC hyper-connection mixing (architecture.md §A.3 / §C.2): torch references; Triton hc_mix / hc_pre / hc_post."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from torch import Tensor
 
 from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.hyper_conn import reference
-from deepinfer_kernels.hyper_conn.reference import hc_post, hc_pre, sinkhorn
+from deepinfer_kernels.hyper_conn.reference import sinkhorn
 
 __all__ = ["hc_head", "hc_mix", "hc_post", "hc_pre", "sinkhorn"]
 
@@ -44,6 +44,42 @@ def hc_mix(
             r, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, rms_eps=rms_eps
         )
     return reference.hc_mix(r, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, rms_eps=rms_eps)
+
+
+def _streams_ok(r: Tensor) -> bool:
+    n = r.shape[1] if r.dim() == 3 else 0
+    return n >= 1 and (n & (n - 1)) == 0 and r.dtype in (torch.bfloat16, torch.float16, torch.float32)
+
+
+def hc_pre(r: Tensor, pre: Tensor, *, backend: str = "auto") -> Tensor:
+    """x = sum_i pre_i R_i: r [T, n, d], pre [T, n] -> [T, d] in r's dtype (fp32 math)."""
+    if r.dim() != 3 or pre.shape != r.shape[:2]:
+        raise ValueError(f"hc_pre: expected r [T, n, d] and pre [T, n]; found {tuple(r.shape)}, {tuple(pre.shape)}")
+    why = f"r {r.dtype} {tuple(r.shape)}; needs n a power of two and r bf16/fp16/fp32"
+    if resolve_backend("hc_pre", backend, r, pre, triton_ok=_streams_ok(r), why_not=why) == "triton":
+        from deepinfer_kernels.hyper_conn import triton as triton_backend
+
+        return triton_backend.hc_pre(r, pre)
+    return reference.hc_pre(r, pre)
+
+
+def hc_post(y: Tensor, r: Tensor, post: Tensor, comb: Tensor, *, backend: str = "auto") -> Tensor:
+    """R'_j = post_j * y + sum_i comb[i, j] R_i: y [T, d], r [T, n, d], post [T, n], comb [T, n, n] ->
+    [T, n, d] in r's dtype (fp32 math)."""
+    if r.dim() != 3 or y.shape != (r.shape[0], r.shape[2]) or post.shape != r.shape[:2]:
+        raise ValueError(
+            f"hc_post: expected y [T, d], r [T, n, d], post [T, n]; found {tuple(y.shape)}, {tuple(r.shape)}, "
+            f"{tuple(post.shape)}"
+        )
+    if comb.shape != (r.shape[0], r.shape[1], r.shape[1]):
+        raise ValueError(f"hc_post: comb shape {tuple(comb.shape)}, expected {(r.shape[0], r.shape[1], r.shape[1])}")
+    ok = _streams_ok(r) and y.is_floating_point()
+    why = f"r {r.dtype} {tuple(r.shape)}, y {y.dtype}; needs n a power of two and bf16/fp16/fp32"
+    if resolve_backend("hc_post", backend, y, r, post, comb, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.hyper_conn import triton as triton_backend
+
+        return triton_backend.hc_post(y, r, post, comb)
+    return reference.hc_post(y, r, post, comb)
 
 
 def hc_head(r: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, rms_eps: float) -> Tensor:

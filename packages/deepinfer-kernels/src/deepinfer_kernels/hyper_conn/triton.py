@@ -6,6 +6,9 @@
    all of fn (1.97 MB).
 2. `_hc_mix_finish_kernel`, one program per token: sum the partials, RMS scale, the pre / post / comb split of
    the (2+n)n coefficients, sigmoids and the whole Sinkhorn (n x n in registers, `ITERS` unrolled).
+
+`hc_pre` (collapse) and `hc_post` (combine) are single elementwise passes over [T, n, d] with fp32 math, instead
+of the reference's fp32 copies of the streams plus an einsum.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["hc_mix"]
+__all__ = ["hc_mix", "hc_post", "hc_pre"]
 
 
 @triton.jit
@@ -207,3 +210,73 @@ def hc_mix(
         num_warps=1,
     )
     return pre, post, comb
+
+
+@triton.jit
+def _hc_pre_kernel(r_ptr, pre_ptr, x_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, N)
+    d_mask = offs_d < D
+    r = tl.load(r_ptr + (t * N + offs_n[:, None]) * D + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    pre = tl.load(pre_ptr + t * N + offs_n).to(tl.float32)
+    x = tl.sum(r.to(tl.float32) * pre[:, None], 0)
+    tl.store(x_ptr + t * D + offs_d, x.to(x_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def _hc_post_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, N)
+    d_mask = offs_d < D
+    r = tl.load(r_ptr + (t * N + offs_n[:, None]) * D + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    y = tl.load(y_ptr + t * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + offs_n).to(tl.float32)
+    comb = tl.load(comb_ptr + t * N * N + offs_n[:, None] * N + offs_n[None, :]).to(tl.float32)  # [i, j]
+    # R'_j = post_j * y + sum_i comb[i, j] * R_i (contract over the first index, as the reference)
+    mixed = tl.sum(comb[:, :, None] * r.to(tl.float32)[:, None, :], 0)  # [j, BLOCK_D]
+    out = post[:, None] * y[None, :] + mixed
+    tl.store(
+        out_ptr + (t * N + offs_n[:, None]) * D + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask[None, :],
+    )
+
+
+def _streams(r: Tensor) -> Tensor:
+    return r if r.is_contiguous() else r.contiguous()
+
+
+def hc_pre(r: Tensor, pre: Tensor, *, block_d: int = 1024, num_warps: int = 4) -> Tensor:
+    """r [T, n, d] (n a power of two), pre [T, n] -> x [T, d] in r's dtype (fp32 math)."""
+    t, n, d = r.shape
+    x = torch.empty((t, d), dtype=r.dtype, device=r.device)
+    if t == 0 or d == 0:
+        return x
+    r = _streams(r)
+    pre = pre.float().contiguous()
+    check_launchable("hc_pre", _hc_pre_kernel, r, pre)
+    block_d = min(block_d, max(16, next_pow2(d)))
+    _hc_pre_kernel[(t, cdiv(d, block_d))](r, pre, x, d, N=n, BLOCK_D=block_d, num_warps=num_warps)
+    return x
+
+
+def hc_post(
+    y: Tensor, r: Tensor, post: Tensor, comb: Tensor, *, block_d: int = 1024, num_warps: int = 4
+) -> Tensor:
+    """y [T, d], r [T, n, d], post [T, n], comb [T, n, n] -> R' [T, n, d] in r's dtype (fp32 math)."""
+    t, n, d = r.shape
+    out = torch.empty((t, n, d), dtype=r.dtype, device=r.device)
+    if t == 0 or d == 0:
+        return out
+    r = _streams(r)
+    y = y.contiguous()
+    post = post.float().contiguous()
+    comb = comb.float().contiguous()
+    check_launchable("hc_post", _hc_post_kernel, y, r, post, comb)
+    block_d = min(block_d, max(16, next_pow2(d)))
+    _hc_post_kernel[(t, cdiv(d, block_d))](
+        y, r, post, comb, out, d, N=n, BLOCK_D=block_d, num_warps=num_warps
+    )
+    return out
