@@ -203,3 +203,36 @@ def test_generate_progress_bar_shows_live_rates(llm, capsys) -> None:
     # while the only prompt is still running, the bar already shows non-zero prefill and decode rates
     assert any(re.search(r"prefill [1-9]\d* tok/s", f) for f in running), running
     assert any(re.search(r"decode [1-9]\d* tok/s", f) for f in running), running
+
+
+def test_run_batch_chat_stop_applies_to_content_not_reasoning(llm, monkeypatch) -> None:
+    from deepinfer_engine.commands.run_batch import process
+
+    eos = llm.engine.eos_token_ids[0]
+    reply = (_plain(llm, "think STOP more") + [_id(llm, "</think>")] + _plain(llm, "answer STOP tail words here")
+             + [eos])
+    _script_runner(llm, monkeypatch, [reply])
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "go"}], "stop": ["STOP"],
+                     "max_tokens": 40, "temperature": 0, "thinking": {"type": "enabled"}}}
+    (res,) = process(llm, [json.dumps(line)], default_max_tokens=40, use_tqdm=False)
+    assert res["error"] is None, res["error"]
+    msg = res["response"]["body"]["choices"][0]["message"]
+    assert msg["reasoning_content"] == "think STOP more"
+    assert msg["content"].strip() == "answer"
+    assert res["response"]["body"]["usage"]["completion_tokens"] < len(reply) - 2  # stopped at the content STOP
+
+
+def test_stop_sequence_stops_only_its_own_sample(llm, monkeypatch) -> None:
+    from deepinfer_engine.sampling_params import SamplingParams
+
+    eos = llm.engine.eos_token_ids[0]
+    a = _plain(llm, "alpha STOP beta gamma delta epsilon") + [eos]
+    b = _plain(llm, "one two three") + [eos]
+    _script_runner(llm, monkeypatch, [a, b])
+    r = llm.render_chat_body({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["STOP"],
+                              "thinking": {"type": "disabled"}})
+    out = llm.generate_chat([r], [SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=1)], use_tqdm=False)[0]
+    s0, s1 = out.outputs
+    assert s0.content.strip() == "alpha" and s0.finish_reason == "stop" and len(s0.token_ids) < len(a) - 2
+    assert s1.content == "one two three" and s1.finish_reason == "stop" and len(s1.token_ids) == len(b)

@@ -39,7 +39,8 @@ def sampling_from_body(body: dict[str, Any], default_max_tokens: int, *, chat: b
                  "repetition_penalty", "seed", "n", "ignore_eos", "min_tokens"):
         if body.get(name) is not None:
             kw[name] = body[name]
-    if body.get("stop") is not None:
+    if body.get("stop") is not None and not chat:
+        # chat: the recipe's parser applies `stop` to the content only (not the reasoning) and stops the sample
         kw["stop"] = body["stop"]
     if chat:
         if body.get("logprobs"):
