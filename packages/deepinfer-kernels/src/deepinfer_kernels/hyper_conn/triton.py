@@ -23,7 +23,7 @@ from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_
 __all__ = ["hc_mix", "hc_post", "hc_pre"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "chunks_per_split"])  # one compile for every batch size
 def _hc_mix_partial_kernel(
     r_ptr,
     fn_ptr,
@@ -74,7 +74,7 @@ def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def _hc_mix_finish_kernel(
     part_ptr,
     sq_ptr,

@@ -28,7 +28,8 @@ _LOG2E = 1.4426950408889634
 DEFAULT_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
 
 
-@triton.jit
+# Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
+@triton.jit(do_not_specialize=["K", "S_ROWS", "blocks_per_split", "stride_it"])
 def _sparse_attn_kernel(
     q_ptr,
     kv_ptr,
@@ -130,7 +131,7 @@ def _sparse_attn_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _sparse_attn_combine_kernel(
     m_ptr,
     l_ptr,
