@@ -11,12 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from deepinfer_kernels.compressor import compress_pool
-from deepinfer_kernels.indexer import causal_mask, index_scores, topk_indices, visible_counts
+from deepinfer_kernels.indexer import causal_mask, topk_indices, visible_counts
 from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs
 from deepinfer_kernels.sparse_attn import sparse_attn
 from torch import Tensor, nn
 
-from deepinfer_engine.model.cache import paged_read, paged_write, ring_history
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
@@ -92,47 +91,38 @@ class Compressor(nn.Module):
 
     def update(
         self, x: Tensor, ctx: ForwardContext, store: Tensor, state: Tensor, rope: Rope, out_dtype: torch.dtype
-    ) -> tuple[list[Tensor], list[int], list[int]]:
+    ) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
         """Write the entries completed by this step into `store` (paged) and return every sequence's entries.
 
-        x: [T, d] attention input. Returns (per-sequence [count_i, width] entries, offsets, counts).
+        x: [T, d] attention input. Returns (entries [E, width] of all sequences, sequence-major; offsets; counts).
+        All sequences at once: the history rows of the state ring and the new entries' pages come from the
+        forward's plans (ForwardContext.ring_plan / paged_plan).
         """
         r, wd = self.ratio, self.width
-        page = ctx.cache.page_size
-        a_all = self.wkv(x.float())
-        z_all = self.wgate(x.float())
-        parts, offsets, counts, total = [], [], [], 0
-        for i in range(ctx.num_seqs):
-            rows = ctx.seq_rows(i)
-            c, n = ctx.ctx_lens[i], ctx.query_lens[i]
-            pos = ctx.batch.positions[rows]
-            a = a_all[rows]
-            z = z_all[rows] + self.ape[pos % r]
-            back = c % r + (r if self.overlap else 0)
-            hist = ring_history(state, ctx.batch.slots[i], c, torch.stack([a, z], dim=1), back)  # [b+n, 2, C]
-            s0 = c - min(back, c)  # position of hist row 0
-            w_lo, w_hi = c // r, (c + n) // r
-            bt = ctx.batch.block_tables[i]
-            if w_hi > w_lo:
-                ws = torch.arange(w_lo, w_hi, device=x.device)
-                cur = (ws[:, None] * r + torch.arange(r, device=x.device)[None, :]) - s0  # [nw, r] hist rows
-                if self.overlap:
-                    a_cur, z_cur = hist[cur, 0, wd:], hist[cur, 1, wd:]
-                    prev = cur - r
-                    has_prev = (ws > 0)[:, None, None]
-                    a_prev = hist[prev.clamp(min=0), 0, :wd]
-                    z_prev = torch.where(has_prev, hist[prev.clamp(min=0), 1, :wd], float("-inf"))
-                    pooled = compress_pool(torch.cat([a_prev, a_cur], 1), torch.cat([z_prev, z_cur], 1))
-                else:
-                    pooled = compress_pool(hist[cur, 0], hist[cur, 1])
-                latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
-                paged_write(store, bt, r, page, ws, rope(latent, ws * r), seq=i)
-            count = (c + n) // r
-            parts.append(paged_read(store, bt, r, page, count, seq=i))
-            offsets.append(total)
-            counts.append(count)
-            total += count
-        return parts, offsets, counts
+        pos = ctx.batch.positions
+        a = self.wkv(x.float())
+        z = self.wgate(x.float()) + self.ape[pos % r]
+        backs = tuple(c % r + (r if self.overlap else 0) for c in ctx.ctx_lens)
+        ring = ctx.ring_plan(state.shape[1], backs, write=True)
+        hist = ring.gather(state, torch.stack([a, z], dim=1))  # [H + T, 2, C]
+        paged = ctx.paged_plan(r)
+        if paged.num_new:
+            ws, seq = paged.new_w, paged.new_seq[:, None].expand(-1, r)
+            cur_pos = ws[:, None] * r + torch.arange(r, device=x.device)[None, :]  # [M, r] positions
+            cur = ring.pool_rows(seq, cur_pos, ctx.seq_t)
+            if self.overlap:
+                a_cur, z_cur = hist[cur, 0, wd:], hist[cur, 1, wd:]
+                has_prev = (ws > 0)[:, None, None]
+                # entry 0 has no previous window: any in-pool row (clamped position) with gate -inf
+                prev = ring.pool_rows(seq, (cur_pos - r).clamp(min=0), ctx.seq_t)
+                a_prev = hist[prev, 0, :wd]
+                z_prev = torch.where(has_prev, hist[prev, 1, :wd], float("-inf"))
+                pooled = compress_pool(torch.cat([a_prev, a_cur], 1), torch.cat([z_prev, z_cur], 1))
+            else:
+                pooled = compress_pool(hist[cur, 0], hist[cur, 1])
+            latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
+            paged.write(store, rope(latent, ws * r))
+        return paged.read(store), paged.offsets, paged.counts
 
 
 class Indexer(nn.Module):
@@ -145,18 +135,17 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(args.hidden_size, self.n_heads, dtype)
         self.compressor = Compressor(args, ratio=ratio, width=self.head_dim, overlap=True, dtype=dtype)
 
-    def select(self, x: Tensor, qr: Tensor, ctx: ForwardContext, keys: list[Tensor], ratio: int, rope: Rope) -> Tensor:
+    def select(self, x: Tensor, qr: Tensor, ctx: ForwardContext, view: CompressedView, rope: Rope) -> Tensor:
         """[T, topk] int64 per-sequence entry ids (ascending, -1 padded): causal top-min(k, visible)."""
+        from deepinfer_engine.model.csa2 import padded_scores
+
         t = x.shape[0]
         pos = ctx.batch.positions
         q = rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), pos)
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
-        sel = torch.full((t, self.topk), -1, dtype=torch.int64, device=x.device)
-        for i in range(ctx.num_seqs):
-            rows = ctx.seq_rows(i)
-            scores = causal_mask(index_scores(q[rows], w[rows], keys[i]), visible_counts(pos[rows], ratio))
-            sel[rows] = topk_indices(scores, self.topk)
-        return sel
+        # padded entries (past a sequence's count) are beyond every query's visible count: masked here
+        scores = causal_mask(padded_scores(q, w, view, ctx), visible_counts(pos, view.ratio))
+        return topk_indices(scores, self.topk)
 
 
 class Attention(nn.Module):
@@ -221,34 +210,21 @@ class Attention(nn.Module):
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
         ring = ctx.cache.swa[self.layer_id]
-        for i in range(ctx.num_seqs):
-            ring_history(ring, ctx.batch.slots[i], ctx.ctx_lens[i], kv[ctx.seq_rows(i)], 0)
+        plan = ctx.ring_plan(ring.shape[1], (0,) * ctx.num_seqs, write=True)
+        plan.gather(ring, kv)
 
     def _window(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
-        """Window pool [Sw, Dh] (all sequences) and per-query indices [T, K] into it (-1 = none)."""
+        """Window pool [Sw, Dh] (all sequences) and per-query indices [T, K] into it (-1 = none).
+
+        Causal: positions p-W+1..p, this step's rows are written into the ring after the history is read.
+        DSpark draft (block_noncausal): [max(0, c-W), c) + the whole block, nothing written.
+        """
         ring = ctx.cache.swa[self.layer_id]
         W = self.window
-        parts, idx_parts, off = [], [], 0
-        for i in range(ctx.num_seqs):
-            c, n = ctx.ctx_lens[i], ctx.query_lens[i]
-            kv_i = kv[ctx.seq_rows(i)]
-            if ctx.block_noncausal:
-                rows = ring_history(ring, ctx.batch.slots[i], c, kv_i, W, write=False)  # [max(0,c-W), c) + block
-                m = rows.shape[0]
-                idx = torch.arange(m, device=kv.device)[None, :].expand(n, m) + off
-                idx = F.pad(idx, (0, W + n - m), value=-1) if W + n > m else idx
-            else:
-                rows = ring_history(ring, ctx.batch.slots[i], c, kv_i, W - 1)  # positions [s0, c+n)
-                s0 = c - min(W - 1, c)
-                t = torch.arange(c, c + n, device=kv.device)[:, None]
-                p = t - W + 1 + torch.arange(W, device=kv.device)[None, :]  # [n, W] positions t-W+1..t
-                idx = torch.where(p >= 0, p - s0 + off, torch.full_like(p, -1))
-            parts.append(rows)
-            idx_parts.append(idx)
-            off += rows.shape[0]
-        k = max(x.shape[1] for x in idx_parts)
-        idx_parts = [F.pad(x, (0, k - x.shape[1]), value=-1) for x in idx_parts]
-        return torch.cat(parts, 0), torch.cat(idx_parts, 0)
+        nc = ctx.block_noncausal
+        plan = ctx.ring_plan(ring.shape[1], ((W if nc else W - 1),) * ctx.num_seqs, write=not nc)
+        pool = plan.gather(ring, kv)
+        return pool, ctx.window_rows(plan, W, noncausal=nc)
 
     def _compressed(self, x: Tensor, qr: Tensor, ctx: ForwardContext) -> CompressedSelection | None:
         """The compressed entries each query attends to besides its window (None for SWA layers).
@@ -269,11 +245,10 @@ class Attention(nn.Module):
             return csa2.csa2_select(plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope)
         cache = ctx.cache
         lid, r = self.layer_id, self.ratio
-        parts, offsets, counts = self.compressor.update(
+        kv, offsets, counts = self.compressor.update(
             x, ctx, cache.compressed_kv[lid], cache.comp_state[(lid, "main")], self.rope, x.dtype
         )
-        kv = torch.cat(parts, 0)
-        view = CompressedView(kv=kv, index_keys=None, seq_offsets=tuple(offsets), seq_counts=tuple(counts), ratio=r)
+        view = CompressedView(kv=kv, index_keys=None, seq_offsets=offsets, seq_counts=counts, ratio=r)
         pos = ctx.batch.positions
         if self.kind == "hca":  # dense over all visible entries
             k = max(counts) if counts else 0
@@ -283,13 +258,11 @@ class Attention(nn.Module):
             keys, _, _ = self.indexer.compressor.update(
                 x, ctx, cache.index_keys[lid], cache.comp_state[(lid, "indexer")], self.rope, x.dtype
             )
-            view = CompressedView(
-                kv=kv, index_keys=torch.cat(keys, 0), seq_offsets=view.seq_offsets, seq_counts=view.seq_counts, ratio=r
-            )
-            sel = self.indexer.select(x, qr, ctx, keys, r, self.rope)
+            view = CompressedView(kv=kv, index_keys=keys, seq_offsets=offsets, seq_counts=counts, ratio=r)
+            sel = self.indexer.select(x, qr, ctx, view, self.rope)
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
-        offs = torch.tensor(offsets, dtype=torch.int64, device=x.device)[ctx.seq_of_token]
+        offs = ctx.paged_plan(r).offsets_t[ctx.seq_of_token]
         return CompressedSelection(kv=kv, indices=torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1)))
 
     # ---------------------------------------------------------------------------------------------- forward

@@ -256,3 +256,179 @@ def paged_read(store: Tensor, block_row: Tensor, ratio: int, page_size: int, cou
         return store.new_zeros((0, store.shape[-1]))
     pages, rows = _page_rows(block_row, ratio, page_size, w, seq)
     return store[pages, rows]
+
+
+# ---------------------------------------------------------------------------------------------- batched plans
+# One forward touches every sequence of the batch in every layer through the same index pattern; the plans below
+# are built once per forward (ForwardContext caches them) from host-side ints plus a few [S] tensors on the batch's
+# device, so the layers run one gather / one index_copy_ per cache family and never sync with the device.
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeqTensors:
+    """Per-sequence bookkeeping of one forward as [S] int64 tensors on the batch's device (built in one copy)."""
+
+    ctx: Tensor  # first position of each sequence's new tokens
+    qlen: Tensor  # new tokens
+    start: Tensor  # first row in T
+    slot: Tensor  # cache slot
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingPlan:
+    """Gather/scatter indices for a slot ring [num_slots, R, *C] read with `back` history rows per sequence.
+
+    The pool a layer builds is `cat([ring_flat[hist_src], fresh])`: all sequences' history rows (sequence-major,
+    positions c_i - b_i .. c_i - 1) first, then the step's fresh rows [T, *C]. `pool_rows(seq, pos)` maps
+    (sequence, position) pairs of this step's window into that pool.
+    """
+
+    ring_rows: int  # R
+    num_hist: int
+    hist_src: Tensor  # [num_hist] int64 rows of ring.view(-1, *C)
+    hist_off: Tensor  # [S] int64 first pool row of sequence i's history
+    hist_first: Tensor  # [S] int64 position of that row (c_i - b_i)
+    write_dst: Tensor | None  # [m] int64 rows of ring.view(-1, *C) receiving fresh rows (None: no write)
+    write_src: Tensor | None  # [m] int64 rows of fresh
+
+    def gather(self, ring: Tensor, fresh: Tensor, *, write: bool = True) -> Tensor:
+        """Pool [num_hist + T, *C] in fresh's dtype; then (if planned and write) stores this step's rows."""
+        if ring.shape[1] != self.ring_rows:
+            raise CapacityError(f"ring plan for {self.ring_rows} rows used on a ring of {ring.shape[1]} rows")
+        flat = ring.view(-1, *ring.shape[2:])
+        hist = flat.index_select(0, self.hist_src).to(fresh.dtype)
+        pool = torch.cat([hist, fresh], 0) if self.num_hist else fresh
+        if write and self.write_dst is not None:
+            # the history was copied above, so chunks longer than the ring overwrite rows only after the read
+            flat.index_copy_(0, self.write_dst, fresh.index_select(0, self.write_src).to(flat.dtype))
+        return pool
+
+    def pool_rows(self, seq: Tensor, pos: Tensor, st: SeqTensors) -> Tensor:
+        """Pool rows of positions `pos` of sequences `seq` (same shape, int64); caller masks invalid ones."""
+        c = st.ctx[seq]
+        hist = self.hist_off[seq] + pos - self.hist_first[seq]
+        fresh = self.num_hist + st.start[seq] + pos - c
+        return torch.where(pos < c, hist, fresh)
+
+
+def _segments(lengths: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor, int]:
+    """(segment id [N], index within the segment [N], N) for segments of the given host lengths."""
+    total = int(sum(lengths))
+    lens = torch.tensor(list(lengths), dtype=torch.int64, device=device)
+    offs = torch.cumsum(lens, 0) - lens
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens, output_size=total)
+    return seg, torch.arange(total, device=device) - offs[seg], total
+
+
+def build_ring_plan(
+    ring_rows: int, backs: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int], st: SeqTensors,
+    *, write: bool,
+) -> RingPlan:
+    """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
+    R = ring_rows
+    b = [min(int(k), c) for k, c in zip(backs, ctx_lens)]
+    for i, bi in enumerate(b):
+        if bi > R:
+            raise CapacityError(f"sequence {i}: ring of {R} rows cannot hold {bi} history positions; raise the cache slack")
+    dev = st.ctx.device
+    b_t = torch.tensor(b, dtype=torch.int64, device=dev)
+    seg, j, nh = _segments(b, dev)
+    first = st.ctx - b_t
+    hist_src = st.slot[seg] * R + (first[seg] + j) % R
+    hist_off = torch.cumsum(b_t, 0) - b_t
+    wdst = wsrc = None
+    if write:
+        k = [min(n, R) for n in query_lens]
+        kseg, kj, _ = _segments(k, dev)
+        k_t = torch.tensor(k, dtype=torch.int64, device=dev)
+        skip = st.qlen - k_t  # only the last min(n, R) rows land (distinct ring rows, no duplicate writes)
+        wsrc = st.start[kseg] + skip[kseg] + kj
+        wdst = st.slot[kseg] * R + (st.ctx[kseg] + skip[kseg] + kj) % R
+    return RingPlan(
+        ring_rows=R, num_hist=nh, hist_src=hist_src, hist_off=hist_off, hist_first=first, write_dst=wdst,
+        write_src=wsrc,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class PagedPlan:
+    """Flat row indices into a paged store [num_pages, page_size // ratio, C] (viewed as [-1, C]) for one ratio.
+
+    read_rows:  [E] entries w = 0..count_i-1 of every sequence, sequence-major (the CompressedView order)
+    write_rows: [M] entries completed by this step, w = ctx_i // r .. end_i // r - 1, sequence-major
+    new_w:      [M] int64 their entry ids w;  new_seq: [M] int64 their sequence
+    offsets / counts: host tuples (CompressedView.seq_offsets / seq_counts); offsets_t: [S] int64 of offsets
+    """
+
+    ratio: int
+    read_rows: Tensor
+    write_rows: Tensor
+    new_w: Tensor
+    new_seq: Tensor
+    num_new: int
+    offsets: tuple[int, ...]
+    counts: tuple[int, ...]
+    offsets_t: Tensor
+
+    def read(self, store: Tensor) -> Tensor:
+        return store.view(-1, store.shape[-1]).index_select(0, self.read_rows)
+
+    def write(self, store: Tensor, values: Tensor) -> None:
+        """values [M, C] of the entries new_w (in plan order)."""
+        if self.num_new:
+            store.view(-1, store.shape[-1]).index_copy_(0, self.write_rows, values.to(store.dtype))
+
+
+def build_paged_plan(
+    ratio: int, page_size: int, block_tables: Tensor, ctx_lens: Sequence[int], query_lens: Sequence[int]
+) -> PagedPlan:
+    """Block-table coverage is the caller's check (check_block_tables, once per forward)."""
+    r, P = ratio, page_size
+    dev = block_tables.device
+    bt = block_tables.to(torch.int64)
+    per_page = P // r
+
+    def rows(seq: Tensor, w: Tensor) -> Tensor:
+        tok = w * r
+        return bt[seq, tok // P] * per_page + (tok % P) // r
+
+    counts = [(c + n) // r for c, n in zip(ctx_lens, query_lens)]
+    seg, w, _ = _segments(counts, dev)
+    lo = [c // r for c in ctx_lens]
+    new = [hi - l0 for hi, l0 in zip(counts, lo)]
+    nseg, nj, m = _segments(new, dev)
+    new_w = torch.tensor(lo, dtype=torch.int64, device=dev)[nseg] + nj
+    offsets, total = [], 0
+    for k in counts:
+        offsets.append(total)
+        total += k
+    return PagedPlan(
+        ratio=r, read_rows=rows(seg, w), write_rows=rows(nseg, new_w), new_w=new_w, new_seq=nseg, num_new=m,
+        offsets=tuple(offsets), counts=tuple(counts),
+        offsets_t=torch.tensor(offsets, dtype=torch.int64, device=dev),
+    )  # fmt: skip
+
+
+def check_block_tables(
+    block_tables: Tensor, page_size: int, ratios: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int]
+) -> None:
+    """CapacityError unless every page holding an entry that exists after this step is mapped (one host read).
+
+    Sequence i needs the pages of tokens [0, max_r floor(end_i / r) * r) (the union of its entries' tokens).
+    """
+    if not ratios:
+        return
+    need = [max((c + n) // r * r for r in ratios) for c, n in zip(ctx_lens, query_lens)]
+    pages = [-(-k // page_size) for k in need]
+    width = block_tables.shape[1]
+    for i, k in enumerate(pages):
+        if k > width:
+            raise CapacityError(f"sequence {i}: block table has {width} pages, entry needs page {k - 1}")
+    if max(pages, default=0) == 0:
+        return
+    cols = torch.arange(width, device=block_tables.device)[None, :]
+    limit = torch.tensor(pages, device=block_tables.device)[:, None]
+    bad = ((block_tables < 0) & (cols < limit)).any(dim=1).tolist()  # the one host sync of this check
+    if any(bad):
+        i = bad.index(True)
+        raise CapacityError(f"sequence {i}: block table has no page (-1) for a needed compressed entry")

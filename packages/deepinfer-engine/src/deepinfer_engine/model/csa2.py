@@ -32,7 +32,6 @@ from deepinfer_kernels.indexer import (
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import ModelConfigError
-from deepinfer_engine.model.cache import paged_read, paged_write, ring_history
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]
@@ -243,47 +242,66 @@ def csa2_update_source(
     """
     r, lid = plan.ratio, plan.layer_id
     cache = ctx.cache
-    page = cache.page_size
     kv_store, k_store = cache.compressed_kv[lid], cache.index_keys[lid]
     ring = cache.comp_state.get((lid, "main")) if r == 2 else None
     if r == 2 and ring is None:
         raise ModelConfigError(f"layer {lid}: ratio-2 kv source without a compressor state ring in the cache")
-    kv_parts, k_parts, offsets, counts = [], [], [], []
-    total = 0
-    for i in range(ctx.num_seqs):
-        rows = ctx.seq_rows(i)
-        p0, n = ctx.ctx_lens[i], ctx.query_lens[i]
-        slot, bt = ctx.batch.slots[i], ctx.batch.block_tables[i]
-        a, z = compressor.project(x[rows])
-        prev_a = prev_z = None
-        if r == 2:
-            # rows of positions [p0 - back, p0 + n): back = 1 when the chunk starts inside a group
-            back = p0 % 2
-            both = ring_history(ring, slot, p0, torch.stack([a, z], dim=1), back)  # [back + n, 2, Dh]
-            if back:
-                prev_a, prev_z = both[0, 0], both[0, 1]
-        ids, pooled = compress_chunk(a, z, p0, r, prev_a, prev_z)
-        if ids.numel():
-            # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
-            latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps)  # pre-RoPE latent
-            entry_pos = ids * r  # RoPE at the group's first token
-            paged_write(kv_store, bt, r, page, ids, rope(latent, entry_pos), seq=i)
-            paged_write(k_store, bt, r, page, ids, indexer.keys(latent, entry_pos, rope), seq=i)
-        count = (p0 + n) // r
-        kv_parts.append(paged_read(kv_store, bt, r, page, count, seq=i))
-        k_parts.append(paged_read(k_store, bt, r, page, count, seq=i))
-        offsets.append(total)
-        counts.append(count)
-        total += count
+    paged = ctx.paged_plan(r)
+    a_all, z_all = compressor.project(x)  # [T, Dh] f32 each (z None for ratio 1)
+    if r == 2:
+        # rows of positions [p0 - back, p0 + n): back = 1 when a chunk starts inside a group; this step's rows
+        # are stored in the ring for the next chunk
+        ring_plan = ctx.ring_plan(ring.shape[1], tuple(c % 2 for c in ctx.ctx_lens), write=True)
+        both = ring_plan.gather(ring, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
+    if paged.num_new:
+        if r == 1:
+            pooled = a_all  # entry w = position w: every new token completes one entry, in batch order
+        else:
+            seq = paged.new_seq[:, None].expand(-1, 2)
+            pos = paged.new_w[:, None] * 2 + torch.arange(2, device=x.device)[None, :]  # [M, 2] group tokens
+            g = both[ring_plan.pool_rows(seq, pos, ctx.seq_t)]  # [M, 2 tokens, (A, Z), Dh]
+            pooled = pool_ratio2(g[:, :, 0], g[:, :, 1])
+        # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
+        latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps)  # pre-RoPE latent
+        entry_pos = paged.new_w * r  # RoPE at the group's first token
+        paged.write(kv_store, rope(latent, entry_pos))
+        paged.write(k_store, indexer.keys(latent, entry_pos, rope))
     view = CompressedView(
-        kv=torch.cat(kv_parts, 0),
-        index_keys=torch.cat(k_parts, 0),
-        seq_offsets=tuple(offsets),
-        seq_counts=tuple(counts),
+        kv=paged.read(kv_store),
+        index_keys=paged.read(k_store),
+        seq_offsets=paged.offsets,
+        seq_counts=paged.counts,
         ratio=r,
     )
     ctx.compressed[lid] = view
     return view
+
+
+# [I] chosen for CPU and tiny batches: above this many [T, E] score cells the batched scoring (every query
+# against every sequence's entries) is replaced by one scoring call per sequence.
+_BATCHED_SCORE_CELLS = 1 << 22
+
+
+def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext) -> Tensor:
+    """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0)."""
+    t = q.shape[0]
+    cmax = max(view.seq_counts, default=0)
+    keys = view.index_keys
+    e = keys.shape[0]
+    if cmax == 0:
+        return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
+    if ctx.num_seqs == 1:
+        return index_scores(q, w, keys)
+    offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
+    col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
+    if t * e <= _BATCHED_SCORE_CELLS:
+        return index_scores(q, w, keys).gather(1, col)
+    out = torch.zeros((t, cmax), dtype=torch.float32, device=q.device)
+    for i in range(ctx.num_seqs):
+        rows = ctx.seq_rows(i)
+        off, count = view.seq_offsets[i], view.seq_counts[i]
+        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count])
+    return out
 
 
 def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:
@@ -328,41 +346,29 @@ def csa2_select(
             raise ModelConfigError(f"layer {lid}: index source without attn.indexer.wq_b")
         q_all, w_all = indexer.queries(qr, x, ctx.batch.positions, rope)
         t = x.shape[0]
-        sel = torch.full((t, k), -1, dtype=torch.int64, device=x.device)
-        pub_blocks: list[Tensor] = []
-        for i in range(ctx.num_seqs):
-            rows = ctx.seq_rows(i)
-            vis = visible_counts(ctx.batch.positions[rows], r)
-            off, count = view.seq_offsets[i], view.seq_counts[i]
-            keys = view.index_keys[off : off + count]
-            scores = causal_mask(index_scores(q_all[rows], w_all[rows], keys), vis)
-            if plan.publishes_candidates:
-                ids, allowed = candidate_blocks(
-                    scores, vis, plan.candidate_block_size, plan.candidate_topk_blocks
-                )
-                nb = -(-count // plan.candidate_block_size)
-                blk = torch.zeros((ids.shape[0], nb + 1), dtype=torch.bool, device=x.device)
-                blk.scatter_(1, ids.masked_fill(ids < 0, nb), True)
-                pub_blocks.append(blk[:, :nb])
-            if plan.consumes_candidates:
-                blocks = ctx.candidates.get(plan.candidate_source)
-                if blocks is None or plan.candidate_source != plan.kv_source:
-                    raise ModelConfigError(
-                        f"candidate_source_layer_id: consumer {lid} (kv source {plan.kv_source}) needs the "
-                        f"candidates of layer {plan.candidate_source} over the same kv source in this forward"
-                    )
-                bsz = plan.candidate_block_size
-                allowed = _entry_mask_from_blocks(blocks[rows], count, bsz)
-                scores = scores.masked_fill(~allowed, float("-inf"))
-            sel[rows] = topk_indices(scores, k)
+        scores = padded_scores(q_all, w_all, view, ctx)  # [T, cmax] over the query's own sequence's entries
+        vis = visible_counts(ctx.batch.positions, r)
+        # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too
+        scores = causal_mask(scores, vis)
+        cmax = scores.shape[1]
         if plan.publishes_candidates:
-            nb_max = max((b.shape[1] for b in pub_blocks), default=0)
-            full = torch.zeros((t, nb_max), dtype=torch.bool, device=x.device)
-            for i, b in enumerate(pub_blocks):
-                full[ctx.seq_rows(i), : b.shape[1]] = b
-            ctx.candidates[lid] = full
+            ids, _ = candidate_blocks(scores, vis, plan.candidate_block_size, plan.candidate_topk_blocks)
+            nb = -(-cmax // plan.candidate_block_size)
+            blk = torch.zeros((t, nb + 1), dtype=torch.bool, device=x.device)
+            blk.scatter_(1, ids.masked_fill(ids < 0, nb), True)
+            ctx.candidates[lid] = blk[:, :nb]
+        if plan.consumes_candidates:
+            blocks = ctx.candidates.get(plan.candidate_source)
+            if blocks is None or plan.candidate_source != plan.kv_source:
+                raise ModelConfigError(
+                    f"candidate_source_layer_id: consumer {lid} (kv source {plan.kv_source}) needs the "
+                    f"candidates of layer {plan.candidate_source} over the same kv source in this forward"
+                )
+            allowed = _entry_mask_from_blocks(blocks, cmax, plan.candidate_block_size)
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        sel = topk_indices(scores, k)
         ctx.topk[lid] = sel
     # per-sequence entry ids -> rows of the source view
-    offs = torch.tensor(view.seq_offsets, dtype=torch.int64, device=sel.device)[ctx.seq_of_token]
+    offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     rows_idx = torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1))
     return CompressedSelection(kv=view.kv, indices=rows_idx)

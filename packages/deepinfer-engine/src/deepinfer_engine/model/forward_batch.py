@@ -16,6 +16,14 @@ import torch
 from torch import Tensor
 
 from deepinfer_engine.errors import InputError
+from deepinfer_engine.model.cache import (
+    PagedPlan,
+    RingPlan,
+    SeqTensors,
+    build_paged_plan,
+    build_ring_plan,
+    check_block_tables,
+)
 
 __all__ = ["CompressedSelection", "CompressedView", "ForwardBatch", "ForwardContext"]
 
@@ -173,27 +181,93 @@ class ForwardContext:
     features: dict[int, Tensor] = field(default_factory=dict)
     capture_layers: tuple[int, ...] = ()
     rope_cache: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    # per-sequence [S] tensors and the per-forward gather plans (built on first use, shared by all layers)
+    seq_t: SeqTensors | None = None
+    plans: dict[tuple, object] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, cache: object, **kw: object) -> ForwardContext:
+    def build(
+        cls, batch: ForwardBatch, cache: object, *, ctx_lens: tuple[int, ...] | None = None, **kw: object
+    ) -> ForwardContext:
+        """ctx_lens: the sequences' first positions if the caller already read them (saves one host sync)."""
         starts, s = [], 0
         for n in batch.query_lens:
             starts.append(s)
             s += n
-        ctx_lens = tuple(int(v) for v in batch.positions[list(starts)].tolist()) if starts else ()
+        if ctx_lens is None:
+            ctx_lens = tuple(int(v) for v in batch.positions[list(starts)].tolist()) if starts else ()
+        dev = batch.input_ids.device
+        S = batch.num_seqs
+        # one host -> device copy for all per-sequence ints
+        packed = torch.tensor([list(ctx_lens), list(batch.query_lens), starts, list(batch.slots)], dtype=torch.int64)
+        packed = packed.to(dev) if S else torch.zeros((4, 0), dtype=torch.int64, device=dev)
+        seq_t = SeqTensors(ctx=packed[0], qlen=packed[1], start=packed[2], slot=packed[3])
         seq_of_token = torch.repeat_interleave(
-            torch.arange(batch.num_seqs, device=batch.input_ids.device),
-            torch.tensor(batch.query_lens, device=batch.input_ids.device),
+            torch.arange(S, device=dev), seq_t.qlen, output_size=batch.num_tokens
         )
         return cls(
             batch=batch,
             cache=cache,
             seq_starts=tuple(starts),
             query_lens=batch.query_lens,
-            ctx_lens=ctx_lens,
+            ctx_lens=tuple(ctx_lens),
             seq_of_token=seq_of_token,
+            seq_t=seq_t,
             **kw,  # type: ignore[arg-type]
         )
+
+    # ---------------------------------------------------------------------------------------------- plans
+    def ring_plan(self, ring_rows: int, backs: tuple[int, ...], *, write: bool) -> RingPlan:
+        """Cached RingPlan for a ring of `ring_rows` rows read with backs[i] history rows per sequence."""
+        key = ("ring", ring_rows, backs, write)
+        plan = self.plans.get(key)
+        if plan is None:
+            plan = build_ring_plan(ring_rows, backs, self.ctx_lens, self.query_lens, self.seq_t, write=write)
+            self.plans[key] = plan
+        return plan  # type: ignore[return-value]
+
+    def paged_plan(self, ratio: int) -> PagedPlan:
+        """Cached PagedPlan of the ratio-`ratio` paged families (entries and this step's new entries)."""
+        key = ("paged", ratio)
+        plan = self.plans.get(key)
+        if plan is None:
+            if "checked" not in self.plans:  # block-table coverage: once per forward, for every paged ratio
+                ratios = sorted(set(self.cache.ratios.values()))
+                check_block_tables(
+                    self.batch.block_tables, self.cache.page_size, ratios, self.ctx_lens, self.query_lens
+                )
+                self.plans["checked"] = True
+            plan = build_paged_plan(
+                ratio, self.cache.page_size, self.batch.block_tables, self.ctx_lens, self.query_lens
+            )
+            self.plans[key] = plan
+        return plan  # type: ignore[return-value]
+
+    def window_rows(self, plan: RingPlan, window: int, *, noncausal: bool) -> Tensor:
+        """[T, K] int64 pool rows (see RingPlan.gather) of each query's window, -1 = none.
+
+        causal: positions p-window+1 .. p (K = window); noncausal (DSpark draft block): positions
+        [c_i - window, c_i + n_i) of the query's sequence (K = window + max n_i).
+        """
+        key = ("win", id(plan), window, noncausal)  # plans live in self.plans for the whole forward
+        idx = self.plans.get(key)
+        if idx is not None:
+            return idx  # type: ignore[return-value]
+        st, seq, pos = self.seq_t, self.seq_of_token, self.batch.positions
+        if noncausal:
+            k = window + max(self.query_lens, default=0)
+            lo = st.ctx[seq] - window
+            hi = st.ctx[seq] + st.qlen[seq] - 1
+        else:
+            k = window
+            lo = pos - window + 1
+            hi = pos
+        q = lo[:, None] + torch.arange(k, device=pos.device)[None, :]  # [T, K] positions
+        valid = (q >= 0) & (q <= hi[:, None])
+        rows = plan.pool_rows(seq[:, None].expand_as(q), q, st)
+        idx = torch.where(valid, rows, torch.full_like(rows, -1))
+        self.plans[key] = idx
+        return idx
 
     @property
     def num_seqs(self) -> int:

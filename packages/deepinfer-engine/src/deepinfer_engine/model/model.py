@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.attention import Attention, Linear, RMSNorm
-from deepinfer_engine.model.cache import ModelCache, ring_history
+from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.mhc import (
     add_hc_head_params,
@@ -154,39 +154,62 @@ class Transformer(nn.Module):
         self.engram_hasher = EngramHasher.from_args(self.args, token_map)
 
     # ---------------------------------------------------------------------------------------------- checks
-    def check_inputs(self, batch: ForwardBatch, cache: ModelCache, *, backbone: bool = True) -> None:
+    def check_inputs(
+        self, batch: ForwardBatch, cache: ModelCache, *, backbone: bool = True
+    ) -> tuple[int, ...]:
         """Typed errors for bad input before any matmul (contracts §3: InputError; CapacityError for a backbone
-        step that rolls back further than the cache slack)."""
+        step that rolls back further than the cache slack). Returns the sequences' first positions (ctx_lens).
+
+        All device-side facts (id / position / logits-index ranges, consecutive positions, first positions) are
+        reduced on the device and read back in ONE host transfer.
+        """
         a = self.args
-        ids, pos = batch.input_ids, batch.positions
-        if ids.numel():
-            lo, hi = int(ids.min()), int(ids.max())
+        ids, pos, li = batch.input_ids, batch.positions, batch.logits_indices
+        if any(s < 0 or s >= cache.num_slots for s in batch.slots):
+            raise InputError(f"slots: found {batch.slots}, expected each in [0, {cache.num_slots})")
+        t = ids.numel()
+        starts, s = [], 0
+        for n in batch.query_lens:
+            starts.append(s)
+            s += n
+        parts: list[Tensor] = []
+        if t:
+            parts += [ids.min(), ids.max(), pos.min(), pos.max()]
+            # first row j (>= 1, not a sequence start) whose position is not its predecessor's + 1; t if none
+            ok = torch.ones(t, dtype=torch.bool, device=pos.device)
+            ok[1:] = pos[1:] - pos[:-1] == 1
+            ok[torch.tensor(starts, dtype=torch.int64, device=pos.device)] = True
+            rows = torch.arange(t, device=pos.device)
+            parts.append(torch.where(ok, torch.full_like(rows, t), rows).min())
+            parts.append(pos[torch.tensor(starts, dtype=torch.int64, device=pos.device)])
+        if li.numel():
+            parts += [li.min(), li.max()]
+        vals = torch.cat([p.reshape(-1) for p in parts]).tolist() if parts else []  # the one host sync
+        ctx_lens: tuple[int, ...] = ()
+        if t:
+            lo, hi, pmin, pmax, bad_row = vals[:5]
+            ctx_lens = tuple(int(v) for v in vals[5 : 5 + len(starts)])
             if lo < 0 or hi >= a.vocab_size:
                 bad = lo if lo < 0 else hi
                 raise InputError(f"input_ids: found token id {bad}, expected 0 <= id < vocab_size={a.vocab_size}")
-            pmin, pmax = int(pos.min()), int(pos.max())
             if pmin < 0 or pmax >= a.max_position_embeddings:
                 bad = pmin if pmin < 0 else pmax
                 raise InputError(
                     f"positions: found {bad}, expected 0 <= position < max_position_embeddings="
                     f"{a.max_position_embeddings}"
                 )
-        start = 0
-        for i, n in enumerate(batch.query_lens):
-            p = pos[start : start + n]
-            if n > 1 and not bool((p[1:] - p[:-1] == 1).all()):
+            if bad_row < t:
+                i = max(j for j, st in enumerate(starts) if st <= bad_row)
+                p = pos[starts[i] : starts[i] + batch.query_lens[i]]
                 raise InputError(f"positions of sequence {i}: found {p.tolist()[:8]}..., expected consecutive")
-            start += n
-        if any(s < 0 or s >= cache.num_slots for s in batch.slots):
-            raise InputError(f"slots: found {batch.slots}, expected each in [0, {cache.num_slots})")
-        start = 0
-        for slot, n in zip(batch.slots, batch.query_lens):
-            if backbone:  # draft steps (MTP) run at positions of their own; they do not move the mark
-                cache.check_resume(slot, int(pos[start]))
-            start += n
-        li = batch.logits_indices
-        if li.numel() and (int(li.min()) < 0 or int(li.max()) >= batch.num_tokens):
-            raise InputError(f"logits_indices: found {li.min()}..{li.max()}, expected in [0, {batch.num_tokens})")
+        if backbone:  # draft steps (MTP) run at positions of their own; they do not move the mark
+            for slot, c in zip(batch.slots, ctx_lens):
+                cache.check_resume(slot, c)
+        if li.numel():
+            lmin, lmax = vals[-2:]
+            if lmin < 0 or lmax >= batch.num_tokens:
+                raise InputError(f"logits_indices: found {lmin}..{lmax}, expected in [0, {batch.num_tokens})")
+        return ctx_lens
 
     def _token_history(self, ctx: ForwardContext) -> Tensor | None:
         """[T, max_ngram] ids at positions p-max_ngram+1..p (-1 before 0), and store this step's ids in the ring."""
@@ -194,23 +217,18 @@ class Transformer(nn.Module):
         if ring is None:
             return None
         k = self.args.engram_max_ngram_size
-        out = []
-        for i in range(ctx.num_seqs):
-            c, n = ctx.ctx_lens[i], ctx.query_lens[i]
-            ids = ctx.batch.input_ids[ctx.seq_rows(i)]
-            hist = ring_history(ring, ctx.batch.slots[i], c, ids, k - 1)  # positions [c-b, c+n)
-            b = hist.shape[0] - n
-            hist = torch.cat([hist.new_full((k - 1 - b,), -1), hist])  # positions [c-k+1, c+n)
-            out.append(hist.unfold(0, k, 1))  # [n, k]: row j = positions c+j-k+1 .. c+j
-        return torch.cat(out, 0)
+        plan = ctx.ring_plan(ring.shape[1], (k - 1,) * ctx.num_seqs, write=True)
+        pool = plan.gather(ring, ctx.batch.input_ids)  # [H + T] ids
+        idx = ctx.window_rows(plan, k, noncausal=False)  # [T, k]: positions p-k+1 .. p, -1 before 0
+        return torch.where(idx >= 0, pool[idx.clamp(min=0)], torch.full_like(idx, -1))
 
     # ---------------------------------------------------------------------------------------------- forward
     @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
     def forward_features(
         self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
     ) -> ModelOutput:
-        self.check_inputs(batch, cache)
-        ctx = ForwardContext.build(batch, cache, capture_layers=tuple(capture))
+        ctx_lens = self.check_inputs(batch, cache)
+        ctx = ForwardContext.build(batch, cache, ctx_lens=ctx_lens, capture_layers=tuple(capture))
         ctx.token_history = self._token_history(ctx)
         a = self.args
         if a.engram_layer_ids and self.engram_hasher is not None:
@@ -253,8 +271,8 @@ class Transformer(nn.Module):
         backbone streams of the same rows. Returns [N, V] f32 logits (predicting t+2)."""
         if self.mtp is None or self.args.has_dspark:
             raise InputError("forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)")
-        self.check_inputs(batch, cache, backbone=False)
-        ctx = ForwardContext.build(batch, cache)
+        ctx_lens = self.check_inputs(batch, cache, backbone=False)
+        ctx = ForwardContext.build(batch, cache, ctx_lens=ctx_lens)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
         return torch.nn.functional.linear(h[batch.logits_indices].float(), self.head.weight.float())
