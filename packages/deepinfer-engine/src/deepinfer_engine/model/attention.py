@@ -51,9 +51,16 @@ class Rope:
     """
 
     def __init__(self, args: object, theta: float, use_yarn: bool) -> None:
+        # computed on CPU even when the model is built under a meta/GPU device context (load_model): moved to the
+        # positions' device on first use
+        with torch.device("cpu"):
+            self.freqs = self._freqs(args, theta, use_yarn)
+
+    @staticmethod
+    def _freqs(args: object, theta: float, use_yarn: bool) -> Tensor:
         rs = args.rope_scaling
         if use_yarn and rs is not None:
-            self.freqs = rope_freqs(
+            return rope_freqs(
                 args.qk_rope_head_dim,
                 theta,
                 yarn_factor=rs.factor,
@@ -61,8 +68,7 @@ class Rope:
                 beta_fast=rs.beta_fast,
                 beta_slow=rs.beta_slow,
             )
-        else:
-            self.freqs = rope_freqs(args.qk_rope_head_dim, theta)
+        return rope_freqs(args.qk_rope_head_dim, theta)
 
     def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
         if self.freqs.device != positions.device:  # move once (Rope is no nn.Module), not a copy per call

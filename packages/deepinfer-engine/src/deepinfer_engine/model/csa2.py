@@ -277,9 +277,11 @@ def csa2_update_source(
     return view
 
 
-# [I] chosen for CPU and tiny batches: above this many [T, E] score cells the batched scoring (every query
-# against every sequence's entries) is replaced by one scoring call per sequence.
-_BATCHED_SCORE_CELLS = 1 << 22
+# Batched scoring scores every query against every sequence's entries ([T, E] cells, of which only
+# sum_i n_i * count_i are used); it is chosen while that is small in absolute terms (decode: few queries, the
+# per-sequence loop costs more in Python than the wasted cells) or wastes at most 2x. Thresholds measured on the
+# tiny CPU model (docs/perf.md), not tuned for real widths.
+_BATCHED_SCORE_CELLS = 1 << 16
 
 
 def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext) -> Tensor:
@@ -294,7 +296,8 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
         return index_scores(q, w, keys)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
-    if t * e <= _BATCHED_SCORE_CELLS:
+    useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
+    if t * e <= max(_BATCHED_SCORE_CELLS, 2 * useful):
         return index_scores(q, w, keys).gather(1, col)
     out = torch.zeros((t, cmax), dtype=torch.float32, device=q.device)
     for i in range(ctx.num_seqs):

@@ -49,6 +49,11 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
             f"checkpoint tensors do not match the model built from its config: {len(missing)} missing "
             f"{missing[:6]}, {len(unexpected)} unexpected {unexpected[:6]}"
         )
+    # Parameters may live on the meta device (load_model builds there): every one is replaced by the tensor read
+    # from the checkpoint on `device` (no placeholder storage, no CPU staging copy). Parameters shared by several
+    # names stay shared (keyed by the placeholder's identity).
+    replaced: dict[int, torch.Tensor] = {}
+    owners = {name: mod for name, mod in model.named_modules(remove_duplicate=False)}
     for ck, mod_name in wanted.items():
         target = state[mod_name]
         t = reader.load(ck, dtype=target.dtype if target.is_floating_point() else torch.float32, device=device)
@@ -56,7 +61,25 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
             raise CheckpointError(
                 f"tensor '{ck}': checkpoint shape {list(t.shape)}, expected {list(target.shape)} from config.json"
             )
-        target.data = t.to(device=device, dtype=target.dtype)
+        t = t.to(device=device, dtype=target.dtype)
+        done = replaced.get(id(target))
+        if done is not None:
+            done.data = t
+            continue
+        owner_name, _, attr = mod_name.rpartition(".")
+        owner = owners[owner_name]
+        if attr in owner._parameters:
+            new: torch.Tensor = torch.nn.Parameter(t, requires_grad=target.requires_grad)
+            owner._parameters[attr] = new
+        else:
+            new = t
+            owner._buffers[attr] = new
+        replaced[id(target)] = new
+        # the same placeholder may be registered under other module names (tied weights): point them here too
+        for other in (n for n, v in state.items() if v is target and n != mod_name):
+            o_name, _, o_attr = other.rpartition(".")
+            reg = owners[o_name]._parameters if o_attr in owners[o_name]._parameters else owners[o_name]._buffers
+            reg[o_attr] = new
 
 
 def load_model(
@@ -74,12 +97,16 @@ def load_model(
 
     reader = CheckpointReader(ckpt_dir)
     try:
-        # build directly on the target device (parameters are placeholders until loaded; no CPU staging copy)
-        with torch.device(device):
+        # build on the meta device (no storage, no init kernels), then materialize every parameter straight from
+        # the reader on the target device: peak memory = the model once, real-width checkpoints fit a GPU
+        with torch.device("meta"):
             model = Transformer(reader.args, dtype, with_draft=with_draft)
         load_state_into(model, reader, device=device)
     finally:
         reader.close()
+    left = [n for n, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]
+    if left:
+        raise CheckpointError(f"tensors not materialized from the checkpoint (still on meta): {left[:6]}")
     if reader.args.engram_layer_ids:
         if token_map is None:
             from deepinfer_engine.model.engram_hash import compressed_token_map
