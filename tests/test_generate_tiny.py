@@ -8,6 +8,7 @@ import json
 import deepseek_recipe as dr
 import pytest
 from deepinfer_engine import LLM, CompletionOutput, SamplingParams
+from deepinfer_engine.chat_stream import ChatStream
 from deepinfer_engine.model.writer import make_checkpoint
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -48,7 +49,14 @@ def _parse(llm: LLM, messages, model_text: str, *, thinking: bool, tools=None) -
     tok = llm._recipe_tokenizer()
     co = CompletionOutput(index=0, token_ids=tok.encode(model_text) + [1], finish_reason="stop")
     co.text = model_text
-    rendered.parse_into(co, tok)
+    # the same incremental path LLM.chat uses: push the ids in two pieces, EOS last, then finish
+    stream = ChatStream(rendered.request, tok, eos_token_ids=llm.engine.eos_token_ids)
+    half = len(co.token_ids) // 2
+    stream.push(co.token_ids[:half])
+    stream.push(co.token_ids[half:], final=True)
+    stream.finish(co.finish_reason)
+    stream.apply_to(co)
+    assert co.parse_error is None, co.parse_error
     return co
 
 
