@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from deepinfer_kernels.moe import reference
@@ -19,6 +20,8 @@ def moe_experts(
     Returns [T, d] fp32 (sum of weighted expert outputs; shared experts are the caller's)."""
     if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= len(experts)):
-        raise ValueError(f"moe_experts: expert ids must be in [0, {len(experts)}), found {ids.min()}..{ids.max()}")
+    if ids.numel():
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read for both bounds
+        if lo < 0 or hi >= len(experts):
+            raise ValueError(f"moe_experts: expert ids must be in [0, {len(experts)}), found {lo}..{hi}")
     return reference.moe_experts(x, weights, ids, experts, limit)
