@@ -149,9 +149,11 @@ class CompressedSelection:
 class ForwardContext:
     """Per-forward state passed explicitly to every layer (mutable: layers publish into the dicts).
 
-    Sequence bookkeeping (host ints, this is the CPU reference path):
+    Sequence bookkeeping (host ints, known without reading the device):
       seq_starts[i]  first row of sequence i in T;  query_lens[i] its new tokens;  ctx_lens[i] = its first position
-      seq_of_token:  [T] int64 sequence index per token
+      seq_of_token:  [T] int64 sequence index per token;  seq_t: the same per-sequence ints as [S] device tensors
+    Gather plans (`plans`, built on first use by ring_plan / window_rows / paged_plan and shared by every layer):
+      index tensors on the batch's device, so layers read and write the caches of all sequences in one op each.
     Published state (key = layer id of the publisher):
       compressed[l]:  CompressedView of kv-source layer l (written by l, read by Reuse/Reindex layers)
       topk[l]:        [T, K] int64 selected entry ids w (per-sequence local, -1 = none) of index-source layer l
