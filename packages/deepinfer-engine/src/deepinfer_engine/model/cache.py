@@ -380,12 +380,14 @@ class PagedPlan:
 
 
 def build_paged_plan(
-    ratio: int, page_size: int, block_tables: Tensor, ctx_lens: Sequence[int], query_lens: Sequence[int]
+    ratio: int, page_size: int, block_tables: Tensor, ctx_lens: Sequence[int], query_lens: Sequence[int],
+    *, device: torch.device | None = None,
 ) -> PagedPlan:
-    """Block-table coverage is the caller's check (check_block_tables, once per forward)."""
+    """Block-table coverage is the caller's check (check_block_tables, once per forward). device: where the
+    index tensors go (the batch's device; default the block tables')."""
     r, P = ratio, page_size
-    dev = block_tables.device
-    bt = block_tables.to(torch.int64)
+    dev = block_tables.device if device is None else torch.device(device)
+    bt = block_tables.to(device=dev, dtype=torch.int64)
     per_page = P // r
 
     def rows(seq: Tensor, w: Tensor) -> Tensor:

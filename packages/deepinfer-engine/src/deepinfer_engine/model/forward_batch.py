@@ -240,8 +240,9 @@ class ForwardContext:
                 )
                 self.plans["checked"] = True
             plan = build_paged_plan(
-                ratio, self.cache.page_size, self.batch.block_tables, self.ctx_lens, self.query_lens
-            )
+                ratio, self.cache.page_size, self.batch.block_tables, self.ctx_lens, self.query_lens,
+                device=self.seq_t.ctx.device,
+            )  # fmt: skip
             self.plans[key] = plan
         return plan  # type: ignore[return-value]
 
