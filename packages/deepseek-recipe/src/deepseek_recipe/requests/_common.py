@@ -1,8 +1,9 @@
-"""Conversion pieces shared by the three protocols, and `ConversationRequest`."""
+"""Conversion pieces shared by the three protocols, their request base class, and `ConversationRequest`."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +17,16 @@ from ..messages import (
     ToolDefinition,
     UserMessage,
 )
-from ..options import InferenceOptions, ModelVersion, OutputConstraint, ParsingOptions, ThinkingInitialStage
+from ..options import (
+    ConversionOptions,
+    InferenceOptions,
+    ModelVersion,
+    OutputConstraint,
+    ParsingOptions,
+    ThinkingInitialStage,
+)
 from ._schema_check import default_strict_schema, normalize_strict_schema, validate_schema
+from ._serde import SchemaError, parse_body
 
 __all__ = ["ConversationRequest", "ResponseOptions"]
 
@@ -121,6 +130,43 @@ class ConversationRequest:
         mt = self._inference_options.max_tokens
         value = default if mt is None else mt
         return max(min(value, context_limit - prompt_tokens), 1)
+
+
+class ProtocolRequest:
+    """Base of the three protocol requests: the body is parsed once, and `convert` consumes it.
+
+    A subclass sets `_parse_request` to its protocol's schema parser (value -> dict of fields, raising
+    `SchemaError`).
+    """
+
+    _parse_request: Callable[[Any], dict]
+
+    def __init__(self, body: Any) -> None:
+        self._consumed = False
+        value = parse_body(body)
+        try:
+            self._req = type(self)._parse_request(value)
+        except SchemaError as exc:
+            raise ValueError(f"invalid request body: {exc}") from None
+
+    def _live(self) -> None:
+        if self._consumed:
+            raise RuntimeError(f"this {type(self).__name__} has been consumed by convert()")
+
+    @property
+    def model(self) -> str:
+        """The requested model name; read it before `convert` consumes the request."""
+        self._live()
+        return self._req["model"]
+
+    def _consume(self, options: ConversionOptions | None) -> ConversionOptions:
+        """Check `options` (default: `ConversionOptions()`) and mark the request consumed."""
+        options = ConversionOptions() if options is None else options
+        if not isinstance(options, ConversionOptions):
+            raise TypeError(f"options must be ConversionOptions, got {type(options).__name__}")
+        self._live()
+        self._consumed = True  # even a failed conversion consumes the request, as in the reference
+        return options
 
 
 # -- thinking / effort ----------------------------------------------------------------------

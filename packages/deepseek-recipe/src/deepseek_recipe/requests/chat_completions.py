@@ -17,7 +17,7 @@ from ..messages import (
 )
 from ..options import ConversionOptions, InferenceOptions, ModelVersion, ParsingOptions
 from . import _common as C
-from ._serde import Reader, SchemaError, parse_body, tagged, variant
+from ._serde import Reader, SchemaError, tagged, variant
 
 __all__ = ["ChatCompletionRequest"]
 
@@ -340,33 +340,13 @@ def _transform_messages(messages: list, image_token: str, mv: ModelVersion) -> l
     return result
 
 
-class ChatCompletionRequest:
+class ChatCompletionRequest(C.ProtocolRequest):
     """An OpenAI Chat Completions request (dict, JSON str or bytes)."""
 
-    def __init__(self, body: Any) -> None:
-        self._consumed = False
-        value = parse_body(body)
-        try:
-            self._req = _parse(value)
-        except SchemaError as exc:
-            raise ValueError(f"invalid request body: {exc}") from None
-
-    def _live(self) -> None:
-        if self._consumed:
-            raise RuntimeError(f"this {type(self).__name__} has been consumed by convert()")
-
-    @property
-    def model(self) -> str:
-        """The requested model name; read it before `convert` consumes the request."""
-        self._live()
-        return self._req["model"]
+    _parse_request = staticmethod(_parse)
 
     def convert(self, options: ConversionOptions | None = None) -> C.ConversationRequest:
-        options = ConversionOptions() if options is None else options
-        if not isinstance(options, ConversionOptions):
-            raise TypeError(f"options must be ConversionOptions, got {type(options).__name__}")
-        self._live()
-        self._consumed = True  # even a failed conversion consumes the request, as in the reference
+        options = self._consume(options)
         q = self._req
         mv = options.resolve_model_version(q["model"])
         thinking, effort = C.resolve_thinking_mode(

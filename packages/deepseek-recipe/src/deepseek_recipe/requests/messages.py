@@ -18,7 +18,7 @@ from ..messages import (
 )
 from ..options import ConversionOptions, InferenceOptions, ModelVersion, ParsingOptions, ThinkingInitialStage
 from . import _common as C
-from ._serde import Reader, SchemaError, parse_body, tagged, variant
+from ._serde import Reader, SchemaError, tagged, variant
 
 __all__ = ["MessagesRequest"]
 
@@ -489,33 +489,13 @@ def _normalize_message_tools(messages: list, tools: list[ToolDefinition]) -> lis
     return kept
 
 
-class MessagesRequest:
+class MessagesRequest(C.ProtocolRequest):
     """An Anthropic Messages request (dict, JSON str or bytes)."""
 
-    def __init__(self, body: Any) -> None:
-        self._consumed = False
-        value = parse_body(body)
-        try:
-            self._req = _parse(value)
-        except SchemaError as exc:
-            raise ValueError(f"invalid request body: {exc}") from None
-
-    def _live(self) -> None:
-        if self._consumed:
-            raise RuntimeError(f"this {type(self).__name__} has been consumed by convert()")
-
-    @property
-    def model(self) -> str:
-        """The requested model name; read it before `convert` consumes the request."""
-        self._live()
-        return self._req["model"]
+    _parse_request = staticmethod(_parse)
 
     def convert(self, options: ConversionOptions | None = None) -> C.ConversationRequest:
-        options = ConversionOptions() if options is None else options
-        if not isinstance(options, ConversionOptions):
-            raise TypeError(f"options must be ConversionOptions, got {type(options).__name__}")
-        self._live()
-        self._consumed = True  # even a failed conversion consumes the request, as in the reference
+        options = self._consume(options)
         q = self._req
         mv = options.resolve_model_version(q["model"])
         thinking, effort = C.resolve_thinking_mode(options.default_thinking_mode, q["thinking"], q["effort"])
