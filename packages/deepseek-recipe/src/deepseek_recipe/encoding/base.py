@@ -225,6 +225,20 @@ class EncodingBase:
             cursor = best + len(best_tok)
         prompt.push_plain(content[cursor:])
 
+    def _push_generation_start(
+        self, p: Prompt, messages: list[WorkMessage], conversation: Conversation, tool_prompt: bool, block: str
+    ) -> None:
+        """The prompt tail: open the assistant turn (unless a prefix continues it) and, with
+        `tool_choice == "required"`, the tool-call block (`block`: its DSML name, e.g. "tool_calls")."""
+        tk = self._tokens
+        if not is_prefix_continuation(messages):
+            p.push_special(tk.assistant)
+            p.push_special(tk.thinking_start if conversation._thinking_mode else tk.thinking_end)
+        if conversation._tool_choice == "required" and tool_prompt:
+            p.push_plain("\n\n<")
+            p.push_special(tk.dsml)
+            p.push_plain(f"{block}>\n")
+
     def render_conversation(self, conversation: Conversation) -> RenderedPrompt:
         if not isinstance(conversation, Conversation):
             raise TypeError(f"conversation must be a Conversation, got {type(conversation).__name__}")

@@ -7,7 +7,6 @@ from ..messages import Conversation, ToolCall
 from .base import (
     EncodingBase,
     WorkMessage,
-    is_prefix_continuation,
     parse_tool_call_arguments,
     renders_tool_prompt,
     to_work,
@@ -193,11 +192,5 @@ class DeepseekV4Encoding(EncodingBase):
                 p.push_special(tk.latest_reminder)
                 p.push_plain(m.content)
             prev = role
-        if not is_prefix_continuation(messages):
-            p.push_special(tk.assistant)
-            p.push_special(tk.thinking_start if thinking else tk.thinking_end)
-        if conversation._tool_choice == "required" and tool_prompt:
-            p.push_plain("\n\n<")
-            p.push_special(tk.dsml)
-            p.push_plain("tool_calls>\n")
+        self._push_generation_start(p, messages, conversation, tool_prompt, "tool_calls")
         return p, messages
