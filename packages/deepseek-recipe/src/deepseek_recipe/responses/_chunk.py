@@ -1,4 +1,5 @@
-"""Protocol chunk objects: a JSON-like payload with `to_json()`."""
+"""Protocol chunk objects (a JSON-like payload with `to_json()`), and the shared tail of the
+event-accumulating (Messages, Responses) response objects."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 import time
 from typing import Any
 
-__all__ = ["ProtocolChunk", "now"]
+__all__ = ["EventAccumulatedResponse", "ProtocolChunk", "now"]
 
 
 def now() -> int:
@@ -60,3 +61,24 @@ class ProtocolChunk:
         if self._consumed:
             return f"{type(self).__name__}(<consumed>)"
         return f"{type(self).__name__}({self.to_json()[:120]})"
+
+
+class EventAccumulatedResponse:
+    """Base of the responses built from typed SSE events (Messages, Responses): `self._data` is the
+    accumulated object, each event is named by its `type`, and the stream ends without a done sentinel."""
+
+    _data: dict
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self._data)
+
+    def to_json(self) -> str:
+        return json.dumps(self._data, ensure_ascii=False, separators=(",", ":"))
+
+    @staticmethod
+    def sse_event_name(chunk) -> str | None:
+        return chunk.data["type"]
+
+    @staticmethod
+    def sse_done_data() -> str | None:
+        return None

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import json
 
 from .. import _json
 from ..parsing.stream_processor import FinishReason, PromptUsage
-from ._chunk import ProtocolChunk
+from ._chunk import EventAccumulatedResponse, ProtocolChunk
 from .tool_call_id import new_tool_call_id
 
 __all__ = ["MessagesStreamEvent", "MessagesChunkGenerator", "MessagesResponse"]
@@ -160,7 +159,7 @@ class MessagesChunkGenerator:
         return out
 
 
-class MessagesResponse:
+class MessagesResponse(EventAccumulatedResponse):
     """The non-streamed Messages response built by accumulating events."""
 
     def __init__(
@@ -205,17 +204,3 @@ class MessagesResponse:
             self._data["stop_reason"] = e["delta"]["stop_reason"]
             self._data["stop_sequence"] = e["delta"]["stop_sequence"]
             self._data["usage"] = copy.deepcopy(e["usage"])
-
-    def to_dict(self) -> dict:
-        return copy.deepcopy(self._data)
-
-    def to_json(self) -> str:
-        return json.dumps(self._data, ensure_ascii=False, separators=(",", ":"))
-
-    @staticmethod
-    def sse_event_name(chunk) -> str | None:
-        return chunk.data["type"]
-
-    @staticmethod
-    def sse_done_data() -> str | None:
-        return None

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import copy
-import json
 
 from ..parsing.stream_processor import FinishReason, PromptUsage
-from ._chunk import ProtocolChunk, now
+from ._chunk import EventAccumulatedResponse, ProtocolChunk, now
 from .tool_call_id import new_tool_call_id
 
 __all__ = ["ResponsesStreamEvent", "ResponsesChunkGenerator", "ResponsesResponse"]
@@ -380,7 +379,7 @@ class ResponsesChunkGenerator:
         return out
 
 
-class ResponsesResponse:
+class ResponsesResponse(EventAccumulatedResponse):
     """The non-streamed Responses object built by accumulating events."""
 
     def __init__(
@@ -429,17 +428,3 @@ class ResponsesResponse:
                 item["arguments"] += e["delta"]
             elif t == "response.function_call_arguments.done" and item["type"] == "function_call":
                 item["arguments"] = e["arguments"]
-
-    def to_dict(self) -> dict:
-        return copy.deepcopy(self._data)
-
-    def to_json(self) -> str:
-        return json.dumps(self._data, ensure_ascii=False, separators=(",", ":"))
-
-    @staticmethod
-    def sse_event_name(chunk) -> str | None:
-        return chunk.data["type"]
-
-    @staticmethod
-    def sse_done_data() -> str | None:
-        return None
