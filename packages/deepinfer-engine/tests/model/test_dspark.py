@@ -22,23 +22,13 @@ from deepinfer_engine.model.dspark import (
     markov_logits,
     target_features,
 )
-from deepinfer_engine.model.engram_hash import synthetic_token_map
 from deepinfer_engine.model.forward_batch import ForwardBatch
 from deepinfer_engine.model.model import Transformer
-from deepinfer_engine.model.presets import tiny_v41_config
 
 
 @pytest.fixture(scope="module")
-def model() -> Transformer:
-    args = ModelArgs.from_config_dict(tiny_v41_config())
-    m = Transformer(args, torch.float32)
-    init_random_(m, seed=4)
-    m.set_engram_token_map(
-        synthetic_token_map(
-            args.vocab_size, args.engram_compressed_vocab_size, image_token_id=args.image_token_id
-        )
-    )
-    return m.eval()
+def model(make_tiny_v41_model) -> Transformer:
+    return make_tiny_v41_model(seed=4)
 
 
 def test_stage_names_follow_the_checkpoint(model: Transformer) -> None:

@@ -40,13 +40,7 @@ from deepinfer_engine.testing_hf import (  # noqa: E402
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes: intra-op threads only add overhead (and contention) on the 2 shared cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:

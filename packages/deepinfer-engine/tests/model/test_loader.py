@@ -12,13 +12,7 @@ from deepinfer_engine.model.checkpoint import CheckpointReader
 from deepinfer_engine.model.loader import load_model
 from deepinfer_engine.model.writer import make_checkpoint
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

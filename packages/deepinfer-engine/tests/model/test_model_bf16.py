@@ -16,12 +16,7 @@ from deepinfer_engine.testing import make_tiny_checkpoint
 BF16_MEDIAN, BF16_ROW_TOL, BF16_ROW_FRAC, BF16_TOP1 = 5e-2, 5e-2, 0.6, 0.7
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes on 2 shared cores
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=["v41", "v4"])

@@ -25,12 +25,7 @@ from deepinfer_engine.model.presets import tiny_v4_config
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module", params=[0, 1])

@@ -25,14 +25,7 @@ from deepinfer_engine.testing_hf import (  # noqa: E402
     v4_official_shapes_from_spec,
 )
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny shapes: intra-op threads only add overhead (and contention) on the 2 shared cores
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import init_random_, max_rel_err, run_batched, run_chunked, run_full
-from deepinfer_engine.model.args import ModelArgs
-from deepinfer_engine.model.engram_hash import synthetic_token_map
+from deepinfer_engine.model._equality import max_rel_err, run_batched, run_chunked, run_full
 from deepinfer_engine.model.model import Transformer
-from deepinfer_engine.model.presets import tiny_v41_config
 
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model() -> Transformer:
-    args = ModelArgs.from_config_dict(tiny_v41_config())
-    m = Transformer(args, torch.float32)
-    init_random_(m, seed=11)
-    m.set_engram_token_map(
-        synthetic_token_map(
-            args.vocab_size, args.engram_compressed_vocab_size, image_token_id=args.image_token_id
-        )
-    )
-    return m.eval()
+def model(make_tiny_v41_model) -> Transformer:
+    return make_tiny_v41_model(seed=11)
 
 
 def _seqs(model: Transformer) -> list[torch.Tensor]:
