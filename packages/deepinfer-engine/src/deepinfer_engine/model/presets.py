@@ -37,6 +37,54 @@ LAYERS_N_ENGRAM_VOCAB_SIZE = 65536
 PRESETS = ("tiny", "tiny-dspark", "full", "layers-N")
 
 
+def _v4_quantization_config() -> dict[str, Any]:
+    """The V4 `quantization_config` (FP8 e4m3, 128x128 blocks, UE8M0 scales; architecture.md §1.1, [V])."""
+    return {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    }
+
+
+def _v41_top_level_fields() -> dict[str, Any]:
+    """The top-level fields every V4.1 config shares: dtype, special ids, `quantization_config` (FP8 32x32
+    blocks, FP4 experts; architecture.md §1.3, reconstructed [S/V])."""
+    return {
+        "dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "image_token_id": V41_IMAGE_TOKEN_ID,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0",
+            "expert_dtype": "fp4",
+        },
+    }
+
+
+def _dspark_fields(*, target_layer_ids: list[int], markov_rank: int) -> dict[str, Any]:
+    """The DSpark keys shared by V4-Flash-0731 and V4.1 (block size 5, placeholder noise token; §1.2, §1.3)."""
+    return {
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": DSPARK_NOISE_TOKEN_ID,
+        "dspark_target_layer_ids": target_layer_ids,
+        "dspark_markov_rank": markov_rank,
+    }
+
+
+def _with_dspark_stages(d: dict[str, Any], *, target_layer_ids: list[int], markov_rank: int) -> dict[str, Any]:
+    """A V4 config `d` with one DSpark stage per target layer in place of its MTP block: the MTP ratio entry
+    becomes one ratio-0 entry per stage (after the `num_hidden_layers` backbone ratios)."""
+    d["compress_ratios"] = d["compress_ratios"][: d["num_hidden_layers"]] + [0] * len(target_layer_ids)
+    d.update(_dspark_fields(target_layer_ids=target_layer_ids, markov_rank=markov_rank))
+    return d
+
+
 def v4_flash_config() -> dict[str, Any]:
     """`deepseek-ai/DeepSeek-V4-Flash` config.json as released (architecture.md §1.1, [V])."""
     return {
@@ -72,13 +120,7 @@ def v4_flash_config() -> dict[str, Any]:
         "o_lora_rank": 1024,
         "q_lora_rank": 1024,
         "qk_rope_head_dim": 64,
-        "quantization_config": {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-        },
+        "quantization_config": _v4_quantization_config(),
         "rms_norm_eps": 1e-06,
         "rope_scaling": {
             "beta_fast": 32,
@@ -107,14 +149,7 @@ def v4_flash_config() -> dict[str, Any]:
 def v4_flash_0731_config() -> dict[str, Any]:
     """`DeepSeek-V4-Flash-0731` ("V4-Flash-DSpark"): V4-Flash plus 3 DSpark stages (architecture.md §1.2, [S/V])."""
     d = v4_flash_config()
-    d["compress_ratios"] = [0, 0] + [4, 128] * 20 + [4] + [0, 0, 0]
-    d.update(
-        dspark_block_size=5,
-        dspark_noise_token_id=DSPARK_NOISE_TOKEN_ID,
-        dspark_target_layer_ids=[40, 41, 42],
-        dspark_markov_rank=256,
-    )
-    return d
+    return _with_dspark_stages(d, target_layer_ids=[40, 41, 42], markov_rank=256)
 
 
 def v41_flash_config() -> dict[str, Any]:
@@ -122,18 +157,7 @@ def v41_flash_config() -> dict[str, Any]:
     return {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
-        "dtype": "bfloat16",
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "image_token_id": V41_IMAGE_TOKEN_ID,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [32, 32],
-            "scale_fmt": "ue8m0",
-            "expert_dtype": "fp4",
-        },
+        **_v41_top_level_fields(),
         "text_config": {
             "model_type": "deepseek_v41_text",
             "vocab_size": 129280,
@@ -190,10 +214,7 @@ def v41_flash_config() -> dict[str, Any]:
             "engram_pad_token_id": 2,
             "engram_compressed_vocab_size": 99092,
             "num_nextn_predict_layers": 3,
-            "dspark_block_size": 5,
-            "dspark_noise_token_id": DSPARK_NOISE_TOKEN_ID,
-            "dspark_target_layer_ids": [37, 38, 39],
-            "dspark_markov_rank": 256,
+            **_dspark_fields(target_layer_ids=[37, 38, 39], markov_rank=256),
             "dspark_n_routed_experts": 128,
             "dspark_num_experts_per_tok": 3,
             "tie_word_embeddings": False,
@@ -268,27 +289,14 @@ def tiny_v4_config() -> dict[str, Any]:
         "compress_ratios": [0, 4, 8, 4, 8, 4, 0],
         "num_nextn_predict_layers": 1,
         "tie_word_embeddings": False,
-        "quantization_config": {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "scale_fmt": "ue8m0",
-            "weight_block_size": [128, 128],
-        },
+        "quantization_config": _v4_quantization_config(),
     }
 
 
 def tiny_v4_dspark_config() -> dict[str, Any]:
     """Tiny V4-Flash-0731 style: the tiny V4 backbone with 3 DSpark stages instead of the MTP block (§9.1)."""
     d = tiny_v4_config()
-    d["compress_ratios"] = [0, 4, 8, 4, 8, 4, 0, 0, 0]
-    d.update(
-        dspark_block_size=5,
-        dspark_noise_token_id=DSPARK_NOISE_TOKEN_ID,
-        dspark_target_layer_ids=[3, 4, 5],
-        dspark_markov_rank=8,
-    )
-    return d
+    return _with_dspark_stages(d, target_layer_ids=[3, 4, 5], markov_rank=8)
 
 
 def tiny_v41_config() -> dict[str, Any]:
@@ -300,18 +308,7 @@ def tiny_v41_config() -> dict[str, Any]:
     return {
         "model_type": "deepseek_v41",
         "architectures": ["DeepseekV41ForCausalLM"],
-        "dtype": "bfloat16",
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-        "pad_token_id": 2,
-        "image_token_id": V41_IMAGE_TOKEN_ID,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "weight_block_size": [32, 32],
-            "scale_fmt": "ue8m0",
-            "expert_dtype": "fp4",
-        },
+        **_v41_top_level_fields(),
         "text_config": {
             "model_type": "deepseek_v41_text",
             "vocab_size": REAL_VOCAB_SIZE,
@@ -367,10 +364,7 @@ def tiny_v41_config() -> dict[str, Any]:
             "engram_pad_token_id": 2,
             "engram_compressed_vocab_size": 99092,
             "num_nextn_predict_layers": 3,
-            "dspark_block_size": 5,
-            "dspark_noise_token_id": DSPARK_NOISE_TOKEN_ID,
-            "dspark_target_layer_ids": [5, 6, 7],
-            "dspark_markov_rank": 8,
+            **_dspark_fields(target_layer_ids=[5, 6, 7], markov_rank=8),
             "dspark_n_routed_experts": 4,
             "dspark_num_experts_per_tok": 1,
             "tie_word_embeddings": False,
@@ -392,8 +386,7 @@ def _layers_n(full: dict[str, Any], arch: Literal["v4", "v41"], n: int) -> dict[
     if arch == "v4":
         tc["num_hash_layers"] = min(tc["num_hash_layers"], n)
         if "dspark_target_layer_ids" in tc:
-            tc["dspark_target_layer_ids"] = _shift_targets(tc["dspark_target_layer_ids"], L, n)
-            tc["compress_ratios"] = tc["compress_ratios"][:n] + [0] * len(tc["dspark_target_layer_ids"])
+            _shift_dspark_stages(tc, L, n)
         return d
     for key in ("kv_source_layer_ids", "index_source_layer_ids"):
         tc[key] = [s for s in tc[key] if s < n]
@@ -410,10 +403,15 @@ def _layers_n(full: dict[str, Any], arch: Literal["v4", "v41"], n: int) -> dict[
     if not tc["engram_layer_ids"]:
         for key in [k for k in tc if k.startswith("engram_")]:
             tc.pop(key)
-    tc["dspark_target_layer_ids"] = _shift_targets(tc["dspark_target_layer_ids"], L, n)
-    tc["compress_ratios"] = tc["compress_ratios"][:n] + [0] * len(tc["dspark_target_layer_ids"])
+    _shift_dspark_stages(tc, L, n)
     tc["num_nextn_predict_layers"] = len(tc["dspark_target_layer_ids"])
     return d
+
+
+def _shift_dspark_stages(tc: dict[str, Any], old_layers: int, n: int) -> None:
+    """Cut to n layers: shift the DSpark targets and keep one ratio-0 entry per (possibly fewer) stage."""
+    tc["dspark_target_layer_ids"] = _shift_targets(tc["dspark_target_layer_ids"], old_layers, n)
+    tc["compress_ratios"] = tc["compress_ratios"][:n] + [0] * len(tc["dspark_target_layer_ids"])
 
 
 def _shift_targets(targets: list[int], old_layers: int, n: int) -> list[int]:
