@@ -55,8 +55,9 @@ def test_uv_lock_is_committed() -> None:
 
 
 @pytest.mark.slow
-def test_recipe_installs_and_imports_alone(tmp_path: Path) -> None:
-    """`uv pip install ./packages/deepseek-recipe` into a fresh venv pulls no torch and no other member."""
+def test_recipe_installs_and_tests_alone(tmp_path: Path) -> None:
+    """`uv pip install ./packages/deepseek-recipe` into a fresh venv pulls no torch and no other member, and the
+    recipe's own suite (golden replay included) passes there with only pytest + hypothesis added."""
     uv = shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not on PATH")
@@ -76,3 +77,14 @@ def test_recipe_installs_and_imports_alone(tmp_path: Path) -> None:
     proc = subprocess.run([str(py), "-c", "import deepseek_recipe, sys; assert 'torch' not in sys.modules"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(
+        [uv, "pip", "install", "-q", "--python", str(py), "pytest>=8.3", "hypothesis>=6.100"],
+        capture_output=True, text=True, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc = subprocess.run(
+        [str(py), "-m", "pytest", "-q", "-p", "no:cacheprovider", "packages/deepseek-recipe"],
+        cwd=ROOT, capture_output=True, text=True, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout
