@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _json
+from ..encoding.prompt import Prompt
 from ..errors import ConversionError
 from ..messages import (
     AssistantMessage,
@@ -167,6 +168,16 @@ class ProtocolRequest:
         self._live()
         self._consumed = True  # even a failed conversion consumes the request, as in the reference
         return options
+
+
+def join_paragraphs(parts: list[Prompt]) -> Prompt:
+    """The content parts of one message joined with a blank line between them."""
+    out = Prompt()
+    for i, p in enumerate(parts):
+        if i:
+            out.push_plain("\n\n")
+        out.extend(p)
+    return out
 
 
 # -- thinking / effort ----------------------------------------------------------------------

@@ -219,12 +219,7 @@ def _into_content(content: Any, index: int, image_token: str, mv: ModelVersion):
             p = Prompt()
             p.push_special(image_token)
             parts.append(p)
-    joined = Prompt()
-    for i, p in enumerate(parts):
-        if i:
-            joined.push_plain("\n\n")
-        joined.extend(p)
-    return joined, sources
+    return C.join_paragraphs(parts), sources
 
 
 def _strip_billing_header(content: Prompt) -> Prompt:

@@ -198,15 +198,6 @@ def _parse(value: Any) -> dict:
     return q
 
 
-def _join(parts: list[Prompt]) -> Prompt:
-    out = Prompt()
-    for i, p in enumerate(parts):
-        if i:
-            out.push_plain("\n\n")
-        out.extend(p)
-    return out
-
-
 def _normalize_b64(data: str) -> str:
     if not data.endswith("="):
         return data
@@ -293,7 +284,7 @@ def _transform(
                 for i, t in enumerate(system)
                 if not (i == 0 and t.lower().startswith("x-anthropic-billing-header"))
             ]
-            content = _join(parts)
+            content = C.join_paragraphs(parts)
         out.append(SystemMessage._from_prompt(content, [], _tools=None))
     pending: dict[str, int] = {}
     by_name = {t.name: t for t in tools}
@@ -347,7 +338,7 @@ def _transform(
                         raise ConversionError(
                             f"messages.{mi}: `web_search_tool_result` blocks can only be in `assistant` messages"
                         )
-                prompt = _join(parts)
+                prompt = C.join_paragraphs(parts)
             if mv.supports_mid_conversation_system():
                 out.append(SystemMessage._from_prompt(prompt, sources, _tools=added or None))
             elif not prompt.is_empty():
@@ -414,7 +405,7 @@ def _transform(
                                 parts.append(_doc(x[1]))
                             else:
                                 parts.append(Prompt.plain(x[1]))
-                        tp = _join(parts)
+                        tp = C.join_paragraphs(parts)
                     out.append(ToolMessage._from_prompt(tp, ts, _tool_call_id=tid))
                 elif t == "tool_addition":
                     raise ConversionError(

@@ -286,15 +286,6 @@ def _parse(value: Any) -> dict:
     return q
 
 
-def _join(parts: list[Prompt]) -> Prompt:
-    out = Prompt()
-    for i, p in enumerate(parts):
-        if i:
-            out.push_plain("\n\n")
-        out.extend(p)
-    return out
-
-
 def _format_echo(fmt: tuple) -> dict:
     if fmt[0] == "json_schema":
         return {
@@ -484,7 +475,7 @@ class _Converter:
                 self.push_image(b[1], f"{item_path}.content[{bi}]", item_path, parts, sources)
             else:
                 parts.append(Prompt.plain(C.UNSUPPORTED_DOCUMENT_PLACEHOLDER))
-        return _join(parts), sources
+        return C.join_paragraphs(parts), sources
 
     def output_content(self, output: Any, item_path: str):
         if type(output) is str:
@@ -499,7 +490,7 @@ class _Converter:
                     self.push_image(b[1], f"{item_path}.output[{oi}]", item_path, parts, sources)
                 else:
                     parts.append(Prompt.plain(C.UNSUPPORTED_DOCUMENT_PLACEHOLDER))
-            content = _join(parts)
+            content = C.join_paragraphs(parts)
         C.validate_data_url_sources(sources, item_path)
         return content, sources
 
