@@ -185,10 +185,8 @@ class Reader:
             raise invalid_type(value, "a sequence")
         return value
 
-    def opt(self, name: str, kind: str, bits: int = 0) -> Any:
-        value = self.obj.get(name)
-        if value is None:
-            return None
+    def _as(self, value: Any, kind: str, bits: int) -> Any:
+        """`value` checked as `kind` ("str", "bool", "uint" of `bits` bits, "f32", "list"); other kinds: as is."""
         if kind == "str":
             return self.as_str(value)
         if kind == "bool":
@@ -201,17 +199,12 @@ class Reader:
             return self.as_list(value)
         return value
 
+    def opt(self, name: str, kind: str, bits: int = 0) -> Any:
+        value = self.obj.get(name)
+        return None if value is None else self._as(value, kind, bits)
+
     def req(self, name: str, kind: str, bits: int = 0) -> Any:
-        value = self.required(name)
-        if kind == "str":
-            return self.as_str(value)
-        if kind == "bool":
-            return self.as_bool(value)
-        if kind == "uint":
-            return self.as_uint(value, bits)
-        if kind == "list":
-            return self.as_list(value)
-        return value
+        return self._as(self.required(name), kind, bits)
 
 
 def variant(value: Any, variants: tuple[str, ...]) -> str:
