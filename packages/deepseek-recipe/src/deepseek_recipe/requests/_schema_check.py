@@ -130,6 +130,17 @@ def _unknown_variant(value: str, variants: tuple[str, ...]) -> _Err:
     return _Err(f"unknown variant `{value}`, expected one of {', '.join(f'`{v}`' for v in variants)}")
 
 
+def _check_str_list(value: Any) -> None:
+    """`_Err` unless `value` is a list of strings (serde's "a sequence" / "a string" messages)."""
+    from ._serde import invalid_type
+
+    if type(value) is not list:
+        raise _Err(str(invalid_type(value, "a sequence")))
+    for x in value:
+        if type(x) is not str:
+            raise _Err(str(invalid_type(x, "a string")))
+
+
 def _opt_str(obj: dict, key: str) -> str | None:
     from ._serde import invalid_type
 
@@ -220,11 +231,7 @@ def _parse_type(v: Any) -> dict:
             raise _Err(str(invalid_type(ap, "a boolean")))
         req = v.get("required")
         if req is not None:
-            if type(req) is not list:
-                raise _Err(str(invalid_type(req, "a sequence")))
-            for x in req:
-                if type(x) is not str:
-                    raise _Err(str(invalid_type(x, "a string")))
+            _check_str_list(req)
         out["properties"] = props
         out["additionalProperties"] = ap
         out["required"] = req
@@ -254,11 +261,7 @@ def _parse_type(v: Any) -> dict:
             out["format"] = f
         e = v.get("enum")
         if e is not None:
-            if type(e) is not list:
-                raise _Err(str(invalid_type(e, "a sequence")))
-            for x in e:
-                if type(x) is not str:
-                    raise _Err(str(invalid_type(x, "a string")))
+            _check_str_list(e)
             out["enum"] = list(e)
     elif t in ("number", "integer"):
         for key in (
