@@ -59,6 +59,7 @@ EFFORT_MAP = {
     "max": "max",
 }
 REQUEST_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "ultra", "max")
+IMAGE_DETAILS = ("low", "high", "original", "auto")
 
 
 @dataclass

@@ -146,6 +146,11 @@ class Reader:
     def raw(self, name: str) -> Any:
         return self.obj.get(name)
 
+    def opt_variant(self, name: str, variants: tuple[str, ...]) -> str | None:
+        """An optional unit enum variant (None when absent or null)."""
+        value = self.obj.get(name)
+        return None if value is None else variant(value, variants)
+
     def required(self, name: str) -> Any:
         if name not in self.obj:
             raise SchemaError(f"missing field `{name}`")

@@ -42,9 +42,7 @@ def _content(value: Any) -> Any:
                 blocks.append(("text", r.req("text", "str")))
             elif kind == "image_url":
                 iu = Reader(r.required("image_url"), "struct ChatCompletionImageUrl")
-                detail = iu.raw("detail")
-                if detail is not None:
-                    detail = variant(detail, ("low", "high", "original", "auto"))
+                detail = iu.opt_variant("detail", C.IMAGE_DETAILS)
                 blocks.append(("image_url", iu.req("url", "str"), detail))
             else:
                 blocks.append(
@@ -164,8 +162,7 @@ def _parse(value: Any) -> dict:
         else:
             raise SchemaError("expected one of `none`, `auto`, `required` or a tool")
     out["tool_choice"] = tc
-    effort = r.raw("reasoning_effort")
-    out["reasoning_effort"] = None if effort is None else variant(effort, C.REQUEST_EFFORTS)
+    out["reasoning_effort"] = r.opt_variant("reasoning_effort", C.REQUEST_EFFORTS)
     th = r.raw("thinking")
     if th is not None:
         thr = Reader(th, "struct ChatCompletionThinking")

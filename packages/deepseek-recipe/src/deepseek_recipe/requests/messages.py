@@ -189,8 +189,7 @@ def _parse(value: Any) -> dict:
     oc = r.raw("output_config")
     effort = None
     if oc is not None:
-        e = Reader(oc, "struct MessagesOutputConfig").raw("effort")
-        effort = None if e is None else variant(e, C.REQUEST_EFFORTS)
+        effort = Reader(oc, "struct MessagesOutputConfig").opt_variant("effort", C.REQUEST_EFFORTS)
     q["effort"] = effort
     md = r.raw("metadata")
     if md is not None:

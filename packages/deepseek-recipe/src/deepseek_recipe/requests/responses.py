@@ -89,9 +89,7 @@ def _message(v: dict) -> dict:
 
 def _image(b: dict) -> tuple:
     r = Reader(b, "struct ResponsesInputImage")
-    detail = r.raw("detail")
-    if detail is not None:
-        detail = variant(detail, ("low", "high", "original", "auto"))
+    detail = r.opt_variant("detail", C.IMAGE_DETAILS)
     return (r.opt("image_url", "str"), detail, r.opt("file_id", "str"))
 
 
@@ -216,8 +214,7 @@ def _parse(value: Any) -> dict:
     q["reasoning_raw"] = None
     if reasoning is not None:
         rr = Reader(reasoning, "struct ResponsesReasoningConfig")
-        e = rr.raw("effort")
-        q["effort"] = None if e is None else variant(e, C.REQUEST_EFFORTS)
+        q["effort"] = rr.opt_variant("effort", C.REQUEST_EFFORTS)
         summary = rr.raw("summary")
         gen = rr.raw("generate_summary")
         for s in (summary, gen):
