@@ -10,17 +10,9 @@ from deepseek_recipe.testing import (
     build_conversation,
     conversion_options,
     drive_stream,
-    golden_cases,
+    golden_params,
     request_class,
 )
-
-
-def golden_params(name: str):
-    cases = golden_cases(name)
-    if not cases:
-        reason = f"golden corpus {name} not found (set DEEPINFER_RECIPE_GOLDEN or keep shared/recipe-golden)"
-        return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="no-golden")]
-    return [pytest.param(c, id=c["id"]) for c in cases]
 
 
 def _check_error(exc: BaseException | None, expected: dict | None) -> None:

@@ -3,15 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from deepseek_recipe.testing import convert_request, drive_stream, golden_cases
-
-
-def golden_params(name: str):
-    cases = golden_cases(name)
-    if not cases:
-        reason = f"golden corpus {name} not found (set DEEPINFER_RECIPE_GOLDEN or keep shared/recipe-golden)"
-        return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="no-golden")]
-    return [pytest.param(c, id=c["id"]) for c in cases]
+from deepseek_recipe.testing import convert_request, drive_stream, golden_params
 
 
 def _summary(response: dict) -> dict:

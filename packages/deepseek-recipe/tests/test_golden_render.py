@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import deepseek_recipe as R
 import pytest
-from deepseek_recipe.testing import build_conversation, convert_request, golden_cases
-
-
-def golden_params(name: str):
-    cases = golden_cases(name)
-    if not cases:
-        reason = f"golden corpus {name} not found (set DEEPINFER_RECIPE_GOLDEN or keep shared/recipe-golden)"
-        return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="no-golden")]
-    return [pytest.param(c, id=c["id"]) for c in cases]
+from deepseek_recipe.testing import build_conversation, convert_request, golden_params
 
 
 @pytest.mark.parametrize("case", golden_params("render.jsonl"))

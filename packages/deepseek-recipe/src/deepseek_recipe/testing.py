@@ -23,6 +23,7 @@ __all__ = [
     "convert_request",
     "golden_dir",
     "golden_cases",
+    "golden_params",
     "drive_stream",
     "normalize",
 ]
@@ -142,6 +143,18 @@ def golden_cases(name: str) -> list[dict]:
         return []
     with open(d / name, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def golden_params(name: str) -> list:
+    """`pytest.param`s (id = case id) of one golden JSONL file for `parametrize`; one skipped param when the
+    corpus is absent. Needs pytest (imported here, so the library itself does not depend on it)."""
+    import pytest
+
+    cases = golden_cases(name)
+    if not cases:
+        reason = f"golden corpus {name} not found (set DEEPINFER_RECIPE_GOLDEN or keep shared/recipe-golden)"
+        return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="no-golden")]
+    return [pytest.param(c, id=c["id"]) for c in cases]
 
 
 def drive_stream(
