@@ -40,19 +40,14 @@ def cache_families(
             )
         )  # fmt: skip
     srcs = [p for p in plans if p.has_compressor]
-    if srcs:
-        fams.append(
-            CacheFamily(
-                name="compressed_kv", kind="paged", num_layers=len(srcs),
-                bytes_per_token=sum(args.head_dim * el / p.ratio for p in srcs),
-            )
-        )  # fmt: skip
     idx = [p for p in srcs if _has_index_keys(args, p)]
-    if idx:
-        fams.append(
-            CacheFamily(
-                name="indexer_keys", kind="paged", num_layers=len(idx),
-                bytes_per_token=sum(args.index_head_dim * el / p.ratio for p in idx),
-            )
-        )  # fmt: skip
+    # Paged families: one row of `width` elements per `ratio` tokens in each of their layers.
+    for name, layers, width in (("compressed_kv", srcs, args.head_dim), ("indexer_keys", idx, args.index_head_dim)):
+        if layers:
+            fams.append(
+                CacheFamily(
+                    name=name, kind="paged", num_layers=len(layers),
+                    bytes_per_token=sum(width * el / p.ratio for p in layers),
+                )
+            )  # fmt: skip
     return fams
