@@ -100,7 +100,6 @@ def load_hf(model_dir: Path, device: torch.device) -> tuple[Any, str | None]:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from bench_model import bench_one, env_info
-
     from deepinfer_engine.model.args import ModelArgs
     from deepinfer_engine.model.loader import load_model
     from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.inventory import tensor_inventory
 from deepinfer_engine.model.presets import preset_config
