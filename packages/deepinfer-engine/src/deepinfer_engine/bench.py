@@ -105,6 +105,101 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
     }
 
 
+def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0) -> list[float]:
+    """Wall time of each pure decode step (every sequence past its prompt) of one batch, through the engine's
+    step loop: schedule + forward + sampling + the step's one host read, i.e. what a user waits per token."""
+    eng = llm.engine
+    vocab = int(getattr(eng.args, "vocab_size", 129280))
+    prompts = _random_prompts(batch_size, input_len, vocab, seed, eng.bos_token_id)
+    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, seed=seed)
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"bench-decode-{seed}-{i}", ids, sp)
+    times: list[float] = []
+    while eng.has_unfinished_requests():
+        prefilled = eng.total.prefill_tokens
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        if eng.total.prefill_tokens == prefilled:
+            times.append(dt)
+    return times
+
+
+def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: int, seed: int = 0,
+                    kv_format: str = "bfloat16") -> dict[str, Any]:
+    """Median decode step time per batch size beside the bytes that step must read (`roofline`) and the copy
+    bandwidth and bf16 matmul rate measured on the same device in the same run."""
+    from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate
+
+    dev = llm.engine.runner.device
+    copy_bw = measure_copy_bandwidth(dev, nbytes=(1 << 30) if dev.type == "cuda" else (1 << 26))
+    mm_rate = measure_matmul_rate(dev, n=8192 if dev.type == "cuda" else 512, iters=10 if dev.type == "cuda" else 3)
+    rows = []
+    for b in batch_sizes:
+        decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=2, seed=seed + 1)  # warm-up
+        times = decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=steps, seed=seed)
+        step = statistics.median(times)
+        nbytes = decode_step_bytes(llm.engine.args, b, input_len + steps // 2, kv_format)  # type: ignore[arg-type]
+        bound = nbytes.total / copy_bw
+        rows.append({"batch_size": b, "step_s": step, "step_s_all": times, "tokens_per_s": b / step,
+                     "bytes": nbytes.as_dict(), "bytes_bound_s": bound, "fraction_of_bound": bound / step})
+    return {"benchmark": "decode_roofline", "input_len": input_len, "steps": steps, "kv_format": kv_format,
+            "copy_bandwidth_Bps": copy_bw, "bf16_matmul_flops": mm_rate, "rows": rows,
+            **_device_info(llm), "settings": _settings(llm)}
+
+
+def format_roofline(r: dict[str, Any]) -> str:
+    lines = [f"{' Decode step vs bytes bound ':=^78}",
+             f"device {r['device']} {r.get('gpu', r.get('cpu', ''))}: copy {r['copy_bandwidth_Bps'] / 1e9:.1f} GB/s "
+             f"(read + write), bf16 matmul {r['bf16_matmul_flops'] / 1e12:.1f} TFLOP/s, context {r['input_len']}",
+             f"{'batch':>6} {'step ms':>10} {'tok/s':>10} {'GB/step':>9} {'bound ms':>9} {'of bound':>9}"]
+    for row in r["rows"]:
+        lines.append(f"{row['batch_size']:>6} {row['step_s'] * 1e3:>10.3f} {row['tokens_per_s']:>10.1f} "
+                     f"{row['bytes']['total'] / 1e9:>9.3f} {row['bytes_bound_s'] * 1e3:>9.3f} "
+                     f"{row['fraction_of_bound'] * 100:>8.1f}%")
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def check_plot_target(path: str | Path) -> None:
+    """Before any work: matplotlib importable and the PNG's directory writable (ConfigError otherwise)."""
+    from deepinfer_engine.errors import ConfigError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:  # optional dependency of a benchmark flag
+        raise ConfigError("--plot: matplotlib is not installed; install it (uv pip install matplotlib) or drop "
+                          "--plot") from exc
+    p = Path(path)
+    if p.is_dir() or not p.parent.is_dir():
+        raise ConfigError(f"--plot: {str(p)!r} is a directory or its directory does not exist; expected a PNG path "
+                          "in an existing directory")
+
+
+def plot_roofline(r: dict[str, Any], path: str | Path) -> None:
+    """Step time vs batch size against the bytes bound (PNG; needs matplotlib, see `check_plot_target`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    bs = [row["batch_size"] for row in r["rows"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(bs, [row["step_s"] * 1e3 for row in r["rows"]], "o-", label="decode step (measured)")
+    ax.plot(bs, [row["bytes_bound_s"] * 1e3 for row in r["rows"]], "s--",
+            label=f"bytes / copy bandwidth ({r['copy_bandwidth_Bps'] / 1e9:.0f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size (sequences)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"{r['settings']['arch']} hidden {r['settings']['hidden_size']} x {r['settings']['num_layers']} "
+                 f"layers, {r['device']}, context {r['input_len']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def format_result(r: dict[str, Any]) -> str:
     """The fixed-width result block (labels are stable: scripts may grep them)."""
     w = 28

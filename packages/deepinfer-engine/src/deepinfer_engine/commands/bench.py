@@ -15,11 +15,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--output-len", type=int, default=32)
     lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles",
                          allow_abbrev=False)
-    lat.add_argument("--batch-size", type=int, default=4)
+    lat.add_argument("--batch-size", type=_int_list, default=[4],
+                     help="batch size, or a comma list (each gets a latency block and a decode-step row)")
     lat.add_argument("--input-len", type=int, default=32)
     lat.add_argument("--output-len", type=int, default=32)
     lat.add_argument("--num-iters", type=int, default=3)
     lat.add_argument("--num-iters-warmup", type=int, default=1)
+    lat.add_argument("--decode-steps", type=int, default=16,
+                     help="timed decode steps per batch size for the bytes-bound table (0: skip the table)")
+    lat.add_argument("--plot", help="draw decode step time vs batch size against the bytes bound into this PNG")
     for p in (t, lat):
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
@@ -27,19 +31,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         add_engine_args(p)
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"found {text!r}, expected an integer or a comma list of integers") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"found {text!r}, expected positive integers")
+    return vals
+
+
 def run(ns: argparse.Namespace) -> int:
     from deepinfer_engine import bench
     from deepinfer_engine.llm import llm_from_cli
 
+    if getattr(ns, "plot", None):
+        bench.check_plot_target(ns.plot)
     llm = llm_from_cli(ns)
     if ns.bench_kind == "throughput":
         r = bench.throughput(llm, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
                              temperature=ns.temperature, seed=ns.bench_seed)
+        print(bench.format_result(r))
     else:
-        r = bench.latency(llm, batch_size=ns.batch_size, input_len=ns.input_len, output_len=ns.output_len,
-                          num_iters=ns.num_iters, num_iters_warmup=ns.num_iters_warmup,
-                          temperature=ns.temperature, seed=ns.bench_seed)
-    print(bench.format_result(r))
+        blocks = []
+        for b in ns.batch_size:
+            blocks.append(bench.latency(llm, batch_size=b, input_len=ns.input_len, output_len=ns.output_len,
+                                        num_iters=ns.num_iters, num_iters_warmup=ns.num_iters_warmup,
+                                        temperature=ns.temperature, seed=ns.bench_seed))
+            print(bench.format_result(blocks[-1]))
+        r = blocks[0] if len(blocks) == 1 else {"benchmark": "latency", "runs": blocks}
+        if ns.decode_steps > 0:
+            roof = bench.decode_roofline(llm, batch_sizes=ns.batch_size, input_len=ns.input_len,
+                                         steps=ns.decode_steps, seed=ns.bench_seed)
+            print(bench.format_roofline(roof))
+            r = {**r, "decode_roofline": roof}
+            if ns.plot:
+                bench.plot_roofline(roof, ns.plot)
     if ns.output_json:
         bench.write_json(r, ns.output_json)
     return 0

@@ -28,6 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="split shards at this many bytes (default 10 MB below 1 GB total, else 4 GB)",
     )
     parser.add_argument(
+        "--n-routed-experts", type=int, default=None,
+        help="override the routed-expert count (top-k clipped to it): a real-width slice in less time and disk",
+    )
+    parser.add_argument(
+        "--device", default="cpu",
+        help="where random values are drawn and quantized (cuda: real-width slices become disk-bound)",
+    )
+    parser.add_argument(
         "--overwrite", action="store_true", help="write into a directory that holds a checkpoint"
     )
 
@@ -38,7 +46,8 @@ def run(ns: argparse.Namespace) -> int:
 
     try:
         out = make_checkpoint(
-            ns.out, ns.arch, ns.preset, ns.seed, max_shard_bytes=ns.max_shard_bytes, overwrite=ns.overwrite
+            ns.out, ns.arch, ns.preset, ns.seed, max_shard_bytes=ns.max_shard_bytes, overwrite=ns.overwrite,
+            n_routed_experts=ns.n_routed_experts, device=ns.device,
         )
         with CheckpointReader(out) as reader:
             names = reader.tensor_names()

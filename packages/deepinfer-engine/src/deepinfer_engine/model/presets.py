@@ -420,8 +420,30 @@ def _shift_targets(targets: list[int], old_layers: int, n: int) -> list[int]:
     return shifted
 
 
-def preset_config(arch: str, preset: str) -> dict[str, Any]:
-    """The config.json dict of a preset: `tiny`, `tiny-dspark` (v4 only), `full`, `layers-N`."""
+def preset_config(arch: str, preset: str, *, n_routed_experts: int | None = None) -> dict[str, Any]:
+    """The config.json dict of a preset: `tiny`, `tiny-dspark` (v4 only), `full`, `layers-N`.
+
+    `n_routed_experts` overrides the backbone's routed-expert count (draft stages keep at most that many), so that
+    a real-width slice can be written in a fraction of the time and disk; top-k is clipped to it.
+    """
+    cfg = _preset_config(arch, preset)
+    if n_routed_experts is not None:
+        _override_experts(cfg, arch, n_routed_experts)
+    return cfg
+
+
+def _override_experts(cfg: dict[str, Any], arch: str, n: int) -> None:
+    tc = cfg if arch == "v4" else cfg["text_config"]
+    if n < 1:
+        raise ConfigError(f"n_routed_experts: found {n}, expected >= 1")
+    tc["n_routed_experts"] = n
+    tc["num_experts_per_tok"] = min(tc["num_experts_per_tok"], n)
+    if "dspark_n_routed_experts" in tc:
+        tc["dspark_n_routed_experts"] = min(tc["dspark_n_routed_experts"], n)
+        tc["dspark_num_experts_per_tok"] = min(tc["dspark_num_experts_per_tok"], tc["dspark_n_routed_experts"])
+
+
+def _preset_config(arch: str, preset: str) -> dict[str, Any]:
     if arch not in ("v4", "v41"):
         raise ConfigError(f"--arch: found {arch!r}; expected 'v4' or 'v41'")
     if preset == "tiny":

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from deepinfer_kernels.quant import E2M1_VALUES, float_to_e8m0, pack_fp4, quant_fp4, quant_fp8_block
+from deepinfer_kernels.quant import E2M1_VALUES, float_to_e8m0, quant_fp4, quant_fp8_block
 
 from deepinfer_engine.errors import CheckpointError
 from deepinfer_engine.model.args import ModelArgs
@@ -37,7 +37,7 @@ _OUTPUT_PROJ = (".wo_b.weight", ".w2.weight")
 
 
 def _normal(shape: tuple[int, ...], std: float, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device) * std
 
 
 def _logical_init(spec: TensorSpec, args: ModelArgs, gen: torch.Generator) -> torch.Tensor:
@@ -55,7 +55,7 @@ def _logical_init(spec: TensorSpec, args: ModelArgs, gen: torch.Generator) -> to
     if base.startswith("hc_") and base.endswith("_base"):
         b = _normal(shape, 0.1, gen)
         if shape[0] == args.hc_dim:  # comb logits: favour keeping each stream (diagonal)
-            b[2 * n :] += torch.eye(n).flatten()
+            b[2 * n :] += torch.eye(n, device=b.device).flatten()
         return b
     if base.startswith("hc_") and base.endswith("_scale"):
         return 0.5 + _normal(shape, 0.05, gen)
@@ -82,17 +82,19 @@ def _logical_init(spec: TensorSpec, args: ModelArgs, gen: torch.Generator) -> to
 def _fp4_direct(
     shape: tuple[int, int], std: float, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 16, shape, generator=gen, dtype=torch.int64)
+    # a uniformly random byte is two independent uniformly random e2m1 codes: draw the packed bytes directly
+    # (8x less memory and no packing pass than int64 codes; real-width slices hold tens of GB of experts)
+    packed = torch.randint(-128, 128, (shape[0], shape[1] // 2), generator=gen, dtype=torch.int8, device=gen.device)
     scale = 2.0 ** round(math.log2(std / _E2M1_CODE_RMS))
-    s = torch.full((shape[0], -(-shape[1] // 32)), scale, dtype=torch.float32)
-    return pack_fp4(codes), float_to_e8m0(s)
+    s = torch.full((shape[0], -(-shape[1] // 32)), scale, dtype=torch.float32, device=gen.device)
+    return packed, float_to_e8m0(s)
 
 
 def init_tensor(spec: TensorSpec, args: ModelArgs, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Stored tensor(s) of one inventory entry: `{name: tensor}` plus `{scale name: scale}` when quantized."""
     if spec.dtype == "i64":  # ffn.gate.tid2eid [vocab, top-k]: distinct experts per token
         n_exp = args.n_routed_experts
-        order = torch.rand((spec.shape[0], n_exp), generator=gen).argsort(dim=1)
+        order = torch.rand((spec.shape[0], n_exp), generator=gen, device=gen.device).argsort(dim=1)
         return {spec.name: order[:, : spec.shape[1]].contiguous().to(torch.int64)}
     if spec.dtype == "fp4_e2m1x2":
         assert spec.scale is not None
@@ -137,8 +139,13 @@ def write_checkpoint(
     max_shard_bytes: int | None = None,
     tokenizer: bool = True,
     overwrite: bool = False,
+    device: str | torch.device = "cpu",
 ) -> Path:
-    """Write a random checkpoint for a `config.json` dict into `out_dir` (created); returns the directory."""
+    """Write a random checkpoint for a `config.json` dict into `out_dir` (created); returns the directory.
+
+    `device` is where the random values are drawn and quantized (`cuda` makes real-width slices disk-bound);
+    the values depend on it (different random streams), not on anything else.
+    """
     from safetensors.torch import save_file
 
     args = ModelArgs.from_config_dict(config)
@@ -153,7 +160,7 @@ def write_checkpoint(
     if max_shard_bytes < 1:
         raise CheckpointError(f"max_shard_bytes: found {max_shard_bytes}, expected a positive byte count")
     plan = _plan_shards(specs, max_shard_bytes)
-    gen = torch.Generator().manual_seed(int(seed))
+    gen = torch.Generator(device=torch.device(device)).manual_seed(int(seed))
     weight_map: dict[str, str] = {}
     n = len(plan)
     for k, group in enumerate(plan, start=1):
@@ -162,7 +169,7 @@ def write_checkpoint(
         for spec in group:
             tensors.update(init_tensor(spec, args, gen))
         save_file(
-            {k2: v.contiguous() for k2, v in tensors.items()}, str(out / fname), metadata={"format": "pt"}
+            {k2: v.contiguous().cpu() for k2, v in tensors.items()}, str(out / fname), metadata={"format": "pt"}
         )
         weight_map.update(dict.fromkeys(tensors, fname))
         del tensors
@@ -190,10 +197,14 @@ def make_checkpoint(
     *,
     max_shard_bytes: int | None = None,
     overwrite: bool = False,
+    n_routed_experts: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> Path:
-    """`deepinfer make-checkpoint`: a random checkpoint of preset `tiny | tiny-dspark | layers-N | full`."""
+    """`deepinfer make-checkpoint`: a random checkpoint of preset `tiny | tiny-dspark | layers-N | full`
+    (`n_routed_experts` overrides the routed-expert count, see `preset_config`)."""
     return write_checkpoint(
-        out_dir, preset_config(arch, preset), seed, max_shard_bytes=max_shard_bytes, overwrite=overwrite
+        out_dir, preset_config(arch, preset, n_routed_experts=n_routed_experts), seed,
+        max_shard_bytes=max_shard_bytes, overwrite=overwrite, device=device,
     )
 
 

@@ -1,0 +1,36 @@
+"""`deepinfer bench latency` with several batch sizes: latency blocks, the decode-step bytes-bound table, the plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from deepinfer_engine.cli import main
+
+pytest.importorskip("matplotlib")
+
+
+def test_latency_sweep_writes_roofline_and_plot(tiny_v41_dir, tmp_path, capsys) -> None:
+    dst, png = tmp_path / "lat.json", tmp_path / "roof.png"
+    rc = main(["bench", "latency", "--batch-size", "1,2", "--input-len", "4", "--output-len", "2",
+               "--num-iters", "1", "--num-iters-warmup", "0", "--decode-steps", "2", "--plot", str(png),
+               "--output-json", str(dst), "--model", str(tiny_v41_dir), "--device", "cpu", "--dtype", "float32"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.count("Latency Benchmark Result") == 2 and "Decode step vs bytes bound" in out
+    r = json.loads(dst.read_text())
+    assert [b["batch_size"] for b in r["runs"]] == [1, 2]
+    roof = r["decode_roofline"]
+    assert roof["copy_bandwidth_Bps"] > 0 and [row["batch_size"] for row in roof["rows"]] == [1, 2]
+    for row in roof["rows"]:
+        assert len(row["step_s_all"]) == 2 and row["step_s"] > 0  # exactly the timed pure-decode steps
+        assert row["bytes"]["total"] == row["bytes"]["weights"] + row["bytes"]["kv"] > 0
+        assert row["fraction_of_bound"] == pytest.approx(row["bytes_bound_s"] / row["step_s"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_into_missing_directory_fails_before_any_work(tiny_v41_dir, tmp_path) -> None:
+    from deepinfer_engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--plot"):
+        main(["bench", "latency", "--plot", str(tmp_path / "nope" / "x.png"), "--model", str(tiny_v41_dir / "missing")])
