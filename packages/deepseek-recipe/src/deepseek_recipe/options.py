@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ._text import check_text
 from .encoding.special_tokens import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 
 __all__ = [
@@ -114,6 +115,7 @@ class ConversionOptions:
                 raise TypeError(
                     f"model_versions_by_name must map str to ModelVersion, got {name!r}: {version!r}"
                 )
+            check_text(name, "a model name of ConversionOptions.model_versions_by_name")
         object.__setattr__(self, "model_versions_by_name", table)
 
     def with_default_thinking_mode(self, default_thinking_mode: bool) -> ConversionOptions:
@@ -236,12 +238,15 @@ class ParsingOptions:
             raise TypeError(
                 f"thinking_initial_stage must be a ThinkingInitialStage or None, got {self.thinking_initial_stage!r}"
             )
-        self.stop_sequences = list(self.stop_sequences or ())
-        for s in self.stop_sequences:
-            if not isinstance(s, str):
-                raise TypeError(f"stop_sequences must hold strings, got {s!r}")
+        if isinstance(self.stop_sequences, (str, bytes)):
+            raise TypeError("stop_sequences must be a list of strings, got a single string")
+        self.stop_sequences = [
+            check_text(s, f"ParsingOptions.stop_sequences[{i}]") for i, s in enumerate(self.stop_sequences or ())
+        ]
         if self.special_tokens is None:
             self.special_tokens = DEFAULT_SPECIAL_TOKENS
+        if not isinstance(self.special_tokens, SpecialTokens):
+            raise TypeError(f"special_tokens must be SpecialTokens or None, got {type(self.special_tokens).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
+from .._text import check_text
+
 __all__ = ["SpecialToken", "SpecialTokens", "IMAGE_SPECIAL_TOKEN_ID"]
 
 # [I] recipe.md §1: the V4.1 tokenizer maps the image placeholder to 129264; the
@@ -94,6 +96,8 @@ class SpecialTokens:
                 )
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"SpecialTokens.{name} must be a non-empty string, got {value!r}")
+            if value is not None:
+                check_text(value, f"SpecialTokens.{name}")
         for f in fields(type(self)):
             value = spellings.get(f.name)
             object.__setattr__(self, f.name, f.default if value is None else value)

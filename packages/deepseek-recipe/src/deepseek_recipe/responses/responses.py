@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from ..parsing.stream_processor import FinishReason, PromptUsage
-from ._chunk import EventAccumulatedResponse, ProtocolChunk, now
+from ._chunk import EventAccumulatedResponse, ProtocolChunk, check_counts, check_identity, now
 from .tool_call_id import new_tool_call_id
 
 __all__ = ["ResponsesStreamEvent", "ResponsesChunkGenerator", "ResponsesResponse"]
@@ -78,8 +78,7 @@ class ResponsesChunkGenerator:
 
     def __init__(self, id: str, model: str, thinking_mode: bool, response_options=None) -> None:  # noqa: A002
         self._clock = now
-        self._id = id
-        self._model = model
+        self._id, self._model = check_identity("ResponsesChunkGenerator", id, model)
         self._echo = None if response_options is None else response_options.responses_echo
         self._namespace_map = None if response_options is None else response_options.namespace_tool_map
         self._response: dict | None = None
@@ -385,6 +384,13 @@ class ResponsesResponse(EventAccumulatedResponse):
     def __init__(
         self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
     ) -> None:  # noqa: A002
+        id, model = check_identity("ResponsesResponse", id, model)  # noqa: A001
+        check_counts(
+            "ResponsesResponse",
+            created=created,
+            prompt_tokens=prompt_tokens,
+            prompt_cache_hit_tokens=prompt_cache_hit_tokens,
+        )
         self._data = _new_response(id, model, created)
 
     def accumulate(self, event: ResponsesStreamEvent) -> None:
