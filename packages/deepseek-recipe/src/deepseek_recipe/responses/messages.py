@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 from .. import _json
-from ..parsing.stream_processor import FinishReason, PromptUsage
 from .._text import check_text
+from ..parsing.stream_processor import FinishReason, PromptUsage
 from ._chunk import EventAccumulatedResponse, ProtocolChunk, check_counts, check_identity
 from .tool_call_id import new_tool_call_id
 
