@@ -9,7 +9,9 @@ that entry point's documented error type.
 
 from __future__ import annotations
 
-__all__ = ["surrogate_index", "surrogate_message", "check_text", "check_opt_text"]
+import reprlib
+
+__all__ = ["surrogate_index", "surrogate_message", "check_text", "check_opt_text", "describe"]
 
 
 def surrogate_index(text: str) -> int | None:
@@ -44,3 +46,21 @@ def check_text(value: object, where: str, error: type[Exception] = ValueError) -
 def check_opt_text(value: object, where: str, error: type[Exception] = ValueError) -> str | None:
     """Like `check_text`, but None passes through."""
     return None if value is None else check_text(value, where, error)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxstring = 80
+_REPR.maxother = 80
+
+
+def describe(value: object) -> str:
+    """A short, always-printable repr of a user value for error messages.
+
+    Bounded in depth and length, so a value nested thousands of levels deep (or a huge string)
+    cannot turn the error message itself into a RecursionError or a megabyte of text.
+    """
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a user type whose __repr__ fails
+        return f"<{type(value).__name__} object>"

@@ -32,7 +32,8 @@ _DETAILS = ("low", "high", "original", "auto")
 
 
 def _check_detail(detail: str) -> str:
-    if not isinstance(detail, str) or detail not in _DETAILS:
+    detail = check_text(detail, "image detail")
+    if detail not in _DETAILS:
         raise ValueError(f'invalid detail "{detail}"; expected "low", "high", "original", or "auto"')
     return detail
 

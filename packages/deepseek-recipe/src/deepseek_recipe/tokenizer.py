@@ -13,7 +13,7 @@ from importlib import resources
 
 import tokenizers
 
-from ._text import check_text
+from ._text import check_text, describe
 
 __all__ = ["Tokenizer", "default_tokenizer_path"]
 
@@ -87,7 +87,7 @@ class Tokenizer:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, ValueError) as exc:  # ValueError: undecodable bytes or an unencodable path
-            raise RuntimeError(f"cannot read tokenizer file {path!r}: {exc}") from None
+            raise RuntimeError(f"cannot read tokenizer file {describe(path)}: {exc}") from None
         return cls(text)
 
     @classmethod
@@ -104,7 +104,7 @@ class Tokenizer:
         if os.path.isfile(path):
             return cls.from_file(path)
         raise RuntimeError(
-            f"from_pretrained({identifier!r}): no tokenizer.json in that directory; this pure-Python package "
+            f"from_pretrained({describe(identifier)}): no tokenizer.json in that directory; this pure-Python package "
             "does not download from the Hub"
         )
 

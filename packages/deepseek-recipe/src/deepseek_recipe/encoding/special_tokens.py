@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
-from .._text import check_text
+from .._text import check_text, describe
 
 __all__ = ["SpecialToken", "SpecialTokens", "IMAGE_SPECIAL_TOKEN_ID"]
 
@@ -92,10 +92,10 @@ class SpecialTokens:
         for name, value in spellings.items():
             if name not in known:
                 raise TypeError(
-                    f"SpecialTokens got an unknown token {name!r}; expected one of {sorted(known)}"
+                    f"SpecialTokens got an unknown token {describe(name)}; expected one of {sorted(known)}"
                 )
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"SpecialTokens.{name} must be a non-empty string, got {value!r}")
+                raise ValueError(f"SpecialTokens.{name} must be a non-empty string, got {describe(value)}")
             if value is not None:
                 check_text(value, f"SpecialTokens.{name}")
         for f in fields(type(self)):

@@ -10,6 +10,7 @@ end of the stream are dropped.
 
 from __future__ import annotations
 
+from .._text import describe
 from ..options import f32
 
 __all__ = ["StreamDecoder", "DecodedText", "f32_json"]
@@ -63,7 +64,7 @@ class StreamDecoder:
                 try:
                     tid = int(tid)
                 except (TypeError, ValueError):
-                    raise RuntimeError(f"failed to decode token IDs: invalid token id {tid!r}") from None
+                    raise RuntimeError(f"failed to decode token IDs: invalid token id {describe(tid)}") from None
             if tid < 0 or tid >= 2**32:
                 raise RuntimeError(f"failed to decode token IDs: token id {tid} is out of range")
             lp = None if logprobs is None else logprobs[k]

@@ -14,7 +14,7 @@ import enum
 import json
 from collections import deque
 
-from .._text import check_opt_text, check_text
+from .._text import check_opt_text, check_text, describe
 from ..options import ParsingOptions
 from . import output_parser as P
 from .decoder import StreamDecoder
@@ -40,7 +40,7 @@ class PromptUsage:
             ("prompt_cache_hit_tokens", prompt_cache_hit_tokens),
         ):
             if type(v) is not int or v < 0:
-                raise ValueError(f"PromptUsage.{name} must be a non-negative int, got {v!r}")
+                raise ValueError(f"PromptUsage.{name} must be a non-negative int, got {describe(v)}")
         self.prompt_tokens = prompt_tokens
         self.prompt_cache_hit_tokens = prompt_cache_hit_tokens
 
@@ -101,7 +101,7 @@ class InferenceChunk:
     def text(content: str, token_count: int = 0) -> InferenceChunk:
         content = check_text(content, "text chunk content")
         if type(token_count) is not int or token_count < 0:
-            raise ValueError(f"token_count must be a non-negative int, got {token_count!r}")
+            raise ValueError(f"token_count must be a non-negative int, got {describe(token_count)}")
         c = InferenceChunk("text")
         c.content = content
         c.token_count = token_count
@@ -119,7 +119,7 @@ class InferenceChunk:
     @staticmethod
     def finish(finish_reason: InferenceFinishReason) -> InferenceChunk:
         if not isinstance(finish_reason, InferenceFinishReason):
-            raise TypeError(f"finish_reason must be an InferenceFinishReason, got {finish_reason!r}")
+            raise TypeError(f"finish_reason must be an InferenceFinishReason, got {describe(finish_reason)}")
         c = InferenceChunk("finish")
         c.finish_reason = finish_reason
         return c
