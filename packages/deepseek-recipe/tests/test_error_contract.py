@@ -170,3 +170,17 @@ def test_error_messages_of_deep_values_stay_short():
     with pytest.raises(TypeError) as info2:
         dr.InferenceChunk.finish(deep)
     assert len(str(info2.value)) < 200
+
+
+def test_regex_nested_too_deep_is_not_a_regex():
+    pattern = "(" * 1000 + ")" * 1000  # Python's regex parser recurses per group
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}},
+        },
+    }
+    req = dr.ChatCompletionRequest({**BODIES["chat_completions"], "tools": [tool]})
+    with pytest.raises(dr.ConversionError, match="Invalid schema for function 'f': .* is not a \"regex\""):
+        req.convert()

@@ -107,8 +107,11 @@ _PIECES = [
     "END",
 ]
 _SURROGATE = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)
+# Strings that stress a consumer: nesting for regex parsers (schema `pattern`), long runs, markup.
+_BOMBS = ["(" * 600 + ")" * 600, "[" * 300, "\\u" * 50, "{" * 200 + "}" * 200, "<｜DSML｜" * 40]
 text = st.one_of(
     st.text(max_size=8),
+    st.sampled_from(_BOMBS),
     st.text(st.characters(exclude_categories=()), max_size=8),  # lone surrogates included
     st.lists(st.one_of(st.sampled_from(_PIECES), _SURROGATE, st.text(max_size=3)), max_size=5).map("".join),
 )

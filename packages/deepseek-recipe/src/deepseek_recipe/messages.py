@@ -442,7 +442,8 @@ class Conversation:
             )
         msgs = list(messages or ())
         for m in msgs:
-            if not isinstance(m, Message):
+            # The concrete kinds only: the renderers know no other (a bare `Message` subclass has no content).
+            if not isinstance(m, (SystemMessage, UserMessage, AssistantMessage, ToolMessage, LatestReminderMessage)):
                 raise TypeError(f"messages must hold Message objects, got {type(m).__name__}")
         self._messages = msgs
         self._thinking_mode = bool(thinking_mode)
