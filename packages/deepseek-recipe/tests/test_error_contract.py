@@ -184,3 +184,20 @@ def test_regex_nested_too_deep_is_not_a_regex():
     req = dr.ChatCompletionRequest({**BODIES["chat_completions"], "tools": [tool]})
     with pytest.raises(dr.ConversionError, match="Invalid schema for function 'f': .* is not a \"regex\""):
         req.convert()
+
+
+def test_accumulators_and_echo_check_their_argument_types():
+    req = dr.ChatCompletionRequest(BODIES["chat_completions"]).convert()
+    chat_chunk = dr.StreamProcessor(
+        dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options
+    ).push(dr.InferenceChunk.ready())[0]
+    for response in (dr.MessagesResponse("r", "m"), dr.ResponsesResponse("r", "m", 0)):
+        with pytest.raises(TypeError, match="accumulate expects"):
+            response.accumulate(chat_chunk)
+    with pytest.raises(TypeError, match="accumulate expects a ChatCompletionChunk"):
+        dr.ChatCompletionResponse("r", "m", 0).accumulate({"id": "x"})
+    gen = dr.ResponsesChunkGenerator("r", "m", True)
+    with pytest.raises(TypeError, match="echo must be a ResponsesEcho"):
+        gen.with_echo({"instructions": "x"})
+    with pytest.raises(ValueError, match="lone surrogate"):
+        gen.with_namespace_tool_map({"f": ("ns", LONE)})

@@ -93,6 +93,8 @@ class EventAccumulatedResponse:
 
     @staticmethod
     def sse_event_name(chunk) -> str | None:
+        if not isinstance(chunk, ProtocolChunk):
+            raise TypeError(f"sse_event_name expects a protocol event, got {type(chunk).__name__}")
         return chunk.data["type"]
 
     @staticmethod

@@ -160,6 +160,8 @@ class ChatCompletionResponse:
         self._usage = None
 
     def accumulate(self, chunk: ChatCompletionChunk) -> None:
+        if not isinstance(chunk, ChatCompletionChunk):
+            raise TypeError(f"accumulate expects a ChatCompletionChunk, got {type(chunk).__name__}")
         data = chunk._take()
         if data.get("usage") is not None:
             self._usage = copy.deepcopy(data["usage"])
@@ -220,6 +222,8 @@ class ChatCompletionResponse:
 
     @staticmethod
     def sse_event_name(chunk) -> str | None:
+        if not isinstance(chunk, ChatCompletionChunk):
+            raise TypeError(f"sse_event_name expects a ChatCompletionChunk, got {type(chunk).__name__}")
         chunk._check()
         return None
 

@@ -176,6 +176,8 @@ class MessagesResponse(EventAccumulatedResponse):
         self._partial: dict[int, str] = {}
 
     def accumulate(self, event: MessagesStreamEvent) -> None:
+        if not isinstance(event, MessagesStreamEvent):
+            raise TypeError(f"accumulate expects a MessagesStreamEvent, got {type(event).__name__}")
         e = event._take()
         t = e["type"]
         content = self._data["content"]
