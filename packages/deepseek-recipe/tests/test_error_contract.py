@@ -201,3 +201,16 @@ def test_accumulators_and_echo_check_their_argument_types():
         gen.with_echo({"instructions": "x"})
     with pytest.raises(ValueError, match="lone surrogate"):
         gen.with_namespace_tool_map({"f": ("ns", LONE)})
+
+
+def test_non_finite_logprobs_serialize_as_null(v4_tokenizer):
+    body = dict(BODIES["chat_completions"], logprobs=True, top_logprobs=1, thinking={"type": "disabled"})
+    req = dr.ChatCompletionRequest(body).convert()
+    proc = dr.StreamProcessor(
+        dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options, v4_tokenizer
+    )
+    ids = v4_tokenizer.encode("hi")
+    (_, content) = proc.push(dr.InferenceChunk.tokens(ids, [(float("nan"), [(5, float("-inf"))])]))
+    text = content.to_json()
+    entry = json.loads(text, parse_constant=pytest.fail)["choices"][0]["logprobs"]["content"][0]
+    assert entry["logprob"] is None and entry["top_logprobs"][0]["logprob"] is None

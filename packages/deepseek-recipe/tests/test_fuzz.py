@@ -288,7 +288,7 @@ def chunks(draw):
                 st.one_of(st.none(), st.just("match"), st.lists(st.tuples(numbers, st.just([])), max_size=2))
             )
             if lps == "match":
-                lps = [(-0.5, [(ids[0] if ids else 0, -0.5)]) for _ in ids]
+                lps = [(draw(numbers), [(ids[0] if ids else 0, draw(numbers))]) for _ in ids]
             out.append(("tokens", ids, lps))
         elif kind == "garbage_tokens":
             out.append(("tokens", draw(st.lists(garbage, max_size=3)), None))
@@ -348,12 +348,22 @@ def run_stream(api: str, request, options, spec, *, rid="r", model="m", with_tok
     outs = attempt(proc.finish, RuntimeError, where="StreamProcessor.finish")
     if outs is not None:
         _consume(response, outs)
-    _encodable(response.to_json(), "accumulated response")
+    _strict_json(response.to_json(), "accumulated response")
+
+
+def _strict_json(text: str, where: str) -> None:
+    """`text` is UTF-8-encodable RFC 8259 JSON (no bare NaN / Infinity)."""
+    _encodable(text, where)
+
+    def reject(name):
+        raise NotDocumented(f"{where} holds the non-JSON number {name}: {text[:200]!r}")
+
+    json.loads(text, parse_constant=reject)
 
 
 def _consume(response, outs) -> None:
     for out in outs:
-        _encodable(out.to_json(), "protocol chunk")
+        _strict_json(out.to_json(), "protocol chunk")
         type(response).sse_event_name(out)
         response.accumulate(out)
 

@@ -18,11 +18,14 @@ __all__ = ["StreamDecoder", "DecodedText", "f32_json"]
 _REPLACEMENT = "\ufffd"
 
 
-def f32_json(value: float) -> float:
-    """The shortest decimal that denotes the same f32 (how the reference serializes f32 values)."""
+def f32_json(value: float) -> float | None:
+    """The shortest decimal that denotes the same f32 (how the reference serializes f32 values).
+
+    NaN and infinities become None: serde_json writes them as `null` (a bare `NaN` is not JSON).
+    """
     v = f32(float(value))
     if v != v or v in (float("inf"), float("-inf")):
-        return v
+        return None
     for digits in range(1, 10):
         candidate = float(f"{v:.{digits}g}")
         if f32(candidate) == v:
