@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ._text import describe
 from .errors import CalcResizeError, ImageError
 
 __all__ = [
@@ -35,7 +36,7 @@ class ImageInfo:
     def __init__(self, data: bytes, width: int, height: int) -> None:
         for name, v in (("width", width), ("height", height)):
             if type(v) is not int or v < 0:
-                raise ValueError(f"ImageInfo.{name} must be a non-negative int, got {v!r}")
+                raise ValueError(f"ImageInfo.{name} must be a non-negative int, got {describe(v)}")
         self._data, self._width, self._height = bytes(data), width, height
 
     data = property(lambda self: self._data)
@@ -187,7 +188,7 @@ class ReqwestImageFetcher:
 
     def fetch(self, url: str) -> bytes:
         raise ImageError(
-            f"fetching {url!r}: image fetching is not supported by the pure-Python recipe", kind="Unsupported"
+            f"fetching {describe(url)}: image fetching is not supported by the pure-Python recipe", kind="Unsupported"
         )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _json
+from ._text import check_opt_text, check_text
 from .encoding.prompt import Prompt
 from .encoding.special_tokens import SpecialToken
 
@@ -31,6 +32,7 @@ _DETAILS = ("low", "high", "original", "auto")
 
 
 def _check_detail(detail: str) -> str:
+    detail = check_text(detail, "image detail")
     if detail not in _DETAILS:
         raise ValueError(f'invalid detail "{detail}"; expected "low", "high", "original", or "auto"')
     return detail
@@ -42,7 +44,9 @@ class ToolCall:
     __slots__ = ("_id", "_name", "_arguments")
 
     def __init__(self, id: str, name: str, arguments: str) -> None:  # noqa: A002 - official name
-        self._id, self._name, self._arguments = str(id), str(name), str(arguments)
+        self._id = check_text(id, "ToolCall.id")
+        self._name = check_text(name, "ToolCall.name")
+        self._arguments = check_text(arguments, "ToolCall.arguments")
 
     id = property(lambda self: self._id)
     name = property(lambda self: self._name)
@@ -75,9 +79,14 @@ class ToolDefinition:
         strict: bool | None = None,
         defer_loading: bool = False,
     ) -> None:
-        self._name = str(name)
-        self._description = description
-        self._parameters = _json.from_python(parameters)
+        self._name = check_text(name, "ToolDefinition.name")
+        self._description = check_opt_text(description, "ToolDefinition.description")
+        try:
+            self._parameters = _json.from_python(parameters)
+        except _json.JSONError as exc:
+            raise ValueError(f"ToolDefinition.parameters: {exc}") from None
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(f"ToolDefinition.strict must be a bool or None, got {type(strict).__name__}")
         self._strict = strict
         self._defer_loading = bool(defer_loading)
 
@@ -116,6 +125,10 @@ class ImageSource:
     data = property(lambda self: self._data)
 
     def _init(self, kind, detail, path, url=None, data_url=None, data=None) -> None:
+        name = type(self).__name__
+        path = check_text(path, f"{name}.path")
+        url = check_opt_text(url, f"{name}.url")
+        data_url = check_opt_text(data_url, f"{name}.data_url")
         self._kind, self._detail, self._path = kind, _check_detail(detail), path
         self._url, self._data_url, self._data = url, data_url, data
 
@@ -140,7 +153,7 @@ class DataUrlImageSource(ImageSource):
     __slots__ = ()
 
     def __init__(self, data_url: str, detail: str = "high", *, path: str = "") -> None:
-        self._init("data_url", detail, path, data_url=data_url)
+        self._init("data_url", detail, path, data_url=check_text(data_url, "DataUrlImageSource.data_url"))
 
 
 class UrlImageSource(ImageSource):
@@ -149,7 +162,7 @@ class UrlImageSource(ImageSource):
     __slots__ = ()
 
     def __init__(self, url: str, detail: str = "high", *, path: str = "") -> None:
-        self._init("url", detail, path, url=url)
+        self._init("url", detail, path, url=check_text(url, "UrlImageSource.url"))
 
 
 class BytesImageSource(ImageSource):
@@ -158,11 +171,13 @@ class BytesImageSource(ImageSource):
     __slots__ = ()
 
     def __init__(self, data: bytes, detail: str = "high", *, path: str = "") -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"BytesImageSource.data must be bytes, got {type(data).__name__}")
         self._init("bytes", detail, path, data=bytes(data))
 
 
 def _content_with_placeholders(text: str, image_count: int, image_token: str | None) -> Prompt:
-    placeholder = SpecialToken.Image.value if image_token is None else image_token
+    placeholder = SpecialToken.Image.value if image_token is None else check_text(image_token, "image_token")
     if not placeholder:
         raise ValueError("image_token must not be empty")
     content = Prompt()
@@ -207,12 +222,13 @@ class _ContentMessage(Message):
     __slots__ = ("_content", "_prompt", "_image_sources")
 
     def _set_content(self, content: str, image_sources, image_token) -> None:
+        content = check_text(content, f"{type(self).__name__}.content")
         sources = list(image_sources or ())
         for s in sources:
             if not isinstance(s, ImageSource):
                 raise TypeError(f"image_sources must hold ImageSource objects, got {type(s).__name__}")
-        self._prompt = _content_with_placeholders(str(content), len(sources), image_token)
-        self._content = str(content)
+        self._prompt = _content_with_placeholders(content, len(sources), image_token)
+        self._content = content
         self._image_sources = sources
 
     @classmethod
@@ -245,7 +261,7 @@ class SystemMessage(_ContentMessage):
         image_token=None,
     ) -> None:
         self._set_content(content, image_sources, image_token)
-        self._tools = None if tools is None else list(tools)
+        self._tools = None if tools is None else _tool_list(tools, "SystemMessage.tools")
 
     @property
     def tools(self) -> list[ToolDefinition] | None:
@@ -293,7 +309,7 @@ class ToolMessage(_ContentMessage):
         self, content: str, tool_call_id: str | None = None, image_sources=None, *, image_token=None
     ) -> None:
         self._set_content(content, image_sources, image_token)
-        self._tool_call_id = tool_call_id
+        self._tool_call_id = check_opt_text(tool_call_id, "ToolMessage.tool_call_id")
 
     tool_call_id = property(lambda self: self._tool_call_id)
 
@@ -322,8 +338,8 @@ class AssistantMessage(Message):
         tool_calls: Sequence[ToolCall] | None = None,
         prefix: bool = False,
     ) -> None:
-        self._content = str(content)
-        self._reasoning_content = reasoning_content
+        self._content = check_text(content, "AssistantMessage.content")
+        self._reasoning_content = check_opt_text(reasoning_content, "AssistantMessage.reasoning_content")
         if tool_calls is not None:
             tool_calls = list(tool_calls)
             for c in tool_calls:
@@ -356,13 +372,21 @@ class LatestReminderMessage(Message):
     role = "latest_reminder"
 
     def __init__(self, content: str) -> None:
-        self._content = str(content)
+        self._content = check_text(content, "LatestReminderMessage.content")
 
     def to_dict(self) -> dict[str, Any]:
         return {"role": "latest_reminder", "content": self._content}
 
     def __repr__(self) -> str:
         return f"LatestReminderMessage({self._content!r})"
+
+
+def _tool_list(tools, where: str) -> list[ToolDefinition]:
+    out = list(tools)
+    for t in out:
+        if not isinstance(t, ToolDefinition):
+            raise TypeError(f"{where} must hold ToolDefinition objects, got {type(t).__name__}")
+    return out
 
 
 _TOOL_CHOICES = ("auto", "none", "required")
@@ -395,6 +419,13 @@ class Conversation:
         response_schema: Any | None = None,
         response_regex: str | None = None,
     ) -> None:
+        for name, value in (
+            ("tool_choice", tool_choice),
+            ("reasoning_effort", reasoning_effort),
+            ("response_format", response_format),
+            ("response_regex", response_regex),
+        ):
+            check_opt_text(value, f"Conversation.{name}")
         if tool_choice not in _TOOL_CHOICES:
             raise ValueError(f'invalid tool_choice "{tool_choice}"; expected "auto", "none", or "required"')
         if reasoning_effort is not None and reasoning_effort not in _EFFORTS:
@@ -411,11 +442,12 @@ class Conversation:
             )
         msgs = list(messages or ())
         for m in msgs:
-            if not isinstance(m, Message):
+            # The concrete kinds only: the renderers know no other (a bare `Message` subclass has no content).
+            if not isinstance(m, (SystemMessage, UserMessage, AssistantMessage, ToolMessage, LatestReminderMessage)):
                 raise TypeError(f"messages must hold Message objects, got {type(m).__name__}")
         self._messages = msgs
         self._thinking_mode = bool(thinking_mode)
-        self._tools = list(tools or ())
+        self._tools = _tool_list(tools or (), "Conversation.tools")
         self._tool_choice = tool_choice
         self._reasoning_effort = reasoning_effort
         if response_schema is not None:
@@ -424,7 +456,10 @@ class Conversation:
             self._response_format = "regex"
         else:
             self._response_format = response_format
-        self._response_schema = None if response_schema is None else _json.from_python(response_schema)
+        try:
+            self._response_schema = None if response_schema is None else _json.from_python(response_schema)
+        except _json.JSONError as exc:
+            raise ValueError(f"Conversation.response_schema: {exc}") from None
         self._response_regex = response_regex
 
     messages = property(lambda self: list(self._messages))

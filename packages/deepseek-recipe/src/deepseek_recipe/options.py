@@ -7,6 +7,7 @@ import struct
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ._text import check_text, describe
 from .encoding.special_tokens import DEFAULT_SPECIAL_TOKENS, SpecialTokens
 
 __all__ = [
@@ -97,23 +98,24 @@ class ConversionOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.reasoning_content_behavior, ReasoningContentBehavior):
             raise TypeError(
-                f"reasoning_content_behavior must be a ReasoningContentBehavior, got {self.reasoning_content_behavior!r}"
+                f"reasoning_content_behavior must be a ReasoningContentBehavior, got {describe(self.reasoning_content_behavior)}"
             )
         for name in ("responses_web_search", "messages_web_search"):
             if not isinstance(getattr(self, name), WebSearchBehavior):
-                raise TypeError(f"{name} must be a WebSearchBehavior, got {getattr(self, name)!r}")
+                raise TypeError(f"{name} must be a WebSearchBehavior, got {describe(getattr(self, name))}")
         for name in ("thinking_max_tokens_upper_bound", "non_thinking_max_tokens_upper_bound"):
             value = getattr(self, name)
             if type(value) is not int or not 0 <= value < 2**32:
-                raise ValueError(f"{name} must be an integer in [0, 2^32), got {value!r}")
+                raise ValueError(f"{name} must be an integer in [0, 2^32), got {describe(value)}")
         if not isinstance(self.special_tokens, SpecialTokens):
-            raise TypeError(f"special_tokens must be SpecialTokens, got {self.special_tokens!r}")
+            raise TypeError(f"special_tokens must be SpecialTokens, got {describe(self.special_tokens)}")
         table = dict(self.model_versions_by_name)
         for name, version in table.items():
             if not isinstance(name, str) or not isinstance(version, ModelVersion):
                 raise TypeError(
-                    f"model_versions_by_name must map str to ModelVersion, got {name!r}: {version!r}"
+                    f"model_versions_by_name must map str to ModelVersion, got {describe(name)}: {describe(version)}"
                 )
+            check_text(name, "a model name of ConversionOptions.model_versions_by_name")
         object.__setattr__(self, "model_versions_by_name", table)
 
     def with_default_thinking_mode(self, default_thinking_mode: bool) -> ConversionOptions:
@@ -134,7 +136,7 @@ class ConversionOptions:
     def with_model_alias(self, model: str, model_version: ModelVersion) -> ConversionOptions:
         if not isinstance(model, str) or not isinstance(model_version, ModelVersion):
             raise TypeError(
-                f"with_model_alias expects (str, ModelVersion), got ({model!r}, {model_version!r})"
+                f"with_model_alias expects (str, ModelVersion), got ({describe(model)}, {describe(model_version)})"
             )
         table = dict(self.model_versions_by_name)
         table[str(model)] = model_version
@@ -234,14 +236,17 @@ class ParsingOptions:
             self.thinking_initial_stage, ThinkingInitialStage
         ):
             raise TypeError(
-                f"thinking_initial_stage must be a ThinkingInitialStage or None, got {self.thinking_initial_stage!r}"
+                f"thinking_initial_stage must be a ThinkingInitialStage or None, got {describe(self.thinking_initial_stage)}"
             )
-        self.stop_sequences = list(self.stop_sequences or ())
-        for s in self.stop_sequences:
-            if not isinstance(s, str):
-                raise TypeError(f"stop_sequences must hold strings, got {s!r}")
+        if isinstance(self.stop_sequences, (str, bytes)):
+            raise TypeError("stop_sequences must be a list of strings, got a single string")
+        self.stop_sequences = [
+            check_text(s, f"ParsingOptions.stop_sequences[{i}]") for i, s in enumerate(self.stop_sequences or ())
+        ]
         if self.special_tokens is None:
             self.special_tokens = DEFAULT_SPECIAL_TOKENS
+        if not isinstance(self.special_tokens, SpecialTokens):
+            raise TypeError(f"special_tokens must be SpecialTokens or None, got {type(self.special_tokens).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -13,6 +13,8 @@ from importlib import resources
 
 import tokenizers
 
+from ._text import check_text, describe
+
 __all__ = ["Tokenizer", "default_tokenizer_path"]
 
 
@@ -48,11 +50,15 @@ class Tokenizer:
     __slots__ = ("_full", "_plain", "_added", "_added_ids", "_id_bytes")
 
     def __init__(self, json_text: str) -> None:
+        json_text = check_text(json_text, "tokenizer.json text", RuntimeError)
         try:
             data = json.loads(json_text)
             self._full = tokenizers.Tokenizer.from_str(json_text)
-        except Exception as exc:  # tokenizers raises its own Exception type
+            self._load_tables(data)
+        except Exception as exc:  # tokenizers raises its own Exception type; a malformed table anything
             raise RuntimeError(f"invalid tokenizer.json: {exc}") from None
+
+    def _load_tables(self, data: dict) -> None:
         added = {t["content"]: int(t["id"]) for t in data.get("added_tokens", ())}
         plain = dict(data)
         plain["added_tokens"] = []
@@ -74,12 +80,14 @@ class Tokenizer:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        """Load a tokenizer from a `tokenizer.json` file."""
+        """Load a tokenizer from a `tokenizer.json` file (RuntimeError when it cannot be read or parsed)."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
-        except OSError as exc:
-            raise RuntimeError(f"cannot read tokenizer file {os.fspath(path)!r}: {exc}") from None
+        except (OSError, ValueError) as exc:  # ValueError: undecodable bytes or an unencodable path
+            raise RuntimeError(f"cannot read tokenizer file {describe(path)}: {exc}") from None
         return cls(text)
 
     @classmethod
@@ -96,7 +104,7 @@ class Tokenizer:
         if os.path.isfile(path):
             return cls.from_file(path)
         raise RuntimeError(
-            f"from_pretrained({identifier!r}): no tokenizer.json in that directory; this pure-Python package "
+            f"from_pretrained({describe(identifier)}): no tokenizer.json in that directory; this pure-Python package "
             "does not download from the Hub"
         )
 
@@ -107,7 +115,11 @@ class Tokenizer:
 
     # -- full-vocabulary API -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
-        """Encode `text` with the full vocabulary (added tokens included); no BOS is added."""
+        """Encode `text` with the full vocabulary (added tokens included); no BOS is added.
+
+        RuntimeError when `text` holds a lone surrogate (it has no UTF-8 form); TypeError for a non-str.
+        """
+        text = check_text(text, "failed to encode text: the text", RuntimeError)
         return self._full.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -131,6 +143,7 @@ class Tokenizer:
 
     def count_tokens(self, text: str) -> int:
         """Number of full-vocabulary tokens of `text`."""
+        text = check_text(text, "failed to count tokens: the text", RuntimeError)
         return len(self._full.encode(text, add_special_tokens=False).ids) if text else 0
 
     @property
@@ -140,10 +153,12 @@ class Tokenizer:
     # -- prompt encoding -------------------------------------------------------------------
     def encode_plain(self, text: str) -> list[int]:
         """Encode text without the added vocabulary (prompt encoding of one plain region)."""
+        text = check_text(text, "failed to encode text: the text", RuntimeError)
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, prompt: str, special_ranges: list[tuple[int, int]]) -> list[int]:
         """Prompt encoding: plain regions without added vocabulary, special ranges by spelling."""
+        prompt = check_text(prompt, "failed to encode conversation: the prompt", RuntimeError)
         regions: list[str] = []
         specials: list[str] = []
         start = 0

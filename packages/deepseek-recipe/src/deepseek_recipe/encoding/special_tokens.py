@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, fields
 
+from .._text import check_text, describe
+
 __all__ = ["SpecialToken", "SpecialTokens", "IMAGE_SPECIAL_TOKEN_ID"]
 
 # [I] recipe.md §1: the V4.1 tokenizer maps the image placeholder to 129264; the
@@ -90,10 +92,12 @@ class SpecialTokens:
         for name, value in spellings.items():
             if name not in known:
                 raise TypeError(
-                    f"SpecialTokens got an unknown token {name!r}; expected one of {sorted(known)}"
+                    f"SpecialTokens got an unknown token {describe(name)}; expected one of {sorted(known)}"
                 )
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"SpecialTokens.{name} must be a non-empty string, got {value!r}")
+                raise ValueError(f"SpecialTokens.{name} must be a non-empty string, got {describe(value)}")
+            if value is not None:
+                check_text(value, f"SpecialTokens.{name}")
         for f in fields(type(self)):
             value = spellings.get(f.name)
             object.__setattr__(self, f.name, f.default if value is None else value)

@@ -10,6 +10,7 @@ end of the stream are dropped.
 
 from __future__ import annotations
 
+from .._text import describe
 from ..options import f32
 
 __all__ = ["StreamDecoder", "DecodedText", "f32_json"]
@@ -17,11 +18,14 @@ __all__ = ["StreamDecoder", "DecodedText", "f32_json"]
 _REPLACEMENT = "\ufffd"
 
 
-def f32_json(value: float) -> float:
-    """The shortest decimal that denotes the same f32 (how the reference serializes f32 values)."""
+def f32_json(value: float) -> float | None:
+    """The shortest decimal that denotes the same f32 (how the reference serializes f32 values).
+
+    NaN and infinities become None: serde_json writes them as `null` (a bare `NaN` is not JSON).
+    """
     v = f32(float(value))
     if v != v or v in (float("inf"), float("-inf")):
-        return v
+        return None
     for digits in range(1, 10):
         candidate = float(f"{v:.{digits}g}")
         if f32(candidate) == v:
@@ -63,7 +67,7 @@ class StreamDecoder:
                 try:
                     tid = int(tid)
                 except (TypeError, ValueError):
-                    raise RuntimeError(f"failed to decode token IDs: invalid token id {tid!r}") from None
+                    raise RuntimeError(f"failed to decode token IDs: invalid token id {describe(tid)}") from None
             if tid < 0 or tid >= 2**32:
                 raise RuntimeError(f"failed to decode token IDs: token id {tid} is out of range")
             lp = None if logprobs is None else logprobs[k]

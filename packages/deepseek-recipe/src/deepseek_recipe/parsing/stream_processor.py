@@ -9,10 +9,12 @@ chunk generator turns into Chat Completions / Messages / Responses chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 from collections import deque
 
+from .._text import check_opt_text, check_text, describe
 from ..options import ParsingOptions
 from . import output_parser as P
 from .decoder import StreamDecoder
@@ -38,7 +40,7 @@ class PromptUsage:
             ("prompt_cache_hit_tokens", prompt_cache_hit_tokens),
         ):
             if type(v) is not int or v < 0:
-                raise ValueError(f"PromptUsage.{name} must be a non-negative int, got {v!r}")
+                raise ValueError(f"PromptUsage.{name} must be a non-negative int, got {describe(v)}")
         self.prompt_tokens = prompt_tokens
         self.prompt_cache_hit_tokens = prompt_cache_hit_tokens
 
@@ -88,17 +90,18 @@ class InferenceChunk:
     def ready(
         *, prompt_usage: PromptUsage | None = None, system_fingerprint: str | None = None
     ) -> InferenceChunk:
+        if prompt_usage is not None and not isinstance(prompt_usage, PromptUsage):
+            raise TypeError(f"prompt_usage must be a PromptUsage or None, got {type(prompt_usage).__name__}")
         c = InferenceChunk("ready")
         c.prompt_usage = prompt_usage or PromptUsage()
-        c.system_fingerprint = system_fingerprint
+        c.system_fingerprint = check_opt_text(system_fingerprint, "InferenceChunk.ready system_fingerprint")
         return c
 
     @staticmethod
     def text(content: str, token_count: int = 0) -> InferenceChunk:
-        if not isinstance(content, str):
-            raise TypeError(f"text chunk content must be str, got {type(content).__name__}")
+        content = check_text(content, "text chunk content")
         if type(token_count) is not int or token_count < 0:
-            raise ValueError(f"token_count must be a non-negative int, got {token_count!r}")
+            raise ValueError(f"token_count must be a non-negative int, got {describe(token_count)}")
         c = InferenceChunk("text")
         c.content = content
         c.token_count = token_count
@@ -116,7 +119,7 @@ class InferenceChunk:
     @staticmethod
     def finish(finish_reason: InferenceFinishReason) -> InferenceChunk:
         if not isinstance(finish_reason, InferenceFinishReason):
-            raise TypeError(f"finish_reason must be an InferenceFinishReason, got {finish_reason!r}")
+            raise TypeError(f"finish_reason must be an InferenceFinishReason, got {describe(finish_reason)}")
         c = InferenceChunk("finish")
         c.finish_reason = finish_reason
         return c
@@ -246,6 +249,8 @@ class StreamProcessor:
     def __init__(self, generator, options: ParsingOptions, tokenizer=None) -> None:
         if not isinstance(options, ParsingOptions):
             raise TypeError(f"options must be ParsingOptions, got {type(options).__name__}")
+        # A snapshot, validated again: the options object is mutable (e.g. stop_sequences set after creation).
+        options = dataclasses.replace(options)
         if not hasattr(generator, "generate"):
             raise TypeError(f"generator must be a chunk generator, got {type(generator).__name__}")
         if tokenizer is not None:
@@ -305,9 +310,13 @@ class StreamProcessor:
             self._complete(out)
             return self._emit(out)
         if kind == "text":
-            pieces = (
-                [(chunk.content.encode("utf-8"), chunk.token_count, P.TEXT, None)] if chunk.content else []
-            )
+            # Checked again here: chunk fields are assignable after construction.
+            try:
+                content = check_text(chunk.content, "text chunk content", RuntimeError)
+            except RuntimeError:
+                self._closed = True
+                raise
+            pieces = [(content.encode("utf-8"), chunk.token_count, P.TEXT, None)] if content else []
         else:
             if self._decoder is None:
                 self._closed = True

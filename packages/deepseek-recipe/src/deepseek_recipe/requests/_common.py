@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _json
+from .._text import describe
 from ..encoding.prompt import Prompt
 from ..errors import ConversionError
 from ..messages import (
@@ -78,7 +79,7 @@ class ConversationRequest:
         if not isinstance(conversation, Conversation):
             raise TypeError(f"conversation must be a Conversation, got {type(conversation).__name__}")
         if not isinstance(model_version, ModelVersion):
-            raise TypeError(f"model_version must be a ModelVersion, got {model_version!r}")
+            raise TypeError(f"model_version must be a ModelVersion, got {describe(model_version)}")
         self._conversation = conversation
         self._inference_options = InferenceOptions()
         self._parsing_options = ParsingOptions()
@@ -113,7 +114,7 @@ class ConversationRequest:
         """The `max_tokens` to send to the backend (ConversionError when the context is exceeded)."""
         for name, value in (("prompt_tokens", prompt_tokens), ("context_limit", context_limit)):
             if type(value) is not int or not 0 <= value < 2**32:
-                raise ValueError(f"{name} must be an integer in [0, 2^32), got {value!r}")
+                raise ValueError(f"{name} must be an integer in [0, 2^32), got {describe(value)}")
         requested = self._inference_options.max_tokens or 0
         total = min(prompt_tokens + requested, 2**32 - 1)
         if total > context_limit:

@@ -114,7 +114,9 @@ def _check(s: Any) -> str | None:
     if "pattern" in s:
         try:
             re.compile(s["pattern"])
-        except re.error:
+        except (re.error, RecursionError, OverflowError, ValueError):
+            # Python's regex parser recurses per nested group (RecursionError near 500 levels); the reference's
+            # regex engine has a nesting limit too, and either way the pattern is not a usable regex.
             return f'{_j(s["pattern"])} is not a "regex"'
     return None
 

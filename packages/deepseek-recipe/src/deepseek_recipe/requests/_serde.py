@@ -64,11 +64,19 @@ def invalid_type(value: Any, expected: str) -> SchemaError:
 
 
 def parse_body(body: Any) -> Any:
-    """Body (dict, str or bytes) → JSON value; raises ValueError('invalid JSON request: ...')."""
+    """Body (dict, str or bytes) → JSON value.
+
+    Raises ValueError: `invalid JSON request: ...` for text that is not JSON (or nests 128
+    arrays/objects deep, or holds a lone surrogate), `invalid request body: ...` for a dict
+    holding something that is not JSON; TypeError for a body of another type.
+    """
     if isinstance(body, dict):
-        # Python → JSON conversion as the reference binding does it (ValueError for cycles and
-        # non-finite floats, RecursionError beyond 128 levels, TypeError/OverflowError otherwise).
-        return _json.from_python(body)
+        # Python → JSON conversion as the reference binding does it (non-finite floats, cycles,
+        # nesting beyond 128 levels, lone surrogates and non-JSON types are all rejected).
+        try:
+            return _json.from_python(body)
+        except _json.JSONError as exc:
+            raise ValueError(f"invalid request body: {exc}") from None
     if isinstance(body, (bytes, bytearray, memoryview)):
         try:
             text = bytes(body).decode("utf-8")
@@ -77,13 +85,14 @@ def parse_body(body: Any) -> Any:
                 f"invalid JSON request: invalid unicode code point at byte {exc.start}"
             ) from None
     elif isinstance(body, str):
-        text = body
+        text = str(body)
     else:
         raise TypeError(f"request body must be bytes, str or dict, got {type(body).__name__}")
     try:
         return _json.loads(text)
-    except ValueError:
-        raise ValueError(f"invalid JSON request: {_serde_json_error(text)}") from None
+    except _json.JSONError as exc:
+        message = _serde_json_error(text) if exc.kind == "syntax" else str(exc)
+        raise ValueError(f"invalid JSON request: {message}") from None
 
 
 def _serde_json_error(text: str) -> str:

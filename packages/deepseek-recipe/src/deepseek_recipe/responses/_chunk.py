@@ -8,11 +8,27 @@ import json
 import time
 from typing import Any
 
-__all__ = ["EventAccumulatedResponse", "ProtocolChunk", "now"]
+from .._text import check_text
+
+__all__ = ["EventAccumulatedResponse", "ProtocolChunk", "now", "check_identity", "check_counts"]
 
 
 def now() -> int:
     return int(time.time())
+
+
+def check_identity(owner: str, id: Any, model: Any) -> tuple[str, str]:  # noqa: A002 - official name
+    """The response id and model name of a generator/response: str, valid Unicode (they end up in JSON)."""
+    return check_text(id, f"{owner} id"), check_text(model, f"{owner} model")
+
+
+def check_counts(owner: str, **counts: Any) -> None:
+    """Each count (timestamp, token count) must be a non-negative int."""
+    for name, value in counts.items():
+        if type(value) is not int:
+            raise TypeError(f"{owner} {name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{owner} {name} must be non-negative, got {value}")
 
 
 class ProtocolChunk:
@@ -77,6 +93,8 @@ class EventAccumulatedResponse:
 
     @staticmethod
     def sse_event_name(chunk) -> str | None:
+        if not isinstance(chunk, ProtocolChunk):
+            raise TypeError(f"sse_event_name expects a protocol event, got {type(chunk).__name__}")
         return chunk.data["type"]
 
     @staticmethod

@@ -6,7 +6,7 @@ import copy
 import json
 
 from ..parsing.stream_processor import FinishReason, PromptUsage
-from ._chunk import ProtocolChunk, now
+from ._chunk import ProtocolChunk, check_counts, check_identity, now
 from .tool_call_id import new_tool_call_id
 
 __all__ = ["ChatCompletionChunk", "ChatCompletionChunkGenerator", "ChatCompletionResponse"]
@@ -53,8 +53,7 @@ class ChatCompletionChunkGenerator:
         thinking_mode: bool,
         starts_in_reasoning: bool | None = None,
     ) -> None:  # noqa: A002
-        self._id = id
-        self._model = model
+        self._id, self._model = check_identity("ChatCompletionChunkGenerator", id, model)
         self._clock = now
         self._created = None
         self._thinking = thinking_mode
@@ -143,6 +142,13 @@ class ChatCompletionResponse:
     def __init__(
         self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
     ) -> None:  # noqa: A002
+        id, model = check_identity("ChatCompletionResponse", id, model)  # noqa: A001
+        check_counts(
+            "ChatCompletionResponse",
+            created=created,
+            prompt_tokens=prompt_tokens,
+            prompt_cache_hit_tokens=prompt_cache_hit_tokens,
+        )
         self._data: dict = {
             "id": id,
             "object": "chat.completion",
@@ -154,6 +160,8 @@ class ChatCompletionResponse:
         self._usage = None
 
     def accumulate(self, chunk: ChatCompletionChunk) -> None:
+        if not isinstance(chunk, ChatCompletionChunk):
+            raise TypeError(f"accumulate expects a ChatCompletionChunk, got {type(chunk).__name__}")
         data = chunk._take()
         if data.get("usage") is not None:
             self._usage = copy.deepcopy(data["usage"])
@@ -214,6 +222,8 @@ class ChatCompletionResponse:
 
     @staticmethod
     def sse_event_name(chunk) -> str | None:
+        if not isinstance(chunk, ChatCompletionChunk):
+            raise TypeError(f"sse_event_name expects a ChatCompletionChunk, got {type(chunk).__name__}")
         chunk._check()
         return None
 

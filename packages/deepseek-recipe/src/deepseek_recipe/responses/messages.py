@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 
 from .. import _json
+from .._text import check_text
 from ..parsing.stream_processor import FinishReason, PromptUsage
-from ._chunk import EventAccumulatedResponse, ProtocolChunk
+from ._chunk import EventAccumulatedResponse, ProtocolChunk, check_counts, check_identity
 from .tool_call_id import new_tool_call_id
 
 __all__ = ["MessagesStreamEvent", "MessagesChunkGenerator", "MessagesResponse"]
@@ -54,8 +55,7 @@ class MessagesChunkGenerator:
     """Turns parser events into Messages stream events."""
 
     def __init__(self, id: str, model: str, thinking_mode: bool) -> None:  # noqa: A002
-        self._id = id
-        self._model = model
+        self._id, self._model = check_identity("MessagesChunkGenerator", id, model)
         self._thinking = thinking_mode
         self._signature = id
         self._index = 0
@@ -68,7 +68,7 @@ class MessagesChunkGenerator:
         self._clock = None
 
     def with_signature(self, signature: str) -> MessagesChunkGenerator:
-        self._signature = signature
+        self._signature = check_text(signature, "MessagesChunkGenerator signature")
         return self
 
     def _ev(self, data: dict) -> MessagesStreamEvent:
@@ -165,10 +165,19 @@ class MessagesResponse(EventAccumulatedResponse):
     def __init__(
         self, id: str, model: str, created: int = 0, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
     ) -> None:  # noqa: A002
+        id, model = check_identity("MessagesResponse", id, model)  # noqa: A001
+        check_counts(
+            "MessagesResponse",
+            created=created,
+            prompt_tokens=prompt_tokens,
+            prompt_cache_hit_tokens=prompt_cache_hit_tokens,
+        )
         self._data = _message(id, model, prompt_tokens, prompt_cache_hit_tokens)
         self._partial: dict[int, str] = {}
 
     def accumulate(self, event: MessagesStreamEvent) -> None:
+        if not isinstance(event, MessagesStreamEvent):
+            raise TypeError(f"accumulate expects a MessagesStreamEvent, got {type(event).__name__}")
         e = event._take()
         t = e["type"]
         content = self._data["content"]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 
+from .._text import check_text, describe
 from ..parsing.stream_processor import FinishReason, PromptUsage
-from ._chunk import EventAccumulatedResponse, ProtocolChunk, now
+from ._chunk import EventAccumulatedResponse, ProtocolChunk, check_counts, check_identity, now
 from .tool_call_id import new_tool_call_id
 
 __all__ = ["ResponsesStreamEvent", "ResponsesChunkGenerator", "ResponsesResponse"]
@@ -60,6 +61,14 @@ def _new_response(id: str, model: str, created: int, echo=None) -> dict:  # noqa
     return r
 
 
+def _check_echo(echo):
+    from ..requests.responses import ResponsesEcho
+
+    if echo is not None and not isinstance(echo, ResponsesEcho):
+        raise TypeError(f"echo must be a ResponsesEcho or None, got {type(echo).__name__}")
+    return echo
+
+
 def _set_echo(r: dict, echo) -> None:
     r["instructions"] = echo._instructions
     r["max_output_tokens"] = echo._max_output_tokens
@@ -78,9 +87,15 @@ class ResponsesChunkGenerator:
 
     def __init__(self, id: str, model: str, thinking_mode: bool, response_options=None) -> None:  # noqa: A002
         self._clock = now
-        self._id = id
-        self._model = model
-        self._echo = None if response_options is None else response_options.responses_echo
+        self._id, self._model = check_identity("ResponsesChunkGenerator", id, model)
+        if response_options is not None:
+            from ..requests._common import ResponseOptions
+
+            if not isinstance(response_options, ResponseOptions):
+                raise TypeError(
+                    f"response_options must come from a converted request, got {type(response_options).__name__}"
+                )
+        self._echo = None if response_options is None else _check_echo(response_options.responses_echo)
         self._namespace_map = None if response_options is None else response_options.namespace_tool_map
         self._response: dict | None = None
         self._active: int | None = None
@@ -93,11 +108,19 @@ class ResponsesChunkGenerator:
         self._finished = False
 
     def with_namespace_tool_map(self, namespace_tool_map: dict) -> ResponsesChunkGenerator:
-        self._namespace_map = dict(namespace_tool_map)
+        """`{tool name: (namespace, name within the namespace)}`, as `ResponsesRequest.namespace_tool_map` gives."""
+        table = dict(namespace_tool_map)
+        for name, target in table.items():
+            check_text(name, "a namespace_tool_map key")
+            if not isinstance(target, tuple) or len(target) != 2:
+                raise TypeError(f"namespace_tool_map values must be (namespace, name) tuples, got {describe(target)}")
+            for part in target:
+                check_text(part, f"namespace_tool_map[{name!r}]")
+        self._namespace_map = table
         return self
 
     def with_echo(self, echo) -> ResponsesChunkGenerator:
-        self._echo = echo
+        self._echo = _check_echo(echo)
         if self._response is not None:
             _set_echo(self._response, echo)
         return self
@@ -385,9 +408,18 @@ class ResponsesResponse(EventAccumulatedResponse):
     def __init__(
         self, id: str, model: str, created: int, prompt_tokens: int = 0, prompt_cache_hit_tokens: int = 0
     ) -> None:  # noqa: A002
+        id, model = check_identity("ResponsesResponse", id, model)  # noqa: A001
+        check_counts(
+            "ResponsesResponse",
+            created=created,
+            prompt_tokens=prompt_tokens,
+            prompt_cache_hit_tokens=prompt_cache_hit_tokens,
+        )
         self._data = _new_response(id, model, created)
 
     def accumulate(self, event: ResponsesStreamEvent) -> None:
+        if not isinstance(event, ResponsesStreamEvent):
+            raise TypeError(f"accumulate expects a ResponsesStreamEvent, got {type(event).__name__}")
         e = event._take()
         t = e["type"]
         out = self._data["output"]
