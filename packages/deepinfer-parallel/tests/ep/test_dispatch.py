@@ -86,7 +86,8 @@ def test_errors():
         combine(recv_x, handle, w[:, :1])
 
 
-def _two_rank_worker(rank: int, world_size: int) -> None:
+def _two_rank_worker(state) -> None:
+    rank, world_size = state.rank, state.world_size
     placement = _placement()
     weights = _expert_weights()
     num_tokens = (9, 3)[rank]
