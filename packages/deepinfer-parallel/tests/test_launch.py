@@ -15,7 +15,7 @@ from deepinfer_parallel.errors import RankFailedError
 from deepinfer_parallel.launch import SpawnedRanks
 from deepinfer_parallel.testing import run_ranks
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(90)]
 
 
 def _alive(pid: int) -> bool:

@@ -62,7 +62,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, parent_pid: int, config: ParallelConfig | None, backend: str | None,
+    rank: int, world_size: int, parent_pid: int, config: ParallelConfig | None, backend: str | None,
     devices: Sequence[str] | None, timeout_s: float, threads: int, fn: Callable[..., Any], args: tuple,
     conn: Connection,
 ) -> None:
@@ -73,6 +73,11 @@ def _rank_main(
     torch.set_num_threads(threads)
     state = None
     try:
+        # The caller starts the rendezvous store only after every rank is forked (forking while the store's server
+        # thread holds a lock can deadlock the child), then sends its port.
+        if not conn.poll(timeout_s):
+            raise TimeoutError(f"no rendezvous port from the caller within {timeout_s} s")
+        port = conn.recv()
         store = dist.TCPStore(_HOST, port, world_size=None, is_master=False, timeout=timedelta(seconds=timeout_s))
         state = ParallelState.initialize(
             rank=rank, world_size=world_size, local_rank=rank, config=config, store=store, backend=backend,
@@ -136,8 +141,7 @@ class SpawnedRanks:
             raise ParallelConfigError(f"devices: expected {world_size} entries, found {len(devices)}")
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=timeout_s))
+        self._store: dist.TCPStore | None = None
         ctx = mp.get_context(start_method)
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
@@ -146,10 +150,10 @@ class SpawnedRanks:
         self._closed = False
         try:
             for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe(duplex=False)
+                parent_end, child_end = ctx.Pipe(duplex=True)
                 p = ctx.Process(
                     target=_rank_main,
-                    args=(rank, world_size, self._store.port, os.getpid(), config, backend, devices, timeout_s,
+                    args=(rank, world_size, os.getpid(), config, backend, devices, timeout_s,
                           threads, fn, args, child_end),
                     name=f"deepinfer-rank{rank}", daemon=True,
                 )
@@ -157,6 +161,10 @@ class SpawnedRanks:
                 child_end.close()
                 self._conns.append(parent_end)
                 self._procs.append(p)
+            self._store = dist.TCPStore(_HOST, 0, world_size=None, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=timeout_s))
+            for conn in self._conns:
+                conn.send(self._store.port)
         except BaseException:
             _kill_all(self._procs)
             raise
