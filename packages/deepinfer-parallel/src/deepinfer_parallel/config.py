@@ -9,16 +9,16 @@ from deepinfer_parallel.errors import ParallelConfigError
 
 __all__ = ["EPBackend", "ParallelConfig"]
 
-# "a2a": variable all_to_all_single dispatch/combine (prefill-friendly, runtime.md §4.4 (2));
-# "agrs": all-gather -> local experts -> reduce-scatter (static shapes, decode graphs, §4.4 (1));
-# "deepep": DeepEP buffers when installed (§4.3); not implemented in this package yet.
+# "a2a": variable all_to_all_single dispatch/combine (prefill-friendly, docs/parallel.md "Dispatch and combine");
+# "agrs": all-gather -> local experts -> reduce-scatter (static shapes, decode graphs; not implemented yet);
+# "deepep": DeepEP buffers when installed; not implemented in this package yet.
 EPBackend = Literal["a2a", "agrs", "deepep"]
 _BACKENDS: tuple[str, ...] = ("a2a", "agrs", "deepep")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """One process per GPU, no tensor parallelism (runtime.md §4.1).
+    """One process per GPU, no tensor parallelism (docs/parallel.md, "Process layout").
 
     dp_size: attention data-parallel ranks (= GPUs of the engine); every rank holds all non-expert weights.
     ep_size: ranks of one expert-parallel group; EP groups are contiguous blocks of ranks, so ep_size divides
