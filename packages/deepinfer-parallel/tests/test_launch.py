@@ -95,3 +95,33 @@ def test_close_without_join_kills_ranks():
     del ranks  # the finalizer terminates the children
     time.sleep(0.2)
     assert not any(_alive(p) for p in pids)
+
+
+_CALLER = """
+import sys, time
+from deepinfer_parallel.launch import SpawnedRanks
+def hang(state):
+    time.sleep(120)
+ranks = SpawnedRanks(hang, 2, backend="gloo", start_method="fork", timeout_s=60)
+print(" ".join(map(str, ranks.pids)), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow  # the caller subprocess imports torch: ~5-20 s on a loaded 2-core machine
+def test_ranks_die_with_a_killed_caller():
+    import subprocess
+    import sys
+
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in caller.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        caller.kill()
+        caller.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        caller.kill()
