@@ -5,7 +5,8 @@ measured in the same run (same ranks, same bytes per rank).
     uv run --locked python packages/deepinfer-parallel/benchmarks/bench_dispatch.py --world 8 --backend nccl
 
 Each rank routes T tokens to top_k distinct experts drawn uniformly from all physical slots; the local "experts" are
-the identity, so the numbers are communication plus the dispatcher's own bookkeeping. A timed iteration starts
+the identity, so the numbers are communication plus the dispatcher's own bookkeeping (and, with FP8, the
+encode / decode of the payload). Low-latency buffers are sized for each step (max_tokens_per_rank = T). A timed iteration starts
 after a barrier; the reported time is the slowest rank's median. Bandwidth = bytes this rank sends in the step
 (routed rows for throughput mode, the whole fixed buffer for low-latency mode) / time. Prints a table and writes
 JSON (--out).
@@ -54,9 +55,10 @@ def _bench_rank(state: ParallelState, opts: dict) -> list[dict]:
     dtype = getattr(torch, opts["dtype"])
     rows = []
     for fp8 in opts["fp8"]:
-        d = EPDispatcher(state, num_physical_experts=experts, hidden_size=hidden, top_k=top_k,
-                         max_tokens_per_rank=max(opts["tokens"]), dtype=dtype, fp8_block=fp8)
         for n in opts["tokens"]:
+            # Low-latency buffers sized for this step (max_tokens_per_rank = T), as a decode graph bucket would be.
+            d = EPDispatcher(state, num_physical_experts=experts, hidden_size=hidden, top_k=top_k,
+                             max_tokens_per_rank=n, dtype=dtype, fp8_block=fp8)
             x = torch.randn(n, hidden, device=state.device).to(dtype)
             slots = torch.argsort(torch.rand(n, experts, device=state.device), dim=1)[:, :top_k].contiguous()
             w = torch.rand(n, top_k, device=state.device)

@@ -138,3 +138,33 @@ def test_reference_moe_by_hand():
     w = torch.tensor([[0.5, 2.0], [1.0, 9.0]])
     out = reference_moe(x, ids, w, lambda e, rows: rows * (e + 1))
     assert out.tolist() == [[0.5 * 1 + 2.0 * 2, 0.5 * 2 + 2.0 * 4], [6.0, 8.0]]
+
+
+@pytest.mark.gpu
+def test_low_latency_path_replays_in_a_cuda_graph():
+    """No host read in the low-latency path (FP8 payload included): it captures, and a replay on new inputs equals
+    an eager run. (World of 1, so the all-to-all is a copy; NCCL's all_to_all_single is capturable itself.)"""
+    d = EPDispatcher(ParallelState.single("cuda"), num_physical_experts=SLOTS, hidden_size=HIDDEN, top_k=TOP_K,
+                     max_tokens_per_rank=MAX_TOKENS, dtype=torch.float32, fp8_block=128)
+    x, ids, w = (t.cuda() for t in _tokens(0, MAX_TOKENS, 0))
+    w = torch.nan_to_num(w)
+
+    def step():
+        out = d.dispatch(x, ids, mode="low_latency")
+        return d.combine(torch.tanh(out.recv_x), out.handle, w)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    x2, ids2, w2 = (t.cuda() for t in _tokens(1, MAX_TOKENS, 3))
+    x.copy_(x2)
+    ids.copy_(ids2)
+    w.copy_(torch.nan_to_num(w2))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(captured.clone(), step())

@@ -232,7 +232,8 @@ class EPDispatcher:
         valid = flat >= 0
         dest = torch.where(valid, flat // spr, torch.zeros_like(flat))
         # Row of each pair inside its destination block: how many earlier pairs (in (token, k) order) go there.
-        onehot = torch.nn.functional.one_hot(dest, world) * valid[:, None]
+        # (a comparison, not F.one_hot, which may validate its input with a host read on some devices)
+        onehot = ((dest[:, None] == torch.arange(world, device=dest.device)) & valid[:, None]).to(torch.int64)
         before = (onehot.cumsum(0) - onehot).gather(1, dest[:, None]).squeeze(1)
         send_index = torch.where(valid, dest * cap + before, torch.full_like(flat, world * cap))
         self._ll_send_slot.fill_(-1)
