@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_kernels.moe import swiglu_expert
+from deepinfer_kernels.moe import moe_experts, swiglu_expert
 from deepinfer_parallel.ep import (
     EPDispatcher,
     ExpertPlacement,
@@ -88,6 +88,11 @@ def _check_all(state: ParallelState) -> None:
                     got = d.combine(y, out.handle, w, bias=shared)
                     ref = reference_moe(xq, ids, torch.nan_to_num(w), ref_fn) + shared
                     _assert_close(got, ref, atol=1e-5)
+                    if name == "swiglu":  # also the kernels' own grouped MoE reference
+                        experts = [(w1[e], w3[e], w2[e]) for e in range(EXPERTS)]
+                        routed = torch.where(ids >= 0, torch.nan_to_num(w), torch.zeros_like(w))
+                        ref2 = moe_experts(xq, routed, ids.clamp(min=0), experts, LIMIT) + shared
+                        _assert_close(got, ref2, atol=1e-5)
 
 
 def test_single_process_all_modes():
