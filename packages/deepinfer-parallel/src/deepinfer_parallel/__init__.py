@@ -9,6 +9,7 @@ from deepinfer_parallel.eplb.shuffle import move_expert_weights
 from deepinfer_parallel.eplb.state import EPLBState
 from deepinfer_parallel.errors import ParallelConfigError, PlacementError, RankFailedError
 from deepinfer_parallel.launch import SpawnedRanks, spawn_ranks
+from deepinfer_parallel.lockstep import StepAgreement, agree_step
 from deepinfer_parallel.sizing import EPMemoryEstimate, estimate_gpu_memory, smallest_ep_that_fits
 from deepinfer_parallel.state import ParallelState
 
@@ -31,7 +32,9 @@ __all__ = [
     "PlacementError",
     "RankFailedError",
     "SpawnedRanks",
+    "StepAgreement",
     "__version__",
+    "agree_step",
     "estimate_gpu_memory",
     "move_expert_weights",
     "rebalance_experts",
