@@ -40,8 +40,11 @@ def run_ranks(
     config: ParallelConfig | None = None,
     timeout_s: float = 60.0,
     start_method: str = "fork",
+    backend: str = "gloo",
+    devices: list[str] | None = None,
 ) -> list[Any]:
-    """Run `fn(state: ParallelState, *args)` on `world_size` gloo ranks on the CPU; return the results by rank.
+    """Run `fn(state: ParallelState, *args)` on `world_size` ranks (gloo on the CPU by default; backend="nccl"
+    with devices and start_method="spawn" for GPU tests); return the results by rank.
 
     start_method "fork" (default, Linux): children inherit the imported modules, so start-up costs milliseconds
     instead of one `import torch` per rank; use it only before any CUDA initialisation in the parent.
@@ -52,7 +55,7 @@ def run_ranks(
         file = inspect.getsourcefile(fn)
         if file is None:
             raise ValueError(f"fn: expected a function defined in a source file, found {fn!r}")
-        return spawn_ranks(_by_file, world_size, file, fn.__qualname__, *args, config=config, backend="gloo",
-                           start_method="spawn", timeout_s=timeout_s)
-    return spawn_ranks(fn, world_size, *args, config=config, backend="gloo", start_method=start_method,
-                       timeout_s=timeout_s)
+        return spawn_ranks(_by_file, world_size, file, fn.__qualname__, *args, config=config, backend=backend,
+                           devices=devices, start_method="spawn", timeout_s=timeout_s)
+    return spawn_ranks(fn, world_size, *args, config=config, backend=backend, devices=devices,
+                       start_method=start_method, timeout_s=timeout_s)

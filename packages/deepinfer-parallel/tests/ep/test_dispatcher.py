@@ -58,7 +58,8 @@ def _check_all(state: ParallelState) -> None:
     rank, world = state.rank, state.ep_size
     placement = _placement(world)
     local = placement.local_experts(0, state.ep_rank, world)  # logical expert of each local slot
-    lin, w1, w3, w2 = _weights()
+    dev = state.device
+    lin, w1, w3, w2 = (t.to(dev) for t in _weights())
     fns = {
         "tanh": (lambda e, rows: torch.tanh(rows @ lin[e]), lambda s, rows: torch.tanh(rows @ lin[int(local[s])])),
         "swiglu": (lambda e, rows: swiglu_expert(rows, w1[e], w3[e], w2[e], LIMIT), None),
@@ -69,9 +70,9 @@ def _check_all(state: ParallelState) -> None:
         for mode in ("throughput", "low_latency"):
             for round_ in range(2):  # a second round reuses the low-latency buffers with other sizes
                 n = (0 if rank == 1 and round_ == 0 else (MAX_TOKENS, 5, 3, 7)[(rank + round_) % 4])
-                x, ids, w = _tokens(rank, n, round_)
+                x, ids, w = (t.to(dev) for t in _tokens(rank, n, round_))
                 slots = placement.map_to_physical(0, ids, ep_rank=state.ep_rank)
-                shared = torch.randn(n, HIDDEN)
+                shared = torch.randn(n, HIDDEN).to(dev)
                 xq = x if fp8 is None else decode_fp8_rows(encode_fp8_rows(x, fp8), HIDDEN, fp8, torch.float32)
                 for name, (ref_fn, local_fn) in fns.items():
                     out = d.dispatch(x, slots, mode=mode)
@@ -173,3 +174,11 @@ def test_low_latency_path_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     _assert_close(captured.clone(), step())
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_nccl_world_of_one_matches_single_process_moe():
+    from deepinfer_parallel.testing import run_ranks
+
+    run_ranks(_check_all, 1, backend="nccl", devices=["cuda:0"], start_method="spawn", timeout_s=280)
