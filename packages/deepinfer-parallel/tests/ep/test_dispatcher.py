@@ -182,3 +182,13 @@ def test_nccl_world_of_one_matches_single_process_moe():
     from deepinfer_parallel.testing import run_ranks
 
     run_ranks(_check_all, 1, backend="nccl", devices=["cuda:0"], start_method="spawn", timeout_s=280)
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.multigpu(2)),
+                                   pytest.param(4, marks=pytest.mark.multigpu(4))])
+@pytest.mark.timeout(300)
+def test_nccl_ranks_match_single_process_moe(world):
+    from deepinfer_parallel.testing import run_ranks
+
+    run_ranks(_check_all, world, backend="nccl", devices=[f"cuda:{r}" for r in range(world)], start_method="spawn",
+              timeout_s=280)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from deepinfer_parallel.eplb.shuffle import move_expert_weights, plan_transfers
 from deepinfer_parallel.errors import PlacementError
 from deepinfer_parallel.state import ParallelState
@@ -53,9 +54,11 @@ def _move_across_ranks(state) -> None:
 
     def local(phy2log):
         ids = phy2log[me * spr : (me + 1) * spr].tolist()
-        return [torch.stack([_expert_bytes(e, shape, dtype) for e in ids]) for shape, dtype in specs]
+        return [torch.stack([_expert_bytes(e, shape, dtype) for e in ids]).to(state.device) for shape, dtype in specs]
 
     tensors = local(old)
+    # NCCL: a batched P2P call may involve a subset of ranks only once the group has run a collective
+    dist.barrier(group=state.ep_group)
     move_expert_weights(tensors, old, new, state)
     for got, want in zip(tensors, local(new)):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -68,3 +71,13 @@ def test_move_across_gloo_ranks_any_dtype(world):
     from deepinfer_parallel.testing import run_ranks
 
     run_ranks(_move_across_ranks, world, timeout_s=80)
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.multigpu(2)),
+                                   pytest.param(4, marks=pytest.mark.multigpu(4))])
+@pytest.mark.timeout(300)
+def test_move_across_nccl_ranks_any_dtype(world):
+    from deepinfer_parallel.testing import run_ranks
+
+    run_ranks(_move_across_ranks, world, backend="nccl", devices=[f"cuda:{r}" for r in range(world)],
+              start_method="spawn", timeout_s=280)

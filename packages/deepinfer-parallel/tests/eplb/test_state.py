@@ -64,7 +64,8 @@ def _run(state) -> dict:
     cfg = ParallelConfig(dp_size=world, ep_size=world, num_redundant_experts=world, enable_eplb=True,
                          eplb_window_size=4, eplb_step_interval=8)
     eplb = EPLBState(config=cfg, state=state, num_layers=LAYERS, num_experts=EXPERTS)
-    full = _checkpoint_experts()
+    dev = state.device
+    full = [[t.to(dev) for t in layer] for layer in _checkpoint_experts()]
     initial = eplb.placement.phy2log.clone()
     local = []
     for layer in range(LAYERS):
@@ -73,12 +74,12 @@ def _run(state) -> dict:
     ptrs = [t.data_ptr() for ts in local for t in ts]
     d = EPDispatcher(state, num_physical_experts=EXPERTS + world, hidden_size=HIDDEN, top_k=TOP_K,
                      max_tokens_per_rank=TOKENS, dtype=torch.float32, load_hook=eplb.record)
-    probe = _batch(state.rank, 1000, 7)
+    probe = tuple(t.to(dev) for t in _batch(state.rank, 1000, 7))
     before_probe = None
     due_at, balance = [], []
     for step in range(1, 13):
         n = 0 if state.rank == world - 1 and step % 3 == 0 else TOKENS  # an idle rank now and then
-        x, ids, w = _batch(state.rank, step, n)
+        x, ids, w = (t.to(dev) for t in _batch(state.rank, step, n))
         mode = "throughput" if step % 2 else "low_latency"
         for layer in range(LAYERS):
             got = _moe(state, eplb, d, local, layer, x, ids, w, mode)
@@ -113,6 +114,17 @@ def test_rebalance_mid_run_keeps_moe_output(world):
         for old, new in r["balance"]:
             assert all(n >= o - 1e-9 for o, n in zip(old, new)), (old, new)
     assert len({str(r["balance"]) for r in results}) == 1  # every rank computed the same placement
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.multigpu(2)),
+                                   pytest.param(4, marks=pytest.mark.multigpu(4))])
+@pytest.mark.timeout(300)
+def test_nccl_rebalance_mid_run_keeps_moe_output(world):
+    from deepinfer_parallel.testing import run_ranks
+
+    results = run_ranks(_run, world, backend="nccl", devices=[f"cuda:{r}" for r in range(world)],
+                        start_method="spawn", timeout_s=280)
+    assert all(r["due_at"] == [2, 8] and r["changed"] for r in results)
 
 
 def test_single_process_state_and_errors():
