@@ -135,8 +135,9 @@ class SpawnedRanks:
     ) -> None:
         if not isinstance(world_size, int) or world_size < 1:
             raise ParallelConfigError(f"world_size: expected an int >= 1, found {world_size!r}")
-        if start_method not in ("spawn", "fork", "forkserver"):
-            raise ParallelConfigError(f"start_method: expected 'spawn', 'fork' or 'forkserver', found {start_method!r}")
+        # Not "forkserver": its children are the server's, so they could not watch (or die with) the caller.
+        if start_method not in ("spawn", "fork"):
+            raise ParallelConfigError(f"start_method: expected 'spawn' or 'fork', found {start_method!r}")
         if devices is not None and len(devices) != world_size:
             raise ParallelConfigError(f"devices: expected {world_size} entries, found {len(devices)}")
         self.world_size = world_size
