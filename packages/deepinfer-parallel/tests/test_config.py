@@ -12,6 +12,7 @@ from deepinfer_parallel.errors import ParallelConfigError
 def test_defaults_and_derived():
     c = ParallelConfig()
     assert (c.dp_size, c.ep_size, c.num_redundant_experts, c.backend) == (1, 1, 0, "a2a")
+    assert (c.enable_eplb, c.eplb_window_size, c.eplb_step_interval) == (False, 1000, 3000)
     c = ParallelConfig(dp_size=8, ep_size=4, num_redundant_experts=4)
     assert c.num_ep_groups == 2 and c.world_size == 8
     assert c.experts_per_rank(384) == 97
@@ -30,6 +31,10 @@ def test_defaults_and_derived():
         ({"backend": "nccl"}, "backend"),
         ({"dp_size": 2.0}, "dp_size"),
         ({"ep_size": True}, "ep_size"),
+        ({"enable_eplb": 1}, "enable_eplb"),
+        ({"eplb_window_size": 0}, "eplb_window_size"),
+        ({"eplb_step_interval": 0}, "eplb_step_interval"),
+        ({"eplb_window_size": 20, "eplb_step_interval": 10}, "eplb_window_size"),
     ],
 )
 def test_invalid(kwargs, field):

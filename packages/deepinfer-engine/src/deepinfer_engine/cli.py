@@ -15,6 +15,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "make-checkpoint": ("make_checkpoint", "write a random checkpoint in the official release format"),
     "inspect": ("inspect", "print architecture, layer plan, parameter/byte counts; check a checkpoint"),
     "bench": ("bench", "benchmarks: throughput / latency"),
+    "plan": ("plan", "expert-parallel sizing: smallest prefill EP, decode layout at EP64-EP128"),
 }
 
 

@@ -9,16 +9,16 @@ from deepinfer_parallel.errors import ParallelConfigError
 
 __all__ = ["EPBackend", "ParallelConfig"]
 
-# "a2a": variable all_to_all_single dispatch/combine (prefill-friendly, runtime.md §4.4 (2));
-# "agrs": all-gather -> local experts -> reduce-scatter (static shapes, decode graphs, §4.4 (1));
-# "deepep": DeepEP buffers when installed (§4.3); not implemented in this package yet.
+# "a2a": variable all_to_all_single dispatch/combine (prefill-friendly, docs/parallel.md "Dispatch and combine");
+# "agrs": all-gather -> local experts -> reduce-scatter (static shapes, decode graphs; not implemented yet);
+# "deepep": DeepEP buffers when installed; not implemented in this package yet.
 EPBackend = Literal["a2a", "agrs", "deepep"]
 _BACKENDS: tuple[str, ...] = ("a2a", "agrs", "deepep")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """One process per GPU, no tensor parallelism (runtime.md §4.1).
+    """One process per GPU, no tensor parallelism (docs/parallel.md, "Process layout").
 
     dp_size: attention data-parallel ranks (= GPUs of the engine); every rank holds all non-expert weights.
     ep_size: ranks of one expert-parallel group; EP groups are contiguous blocks of ranks, so ep_size divides
@@ -26,15 +26,21 @@ class ParallelConfig:
     num_redundant_experts: extra physical expert slots per MoE layer used by EPLB to replicate hot experts;
         (num_experts + num_redundant_experts) must be divisible by ep_size (checked by `check_experts`).
     backend: dispatch/combine implementation, see `EPBackend`.
+    enable_eplb: rebalance experts while running (EPLBState); eplb_window_size: steps of expert load kept in the
+        sliding window; eplb_step_interval: steps between rebalances (the first comes after a quarter of it, to fix
+        a cold start quickly); the window must not exceed the interval. Names and defaults follow vLLM.
     """
 
     dp_size: int = 1
     ep_size: int = 1
     num_redundant_experts: int = 0
     backend: EPBackend = "a2a"
+    enable_eplb: bool = False
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
 
     def __post_init__(self) -> None:
-        for name in ("dp_size", "ep_size", "num_redundant_experts"):
+        for name in ("dp_size", "ep_size", "num_redundant_experts", "eplb_window_size", "eplb_step_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ParallelConfigError(f"ParallelConfig.{name}: expected an int, found {value!r}")
@@ -50,6 +56,16 @@ class ParallelConfig:
         if self.num_redundant_experts < 0:
             raise ParallelConfigError(
                 f"ParallelConfig.num_redundant_experts: expected >= 0, found {self.num_redundant_experts}"
+            )
+        if not isinstance(self.enable_eplb, bool):
+            raise ParallelConfigError(f"ParallelConfig.enable_eplb: expected a bool, found {self.enable_eplb!r}")
+        for name in ("eplb_window_size", "eplb_step_interval"):
+            if getattr(self, name) < 1:
+                raise ParallelConfigError(f"ParallelConfig.{name}: expected >= 1, found {getattr(self, name)}")
+        if self.eplb_window_size > self.eplb_step_interval:
+            raise ParallelConfigError(
+                f"ParallelConfig.eplb_window_size: expected <= eplb_step_interval={self.eplb_step_interval} (a "
+                f"rebalance would count steps of the previous placement), found {self.eplb_window_size}"
             )
         if self.backend not in _BACKENDS:
             raise ParallelConfigError(f"ParallelConfig.backend: expected one of {_BACKENDS}, found {self.backend!r}")

@@ -1,4 +1,4 @@
-"""Expert-parallel sizing (runtime.md §6.3): per-GPU memory of one EP layout and the smallest EP size that fits
+"""Expert-parallel sizing (docs/parallel.md, "Sizing"): per-GPU memory of one EP layout and the smallest EP size that fits
 a memory budget. Plain ints / bytes in (no engine or ModelArgs import), pure Python.
 
 Per-GPU memory ~= replicated weights (attention, shared expert, embeddings, head, gates, ...: every rank holds them)
@@ -48,7 +48,7 @@ def expert_bytes(
 ) -> int:
     """Bytes of the routed experts of `num_layers` MoE layers: each expert has w1, w3 `[inter, hidden]` and
     w2 `[hidden, inter]`, stored with `weight_bits` per value plus one `scale_bits` scale per `scale_block` values
-    along the input dim (defaults: FP4 e2m1 + E8M0 per 32 = 0.5 + 1/32 bytes per parameter, architecture.md §8.2).
+    along the input dim (defaults: FP4 e2m1 + E8M0 per 32 = 0.5 + 1/32 bytes per parameter, docs/parallel.md, "Sizing").
     scale_block=0 means no scales."""
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts), ("hidden_size", hidden_size),
                         ("moe_intermediate_size", moe_intermediate_size), ("weight_bits", weight_bits)):
@@ -68,7 +68,7 @@ def dispatch_buffer_bytes(
 ) -> int:
     """Dispatch + combine receive buffers for a dropless "expand" layout: one row per (token, expert) pair, so
     `max_tokens_per_rank x top_k` rows of `hidden_size` values each way (dispatch FP8 = 1 B, combine BF16 = 2 B by
-    default). [I] our own estimate: runtime.md §6.3 only says the buffers are proportional to
+    default). [I] our own estimate: the design only says the buffers are proportional to
     max tokens per rank x hidden x topk; DeepEP / Mega MoE sizes differ in constants and alignment."""
     for name, value in (("max_tokens_per_rank", max_tokens_per_rank), ("hidden_size", hidden_size), ("top_k", top_k)):
         _positive_int(name, value)
@@ -79,7 +79,7 @@ def dispatch_buffer_bytes(
 
 def resolve_num_redundant_experts(*, num_experts: int, ep_size: int, min_redundant: int = 0) -> int:
     """The smallest redundant-slot count >= min_redundant with (num_experts + redundant) divisible by ep_size
-    (runtime.md §5.2: the requested extra experts are rounded up to fill every rank equally)."""
+    (docs/parallel.md, "EPLB": the requested extra experts are rounded up to fill every rank equally)."""
     _positive_int("num_experts", num_experts)
     _positive_int("ep_size", ep_size)
     if not isinstance(min_redundant, int) or min_redundant < 0:
@@ -172,7 +172,7 @@ def smallest_ep_that_fits(
     candidates: Iterable[int] = DEFAULT_EP_CANDIDATES,
 ) -> EPMemoryEstimate:
     """The estimate of the smallest EP size in `candidates` whose per-GPU total + min_free_bytes <= budget_bytes
-    ("prefill uses the smallest EP that fits", runtime.md §6.3). For each candidate the redundant slots are
+    ("prefill uses the smallest EP that fits", docs/parallel.md "Sizing"). For each candidate the redundant slots are
     `resolve_num_redundant_experts(min_redundant=min_redundant_experts)`. Raises ParallelConfigError naming the
     largest candidate's requirement when none fits."""
     _nonneg("budget_bytes", budget_bytes)

@@ -1,27 +1,18 @@
-"""Test helpers: run a function on several gloo ranks on the CPU (`run_ranks`). Imports torch only; nothing runs at
-import time."""
+"""Test helpers: run a function on several gloo ranks on the CPU (`run_ranks`). Nothing runs at import time."""
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
-import socket
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from deepinfer_parallel.config import ParallelConfig
+from deepinfer_parallel.launch import spawn_ranks
+from deepinfer_parallel.state import ParallelState
 
-__all__ = ["free_port", "run_ranks"]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["run_ranks"]
 
 
 def _load(file: str, qualname: str) -> Callable[..., Any]:
@@ -38,46 +29,33 @@ def _load(file: str, qualname: str) -> Callable[..., Any]:
     return obj
 
 
-def _child(rank: int, world_size: int, port: int, target: Any, args: tuple, threads: int) -> None:
-    import torch
-
-    # Forked children must not enter the parent's OpenMP pool; one intra-op thread is also right for tiny tensors
-    # on shared cores (the DataLoader-worker rule).
-    torch.set_num_threads(threads)
-    fn = _load(*target) if isinstance(target, tuple) else target
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+def _by_file(state: ParallelState, file: str, qualname: str, *args: Any) -> Any:
+    return _load(file, qualname)(state, *args)
 
 
 def run_ranks(
-    fn: Callable[..., None], world_size: int, *args: Any, threads: int = 1, start_method: str = "fork"
-) -> None:
-    """Run `fn(rank, world_size, *args)` in `world_size` child processes joined in one gloo process group (CPU).
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    config: ParallelConfig | None = None,
+    timeout_s: float = 60.0,
+    start_method: str = "fork",
+    backend: str = "gloo",
+    devices: list[str] | None = None,
+) -> list[Any]:
+    """Run `fn(state: ParallelState, *args)` on `world_size` ranks (gloo on the CPU by default; backend="nccl"
+    with devices and start_method="spawn" for GPU tests); return the results by rank.
 
     start_method "fork" (default, Linux): children inherit the imported modules, so start-up costs milliseconds
     instead of one `import torch` per rank; use it only before any CUDA initialisation in the parent.
-    "spawn": fn must be a module-level function; it is re-imported from its source file in each child (pytest's
-    importlib mode makes test modules unimportable by name) and args must be picklable.
-    An exception in any rank is re-raised here (torch.multiprocessing.ProcessRaisedException).
+    "spawn": fn must be a module-level function; it is re-imported from its source file in each child.
+    A failing rank raises RankFailedError here; every rank is gone when this returns or raises.
     """
     if start_method == "spawn":
         file = inspect.getsourcefile(fn)
         if file is None:
             raise ValueError(f"fn: expected a function defined in a source file, found {fn!r}")
-        target: Any = (file, fn.__qualname__)
-    elif start_method == "fork":
-        target = fn
-    else:
-        raise ValueError(f"start_method: expected 'fork' or 'spawn', found {start_method!r}")
-    mp.start_processes(
-        _child,
-        args=(world_size, free_port(), target, args, threads),
-        nprocs=world_size,
-        join=True,
-        start_method=start_method,
-    )
+        return spawn_ranks(_by_file, world_size, file, fn.__qualname__, *args, config=config, backend=backend,
+                           devices=devices, start_method="spawn", timeout_s=timeout_s)
+    return spawn_ranks(fn, world_size, *args, config=config, backend=backend, devices=devices,
+                       start_method=start_method, timeout_s=timeout_s)

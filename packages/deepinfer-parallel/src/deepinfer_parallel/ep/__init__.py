@@ -1,6 +1,24 @@
-"""Expert-parallel MoE runtime pieces: expert placement (logical -> physical slots) and dispatch/combine."""
+"""Expert-parallel MoE runtime pieces: expert placement (logical -> physical slots), dispatch/combine, references."""
 
-from deepinfer_parallel.ep.dispatch import DispatchHandle, combine, dispatch, reference_moe
+from deepinfer_parallel.ep.dispatcher import (
+    DispatchMode,
+    DispatchOutput,
+    EPDispatcher,
+    LowLatencyHandle,
+    ThroughputHandle,
+)
 from deepinfer_parallel.ep.placement import REPLICA_HASH_PRIME, ExpertPlacement
+from deepinfer_parallel.ep.reference import reference_moe, run_local_experts, swiglu_local_experts
 
-__all__ = ["REPLICA_HASH_PRIME", "DispatchHandle", "ExpertPlacement", "combine", "dispatch", "reference_moe"]
+__all__ = [
+    "REPLICA_HASH_PRIME",
+    "DispatchMode",
+    "DispatchOutput",
+    "EPDispatcher",
+    "ExpertPlacement",
+    "LowLatencyHandle",
+    "ThroughputHandle",
+    "reference_moe",
+    "run_local_experts",
+    "swiglu_local_experts",
+]

@@ -1,5 +1,5 @@
 """ExpertPlacement: which logical expert every physical slot holds, and the deterministic choice of a replica for
-each routed (token, expert) pair (runtime.md §5.2 "Routing to replicas"). Imports torch only."""
+each routed (token, expert) pair (docs/parallel.md, "Process layout"). Imports torch only."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ class ExpertPlacement:
     @classmethod
     def initial(cls, *, num_layers: int, num_experts: int, num_physical: int) -> ExpertPlacement:
         """Start-up layout before any statistics: slot s < num_experts holds expert s, the redundant slots hold
-        copies of experts 0, 1, 2, ... (runtime.md §5.2)."""
+        copies of experts 0, 1, 2, ... (docs/parallel.md, "EPLB")."""
         if num_physical < num_experts or num_experts < 1 or num_layers < 1:
             raise PlacementError(
                 f"ExpertPlacement.initial: expected num_layers >= 1 and num_physical >= num_experts >= 1, found "
@@ -188,7 +188,7 @@ class ExpertPlacement:
 
     def logical_load(self, physical_counts: Tensor) -> Tensor:
         """Fold per-slot token counts `[layers, num_physical]` into per-logical-expert counts `[layers, num_logical]`
-        (the statistics a dispatch kernel produces are per physical slot, runtime.md §5.2 step 1)."""
+        (the statistics a dispatch kernel produces are per physical slot, docs/parallel.md, "EPLB")."""
         if physical_counts.shape != self.phy2log.shape:
             raise PlacementError(
                 f"physical_counts: expected shape {tuple(self.phy2log.shape)}, found {tuple(physical_counts.shape)}"

@@ -1,4 +1,8 @@
-"""Expert-parallel load balancing: load recording and the pure placement policy (runtime.md §5)."""
+"""Expert-parallel load balancing: load recording and the placement policy (pure pieces).
+
+The runtime pieces that need the expert placement live in `eplb.state` (EPLBState) and `eplb.shuffle` (weight
+movement); they are not imported here because `ep.placement` itself builds on `eplb.algorithm`.
+"""
 
 from deepinfer_parallel.eplb.algorithm import (
     balanced_packing,

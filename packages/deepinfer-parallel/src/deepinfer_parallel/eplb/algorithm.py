@@ -1,4 +1,4 @@
-"""EPLB placement policy as one pure function (runtime.md §5.1): replicate hot experts into redundant slots and
+"""EPLB placement policy as one pure function (docs/parallel.md, "EPLB"): replicate hot experts into redundant slots and
 pack the replicas onto GPUs so that the per-GPU load is balanced. Torch at the boundaries, exact greedy in plain
 Python inside (the inputs are small: layers x a few hundred experts), so results are bit-for-bit deterministic on
 any device. Imports torch only.
@@ -162,7 +162,7 @@ def rebalance_experts(
         window (`ExpertLoadRecorder.load()`); non-negative.
     num_replicas: physical expert slots per layer (= logical experts + redundant), divisible by num_gpus.
     num_groups: expert groups (routing groups); must divide num_logical_experts. V4 / V4.1 route over all experts
-        without group limits, so pass 1 there (runtime.md §5.1).
+        without group limits, so pass 1 there (docs/parallel.md, "EPLB").
     num_nodes: nodes (server boxes); must divide num_gpus. The hierarchical policy (groups packed onto nodes) is used
         when num_nodes divides num_groups, otherwise the global policy (all experts and GPUs as one node).
     num_gpus: GPUs of the EP group; GPU g owns the contiguous physical slots [g*S, (g+1)*S), S = num_replicas/num_gpus.

@@ -1,5 +1,5 @@
 """Per-layer expert load counter fed from routing top-k ids, with a sliding window of recent steps
-(runtime.md §5.2 "Statistics"). Mutable runtime state, so a plain class; imports torch only."""
+(docs/parallel.md, "EPLB"). Mutable runtime state, so a plain class; imports torch only."""
 
 from __future__ import annotations
 
