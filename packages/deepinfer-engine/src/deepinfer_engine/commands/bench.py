@@ -29,8 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     from deepinfer_engine import bench
+    from deepinfer_engine.commands.output_file import check_output_path
     from deepinfer_engine.llm import llm_from_cli
 
+    if ns.output_json:
+        check_output_path(ns.output_json, option="output_json")  # before the run, not after it
     llm = llm_from_cli(ns)
     if ns.bench_kind == "throughput":
         r = bench.throughput(llm, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
