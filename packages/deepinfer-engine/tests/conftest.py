@@ -80,15 +80,16 @@ def _edit_header(d: Path, tensor: str, change: Callable[[dict], object]) -> None
     _write_shard(path, header, data)
 
 
-def _poke(d: Path, tensor: str, flat_index: int, code: dict[str, bytes]) -> None:
-    """Overwrite value `flat_index` of `tensor` with the byte code for its dtype."""
+def _poke(d: Path, tensor: str, flat_indices: range | list[int], code: dict[str, bytes]) -> None:
+    """Overwrite the values at `flat_indices` of `tensor` with the byte code for its dtype."""
     path = shard_of(d, tensor)
     header, data = _split(path)
     entry = header[tensor]
     value = code[entry["dtype"]]
-    at = entry["data_offsets"][0] + flat_index * len(value)
     buf = bytearray(data)
-    buf[at : at + len(value)] = value
+    for i in flat_indices:
+        at = entry["data_offsets"][0] + i * len(value)
+        buf[at : at + len(value)] = value
     _write_shard(path, header, bytes(buf))
 
 
@@ -228,19 +229,19 @@ DAMAGES: dict[str, Damage] = {
         (CheckpointError, "tokenizer_config.json: field 'eos_token' is '<eos-typo>'; expected a token", "tokenizer")),
     # values that load fine but compute garbage: --verify only
     "nan_norm_weight": Damage(
-        lambda d: _poke(d, "norm.weight", 5, _NAN), "non_finite",
+        lambda d: _poke(d, "norm.weight", [5], _NAN), "non_finite",
         "'norm.weight' .*1 NaN and 0 Inf among 64 BF16 values \\(first at \\[5\\]\\)"),
     "inf_head_row": Damage(
-        lambda d: [_poke(d, "head.weight", 7 * 64 + j, _INF) for j in range(64)], "non_finite",
+        lambda d: _poke(d, "head.weight", range(7 * 64, 8 * 64), _INF), "non_finite",
         "'head.weight' .*0 NaN and 64 Inf among 8273920 BF16 values \\(first at \\[7, 0\\]\\)"),
     "e8m0_nan_scale": Damage(
-        lambda d: _poke(d, "layers.0.ffn.experts.0.w1.scale", 3, _NAN), "invalid_scale",
+        lambda d: _poke(d, "layers.0.ffn.experts.0.w1.scale", [3], _NAN), "invalid_scale",
         "'layers.0.ffn.experts.0.w1.scale' .*1 NaN code 0xFF of E8M0 among 64 values \\(first at \\[1, 1\\]\\)"),
     "fp8_nan_weight": Damage(
-        lambda d: _poke(d, "layers.0.attn.wq_a.weight", 64 + 2, _NAN), "non_finite",
+        lambda d: _poke(d, "layers.0.attn.wq_a.weight", [64 + 2], _NAN), "non_finite",
         "'layers.0.attn.wq_a.weight' .*1 NaN code 0x7F/0xFF of FP8 e4m3 among 2048 values \\(first at \\[1, 2\\]\\)"),
     "f32_nan_value": Damage(
-        lambda d: _poke(d, "layers.0.attn.attn_sink", 0, _NAN), "non_finite",
+        lambda d: _poke(d, "layers.0.attn.attn_sink", [0], _NAN), "non_finite",
         "'layers.0.attn.attn_sink' .*1 NaN and 0 Inf among .* F32 values"),
 }
 
@@ -261,13 +262,15 @@ def damage_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def damaged_checkpoint(damage_base: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`(case) -> directory`: a fresh copy of the base checkpoint with the damage of `DAMAGES[case]` applied."""
+    """`(case) -> directory`: a copy of the base checkpoint with the damage of `DAMAGES[case]` applied, made once
+    per case and session (tests only read it)."""
     root = tmp_path_factory.mktemp("damaged")
 
     def make(case: str) -> Path:
         d = root / case
-        shutil.copytree(damage_base, d, copy_function=os.link)
-        DAMAGES[case].apply(d)
+        if not d.exists():
+            shutil.copytree(damage_base, d, copy_function=os.link)
+            DAMAGES[case].apply(d)
         return d
 
     return make
