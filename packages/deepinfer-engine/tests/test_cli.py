@@ -20,6 +20,7 @@ def _one_error_line(capsys, *needles: str) -> str:
     (["generate", "Hi", "--temperature", "-1"], ["temperature"]),
     (["generate", "Hi", "--model", "/nonexistent/ckpt"], ["model: '/nonexistent/ckpt'", "config.json"]),
     (["generate", "Hi", "--max-num-seqs", "0"], ["max_num_seqs: found 0"]),
+    (["generate", "--prompt-file", "/nonexistent/prompts.txt"], ["prompt_file: cannot read"]),
     (["chat", "--model", "/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
     (["bench", "throughput", "--output-json", "/nonexistent/dir/b.json"], ["output_json", "does not exist"]),
     (["bench", "latency", "--model", "/nonexistent/ckpt"], ["/nonexistent/ckpt"]),
@@ -56,3 +57,10 @@ def test_a_bug_keeps_its_traceback(monkeypatch) -> None:
     monkeypatch.setattr(generate, "run", bug)
     with pytest.raises(KeyError):
         main(["generate", "Hi"])
+
+
+def test_prompt_file_that_is_not_utf8(tmp_path, capsys) -> None:
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"caf\xe9\n")
+    assert main(["generate", "--prompt-file", str(f)]) == 2
+    _one_error_line(capsys, "p.txt' is not UTF-8 text")
