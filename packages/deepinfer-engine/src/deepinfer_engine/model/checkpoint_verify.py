@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_engine.errors import DeepInferError
+from deepinfer_engine.errors import CheckpointError, DeepInferError
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.checkpoint import (
     INDEX_FILE,
@@ -132,7 +132,7 @@ def verify_checkpoint(
 def _index(d: Path) -> tuple[dict[str, str], int | None]:
     path = d / INDEX_FILE
     if not path.is_file():
-        raise DeepInferError(f"no {INDEX_FILE} in {str(d)!r}; expected the official sharded layout")
+        raise CheckpointError(f"no {INDEX_FILE} in {str(d)!r}; expected the official sharded layout")
     return read_index(path)
 
 
