@@ -262,18 +262,24 @@ def damage_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def damaged_checkpoint(damage_base: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`(case) -> directory`: a copy of the base checkpoint with the damage of `DAMAGES[case]` applied, made once
-    per case and session (tests only read it)."""
+    """`(*cases) -> directory`: a copy of the base checkpoint with the damage of each `DAMAGES[case]` applied,
+    made once per combination and session (tests only read it)."""
     root = tmp_path_factory.mktemp("damaged")
 
-    def make(case: str) -> Path:
-        d = root / case
+    def make(*cases: str) -> Path:
+        d = root / "+".join(cases)
         if not d.exists():
             shutil.copytree(damage_base, d, copy_function=os.link)
-            DAMAGES[case].apply(d)
+            for case in cases:
+                DAMAGES[case].apply(d)
         return d
 
     return make
+
+
+@pytest.fixture(scope="session")
+def damage_corpus() -> dict[str, Damage]:
+    return DAMAGES
 
 
 @pytest.fixture
