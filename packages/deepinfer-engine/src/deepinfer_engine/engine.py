@@ -187,6 +187,9 @@ class LLMEngine:
         device = resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
+        # the small files first: a malformed one fails in a second, not after the weights have loaded
+        eos = read_eos_ids(model_dir, args)
+        tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else load_tokenizer(model_dir, required=False)
         if device.type == "cpu":
             threads = mc.num_cpu_threads or (1 if int(args.hidden_size) < 1024 else None)
             if threads is not None:
@@ -212,9 +215,7 @@ class LLMEngine:
         _log_record_formats(args)
         cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
                                     dtype=dtype, device=device)
-        eos = read_eos_ids(model_dir, args)
         runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)
-        tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else load_tokenizer(model_dir, required=False)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, tokenizer=tokenizer,
                    eos_token_ids=eos, bos_token_id=getattr(args, "bos_token_id", 0), args=args, model_dir=model_dir)
 
