@@ -181,9 +181,9 @@ def _result(req: _Request, out, created: int) -> dict[str, Any]:
 
 
 def _run_wave(llm, wave: list[_Request], *, use_tqdm: bool) -> None:
-    """Generate `wave` as one batch and set each request's result. A typed error of the whole call (one request
-    the engine refuses at admission) is narrowed down by running the requests one at a time, so it fails only
-    the line it concerns."""
+    """Generate `wave` as one batch and set each request's result. A typed error of the whole call (a request
+    the engine refuses at admission) is narrowed down by halving the wave until it fails only the line it
+    concerns; the other requests still run batched (k refused lines cost about 2k log2(n) extra calls)."""
     from deepinfer_engine.errors import user_error_types
 
     created = int(time.time())
@@ -192,8 +192,9 @@ def _run_wave(llm, wave: list[_Request], *, use_tqdm: bool) -> None:
                                  prompts=[r.prompt for r in wave], use_tqdm=use_tqdm)
     except user_error_types() as exc:
         if len(wave) > 1:
-            for req in wave:
-                _run_wave(llm, [req], use_tqdm=False)
+            half = len(wave) // 2
+            _run_wave(llm, wave[:half], use_tqdm=use_tqdm)
+            _run_wave(llm, wave[half:], use_tqdm=use_tqdm)
             return
         req = wave[0]
         req.result = _error(req.line_no, req.custom_id, "request_failed", f"{type(exc).__name__}: {exc}")
