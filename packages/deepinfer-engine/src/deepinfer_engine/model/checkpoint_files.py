@@ -53,10 +53,15 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _field_error(path: Path, field: str, found: object, expected: str) -> CheckpointError:
-    text = repr(found)
-    text = text if len(text) <= 80 else text[:77] + "..."
-    return CheckpointError(f"{path.name} in {str(path.parent)!r}: field '{field}' is {text}; expected {expected}")
+    return CheckpointError(
+        f"{path.name} in {str(path.parent)!r}: field '{field}' is {_short(found)}; expected {expected}"
+    )
 
 
 def _token_id(path: Path, field: str, value: object, vocab: int | None) -> int:
@@ -157,9 +162,7 @@ def _check_tokenizer_config(path: Path, tok: Any, error: type[Exception]) -> Non
     cfg = read_json_object(path, error=error)
 
     def fail(field: str, found: object, expected: str) -> Exception:
-        text = repr(found)
-        text = text if len(text) <= 80 else text[:77] + "..."
-        return error(f"{path}: field '{field}' is {text}; expected {expected}")
+        return error(f"{path}: field '{field}' is {_short(found)}; expected {expected}")
 
     for name in _SPECIAL_TOKEN_FIELDS:
         value = cfg.get(name)
