@@ -63,7 +63,22 @@ def main(argv: list[str] | None = None) -> int:
     if not hasattr(ns, "_run"):
         parser.print_help()
         return 2
-    return int(ns._run(ns) or 0)
+    try:
+        return int(ns._run(ns) or 0)
+    except Exception as exc:
+        from deepinfer_engine.errors import user_error_types
+
+        if not isinstance(exc, user_error_types()):
+            raise  # a bug: the traceback is what a report needs
+        # bad input or environment: the message names the file / option and the fix; a traceback would bury it
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's message on one line (recipe errors and OS errors carry their own wording)."""
+    text = " ".join(str(exc).splitlines()).strip()
+    return text or type(exc).__name__
 
 
 def _subparser(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:

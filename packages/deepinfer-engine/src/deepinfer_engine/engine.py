@@ -6,7 +6,6 @@ and a byte budget, and logs the plan once. `LLMEngine(...)` takes ready componen
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -24,6 +23,7 @@ from deepinfer_engine.core.request import Request, RequestStatus
 from deepinfer_engine.core.sched_output import RequestUpdate, TokenLogprobs
 from deepinfer_engine.core.scheduler import Scheduler
 from deepinfer_engine.errors import ConfigError, InputError
+from deepinfer_engine.model.checkpoint_files import load_tokenizer, read_eos_ids
 from deepinfer_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_engine.sampling_params import SamplingParams
 from deepinfer_engine.worker.model_runner import ModelRunner
@@ -132,17 +132,6 @@ def families_from_cache(args: Any, page_size: int, dtype: torch.dtype) -> list[C
     return fams
 
 
-def _read_eos_ids(model_dir: Path, args: Any) -> list[int]:
-    ids: list[int] = []
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
-    if not ids and getattr(args, "eos_token_id", None) is not None:
-        ids = [int(args.eos_token_id)]
-    return ids or [1]
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -198,6 +187,9 @@ class LLMEngine:
         device = resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
+        # the small files first: a malformed one fails in a second, not after the weights have loaded
+        eos = read_eos_ids(model_dir, args)
+        tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else load_tokenizer(model_dir, required=False)
         if device.type == "cpu":
             threads = mc.num_cpu_threads or (1 if int(args.hidden_size) < 1024 else None)
             if threads is not None:
@@ -223,9 +215,7 @@ class LLMEngine:
         _log_record_formats(args)
         cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
                                     dtype=dtype, device=device)
-        eos = _read_eos_ids(model_dir, args)
         runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)
-        tokenizer = _load_tokenizer(Path(mc.tokenizer) if mc.tokenizer else model_dir)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, tokenizer=tokenizer,
                    eos_token_ids=eos, bos_token_id=getattr(args, "bos_token_id", 0), args=args, model_dir=model_dir)
 
@@ -436,16 +426,6 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
     model = load_model(model_dir, dtype=dtype, device=device)
     model.eval()
     return model
-
-
-def _load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-
-    file = path / "tokenizer.json" if path.is_dir() else path
-    if not file.exists():
-        logger.warning("no tokenizer at %s: text prompts and detokenization are off", file)
-        return None
-    return Tokenizer.from_file(str(file))
 
 
 __all__ = ["LLMEngine", "StepStats", "TokenLogprobs", "mix_seed"]

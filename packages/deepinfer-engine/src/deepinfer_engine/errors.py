@@ -25,3 +25,15 @@ class CapacityError(DeepInferError, RuntimeError):
 
 class InputError(DeepInferError, ValueError):
     """A request's input (token ids, positions, prompt length) is invalid for this model."""
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """Exception types that report bad input or a bad environment, never a bug of the code: the CLI prints them
+    as one `error:` line (exit 2) and `run-batch` as the failed line's error, instead of a traceback.
+
+    This package's errors, the recipe's documented request errors (`ConversionError`, `ImageError`,
+    `CalcResizeError`), a kernel backend that cannot run the inputs, and OS errors on user-named files."""
+    from deepinfer_kernels._backend import KernelBackendError  # the kernels package does not re-export it
+    from deepseek_recipe import CalcResizeError, ConversionError, ImageError
+
+    return (DeepInferError, ConversionError, ImageError, CalcResizeError, KernelBackendError, OSError)

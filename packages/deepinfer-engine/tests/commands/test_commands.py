@@ -90,3 +90,9 @@ def test_unknown_engine_flag_is_rejected(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["generate", "--max-num-seq", "3"])
     assert "max-num-seqs" in capsys.readouterr().err
+
+
+def test_explicit_missing_tokenizer_is_an_error(tiny_v41_dir, capsys) -> None:
+    rc = main(["generate", "Hi", "--model", str(tiny_v41_dir), "--tokenizer", "/nope.json", *FAST])
+    err = capsys.readouterr().err
+    assert rc == 2 and "error: tokenizer: '/nope.json' is no such file" in err

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
+from deepinfer_engine.cli import main
 from deepinfer_engine.commands import inspect as inspect_cmd
 from deepinfer_engine.commands import make_checkpoint as make_cmd
 from deepinfer_engine.model import presets
@@ -14,9 +14,9 @@ from deepinfer_engine.model.checkpoint import INDEX_FILE
 
 
 def _run(module, argv: list[str]) -> int:
-    p = argparse.ArgumentParser()
-    module.add_arguments(p)
-    return module.run(p.parse_args(argv))
+    # through the CLI entry point: typed errors become one `error:` line with exit status 2 there
+    name = {inspect_cmd: "inspect", make_cmd: "make-checkpoint"}[module]
+    return main([name, *argv])
 
 
 def _lines(out: str) -> dict[str, str]:
@@ -62,8 +62,9 @@ def test_inspect_bad_config_reports_error(tmp_path: Path, capsys: pytest.Capture
     d["o_groups"] = 5
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(d))
-    assert _run(inspect_cmd, ["--config", str(cfg)]) == 1
-    assert "o_groups" in capsys.readouterr().err
+    assert _run(inspect_cmd, ["--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "o_groups" in err and err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_make_checkpoint_then_inspect_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -71,7 +72,7 @@ def test_make_checkpoint_then_inspect_dir(tmp_path: Path, capsys: pytest.Capture
     assert _run(make_cmd, ["--arch", "v4", "--preset", "tiny", "--seed", "1", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"wrote {out}" in text and "596 tensors in 4 shards" in text
-    assert _run(make_cmd, ["--arch", "v4", "--out", str(out)]) == 1  # refuses to overwrite
+    assert _run(make_cmd, ["--arch", "v4", "--out", str(out)]) == 2  # refuses to overwrite
     assert "already holds a checkpoint" in capsys.readouterr().err
     assert _run(inspect_cmd, [str(out)]) == 0
     text = capsys.readouterr().out
@@ -81,13 +82,13 @@ def test_make_checkpoint_then_inspect_dir(tmp_path: Path, capsys: pytest.Capture
     del index["weight_map"]["layers.2.attn.compressor.ape"]
     (out / INDEX_FILE).write_text(json.dumps(index))
     # the shard still holds it: the reader refuses the inconsistent index, naming tensor and shard
-    assert _run(inspect_cmd, [str(out), "--no-plan"]) == 1
+    assert _run(inspect_cmd, [str(out), "--no-plan"]) == 2
     err = capsys.readouterr().err
     assert "layers.2.attn.compressor.ape" in err and "is stored in shard model-0000" in err
 
 
 def test_make_checkpoint_bad_preset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert _run(make_cmd, ["--arch", "v41", "--preset", "huge", "--out", str(tmp_path / "x")]) == 1
+    assert _run(make_cmd, ["--arch", "v41", "--preset", "huge", "--out", str(tmp_path / "x")]) == 2
     assert "--preset: found 'huge'" in capsys.readouterr().err
 
 

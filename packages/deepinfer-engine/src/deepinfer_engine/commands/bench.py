@@ -43,10 +43,13 @@ def _int_list(text: str) -> list[int]:
 
 def run(ns: argparse.Namespace) -> int:
     from deepinfer_engine import bench
+    from deepinfer_engine.commands.output_file import check_output_path
     from deepinfer_engine.llm import llm_from_cli
 
     if getattr(ns, "plot", None):
         bench.check_plot_target(ns.plot)
+    if ns.output_json:
+        check_output_path(ns.output_json, option="output_json")  # before the run, not after it
     llm = llm_from_cli(ns)
     if ns.bench_kind == "throughput":
         r = bench.throughput(llm, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,

@@ -9,6 +9,7 @@ import sys
 import time
 
 from deepinfer_engine.config import add_engine_args
+from deepinfer_engine.errors import InputError
 from deepinfer_engine.sampling_params import add_sampling_args, sampling_params_from_cli
 
 EXAMPLE_CONVERSATIONS = [
@@ -39,14 +40,20 @@ def _read_lines(stream) -> list[str]:
 
 def collect_prompts(ns: argparse.Namespace) -> list[str]:
     prompts: list[str] = []
-    for p in ns.prompts:
-        prompts.extend(_read_lines(sys.stdin) if p == "-" else [p])
-    if ns.prompt_file:
-        if ns.prompt_file == "-":
-            prompts.extend(_read_lines(sys.stdin))
-        else:
-            with open(ns.prompt_file, encoding="utf-8") as f:
-                prompts.extend(_read_lines(f))
+    try:
+        for p in ns.prompts:
+            prompts.extend(_read_lines(sys.stdin) if p == "-" else [p])
+        if ns.prompt_file:
+            if ns.prompt_file == "-":
+                prompts.extend(_read_lines(sys.stdin))
+            else:
+                with open(ns.prompt_file, encoding="utf-8") as f:
+                    prompts.extend(_read_lines(f))
+    except UnicodeDecodeError as exc:
+        where = "stdin" if ns.prompt_file in (None, "-") else repr(ns.prompt_file)
+        raise InputError(f"prompts: {where} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except OSError as exc:
+        raise InputError(f"prompt_file: cannot read {ns.prompt_file!r} ({exc.strerror or exc})") from None
     return prompts
 
 

@@ -3,19 +3,21 @@
 `deepinfer inspect DIR` reads DIR/config.json and checks the shards against the inventory;
 `deepinfer inspect --config FILE` does the same from a bare config.json (no weights);
 without either it inspects the embedded default checkpoint. `--forward` runs the model on a short prompt.
+`deepinfer inspect DIR --verify [--json]` reads every tensor and lists what would load but compute garbage
+(non-finite values, invalid scale codes) besides every structural problem; exit status 1 on findings.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 from pathlib import Path
 
 from deepinfer_engine.errors import DeepInferError
 from deepinfer_engine.model.args import LayerPlan, ModelArgs
 from deepinfer_engine.model.inventory import InventorySummary, summarize, tensor_inventory
 
-__all__ = ["add_arguments", "format_report", "run"]
+__all__ = ["add_arguments", "format_report", "format_verify", "run", "run_verify"]
 
 _SECTION_TITLE = {"backbone": "backbone", "engram": "Engram", "draft": "draft (MTP/DSpark)"}
 
@@ -37,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16"],
         help="dtype for --forward (default float32)",
     )
+    add_verify_arguments(parser)
 
 
 def _arch_lines(a: ModelArgs) -> list[str]:
@@ -147,12 +150,13 @@ def _forward_lines(directory: Path, prompt: str, device: str, dtype_name: str) -
         raise DeepInferError(
             f"--forward needs the model modules, which are not importable yet ({exc})"
         ) from exc
-    from tokenizers import Tokenizer
+    from deepinfer_engine.model.checkpoint_files import load_tokenizer
 
     tok_path = directory / "tokenizer.json"
     if not tok_path.is_file():
         raise DeepInferError(f"--forward: {directory} has no tokenizer.json to encode the prompt")
-    ids = [0, *Tokenizer.from_file(str(tok_path)).encode(prompt, add_special_tokens=False).ids]  # BOS first
+    tokenizer = load_tokenizer(tok_path, required=False)
+    ids = [0, *tokenizer.encode(prompt, add_special_tokens=False).ids]  # BOS first
     dtype = getattr(torch, dtype_name)
     model = load_model(directory, dtype=dtype, device=device, with_draft=False)
     input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
@@ -171,40 +175,76 @@ def _forward_lines(directory: Path, prompt: str, device: str, dtype_name: str) -
 
 
 def run(ns: argparse.Namespace) -> int:
-    try:
-        if ns.config is not None:
-            if ns.dir is not None:
-                raise DeepInferError("give either a checkpoint DIR or --config FILE, not both")
-            if ns.forward:
-                raise DeepInferError("--forward needs weights: give a checkpoint DIR, not --config")
-            args = ModelArgs.from_file(ns.config)
-            print(f"config: {ns.config}")
-            print("\n".join(format_report(args, plan=not ns.no_plan)))
-            return 0
-        directory = ns.dir
-        if directory is None:
-            from deepinfer_engine.default_model import default_model_dir
+    if ns.json and not ns.verify:
+        raise DeepInferError("--json goes with --verify (the plain report is text only)")
+    if ns.config is not None:
+        if ns.dir is not None:
+            raise DeepInferError("give either a checkpoint DIR or --config FILE, not both")
+        if ns.forward or ns.verify:
+            raise DeepInferError("--forward and --verify need weights: give a checkpoint DIR, not --config")
+        args = ModelArgs.from_file(ns.config)
+        print(f"config: {ns.config}")
+        print("\n".join(format_report(args, plan=not ns.no_plan)))
+        return 0
+    directory = ns.dir
+    if directory is None:
+        from deepinfer_engine.default_model import default_model_dir
 
-            directory = default_model_dir()
-        from deepinfer_engine.model.checkpoint import CheckpointReader
+        directory = default_model_dir()
+    if ns.verify:
+        return run_verify(Path(directory), as_json=ns.json, progress=ns.progress)
+    from deepinfer_engine.model.checkpoint import CheckpointReader
 
-        with CheckpointReader(directory) as reader:
-            print(f"checkpoint: {directory}")
-            print("\n".join(format_report(reader.args, plan=not ns.no_plan)))
-            names = reader.tensor_names()
-            shards = len({reader.shard_of(n) for n in names})
-            probs = reader.problems(limit=0)
-            if probs:
-                print(f"check: FAILED, {len(probs)} problems")
-                for p in probs[:50]:
-                    print(f"  {p}")
-                if len(probs) > 50:
-                    print(f"  ... {len(probs) - 50} more")
-                return 1
-            print(f"check: OK ({len(names):,} tensors in {shards} shards, {reader.stored_nbytes():,} bytes)")
-        if ns.forward:
-            print("\n".join(_forward_lines(Path(directory), ns.prompt, ns.device, ns.dtype)))
-    except DeepInferError as exc:
-        print(f"deepinfer inspect: error: {exc}", file=sys.stderr)
-        return 1
+    with CheckpointReader(directory) as reader:
+        print(f"checkpoint: {directory}")
+        print("\n".join(format_report(reader.args, plan=not ns.no_plan)))
+        names = reader.tensor_names()
+        shards = len({reader.shard_of(n) for n in names})
+        probs = reader.problems(limit=0)
+        if probs:
+            print(f"check: FAILED, {len(probs)} problems")
+            for p in probs[:50]:
+                print(f"  {p}")
+            if len(probs) > 50:
+                print(f"  ... {len(probs) - 50} more")
+            return 1
+        print(f"check: OK ({len(names):,} tensors in {shards} shards, {reader.stored_nbytes():,} bytes)")
+    if ns.forward:
+        print("\n".join(_forward_lines(Path(directory), ns.prompt, ns.device, ns.dtype)))
     return 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# --verify: every tensor's bytes (kept apart from the plain report)
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify", action="store_true",
+                        help="read every tensor (streamed shard by shard) and list non-finite values, invalid "
+                             "scale codes, bad offsets and invalid small files; exit 1 on findings")
+    parser.add_argument("--json", action="store_true", help="with --verify: print the result as one JSON object")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --verify: progress bar on stderr (default: on)")
+
+
+def run_verify(directory: Path, *, as_json: bool, progress: bool) -> int:
+    from deepinfer_engine.model.checkpoint_verify import verify_checkpoint
+
+    if not directory.is_dir():
+        raise DeepInferError(f"checkpoint directory {str(directory)!r} does not exist")
+    report = verify_checkpoint(directory, progress=progress)
+    if as_json:
+        print(json.dumps(report.to_json(), ensure_ascii=False))
+    else:
+        print("\n".join(format_verify(report)))
+    return 0 if report.ok else 1
+
+
+def format_verify(report) -> list[str]:
+    lines = [f"checkpoint: {report.directory}"]
+    summary = f"{report.tensors_checked:,} tensors, {report.bytes_checked:,} bytes read"
+    if report.ok:
+        return [*lines, f"verify: OK ({summary})"]
+    lines.append(f"verify: FAILED, {len(report.findings)} findings ({summary})")
+    lines += [f"  [{f.kind}] {f.message}" for f in report.findings]
+    return lines

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-from deepinfer_engine.errors import DeepInferError
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,18 +41,14 @@ def run(ns: argparse.Namespace) -> int:
     from deepinfer_engine.model.checkpoint import CheckpointReader
     from deepinfer_engine.model.writer import make_checkpoint
 
-    try:
-        out = make_checkpoint(
-            ns.out, ns.arch, ns.preset, ns.seed, max_shard_bytes=ns.max_shard_bytes, overwrite=ns.overwrite,
-            n_routed_experts=ns.n_routed_experts, device=ns.device,
-        )
-        with CheckpointReader(out) as reader:
-            names = reader.tensor_names()
-            shards = len({reader.shard_of(n) for n in names})
-            total = reader.total_size
-    except DeepInferError as exc:
-        print(f"deepinfer make-checkpoint: error: {exc}", file=sys.stderr)
-        return 1
+    out = make_checkpoint(
+        ns.out, ns.arch, ns.preset, ns.seed, max_shard_bytes=ns.max_shard_bytes, overwrite=ns.overwrite,
+        n_routed_experts=ns.n_routed_experts, device=ns.device,
+    )
+    with CheckpointReader(out) as reader:
+        names = reader.tensor_names()
+        shards = len({reader.shard_of(n) for n in names})
+        total = reader.total_size
     print(f"wrote {out}: arch {ns.arch}, preset {ns.preset}, seed {ns.seed}")
     print(f"  {len(names):,} tensors in {shards} shards, {total:,} bytes")
     return 0

@@ -2,9 +2,13 @@
 
 Input lines: {"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}. Output lines: {"id", "custom_id", "response": {"status_code": 200, "request_id", "body"},
-"error": null}; a line that cannot be served (bad JSON, unknown url, invalid body or sampling values, prompt
-too long, ...) gets "response": null and "error": {"code", "message", "line"} — failed lines are reported,
-never dropped. All valid lines run as one batch.
+"error": null}; a line that cannot be served (not UTF-8, bad JSON, a custom_id used before, a method other than
+POST, unknown url, invalid body or sampling values, prompt too long, ...) gets "response": null and
+"error": {"code", "message", "line"} -- failed lines are reported, never dropped.
+
+The output file is opened before the model loads. Valid lines run in waves (`--wave-size`, default
+4 x max_num_seqs); each result is written and flushed as soon as it and every earlier line's result are known,
+so the results of completed waves are on disk even if the run dies later.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_engine.config import add_engine_args
@@ -26,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output-file", required=True, help="JSONL results ('-' = stdout)")
     parser.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a body has none")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--wave-size", type=int, default=None,
+                        help="run valid lines in waves of this many requests; each wave's results are on disk as "
+                             "soon as it completes (default: 4 x max_num_seqs)")
     add_engine_args(parser)
 
 
@@ -68,110 +77,216 @@ def _logprobs_json(co) -> dict[str, Any] | None:
                          "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]} for lp in co.logprobs]}
 
 
-def process(llm, lines: list[str], *, default_max_tokens: int = 64, use_tqdm: bool = False) -> list[dict[str, Any]]:
-    """Turn request lines into result dicts (same order; blank lines are skipped)."""
-    results: list[dict[str, Any] | None] = []
-    pending: list[tuple[int, int, Any, str, dict, Any]] = []  # (result index, line, custom_id, url, body, render)
-    prompts: list[Any] = []
-    params: list[Any] = []
-    for line_no, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
+@dataclass
+class _Request:
+    """A line that passed validation: what to generate and what the result line needs."""
+
+    line_no: int
+    custom_id: Any
+    url: str
+    body: dict[str, Any]
+    render: Any
+    prompt: dict[str, Any]
+    params: Any
+    result: dict[str, Any] | None = None
+
+
+def _parse_line(llm, line_no: int, raw: str | bytes, seen: dict[str, int], default_max_tokens: int
+                ) -> _Request | dict[str, Any] | None:
+    """A valid request, an error result for the line, or None for a blank line."""
+    if isinstance(raw, bytes):
         try:
-            obj = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            results.append(_error(line_no, None, "invalid_json", f"line {line_no} is not JSON: {exc}"))
-            continue
-        if not isinstance(obj, dict):
-            results.append(_error(line_no, None, "invalid_request", "a request line must be a JSON object"))
-            continue
-        cid = obj.get("custom_id")
-        url, body = obj.get("url"), obj.get("body")
-        if url not in (CHAT_URL, COMPLETIONS_URL):
-            results.append(_error(line_no, cid, "invalid_url",
-                                  f"url: found {url!r}, expected {CHAT_URL!r} or {COMPLETIONS_URL!r}"))
-            continue
-        if not isinstance(body, dict):
-            results.append(_error(line_no, cid, "invalid_request", "body: expected a JSON object"))
-            continue
-        try:
-            sp = sampling_from_body(body, default_max_tokens, chat=url == CHAT_URL)
-            if url == CHAT_URL:
-                render = llm.render_chat_body(body)
-                prompt = {"prompt_token_ids": render.token_ids}
-            else:
-                render = None
-                p = body.get("prompt")
-                if isinstance(p, str):
-                    prompt = {"prompt_token_ids": llm.engine.encode_prompt(p), "prompt": p}
-                elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
-                    prompt = {"prompt_token_ids": p}
-                else:
-                    raise ValueError("prompt: expected a string or a list of token ids")
-            vocab = getattr(llm.engine.args, "vocab_size", None)
-            if vocab is not None:
-                bad = [t for t in prompt["prompt_token_ids"] if not 0 <= t < vocab]
-                if bad:
-                    raise ValueError(f"prompt: token id {bad[0]} is outside [0, {vocab})")
-        except Exception as exc:  # recipe ConversionError, SamplingParamsError, ...: report the line, keep going
-            results.append(_error(line_no, cid, "invalid_request", f"{type(exc).__name__}: {exc}"))
-            continue
-        pending.append((len(results), line_no, cid, url, body, render))
-        results.append(None)
-        prompts.append(prompt)
-        params.append(sp)
-    renders = [p[5] for p in pending]
-    outs = llm.generate_chat(renders, params, prompts=prompts, use_tqdm=use_tqdm) if prompts else []
-    created = int(time.time())
-    for (idx, line_no, cid, url, body, _render), out in zip(pending, outs):
-        if out.error is not None:
-            results[idx] = _error(line_no, cid, "request_failed", out.error)
-            continue
-        bad = [co for co in out.outputs if co.parse_error is not None]
-        if bad:
-            results[idx] = _error(line_no, cid, "output_parse_failed",
-                                  f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}")
-            continue
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return _error(line_no, None, "invalid_encoding",
+                          f"line {line_no} is not UTF-8 text: byte {exc.start} ({exc.reason})")
+    if line_no == 1:
+        raw = raw.removeprefix("\ufeff")
+    if not raw.strip():
+        return None
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return _error(line_no, None, "invalid_json", f"line {line_no} is not JSON: {exc}")
+    if not isinstance(obj, dict):
+        return _error(line_no, None, "invalid_request", "a request line must be a JSON object")
+    cid = obj.get("custom_id")
+    if cid is not None and not isinstance(cid, str):
+        return _error(line_no, None, "invalid_request", f"custom_id: found {cid!r}, expected a string")
+    if cid is not None:
+        if cid in seen:
+            return _error(line_no, cid, "duplicate_custom_id",
+                          f"custom_id {cid!r} is already used by line {seen[cid]}; expected unique custom_ids")
+        seen[cid] = line_no
+    method = obj.get("method", "POST")
+    if method != "POST":
+        return _error(line_no, cid, "invalid_method", f"method: found {method!r}, expected 'POST'")
+    url, body = obj.get("url"), obj.get("body")
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        return _error(line_no, cid, "invalid_url", f"url: found {url!r}, expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
+    if not isinstance(body, dict):
+        return _error(line_no, cid, "invalid_request", "body: expected a JSON object")
+    try:
+        sp = sampling_from_body(body, default_max_tokens, chat=url == CHAT_URL)
         if url == CHAT_URL:
-            choices = []
-            for co in out.outputs:
-                msg: dict[str, Any] = {"role": "assistant", "content": co.content}
-                if co.reasoning_content is not None:
-                    msg["reasoning_content"] = co.reasoning_content
-                if co.tool_calls:
-                    msg["tool_calls"] = co.tool_calls
-                choices.append({"index": co.index, "message": msg, "finish_reason": co.finish_reason,
-                                "logprobs": _logprobs_json(co)})
-            resp = {"id": f"chatcmpl-{line_no}", "object": "chat.completion", "created": created,
-                    "model": body.get("model"), "choices": choices, "usage": _usage(out)}
+            render = llm.render_chat_body(body)
+            prompt = {"prompt_token_ids": render.token_ids}
         else:
-            resp = {"id": f"cmpl-{line_no}", "object": "text_completion", "created": created,
-                    "model": body.get("model"),
-                    "choices": [{"index": co.index, "text": co.text, "finish_reason": co.finish_reason,
-                                 "logprobs": _logprobs_json(co)} for co in out.outputs],
-                    "usage": _usage(out)}
-        results[idx] = {"id": f"batch_req_{line_no}", "custom_id": cid,
-                        "response": {"status_code": 200, "request_id": f"req_{line_no}", "body": resp},
-                        "error": None}
-    return [r for r in results if r is not None]
+            render = None
+            p = body.get("prompt")
+            if isinstance(p, str):
+                prompt = {"prompt_token_ids": llm.engine.encode_prompt(p), "prompt": p}
+            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                prompt = {"prompt_token_ids": p}
+            else:
+                raise ValueError("prompt: expected a string or a list of token ids")
+        vocab = getattr(llm.engine.args, "vocab_size", None)
+        if vocab is not None:
+            bad = [t for t in prompt["prompt_token_ids"] if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is outside [0, {vocab})")
+    except Exception as exc:  # recipe ConversionError, SamplingParamsError, ...: report the line, keep going
+        return _error(line_no, cid, "invalid_request", f"{type(exc).__name__}: {exc}")
+    return _Request(line_no, cid, url, body, render, prompt, sp)
+
+
+def _result(req: _Request, out, created: int) -> dict[str, Any]:
+    line_no, cid, body = req.line_no, req.custom_id, req.body
+    if out.error is not None:
+        return _error(line_no, cid, "request_failed", out.error)
+    bad = [co for co in out.outputs if co.parse_error is not None]
+    if bad:
+        return _error(line_no, cid, "output_parse_failed",
+                      f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}")
+    if req.url == CHAT_URL:
+        choices = []
+        for co in out.outputs:
+            msg: dict[str, Any] = {"role": "assistant", "content": co.content}
+            if co.reasoning_content is not None:
+                msg["reasoning_content"] = co.reasoning_content
+            if co.tool_calls:
+                msg["tool_calls"] = co.tool_calls
+            choices.append({"index": co.index, "message": msg, "finish_reason": co.finish_reason,
+                            "logprobs": _logprobs_json(co)})
+        resp = {"id": f"chatcmpl-{line_no}", "object": "chat.completion", "created": created,
+                "model": body.get("model"), "choices": choices, "usage": _usage(out)}
+    else:
+        resp = {"id": f"cmpl-{line_no}", "object": "text_completion", "created": created,
+                "model": body.get("model"),
+                "choices": [{"index": co.index, "text": co.text, "finish_reason": co.finish_reason,
+                             "logprobs": _logprobs_json(co)} for co in out.outputs],
+                "usage": _usage(out)}
+    return {"id": f"batch_req_{line_no}", "custom_id": cid,
+            "response": {"status_code": 200, "request_id": f"req_{line_no}", "body": resp}, "error": None}
+
+
+def _run_wave(llm, wave: list[_Request], *, use_tqdm: bool) -> None:
+    """Generate `wave` as one batch and set each request's result. A typed error of the whole call (a request
+    the engine refuses at admission) is narrowed down by halving the wave until it fails only the line it
+    concerns; the other requests still run batched (k refused lines cost about 2k log2(n) extra calls)."""
+    from deepinfer_engine.errors import user_error_types
+
+    created = int(time.time())
+    try:
+        outs = llm.generate_chat([r.render for r in wave], [r.params for r in wave],
+                                 prompts=[r.prompt for r in wave], use_tqdm=use_tqdm)
+    except user_error_types() as exc:
+        if len(wave) > 1:
+            half = len(wave) // 2
+            _run_wave(llm, wave[:half], use_tqdm=use_tqdm)
+            _run_wave(llm, wave[half:], use_tqdm=use_tqdm)
+            return
+        req = wave[0]
+        req.result = _error(req.line_no, req.custom_id, "request_failed", f"{type(exc).__name__}: {exc}")
+        return
+    for req, out in zip(wave, outs):
+        req.result = _result(req, out, created)
+
+
+def process(llm, lines: Iterable[str | bytes], *, default_max_tokens: int = 64, use_tqdm: bool = False,
+            wave_size: int | None = None, on_result: Callable[[dict[str, Any]], None] | None = None
+            ) -> list[dict[str, Any]]:
+    """Turn request lines (str, or bytes decoded here: invalid UTF-8 fails only its line) into result dicts, in
+    input order; blank lines are skipped.
+
+    Valid requests run in waves of `wave_size` (default: all at once). `on_result(result)` is called for each
+    result as soon as it and every earlier line's result are known: failed lines before the first wave
+    starts, each wave's lines when the wave completes, so a run that dies later keeps them.
+    """
+    seen: dict[str, int] = {}
+    entries: list[_Request | dict[str, Any]] = []
+    for line_no, raw in enumerate(lines, start=1):
+        item = _parse_line(llm, line_no, raw, seen, default_max_tokens)
+        if item is not None:
+            entries.append(item)
+    done: list[dict[str, Any]] = []
+
+    def emit() -> None:
+        while len(done) < len(entries):
+            e = entries[len(done)]
+            r = e.result if isinstance(e, _Request) else e
+            if r is None:
+                return
+            done.append(r)
+            if on_result is not None:
+                on_result(r)
+
+    pending = [e for e in entries if isinstance(e, _Request)]
+    size = wave_size or max(len(pending), 1)
+    emit()
+    for lo in range(0, len(pending), size):
+        _run_wave(llm, pending[lo:lo + size], use_tqdm=use_tqdm)
+        emit()
+    return done
+
+
+def _dumps(result: dict[str, Any]) -> str:
+    text = json.dumps(result, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate from a "\ud800" escape in the input: keep it escaped
+        text = json.dumps(result)
+    return text + "\n"
+
+
+def _read_input(name: str) -> list[bytes]:
+    from deepinfer_engine.errors import ConfigError
+
+    if name == "-":
+        return sys.stdin.buffer.read().splitlines()
+    try:
+        with open(name, "rb") as f:
+            return f.read().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"input_file: cannot read {name!r} ({exc.strerror or exc}); expected a JSONL file") from None
 
 
 def run(ns: argparse.Namespace) -> int:
+    from deepinfer_engine.commands.output_file import open_output
+    from deepinfer_engine.errors import ConfigError
     from deepinfer_engine.llm import llm_from_cli
 
-    if ns.input_file == "-":
-        lines = sys.stdin.read().splitlines()
-    else:
-        with open(ns.input_file, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    llm = llm_from_cli(ns)
-    results = process(llm, lines, default_max_tokens=ns.default_max_tokens, use_tqdm=ns.progress)
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-    if ns.output_file == "-":
-        sys.stdout.write(text)
-    else:
-        with open(ns.output_file, "w", encoding="utf-8") as f:
-            f.write(text)
-    failed = sum(r["error"] is not None for r in results)
-    print(f"run-batch: {len(results)} lines, {len(results) - failed} ok, {failed} failed", file=sys.stderr)
+    if ns.wave_size is not None and ns.wave_size < 1:
+        raise ConfigError(f"wave_size: found {ns.wave_size}, expected >= 1")
+    lines = _read_input(ns.input_file)
+    # the output is opened before the model loads: a bad path fails in a second, not after the whole batch
+    out = open_output(ns.output_file, option="output_file")
+    n_ok = n_failed = 0
+    try:
+        llm = llm_from_cli(ns)
+
+        def write(result: dict[str, Any]) -> None:
+            nonlocal n_ok, n_failed
+            out.write(_dumps(result))
+            out.flush()
+            n_failed += result["error"] is not None
+            n_ok += result["error"] is None
+
+        wave = ns.wave_size or 4 * llm.config.scheduler.max_num_seqs
+        process(llm, lines, default_max_tokens=ns.default_max_tokens, use_tqdm=ns.progress, wave_size=wave,
+                on_result=write)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"run-batch: {n_ok + n_failed} lines, {n_ok} ok, {n_failed} failed", file=sys.stderr)
     return 0

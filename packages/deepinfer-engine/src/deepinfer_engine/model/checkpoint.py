@@ -23,7 +23,7 @@ from deepinfer_engine.errors import CheckpointError
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.inventory import SAFETENSORS_DTYPE, ScaleSpec, TensorSpec, tensor_inventory
 
-__all__ = ["INDEX_FILE", "CheckpointReader", "HeaderEntry", "read_safetensors_header"]
+__all__ = ["INDEX_FILE", "CheckpointReader", "HeaderEntry", "read_index", "read_safetensors_header"]
 
 INDEX_FILE = "model.safetensors.index.json"
 # Element sizes of the safetensors dtypes we may meet (others are rejected by name).
@@ -45,8 +45,9 @@ class HeaderEntry:
 def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     """Parse and sanity-check a shard's header without reading tensor data.
 
-    Detects: file shorter than its header or its data (truncated), unparsable / inconsistent header (corrupted),
-    tensors whose byte range does not match dtype x shape.
+    Detects: file shorter than its header or its data (truncated), unparsable / inconsistent header (corrupted,
+    including a `__metadata__` that is not an object of strings), tensors whose byte range does not match
+    dtype x shape or overlaps another tensor's range.
     """
     try:
         size = path.stat().st_size
@@ -71,17 +72,26 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[st
             raise ValueError("header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"shard {path.name}: corrupted header ({exc})") from None
-    meta = header.pop("__metadata__", None) or {}
+    meta = header.pop("__metadata__", None)
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CheckpointError(
+            f"shard {path.name}: header field '__metadata__' is {_short(meta)}; expected an object of strings "
+            "(corrupted header)"
+        )
     data_size = size - 8 - n
     entries: dict[str, HeaderEntry] = {}
     for name, info in header.items():
         try:
             dtype = info["dtype"]
-            shape = tuple(int(x) for x in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(_strict_int(x) for x in info["shape"])
+            begin, end = (_strict_int(x) for x in info["data_offsets"])
+            if not isinstance(dtype, str) or any(s < 0 for s in shape):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(
-                f"shard {path.name}: corrupted header entry for tensor '{name}': {info!r}"
+                f"shard {path.name}: corrupted header entry for tensor '{name}': {_short(info)}"
             ) from None
         if dtype not in _ST_ITEMSIZE:
             raise CheckpointError(f"shard {path.name}: tensor '{name}' has unsupported dtype {dtype!r}")
@@ -99,7 +109,68 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[st
                 f"data bytes (truncated file: {size} bytes, expected at least {8 + n + end})"
             )
         entries[name] = HeaderEntry(dtype=dtype, shape=shape, offsets=(begin, end))
-    return entries, {str(k): str(v) for k, v in meta.items()}
+    _check_overlaps(path, entries)
+    return entries, dict(meta)
+
+
+def _check_overlaps(path: Path, entries: dict[str, HeaderEntry]) -> None:
+    # two tensors sharing bytes would alias each other's values silently; empty tensors occupy nothing
+    spans = sorted((e.offsets[0], e.offsets[1], name) for name, e in entries.items() if e.offsets[1] > e.offsets[0])
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise CheckpointError(
+                f"shard {path.name}: tensors '{n0}' (bytes [{b0}, {e0})) and '{n1}' (bytes [{b1}, {e1})) overlap; "
+                "expected disjoint data ranges (corrupted header)"
+            )
+
+
+def _strict_int(x: object) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"expected an integer, found {x!r}")
+    return x
+
+
+def _short(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def read_index(path: Path) -> tuple[dict[str, str], int | None]:
+    """`model.safetensors.index.json` -> (weight_map {tensor: shard file}, metadata.total_size or None).
+
+    Every malformed field is a `CheckpointError` naming the file and the field."""
+    try:
+        index = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path.name}: unreadable ({exc})") from None
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path.name}: found a JSON {type(index).__name__}, expected an object")
+    meta = index.get("metadata")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path.name}: field 'metadata' is {_short(meta)}, expected an object")
+    total = meta.get("total_size")
+    if total is not None and (isinstance(total, bool) or not isinstance(total, int) or total < 0):
+        raise CheckpointError(
+            f"{path.name}: field 'metadata.total_size' is {_short(total)}, expected a non-negative integer "
+            "(bytes of all tensors)"
+        )
+    wm = index.get("weight_map")
+    if not isinstance(wm, dict) or not wm:
+        raise CheckpointError(
+            f"{path.name}: field 'weight_map' is {_short(wm)}, expected a non-empty object {{tensor: shard file}}"
+        )
+    for name, shard in wm.items():
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(
+                f"{path.name}: field 'weight_map.{name}' is {_short(shard)}, expected a shard file name"
+            )
+        if os.sep in shard or "/" in shard or shard.startswith("."):
+            raise CheckpointError(
+                f"{path.name}: field 'weight_map.{name}': shard name {shard!r} is not a plain file name"
+            )
+    return dict(wm), total
 
 
 class CheckpointReader:
@@ -164,22 +235,7 @@ class CheckpointReader:
             raise CheckpointError(
                 f"no {INDEX_FILE} in {str(self.directory)!r}; expected the official sharded layout"
             )
-        try:
-            index = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{INDEX_FILE}: unreadable ({exc})") from None
-        wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
-        ):
-            raise CheckpointError(
-                f"{INDEX_FILE}: expected an object with 'weight_map': {{tensor: shard file}}"
-            )
-        for shard in set(wm.values()):
-            if os.sep in shard or "/" in shard or shard.startswith("."):
-                raise CheckpointError(f"{INDEX_FILE}: shard name {shard!r} is not a plain file name")
-        total = (index.get("metadata") or {}).get("total_size")
-        return dict(wm), (int(total) if total is not None else None)
+        return read_index(path)
 
     def __enter__(self) -> CheckpointReader:
         return self

@@ -109,6 +109,7 @@ def load_model(
         raise CheckpointError(f"tensors not materialized from the checkpoint (still on meta): {left[:6]}")
     if reader.args.engram_layer_ids:
         if token_map is None:
+            from deepinfer_engine.model.checkpoint_files import load_tokenizer
             from deepinfer_engine.model.engram_hash import compressed_token_map
 
             tok = Path(ckpt_dir) / "tokenizer.json"
@@ -116,6 +117,8 @@ def load_model(
                 raise CheckpointError(
                     f"{str(ckpt_dir)!r}: Engram layers need tokenizer.json for the compressed token map, found none"
                 )
-            token_map = compressed_token_map(tok, image_token_id=reader.args.image_token_id)
+            # parsed through the validating loader: a garbage tokenizer.json is a CheckpointError naming the file
+            token_map = compressed_token_map(load_tokenizer(tok, required=False),
+                                             image_token_id=reader.args.image_token_id)
         model.set_engram_token_map(token_map)
     return model.eval()
