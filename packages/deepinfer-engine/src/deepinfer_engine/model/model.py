@@ -122,7 +122,16 @@ class ModelOutput:
 class Transformer(nn.Module):
     """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits)."""
 
-    def __init__(self, args: object, dtype: torch.dtype = torch.float32, *, with_draft: bool = True) -> None:
+    def __init__(
+        self,
+        args: object,
+        dtype: torch.dtype = torch.float32,
+        *,
+        with_draft: bool = True,
+        deployed_numerics: bool = False,
+    ) -> None:
+        """deployed_numerics: round every KV write / indexer operand through the checkpoint's cache record
+        formats (engine option ``kv_cache_dtype="auto"``, kv_numerics.py); False keeps full-precision KV."""
         super().__init__()
         self.args = args
         self.with_draft = with_draft
@@ -147,6 +156,17 @@ class Transformer(nn.Module):
                 self.mtp = dspark.build_stages(args, dtype)
             else:
                 self.mtp = nn.ModuleList(MTPBlock(args, p, dtype) for p in drafts)
+        self.set_deployed_numerics(deployed_numerics)
+
+    def set_deployed_numerics(self, on: bool) -> None:
+        """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back."""
+        from deepinfer_engine.model.kv_numerics import kv_numerics
+
+        self.deployed_numerics = bool(on)
+        numerics = kv_numerics(self.args, self.deployed_numerics)
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.numerics = numerics
 
     def set_engram_token_map(self, token_map: object) -> None:
         """Install the Engram hasher from a compressed token map (numpy int64 [vocab], engram_hash)."""
