@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs, yarn_correction_range
@@ -61,6 +62,56 @@ def test_rope_cos_sin_angles() -> None:
     cos, sin = rope_cos_sin(torch.tensor([0, 3]), freqs)
     assert torch.allclose(cos[1], torch.tensor([math.cos(3.0), math.cos(1.5)]))
     assert torch.allclose(sin[0], torch.zeros(2))
+
+
+def _np_inv_freq(dim: int, theta: float, factor: float | None, l0: int) -> np.ndarray:
+    """Independent fp32 (numpy) inverse frequencies, written from the reference's formula."""
+    f32 = np.float32
+    base = f32(theta) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim))
+    extra = f32(1.0) / base
+    if factor is None:
+        return extra
+    inter = f32(1.0) / (f32(factor) * base)
+
+    def corr(rot: float) -> float:
+        return dim * math.log(l0 / (rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(corr(32.0)), 0), min(math.ceil(corr(1.0)), dim - 1)
+    width = f32((high + 0.001 if low == high else high) - low)
+    ramp = np.clip((np.arange(dim // 2, dtype=f32) - f32(low)) / width, f32(0), f32(1))
+    mask = f32(1.0) - ramp
+    return inter * (f32(1.0) - mask) + extra * mask
+
+
+@pytest.mark.parametrize(
+    ("theta", "factor", "l0"), [(10000.0, None, 0), (160000.0, 16.0, 65536), (160000.0, 16.0, 32), (1e4, 4.0, 2048)]
+)
+def test_rope_tables_equal_fp32_reference_bit_for_bit(theta: float, factor: float | None, l0: int) -> None:
+    dim = 64
+    kw = {} if factor is None else {"yarn_factor": factor, "original_max_pos": l0}
+    freqs = rope_freqs(dim, theta, **kw)
+    ref = _np_inv_freq(dim, theta, factor, l0)
+    assert freqs.dtype == torch.float32
+    assert np.array_equal(freqs.numpy().view(np.int32), ref.view(np.int32))
+    # positions up to 1M (YaRN's 16 x 65536): the fp32 angle table is outer(positions_fp32, inv_freq_fp32)
+    pos = torch.cat([torch.arange(0, 4096), torch.arange(4096, 1 << 20, 7919), torch.tensor([(1 << 20) - 1])])
+    cos, sin = rope_cos_sin(pos, freqs)
+    ang = np.outer(pos.numpy().astype(np.float32), ref)
+    z = torch.polar(torch.ones(ang.shape), torch.from_numpy(ang))  # the reference's cos/sin of that table
+    assert torch.equal(cos.view(torch.int32), z.real.contiguous().view(torch.int32))
+    assert torch.equal(sin.view(torch.int32), z.imag.contiguous().view(torch.int32))
+    # and cos/sin are those of the fp32 angle (within 1 ulp of the correctly rounded value), not of a wider one
+    exact_c = torch.from_numpy(np.cos(ang.astype(np.float64)).astype(np.float32))
+    assert ((cos.view(torch.int32) - exact_c.view(torch.int32)).abs() <= 1).all()
+
+
+def test_rope_angles_are_fp32_not_float64() -> None:
+    # at position 1M the fp32 angle differs from the float64 product: the table must follow the fp32 one
+    freqs = rope_freqs(64, 160000.0, yarn_factor=16.0, original_max_pos=65536)
+    pos = torch.tensor([1_000_003])
+    cos, _ = rope_cos_sin(pos, freqs)
+    wide = torch.cos(pos.double()[:, None] * freqs.double()[None, :]).float()
+    assert (cos - wide).abs().max().item() > 1e-3
 
 
 def test_apply_rope_rejects_bad_shapes() -> None:

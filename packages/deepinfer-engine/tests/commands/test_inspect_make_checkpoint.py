@@ -53,8 +53,9 @@ def test_inspect_config_v41_flash_prints_design_totals(
     vals = _lines(capsys.readouterr().out)
     assert vals["backbone"] == "551,566,180,464"
     assert vals["Engram"] == "196,928,504,320"
-    assert vals["draft (MTP/DSpark)"] == "14,225,362,146"
-    assert vals["total"] == f"{551_566_180_464 + 196_928_504_320 + 14_225_362_146:,}"
+    draft = 14_225_362_146 + 3 * 128  # + the DSpark stages' optional gate.bias_vl (docs/fidelity.md §1)
+    assert vals["draft (MTP/DSpark)"] == f"{draft:,}"
+    assert vals["total"] == f"{551_566_180_464 + 196_928_504_320 + draft:,}"
 
 
 def test_inspect_bad_config_reports_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,11 +34,7 @@ def make_tiny_v41_model():
         args = ModelArgs.from_config_dict(tiny_v41_config())
         m = Transformer(args, torch.float32)
         init_random_(m, seed=seed)
-        m.set_engram_token_map(
-            synthetic_token_map(
-                args.vocab_size, args.engram_compressed_vocab_size, image_token_id=args.image_token_id
-            )
-        )
+        m.set_engram_token_map(synthetic_token_map(args.vocab_size, args.engram_compressed_vocab_size))
         return m.eval()
 
     return make

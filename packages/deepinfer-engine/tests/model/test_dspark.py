@@ -170,3 +170,13 @@ def test_v4_0731_stage_names_and_draft_runs() -> None:
     d = _draft(m, cache, bt, 5, 9)
     assert d.base_logits.shape == (a.dspark_block_size, a.vocab_size)
     assert bool(torch.isfinite(d.base_logits).all())
+
+
+def test_confidence_head_rounds_its_weight_to_bf16() -> None:
+    # DeepSeek's code uses the bf16-rounded weight: 1 + 2^-10 (not a bf16 value) acts as 1.0
+    ch = ConfidenceHead(dim=2, rank=1, dtype=torch.float32)
+    with torch.no_grad():
+        ch.proj.weight.copy_(torch.tensor([[1.0 + 2.0**-10, -2.0, 0.5]]))
+    h, e = torch.tensor([[3.0, 1.0]]), torch.tensor([[2.0]])
+    got = ch(h, e)
+    assert got.item() == torch.sigmoid(torch.tensor(3.0 - 2.0 + 1.0)).item()

@@ -6,7 +6,7 @@ import math
 
 import torch
 from deepinfer_engine.model.args import ModelArgs
-from deepinfer_engine.model.engram import Engram, engram_gate, engram_row_ids, image_positions
+from deepinfer_engine.model.engram import Engram, engram_gate, engram_row_ids
 from deepinfer_engine.model.engram_hash import EngramHasher, synthetic_token_map
 from deepinfer_engine.model.presets import tiny_v41_config
 
@@ -25,9 +25,19 @@ def test_engram_gate_hand_case() -> None:
     # stream 0: dot 4, rms(r)=1, rms(key)=1 -> g = 4/sqrt(4) = 2 -> sigmoid(sqrt 2)
     # stream 1: dot 2*0.5*(-1) = -1; mean(r²) = 1 -> rsqrt 1; mean(key²) = 1/4 -> rsqrt 2; g = -1*2/2 = -1
     #           -> sigmoid(-1)
-    # stream 2: dot 0 -> g = 0 -> sign 0 -> sigmoid(0) = 0.5 (the 1e-6 clamp only matters inside sqrt)
-    want = torch.tensor([[_sig(math.sqrt(2.0)), _sig(-1.0), 0.5]])
+    # stream 2: dot +0 -> g = +0 -> copysign(sqrt(max(0, 1e-6)), +0) = +1e-3 -> sigmoid(1e-3), not 0.5
+    want = torch.tensor([[_sig(math.sqrt(2.0)), _sig(-1.0), _sig(1e-3)]])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got[0, 2].item() != 0.5
+
+
+def test_engram_gate_zero_dot_is_positive_zero() -> None:
+    # a zero dot accumulates from +0 (as the reference kernel's cleared accumulator), even over -0.0 products,
+    # so g = +0 and the gate is sigmoid(+1e-3) in both rows
+    r = torch.ones(1, 2, 4)
+    key = torch.tensor([[[-0.0] * 4, [0.0] * 4]])
+    got = engram_gate(r, key, torch.ones(2, 4), torch.ones(2, 4), eps=1e-20)
+    torch.testing.assert_close(got, torch.full((1, 2), _sig(1e-3)), rtol=0, atol=1e-9)
 
 
 def test_engram_gate_small_values_use_clamp() -> None:
@@ -69,19 +79,11 @@ def test_engram_forward_adds_gated_value_and_zero_at_images() -> None:
     assert torch.equal(out[1], r[1])  # gate 0 at image positions
 
 
-def test_image_positions_span() -> None:
-    ids = torch.tensor([1, 505, 509, 510, 504])
-    assert image_positions(ids, 505).tolist() == [False, True, True, False, False]
-    assert not image_positions(ids, None).any()
-
-
 def test_row_ids_from_history_match_full_sequence_and_break_at_images() -> None:
     args = ModelArgs.from_config_dict(tiny_v41_config())
-    tmap = synthetic_token_map(
-        args.vocab_size, args.engram_compressed_vocab_size, image_token_id=args.image_token_id
-    )
+    tmap = synthetic_token_map(args.vocab_size, args.engram_compressed_vocab_size)
     hasher = EngramHasher.from_args(args, tmap)
-    img = args.image_token_id
+    img = args.vocab_size  # image ids lie past the vocabulary
     seq = torch.tensor([5, 17, 33, img, img, 40, 41, 42, 7, 9], dtype=torch.int64)
     maxn = args.engram_max_ngram_size
 

@@ -74,17 +74,18 @@ def test_multipliers_published_values():
 TINY = dict(  # architecture.md §9.2 engram fields
     layer_ids=[1, 3], max_ngram_size=4, n_heads=2, vocab_size=64, compressed_vocab_size=16, pad_token_id=2
 )
-TINY_VOCAB, TINY_IMAGE = 512, 505
+TINY_VOCAB = 512
+TINY_IMAGE = TINY_VOCAB  # image ids are [vocab, vocab + 5): past the tokenizer
 
 
 def _tiny_hasher() -> EngramHasher:
-    return EngramHasher(**TINY, token_map=synthetic_token_map(TINY_VOCAB, 16, image_token_id=TINY_IMAGE))
+    return EngramHasher(**TINY, token_map=synthetic_token_map(TINY_VOCAB, 16))
 
 
 def test_hash_ids_hand_derived_tiny():
     hasher = _tiny_hasher()
-    # ids 5, 17, 505 (image -> DEAD), 40, 3, 21; synthetic cid = id mod 16 -> 5, 1, DEAD, 8, 3, 5; pad id 2 -> 2
-    out = hasher.hash_ids([5, 17, 505, 40, 3, 21])
+    # ids 5, 17, 512 (image -> DEAD), 40, 3, 21; synthetic cid = id mod 16 -> 5, 1, DEAD, 8, 3, 5; pad id 2 -> 2
+    out = hasher.hash_ids([5, 17, TINY_IMAGE, 40, 3, 21])
     assert out.shape == (6, 2, 6) and out.dtype == np.int64
     # n-gram values per shift s = 0..3 (current token first); a missing or DEAD token and everything older
     # becomes the pad's compressed id 2.
@@ -141,13 +142,19 @@ def test_hash_chunks_with_history_equal_whole_sequence():
 def test_hash_rejects_bad_inputs():
     hasher = _tiny_hasher()
     with pytest.raises(InputError, match="token ids"):
-        hasher.hash_ids([512])
+        hasher.hash_ids([517])  # past the 5 image ids after the 512-id vocabulary
+    with pytest.raises(InputError, match="token ids"):
+        hasher.hash_ids([-1])
     with pytest.raises(InputError, match="histories\\[0\\]"):
         hasher.hash_ids([1], [1, 2, 3, 4])
     with pytest.raises(InputError, match="query_lens"):
         hasher.hash_batch([1, 2], [1], [[]])
     with pytest.raises(ModelConfigError, match="token_map"):
         EngramHasher(**TINY, token_map=np.arange(512, dtype=np.int64))  # ids >= 16
+    stale = synthetic_token_map(512, 16)
+    stale[505:510] = DEAD  # a map from a build that took image_token_id.. for image ids
+    with pytest.raises(ModelConfigError, match="rebuild"):
+        EngramHasher(**TINY, token_map=stale)
 
 
 def test_hasher_tables_match_config_sizes():
@@ -180,15 +187,15 @@ def token_map_cache():
 
 @pytest.fixture(scope="session")
 def real_map(real_tokenizer_path, token_map_cache):
-    return token_map_cache.get(real_tokenizer_path, image_token_id=129264)
+    return token_map_cache.get(real_tokenizer_path)
 
 
 def test_real_tokenizer_has_published_class_count(real_map):
     # architecture.md §1.3 / §C.6: engram_compressed_vocab_size = 99,092.
     assert real_map.shape == (129280,)
     assert num_token_classes(real_map) == 99092
-    assert (real_map[129264:129269] == DEAD).all() and (real_map[:129264] >= 0).all()
-    assert (real_map[129269:] >= 0).all()
+    # every vocabulary id has a class, image_token_id 129264..129268 included: text ids are text
+    assert (real_map >= 0).all()
 
 
 def test_real_map_merges_case_space_and_accents(real_tokenizer_path, real_map):
@@ -234,14 +241,14 @@ def test_python_normalizer_matches_tokenizers_normalizers(real_tokenizer_path):
 
 
 def test_token_map_cache_and_npy_roundtrip(real_tokenizer_path, token_map_cache, real_map, tmp_path):
-    assert token_map_cache.get(real_tokenizer_path, image_token_id=129264) is real_map  # memoised
+    assert token_map_cache.get(real_tokenizer_path) is real_map  # memoised
     f = save_token_map(tmp_path, real_map)
     assert f.name == "engram_token_map.npy"
     np.testing.assert_array_equal(load_token_map(tmp_path, vocab_size=129280), real_map)
     with pytest.raises(ModelConfigError, match="129281"):
         load_token_map(f, vocab_size=129281)
     other = TokenMapCache()
-    got = other.get(real_tokenizer_path, image_token_id=129264, cache_dir=tmp_path)  # read from the .npy
+    got = other.get(real_tokenizer_path, cache_dir=tmp_path)  # read from the .npy
     np.testing.assert_array_equal(got, real_map)
 
 
@@ -264,7 +271,8 @@ def test_real_v41_config_hasher_fits_its_tables(real_map):
     assert hasher.num_embeddings == tuple(args.engram_num_embeddings) == (384006168, 384016682)
     assert num_token_classes(real_map) == args.engram_compressed_vocab_size
     ids = np.random.default_rng(0).integers(0, args.vocab_size, size=512)
-    ids[100:103] = args.image_token_id
+    ids[100:103] = args.vocab_size + np.array([0, 2, 4])  # image positions: ids past the vocabulary
+    ids[200:205] = args.image_token_id + np.arange(5)  # text ids 129264..129268: ordinary n-grams
     rows = hasher.hash_batch(ids, [300, 212], [[], [5, 6, 7]])
     assert rows.shape == (512, 2, 24)
     for li, n_rows in enumerate(hasher.num_embeddings):
@@ -274,3 +282,4 @@ def test_real_v41_config_hasher_fits_its_tables(real_map):
         assert ((rows[:, li] >= lo) & (rows[:, li] < hi)).all()
     # at an image position every n-gram is the all-pad n-gram: identical rows at the three image positions
     assert (rows[100] == rows[101]).all() and (rows[101] == rows[102]).all()
+    assert len({tuple(rows[p, 0]) for p in range(200, 205)}) == 5 and not (rows[200:205] == rows[100]).all(-1).any()

@@ -24,7 +24,8 @@ def test_v41_flash_counts_match_design_doc() -> None:
     s = summarize(tensor_inventory(ModelArgs.from_config_dict(presets.v41_flash_config())))
     assert s.params("backbone") == 551_566_180_464
     assert s.params("engram") == 196_928_504_320
-    assert s.params("draft") == 14_225_362_146
+    # design-doc draft count + the 3 stages' optional gate.bias_vl [128] (present in a release, never applied)
+    assert s.params("draft") == 14_225_362_146 + 3 * 128
     comp = {c: v for sec, c, v in s.params_by_component if sec == "backbone"}
     assert comp["compressor"] == 18_352_128 and comp["indexer"] == 262_656 + 43_253_760
     assert comp["gate"] == 78_673_920 and comp["mhc"] + comp["norms"] == 39_807_600
@@ -55,7 +56,8 @@ def test_tiny_inventories_have_every_structural_kind() -> None:
     )
     assert "layers.7.attn.indexer.wq_b.weight" in v41 and "layers.7.attn.indexer.wk.weight" not in v41
     assert "layers.6.attn.indexer.wq_b.weight" not in v41 and "layers.6.attn.compressor.wkv.weight" not in v41
-    assert "layers.0.ffn.gate.bias_vl" in v41 and "mtp.0.ffn.gate.bias_vl" not in v41
+    assert "layers.0.ffn.gate.bias_vl" in v41 and not v41["layers.0.ffn.gate.bias_vl"].optional
+    assert v41["mtp.0.ffn.gate.bias_vl"].optional and v41["mtp.0.ffn.gate.bias_vl"].shape == (4,)
     assert "mtp.0.ffn.experts.3.w1.weight" in v41 and "mtp.0.ffn.experts.4.w1.weight" not in v41
     assert v41["mtp.0.main_proj.weight"].shape == (64, 192) and "mtp.2.markov_head.embed.weight" in v41
     assert v41["mtp.2.confidence_head.proj.weight"].shape == (1, 72) and "hc_head_fn" not in v41

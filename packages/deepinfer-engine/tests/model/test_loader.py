@@ -39,6 +39,37 @@ def test_v41_checkpoint_loads_with_engram_and_dspark(tmp_path):
     assert max_rel_err(run_chunked(model, ids, [5, 1, 1, 14]), full) <= 1e-5
 
 
+def test_v41_draft_gate_bias_vl_is_optional_and_never_applied(tmp_path):
+    """A V4.1 release carries mtp.{k}.ffn.gate.bias_vl (DeepSeek's code declares it on every gate): it loads with
+    them (dropped) and without them; the draft gates route with `bias` only."""
+    from deepinfer_engine.model.inventory import optional_tensor_names
+    from deepinfer_engine.model.loader import load_state_into
+    from deepinfer_engine.model.model import Transformer
+
+    d = make_checkpoint(tmp_path / "ck", "v41", "tiny", 2)
+    with CheckpointReader(d) as reader:
+        drafts = sorted(n for n in reader.tensor_names() if n.startswith("mtp.") and n.endswith("gate.bias_vl"))
+        assert drafts == [f"mtp.{k}.ffn.gate.bias_vl" for k in range(3)]
+        assert set(drafts) == optional_tensor_names(reader.args)
+        with_vl = load_model(d, torch.float32)
+        assert all(st.ffn.gate.bias_vl is None for st in with_vl.mtp)
+        assert with_vl.layers[0].ffn.gate.bias_vl is not None  # backbone gates keep theirs
+
+        class _Without:  # the same release without the optional tensors
+            def tensor_names(self) -> list[str]:
+                return [n for n in reader.tensor_names() if n not in drafts]
+
+            def load(self, name: str, **kw: object) -> torch.Tensor:
+                return reader.load(name, **kw)
+
+        without = Transformer(reader.args, torch.float32)
+        load_state_into(without, _Without())
+    for (n, a), (_, b) in zip(with_vl.state_dict().items(), without.state_dict().items()):
+        assert torch.equal(a, b), n
+    ids = torch.randint(0, with_vl.args.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(run_full(with_vl, ids)).all()
+
+
 def test_checkpoint_shapes_not_matching_config(ckpt_v4, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()

@@ -38,9 +38,14 @@ def test_image_ids_select_with_bias_vl():
         moe.gate.bias.zero_()
         moe.gate.bias_vl.copy_(torch.tensor([0, 0, 0, 0, 0, 0, 100.0, 100.0]))  # image tokens forced to 6, 7
     x = torch.randn(3, a.hidden_size, generator=torch.Generator().manual_seed(1))
-    ids = torch.tensor([10, a.image_token_id, a.image_token_id + 4])
+    v = a.vocab_size
+    ids = torch.tensor([10, v, v + 4])  # image positions are ids past the vocabulary
     w, sel = moe.gate(x, ids)
     assert sorted(sel[1].tolist()) == [6, 7] and sorted(sel[2].tolist()) == [6, 7]
+    # the config's image_token_id is an ordinary text id: it routes with `bias` like id 10
+    _, sel_txt = moe.gate(x, torch.tensor([10, a.image_token_id, a.image_token_id + 4]))
+    _, sel_ref = moe.gate(x, torch.tensor([10, 11, 12]))
+    assert torch.equal(sel_txt, sel_ref)
     scores = torch.sqrt(torch.nn.functional.softplus(x @ moe.gate.weight.T))
     assert sorted(sel[0].tolist()) == sorted(torch.topk(scores[0], 2).indices.tolist())
     want = scores[1, sel[1]]

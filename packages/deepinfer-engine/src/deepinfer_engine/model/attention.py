@@ -8,6 +8,8 @@ g group, r o_lora row, i group input (H/G * Dh).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from deepinfer_kernels.compressor import compress_pool
@@ -17,6 +19,7 @@ from deepinfer_kernels.sparse_attn import sparse_attn
 from torch import Tensor, nn
 
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
+from deepinfer_engine.model.kv_numerics import KVNumerics
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
 
@@ -96,11 +99,13 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(width, args.rms_norm_eps, dtype)
 
     def update(
-        self, x: Tensor, ctx: ForwardContext, store: Tensor, state: Tensor, rope: Rope, out_dtype: torch.dtype
+        self, x: Tensor, ctx: ForwardContext, store: Tensor, state: Tensor, rope: Rope, out_dtype: torch.dtype,
+        entry_fn: Callable[[Tensor], Tensor] | None = None,
     ) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
         """Write the entries completed by this step into `store` (paged) and return every sequence's entries.
 
         x: [T, d] attention input. Returns (entries [E, width] of all sequences, sequence-major; offsets; counts).
+        entry_fn: applied to the rotated entries before they are stored (deployed record rounding, kv_numerics).
         All sequences at once: the history rows of the state ring and the new entries' pages come from the
         forward's plans (ForwardContext.ring_plan / paged_plan).
         """
@@ -127,7 +132,8 @@ class Compressor(nn.Module):
             else:
                 pooled = compress_pool(hist[cur, 0], hist[cur, 1])
             latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
-            paged.write(store, rope(latent, ws * r))
+            entries = rope(latent, ws * r)
+            paged.write(store, entry_fn(entries) if entry_fn is not None else entries)
         return paged.read(store), paged.offsets, paged.counts
 
 
@@ -175,6 +181,8 @@ class Attention(nn.Module):
         self.wo_b = Linear(G * Ro, d, dtype)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.rope = Rope(args, plan.rope_theta, plan.use_yarn)
+        # deployed KV record rounding (kv_cache_dtype "auto"); Transformer.set_deployed_numerics sets it
+        self.numerics = KVNumerics()
         self.compressor: nn.Module | None = None
         self.indexer: nn.Module | None = None
         self._csa2_plan = None
@@ -211,7 +219,7 @@ class Attention(nn.Module):
 
     def project_kv(self, x: Tensor, positions: Tensor) -> Tensor:
         """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
-        return self.rope(self.kv_norm(self.wkv(x)), positions)
+        return self.numerics.window_kv(self.rope(self.kv_norm(self.wkv(x)), positions))
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
@@ -246,13 +254,17 @@ class Attention(nn.Module):
             plan = self._csa2_plan
             if plan.has_compressor:
                 csa2.csa2_update_source(
-                    plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope
+                    plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope,
+                    numerics=self.numerics,
                 )
-            return csa2.csa2_select(plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope)
+            return csa2.csa2_select(
+                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope, numerics=self.numerics
+            )
         cache = ctx.cache
         lid, r = self.layer_id, self.ratio
         kv, offsets, counts = self.compressor.update(
-            x, ctx, cache.compressed_kv[lid], cache.comp_state[(lid, "main")], self.rope, x.dtype
+            x, ctx, cache.compressed_kv[lid], cache.comp_state[(lid, "main")], self.rope, x.dtype,
+            entry_fn=self.numerics.compressed_kv,
         )
         view = CompressedView(kv=kv, index_keys=None, seq_offsets=offsets, seq_counts=counts, ratio=r)
         pos = ctx.batch.positions

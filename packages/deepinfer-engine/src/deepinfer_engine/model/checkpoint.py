@@ -280,7 +280,8 @@ class CheckpointReader:
         for name, spec in self._specs.items():
             shard = self._weight_map.get(name)
             if shard is None:
-                out.append(f"missing tensor '{name}'")
+                if not getattr(spec, "optional", False):  # optional tensors may be absent (inventory.py)
+                    out.append(f"missing tensor '{name}'")
                 continue
             e = self._headers[shard][name]
             want_shape, want_dtype = self._expected(spec)

@@ -33,6 +33,9 @@ from torch import Tensor, nn
 
 from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
+from deepinfer_engine.model.kv_numerics import KVNumerics
+
+_NO_ROUNDING = KVNumerics()
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]
 """``rope(x [T, ..., D], positions [T] int64) -> x`` rotating the trailing rope dims (compress θ + YaRN)."""
@@ -234,6 +237,7 @@ def csa2_update_source(
     x: Tensor,
     ctx: ForwardContext,
     rope: RopeFn,
+    numerics: KVNumerics = _NO_ROUNDING,
 ) -> CompressedView:
     """kv-source layer: compress the new tokens, write ``C_w`` / ``KI_w`` / the ratio-2 ring, publish the view.
 
@@ -264,8 +268,9 @@ def csa2_update_source(
         # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
         latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps)  # pre-RoPE latent
         entry_pos = paged.new_w * r  # RoPE at the group's first token
-        paged.write(kv_store, rope(latent, entry_pos))
-        paged.write(k_store, indexer.keys(latent, entry_pos, rope))
+        # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
+        paged.write(kv_store, numerics.compressed_kv(rope(latent, entry_pos)))
+        paged.write(k_store, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
     view = CompressedView(
         kv=paged.read(kv_store),
         index_keys=paged.read(k_store),
@@ -321,6 +326,7 @@ def csa2_select(
     qr: Tensor,
     ctx: ForwardContext,
     rope: RopeFn,
+    numerics: KVNumerics = _NO_ROUNDING,
 ) -> CompressedSelection:
     """Compressed entries each query attends to (besides its window), for a Full / Reuse / Reindex layer.
 
@@ -348,8 +354,10 @@ def csa2_select(
         if indexer is None or indexer.wq_b is None:
             raise ModelConfigError(f"layer {lid}: index source without attn.indexer.wq_b")
         q_all, w_all = indexer.queries(qr, x, ctx.batch.positions, rope)
+        q_all = numerics.index_operand(q_all)
         t = x.shape[0]
         scores = padded_scores(q_all, w_all, view, ctx)  # [T, cmax] over the query's own sequence's entries
+        scores = numerics.index_scores(scores)
         vis = visible_counts(ctx.batch.positions, r)
         # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too
         scores = causal_mask(scores, vis)

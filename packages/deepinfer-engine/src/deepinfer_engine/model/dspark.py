@@ -76,14 +76,16 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, *, dim: int, rank: int, dtype: torch.dtype) -> None:
         super().__init__()
-        del dtype  # stored fp32 in the checkpoint (§B.2) and kept fp32
+        del dtype  # stored fp32 in the checkpoint (§B.2); forward rounds it to bf16 like the reference
         self.proj = Linear(dim + rank, 1, torch.float32)
 
     def forward(self, h: Tensor, e: Tensor) -> Tensor:
         """h ``[B, d]`` PRE-norm head hidden of the position, e ``[B, rank]`` markov embed of the token BEFORE
         the drafted one -> ``sigmoid(w · [h; e]) [B] float32``."""
         x = torch.cat([h.float(), e.float()], dim=-1)
-        return torch.sigmoid(x @ self.proj.weight.float().T).squeeze(-1)
+        # DeepSeek's code rounds this weight to bf16 before the fp32 dot (docs/fidelity.md §4)
+        w = self.proj.weight.to(torch.bfloat16).float()
+        return torch.sigmoid(x @ w.T).squeeze(-1)
 
 
 class DSparkStage(Block):

@@ -15,15 +15,8 @@ from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
 
-# Tokens whose id lies in [image_token_id, image_token_id + IMAGE_ID_SPAN) are image-span positions (§C.5).
-IMAGE_ID_SPAN = 5
-
-
-def image_positions(input_ids: Tensor, image_token_id: int | None) -> Tensor:
-    """``[T] bool``: positions that carry an image-sentinel id (Engram gate 0, MoE ``bias_vl``)."""
-    if image_token_id is None:
-        return torch.zeros_like(input_ids, dtype=torch.bool)
-    return (input_ids >= image_token_id) & (input_ids < image_token_id + IMAGE_ID_SPAN)
+# Smallest |g| before the square root: sqrt(1e-6) = 1e-3 is the gate's smallest distance from 0.5.
+GATE_CLAMP = 1e-6
 
 
 def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
@@ -31,13 +24,16 @@ def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps:
 
     r: ``[T, n, d]`` hc streams, key: ``[T, n, d]`` per-stream keys, q_weight / k_weight: ``[n, d]``.
     ``g_i = (Σ_c r_i[c] q_i[c] k_i[c] key_i[c]) · rsqrt(mean(r_i²)+ε) · rsqrt(mean(key_i²)+ε) / sqrt(d)``;
-    returns ``sigmoid(sign(g)·sqrt(max(|g|, 1e-6)))`` ``[T, n] float32``.
+    returns ``sigmoid(copysign(sqrt(max(|g|, 1e-6)), g))`` ``[T, n] float32``.
+
+    copysign, as DeepSeek's gate kernel (docs/fidelity.md §4): g = +0 gives sigmoid(+1e-3) and g = -0
+    sigmoid(-1e-3), never the 0.5 a ``sign(g)`` product would give.
     """
     rf, kf = r.float(), key.float()
     d = rf.shape[-1]
     dot = (rf * q_weight.float() * k_weight.float() * kf).sum(-1)
     g = dot * torch.rsqrt(rf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps) / d**0.5
-    return torch.sigmoid(torch.sign(g) * torch.sqrt(torch.clamp(g.abs(), min=1e-6)))
+    return torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp(g.abs(), min=GATE_CLAMP)), g))
 
 
 class _Table(nn.Module):
@@ -79,7 +75,7 @@ class Engram(nn.Module):
         keys, val = kv[:, : self.hc_mult], kv[:, self.hc_mult]
         gate = engram_gate(r, keys, self.q_weight, self.k_weight, self.eps)  # [T, hc]
         if image_mask is not None:
-            gate = gate.masked_fill(image_mask[:, None], 0.0)  # no memory injection at image-span positions
+            gate = gate.masked_fill(image_mask[:, None], 0.0)  # image positions pass through unchanged
         return (r.float() + gate[..., None] * val.float()[:, None, :]).to(r.dtype)
 
 
@@ -90,7 +86,7 @@ def engram_row_ids(
 
     token_history: ``[T, max_ngram] int64`` ids at positions ``p-max_ngram+1 .. p`` (-1 for p < 0), as in
     ``ForwardContext.token_history``; only each sequence's first row is needed (its previous ids), the rest
-    come from ``input_ids``. Image ids are DEAD in the hasher's token map, so n-grams break across them.
+    come from ``input_ids``. Image ids (past the vocabulary) are DEAD in the hasher, so n-grams break across them.
     """
     hist_len = int(hasher.history_len)
     if token_history.dim() != 2 or token_history.shape[1] < hist_len + 1:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_engine.errors import InputError, ModelConfigError
+from deepinfer_engine.model.image_ids import IMAGE_ID_SPAN
 
 # Miller-Rabin witnesses that make the test deterministic for every n < 3.3e24 (covers int64).
 _MR_WITNESSES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
@@ -110,11 +111,9 @@ def engram_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram_size
 # ----------------------------------------------------------------------------------------------------------
 
 DEAD = -1
-"""Compressed id of tokens that break every n-gram (image tokens): they hash as the pad token and block older
-tokens from entering the n-gram."""
-
-IMAGE_TOKEN_SPAN = 5
-"""Image sentinel ids are ``[image_token_id, image_token_id + 5)`` (architecture.md §C.5 / §9.2)."""
+"""Compressed id of positions that break every n-gram (image ids, past the vocabulary): they hash as the pad
+token and block older tokens from entering the n-gram. No vocabulary id is DEAD: text ids are text
+(docs/fidelity.md §2)."""
 
 TOKEN_MAP_FILENAME = "engram_token_map.npy"
 
@@ -159,8 +158,8 @@ def _load_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def compressed_token_map(tokenizer: Any, *, image_token_id: int | None = None) -> np.ndarray:
-    """Compressed id of every vocabulary id: ``int64 [vocab]`` (``DEAD`` = -1 for image tokens).
+def compressed_token_map(tokenizer: Any) -> np.ndarray:
+    """Compressed id of every vocabulary id: ``int64 [vocab]``.
 
     ``tokenizer`` is a path to ``tokenizer.json`` (or its directory) or a ``tokenizers.Tokenizer``. Each id is
     decoded alone (special tokens kept, no clean-up) and keyed by:
@@ -169,9 +168,8 @@ def compressed_token_map(tokenizer: Any, *, image_token_id: int | None = None) -
         (e.g. ``"\\x0b"`` or a lone vowel sign): [I] this fall-back is not in architecture.md but is needed to
         reproduce the published 99,092 classes (without it: 98,875).
     All keys share one namespace (a raw token string may equal another token's normalised text).
-    Compressed ids are assigned in order of first appearance over ids 0..V-1. Image ids keep their class
-    number reserved but map to ``DEAD`` [I: whether the reference reserves their classes is not established;
-    the published class count includes them].
+    Compressed ids are assigned in order of first appearance over ids 0..V-1 (every id, the config's
+    ``image_token_id`` included: it is an ordinary token).
     """
     tok = _load_tokenizer(tokenizer)
     vocab = int(tok.get_vocab_size(with_added_tokens=True))
@@ -184,24 +182,12 @@ def compressed_token_map(tokenizer: Any, *, image_token_id: int | None = None) -
         else:
             key = normalize_token_text(text) or text
         out[tid] = key_to_cid.setdefault(key, len(key_to_cid))
-    if image_token_id is not None:
-        if not 0 <= image_token_id <= vocab - IMAGE_TOKEN_SPAN:
-            raise ModelConfigError(
-                f"image_token_id: found {image_token_id}, expected 0..{vocab - IMAGE_TOKEN_SPAN} "
-                f"(vocabulary of {vocab} ids)"
-            )
-        out[image_token_id : image_token_id + IMAGE_TOKEN_SPAN] = DEAD
     return out
 
 
-def synthetic_token_map(
-    vocab_size: int, compressed_vocab_size: int, *, image_token_id: int | None = None
-) -> np.ndarray:
+def synthetic_token_map(vocab_size: int, compressed_vocab_size: int) -> np.ndarray:
     """Tiny-config token map ``cid = id mod compressed_vocab_size`` (architecture.md §9.2): ``int64 [vocab]``."""
-    out = np.arange(vocab_size, dtype=np.int64) % compressed_vocab_size
-    if image_token_id is not None:
-        out[image_token_id : image_token_id + IMAGE_TOKEN_SPAN] = DEAD
-    return out
+    return np.arange(vocab_size, dtype=np.int64) % compressed_vocab_size
 
 
 def num_token_classes(token_map: np.ndarray) -> int:
@@ -236,7 +222,7 @@ def load_token_map(path: str | os.PathLike, *, vocab_size: int | None = None) ->
 
 
 class TokenMapCache:
-    """Owner-held memo of token maps, keyed by (resolved tokenizer path, image_token_id, file size, mtime).
+    """Owner-held memo of token maps, keyed by (resolved tokenizer path, file size, mtime).
 
     Building the real map takes about half a second (decode + normalise 129,280 ids); an engine or a test
     session keeps one of these instead of a module-level cache. ``get(..., cache_dir=d)`` also reads/writes
@@ -244,13 +230,12 @@ class TokenMapCache:
     """
 
     def __init__(self) -> None:
-        self._maps: dict[tuple[str, int | None, int, int], np.ndarray] = {}
+        self._maps: dict[tuple[str, int, int], np.ndarray] = {}
 
     def get(
         self,
         tokenizer_path: str | os.PathLike,
         *,
-        image_token_id: int | None = None,
         cache_dir: str | os.PathLike | None = None,
     ) -> np.ndarray:
         path = Path(tokenizer_path)
@@ -259,7 +244,7 @@ class TokenMapCache:
         if not path.is_file():
             raise ModelConfigError(f"tokenizer: found no file at {str(path)!r}, expected a tokenizer.json")
         st = path.stat()
-        key = (str(path.resolve()), image_token_id, st.st_size, st.st_mtime_ns)
+        key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
         hit = self._maps.get(key)
         if hit is not None:
             return hit
@@ -268,7 +253,7 @@ class TokenMapCache:
         if npy is not None and npy.is_file() and npy.stat().st_mtime_ns >= st.st_mtime_ns:
             arr = load_token_map(npy)
         if arr is None:
-            arr = compressed_token_map(path, image_token_id=image_token_id)
+            arr = compressed_token_map(path)
             if npy is not None:
                 save_token_map(npy, arr)
         arr.setflags(write=False)  # shared by every caller of this cache
@@ -287,7 +272,7 @@ class EngramHasher:
     For a token at position p and engram layer L (``M = engram_multipliers(L, ...)``):
         r = 0; blocked = False
         for s in 0..max_ngram-1:
-            c = cid(token[p-s]); blocked |= (p-s < 0) or c == DEAD
+            c = cid(token[p-s]); blocked |= (p-s < 0) or c == DEAD   (DEAD: image ids, vocab <= id < vocab+5)
             r ^= (cid(pad) if blocked else c) * M[s]
             if s >= 1: row[(s-1)*n_heads + h] = r mod prime[L][s-1][h] + offset[L][(s-1)*n_heads + h]
     1-grams are not looked up. All arithmetic is int64 and cannot overflow (M bound, see engram_multipliers).
@@ -310,14 +295,16 @@ class EngramHasher:
                 f"engram token_map: found dtype {token_map.dtype} shape {token_map.shape}, "
                 "expected int64 [vocab]"
             )
-        if token_map.size and (token_map.max() >= compressed_vocab_size or token_map.min() < DEAD):
+        if token_map.size and (token_map.max() >= compressed_vocab_size or token_map.min() < 0):
+            # a map with DEAD (-1) entries comes from a build that treated image_token_id.. as image ids
             raise ModelConfigError(
-                f"engram token_map: found ids in [{token_map.min()}, {token_map.max()}], expected -1 (DEAD) "
-                f"or 0..{compressed_vocab_size - 1} (engram_compressed_vocab_size {compressed_vocab_size})"
+                f"engram token_map: found ids in [{token_map.min()}, {token_map.max()}], expected "
+                f"0..{compressed_vocab_size - 1} (engram_compressed_vocab_size {compressed_vocab_size}) for every "
+                "vocabulary id; rebuild the map with compressed_token_map (no vocabulary id is an image id)"
             )
-        if not 0 <= pad_token_id < token_map.shape[0] or token_map[pad_token_id] == DEAD:
+        if not 0 <= pad_token_id < token_map.shape[0]:
             raise ModelConfigError(
-                f"engram_pad_token_id: found {pad_token_id}, expected a live id of the "
+                f"engram_pad_token_id: found {pad_token_id}, expected an id of the "
                 f"{token_map.shape[0]}-entry token map"
             )
         self.layer_ids = tuple(int(x) for x in layer_ids)
@@ -354,12 +341,15 @@ class EngramHasher:
         )
 
     def _cids(self, token_ids: np.ndarray, what: str) -> np.ndarray:
-        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.vocab):
+        """Compressed ids; image ids ``[vocab, vocab + IMAGE_ID_SPAN)`` (past the tokenizer) are ``DEAD``."""
+        top = self.vocab + IMAGE_ID_SPAN
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= top):
             raise InputError(
                 f"{what}: found token ids in [{token_ids.min()}, {token_ids.max()}], "
-                f"expected 0..{self.vocab - 1}"
+                f"expected 0..{self.vocab - 1} (text) or {self.vocab}..{top - 1} (image positions)"
             )
-        return self.token_map[token_ids]
+        is_image = token_ids >= self.vocab
+        return np.where(is_image, DEAD, self.token_map[np.where(is_image, 0, token_ids)])
 
     def hash_ids(self, token_ids: Any, history_token_ids: Any = ()) -> np.ndarray:
         """Row ids of one sequence's new tokens: ``int64 [T, num_layers, (max_ngram-1)*n_heads]``.

@@ -20,6 +20,7 @@ __all__ = [
     "InventorySummary",
     "ScaleSpec",
     "TensorSpec",
+    "optional_tensor_names",
     "summarize",
     "tensor_inventory",
 ]
@@ -69,6 +70,8 @@ class TensorSpec:
     component: str
     section: Section
     layer_id: int | None = None
+    # True: the release may carry it or not, and the model never reads it (the loader accepts and drops it).
+    optional: bool = False
 
     @property
     def stored_shape(self) -> tuple[int, ...]:
@@ -112,12 +115,15 @@ class _Builder:
         component: str,
         section: Section,
         layer_id: int | None = None,
+        *,
+        optional: bool = False,
     ) -> None:
         self.out.append(
             TensorSpec(
-                name=name, shape=shape, dtype=dtype, component=component, section=section, layer_id=layer_id
+                name=name, shape=shape, dtype=dtype, component=component, section=section, layer_id=layer_id,
+                optional=optional,
             )
-        )
+        )  # fmt: skip
 
     def fp8(
         self,
@@ -232,8 +238,10 @@ def _block(b: _Builder, p: LayerPlan, section: Section) -> None:
         b.add(f"{ff}gate.tid2eid", (a.vocab_size, k), "i64", "gate", section, l)
     else:
         b.add(f"{ff}gate.bias", (E,), "f32", "gate", section, l)
-        if a.has_gate_bias_vl and not p.is_draft:  # DSpark stages carry no bias_vl [I]
-            b.add(f"{ff}gate.bias_vl", (E,), "f32", "gate", section, l)
+        if a.has_gate_bias_vl:
+            # DeepSeek's code declares bias_vl on every gate, the DSpark stages' too, so a release carries
+            # mtp.{k}.ffn.gate.bias_vl; drafts never apply it: optional there (docs/fidelity.md §1)
+            b.add(f"{ff}gate.bias_vl", (E,), "f32", "gate", section, l, optional=p.is_draft)
     for e in range(E):
         ex = f"{ff}experts.{e}."
         b.expert(f"{ex}w1.weight", (I, d), section, l)
@@ -273,8 +281,15 @@ def _engram(b: _Builder, p: LayerPlan) -> None:
     b.add(f"{pre}k_weight", (a.hc_mult, d), "bf16", "engram", "engram", l)
 
 
+def optional_tensor_names(args: ModelArgs) -> frozenset[str]:
+    """Names a release may or may not carry and the model never reads (``TensorSpec.optional``)."""
+    return frozenset(s.name for s in tensor_inventory(args) if s.optional)
+
+
 def tensor_inventory(args: ModelArgs) -> list[TensorSpec]:
-    """Every tensor of the official release format for `args`, in a stable order (globals, layers, drafts)."""
+    """Every tensor of the official release format for `args`, in a stable order (globals, layers, drafts).
+
+    The writer writes every entry, optional ones included (a V4.1 release carries them)."""
     a = args
     b = _Builder(a)
     d, V, n = a.hidden_size, a.vocab_size, a.hc_mult

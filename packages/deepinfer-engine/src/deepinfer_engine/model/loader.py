@@ -14,6 +14,7 @@ from types import MappingProxyType
 import torch
 
 from deepinfer_engine.errors import CheckpointError
+from deepinfer_engine.model.inventory import optional_tensor_names
 from deepinfer_engine.model.model import Transformer
 
 __all__ = ["MODULE_TO_CHECKPOINT", "checkpoint_name", "load_model", "load_state_into"]
@@ -43,7 +44,8 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
         weights = {n for n in weights if not n.startswith(DRAFT_PREFIX)}
     wanted = {checkpoint_name(k): k for k in state}
     missing = sorted(set(wanted) - weights)
-    unexpected = sorted(weights - set(wanted))
+    # tensors the inventory declares optional (present or not in a release, never read) are dropped here
+    unexpected = sorted(weights - set(wanted) - optional_tensor_names(model.args))
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint tensors do not match the model built from its config: {len(missing)} missing "
@@ -118,7 +120,6 @@ def load_model(
                     f"{str(ckpt_dir)!r}: Engram layers need tokenizer.json for the compressed token map, found none"
                 )
             # parsed through the validating loader: a garbage tokenizer.json is a CheckpointError naming the file
-            token_map = compressed_token_map(load_tokenizer(tok, required=False),
-                                             image_token_id=reader.args.image_token_id)
+            token_map = compressed_token_map(load_tokenizer(tok, required=False))
         model.set_engram_token_map(token_map)
     return model.eval()

@@ -19,6 +19,7 @@ from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.attention import Attention, Linear, RMSNorm
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.mhc import (
     add_hc_head_params,
     add_hc_mix_params,
@@ -121,7 +122,16 @@ class ModelOutput:
 class Transformer(nn.Module):
     """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits)."""
 
-    def __init__(self, args: object, dtype: torch.dtype = torch.float32, *, with_draft: bool = True) -> None:
+    def __init__(
+        self,
+        args: object,
+        dtype: torch.dtype = torch.float32,
+        *,
+        with_draft: bool = True,
+        deployed_numerics: bool = False,
+    ) -> None:
+        """deployed_numerics: round every KV write / indexer operand through the checkpoint's cache record
+        formats (engine option ``kv_cache_dtype="auto"``, kv_numerics.py); False keeps full-precision KV."""
         super().__init__()
         self.args = args
         self.with_draft = with_draft
@@ -146,6 +156,17 @@ class Transformer(nn.Module):
                 self.mtp = dspark.build_stages(args, dtype)
             else:
                 self.mtp = nn.ModuleList(MTPBlock(args, p, dtype) for p in drafts)
+        self.set_deployed_numerics(deployed_numerics)
+
+    def set_deployed_numerics(self, on: bool) -> None:
+        """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back."""
+        from deepinfer_engine.model.kv_numerics import kv_numerics
+
+        self.deployed_numerics = bool(on)
+        numerics = kv_numerics(self.args, self.deployed_numerics)
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.numerics = numerics
 
     def set_engram_token_map(self, token_map: object) -> None:
         """Install the Engram hasher from a compressed token map (numpy int64 [vocab], engram_hash)."""
@@ -189,9 +210,11 @@ class Transformer(nn.Module):
         if t:
             lo, hi, pmin, pmax, bad_row = vals[:5]
             ctx_lens = tuple(int(v) for v in vals[5 : 5 + len(starts)])
-            if lo < 0 or hi >= a.vocab_size:
+            top = max_input_id(a)  # vocab_size, or vocab_size + 5 image-position ids (image_ids.py)
+            if lo < 0 or hi >= top:
                 bad = lo if lo < 0 else hi
-                raise InputError(f"input_ids: found token id {bad}, expected 0 <= id < vocab_size={a.vocab_size}")
+                raise InputError(f"input_ids: found token id {bad}, expected 0 <= id < {top} (vocab_size={a.vocab_size}"
+                                 f"{', + 5 image ids' if top > a.vocab_size else ''})")  # fmt: skip
             if pmin < 0 or pmax >= a.max_position_embeddings:
                 bad = pmin if pmin < 0 else pmax
                 raise InputError(
@@ -237,8 +260,11 @@ class Transformer(nn.Module):
             ctx.engram_rows = engram.engram_row_ids(
                 self.engram_hasher, batch.input_ids, batch.query_lens, ctx.token_history
             )
-            ctx.image_mask = engram.image_positions(batch.input_ids, a.image_token_id)
-        e = self.embed.weight[batch.input_ids]  # [T, d]
+        img = image_positions(batch.input_ids, a.vocab_size)
+        if a.engram_layer_ids:
+            ctx.image_mask = img
+        # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
+        e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
         r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
         pre: Tensor | None = None
         for layer in self.layers:

@@ -1,5 +1,6 @@
 """MoE of every layer (architecture.md §A.8, §C.5): Gate (sqrtsoftplus, bias for selection, V4 hash routing by
-`tid2eid`, V4.1 `bias_vl` for image-token ids), routed experts (clamped SwiGLU) and the shared expert."""
+`tid2eid`, V4.1 `bias_vl` at image positions, docs/fidelity.md §2), routed experts (clamped SwiGLU) and the
+shared expert."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ from deepinfer_kernels.routing import gate_scores, select_experts
 from torch import Tensor, nn
 
 from deepinfer_engine.model.attention import Linear
+from deepinfer_engine.model.image_ids import image_positions
 
 __all__ = ["Expert", "Gate", "MoE"]
-
-# V4.1 image placeholder ids occupy [image_token_id, image_token_id + 5) (§C.5).
-IMAGE_ID_SPAN = 5
 
 
 class Gate(nn.Module):
@@ -27,14 +26,15 @@ class Gate(nn.Module):
         self.route_scale = args.routed_scaling_factor
         self.renormalize = args.norm_topk_prob
         self.is_hash = plan.is_hash_layer
-        self.image_token_id = args.image_token_id
+        self.vocab_size = args.vocab_size
         self.weight = nn.Parameter(torch.empty(E, args.hidden_size, dtype=dtype))
         if self.is_hash:
             self.register_buffer("tid2eid", torch.zeros(args.vocab_size, k, dtype=torch.int64))
             self.bias = None
         else:
             self.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
-        # [I] DSpark stages carry no bias_vl (SGLang's stage config; not read from a checkpoint header, §C.5)
+        # DSpark stages never route with bias_vl: a release may carry mtp.{k}.ffn.gate.bias_vl, which the loader
+        # accepts and drops (an optional inventory tensor, docs/fidelity.md §1)
         self.bias_vl = (
             nn.Parameter(torch.zeros(E, dtype=torch.float32)) if (args.has_gate_bias_vl and not plan.is_draft) else None
         )
@@ -48,8 +48,8 @@ class Gate(nn.Module):
                 renormalize=self.renormalize,
             )  # fmt: skip
         bias: Tensor = self.bias
-        if self.bias_vl is not None and self.image_token_id is not None:
-            is_img = (input_ids >= self.image_token_id) & (input_ids < self.image_token_id + IMAGE_ID_SPAN)
+        if self.bias_vl is not None:
+            is_img = image_positions(input_ids, self.vocab_size)  # ids past the vocabulary, never text ids
             bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
         return select_experts(
             scores, self.topk, bias=bias, route_scale=self.route_scale, renormalize=self.renormalize

@@ -42,24 +42,35 @@ def rope_freqs(
     beta_fast: float = 32.0,
     beta_slow: float = 1.0,
 ) -> Tensor:
-    """Per-pair angular frequencies [rope_dim // 2] fp32; YaRN-interpolated when yarn_factor is given."""
+    """Per-pair inverse frequencies [rope_dim // 2] fp32; YaRN-interpolated when yarn_factor is given.
+
+    Every step is an fp32 tensor operation in the order of DeepSeek's inference code (docs/fidelity.md):
+    ``b = theta ** (i / dim)``, ``extra = 1 / b``, ``inter = 1 / (factor * b)``, ``mask = 1 - ramp`` and
+    ``inter * (1 - mask) + extra * mask``; the float rounding of each step is part of the result.
+    """
     i = torch.arange(0, rope_dim, 2, dtype=torch.float32)
-    freqs = 1.0 / (theta ** (i / rope_dim))
-    if yarn_factor is not None:
-        low, high = yarn_correction_range(rope_dim, theta, original_max_pos, beta_fast, beta_slow)
-        if low == high:
-            high_f = high + 0.001  # avoid a zero-width ramp (same guard as the reference's linear ramp)
-        else:
-            high_f = float(high)
-        ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high_f - low)).clamp(0.0, 1.0)
-        freqs = freqs * (1.0 - ramp) + (freqs / yarn_factor) * ramp
-    return freqs
+    base = theta ** (i / rope_dim)
+    extrapolated = 1.0 / base
+    if yarn_factor is None:
+        return extrapolated
+    interpolated = 1.0 / (yarn_factor * base)
+    low, high = yarn_correction_range(rope_dim, theta, original_max_pos, beta_fast, beta_slow)
+    # a zero-width ramp would divide by zero: widen it by 0.001 (the reference's guard)
+    high_f = high + 0.001 if low == high else high
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high_f - low)).clamp(0.0, 1.0)
+    keep = 1.0 - ramp  # weight of the extrapolated (unscaled) frequency
+    return interpolated * (1.0 - keep) + extrapolated * keep
 
 
 def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
-    """cos, sin of angle positions * freqs: each [T, rope_dim // 2] fp32."""
-    ang = positions.to(torch.float64)[:, None] * freqs.to(torch.float64)[None, :]
-    return torch.cos(ang).float(), torch.sin(ang).float()
+    """cos, sin [T, rope_dim // 2] fp32 of the fp32 angle table ``outer(positions_fp32, freqs_fp32)``.
+
+    The angle is rounded to fp32 before cos/sin (as the reference's cos/sin cache); positions up to 2^24 are
+    exact in fp32. cos/sin come from ``torch.polar`` like the reference's cache.
+    """
+    ang = torch.outer(positions.to(torch.float32), freqs.to(torch.float32))
+    z = torch.polar(torch.ones_like(ang), ang)
+    return z.real.contiguous(), z.imag.contiguous()
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
