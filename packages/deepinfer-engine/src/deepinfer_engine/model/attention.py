@@ -96,21 +96,23 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(width, args.rms_norm_eps, dtype)
 
     def update(
-        self, x: Tensor, ctx: ForwardContext, store: Tensor, state: Tensor, rope: Rope, out_dtype: torch.dtype
+        self, x: Tensor, ctx: ForwardContext, layer_id: int, state: str, rope: Rope, out_dtype: torch.dtype
     ) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
-        """Write the entries completed by this step into `store` (paged) and return every sequence's entries.
+        """Write the entries completed by this step into the cache and return every sequence's entries.
 
-        x: [T, d] attention input. Returns (entries [E, width] of all sequences, sequence-major; offsets; counts).
-        All sequences at once: the history rows of the state ring and the new entries' pages come from the
-        forward's plans (ForwardContext.ring_plan / paged_plan).
+        x: [T, d] attention input; state: "main" (the layer's compressed KV) or "indexer" (its index keys).
+        Returns (entries [E, width] of all sequences, sequence-major; offsets; counts). All sequences at once: the
+        history rows of the state ring and the new entries' pages come from the forward's plans
+        (ForwardContext.ring_plan / paged_plan).
         """
+        cache = ctx.cache
         r, wd = self.ratio, self.width
         pos = ctx.batch.positions
         a = self.wkv(x.float())
         z = self.wgate(x.float()) + self.ape[pos % r]
         backs = tuple(c % r + (r if self.overlap else 0) for c in ctx.ctx_lens)
-        ring = ctx.ring_plan(state.shape[1], backs, write=True)
-        hist = ring.gather(state, torch.stack([a, z], dim=1))  # [H + T, 2, C]
+        ring = ctx.ring_plan(cache.state_rows(layer_id, state), backs, write=True)
+        hist = cache.state_pool(layer_id, state, ring, torch.stack([a, z], dim=1))  # [H + T, 2, C]
         paged = ctx.paged_plan(r)
         if paged.num_new:
             ws, seq = paged.new_w, paged.new_seq[:, None].expand(-1, r)
@@ -127,8 +129,10 @@ class Compressor(nn.Module):
             else:
                 pooled = compress_pool(hist[cur, 0], hist[cur, 1])
             latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
-            paged.write(store, rope(latent, ws * r))
-        return paged.read(store), paged.offsets, paged.counts
+            write = cache.write_entries if state == "main" else cache.write_index_keys
+            write(layer_id, paged, rope(latent, ws * r))
+        read = cache.read_entries if state == "main" else cache.read_index_keys
+        return read(layer_id, paged), paged.offsets, paged.counts
 
 
 class Indexer(nn.Module):
@@ -215,9 +219,9 @@ class Attention(nn.Module):
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
-        ring = ctx.cache.swa[self.layer_id]
-        plan = ctx.ring_plan(ring.shape[1], (0,) * ctx.num_seqs, write=True)
-        plan.gather(ring, kv)
+        cache = ctx.cache
+        plan = ctx.ring_plan(cache.window_rows(self.layer_id), (0,) * ctx.num_seqs, write=True)
+        cache.window_pool(self.layer_id, plan, kv)
 
     def _window(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Window pool [Sw, Dh] (all sequences) and per-query indices [T, K] into it (-1 = none).
@@ -225,11 +229,11 @@ class Attention(nn.Module):
         Causal: positions p-W+1..p, this step's rows are written into the ring after the history is read.
         DSpark draft (block_noncausal): [max(0, c-W), c) + the whole block, nothing written.
         """
-        ring = ctx.cache.swa[self.layer_id]
+        cache = ctx.cache
         W = self.window
         nc = ctx.block_noncausal
-        plan = ctx.ring_plan(ring.shape[1], ((W if nc else W - 1),) * ctx.num_seqs, write=not nc)
-        pool = plan.gather(ring, kv)
+        plan = ctx.ring_plan(cache.window_rows(self.layer_id), ((W if nc else W - 1),) * ctx.num_seqs, write=not nc)
+        pool = cache.window_pool(self.layer_id, plan, kv, write=not nc)
         return pool, ctx.window_rows(plan, W, noncausal=nc)
 
     def _compressed(self, x: Tensor, qr: Tensor, ctx: ForwardContext) -> CompressedSelection | None:
@@ -249,11 +253,8 @@ class Attention(nn.Module):
                     plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope
                 )
             return csa2.csa2_select(plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope)
-        cache = ctx.cache
         lid, r = self.layer_id, self.ratio
-        kv, offsets, counts = self.compressor.update(
-            x, ctx, cache.compressed_kv[lid], cache.comp_state[(lid, "main")], self.rope, x.dtype
-        )
+        kv, offsets, counts = self.compressor.update(x, ctx, lid, "main", self.rope, x.dtype)
         view = CompressedView(kv=kv, index_keys=None, seq_offsets=offsets, seq_counts=counts, ratio=r)
         pos = ctx.batch.positions
         if self.kind == "hca":  # dense over all visible entries
@@ -261,9 +262,7 @@ class Attention(nn.Module):
             w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
             sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
         else:  # csa: lightning indexer top-k
-            keys, _, _ = self.indexer.compressor.update(
-                x, ctx, cache.index_keys[lid], cache.comp_state[(lid, "indexer")], self.rope, x.dtype
-            )
+            keys, _, _ = self.indexer.compressor.update(x, ctx, lid, "indexer", self.rope, x.dtype)
             view = CompressedView(kv=kv, index_keys=keys, seq_offsets=offsets, seq_counts=counts, ratio=r)
             sel = self.indexer.select(x, qr, ctx, view, self.rope)
             ctx.topk[lid] = sel
