@@ -88,6 +88,10 @@ class ForwardBatch:
     block_tables: Tensor
     logits_indices: Tensor
     host: StepHost | None = None  # the host copy of the above (None: read back once, for direct model users)
+    # device copies of the per-sequence ints and the token -> sequence map when the caller already staged them
+    # (the runner's input batch, in its one copy); None: ForwardContext.build uploads them from `host`
+    seq: SeqTensors | None = None
+    seq_of_token: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.input_ids.dtype != torch.int64:
@@ -249,13 +253,17 @@ class ForwardContext:
             ctx=np.asarray(host.ctx_lens, dtype=np.int64).reshape(S), qlen=qlen, start=starts,
             slot=np.asarray(batch.slots, dtype=np.int64),
         )  # fmt: skip
-        dev = batch.input_ids.device
-        # one host -> device copy for all per-sequence ints and the token -> sequence map
-        packed = upload(
-            np.concatenate([seq_host.ctx, qlen, starts, seq_host.slot, np.repeat(np.arange(S, dtype=np.int64), qlen)]),
-            dev,
-        )
-        ctx_t, qlen_t, start_t, slot_t, seq_of_token = torch.split(packed, [S, S, S, S, T])
+        if batch.seq is not None and batch.seq_of_token is not None:
+            seq_t, seq_of_token = batch.seq, batch.seq_of_token
+        else:  # one host -> device copy for all per-sequence ints and the token -> sequence map
+            packed = upload(
+                np.concatenate(
+                    [seq_host.ctx, qlen, starts, seq_host.slot, np.repeat(np.arange(S, dtype=np.int64), qlen)]
+                ),
+                batch.input_ids.device,
+            )
+            ctx_t, qlen_t, start_t, slot_t, seq_of_token = torch.split(packed, [S, S, S, S, T])
+            seq_t = SeqTensors(ctx=ctx_t, qlen=qlen_t, start=start_t, slot=slot_t)
         return cls(
             batch=batch,
             cache=cache,
@@ -265,7 +273,7 @@ class ForwardContext:
             query_lens=batch.query_lens,
             ctx_lens=tuple(host.ctx_lens),
             seq_of_token=seq_of_token,
-            seq_t=SeqTensors(ctx=ctx_t, qlen=qlen_t, start=start_t, slot=slot_t),
+            seq_t=seq_t,
             **kw,  # type: ignore[arg-type]
         )
 
