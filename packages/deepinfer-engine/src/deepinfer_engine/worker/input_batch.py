@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from deepinfer_engine.core.sched_output import SchedulerOutput, ScheduledChunk
+from deepinfer_engine.core.sched_output import ScheduledChunk, SchedulerOutput
 from deepinfer_engine.errors import InputError
 from deepinfer_engine.model.cache import SeqTensors
 from deepinfer_engine.model.forward_batch import StepHost
