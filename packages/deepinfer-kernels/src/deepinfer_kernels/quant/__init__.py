@@ -1,8 +1,16 @@
 """Checkpoint number formats: FP8 e4m3 block scales, FP4 e2m1 packed experts, E8M0 scales (torch references).
 
-Only the reference exists; dequantization happens once at load time, so it is not a hot path.
+Only the reference exists; dequantization happens once at load time, so it is not a hot path. The deployed
+KV-cache record formats (MXFP8 / NVFP4 / MXFP4 rows) live in ``deepinfer_kernels.quant.kv_formats``.
 """
 
+from deepinfer_kernels.quant.kv_formats import (
+    KV_FORMATS,
+    MXFP4_E2M1,
+    MXFP8_E4M3,
+    NVFP4_E2M1,
+    KVFormat,
+)
 from deepinfer_kernels.quant.reference import (
     E2M1_VALUES,
     FP4_E2M1_MAX,
@@ -20,6 +28,11 @@ from deepinfer_kernels.quant.reference import (
 
 __all__ = [
     "E2M1_VALUES",
+    "KV_FORMATS",
+    "MXFP4_E2M1",
+    "MXFP8_E4M3",
+    "NVFP4_E2M1",
+    "KVFormat",
     "FP4_E2M1_MAX",
     "FP8_E4M3_MAX",
     "dequant_fp4",
