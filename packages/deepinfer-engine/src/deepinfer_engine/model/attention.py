@@ -16,6 +16,7 @@ from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope
 from deepinfer_kernels.sparse_attn import sparse_attn
 from torch import Tensor, nn
 
+from deepinfer_engine.model.cache import PagedPlan
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
@@ -97,13 +98,13 @@ class Compressor(nn.Module):
 
     def update(
         self, x: Tensor, ctx: ForwardContext, layer_id: int, state: str, rope: Rope, out_dtype: torch.dtype
-    ) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
-        """Write the entries completed by this step into the cache and return every sequence's entries.
+    ) -> PagedPlan:
+        """Write the entries completed by this step into the cache; returns the paged plan that addresses every
+        sequence's entries.
 
         x: [T, d] attention input; state: "main" (the layer's compressed KV) or "indexer" (its index keys).
-        Returns (entries [E, width] of all sequences, sequence-major; offsets; counts). All sequences at once: the
-        history rows of the state ring and the new entries' pages come from the forward's plans
-        (ForwardContext.ring_plan / paged_plan).
+        All sequences at once: the history rows of the state ring and the new entries' pages come from the
+        forward's plans (ForwardContext.ring_plan / paged_plan).
         """
         cache = ctx.cache
         r, wd = self.ratio, self.width
@@ -131,8 +132,7 @@ class Compressor(nn.Module):
             latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
             write = cache.write_entries if state == "main" else cache.write_index_keys
             write(layer_id, paged, rope(latent, ws * r))
-        read = cache.read_entries if state == "main" else cache.read_index_keys
-        return read(layer_id, paged), paged.offsets, paged.counts
+        return paged
 
 
 class Indexer(nn.Module):
@@ -253,22 +253,28 @@ class Attention(nn.Module):
                     plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope
                 )
             return csa2.csa2_select(plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope)
+        cache = ctx.cache
         lid, r = self.layer_id, self.ratio
-        kv, offsets, counts = self.compressor.update(x, ctx, lid, "main", self.rope, x.dtype)
-        view = CompressedView(kv=kv, index_keys=None, seq_offsets=offsets, seq_counts=counts, ratio=r)
+        paged = self.compressor.update(x, ctx, lid, "main", self.rope, x.dtype)
+        counts = paged.counts
+        keys = None
+        if self.kind == "csa":
+            self.indexer.compressor.update(x, ctx, lid, "indexer", self.rope, x.dtype)
+            keys = cache.read_index_keys(lid, paged)
+        store, rows = cache.entry_source(lid, paged)
+        view = CompressedView(
+            store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r
+        )
         pos = ctx.batch.positions
         if self.kind == "hca":  # dense over all visible entries
             k = max(counts) if counts else 0
             w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
             sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
         else:  # csa: lightning indexer top-k
-            keys, _, _ = self.indexer.compressor.update(x, ctx, lid, "indexer", self.rope, x.dtype)
-            view = CompressedView(kv=kv, index_keys=keys, seq_offsets=offsets, seq_counts=counts, ratio=r)
             sel = self.indexer.select(x, qr, ctx, view, self.rope)
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
-        offs = ctx.paged_plan(r).offsets_t[ctx.seq_of_token]
-        return CompressedSelection(kv=kv, indices=torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1)))
+        return CompressedSelection(kv=view.store, indices=view.store_rows(sel, paged.offsets_t[ctx.seq_of_token]))
 
     # ---------------------------------------------------------------------------------------------- forward
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
@@ -279,11 +285,12 @@ class Attention(nn.Module):
         kv = self.project_kv(x, pos)
         pool, idx = self._window(kv, ctx)
         sel = self._compressed(x, qr, ctx)
+        kv2 = idx2 = None
         if sel is not None and sel.indices.shape[1] > 0:
-            shifted = torch.where(sel.indices >= 0, sel.indices + pool.shape[0], torch.full_like(sel.indices, -1))
-            pool = torch.cat([pool, sel.kv.to(pool.dtype)], 0)
-            idx = torch.cat([idx, shifted], 1)
-        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5)  # [T, H, Dh]
+            # window pool + the compressed cache read in place through store rows (one softmax over both);
+            # a cache kept in another dtype than the activations is cast (a copy: only tests mix dtypes)
+            kv2, idx2 = sel.kv if sel.kv.dtype == pool.dtype else sel.kv.to(pool.dtype), sel.indices
+        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2)  # [T, H, Dh]
         o = self.rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
         o = o.reshape(t, self.n_groups, -1)
         wa = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)

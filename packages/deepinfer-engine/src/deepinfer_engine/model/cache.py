@@ -16,6 +16,12 @@ Paged families (grow with the sequence; block table per sequence in units of pag
   entry w of ratio r lives in page block_table[w*r // page_size], row (w*r % page_size) // r.
 Everything is indexed by absolute position, so a rejected speculative tail is simply overwritten later; the
 rings keep `slack` extra rows so that rows needed after a rollback of <= slack+1 tokens are still intact.
+
+Storage formats (`kv_cache_dtype`): "bfloat16" keeps every family in the cache dtype; "auto" stores the deployed
+V4.1 records (docs/kv_cache.md): window K/V as MXFP8 (e4m3 + UE8M0 per 32), compressed main KV as NVFP4 (e2m1 +
+e4m3 per 16), index keys as MXFP4 (e2m1 + UE8M0 per 32), each row one uint8 record (codes, then scale bytes).
+The values a layer gets back in the step that wrote them are the decoded records too, so a full forward and
+an incremental one see the same numbers.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from deepinfer_engine.core.kv_cache_spec import LayerCacheSpec, layer_cache_spec
 from deepinfer_engine.errors import CapacityError, ConfigError
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "ModelCache",
+    "RecordFormat",
     "comp_state_spec",
     "paged_read",
     "paged_write",
@@ -40,6 +48,62 @@ __all__ = [
 ]
 
 DEFAULT_SLACK = 8
+KV_CACHE_DTYPES = ("bfloat16", "auto")
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """Rows of `dim` values stored as one uint8 record each: block-scaled codes followed by the scale bytes
+    (deepinfer_kernels.quant.kv_formats formats)."""
+
+    fmt: object  # deepinfer_kernels.quant.kv_formats.KVFormat
+    dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.record_bytes(self.dim)
+
+    def encode(self, x: Tensor) -> Tensor:
+        """x [rows, dim] float -> [rows, nbytes] uint8."""
+        from deepinfer_kernels.quant.kv_formats import quantize
+
+        codes, scales = quantize(x.reshape(-1, self.dim), self.fmt)
+        return torch.cat([codes, scales], 1)
+
+    def decode(self, rec: Tensor, dtype: torch.dtype) -> Tensor:
+        """[rows, nbytes] uint8 -> [rows, dim] in dtype."""
+        from deepinfer_kernels.quant.kv_formats import dequantize
+
+        cb = self.fmt.code_bytes(self.dim)
+        return dequantize(rec[:, :cb], rec[:, cb:], self.fmt, dtype)
+
+
+def _record_formats(args: object, kv_cache_dtype: str) -> dict[str, RecordFormat]:
+    """{"window" | "entries" | "index_keys": RecordFormat} of a storage mode ({} = plain cache dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype: found {kv_cache_dtype!r}, expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "bfloat16":
+        return {}
+    if args.arch != "v41":
+        raise ConfigError(
+            f"kv_cache_dtype='auto': the deployed record formats are V4.1's; found arch {args.arch!r}, "
+            "use kv_cache_dtype='bfloat16'"
+        )
+    from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1
+
+    out = {}
+    for family, fmt, field_name in (
+        ("window", MXFP8_E4M3, "head_dim"), ("entries", NVFP4_E2M1, "head_dim"),
+        ("index_keys", MXFP4_E2M1, "index_head_dim"),
+    ):  # fmt: skip
+        dim = int(getattr(args, field_name))
+        if dim % fmt.block:
+            raise ConfigError(
+                f"kv_cache_dtype='auto': {field_name} = {dim} is not a multiple of the {fmt.block}-channel block "
+                f"of {fmt.name} ({family} records); use kv_cache_dtype='bfloat16'"
+            )
+        out[family] = RecordFormat(fmt, dim)
+    return out
 
 
 def comp_state_spec(args: object, plan: object) -> list[tuple[str, int, int]]:
@@ -74,6 +138,8 @@ class ModelCache:
     ratios: dict[int, int]
     token_ring: np.ndarray | None
     specs: dict[int, LayerCacheSpec] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # values handed back to layers (decoded records)
+    formats: dict[str, RecordFormat] = field(default_factory=dict)  # family -> record format ({}: plain)
     # per slot: end position (exclusive) of the last backbone forward; host ints, for the rollback guard
     high_water: list[int] = field(default_factory=list)
 
@@ -103,8 +169,21 @@ class ModelCache:
         return self.swa[layer_id].shape[1]
 
     def window_pool(self, layer_id: int, plan: RingPlan, kv: Tensor, *, write: bool = True) -> Tensor:
-        """Window pool [history + T, head_dim] of the step (see RingPlan.gather); stores kv if `write`."""
-        return plan.gather(self.swa[layer_id], kv, write=write)
+        """Window pool [history + T, head_dim] of the step (see RingPlan.gather); stores kv if `write`.
+        With window records the step's own rows are the decoded records (cast and cast back)."""
+        ring = self.swa[layer_id]
+        f = self.formats.get("window")
+        if f is None:
+            return plan.gather(ring, kv, write=write)
+        if ring.shape[1] != plan.ring_rows:
+            raise CapacityError(f"ring plan for {plan.ring_rows} rows used on a ring of {ring.shape[1]} rows")
+        rec = f.encode(kv)
+        fresh = f.decode(rec, kv.dtype)
+        flat = ring.view(-1, ring.shape[-1])
+        pool = torch.cat([f.decode(flat.index_select(0, plan.hist_src), kv.dtype), fresh]) if plan.num_hist else fresh
+        if write and plan.write_dst is not None:
+            flat.index_copy_(0, plan.write_dst, rec.index_select(0, plan.write_src))
+        return pool
 
     def has_state(self, layer_id: int, name: str = "main") -> bool:
         return (layer_id, name) in self.comp_state
@@ -117,19 +196,39 @@ class ModelCache:
         """Raw compressor rows [history + T, 2, width] f32 of the step; stores this step's rows."""
         return plan.gather(self.comp_state[(layer_id, name)], fresh)
 
+    def _write(self, family: str, store: Tensor, plan: PagedPlan, values: Tensor) -> None:
+        f = self.formats.get(family)
+        plan.write(store, values if f is None or not plan.num_new else f.encode(values))
+
+    def _read(self, family: str, store: Tensor, plan: PagedPlan) -> Tensor:
+        f = self.formats.get(family)
+        rows = plan.read(store)
+        return rows if f is None else f.decode(rows, self.dtype)
+
     def write_entries(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
         """Store the compressed entries completed this step (values [M, head_dim], plan.new_w order)."""
-        plan.write(self.compressed_kv[layer_id], values)
+        self._write("entries", self.compressed_kv[layer_id], plan, values)
 
     def read_entries(self, layer_id: int, plan: PagedPlan) -> Tensor:
-        """Every sequence's entries 0..count-1 [E, head_dim] (sequence-major, plan.offsets)."""
-        return plan.read(self.compressed_kv[layer_id])
+        """Every sequence's entries 0..count-1 [E, head_dim] (sequence-major, plan.offsets), gathered."""
+        return self._read("entries", self.compressed_kv[layer_id], plan)
+
+    def entry_source(self, layer_id: int, plan: PagedPlan) -> tuple[Tensor, Tensor]:
+        """(store [N, head_dim], rows [E] int64): where the attention reads the layer's entries.
+
+        Plain storage: the paged cache viewed flat and each entry's store row (read in place, no copy).
+        Records: the entries decoded into [E, head_dim] and rows 0..E-1 (a record kernel would read in place)."""
+        store = self.compressed_kv[layer_id]
+        if "entries" not in self.formats:
+            return store.view(-1, store.shape[-1]), plan.read_rows
+        vals = self.read_entries(layer_id, plan)
+        return vals, torch.arange(vals.shape[0], device=vals.device)
 
     def write_index_keys(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
-        plan.write(self.index_keys[layer_id], values)
+        self._write("index_keys", self.index_keys[layer_id], plan, values)
 
     def read_index_keys(self, layer_id: int, plan: PagedPlan) -> Tensor:
-        return plan.read(self.index_keys[layer_id])
+        return self._read("index_keys", self.index_keys[layer_id], plan)
 
     def token_histories(
         self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int], ids: np.ndarray, back: int
@@ -163,7 +262,11 @@ class ModelCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         slack: int = DEFAULT_SLACK,
+        kv_cache_dtype: str = "bfloat16",
     ) -> ModelCache:
+        """kv_cache_dtype: "bfloat16" stores every family in `dtype` (the name follows the engine option; the
+        dtype is the model's), "auto" the deployed V4.1 records (module docstring)."""
+        formats = _record_formats(args, kv_cache_dtype)
         if num_slots < 1 or num_pages < 0:
             raise ConfigError(f"cache: num_slots={num_slots}, num_pages={num_pages}; expected >= 1 and >= 0")
         if slack < 0:
@@ -181,21 +284,23 @@ class ModelCache:
         compressed_kv: dict[int, Tensor] = {}
         index_keys: dict[int, Tensor] = {}
         ratios: dict[int, int] = {}
+        def store(family: str, lead: tuple[int, ...], width: int) -> Tensor:
+            f = formats.get(family)
+            if f is None:
+                return torch.zeros(*lead, width, dtype=dtype, device=device)
+            return torch.zeros(*lead, f.nbytes, dtype=torch.uint8, device=device)
+
         for lid, s in specs.items():
-            swa[lid] = torch.zeros(num_slots, ring, s.head_dim, dtype=dtype, device=device)
+            swa[lid] = store("window", (num_slots, ring), s.head_dim)
             for st in s.state_rings:
                 comp_state[(lid, st.name)] = torch.zeros(
                     num_slots, st.rows + slack, 2, st.width, dtype=torch.float32, device=device
                 )
             if s.owns_entries:
                 ratios[lid] = s.ratio
-                compressed_kv[lid] = torch.zeros(
-                    num_pages, page_size // s.ratio, s.kv_width, dtype=dtype, device=device
-                )
+                compressed_kv[lid] = store("entries", (num_pages, page_size // s.ratio), s.kv_width)
                 if s.owns_index_keys:
-                    index_keys[lid] = torch.zeros(
-                        num_pages, page_size // s.ratio, s.index_width, dtype=dtype, device=device
-                    )
+                    index_keys[lid] = store("index_keys", (num_pages, page_size // s.ratio), s.index_width)
         token_ring = None
         if getattr(args, "engram_layer_ids", None):
             token_ring = np.full((num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=np.int64)
@@ -211,6 +316,8 @@ class ModelCache:
             ratios=ratios,
             token_ring=token_ring,
             specs=specs,
+            dtype=dtype,
+            formats=formats,
         )
 
     @classmethod
@@ -223,6 +330,7 @@ class ModelCache:
         device: torch.device | str = "cpu",
         page_size: int | None = None,
         slack: int = DEFAULT_SLACK,
+        kv_cache_dtype: str = "bfloat16",
     ) -> tuple[ModelCache, Tensor]:
         """A cache for len(max_lens) sequences (slots 0..S-1) with contiguous pages; returns (cache, block_tables)."""
         if page_size is None:
@@ -238,7 +346,8 @@ class ModelCache:
             bt[i, :k] = torch.arange(nxt, nxt + k, dtype=torch.int32)
             nxt += k
         cache = cls.allocate(
-            args, num_slots=len(pages), num_pages=nxt, page_size=page_size, dtype=dtype, device=device, slack=slack
+            args, num_slots=len(pages), num_pages=nxt, page_size=page_size, dtype=dtype, device=device, slack=slack,
+            kv_cache_dtype=kv_cache_dtype,
         )
         # block tables live with the cache: paged reads index them with device tensors
         return cache, (bt if torch.device(device).type == "meta" else bt.to(device))

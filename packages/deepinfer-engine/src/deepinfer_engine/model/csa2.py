@@ -264,8 +264,10 @@ def csa2_update_source(
         entry_pos = paged.new_w * r  # RoPE at the group's first token
         cache.write_entries(lid, paged, rope(latent, entry_pos))
         cache.write_index_keys(lid, paged, indexer.keys(latent, entry_pos, rope))
+    store, rows = cache.entry_source(lid, paged)
     view = CompressedView(
-        kv=cache.read_entries(lid, paged),
+        store=store,
+        rows=rows,
         index_keys=cache.read_index_keys(lid, paged),
         seq_offsets=paged.offsets,
         seq_counts=paged.counts,
@@ -323,8 +325,8 @@ def csa2_select(
     """Compressed entries each query attends to (besides its window), for a Full / Reuse / Reindex layer.
 
     x: ``[T, d]`` attention input (after attn_norm), qr: ``[T, q_lora_rank]`` normed q latent. The kv source
-    must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = source view kv,
-    indices [T, index_topk] rows of it, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
+    must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = the source's store,
+    indices [T, index_topk] store rows, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
     entry ids w); the candidate publisher also publishes ``ctx.candidates[layer_id] [T, num_blocks] bool``.
     Reuse layers (no indexer-Q) take the top-k of their index source unchanged.
     """
@@ -369,7 +371,6 @@ def csa2_select(
             scores = scores.masked_fill(~allowed, float("-inf"))
         sel = topk_indices(scores, k)
         ctx.topk[lid] = sel
-    # per-sequence entry ids -> rows of the source view
+    # per-sequence entry ids -> rows of the source's store (read in place by the attention kernel)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
-    rows_idx = torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1))
-    return CompressedSelection(kv=view.kv, indices=rows_idx)
+    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, offs))

@@ -167,27 +167,42 @@ class ForwardBatch:
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedView:
-    """Compressed entries of one kv-source layer, gathered for this forward (all sequences concatenated).
+    """Compressed entries of one kv-source layer for this forward (all sequences), read IN PLACE from the cache.
 
-    kv:          [E_total, head_dim] attention dtype, rotated (RoPE at position ratio*w), ready to attend to
-    index_keys:  [E_total, index_head_dim] or None (V4 HCA / sources without indexer keys)
-    seq_offsets: per sequence, first row in kv of its entry w = 0
+    store:       [N, head_dim] the source's paged cache viewed flat (rotated entries, the cache's dtype)
+    rows:        [E_total] int64 store row of each entry, sequence-major (entry w of sequence i at seq_offsets[i] + w)
+    index_keys:  [E_total, index_head_dim] gathered indexer keys, or None (V4 HCA / sources without keys)
+    seq_offsets: per sequence, first position in `rows` of its entry w = 0
     seq_counts:  per sequence, number of entries that exist after this step (floor((ctx+n)/ratio))
     ratio:       compression ratio of the source
     """
 
-    kv: Tensor
+    store: Tensor
+    rows: Tensor
     index_keys: Tensor | None
     seq_offsets: tuple[int, ...]
     seq_counts: tuple[int, ...]
     ratio: int
+
+    @property
+    def kv(self) -> Tensor:
+        """[E_total, head_dim] the entries gathered (tests and tools; attention reads `store` through rows)."""
+        return self.store.index_select(0, self.rows)
+
+    def store_rows(self, sel: Tensor, offsets: Tensor) -> Tensor:
+        """[T, K] store rows of per-sequence entry ids `sel` (-1 = none); offsets [T] = seq_offsets of each
+        query's sequence (device). No host read: E_total is a host int."""
+        if self.rows.numel() == 0:
+            return torch.full_like(sel, -1)
+        flat = (sel + offsets[:, None]).clamp(0, self.rows.numel() - 1)
+        return torch.where(sel >= 0, self.rows[flat], torch.full_like(sel, -1))
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedSelection:
     """What a layer's compressed path hands to the attention core.
 
-    kv:      [E, head_dim] pool of compressed entries (attention dtype, rotated)
+    kv:      [N, head_dim] the kv source's store (CompressedView.store), read in place by the attention kernel
     indices: [T, K] int64 rows of `kv` each query attends to in addition to its window; -1 = none.
              Must respect causality (entry w visible to query t iff w < floor((t+1)/ratio)).
     """
