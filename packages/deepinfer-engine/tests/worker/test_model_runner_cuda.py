@@ -25,7 +25,7 @@ WARMUP_DECODE_STEPS = 2
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 def test_decode_forward_and_batch_building_make_no_host_sync(tmp_path, monkeypatch, arch: str) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch=arch, seed=0)
-    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", page_size=16, max_num_seqs=4)
+    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4)
     runner = llm.engine.runner
     counts = {"decode": 0, "guarded": 0}
 
