@@ -81,12 +81,16 @@ def _sync(device: torch.device) -> None:
 
 
 def _batch(ids: torch.Tensor, start: int, bt: torch.Tensor, device: torch.device):
-    """ids [B, n] -> ForwardBatch of B sequences at positions start..start+n-1 (slot b, block table row b)."""
-    from deepinfer_engine.model.forward_batch import ForwardBatch
+    """ids [B, n] -> ForwardBatch of B sequences at positions start..start+n-1 (slot b, block table row b), with
+    its host facts (as the runner's input batch provides them: the forward reads nothing back)."""
+    from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 
     b, n = ids.shape
     pos = torch.arange(start, start + n, dtype=torch.int64).repeat(b)
+    host = StepHost(ctx_lens=(start,) * b, input_ids=ids.reshape(-1).to(torch.int64).numpy(),
+                    block_tables=bt.cpu().numpy())
     return ForwardBatch(
+        host=host,
         input_ids=ids.reshape(-1).to(device),
         positions=pos.to(device),
         query_lens=(n,) * b,

@@ -27,3 +27,18 @@ def test_matches_naive_loop_with_sink() -> None:
 def test_all_invalid_row_gives_zero() -> None:
     out = sparse_attn(torch.ones(1, 1, 2), torch.ones(3, 2), torch.full((1, 2), -1), torch.zeros(1), 1.0)
     assert torch.equal(out, torch.zeros(1, 1, 2))
+
+
+def test_second_source_equals_one_concatenated_pool() -> None:
+    """kv2 / indices2 (a paged store read in place) == the same rows concatenated into one pool and one list."""
+    g = torch.Generator().manual_seed(1)
+    T, H, D, S, S2 = 4, 3, 8, 6, 9
+    q, kv, kv2 = torch.randn(T, H, D, generator=g), torch.randn(S, D, generator=g), torch.randn(S2, D, generator=g)
+    idx = torch.tensor([[0, 5, -1], [1, -1, -1], [-1, -1, -1], [2, 3, 4]])
+    idx2 = torch.tensor([[8, 0], [-1, -1], [-1, -1], [7, 7]])  # row 2: nothing at all -> zeros
+    sink = torch.tensor([0.1, -0.5, 2.0])
+    out = sparse_attn(q, kv, idx, sink, 0.4, kv2=kv2, indices2=idx2)
+    pool = torch.cat([kv, kv2])
+    flat = torch.cat([idx, torch.where(idx2 >= 0, idx2 + S, idx2)], 1)
+    torch.testing.assert_close(out, sparse_attn(q, pool, flat, sink, 0.4), atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[2], torch.zeros(H, D))

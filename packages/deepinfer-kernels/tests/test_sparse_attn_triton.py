@@ -67,6 +67,17 @@ def test_interpreter_matches_reference(interp, shape, dtype):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interpreter_two_sources(interp, dtype, num_splits):
+    """Window pool + a second source read in place (a tile straddles the boundary: K1 = 37 with BLOCK_N 16)."""
+    q, kv, idx, sink = _case(3, 20, 40, 23, 37, dtype, seed=3)
+    _, kv2, idx2, _ = _case(3, 20, 40, 50, 21, dtype, seed=4)
+    idx2[1] = -1
+    out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, num_splits=num_splits, block_n=16)
+    _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", dtype)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 100])
 def test_interpreter_split_counts(interp, num_splits):
     """Flash-decoding merge: any split count (more than blocks = clamped) gives the same result."""
@@ -150,6 +161,16 @@ def test_gpu_matches_reference(shape, dtype):
     out = sparse_attn(q, kv, idx, sink, scale, backend="triton")
     _check(out, reference.sparse_attn(q, kv, idx, sink, scale), "cuda", dtype)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_two_sources_match_reference(dtype):
+    """V4.1 decode shape: window pool of 128 rows + 512 selected compressed rows of a paged store, in place."""
+    q, kv, idx, sink = _case(8, 64, 512, 8 * 136, 128, dtype, device="cuda", seed=9)
+    _, kv2, idx2, _ = _case(8, 64, 512, 4096, 512, dtype, device="cuda", seed=10)
+    out = sparse_attn(q, kv, idx, sink, 512**-0.5, kv2=kv2, indices2=idx2, backend="triton")
+    _check(out, reference.sparse_attn(q, kv, idx, sink, 512**-0.5, kv2, idx2), "cuda", dtype)
 
 
 @pytest.mark.gpu

@@ -129,13 +129,23 @@ def test_pages_never_double_booked() -> None:
     s = _sched(pages=6, page_size=2, budget=8)
     for i in range(5):
         s.add_request(_req(f"r{i}", 3 + i % 3, max_tokens=5))
+    tables: dict[str, list[int]] = {}  # the runner's view, rebuilt from the diffs alone
     while s.has_unfinished_requests():
-        out, _ = _step(s)
-        owned = [p for c in out.chunks for p in c.page_ids]
+        out = s.schedule()
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            tables.pop(rid, None)
+        for nr in out.new_requests:
+            tables[nr.req_id] = []
+        for c in out.chunks:
+            tables[c.req_id].extend(c.new_page_ids)
+            assert tables[c.req_id] == s.kv.page_ids(c.req_id)  # diffs add up to the manager's table
+        owned = [p for c in out.chunks for p in tables[c.req_id]]
         assert len(owned) == len(set(owned))
         assert len({c.slot for c in out.chunks}) == len(out.chunks)
         for c in out.chunks:
-            assert len(c.page_ids) * 2 >= c.start_position + c.num_tokens
+            assert len(tables[c.req_id]) * 2 >= c.start_position + c.num_tokens
+        s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={
+            c.req_id: _next_token(c) for c in out.chunks if c.sample}))
     assert s.kv.num_free_pages == 6 and s.kv.num_free_slots == 8
 
 

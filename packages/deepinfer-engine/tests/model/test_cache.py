@@ -82,7 +82,16 @@ def test_cache_families_match_allocation(cfg, dtype):
     assert fams["compressor_state"].bytes_per_slot == nb(c.comp_state.values())
     assert fams["compressed_kv"].bytes_per_token == nb(c.compressed_kv.values()) / page
     assert fams["indexer_keys"].bytes_per_token == nb(c.index_keys.values()) / page
-    if c.token_ring is not None:
-        assert fams["engram_history"].bytes_per_slot == nb([c.token_ring])
-    else:
-        assert "engram_history" not in fams
+    assert "engram_history" not in fams  # the Engram token ring lives on the host (row ids are hashed there)
+
+
+@pytest.mark.parametrize("cfg", ["tiny_v4_config", "tiny_v41_config", "v4_flash_config", "v41_flash_config"])
+def test_layer_specs_are_the_one_owner_rule(cfg):
+    """The bare-config owner list (core.compressed_owners, used without a model) equals the one derived from the
+    layer plans (core.layer_cache_spec), which the allocation and the byte accounting use."""
+    from deepinfer_engine.core.kv_cache_spec import compressed_owners, layer_cache_specs, owners_from_specs
+    from deepinfer_engine.model import presets
+
+    a = ModelArgs.from_config_dict(getattr(presets, cfg)())
+    bare = compressed_owners(a.compress_ratios, a.num_hidden_layers, getattr(a, "kv_source_layer_ids", None) or None)
+    assert owners_from_specs(layer_cache_specs(a)) == bare

@@ -146,7 +146,11 @@ def _run(args, mods, cache, bt, xs, qrs, chunks_per_seq):
             for j, i in enumerate(seqs):
                 rows = ctx.seq_rows(j)
                 ind = sel.indices[rows]
-                local = torch.where(ind >= 0, ind - ctx.compressed[plan.kv_source].seq_offsets[j], ind)
+                # store rows -> the sequence's local entry ids w (the index of the row in its entry list)
+                view = ctx.compressed[plan.kv_source]
+                own = view.rows[view.seq_offsets[j] : view.seq_offsets[j] + view.seq_counts[j]]
+                hit = torch.cat([ind[..., None] == own[None, None, :], torch.ones_like(ind[..., None], dtype=bool)], -1)
+                local = torch.where(ind >= 0, hit.int().argmax(-1), torch.full_like(ind, -1))
                 seen.setdefault(lid, [[] for _ in xs])[i].append(local)
                 # the gathered kv of the selection, for value comparisons
                 kv = torch.where((ind >= 0)[..., None], sel.kv[ind.clamp(min=0)], torch.zeros(()))

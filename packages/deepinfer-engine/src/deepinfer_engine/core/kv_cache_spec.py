@@ -66,6 +66,71 @@ def record_bytes(fmt: RecordFormat, dim: int, *, rope_dim: int = 0) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StateRing:
+    """A per-slot ring of raw compressor rows (A, Z) of one layer: `rows` positions of `width` fp32 pairs."""
+
+    name: str  # "main" | "indexer"
+    width: int
+    rows: int  # positions before the current one that pooling may read (the ring adds the cache slack)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerCacheSpec:
+    """Which cached state one layer owns (THE derivation; the model cache, the byte accounting and the
+    compressed-owner list are all built from it).
+
+    Every layer owns a window K=V ring (`head_dim` wide). A compressor owner (`ratio > 0`) also owns paged
+    compressed entries (`kv_width` wide, one per `ratio` tokens), optionally paged index keys (`index_width`,
+    0 = none), and the raw compressor state rings its pooling needs across chunk boundaries.
+    """
+
+    layer_id: int
+    head_dim: int
+    ratio: int = 0  # 0: no paged entries
+    kv_width: int = 0
+    index_width: int = 0
+    state_rings: tuple[StateRing, ...] = ()
+
+    @property
+    def owns_entries(self) -> bool:
+        return self.ratio > 0
+
+    @property
+    def owns_index_keys(self) -> bool:
+        return self.ratio > 0 and self.index_width > 0
+
+
+def layer_cache_spec(args: object, plan: object) -> LayerCacheSpec:
+    """The cache spec of one layer from its LayerPlan (duck-typed: core imports no model code).
+
+    Compressed entries: layers with `has_compressor`. Index keys: compressor owners that produce indexer keys
+    (V4 CSA: its indexer compressor; V4.1: kv sources). State rings: ratio >= 2 compressors keep the raw
+    (A, Z) rows of the open window (`ratio` positions); the V4 overlapping CSA compressor (ratio 4) also the
+    previous window (2 * ratio rows of twice the width), and so does its indexer compressor. V4.1 ratio-1
+    sources pool nothing across positions.
+    """
+    lid, ratio = int(plan.layer_id), int(plan.ratio)
+    hd = int(args.head_dim)
+    if not plan.has_compressor or ratio <= 0:
+        return LayerCacheSpec(layer_id=lid, head_dim=hd)
+    index_width = int(args.index_head_dim) if plan.has_indexer_k else 0
+    rings: list[StateRing] = []
+    if ratio > 1:
+        mult = 2 if (args.arch == "v4" and ratio == 4) else 1
+        rings.append(StateRing(name="main", width=mult * hd, rows=mult * ratio))
+        if args.arch == "v4" and plan.has_indexer_k:
+            rings.append(StateRing(name="indexer", width=mult * int(args.index_head_dim), rows=mult * ratio))
+    return LayerCacheSpec(
+        layer_id=lid, head_dim=hd, ratio=ratio, kv_width=hd, index_width=index_width, state_rings=tuple(rings)
+    )
+
+
+def layer_cache_specs(args: object) -> list[LayerCacheSpec]:
+    """Specs of every layer of `args.layer_plans` (backbone and draft layers), in layer order."""
+    return [layer_cache_spec(args, p) for p in args.layer_plans]
+
+
+@dataclass(frozen=True, kw_only=True)
 class CompressedOwner:
     """A layer that owns compressed (paged) KV: one main entry (and optionally one index key) per `ratio` tokens."""
 
@@ -94,6 +159,16 @@ def compressed_owners(
         CompressedOwner(layer_id=l, ratio=int(r), has_index_keys=int(r) == 4)
         for l, r in enumerate(compress_ratios[:num_hidden_layers])
         if int(r) > 0
+    ]
+
+
+def owners_from_specs(specs: Sequence[LayerCacheSpec]) -> list[CompressedOwner]:
+    """The compressed owners of a model whose layer specs are known (the same list `compressed_owners` derives
+    from bare config fields; tests hold the two equal on every preset)."""
+    return [
+        CompressedOwner(layer_id=s.layer_id, ratio=s.ratio, has_index_keys=s.owns_index_keys)
+        for s in specs
+        if s.owns_entries
     ]
 
 

@@ -2,6 +2,12 @@
 
 One step = {req_id: num_tokens}: a prefill chunk, a whole prompt, a recompute after preemption and a decode
 token are all just "feed these tokens at these positions", so there is no phase flag.
+
+The output is a diff against what the runner already holds (vLLM v1's shape): a request's prompt and sampling
+data come once in `new_requests` (again after a preemption, which also drops its pages), and each step's chunk
+carries only its new tokens and the pages appended since the runner last saw the request (`new_page_ids`); the
+runner keeps every request's block table in its persistent input batch and drops it on `finished_req_ids` /
+`preempted_req_ids`.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ class NewRequestData:
 class ScheduledChunk:
     """Tokens [start_position, start_position + len(token_ids)) of one request, fed in this step.
 
-    `page_ids` is the request's whole block table (page of token t = page_ids[t // page_size]); `slot` its
-    per-sequence state slot; `sample` is True when the chunk ends at the request's last known token, i.e. the
+    `new_page_ids` are the pages appended to the request's block table since the runner last saw it (all of
+    them the first time and after a preemption); the runner's table is the concatenation (page of token t =
+    table[t // page_size]). `slot` its per-sequence state slot; `sample` is True when the chunk ends at the request's last known token, i.e. the
     step produces its next token. `output_index` = number of tokens the request has generated so far (the RNG
     offset of the token sampled now).
     """
@@ -35,7 +42,7 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     start_position: int
     slot: int
-    page_ids: tuple[int, ...]
+    new_page_ids: tuple[int, ...]
     sample: bool
     output_index: int
     num_prompt_tokens: int

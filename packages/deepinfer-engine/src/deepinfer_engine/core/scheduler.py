@@ -47,6 +47,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell the runner next step
         self._pending_updates: list[RequestUpdate] = []  # finished outside a model step (errors, aborts)
         self._seeds: dict[str, int] = {}
+        self._pages_sent: dict[str, int] = {}  # pages of each running request the runner already holds
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ requests in / out
@@ -101,6 +102,7 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
+        self._pages_sent.pop(req.request_id, None)
         req.status = status
         req.error = error
         self._finished_ids.add(req.request_id)
@@ -130,6 +132,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
+        self._pages_sent.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -193,19 +196,21 @@ class Scheduler:
                 planned.append((req, n))
                 budget -= n
 
-        chunks = tuple(
-            ScheduledChunk(
+        chunks = []
+        for req, n in planned:
+            pages = self.kv.page_ids(req.request_id)
+            sent = self._pages_sent.get(req.request_id, 0)
+            self._pages_sent[req.request_id] = len(pages)
+            chunks.append(ScheduledChunk(
                 req_id=req.request_id,
                 token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
                 start_position=req.num_computed_tokens,
                 slot=self.kv.slot(req.request_id),
-                page_ids=tuple(self.kv.page_ids(req.request_id)),
+                new_page_ids=tuple(pages[sent:]),  # a diff: the runner keeps the table it was sent so far
                 sample=req.num_computed_tokens + n == req.num_tokens,
                 output_index=req.num_output_tokens,
                 num_prompt_tokens=req.num_prompt_tokens,
-            )
-            for req, n in planned
-        )
+            ))
         new_data = tuple(
             NewRequestData(req_id=r.request_id, prompt_token_ids=tuple(r.prompt_token_ids), sampling=r.payload,
                            seed=self._seeds.get(r.request_id, 0))
@@ -213,7 +218,7 @@ class Scheduler:
         )
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
-        return SchedulerOutput(chunks=chunks, new_requests=new_data, finished_req_ids=finished,
+        return SchedulerOutput(chunks=tuple(chunks), new_requests=new_data, finished_req_ids=finished,
                                preempted_req_ids=frozenset(preempted))
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestUpdate]:

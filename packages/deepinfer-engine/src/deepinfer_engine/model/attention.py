@@ -18,6 +18,7 @@ from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope
 from deepinfer_kernels.sparse_attn import sparse_attn
 from torch import Tensor, nn
 
+from deepinfer_engine.model.cache import PagedPlan
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_engine.model.kv_numerics import KVNumerics
 
@@ -99,23 +100,25 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(width, args.rms_norm_eps, dtype)
 
     def update(
-        self, x: Tensor, ctx: ForwardContext, store: Tensor, state: Tensor, rope: Rope, out_dtype: torch.dtype,
+        self, x: Tensor, ctx: ForwardContext, layer_id: int, state: str, rope: Rope, out_dtype: torch.dtype,
         entry_fn: Callable[[Tensor], Tensor] | None = None,
-    ) -> tuple[Tensor, tuple[int, ...], tuple[int, ...]]:
-        """Write the entries completed by this step into `store` (paged) and return every sequence's entries.
+    ) -> PagedPlan:
+        """Write the entries completed by this step into the cache; returns the paged plan that addresses every
+        sequence's entries.
 
-        x: [T, d] attention input. Returns (entries [E, width] of all sequences, sequence-major; offsets; counts).
+        x: [T, d] attention input; state: "main" (the layer's compressed KV) or "indexer" (its index keys).
         entry_fn: applied to the rotated entries before they are stored (deployed record rounding, kv_numerics).
         All sequences at once: the history rows of the state ring and the new entries' pages come from the
         forward's plans (ForwardContext.ring_plan / paged_plan).
         """
+        cache = ctx.cache
         r, wd = self.ratio, self.width
         pos = ctx.batch.positions
         a = self.wkv(x.float())
         z = self.wgate(x.float()) + self.ape[pos % r]
         backs = tuple(c % r + (r if self.overlap else 0) for c in ctx.ctx_lens)
-        ring = ctx.ring_plan(state.shape[1], backs, write=True)
-        hist = ring.gather(state, torch.stack([a, z], dim=1))  # [H + T, 2, C]
+        ring = ctx.ring_plan(cache.state_rows(layer_id, state), backs, write=True)
+        hist = cache.state_pool(layer_id, state, ring, torch.stack([a, z], dim=1))  # [H + T, 2, C]
         paged = ctx.paged_plan(r)
         if paged.num_new:
             ws, seq = paged.new_w, paged.new_seq[:, None].expand(-1, r)
@@ -133,8 +136,9 @@ class Compressor(nn.Module):
                 pooled = compress_pool(hist[cur, 0], hist[cur, 1])
             latent = self.norm(pooled.to(out_dtype))  # the reference casts the pooled sum before the norm
             entries = rope(latent, ws * r)
-            paged.write(store, entry_fn(entries) if entry_fn is not None else entries)
-        return paged.read(store), paged.offsets, paged.counts
+            write = cache.write_entries if state == "main" else cache.write_index_keys
+            write(layer_id, paged, entry_fn(entries) if entry_fn is not None else entries)
+        return paged
 
 
 class Indexer(nn.Module):
@@ -223,9 +227,9 @@ class Attention(nn.Module):
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
-        ring = ctx.cache.swa[self.layer_id]
-        plan = ctx.ring_plan(ring.shape[1], (0,) * ctx.num_seqs, write=True)
-        plan.gather(ring, kv)
+        cache = ctx.cache
+        plan = ctx.ring_plan(cache.window_rows(self.layer_id), (0,) * ctx.num_seqs, write=True)
+        cache.window_pool(self.layer_id, plan, kv)
 
     def _window(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Window pool [Sw, Dh] (all sequences) and per-query indices [T, K] into it (-1 = none).
@@ -233,11 +237,11 @@ class Attention(nn.Module):
         Causal: positions p-W+1..p, this step's rows are written into the ring after the history is read.
         DSpark draft (block_noncausal): [max(0, c-W), c) + the whole block, nothing written.
         """
-        ring = ctx.cache.swa[self.layer_id]
+        cache = ctx.cache
         W = self.window
         nc = ctx.block_noncausal
-        plan = ctx.ring_plan(ring.shape[1], ((W if nc else W - 1),) * ctx.num_seqs, write=not nc)
-        pool = plan.gather(ring, kv)
+        plan = ctx.ring_plan(cache.window_rows(self.layer_id), ((W if nc else W - 1),) * ctx.num_seqs, write=not nc)
+        pool = cache.window_pool(self.layer_id, plan, kv, write=not nc)
         return pool, ctx.window_rows(plan, W, noncausal=nc)
 
     def _compressed(self, x: Tensor, qr: Tensor, ctx: ForwardContext) -> CompressedSelection | None:
@@ -262,26 +266,26 @@ class Attention(nn.Module):
             )
         cache = ctx.cache
         lid, r = self.layer_id, self.ratio
-        kv, offsets, counts = self.compressor.update(
-            x, ctx, cache.compressed_kv[lid], cache.comp_state[(lid, "main")], self.rope, x.dtype,
-            entry_fn=self.numerics.compressed_kv,
+        paged = self.compressor.update(x, ctx, lid, "main", self.rope, x.dtype, entry_fn=self.numerics.compressed_kv)
+        counts = paged.counts
+        keys = None
+        if self.kind == "csa":
+            self.indexer.compressor.update(x, ctx, lid, "indexer", self.rope, x.dtype)
+            keys = cache.read_index_keys(lid, paged)
+        store, rows = cache.entry_source(lid, paged)
+        view = CompressedView(
+            store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r
         )
-        view = CompressedView(kv=kv, index_keys=None, seq_offsets=offsets, seq_counts=counts, ratio=r)
         pos = ctx.batch.positions
         if self.kind == "hca":  # dense over all visible entries
             k = max(counts) if counts else 0
             w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
             sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
         else:  # csa: lightning indexer top-k
-            keys, _, _ = self.indexer.compressor.update(
-                x, ctx, cache.index_keys[lid], cache.comp_state[(lid, "indexer")], self.rope, x.dtype
-            )
-            view = CompressedView(kv=kv, index_keys=keys, seq_offsets=offsets, seq_counts=counts, ratio=r)
             sel = self.indexer.select(x, qr, ctx, view, self.rope)
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
-        offs = ctx.paged_plan(r).offsets_t[ctx.seq_of_token]
-        return CompressedSelection(kv=kv, indices=torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1)))
+        return CompressedSelection(kv=view.store, indices=view.store_rows(sel, paged.offsets_t[ctx.seq_of_token]))
 
     # ---------------------------------------------------------------------------------------------- forward
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
@@ -292,11 +296,12 @@ class Attention(nn.Module):
         kv = self.project_kv(x, pos)
         pool, idx = self._window(kv, ctx)
         sel = self._compressed(x, qr, ctx)
+        kv2 = idx2 = None
         if sel is not None and sel.indices.shape[1] > 0:
-            shifted = torch.where(sel.indices >= 0, sel.indices + pool.shape[0], torch.full_like(sel.indices, -1))
-            pool = torch.cat([pool, sel.kv.to(pool.dtype)], 0)
-            idx = torch.cat([idx, shifted], 1)
-        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5)  # [T, H, Dh]
+            # window pool + the compressed cache read in place through store rows (one softmax over both);
+            # a cache kept in another dtype than the activations is cast (a copy: only tests mix dtypes)
+            kv2, idx2 = sel.kv if sel.kv.dtype == pool.dtype else sel.kv.to(pool.dtype), sel.indices
+        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2)  # [T, H, Dh]
         o = self.rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
         o = o.reshape(t, self.n_groups, -1)
         wa = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)

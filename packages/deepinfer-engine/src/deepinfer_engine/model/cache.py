@@ -1,16 +1,27 @@
 """Model-side cache storage (architecture.md §7): named per-layer tensors of every family, addressed by position.
 
+Which layer owns what comes from ONE derivation, `core.kv_cache_spec.layer_cache_spec(args, plan)`; the
+storage below is private to this module's methods (layers call `window_pool`, `state_pool`, `write_entries`,
+`read_entries`, ... with the forward's plans, never index the dicts).
+
 Slot families (one row block per running sequence, `slot` index from the ForwardBatch):
   swa[l]           [num_slots, ring, head_dim]            window K=V ring, row = position mod ring (ring = W + slack)
   comp_state[l,n]  [num_slots, state_ring, 2, width] f32  raw compressor rows (A, Z incl. ape) per position,
                                                           row = position mod state_ring; n = "main" | "indexer"
-  token_ring       [num_slots, hist_ring] int64           input token ids by position (Engram n-gram history)
+  token_ring       [num_slots, hist_ring] int64, HOST     input token ids by position (Engram n-gram history: the
+                                                          row ids are hashed on the host, so the ids stay there)
 Paged families (grow with the sequence; block table per sequence in units of page_size tokens):
   compressed_kv[l] [num_pages, page_size // ratio, head_dim]        rotated compressed entries C_w
   index_keys[l]    [num_pages, page_size // ratio, index_head_dim]  indexer keys KI_w
   entry w of ratio r lives in page block_table[w*r // page_size], row (w*r % page_size) // r.
 Everything is indexed by absolute position, so a rejected speculative tail is simply overwritten later; the
 rings keep `slack` extra rows so that rows needed after a rollback of <= slack+1 tokens are still intact.
+
+Storage formats (`kv_cache_dtype`): "bfloat16" keeps every family in the cache dtype; "auto" stores the deployed
+V4.1 records (docs/kv_cache.md): window K/V as MXFP8 (e4m3 + UE8M0 per 32), compressed main KV as NVFP4 (e2m1 +
+e4m3 per 16), index keys as MXFP4 (e2m1 + UE8M0 per 32), each row one uint8 record (codes, then scale bytes).
+The values a layer gets back in the step that wrote them are the decoded records too, so a full forward and
+an incremental one see the same numbers.
 """
 
 from __future__ import annotations
@@ -18,43 +29,98 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from deepinfer_engine.core.kv_cache_spec import LayerCacheSpec, layer_cache_spec
 from deepinfer_engine.errors import CapacityError, ConfigError
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "ModelCache",
+    "RecordFormat",
     "comp_state_spec",
     "paged_read",
     "paged_write",
     "ring_history",
+    "upload",
 ]
 
 DEFAULT_SLACK = 8
+KV_CACHE_DTYPES = ("bfloat16", "auto")
 
 
-def comp_state_spec(args: object, plan: object) -> list[tuple[str, int, int]]:
-    """(name, width, rows-needed) of the raw compressor state rings of one layer (empty if none).
+@dataclass(frozen=True)
+class RecordFormat:
+    """Rows of `dim` values stored as one uint8 record each: block-scaled codes followed by the scale bytes
+    (deepinfer_kernels.quant.kv_formats formats)."""
 
-    rows-needed = how many positions before the current one the pooling may read: ratio (open window) and, for the
-    V4 overlapping CSA compressor, another ratio for the previous window.
-    """
-    ratio = int(plan.ratio)
-    if not plan.has_compressor or ratio <= 1:
-        return []
-    overlap = args.arch == "v4" and ratio == 4
-    mult = 2 if overlap else 1
-    out = [("main", mult * args.head_dim, mult * ratio)]
-    if args.arch == "v4" and plan.kind == "csa":
-        out.append(("indexer", mult * args.index_head_dim, mult * ratio))
+    fmt: object  # deepinfer_kernels.quant.kv_formats.KVFormat
+    dim: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.fmt.record_bytes(self.dim)
+
+    def encode(self, x: Tensor) -> Tensor:
+        """x [rows, dim] float -> [rows, nbytes] uint8."""
+        from deepinfer_kernels.quant.kv_formats import quantize
+
+        codes, scales = quantize(x.reshape(-1, self.dim), self.fmt)
+        return torch.cat([codes, scales], 1)
+
+    def decode(self, rec: Tensor, dtype: torch.dtype) -> Tensor:
+        """[rows, nbytes] uint8 -> [rows, dim] in dtype."""
+        from deepinfer_kernels.quant.kv_formats import dequantize
+
+        cb = self.fmt.code_bytes(self.dim)
+        return dequantize(rec[:, :cb], rec[:, cb:], self.fmt, dtype)
+
+
+def _record_formats(args: object, kv_cache_dtype: str) -> dict[str, RecordFormat]:
+    """{"window" | "entries" | "index_keys": RecordFormat} of a storage mode ({} = plain cache dtype)."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype: found {kv_cache_dtype!r}, expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "bfloat16":
+        return {}
+    if args.arch != "v41":
+        raise ConfigError(
+            f"kv_cache_dtype='auto': the deployed record formats are V4.1's; found arch {args.arch!r}, "
+            "use kv_cache_dtype='bfloat16'"
+        )
+    from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1
+
+    out = {}
+    for family, fmt, field_name in (
+        ("window", MXFP8_E4M3, "head_dim"), ("entries", NVFP4_E2M1, "head_dim"),
+        ("index_keys", MXFP4_E2M1, "index_head_dim"),
+    ):  # fmt: skip
+        dim = int(getattr(args, field_name))
+        if dim % fmt.block:
+            raise ConfigError(
+                f"kv_cache_dtype='auto': {field_name} = {dim} is not a multiple of the {fmt.block}-channel block "
+                f"of {fmt.name} ({family} records); use kv_cache_dtype='bfloat16'"
+            )
+        out[family] = RecordFormat(fmt, dim)
     return out
 
 
-def _has_index_keys(args: object, plan: object) -> bool:
-    if args.arch == "v4":
-        return plan.kind == "csa"
-    return bool(plan.has_indexer_k)
+def comp_state_spec(args: object, plan: object) -> list[tuple[str, int, int]]:
+    """(name, width, rows-needed) of the raw compressor state rings of one layer (from its LayerCacheSpec)."""
+    return [(r.name, r.width, r.rows) for r in layer_cache_spec(args, plan).state_rings]
+
+
+def upload(a: np.ndarray, device: torch.device) -> Tensor:
+    """A host array as a tensor on `device` without a host synchronization: staged in pinned memory and copied
+    with non_blocking=True on CUDA (the caching host allocator keeps the staging block alive until the copy ran);
+    on CPU the array's own memory."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @dataclass(kw_only=True)
@@ -70,7 +136,10 @@ class ModelCache:
     compressed_kv: dict[int, Tensor]
     index_keys: dict[int, Tensor]
     ratios: dict[int, int]
-    token_ring: Tensor | None
+    token_ring: np.ndarray | None
+    specs: dict[int, LayerCacheSpec] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # values handed back to layers (decoded records)
+    formats: dict[str, RecordFormat] = field(default_factory=dict)  # family -> record format ({}: plain)
     # per slot: end position (exclusive) of the last backbone forward; host ints, for the rollback guard
     high_water: list[int] = field(default_factory=list)
 
@@ -92,6 +161,96 @@ class ModelCache:
                 "allocate the cache with a larger slack"
             )
 
+    # ------------------------------------------------------------------------------------------- layer API
+    # Layers address their own state through these (plans come from the ForwardContext); the storage tensors
+    # and their formats stay this module's business.
+    def window_rows(self, layer_id: int) -> int:
+        """Rows of layer `layer_id`'s window ring (sliding window + slack)."""
+        return self.swa[layer_id].shape[1]
+
+    def window_pool(self, layer_id: int, plan: RingPlan, kv: Tensor, *, write: bool = True) -> Tensor:
+        """Window pool [history + T, head_dim] of the step (see RingPlan.gather); stores kv if `write`.
+        With window records the step's own rows are the decoded records (cast and cast back)."""
+        ring = self.swa[layer_id]
+        f = self.formats.get("window")
+        if f is None:
+            return plan.gather(ring, kv, write=write)
+        if ring.shape[1] != plan.ring_rows:
+            raise CapacityError(f"ring plan for {plan.ring_rows} rows used on a ring of {ring.shape[1]} rows")
+        rec = f.encode(kv)
+        fresh = f.decode(rec, kv.dtype)
+        flat = ring.view(-1, ring.shape[-1])
+        pool = torch.cat([f.decode(flat.index_select(0, plan.hist_src), kv.dtype), fresh]) if plan.num_hist else fresh
+        if write and plan.write_dst is not None:
+            flat.index_copy_(0, plan.write_dst, rec.index_select(0, plan.write_src))
+        return pool
+
+    def has_state(self, layer_id: int, name: str = "main") -> bool:
+        return (layer_id, name) in self.comp_state
+
+    def state_rows(self, layer_id: int, name: str = "main") -> int:
+        """Rows of a compressor state ring (CapacityError-free lookup: callers check has_state first)."""
+        return self.comp_state[(layer_id, name)].shape[1]
+
+    def state_pool(self, layer_id: int, name: str, plan: RingPlan, fresh: Tensor) -> Tensor:
+        """Raw compressor rows [history + T, 2, width] f32 of the step; stores this step's rows."""
+        return plan.gather(self.comp_state[(layer_id, name)], fresh)
+
+    def _write(self, family: str, store: Tensor, plan: PagedPlan, values: Tensor) -> None:
+        f = self.formats.get(family)
+        plan.write(store, values if f is None or not plan.num_new else f.encode(values))
+
+    def _read(self, family: str, store: Tensor, plan: PagedPlan) -> Tensor:
+        f = self.formats.get(family)
+        rows = plan.read(store)
+        return rows if f is None else f.decode(rows, self.dtype)
+
+    def write_entries(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
+        """Store the compressed entries completed this step (values [M, head_dim], plan.new_w order)."""
+        self._write("entries", self.compressed_kv[layer_id], plan, values)
+
+    def read_entries(self, layer_id: int, plan: PagedPlan) -> Tensor:
+        """Every sequence's entries 0..count-1 [E, head_dim] (sequence-major, plan.offsets), gathered."""
+        return self._read("entries", self.compressed_kv[layer_id], plan)
+
+    def entry_source(self, layer_id: int, plan: PagedPlan) -> tuple[Tensor, Tensor]:
+        """(store [N, head_dim], rows [E] int64): where the attention reads the layer's entries.
+
+        Plain storage: the paged cache viewed flat and each entry's store row (read in place, no copy).
+        Records: the entries decoded into [E, head_dim] and rows 0..E-1 (a record kernel would read in place)."""
+        store = self.compressed_kv[layer_id]
+        if "entries" not in self.formats:
+            return store.view(-1, store.shape[-1]), plan.read_rows
+        vals = self.read_entries(layer_id, plan)
+        return vals, torch.arange(vals.shape[0], device=vals.device)
+
+    def write_index_keys(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
+        self._write("index_keys", self.index_keys[layer_id], plan, values)
+
+    def read_index_keys(self, layer_id: int, plan: PagedPlan) -> Tensor:
+        return self._read("index_keys", self.index_keys[layer_id], plan)
+
+    def token_histories(
+        self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int], ids: np.ndarray, back: int
+    ) -> list[np.ndarray]:
+        """Per sequence the ids of its `back` positions before ctx (fewer at the start), read from the host
+        token ring BEFORE this step's ids `ids` [T] (sequence-major) are stored into it."""
+        ring = self.token_ring
+        if ring is None:
+            raise ConfigError("token_histories: this cache has no token ring (model without Engram)")
+        R = ring.shape[1]
+        out, start = [], 0
+        for slot, c, n in zip(slots, ctx_lens, query_lens):
+            b = min(back, c)
+            if b > R:
+                raise CapacityError(f"token ring of {R} rows cannot hold {b} history positions; raise the slack")
+            h = ring[slot, np.arange(c - b, c) % R]
+            out.append(h[h >= 0])  # -1: never written (a fresh slot)
+            k = min(n, R)
+            ring[slot, np.arange(c + n - k, c + n) % R] = ids[start + n - k : start + n]
+            start += n
+        return out
+
     @classmethod
     def allocate(
         cls,
@@ -103,17 +262,21 @@ class ModelCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         slack: int = DEFAULT_SLACK,
+        kv_cache_dtype: str = "bfloat16",
     ) -> ModelCache:
+        """kv_cache_dtype: "bfloat16" stores every family in `dtype` (the name follows the engine option; the
+        dtype is the model's), "auto" the deployed V4.1 records (module docstring)."""
+        formats = _record_formats(args, kv_cache_dtype)
         if num_slots < 1 or num_pages < 0:
             raise ConfigError(f"cache: num_slots={num_slots}, num_pages={num_pages}; expected >= 1 and >= 0")
         if slack < 0:
             raise ConfigError(f"cache slack: found {slack}, expected >= 0")
-        plans = args.layer_plans
-        for p in plans:
-            if p.ratio > 0 and page_size % p.ratio != 0:
+        specs = {p.layer_id: layer_cache_spec(args, p) for p in args.layer_plans}
+        for s in specs.values():
+            if s.ratio > 0 and page_size % s.ratio != 0:
                 raise ConfigError(
                     f"page_size: found {page_size}, expected a multiple of every compress ratio "
-                    f"(layer {p.layer_id} has ratio {p.ratio})"
+                    f"(layer {s.layer_id} has ratio {s.ratio})"
                 )
         ring = args.sliding_window + slack
         swa: dict[int, Tensor] = {}
@@ -121,26 +284,26 @@ class ModelCache:
         compressed_kv: dict[int, Tensor] = {}
         index_keys: dict[int, Tensor] = {}
         ratios: dict[int, int] = {}
-        for p in plans:
-            swa[p.layer_id] = torch.zeros(num_slots, ring, args.head_dim, dtype=dtype, device=device)
-            for name, width, rows in comp_state_spec(args, p):
-                comp_state[(p.layer_id, name)] = torch.zeros(
-                    num_slots, rows + slack, 2, width, dtype=torch.float32, device=device
+        def store(family: str, lead: tuple[int, ...], width: int) -> Tensor:
+            f = formats.get(family)
+            if f is None:
+                return torch.zeros(*lead, width, dtype=dtype, device=device)
+            return torch.zeros(*lead, f.nbytes, dtype=torch.uint8, device=device)
+
+        for lid, s in specs.items():
+            swa[lid] = store("window", (num_slots, ring), s.head_dim)
+            for st in s.state_rings:
+                comp_state[(lid, st.name)] = torch.zeros(
+                    num_slots, st.rows + slack, 2, st.width, dtype=torch.float32, device=device
                 )
-            if p.has_compressor:
-                ratios[p.layer_id] = p.ratio
-                compressed_kv[p.layer_id] = torch.zeros(
-                    num_pages, page_size // p.ratio, args.head_dim, dtype=dtype, device=device
-                )
-                if _has_index_keys(args, p):
-                    index_keys[p.layer_id] = torch.zeros(
-                        num_pages, page_size // p.ratio, args.index_head_dim, dtype=dtype, device=device
-                    )
+            if s.owns_entries:
+                ratios[lid] = s.ratio
+                compressed_kv[lid] = store("entries", (num_pages, page_size // s.ratio), s.kv_width)
+                if s.owns_index_keys:
+                    index_keys[lid] = store("index_keys", (num_pages, page_size // s.ratio), s.index_width)
         token_ring = None
         if getattr(args, "engram_layer_ids", None):
-            token_ring = torch.full(
-                (num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=torch.int64, device=device
-            )
+            token_ring = np.full((num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=np.int64)
         return cls(
             page_size=page_size,
             num_slots=num_slots,
@@ -152,6 +315,9 @@ class ModelCache:
             index_keys=index_keys,
             ratios=ratios,
             token_ring=token_ring,
+            specs=specs,
+            dtype=dtype,
+            formats=formats,
         )
 
     @classmethod
@@ -164,6 +330,7 @@ class ModelCache:
         device: torch.device | str = "cpu",
         page_size: int | None = None,
         slack: int = DEFAULT_SLACK,
+        kv_cache_dtype: str = "bfloat16",
     ) -> tuple[ModelCache, Tensor]:
         """A cache for len(max_lens) sequences (slots 0..S-1) with contiguous pages; returns (cache, block_tables)."""
         if page_size is None:
@@ -179,7 +346,8 @@ class ModelCache:
             bt[i, :k] = torch.arange(nxt, nxt + k, dtype=torch.int32)
             nxt += k
         cache = cls.allocate(
-            args, num_slots=len(pages), num_pages=nxt, page_size=page_size, dtype=dtype, device=device, slack=slack
+            args, num_slots=len(pages), num_pages=nxt, page_size=page_size, dtype=dtype, device=device, slack=slack,
+            kv_cache_dtype=kv_cache_dtype,
         )
         # block tables live with the cache: paged reads index them with device tensors
         return cache, (bt if torch.device(device).type == "meta" else bt.to(device))
@@ -191,7 +359,7 @@ class ModelCache:
         for t in self.comp_state.values():
             t[slot].zero_()
         if self.token_ring is not None:
-            self.token_ring[slot].fill_(-1)
+            self.token_ring[slot] = -1
 
 
 def _gcd(a: int, b: int) -> int:
@@ -260,8 +428,19 @@ def paged_read(store: Tensor, block_row: Tensor, ratio: int, page_size: int, cou
 
 # ---------------------------------------------------------------------------------------------- batched plans
 # One forward touches every sequence of the batch in every layer through the same index pattern; the plans below
-# are built once per forward (ForwardContext caches them) from host-side ints plus a few [S] tensors on the batch's
-# device, so the layers run one gather / one index_copy_ per cache family and never sync with the device.
+# are built once per forward (ForwardContext caches them) on the HOST from the step's host facts (first
+# positions, lengths, slots, block tables: python ints / numpy) and reach the device in one non-blocking copy
+# each, so the layers run one gather / one index_copy_ per cache family and the forward never syncs.
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeqHost:
+    """Per-sequence facts of one step on the host (numpy int64 [S] each)."""
+
+    ctx: np.ndarray  # first position of each sequence's new tokens
+    qlen: np.ndarray  # new tokens
+    start: np.ndarray  # first row in T
+    slot: np.ndarray  # cache slot
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,8 +475,11 @@ class RingPlan:
         if ring.shape[1] != self.ring_rows:
             raise CapacityError(f"ring plan for {self.ring_rows} rows used on a ring of {ring.shape[1]} rows")
         flat = ring.view(-1, *ring.shape[2:])
-        hist = flat.index_select(0, self.hist_src).to(fresh.dtype)
-        pool = torch.cat([hist, fresh], 0) if self.num_hist else fresh
+        if self.num_hist:
+            hist = flat.index_select(0, self.hist_src).to(fresh.dtype)
+            pool = torch.cat([hist, fresh], 0)
+        else:
+            pool = fresh
         if write and self.write_dst is not None:
             # the history was copied above, so chunks longer than the ring overwrite rows only after the read
             flat.index_copy_(0, self.write_dst, fresh.index_select(0, self.write_src).to(flat.dtype))
@@ -311,42 +493,45 @@ class RingPlan:
         return torch.where(pos < c, hist, fresh)
 
 
-def _segments(lengths: Sequence[int], device: torch.device) -> tuple[Tensor, Tensor, int]:
-    """(segment id [N], index within the segment [N], N) for segments of the given host lengths."""
-    total = int(sum(lengths))
-    lens = torch.tensor(list(lengths), dtype=torch.int64, device=device)
-    offs = torch.cumsum(lens, 0) - lens
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), lens, output_size=total)
-    return seg, torch.arange(total, device=device) - offs[seg], total
+def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(segment id [N], index within the segment [N]) for segments of the given lengths (host)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offs = np.cumsum(lengths) - lengths
+    seg = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    return seg, np.arange(seg.shape[0], dtype=np.int64) - offs[seg]
+
+
+def _split(t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+    return list(torch.split(t, list(sizes))) if sizes else []
 
 
 def build_ring_plan(
-    ring_rows: int, backs: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int], st: SeqTensors,
-    *, write: bool,
+    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, device: torch.device
 ) -> RingPlan:
     """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
     R = ring_rows
-    b = [min(int(k), c) for k, c in zip(backs, ctx_lens)]
-    for i, bi in enumerate(b):
-        if bi > R:
-            raise CapacityError(f"sequence {i}: ring of {R} rows cannot hold {bi} history positions; raise the cache slack")
-    dev = st.ctx.device
-    b_t = torch.tensor(b, dtype=torch.int64, device=dev)
-    seg, j, nh = _segments(b, dev)
-    first = st.ctx - b_t
-    hist_src = st.slot[seg] * R + (first[seg] + j) % R
-    hist_off = torch.cumsum(b_t, 0) - b_t
-    wdst = wsrc = None
+    b = np.minimum(np.asarray(backs, dtype=np.int64), seqs.ctx)
+    over = np.nonzero(b > R)[0]
+    if over.size:
+        i = int(over[0])
+        raise CapacityError(
+            f"sequence {i}: ring of {R} rows cannot hold {int(b[i])} history positions; raise the cache slack"
+        )
+    seg, j = _segments(b)
+    first = seqs.ctx - b
+    hist_src = seqs.slot[seg] * R + (first[seg] + j) % R
+    hist_off = np.cumsum(b) - b
+    parts = [hist_src, hist_off, first]
     if write:
-        k = [min(n, R) for n in query_lens]
-        kseg, kj, _ = _segments(k, dev)
-        k_t = torch.tensor(k, dtype=torch.int64, device=dev)
-        skip = st.qlen - k_t  # only the last min(n, R) rows land (distinct ring rows, no duplicate writes)
-        wsrc = st.start[kseg] + skip[kseg] + kj
-        wdst = st.slot[kseg] * R + (st.ctx[kseg] + skip[kseg] + kj) % R
+        k = np.minimum(seqs.qlen, R)
+        kseg, kj = _segments(k)
+        skip = seqs.qlen - k  # only the last min(n, R) rows land (distinct ring rows, no duplicate writes)
+        parts += [seqs.slot[kseg] * R + (seqs.ctx[kseg] + skip[kseg] + kj) % R, seqs.start[kseg] + skip[kseg] + kj]
+    sizes = [p.shape[0] for p in parts]
+    out = _split(upload(np.concatenate(parts), device), sizes)  # one copy for the whole plan
     return RingPlan(
-        ring_rows=R, num_hist=nh, hist_src=hist_src, hist_off=hist_off, hist_first=first, write_dst=wdst,
-        write_src=wsrc,
+        ring_rows=R, num_hist=int(sizes[0]), hist_src=out[0], hist_off=out[1], hist_first=out[2],
+        write_dst=out[3] if write else None, write_src=out[4] if write else None,
     )  # fmt: skip
 
 
@@ -380,57 +565,53 @@ class PagedPlan:
 
 
 def build_paged_plan(
-    ratio: int, page_size: int, block_tables: Tensor, ctx_lens: Sequence[int], query_lens: Sequence[int],
-    *, device: torch.device | None = None,
+    ratio: int, page_size: int, block_tables: np.ndarray, seqs: SeqHost, *, device: torch.device
 ) -> PagedPlan:
-    """Block-table coverage is the caller's check (check_block_tables, once per forward). device: where the
-    index tensors go (the batch's device; default the block tables')."""
+    """block_tables: [S, max_pages] host page ids. Coverage is the caller's check (check_block_tables, once per
+    forward)."""
     r, P = ratio, page_size
-    dev = block_tables.device if device is None else torch.device(device)
-    bt = block_tables.to(device=dev, dtype=torch.int64)
+    bt = np.asarray(block_tables, dtype=np.int64)
     per_page = P // r
 
-    def rows(seq: Tensor, w: Tensor) -> Tensor:
+    def rows(seq: np.ndarray, w: np.ndarray) -> np.ndarray:
         tok = w * r
         return bt[seq, tok // P] * per_page + (tok % P) // r
 
-    counts = [(c + n) // r for c, n in zip(ctx_lens, query_lens)]
-    seg, w, _ = _segments(counts, dev)
-    lo = [c // r for c in ctx_lens]
-    new = [hi - l0 for hi, l0 in zip(counts, lo)]
-    nseg, nj, m = _segments(new, dev)
-    new_w = torch.tensor(lo, dtype=torch.int64, device=dev)[nseg] + nj
-    offsets, total = [], 0
-    for k in counts:
-        offsets.append(total)
-        total += k
+    counts = (seqs.ctx + seqs.qlen) // r
+    seg, w = _segments(counts)
+    lo = seqs.ctx // r
+    nseg, nj = _segments(counts - lo)
+    new_w = lo[nseg] + nj
+    offsets = np.cumsum(counts) - counts
+    parts = [rows(seg, w), rows(nseg, new_w), new_w, nseg, offsets]
+    sizes = [p.shape[0] for p in parts]
+    out = _split(upload(np.concatenate(parts), device), sizes)
     return PagedPlan(
-        ratio=r, read_rows=rows(seg, w), write_rows=rows(nseg, new_w), new_w=new_w, new_seq=nseg, num_new=m,
-        offsets=tuple(offsets), counts=tuple(counts),
-        offsets_t=torch.tensor(offsets, dtype=torch.int64, device=dev),
+        ratio=r, read_rows=out[0], write_rows=out[1], new_w=out[2], new_seq=out[3], num_new=int(sizes[1]),
+        offsets=tuple(int(x) for x in offsets), counts=tuple(int(x) for x in counts), offsets_t=out[4],
     )  # fmt: skip
 
 
 def check_block_tables(
-    block_tables: Tensor, page_size: int, ratios: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int]
+    block_tables: np.ndarray | Tensor,
+    page_size: int,
+    ratios: Sequence[int],
+    ctx_lens: Sequence[int],
+    query_lens: Sequence[int],
 ) -> None:
-    """CapacityError unless every page holding an entry that exists after this step is mapped (one host read).
+    """CapacityError unless every page holding an entry that exists after this step is mapped (host facts only).
 
     Sequence i needs the pages of tokens [0, max_r floor(end_i / r) * r) (the union of its entries' tokens).
     """
     if not ratios:
         return
+    if isinstance(block_tables, Tensor):
+        block_tables = block_tables.cpu().numpy()
     need = [max((c + n) // r * r for r in ratios) for c, n in zip(ctx_lens, query_lens)]
     pages = [-(-k // page_size) for k in need]
     width = block_tables.shape[1]
     for i, k in enumerate(pages):
         if k > width:
             raise CapacityError(f"sequence {i}: block table has {width} pages, entry needs page {k - 1}")
-    if max(pages, default=0) == 0:
-        return
-    cols = torch.arange(width, device=block_tables.device)[None, :]
-    limit = torch.tensor(pages, device=block_tables.device)[:, None]
-    bad = ((block_tables < 0) & (cols < limit)).any(dim=1).tolist()  # the one host sync of this check
-    if any(bad):
-        i = bad.index(True)
-        raise CapacityError(f"sequence {i}: block table has no page (-1) for a needed compressed entry")
+        if k and (block_tables[i, :k] < 0).any():
+            raise CapacityError(f"sequence {i}: block table has no page (-1) for a needed compressed entry")

@@ -11,7 +11,7 @@ Who does what in one forward (layers run in order, so a source always runs befor
   kv source with a validity mask; its own window KV and the sink softmax are the attention module's job.
 
 Ratio-2 sources keep the raw ``(A, Z)`` rows of their last tokens in the cache's per-slot ring
-``cache.comp_state[(l, "main")]`` (row = position mod ring), so a chunk that starts at an odd position pools
+``"main"`` state ring (row = position mod ring), so a chunk that starts at an odd position pools
 with the saved row of the previous token, and a rejected speculative tail is simply overwritten next time.
 The published state lives in ``ForwardContext`` (``compressed[l]``, ``topk[l]``, ``candidates[l]``).
 """
@@ -246,17 +246,15 @@ def csa2_update_source(
     """
     r, lid = plan.ratio, plan.layer_id
     cache = ctx.cache
-    kv_store, k_store = cache.compressed_kv[lid], cache.index_keys[lid]
-    ring = cache.comp_state.get((lid, "main")) if r == 2 else None
-    if r == 2 and ring is None:
+    if r == 2 and not cache.has_state(lid, "main"):
         raise ModelConfigError(f"layer {lid}: ratio-2 kv source without a compressor state ring in the cache")
     paged = ctx.paged_plan(r)
     a_all, z_all = compressor.project(x)  # [T, Dh] f32 each (z None for ratio 1)
     if r == 2:
         # rows of positions [p0 - back, p0 + n): back = 1 when a chunk starts inside a group; this step's rows
         # are stored in the ring for the next chunk
-        ring_plan = ctx.ring_plan(ring.shape[1], tuple(c % 2 for c in ctx.ctx_lens), write=True)
-        both = ring_plan.gather(ring, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
+        ring_plan = ctx.ring_plan(cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True)
+        both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
     if paged.num_new:
         if r == 1:
             pooled = a_all  # entry w = position w: every new token completes one entry, in batch order
@@ -269,11 +267,13 @@ def csa2_update_source(
         latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps)  # pre-RoPE latent
         entry_pos = paged.new_w * r  # RoPE at the group's first token
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
-        paged.write(kv_store, numerics.compressed_kv(rope(latent, entry_pos)))
-        paged.write(k_store, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
+        cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))
+        cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
+    store, rows = cache.entry_source(lid, paged)
     view = CompressedView(
-        kv=paged.read(kv_store),
-        index_keys=paged.read(k_store),
+        store=store,
+        rows=rows,
+        index_keys=cache.read_index_keys(lid, paged),
         seq_offsets=paged.offsets,
         seq_counts=paged.counts,
         ratio=r,
@@ -331,8 +331,8 @@ def csa2_select(
     """Compressed entries each query attends to (besides its window), for a Full / Reuse / Reindex layer.
 
     x: ``[T, d]`` attention input (after attn_norm), qr: ``[T, q_lora_rank]`` normed q latent. The kv source
-    must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = source view kv,
-    indices [T, index_topk] rows of it, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
+    must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = the source's store,
+    indices [T, index_topk] store rows, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
     entry ids w); the candidate publisher also publishes ``ctx.candidates[layer_id] [T, num_blocks] bool``.
     Reuse layers (no indexer-Q) take the top-k of their index source unchanged.
     """
@@ -379,7 +379,6 @@ def csa2_select(
             scores = scores.masked_fill(~allowed, float("-inf"))
         sel = topk_indices(scores, k)
         ctx.topk[lid] = sel
-    # per-sequence entry ids -> rows of the source view
+    # per-sequence entry ids -> rows of the source's store (read in place by the attention kernel)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
-    rows_idx = torch.where(sel >= 0, sel + offs[:, None], torch.full_like(sel, -1))
-    return CompressedSelection(kv=view.kv, indices=rows_idx)
+    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, offs))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,13 +20,53 @@ from deepinfer_engine.errors import InputError
 from deepinfer_engine.model.cache import (
     PagedPlan,
     RingPlan,
+    SeqHost,
     SeqTensors,
     build_paged_plan,
     build_ring_plan,
     check_block_tables,
+    upload,
 )
 
-__all__ = ["CompressedSelection", "CompressedView", "ForwardBatch", "ForwardContext"]
+__all__ = ["CompressedSelection", "CompressedView", "ForwardBatch", "ForwardContext", "StepHost"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepHost:
+    """The host's copy of what a ForwardBatch carries on the device, so that the forward never reads it back.
+
+    ctx_lens:     per sequence, the first position of its new tokens (positions are ctx_i, ctx_i + 1, ...)
+    input_ids:    [T] int64 numpy, the step's token ids (Engram hashing runs on the host)
+    block_tables: [S, max_pages] int32 numpy page ids (-1 = unused)
+    The model runner fills it from its persistent input batch; `ForwardBatch.single` from its arguments;
+    `StepHost.read(batch)` reads a batch built without one back from the device (direct model users only).
+    """
+
+    ctx_lens: tuple[int, ...]
+    input_ids: np.ndarray
+    block_tables: np.ndarray
+
+    @classmethod
+    def read(cls, batch: ForwardBatch) -> StepHost:
+        """Read the host facts back from a batch's tensors, checking that positions are consecutive (direct
+        model users: tests and tools; the runner never gets here)."""
+        ids = batch.input_ids.cpu().numpy()
+        pos = batch.positions.cpu().numpy()
+        starts = np.cumsum((0,) + batch.query_lens[:-1]) if batch.query_lens else np.zeros(0, dtype=np.int64)
+        for i, (st, n) in enumerate(zip(starts.tolist(), batch.query_lens)):
+            p = pos[st : st + n]
+            if n > 1 and not (np.diff(p) == 1).all():
+                raise InputError(f"positions of sequence {i}: found {p.tolist()[:8]}..., expected consecutive")
+        li = batch.logits_indices.cpu().numpy()
+        if li.size and (li.min() < 0 or li.max() >= batch.num_tokens):
+            raise InputError(
+                f"logits_indices: found {int(li.min())}..{int(li.max())}, expected in [0, {batch.num_tokens})"
+            )
+        return cls(
+            ctx_lens=tuple(int(pos[s]) for s in starts.tolist()),
+            input_ids=ids,
+            block_tables=batch.block_tables.cpu().numpy(),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +87,11 @@ class ForwardBatch:
     slots: tuple[int, ...]
     block_tables: Tensor
     logits_indices: Tensor
+    host: StepHost | None = None  # the host copy of the above (None: read back once, for direct model users)
+    # device copies of the per-sequence ints and the token -> sequence map when the caller already staged them
+    # (the runner's input batch, in its one copy); None: ForwardContext.build uploads them from `host`
+    seq: SeqTensors | None = None
+    seq_of_token: Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.input_ids.dtype != torch.int64:
@@ -102,41 +148,61 @@ class ForwardBatch:
         ids = input_ids.reshape(-1).to(torch.int64)
         n = int(ids.shape[0])
         bt = block_table if block_table is not None else torch.full((1, 1), -1, dtype=torch.int32)
+        bt = bt.reshape(1, -1).to(torch.int32)
+        # host facts from the arguments (a copy of the ids / table when they live on a device: a tool
+        # convenience before the forward, never inside it)
+        host = StepHost(ctx_lens=(int(start_pos),), input_ids=ids.cpu().numpy(), block_tables=bt.cpu().numpy())
         bt = bt.to(ids.device)  # on the ids' device, like every other batch tensor
         return cls(
             input_ids=ids,
             positions=torch.arange(start_pos, start_pos + n, dtype=torch.int64, device=ids.device),
             query_lens=(n,),
             slots=(slot,),
-            block_tables=bt.reshape(1, -1).to(torch.int32),
+            block_tables=bt,
             logits_indices=torch.arange(n if all_logits else 1, dtype=torch.int64, device=ids.device)
             + (0 if all_logits else n - 1),
+            host=host,
         )
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedView:
-    """Compressed entries of one kv-source layer, gathered for this forward (all sequences concatenated).
+    """Compressed entries of one kv-source layer for this forward (all sequences), read IN PLACE from the cache.
 
-    kv:          [E_total, head_dim] attention dtype, rotated (RoPE at position ratio*w), ready to attend to
-    index_keys:  [E_total, index_head_dim] or None (V4 HCA / sources without indexer keys)
-    seq_offsets: per sequence, first row in kv of its entry w = 0
+    store:       [N, head_dim] the source's paged cache viewed flat (rotated entries, the cache's dtype)
+    rows:        [E_total] int64 store row of each entry, sequence-major (entry w of sequence i at seq_offsets[i] + w)
+    index_keys:  [E_total, index_head_dim] gathered indexer keys, or None (V4 HCA / sources without keys)
+    seq_offsets: per sequence, first position in `rows` of its entry w = 0
     seq_counts:  per sequence, number of entries that exist after this step (floor((ctx+n)/ratio))
     ratio:       compression ratio of the source
     """
 
-    kv: Tensor
+    store: Tensor
+    rows: Tensor
     index_keys: Tensor | None
     seq_offsets: tuple[int, ...]
     seq_counts: tuple[int, ...]
     ratio: int
+
+    @property
+    def kv(self) -> Tensor:
+        """[E_total, head_dim] the entries gathered (tests and tools; attention reads `store` through rows)."""
+        return self.store.index_select(0, self.rows)
+
+    def store_rows(self, sel: Tensor, offsets: Tensor) -> Tensor:
+        """[T, K] store rows of per-sequence entry ids `sel` (-1 = none); offsets [T] = seq_offsets of each
+        query's sequence (device). No host read: E_total is a host int."""
+        if self.rows.numel() == 0:
+            return torch.full_like(sel, -1)
+        flat = (sel + offsets[:, None]).clamp(0, self.rows.numel() - 1)
+        return torch.where(sel >= 0, self.rows[flat], torch.full_like(sel, -1))
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompressedSelection:
     """What a layer's compressed path hands to the attention core.
 
-    kv:      [E, head_dim] pool of compressed entries (attention dtype, rotated)
+    kv:      [N, head_dim] the kv source's store (CompressedView.store), read in place by the attention kernel
     indices: [T, K] int64 rows of `kv` each query attends to in addition to its window; -1 = none.
              Must respect causality (entry w visible to query t iff w < floor((t+1)/ratio)).
     """
@@ -149,7 +215,7 @@ class CompressedSelection:
 class ForwardContext:
     """Per-forward state passed explicitly to every layer (mutable: layers publish into the dicts).
 
-    Sequence bookkeeping (host ints, known without reading the device):
+    Sequence bookkeeping (host ints, known without reading the device; `host` / `seq_host` the same as numpy):
       seq_starts[i]  first row of sequence i in T;  query_lens[i] its new tokens;  ctx_lens[i] = its first position
       seq_of_token:  [T] int64 sequence index per token;  seq_t: the same per-sequence ints as [S] device tensors
     Gather plans (`plans`, built on first use by ring_plan / window_rows / paged_plan and shared by every layer):
@@ -159,8 +225,8 @@ class ForwardContext:
       topk[l]:        [T, K] int64 selected entry ids w (per-sequence local, -1 = none) of index-source layer l
       candidates[l]:  [T, num_blocks] bool candidate-block mask published by the candidate source layer l
       features[l]:    [T, d] captured hc-stream means for DSpark (input of l for V4.1, output of l for V4)
-    token_history:    [T, max_ngram] int64 ids at positions p-max_ngram+1..p (-1 for p<0), for Engram; or None
-    engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (computed once per forward)
+    engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (hashed on the host from
+                      host.input_ids and the cache's host token ring, once per forward, one copy to the device)
     image_mask:       [T] bool positions carrying image-sentinel ids
     block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
                       window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
@@ -169,12 +235,13 @@ class ForwardContext:
 
     batch: ForwardBatch
     cache: object  # ModelCache (typed loosely to avoid an import cycle)
+    host: StepHost
+    seq_host: SeqHost
     seq_starts: tuple[int, ...]
     query_lens: tuple[int, ...]
     ctx_lens: tuple[int, ...]
     seq_of_token: Tensor
     block_noncausal: bool = False
-    token_history: Tensor | None = None
     engram_rows: Tensor | None = None  # [T, num_engram_layers, lookups] int64 rows into each engram.embed
     image_mask: Tensor | None = None  # [T] bool image-sentinel positions (Engram gate 0)
     compressed: dict[int, CompressedView] = field(default_factory=dict)
@@ -189,30 +256,37 @@ class ForwardContext:
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, cache: object, *, ctx_lens: tuple[int, ...] | None = None, **kw: object
+        cls, batch: ForwardBatch, cache: object, *, host: StepHost | None = None, **kw: object
     ) -> ForwardContext:
-        """ctx_lens: the sequences' first positions if the caller already read them (saves one host sync)."""
-        starts, s = [], 0
-        for n in batch.query_lens:
-            starts.append(s)
-            s += n
-        if ctx_lens is None:
-            ctx_lens = tuple(int(v) for v in batch.positions[list(starts)].tolist()) if starts else ()
-        dev = batch.input_ids.device
-        S = batch.num_seqs
-        # one host -> device copy for all per-sequence ints
-        packed = torch.tensor([list(ctx_lens), list(batch.query_lens), starts, list(batch.slots)], dtype=torch.int64)
-        packed = packed.to(dev) if S else torch.zeros((4, 0), dtype=torch.int64, device=dev)
-        seq_t = SeqTensors(ctx=packed[0], qlen=packed[1], start=packed[2], slot=packed[3])
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(S, device=dev), seq_t.qlen, output_size=batch.num_tokens
-        )
+        """host: the step's host facts (default batch.host, else read back once from the batch)."""
+        if host is None:
+            host = batch.host if batch.host is not None else StepHost.read(batch)
+        S, T = batch.num_seqs, batch.num_tokens
+        qlen = np.asarray(batch.query_lens, dtype=np.int64)
+        starts = np.cumsum(qlen) - qlen
+        seq_host = SeqHost(
+            ctx=np.asarray(host.ctx_lens, dtype=np.int64).reshape(S), qlen=qlen, start=starts,
+            slot=np.asarray(batch.slots, dtype=np.int64),
+        )  # fmt: skip
+        if batch.seq is not None and batch.seq_of_token is not None:
+            seq_t, seq_of_token = batch.seq, batch.seq_of_token
+        else:  # one host -> device copy for all per-sequence ints and the token -> sequence map
+            packed = upload(
+                np.concatenate(
+                    [seq_host.ctx, qlen, starts, seq_host.slot, np.repeat(np.arange(S, dtype=np.int64), qlen)]
+                ),
+                batch.input_ids.device,
+            )
+            ctx_t, qlen_t, start_t, slot_t, seq_of_token = torch.split(packed, [S, S, S, S, T])
+            seq_t = SeqTensors(ctx=ctx_t, qlen=qlen_t, start=start_t, slot=slot_t)
         return cls(
             batch=batch,
             cache=cache,
-            seq_starts=tuple(starts),
+            host=host,
+            seq_host=seq_host,
+            seq_starts=tuple(int(x) for x in starts),
             query_lens=batch.query_lens,
-            ctx_lens=tuple(ctx_lens),
+            ctx_lens=tuple(host.ctx_lens),
             seq_of_token=seq_of_token,
             seq_t=seq_t,
             **kw,  # type: ignore[arg-type]
@@ -224,7 +298,7 @@ class ForwardContext:
         key = ("ring", ring_rows, backs, write)
         plan = self.plans.get(key)
         if plan is None:
-            plan = build_ring_plan(ring_rows, backs, self.ctx_lens, self.query_lens, self.seq_t, write=write)
+            plan = build_ring_plan(ring_rows, backs, self.seq_host, write=write, device=self.seq_t.ctx.device)
             self.plans[key] = plan
         return plan  # type: ignore[return-value]
 
@@ -236,13 +310,12 @@ class ForwardContext:
             if "checked" not in self.plans:  # block-table coverage: once per forward, for every paged ratio
                 ratios = sorted(set(self.cache.ratios.values()))
                 check_block_tables(
-                    self.batch.block_tables, self.cache.page_size, ratios, self.ctx_lens, self.query_lens
+                    self.host.block_tables, self.cache.page_size, ratios, self.ctx_lens, self.query_lens
                 )
                 self.plans["checked"] = True
             plan = build_paged_plan(
-                ratio, self.cache.page_size, self.batch.block_tables, self.ctx_lens, self.query_lens,
-                device=self.seq_t.ctx.device,
-            )  # fmt: skip
+                ratio, self.cache.page_size, self.host.block_tables, self.seq_host, device=self.seq_t.ctx.device
+            )
             self.plans[key] = plan
         return plan  # type: ignore[return-value]
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.attention import Attention, Linear, RMSNorm
-from deepinfer_engine.model.cache import ModelCache
-from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+from deepinfer_engine.model.cache import ModelCache, upload
+from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.mhc import (
     add_hc_head_params,
@@ -175,93 +176,68 @@ class Transformer(nn.Module):
         self.engram_hasher = EngramHasher.from_args(self.args, token_map)
 
     # ---------------------------------------------------------------------------------------------- checks
-    def check_inputs(
-        self, batch: ForwardBatch, cache: ModelCache, *, backbone: bool = True
-    ) -> tuple[int, ...]:
+    def check_inputs(self, batch: ForwardBatch, cache: ModelCache, *, backbone: bool = True) -> StepHost:
         """Typed errors for bad input before any matmul (contracts §3: InputError; CapacityError for a backbone
-        step that rolls back further than the cache slack). Returns the sequences' first positions (ctx_lens).
+        step that rolls back further than the cache slack). Returns the step's host facts.
 
-        All device-side facts (id / position / logits-index ranges, consecutive positions, first positions) are
-        reduced on the device and read back in ONE host transfer.
+        Host facts only: the batch's StepHost (the runner's persistent input batch, `ForwardBatch.single`), or,
+        for a batch built without one, a read-back of its tensors (direct model users). The engine validates
+        requests once at admission; these checks are the cheap host-side guard for direct callers.
         """
         a = self.args
-        ids, pos, li = batch.input_ids, batch.positions, batch.logits_indices
+        host = batch.host if batch.host is not None else StepHost.read(batch)
         if any(s < 0 or s >= cache.num_slots for s in batch.slots):
             raise InputError(f"slots: found {batch.slots}, expected each in [0, {cache.num_slots})")
-        t = ids.numel()
-        starts, s = [], 0
-        for n in batch.query_lens:
-            starts.append(s)
-            s += n
-        parts: list[Tensor] = []
-        if t:
-            parts += [ids.min(), ids.max(), pos.min(), pos.max()]
-            # first row j (>= 1, not a sequence start) whose position is not its predecessor's + 1; t if none
-            ok = torch.ones(t, dtype=torch.bool, device=pos.device)
-            ok[1:] = pos[1:] - pos[:-1] == 1
-            ok[torch.tensor(starts, dtype=torch.int64, device=pos.device)] = True
-            rows = torch.arange(t, device=pos.device)
-            parts.append(torch.where(ok, torch.full_like(rows, t), rows).min())
-            parts.append(pos[torch.tensor(starts, dtype=torch.int64, device=pos.device)])
-        if li.numel():
-            parts += [li.min(), li.max()]
-        vals = torch.cat([p.reshape(-1) for p in parts]).tolist() if parts else []  # the one host sync
-        ctx_lens: tuple[int, ...] = ()
-        if t:
-            lo, hi, pmin, pmax, bad_row = vals[:5]
-            ctx_lens = tuple(int(v) for v in vals[5 : 5 + len(starts)])
+        if len(host.ctx_lens) != batch.num_seqs or host.input_ids.shape != (batch.num_tokens,):
+            raise InputError(
+                f"ForwardBatch.host: found {len(host.ctx_lens)} ctx_lens and ids {host.input_ids.shape}, expected "
+                f"{batch.num_seqs} and ({batch.num_tokens},)"
+            )
+        ids = host.input_ids
+        if ids.size:
+            lo, hi = int(ids.min()), int(ids.max())
             top = max_input_id(a)  # vocab_size, or vocab_size + 5 image-position ids (image_ids.py)
             if lo < 0 or hi >= top:
                 bad = lo if lo < 0 else hi
                 raise InputError(f"input_ids: found token id {bad}, expected 0 <= id < {top} (vocab_size={a.vocab_size}"
                                  f"{', + 5 image ids' if top > a.vocab_size else ''})")  # fmt: skip
-            if pmin < 0 or pmax >= a.max_position_embeddings:
-                bad = pmin if pmin < 0 else pmax
+        for c, n in zip(host.ctx_lens, batch.query_lens):
+            if c < 0 or c + n > a.max_position_embeddings:
+                bad = c if c < 0 else c + n - 1
                 raise InputError(
                     f"positions: found {bad}, expected 0 <= position < max_position_embeddings="
                     f"{a.max_position_embeddings}"
                 )
-            if bad_row < t:
-                i = max(j for j, st in enumerate(starts) if st <= bad_row)
-                p = pos[starts[i] : starts[i] + batch.query_lens[i]]
-                raise InputError(f"positions of sequence {i}: found {p.tolist()[:8]}..., expected consecutive")
         if backbone:  # draft steps (MTP) run at positions of their own; they do not move the mark
-            for slot, c in zip(batch.slots, ctx_lens):
+            for slot, c in zip(batch.slots, host.ctx_lens):
                 cache.check_resume(slot, c)
-        if li.numel():
-            lmin, lmax = vals[-2:]
-            if lmin < 0 or lmax >= batch.num_tokens:
-                raise InputError(f"logits_indices: found {lmin}..{lmax}, expected in [0, {batch.num_tokens})")
-        return ctx_lens
+        return host
 
-    def _token_history(self, ctx: ForwardContext) -> Tensor | None:
-        """[T, max_ngram] ids at positions p-max_ngram+1..p (-1 before 0), and store this step's ids in the ring."""
-        ring = ctx.cache.token_ring
-        if ring is None:
+    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
+        """Store this step's ids in the cache's host token ring and, when the model has an Engram hasher, hash
+        every engram layer's row ids on the host: [T, num_engram_layers, lookups] int64 on the batch's device."""
+        cache = ctx.cache
+        if cache.token_ring is None:
             return None
         k = self.args.engram_max_ngram_size
-        plan = ctx.ring_plan(ring.shape[1], (k - 1,) * ctx.num_seqs, write=True)
-        pool = plan.gather(ring, ctx.batch.input_ids)  # [H + T] ids
-        idx = ctx.window_rows(plan, k, noncausal=False)  # [T, k]: positions p-k+1 .. p, -1 before 0
-        return torch.where(idx >= 0, pool[idx.clamp(min=0)], torch.full_like(idx, -1))
+        ids = ctx.host.input_ids
+        hist = cache.token_histories(ctx.batch.slots, ctx.ctx_lens, ctx.query_lens, ids, k - 1)
+        if self.engram_hasher is None:
+            return None
+        rows = self.engram_hasher.hash_batch(ids.astype(np.int64, copy=False), ctx.query_lens, hist)
+        return upload(np.asarray(rows, dtype=np.int64), ctx.batch.input_ids.device)
 
     # ---------------------------------------------------------------------------------------------- forward
     @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
     def forward_features(
         self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
     ) -> ModelOutput:
-        ctx_lens = self.check_inputs(batch, cache)
-        ctx = ForwardContext.build(batch, cache, ctx_lens=ctx_lens, capture_layers=tuple(capture))
-        ctx.token_history = self._token_history(ctx)
+        host = self.check_inputs(batch, cache)
+        ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture))
         a = self.args
-        if a.engram_layer_ids and self.engram_hasher is not None:
-            from deepinfer_engine.model import engram
-
-            ctx.engram_rows = engram.engram_row_ids(
-                self.engram_hasher, batch.input_ids, batch.query_lens, ctx.token_history
-            )
+        ctx.engram_rows = self._engram_rows(ctx)
         img = image_positions(batch.input_ids, a.vocab_size)
-        if a.engram_layer_ids:
+        if ctx.engram_rows is not None:
             ctx.image_mask = img
         # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
         e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
@@ -297,8 +273,8 @@ class Transformer(nn.Module):
         backbone streams of the same rows. Returns [N, V] f32 logits (predicting t+2)."""
         if self.mtp is None or self.args.has_dspark:
             raise InputError("forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)")
-        ctx_lens = self.check_inputs(batch, cache, backbone=False)
-        ctx = ForwardContext.build(batch, cache, ctx_lens=ctx_lens)
+        host = self.check_inputs(batch, cache, backbone=False)
+        ctx = ForwardContext.build(batch, cache, host=host)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
         return torch.nn.functional.linear(h[batch.logits_indices].float(), self.head.weight.float())

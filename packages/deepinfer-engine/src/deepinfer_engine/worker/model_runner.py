@@ -1,7 +1,9 @@
-"""Model runner: `SchedulerOutput` -> batched `ForwardBatch` -> model forward -> sampler -> `ModelRunnerOutput`.
+"""Model runner: `SchedulerOutput` (a diff) -> persistent `InputBatch` -> `ForwardBatch` -> model forward ->
+sampler -> `ModelRunnerOutput`.
 
-Keeps only per-request sampling state (params, seed, token history for penalties); every cache address comes
-from the scheduler's chunks (slot + block table), so preemption and recompute need nothing special here.
+Keeps per-request sampling state (params, seed, token history for penalties) and, in the input batch, each
+request's block table, built from the scheduler's page diffs; a preemption drops the table (the resumed request
+is sent again as new), so recompute needs nothing special here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from deepinfer_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from deepinfer_engine.worker.input_batch import InputBatch
 from deepinfer_engine.worker.sampler import Sampler, build_sampling_batch
 
 
@@ -54,6 +57,7 @@ class ModelRunner:
         self.batch_cls = batch_cls or _default_batch_cls()
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
+        self.input_batch = InputBatch(self.device)
 
     def _banned(self, st: _RequestState) -> tuple[int, ...]:
         p = st.params
@@ -69,11 +73,10 @@ class ModelRunner:
             if nr.req_id not in self.states:  # a preempted request keeps its state (outputs so far)
                 self.states[nr.req_id] = _RequestState(params=nr.sampling, seed=nr.seed,
                                                        prompt_ids=list(nr.prompt_token_ids))
+        self.input_batch.update(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
 
-        ids: list[int] = []
-        positions: list[int] = []
         logit_rows: list[int] = []
         sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
         plp_at: list[tuple[str, int, int]] = []  # (req_id, index into logit_rows, target prompt index j)
@@ -81,8 +84,6 @@ class ModelRunner:
         for c in sched.chunks:
             st = self.states[c.req_id]
             n = c.num_tokens
-            ids.extend(c.token_ids)
-            positions.extend(range(c.start_position, c.start_position + n))
             if st.params.prompt_logprobs is not None:
                 for p in range(c.start_position, c.start_position + n):
                     j = p + 1
@@ -94,20 +95,12 @@ class ModelRunner:
                 logit_rows.append(row + n - 1)
             row += n
 
-        max_pages = max(1, max(len(c.page_ids) for c in sched.chunks))
-        tables = torch.full((len(sched.chunks), max_pages), -1, dtype=torch.int32)
-        for i, c in enumerate(sched.chunks):
-            if c.page_ids:
-                tables[i, : len(c.page_ids)] = torch.tensor(c.page_ids, dtype=torch.int32)
-        dev = self.device
+        inp = self.input_batch.prepare(sched.chunks, logit_rows)
         batch = self.batch_cls(
-            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            query_lens=tuple(c.num_tokens for c in sched.chunks),
-            slots=tuple(c.slot for c in sched.chunks),
-            block_tables=tables.to(dev, non_blocking=True),
-            logits_indices=torch.tensor(logit_rows, dtype=torch.int64).to(dev, non_blocking=True),
-        )
+            input_ids=inp.input_ids, positions=inp.positions, query_lens=inp.query_lens, slots=inp.slots,
+            block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
+            seq_of_token=inp.seq_of_token,
+        )  # fmt: skip
         logits = self.model(batch, self.cache)  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
         if not logit_rows:
             return ModelRunnerOutput()

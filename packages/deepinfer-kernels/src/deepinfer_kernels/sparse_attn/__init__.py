@@ -14,10 +14,21 @@ __all__ = ["sparse_attn"]
 
 
 def sparse_attn(
-    q: Tensor, kv: Tensor, indices: Tensor, attn_sink: Tensor, softmax_scale: float, *, backend: str = "auto"
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    attn_sink: Tensor,
+    softmax_scale: float,
+    *,
+    kv2: Tensor | None = None,
+    indices2: Tensor | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """q [T, H, D]; kv [S, D] (one shared K=V head); indices [T, K] int64 rows of kv, -1 = unused;
     attn_sink [H] fp32; returns [T, H, D] in q's dtype. Rows whose indices are all -1 give zeros.
+    kv2 [S2, D] (same dtype) / indices2 [T, K2] int64: an optional second source read in place (e.g. a paged
+    compressed cache viewed as [pages * rows, D], addressed by store rows): each token's list is indices[t]
+    over kv followed by indices2[t] over kv2, one softmax over both (FlashMLA-style window + sparse extra KV).
     backend: "auto" | "torch" | "triton" (deepinfer_kernels._backend.resolve_backend). The triton kernel needs q
     and kv of one dtype in {bf16, fp16, fp32} and D <= 1024; it treats indices >= S like -1 instead of raising
     (the range check below would cost a device sync per call)."""
@@ -33,12 +44,23 @@ def sparse_attn(
         )
     if indices.dtype != torch.int64:
         raise ValueError(f"sparse_attn: indices dtype {indices.dtype}, expected int64")
+    if (kv2 is None) != (indices2 is None):
+        raise ValueError("sparse_attn: kv2 and indices2 go together (both or neither)")
+    if kv2 is not None and (
+        kv2.dim() != 2 or kv2.shape[1] != kv.shape[1] or kv2.dtype != kv.dtype or indices2.dim() != 2
+        or indices2.shape[0] != q.shape[0] or indices2.dtype != torch.int64
+    ):  # fmt: skip
+        raise ValueError(
+            f"sparse_attn: second source kv2 {tuple(kv2.shape)} {kv2.dtype}, indices2 {tuple(indices2.shape)} "
+            f"{indices2.dtype}; expected kv2 [S2, {kv.shape[1]}] {kv.dtype} and indices2 [{q.shape[0]}, K2] int64"
+        )
     ok = q.dtype in _TRITON_DTYPES and kv.dtype == q.dtype and q.shape[2] <= 1024
     why = f"q {q.dtype}, kv {kv.dtype}, D {q.shape[2]}; needs one dtype in bf16/fp16/fp32 and D <= 1024"
     if resolve_backend("sparse_attn", backend, q, kv, indices, attn_sink, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.sparse_attn import triton as triton_backend
 
-        return triton_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale)
-    if indices.numel() and int(indices.max()) >= kv.shape[0]:
-        raise ValueError(f"sparse_attn: index {int(indices.max())} out of range for {kv.shape[0]} kv rows")
-    return reference.sparse_attn(q, kv, indices, attn_sink, softmax_scale)
+        return triton_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2)
+    for name, src, idx in (("kv", kv, indices), ("kv2", kv2, indices2)):
+        if idx is not None and idx.numel() and int(idx.max()) >= src.shape[0]:
+            raise ValueError(f"sparse_attn: index {int(idx.max())} out of range for {src.shape[0]} {name} rows")
+    return reference.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2, indices2)

@@ -10,11 +10,24 @@ import torch
 from torch import Tensor
 
 
-def sparse_attn(q: Tensor, kv: Tensor, indices: Tensor, attn_sink: Tensor, softmax_scale: float) -> Tensor:
-    """q [T, H, D], kv [S, D], indices [T, K] int64 (-1 invalid), attn_sink [H] -> o [T, H, D] in q's dtype."""
+def sparse_attn(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    attn_sink: Tensor,
+    softmax_scale: float,
+    kv2: Tensor | None = None,
+    indices2: Tensor | None = None,
+) -> Tensor:
+    """q [T, H, D], kv [S, D], indices [T, K] int64 (-1 invalid), attn_sink [H] -> o [T, H, D] in q's dtype.
+
+    kv2 [S2, D] / indices2 [T, K2]: a second source; token t attends to kv[indices[t]] and kv2[indices2[t]]
+    under one softmax (as if both lists were one list over one pool)."""
     valid = indices >= 0
-    safe = indices.clamp(min=0)
-    k = kv[safe].float()  # [T, K, D]
+    k = kv[indices.clamp(min=0)].float()  # [T, K, D]
+    if kv2 is not None and kv2.shape[0] > 0:  # an empty second source has only -1 indices: nothing to add
+        valid = torch.cat([valid, indices2 >= 0], 1)
+        k = torch.cat([k, kv2[indices2.clamp(min=0)].float()], 1)
     scores = torch.einsum("thd,tkd->thk", q.float(), k) * softmax_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     sink = attn_sink.float()[None, :, None].expand(scores.shape[0], -1, 1)

@@ -29,11 +29,13 @@ DEFAULT_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 32, "num_warps": 4, 
 
 
 # Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
-@triton.jit(do_not_specialize=["K", "S_ROWS", "blocks_per_split", "stride_it"])
+@triton.jit(do_not_specialize=["K", "S_ROWS", "blocks_per_split", "stride_it", "K1", "S_ROWS2", "stride_it2"])
 def _sparse_attn_kernel(
     q_ptr,
     kv_ptr,
     idx_ptr,
+    kv2_ptr,
+    idx2_ptr,
     sink_ptr,
     out_ptr,
     m_ptr,
@@ -50,7 +52,12 @@ def _sparse_attn_kernel(
     stride_it,
     stride_ot,
     stride_oh,
+    K1,
+    S_ROWS2,
+    stride_kv2,
+    stride_it2,
     qk_scale,
+    TWO: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -90,15 +97,36 @@ def _sparse_attn_kernel(
     n_hi = tl.minimum(n_lo + blocks_per_split * BLOCK_N, K)
     for start in range(n_lo, n_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < n_hi, other=-1)
-        # Out-of-range rows are treated as invalid so a bad index can never read outside kv.
-        valid = (idx >= 0) & (idx < S_ROWS)
-        rows = tl.where(valid, idx, 0)
-        kt = tl.load(
-            kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
-            mask=valid[:, None] & d_mask[None, :],
-            other=0.0,
-        )
+        if TWO:
+            # columns [0, K1) index kv, columns [K1, K) index kv2; each row is loaded from exactly one source
+            # (the other load is fully masked to 0, so the sum is that row, exactly)
+            in_a = offs_n < K1
+            ia = tl.load(idx_ptr + t * stride_it + offs_n, mask=(offs_n < n_hi) & in_a, other=-1)
+            ib = tl.load(idx2_ptr + t * stride_it2 + (offs_n - K1), mask=(offs_n < n_hi) & ~in_a, other=-1)
+            va = (ia >= 0) & (ia < S_ROWS)
+            vb = (ib >= 0) & (ib < S_ROWS2)
+            ka = tl.load(
+                kv_ptr + tl.where(va, ia, 0)[:, None] * stride_kv + offs_d[None, :],
+                mask=va[:, None] & d_mask[None, :],
+                other=0.0,
+            )
+            kb = tl.load(
+                kv2_ptr + tl.where(vb, ib, 0)[:, None] * stride_kv2 + offs_d[None, :],
+                mask=vb[:, None] & d_mask[None, :],
+                other=0.0,
+            )
+            kt = ka + kb
+            valid = va | vb
+        else:
+            idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < n_hi, other=-1)
+            # Out-of-range rows are treated as invalid so a bad index can never read outside kv.
+            valid = (idx >= 0) & (idx < S_ROWS)
+            rows = tl.where(valid, idx, 0)
+            kt = tl.load(
+                kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
+                mask=valid[:, None] & d_mask[None, :],
+                other=0.0,
+            )
         if UPCAST:
             kt = kt.to(tl.float32)
         if EXACT_F32:
@@ -171,6 +199,8 @@ def sparse_attn(
     attn_sink: Tensor,
     softmax_scale: float,
     *,
+    kv2: Tensor | None = None,
+    indices2: Tensor | None = None,
     num_splits: int | None = None,
     block_h: int | None = None,
     block_n: int | None = None,
@@ -178,10 +208,14 @@ def sparse_attn(
     num_stages: int | None = None,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
-    attn_sink [H] -> [T, H, D] in q's dtype. Inputs are validated by the package dispatcher; the keyword
-    arguments override the launch configuration (benchmark sweeps, tests of the split path)."""
+    attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
+    index lists extend each token's list (one softmax over both). Inputs are validated by the package
+    dispatcher; the keyword arguments override the launch configuration (benchmark sweeps, tests of the split
+    path)."""
     t, h, d = q.shape
-    k = indices.shape[1]
+    two = kv2 is not None
+    k1 = indices.shape[1]
+    k = k1 + (indices2.shape[1] if two else 0)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
@@ -195,8 +229,13 @@ def sparse_attn(
         kv = kv.contiguous()
     if indices.stride(1) != 1:
         indices = indices.contiguous()
+    if two:
+        kv2 = kv2 if kv2.stride(1) == 1 else kv2.contiguous()
+        indices2 = indices2 if indices2.stride(1) == 1 else indices2.contiguous()
+    else:  # unused pointers (the TWO=False specialisation never touches them)
+        kv2, indices2 = kv, indices
     sink = attn_sink.float().contiguous()
-    interp = check_launchable("sparse_attn", _sparse_attn_kernel, q, kv, indices, sink)
+    interp = check_launchable("sparse_attn", _sparse_attn_kernel, q, kv, indices, kv2, indices2, sink)
     block_d = max(16, next_pow2(d))
     head_blocks = cdiv(h, block_h)
     n_blocks = max(1, cdiv(k, block_n))
@@ -219,6 +258,8 @@ def sparse_attn(
         q,
         kv,
         indices,
+        kv2,
+        indices2,
         sink,
         out,
         m_ws,
@@ -235,7 +276,12 @@ def sparse_attn(
         indices.stride(0),
         out.stride(0),
         out.stride(1),
+        k1,
+        kv2.shape[0],
+        kv2.stride(0),
+        indices2.stride(0),
         float(softmax_scale) * _LOG2E,
+        TWO=two,
         HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
         BLOCK_N=block_n,

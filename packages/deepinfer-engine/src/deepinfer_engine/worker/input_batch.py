@@ -1,0 +1,166 @@
+"""The runner's persistent input batch: per-request block tables kept across steps and updated from the
+scheduler's diffs, host (pinned) staging buffers and static device buffers for the step's inputs.
+
+Per step the runner hands `prepare(chunks)` the scheduled chunks; it writes token ids, positions, logit rows and
+the block tables of the batch into pinned host buffers, issues one non-blocking copy per buffer into static
+device buffers (the ForwardBatch tensors are views of their first rows), and returns the host copy of the same
+facts (`StepHost`) so that the forward never reads them back. Shapes grow by doubling when a step needs more
+(outside a captured graph; CUDA graphs would size them once for the largest bucket).
+
+Buffer reuse: the copies of step k read the pinned buffers asynchronously; step k + 1 waits for an event recorded
+after them before overwriting the buffers. Every step that samples ends with a host read of the sampled ids, so
+that event has normally completed and the wait is a query.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from deepinfer_engine.core.sched_output import ScheduledChunk, SchedulerOutput
+from deepinfer_engine.errors import InputError
+from deepinfer_engine.model.cache import SeqTensors
+from deepinfer_engine.model.forward_batch import StepHost
+
+__all__ = ["InputBatch", "StepInputs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInputs:
+    """Device views (rows [:T] / [:S, :P] of the static buffers) and the host facts of one step.
+
+    input_ids / positions: [T] int64;  block_tables: [S, P] int32;  logits_indices: [N] int64;
+    seq: the per-sequence [S] int64 tensors (ctx = first positions, qlen, start = query_start_loc[:-1], slot).
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    block_tables: Tensor
+    logits_indices: Tensor
+    seq: SeqTensors  # [S] int64 first positions, lengths, first rows (query_start_loc), slots
+    seq_of_token: Tensor  # [T] int64 sequence of each token
+    query_lens: tuple[int, ...]
+    slots: tuple[int, ...]
+    host: StepHost
+
+
+class _Buffers:
+    """A flat pinned host buffer and a static device buffer of the same size (on CPU the host buffer is the
+    input itself). Views of their first elements are the step's tensors (contiguous, any 2-D shape)."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.host = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
+        self.dev = self.host if device.type == "cpu" else torch.zeros(size, dtype=dtype, device=device)
+        self.np = self.host.numpy()
+
+    @property
+    def size(self) -> int:
+        return self.np.shape[0]
+
+    def send(self, lo: int, hi: int) -> Tensor:
+        """Copy host[lo:hi] into dev[lo:hi] (non-blocking) and return the device view."""
+        if self.dev is not self.host:
+            self.dev[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
+        return self.dev[lo:hi]
+
+
+class InputBatch:
+    """Block tables of the running requests (host, one row each) plus the per-step staging buffers."""
+
+    def __init__(self, device: torch.device | str, *, max_num_tokens: int = 256, max_table: int = 256) -> None:
+        self.device = torch.device(device)
+        self._tables: dict[str, list[int]] = {}  # req_id -> its block table (the concatenated page diffs)
+        self._tok = _Buffers(3 * max_num_tokens, torch.int64, self.device)  # ids | positions | logit rows
+        self._bt = _Buffers(max_table, torch.int32, self.device)  # [S, P] block tables, row-major
+        self._copied: torch.cuda.Event | None = None
+
+    # ------------------------------------------------------------------------------------ diffs
+    def update(self, sched: SchedulerOutput) -> None:
+        """Apply one scheduler output's diff: forget finished / preempted requests, start the tables of new
+        (or resumed) requests, append each chunk's new pages."""
+        for rid in sched.finished_req_ids:
+            self._tables.pop(rid, None)
+        for rid in sched.preempted_req_ids:
+            self._tables.pop(rid, None)
+        for nr in sched.new_requests:
+            self._tables[nr.req_id] = []  # a resumed request's pages were freed: its diff resends all of them
+        for c in sched.chunks:
+            table = self._tables.get(c.req_id)
+            if table is None:
+                raise InputError(
+                    f"scheduler output: chunk of request {c.req_id!r}, which the runner was never sent; expected "
+                    "its NewRequestData in this or an earlier step"
+                )
+            table.extend(c.new_page_ids)
+
+    def block_table(self, req_id: str) -> tuple[int, ...]:
+        return tuple(self._tables[req_id])
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._tables)
+
+    # ------------------------------------------------------------------------------------ one step
+    def _grow(self, ints: int, table: int) -> None:
+        if ints > self._tok.size:
+            self._tok = _Buffers(_pow2(ints), torch.int64, self.device)
+        if table > self._bt.size:
+            self._bt = _Buffers(_pow2(table), torch.int32, self.device)
+
+    def prepare(self, chunks: Sequence[ScheduledChunk], logit_rows: Sequence[int]) -> StepInputs:
+        """Inputs of the step that feeds `chunks` (batch order) and returns the logits of rows `logit_rows`."""
+        S = len(chunks)
+        qlens = tuple(c.num_tokens for c in chunks)
+        T, N = sum(qlens), len(logit_rows)
+        P = max(1, max((len(self._tables[c.req_id]) for c in chunks), default=1))
+        if self._copied is not None:
+            if not self._copied.query():  # the previous step's copies still read the pinned buffers
+                self._copied.synchronize()
+            self._copied = None
+        self._grow(2 * T + N + 4 * S, S * P)
+        tok = self._tok.np
+        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
+        tok[:T] = ids
+        starts = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=S)
+        q = np.asarray(qlens, dtype=np.int64)
+        offs = np.cumsum(q) - q
+        tok[T : 2 * T] = np.repeat(starts - offs, q) + np.arange(T, dtype=np.int64)  # consecutive per sequence
+        tok[2 * T : 2 * T + N] = logit_rows
+        o = 2 * T + N  # per-sequence ints, then the token -> sequence map
+        tok[o : o + S] = starts
+        tok[o + S : o + 2 * S] = q
+        tok[o + 2 * S : o + 3 * S] = offs
+        tok[o + 3 * S : o + 4 * S] = [c.slot for c in chunks]
+        tok[o + 4 * S : o + 4 * S + T] = np.repeat(np.arange(S, dtype=np.int64), q)
+        bt = self._bt.np[: S * P].reshape(S, P)
+        bt.fill(-1)
+        for i, c in enumerate(chunks):
+            table = self._tables[c.req_id]
+            bt[i, : len(table)] = table
+        host = StepHost(ctx_lens=tuple(int(c.start_position) for c in chunks), input_ids=ids,
+                        block_tables=bt.copy())
+        packed = self._tok.send(0, o + 4 * S + T)  # ONE copy for every int of the step but the tables
+        seq = packed[o:]
+        inputs = StepInputs(
+            input_ids=packed[:T],
+            positions=packed[T : 2 * T],
+            logits_indices=packed[2 * T : o],
+            seq=SeqTensors(ctx=seq[:S], qlen=seq[S : 2 * S], start=seq[2 * S : 3 * S], slot=seq[3 * S : 4 * S]),
+            seq_of_token=seq[4 * S :],
+            block_tables=self._bt.send(0, S * P).view(S, P),
+            query_lens=qlens,
+            slots=tuple(c.slot for c in chunks),
+            host=host,
+        )
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return inputs
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
