@@ -82,7 +82,7 @@ def test_full_equals_chunked_and_decode_with_records():
     a = _args()
     model = init_random_(Transformer(a, torch.float32, with_draft=False), seed=3)
     model.set_engram_token_map(
-        synthetic_token_map(a.vocab_size, a.engram_compressed_vocab_size, image_token_id=a.image_token_id)
+        synthetic_token_map(a.vocab_size, a.engram_compressed_vocab_size)
     )
     ids = torch.randint(3, a.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
 
