@@ -214,3 +214,15 @@ def test_non_finite_logprobs_serialize_as_null(v4_tokenizer):
     text = content.to_json()
     entry = json.loads(text, parse_constant=pytest.fail)["choices"][0]["logprobs"]["content"][0]
     assert entry["logprob"] is None and entry["top_logprobs"][0]["logprob"] is None
+
+
+def test_out_of_range_numbers_in_chunks_are_value_or_runtime_errors(v4_tokenizer):
+    for logprobs in ([(10**400, [])], [(0.0, [(float("inf"), 0.0)])]):
+        with pytest.raises(ValueError, match="out of range"):
+            dr.InferenceChunk.tokens([1], logprobs)
+    req = dr.ChatCompletionRequest(BODIES["chat_completions"]).convert()
+    proc = dr.StreamProcessor(
+        dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options, v4_tokenizer
+    )
+    with pytest.raises(RuntimeError, match="invalid token id inf"):
+        proc.push(dr.InferenceChunk.tokens([float("inf")]))

@@ -119,7 +119,7 @@ numbers = st.one_of(
     st.integers(-(2**70), 2**70),
     st.integers(-3, 300),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, 1, 2**63, 2**64, -(2**63) - 1, 1e999, 0.5]),
+    st.sampled_from([0, 1, 2**63, 2**64, -(2**63) - 1, 1e999, 0.5, 10**400]),
 )
 leaves = st.one_of(st.none(), st.booleans(), numbers, text)
 json_like = st.recursive(
