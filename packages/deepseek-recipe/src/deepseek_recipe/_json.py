@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from ._text import surrogate_index, surrogate_message
+from ._text import describe, surrogate_index, surrogate_message
 
 __all__ = ["loads", "dumps_spaced", "dumps_python_style", "dumps_compact", "JSONError"]
 
@@ -137,7 +137,7 @@ def _locate_surrogate(value: Any) -> str:
             for k, _ in items:
                 index = surrogate_index(k)
                 if index is not None:
-                    return surrogate_message(f"the key {k!r} at {path or '<root>'}", k, index)
+                    return surrogate_message(f"the key {describe(k)} at {path or '<root>'}", k, index)
             stack.extend((x, _join(path, k)) for k, x in reversed(items))
         elif type(v) is list:
             stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
