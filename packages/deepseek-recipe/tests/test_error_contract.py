@@ -82,6 +82,11 @@ def test_request_nested_too_deep(api):
         request_class(api)('{"model": "m",\n "messages": ' + "[" * 200 + "]" * 200 + "}")
     with pytest.raises(ValueError, match="recursion limit exceeded"):
         request_class(api)("[" * 100_000)  # deeper than Python's own recursion limit
+    # Read left to right like serde_json: too deep before a syntax error is the error reported.
+    with pytest.raises(ValueError, match="recursion limit exceeded at line 1 column 128 "):
+        request_class(api)("[" * 200 + "x")
+    with pytest.raises(ValueError, match="expected value at line 1 column 21$"):
+        request_class(api)("[" * 20 + "x")
 
 
 def test_python_values_that_are_not_json_are_value_errors():
