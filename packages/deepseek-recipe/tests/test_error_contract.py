@@ -82,6 +82,11 @@ def test_request_nested_too_deep(api):
         request_class(api)('{"model": "m",\n "messages": ' + "[" * 200 + "]" * 200 + "}")
     with pytest.raises(ValueError, match="recursion limit exceeded"):
         request_class(api)("[" * 100_000)  # deeper than Python's own recursion limit
+    # Read left to right like serde_json: too deep before a syntax error is the error reported.
+    with pytest.raises(ValueError, match="recursion limit exceeded at line 1 column 128 "):
+        request_class(api)("[" * 200 + "x")
+    with pytest.raises(ValueError, match="expected value at line 1 column 21$"):
+        request_class(api)("[" * 20 + "x")
 
 
 def test_python_values_that_are_not_json_are_value_errors():
@@ -214,3 +219,15 @@ def test_non_finite_logprobs_serialize_as_null(v4_tokenizer):
     text = content.to_json()
     entry = json.loads(text, parse_constant=pytest.fail)["choices"][0]["logprobs"]["content"][0]
     assert entry["logprob"] is None and entry["top_logprobs"][0]["logprob"] is None
+
+
+def test_out_of_range_numbers_in_chunks_are_value_or_runtime_errors(v4_tokenizer):
+    for logprobs in ([(10**400, [])], [(0.0, [(float("inf"), 0.0)])]):
+        with pytest.raises(ValueError, match="out of range"):
+            dr.InferenceChunk.tokens([1], logprobs)
+    req = dr.ChatCompletionRequest(BODIES["chat_completions"]).convert()
+    proc = dr.StreamProcessor(
+        dr.ChatCompletionRequest.chunk_generator(req, "r", "m"), req.parsing_options, v4_tokenizer
+    )
+    with pytest.raises(RuntimeError, match="invalid token id inf"):
+        proc.push(dr.InferenceChunk.tokens([float("inf")]))

@@ -115,11 +115,12 @@ text = st.one_of(
     st.text(st.characters(exclude_categories=()), max_size=8),  # lone surrogates included
     st.lists(st.one_of(st.sampled_from(_PIECES), _SURROGATE, st.text(max_size=3)), max_size=5).map("".join),
 )
+clean_text = st.lists(st.sampled_from(["a", "END", " ", "\n", "</think>", "é", "😀"]), max_size=4).map("".join)
 numbers = st.one_of(
     st.integers(-(2**70), 2**70),
     st.integers(-3, 300),
     st.floats(allow_nan=True, allow_infinity=True),
-    st.sampled_from([0, 1, 2**63, 2**64, -(2**63) - 1, 1e999, 0.5]),
+    st.sampled_from([0, 1, 2**63, 2**64, -(2**63) - 1, 1e999, 0.5, 10**400]),
 )
 leaves = st.one_of(st.none(), st.booleans(), numbers, text)
 json_like = st.recursive(
@@ -539,14 +540,17 @@ def test_fuzz_tokenizer(value, ranges, ids):
 @FUZZ
 @given(
     api=st.sampled_from(APIS),
-    stops=st.one_of(st.lists(text, max_size=3), garbage),
+    # Mostly valid settings, so that most examples get as far as streaming.
+    stops=st.one_of(
+        st.lists(clean_text, max_size=3), st.lists(clean_text, max_size=3), st.lists(text), garbage
+    ),
     specials=st.dictionaries(
-        st.sampled_from(["thinking_end", "dsml", "eos"]), st.one_of(text, garbage), max_size=2
+        st.sampled_from(["thinking_end", "dsml", "eos"]), st.one_of(clean_text, text, garbage), max_size=1
     ),
     flags=st.tuples(
         st.booleans(), st.booleans(), st.booleans(), st.sampled_from([None, *dr.ThinkingInitialStage])
     ),
-    ids=st.tuples(st.one_of(text, garbage), st.one_of(text, garbage)),
+    ids=st.one_of(st.just(("r", "m")), st.just(("r", "m")), st.tuples(st.one_of(text, garbage), text)),
     spec=chunks(),
     with_tokenizer=st.booleans(),
     late_surrogate=st.booleans(),

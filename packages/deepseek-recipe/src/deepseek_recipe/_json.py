@@ -15,7 +15,7 @@ import json
 import math
 from typing import Any
 
-from ._text import surrogate_index, surrogate_message
+from ._text import describe, surrogate_index, surrogate_message
 
 __all__ = ["loads", "dumps_spaced", "dumps_python_style", "dumps_compact", "JSONError"]
 
@@ -63,7 +63,9 @@ def loads(text: str) -> Any:
     except JSONError:
         raise
     except json.JSONDecodeError as exc:
-        raise JSONError(str(exc)) from None
+        # serde_json reads left to right: nesting too deep before the syntax error is reported instead.
+        deep = _depth_message(text, exc.pos)
+        raise (JSONError(deep, "depth") if deep else JSONError(str(exc))) from None
     except RecursionError:
         raise JSONError(_depth_message(text), "depth") from None
     _check(value, text)
@@ -94,11 +96,14 @@ def _check(value: Any, text: str) -> None:
                 stack.extend((x, depth + 1) for x in v)
 
 
-def _depth_message(text: str) -> str:
-    """serde_json's error for the first array/object opened at nesting level 128 (line, byte column)."""
+def _depth_message(text: str, end: int | None = None) -> str | None:
+    """serde_json's error for the first array/object opened at nesting level 128 (line, byte column).
+
+    With `end`, only `text[:end]` is scanned and None means no such array/object there.
+    """
     depth = 0
     in_string = escaped = False
-    for i, ch in enumerate(text):
+    for i, ch in enumerate(text if end is None else text[:end]):
         if in_string:
             if escaped:
                 escaped = False
@@ -120,6 +125,8 @@ def _depth_message(text: str) -> str:
                 )
         elif ch in "]}":
             depth -= 1
+    if end is not None:
+        return None
     return f"recursion limit exceeded (arrays/objects may nest at most {_SERDE_DEPTH - 1} levels deep)"
 
 
@@ -137,7 +144,7 @@ def _locate_surrogate(value: Any) -> str:
             for k, _ in items:
                 index = surrogate_index(k)
                 if index is not None:
-                    return surrogate_message(f"the key {k!r} at {path or '<root>'}", k, index)
+                    return surrogate_message(f"the key {describe(k)} at {path or '<root>'}", k, index)
             stack.extend((x, _join(path, k)) for k, x in reversed(items))
         elif type(v) is list:
             stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))

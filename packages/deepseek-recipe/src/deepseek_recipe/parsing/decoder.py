@@ -66,7 +66,7 @@ class StreamDecoder:
             if type(tid) is not int:
                 try:
                     tid = int(tid)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
                     raise RuntimeError(f"failed to decode token IDs: invalid token id {describe(tid)}") from None
             if tid < 0 or tid >= 2**32:
                 raise RuntimeError(f"failed to decode token IDs: token id {tid} is out of range")

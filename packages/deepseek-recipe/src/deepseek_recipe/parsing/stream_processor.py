@@ -113,7 +113,13 @@ class InferenceChunk:
         c = InferenceChunk("tokens")
         c.token_ids = list(token_ids)
         if logprobs is not None:
-            c.logprobs = [(float(lp), [(int(i), float(v)) for i, v in top]) for lp, top in logprobs]
+            try:
+                c.logprobs = [(float(lp), [(int(i), float(v)) for i, v in top]) for lp, top in logprobs]
+            except OverflowError:  # float(10**400), int(inf)
+                raise ValueError(
+                    "logprobs must hold (logprob, [(token id, logprob), ...]) pairs of floats and int ids; "
+                    f"a value is out of range in {describe(logprobs)}"
+                ) from None
         return c
 
     @staticmethod
