@@ -5,6 +5,8 @@ forward on a fresh cache. Bugs in paging, slots, chunking or preemption change i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from deepinfer_engine.config import EngineConfig
@@ -85,7 +87,9 @@ def make_engine(model: FakeModel, *, num_pages: int = 200, page_size: int = 4, m
                       max_model_len=max_model_len, num_pages=num_pages)
     cache = FakeCache(plan.num_slots, plan.num_pages, page_size)
     runner = ModelRunner(model, cache, device="cpu", eos_token_ids=eos)
-    core = EngineCore(config=config, runner=runner, plan=plan, max_model_len=max_model_len, eos_token_ids=eos)
+    vocab = getattr(model, "vocab", None)
+    core = EngineCore(config=config, runner=runner, plan=plan, max_model_len=max_model_len, eos_token_ids=eos,
+                      args=SimpleNamespace(vocab_size=vocab) if vocab is not None else None)
     return LLMEngine(core, tokenizer=tokenizer, bos_token_id=None)
 
 
