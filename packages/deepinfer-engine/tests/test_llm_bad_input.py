@@ -5,6 +5,7 @@ invalid). After every call: nothing but a typed error escaped (construction of S
 `LLM.generate`: InputError, raised only when one of the random requests is inadmissible on its own, and then
 nothing of the call ran); when the call returned, the valid requests have exactly the outputs they have alone;
 the engine is clean (no queued or tracked leftovers, every cache page free) and a fresh valid call works.
+CI runs 10 examples; DEEPINFER_FUZZ_EXAMPLES=N runs N.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _inadmissible(llm: LLM, prompt, sp) -> bool:
     return False
 
 
-@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "10")), deadline=None, derandomize=True,
+@settings(max_examples=int(os.environ.get("DEEPINFER_FUZZ_EXAMPLES", "10")), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_requests_never_break_the_engine(llm: LLM, alone: list[list[int]], data) -> None:
@@ -120,7 +121,7 @@ def test_random_requests_never_break_the_engine(llm: LLM, alone: list[list[int]]
         for k in range(len(VALID)):
             out = outs[positions[k]]
             assert out.error is None and out.outputs[0].token_ids == alone[k]
-        for (p, sp), out in zip(reqs, outs):
+        for (_p, sp), out in zip(reqs, outs):
             assert out.finished and len(out.outputs) == sp.n
             for co in out.outputs:
                 assert co.finish_reason in ("stop", "length", "error")
