@@ -93,11 +93,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 raw model outputs (row order = batch rows)."""
         raw = logits
-        # amax propagates NaN: one reduction flags NaN, +Inf and all -Inf rows
+        # amax propagates NaN: one reduction flags NaN, +Inf and all -Inf rows. Every op below is row-wise, so a
+        # bad row yields garbage only in its own row, which is replaced by INVALID_TOKEN at the end.
         finite = torch.isfinite(raw.amax(dim=-1))
-        # neutralise bad rows so that sampling and logprobs of the other rows stay well defined
-        logits = torch.where(finite[:, None], raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
-        raw = logits
         if batch.penalties is not None:
             prompt_ids, output_ids, rep, pres, freq = batch.penalties
             logits = apply_penalties(logits, prompt_ids=prompt_ids, output_ids=output_ids, repetition_penalty=rep,
