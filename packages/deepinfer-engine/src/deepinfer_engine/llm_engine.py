@@ -13,7 +13,6 @@ from typing import Any
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.request import EngineCoreRequest
 from deepinfer_engine.engine import EngineCore, _load_tokenizer, mix_seed, sampler_seed
-from deepinfer_engine.errors import InputError
 from deepinfer_engine.input_processor import InputProcessor, ProcessedRequest
 from deepinfer_engine.output_processor import ChatSpec, OutputProcessor, ProcessedOutputs
 from deepinfer_engine.outputs import RequestOutput
@@ -60,23 +59,28 @@ class LLMEngine:
 
     def add_processed(self, request_id: str, req: ProcessedRequest, *, chat: ChatSpec | None = None) -> None:
         """Queue a request `process_input` accepted (no second validation)."""
-        if self.output_processor.has_request(request_id):
-            raise InputError(f"request_id: {request_id!r} is already in use")
         params = req.params
         arrival = self._arrivals
-        self._arrivals += 1
         base_seed = sampler_seed(params.seed) if params.seed is not None else mix_seed(self.config.model.seed, arrival)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.output_processor.add_request(request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                                           params=params, child_ids=child_ids, chat=chat)
-        for i, cid in enumerate(child_ids):
-            # seed of sample i: the request seed itself for n == 1, a derived one per sample otherwise
-            self.core.add_request(EngineCoreRequest(
-                request_id=cid, prompt_token_ids=req.prompt_token_ids, sampling=params,
-                seed=base_seed if n == 1 else mix_seed(base_seed, i), max_tokens=params.max_tokens,
-                eos_token_ids=self.core.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids),
-                ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, arrival_index=arrival))
+        added: list[str] = []
+        try:
+            for i, cid in enumerate(child_ids):
+                # seed of sample i: the request seed itself for n == 1, a derived one per sample otherwise
+                self.core.add_request(EngineCoreRequest(
+                    request_id=cid, prompt_token_ids=req.prompt_token_ids, sampling=params,
+                    seed=base_seed if n == 1 else mix_seed(base_seed, i), max_tokens=params.max_tokens,
+                    eos_token_ids=self.core.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids),
+                    ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, arrival_index=arrival))
+                added.append(cid)
+        except BaseException:  # e.g. a sample id already used by another request: add all samples or none
+            self.output_processor.drop([request_id])
+            self.core.abort_requests(added)
+            raise
+        self._arrivals += 1
 
     def add_request(self, request_id: str, prompt: Any, params: Any, *, chat: ChatSpec | None = None) -> None:
         """Validate and queue one request: `prompt` is text, token ids or a prompt dict."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from deepinfer_engine.chat_stream import ChatDelta, ChatStream
 from deepinfer_engine.core.sched_output import EngineCoreOutput
+from deepinfer_engine.errors import InputError
 from deepinfer_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_engine.sampling_params import SamplingParams
 
@@ -73,6 +74,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, *, prompt: str | None, prompt_token_ids: Sequence[int],
                     params: SamplingParams, child_ids: Sequence[str], chat: ChatSpec | None = None) -> None:
         """Register a prompt whose samples run in the core as `child_ids` (one per sample, in index order)."""
+        for rid in (request_id, *child_ids):
+            if rid in self._requests or rid in self._children:
+                raise InputError(f"request_id: {rid!r} is already in use")
         n = len(child_ids)
         out = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=list(prompt_token_ids),
                             outputs=[CompletionOutput(index=i) for i in range(n)],

@@ -207,3 +207,15 @@ def test_sampling_params_type_errors_are_typed() -> None:
                       (dict(stop=["\ud800"]), "stop"), (dict(seed=2.0), "seed")]:
         with pytest.raises(DeepInferError, match=f"SamplingParams.{field}: found"):
             SamplingParams(**kw)
+
+
+def test_a_colliding_sample_id_adds_nothing(fake_model, make_fake_engine) -> None:
+    eng = make_fake_engine(fake_model)
+    eng.add_request("r#1", PROMPTS[0], GREEDY)
+    with pytest.raises(InputError, match="'r#1' is already in use"):
+        eng.add_request("r", PROMPTS[1], GREEDY.replace(n=2))
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert list(outs) == ["r#1"] and outs["r#1"].outputs[0].finish_reason == "length"
+    assert not eng.scheduler.requests and not eng.output_processor.has_unfinished_requests()
