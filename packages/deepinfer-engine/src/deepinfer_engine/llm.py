@@ -4,6 +4,7 @@ prefill/decode tokens per second. Outputs come back in input order."""
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -28,9 +29,8 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     """One prompt (a string, a prompt dict, a list of ints) or a list of prompts -> a list of prompts."""
     if isinstance(prompts, str | dict):
         return [prompts]
-    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompts):
-        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, numbers.Number) for t in prompts):
+        return [prompts]  # one prompt of ids (a float or bool among them is reported by admission)
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
         raise InputError(f"prompts: found {type(prompts).__name__}, expected a prompt or a list of prompts")
     return list(prompts)

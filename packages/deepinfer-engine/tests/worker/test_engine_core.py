@@ -63,6 +63,7 @@ def test_invalid_request_raises_before_anything_is_queued(fake_model, make_fake_
         ([PROMPTS[0], {"prompt_token_ids": [0, 5.7]}], GREEDY, r"prompts\[1\]\['prompt_token_ids'\]\[1\]: found 5.7"),
         ([PROMPTS[0], {"prompt_token_ids": [0, True]}], GREEDY, r"found True \(bool\)"),
         ([PROMPTS[0], [1, -2]], GREEDY, "found token id -2"),
+        ([0, 5.7], GREEDY, r"prompts\[0\]\[1\]: found 5.7 \(float\)"),
         ([PROMPTS[0], {"prompt": 5}], GREEDY, r"prompts\[1\]\['prompt'\]: found int"),
         ([PROMPTS[0], PROMPTS[1]], [GREEDY, GREEDY.replace(logprobs=41)],
          r"sampling_params\[1\].logprobs: found 41, expected None or an integer in \[0, 40\]"),
