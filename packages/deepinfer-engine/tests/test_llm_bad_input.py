@@ -73,9 +73,8 @@ def _prompts(v: int, *, bad: bool) -> st.SearchStrategy:
 
 @st.composite
 def _random_request(draw, v: int):
-    bad = draw(st.booleans())
-    kw = draw(st.fixed_dictionaries({}, optional=_param_values(v, bad=bad)))
-    return draw(_prompts(v, bad=bad)), kw
+    kw = draw(st.fixed_dictionaries({}, optional=_param_values(v, bad=draw(st.booleans()))))
+    return draw(_prompts(v, bad=draw(st.booleans()))), kw
 
 
 def _check_clean(llm: LLM) -> None:
