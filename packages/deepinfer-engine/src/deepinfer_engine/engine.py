@@ -1,7 +1,12 @@
-"""The step loop: schedule -> execute -> update_from_output, plus detokenization, stop strings and n > 1.
+"""The engine core: schedule -> execute -> update, returning per-request token deltas (`EngineCoreOutput`).
 
-`LLMEngine.from_config` loads the checkpoint, sizes the caches from the families' per-token / per-sequence bytes
-and a byte budget, and logs the plan once. `LLMEngine(...)` takes ready components (tests drive stand-ins).
+Token state lives once, in the scheduler's `Request`s (the runner reads them by reference). Text, stop strings,
+n > 1 fan-in, chat parsing and `RequestOutput`s are the output processor's (`output_processor.py`); validation
+against the model happens before a request reaches `add_request` (`input_processor.py`). The core's API is
+`add_request(EngineCoreRequest)`, `abort_requests(ids)`, `step() -> list[EngineCoreOutput]`; see docs/contracts.md.
+
+`EngineCore.from_config` loads the checkpoint, sizes the caches from the families' per-token / per-sequence bytes
+and a byte budget, and logs the plan once. `EngineCore(...)` takes ready components (tests drive stand-ins).
 """
 
 from __future__ import annotations
@@ -9,8 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,44 +23,52 @@ import torch
 
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.kv_cache import CachePlan, KVCacheManager, plan_cache
-from deepinfer_engine.core.kv_cache_spec import CacheFamily
-from deepinfer_engine.core.request import Request, RequestStatus
-from deepinfer_engine.core.sched_output import RequestUpdate, TokenLogprobs
+from deepinfer_engine.core.request import EngineCoreRequest, Request
+from deepinfer_engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput
 from deepinfer_engine.core.scheduler import Scheduler
 from deepinfer_engine.errors import ConfigError, InputError
-from deepinfer_engine.model.checkpoint_files import load_tokenizer, read_eos_ids
-from deepinfer_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from deepinfer_engine.sampling_params import SamplingParams
+from deepinfer_engine.model.checkpoint_files import read_eos_ids
 from deepinfer_engine.worker.model_runner import ModelRunner
 
+_EMPTY_RESULT = ModelRunnerOutput()
 logger = logging.getLogger(__name__)
 
 _MASK64 = (1 << 64) - 1
+SEED_LIMIT = 1 << 63
 DEFAULT_CPU_CACHE_BYTES = 64 * 2**20
 
 
+def _limbs(p: int) -> list[int]:
+    """64-bit words of an int: one word for 0 <= p < 2**64 (so such inputs hash as before), otherwise a marker
+    word (sign and length) followed by every word of |p|, so that no two distinct ints feed the same words."""
+    p = int(p)
+    if 0 <= p <= _MASK64:
+        return [p]
+    mag = -p if p < 0 else p
+    words = []
+    while mag:
+        words.append(mag & _MASK64)
+        mag >>= 64
+    return [(len(words) << 1 | (p < 0)) ^ 0xD1B54A32D192ED03, *words]
+
+
 def mix_seed(*parts: int) -> int:
-    """splitmix64 over the parts: derives per-request / per-sample seeds (63-bit, non-negative)."""
+    """splitmix64 over every bit of the parts: derives per-request / per-sample seeds (63-bit, non-negative)."""
     x = 0x9E3779B97F4A7C15
-    for p in parts:
-        x = (x ^ (int(p) & _MASK64)) & _MASK64
-        x = (x + 0x9E3779B97F4A7C15) & _MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-        x ^= x >> 31
+    for part in parts:
+        for p in _limbs(part):
+            x = (x ^ p) & _MASK64
+            x = (x + 0x9E3779B97F4A7C15) & _MASK64
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+            x ^= x >> 31
     return x & 0x7FFFFFFFFFFFFFFF
 
 
-@dataclass(kw_only=True)
-class _Tracked:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[str]
-    output: RequestOutput
-    done: set[str] = field(default_factory=set)
-    detok: dict[int, _Detok] = field(default_factory=dict)
+def sampler_seed(seed: int) -> int:
+    """The sampler's 63-bit key for a user seed: seeds in [0, 2**63) are used as they are; any other int
+    (negative, or 2**63 and beyond) is hashed over all its bits, so e.g. 2**64 and 0 do not collide."""
+    return seed if 0 <= seed < SEED_LIMIT else mix_seed(seed)
 
 
 @dataclass(kw_only=True)
@@ -95,44 +108,13 @@ def default_page_size(ratios: Sequence[int], hidden_size: int) -> int:
     return -(-base // lcm) * lcm
 
 
-def families_from_cache(args: Any, page_size: int, dtype: torch.dtype) -> list[CacheFamily]:
-    """Per-family sizes of the model's own `ModelCache` layout, measured on the meta device (no memory).
+class EngineCore:
+    """schedule -> execute -> update over `EngineCoreRequest`s; `step()` returns the deltas of that step.
 
-    Preferred source is M's `model.cache_layout.cache_families`; this is the fallback while it is missing and
-    is exact for whatever `ModelCache.allocate` builds.
+    A step whose execution raises fails exactly the requests it scheduled (finish_reason "error", the exception
+    named in `error`, traceback logged); the engine stays usable.
     """
-    try:
-        from deepinfer_engine.model.cache_layout import cache_families  # type: ignore[attr-defined]
-    except ImportError:
-        cache_families = None
-    if cache_families is not None:
-        return list(cache_families(args, page_size, dtype))
-    from deepinfer_engine.model.cache import ModelCache
 
-    c = ModelCache.allocate(args, num_slots=1, num_pages=1, page_size=page_size, dtype=dtype, device="meta")
-
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()
-
-    fams = [
-        CacheFamily(name="swa_ring", kind="slot", num_layers=len(c.swa),
-                    bytes_per_slot=sum(nbytes(t) for t in c.swa.values())),
-    ]
-    if c.comp_state:
-        fams.append(CacheFamily(name="compressor_state", kind="slot", num_layers=len(c.comp_state),
-                                bytes_per_slot=sum(nbytes(t) for t in c.comp_state.values())))
-    if c.token_ring is not None:
-        fams.append(CacheFamily(name="engram_history", kind="slot", num_layers=1, bytes_per_slot=nbytes(c.token_ring)))
-    if c.compressed_kv:
-        fams.append(CacheFamily(name="compressed_kv", kind="paged", num_layers=len(c.compressed_kv),
-                                bytes_per_token=sum(nbytes(t) for t in c.compressed_kv.values()) / page_size))
-    if c.index_keys:
-        fams.append(CacheFamily(name="indexer_keys", kind="paged", num_layers=len(c.index_keys),
-                                bytes_per_token=sum(nbytes(t) for t in c.index_keys.values()) / page_size))
-    return fams
-
-
-class LLMEngine:
     def __init__(
         self,
         *,
@@ -140,21 +122,17 @@ class LLMEngine:
         runner: ModelRunner,
         plan: CachePlan,
         max_model_len: int,
-        tokenizer: Any = None,
-        eos_token_ids: Sequence[int] = (1,),
-        bos_token_id: int | None = 0,
         args: Any = None,
         model_dir: Path | None = None,
+        eos_token_ids: Sequence[int] = (1,),
     ) -> None:
         self.config = config
         self.runner = runner
         self.plan = plan
         self.max_model_len = max_model_len
-        self.tokenizer = tokenizer
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.bos_token_id = bos_token_id
         self.args = args
         self.model_dir = model_dir
+        self.eos_token_ids = tuple(eos_token_ids)
         sc = config.scheduler
         self.scheduler = Scheduler(
             kv=KVCacheManager.from_plan(plan), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
@@ -162,46 +140,40 @@ class LLMEngine:
             enable_chunked_prefill=sc.enable_chunked_prefill,
             long_prefill_token_threshold=sc.long_prefill_token_threshold,
         )
-        self._tracked: dict[str, _Tracked] = {}
-        self._child_parent: dict[str, tuple[str, int]] = {}
-        self._arrivals = 0
         self.total = StepStats()
         for line in plan.describe():
             logger.info(line)
 
     # ------------------------------------------------------------------ construction from a checkpoint
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig) -> EngineCore:
         from deepinfer_engine.model.args import ModelArgs
-        from deepinfer_engine.model.cache import ModelCache
+        from deepinfer_engine.model.cache import ModelCache, stores_records
+        from deepinfer_engine.model.cache_layout import cache_families
 
         mc = config.model
-        if mc.model is None:
-            from deepinfer_engine.default_model import default_model_dir
-
-            model_dir = default_model_dir()
-        else:
-            model_dir = Path(mc.model)
-        if not (model_dir / "config.json").exists():
-            raise ConfigError(f"model: {str(model_dir)!r} has no config.json; expected a checkpoint directory")
+        model_dir = model_dir_of(config)
         device = resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
         # the small files first: a malformed one fails in a second, not after the weights have loaded
         eos = read_eos_ids(model_dir, args)
-        tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else load_tokenizer(model_dir, required=False)
         if device.type == "cpu":
             threads = mc.num_cpu_threads or (1 if int(args.hidden_size) < 1024 else None)
             if threads is not None:
                 torch.set_num_threads(threads)  # process-wide; measured: tiny model 1.5 s/step on 2 busy cores -> 0.08 s
-        model = _load_model(model_dir, dtype, device)
+        kv_dtype = config.cache.kv_cache_dtype
+        # "auto": the checkpoint's deployed numerics; the cache stores compact records where the layout allows
+        # (V4.1 at real widths), otherwise the model rounds through the same formats into a plain cache
+        storage = "auto" if kv_dtype == "auto" and stores_records(args) else "bfloat16"
+        model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto")
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))
         bad = [r for r in ratios if r > 0 and page_size % r]
         if bad:
             raise ConfigError(f"page_size: found {page_size}, expected a multiple of every compress ratio {sorted(set(bad))}")
         max_model_len = mc.max_model_len or int(args.max_position_embeddings)
-        families = families_from_cache(args, page_size, dtype)
+        families = cache_families(args, page_size, dtype, kv_cache_dtype=storage)
         budget = config.cache.kv_cache_memory_bytes
         if budget is None and config.cache.num_kv_pages is None:
             if device.type == "cuda":
@@ -214,186 +186,55 @@ class LLMEngine:
                           num_pages=config.cache.num_kv_pages)
         _log_record_formats(args)
         cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
-                                    dtype=dtype, device=device)
+                                    dtype=dtype, device=device, kv_cache_dtype=storage)
         runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)
-        return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, tokenizer=tokenizer,
-                   eos_token_ids=eos, bos_token_id=getattr(args, "bos_token_id", 0), args=args, model_dir=model_dir)
+        return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
+                   model_dir=model_dir, eos_token_ids=eos)
 
-    # ------------------------------------------------------------------ requests
-    def encode_prompt(self, text: str) -> list[int]:
-        """Plain text -> ids: tokenizer ids with BOS prepended (the tokenizer itself adds nothing)."""
-        if self.tokenizer is None:
-            raise InputError("prompt: got text but this engine has no tokenizer; pass token ids instead")
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
-            ids = [self.bos_token_id] + ids
-        return ids
+    @property
+    def vocab_size(self) -> int | None:
+        v = getattr(self.args, "vocab_size", None)
+        return None if v is None else int(v)
 
-    def check_prompt(self, token_ids: Sequence[int], *, where: str = "prompt_token_ids") -> None:
-        """Raise InputError for ids outside the vocabulary (length limits are the scheduler's: they finish the
-        request with an error instead, so one long prompt does not stop a batch)."""
-        vocab = getattr(self.args, "vocab_size", None)
-        if vocab is None:
-            return
-        for t in token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InputError(f"{where}: found token id {t!r}, expected integers in [0, {vocab})")
+    # ------------------------------------------------------------------ the API
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue one validated sequence. A request this engine can never serve (prompt too long for
+        max_model_len or for the whole cache) is finished at once with finish_reason "error" (next `step()`)."""
+        if request.request_id in self.scheduler.requests:
+            raise InputError(f"request_id: {request.request_id!r} is already in use")
+        self.scheduler.add_request(Request.from_core_request(request), seed=request.seed)
 
-    def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, *, prompt: str | None = None
-    ) -> None:
-        if request_id in self._tracked:
-            raise InputError(f"request_id: {request_id!r} is already in use")
-        ids = [int(t) for t in prompt_token_ids]
-        self.check_prompt(ids)
-        arrival = self._arrivals
-        self._arrivals += 1
-        base_seed = params.seed if params.seed is not None else mix_seed(self.config.model.seed, arrival)
-        children = [request_id if params.n == 1 else f"{request_id}#{i}" for i in range(params.n)]
-        out = RequestOutput(request_id=request_id, prompt=prompt, prompt_token_ids=ids,
-                            outputs=[CompletionOutput(index=i) for i in range(params.n)],
-                            metrics=RequestMetrics(arrival_time=time.monotonic()))
-        if params.logprobs is not None:
-            for co in out.outputs:
-                co.logprobs = []
-                co.cumulative_logprob = 0.0
-        if params.prompt_logprobs is not None:
-            out.prompt_logprobs = [None]
-        self._tracked[request_id] = _Tracked(request_id=request_id, prompt=prompt, prompt_token_ids=ids,
-                                             params=params, children=children, output=out)
-        max_tokens = params.max_tokens
-        for i, cid in enumerate(children):
-            self._child_parent[cid] = (request_id, i)
-            req = Request(cid, ids, max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
-                          stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-                          min_tokens=params.min_tokens, arrival_index=arrival, payload=params)
-            # seed of sample i: the request seed itself for n == 1, a derived one per sample otherwise
-            self.scheduler.add_request(req, seed=base_seed if params.n == 1 else mix_seed(base_seed, i))
-
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            tr = self._tracked.get(rid)
-            if tr is not None:
-                self.scheduler.abort_requests(tr.children)
-
-    def stop_sample(self, request_id: str, index: int = 0, stop_reason: int | str | None = None) -> None:
-        """Finish sample `index` of a request now with finish_reason "stop" (e.g. a chat parser matched a stop
-        sequence); the finish is reported by the next `step()`. Unknown or finished samples are ignored."""
-        tr = self._tracked.get(request_id)
-        if tr is None or not 0 <= index < len(tr.children):
-            return
-        self.scheduler.finish_requests([tr.children[index]], RequestStatus.FINISHED_STOPPED, stop_reason=stop_reason,
-                                       emit=True)
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop these sequences and free their cache; each unfinished one gets a final "abort" delta."""
+        self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_updates()
 
-    # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
-        updates = self.scheduler.update_from_output(sched, result)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # noqa: BLE001 - a failing step must fail its requests, never the engine
+            logger.exception("engine step failed; finishing its %d request(s) with an error", len(sched.chunks))
+            # their pages and slots return to the pools; the runner drops their state with the next step
+            ids = [c.req_id for c in sched.chunks]
+            self.scheduler.fail_requests(ids, f"internal error while running this request's step: "
+                                              f"{type(exc).__name__}: {exc}")
+            outputs = self.scheduler.update_from_output(sched, _EMPTY_RESULT)
+        else:
+            outputs = self.scheduler.update_from_output(sched, result)
         for c in sched.chunks:
             if c.sample and c.num_tokens == 1 and c.start_position >= c.num_prompt_tokens:
                 self.total.decode_tokens += 1
             else:
                 self.total.prefill_tokens += c.num_tokens
-        touched: dict[str, _Tracked] = {}
-        for u in updates:
-            tr = self._apply(u)
-            if tr is not None:
-                touched[tr.request_id] = tr
+        for o in outputs:
+            if o.finished:
+                self.scheduler.release(o.req_id)
         self.total.seconds += time.perf_counter() - t0
-        outs = []
-        for tr in touched.values():
-            outs.append(tr.output)
-            if tr.output.finished:
-                del self._tracked[tr.request_id]
-                for cid in tr.children:
-                    self._child_parent.pop(cid, None)
-                    self.scheduler.release(cid)
-        return outs
-
-    def _apply(self, u: RequestUpdate) -> _Tracked | None:
-        link = self._child_parent.get(u.req_id)
-        if link is None:
-            return None
-        parent, idx = link
-        tr = self._tracked[parent]
-        co = tr.output.outputs[idx]
-        if co.finish_reason is not None:
-            return None
-        if u.new_token_ids:
-            if tr.output.metrics.first_token_time is None:
-                tr.output.metrics.first_token_time = time.monotonic()
-            co.token_ids.extend(u.new_token_ids)
-        for lp in u.new_logprobs:
-            if co.logprobs is not None:
-                co.logprobs.append(lp)
-                co.cumulative_logprob = (co.cumulative_logprob or 0.0) + lp.logprob
-        if u.new_prompt_logprobs and tr.output.prompt_logprobs is not None and idx == 0:
-            tr.output.prompt_logprobs.extend(u.new_prompt_logprobs)
-        finish_reason, stop_reason = u.finish_reason, u.stop_reason
-        if u.new_token_ids and self.tokenizer is not None:
-            text, hit = self._detokenize(co, tr.params, tr.detok.setdefault(idx, _Detok()))
-            co.text = text
-            if hit is not None and finish_reason is None:
-                finish_reason, stop_reason = "stop", hit
-                self.scheduler.finish_requests([u.req_id], RequestStatus.FINISHED_STOPPED, stop_reason=hit)
-        if u.error is not None:
-            tr.output.error = u.error
-        if finish_reason is not None:
-            co.finish_reason = finish_reason
-            co.stop_reason = stop_reason
-            tr.done.add(u.req_id)
-            if len(tr.done) == len(tr.children):
-                tr.output.finished = True
-                tr.output.metrics.finished_time = time.monotonic()
-                req = self.scheduler.requests.get(u.req_id)
-                if req is not None:
-                    tr.output.metrics.num_preemptions = req.num_preemptions
-        return tr
-
-    def _detokenize(self, co: CompletionOutput, params: SamplingParams, state: _Detok) -> tuple[str, str | None]:
-        """Incremental detokenization (decodes a short window per new token, not the whole output) and the
-        stop-string search over the newly added text."""
-        ids = co.token_ids
-        if ids and (ids[-1] in self.eos_token_ids or ids[-1] in params.stop_token_ids):
-            ids = ids[:-1]  # the token that stopped generation is kept in token_ids but not in text
-        skip = params.skip_special_tokens
-        before = len(state.text)
-        while state.read < len(ids):
-            # byte-level BPE: text of ids[read:] is only final once decoding it together with a few earlier ids
-            # no longer ends in an incomplete UTF-8 sequence (U+FFFD)
-            prefix = self.tokenizer.decode(ids[state.prefix : state.read], skip_special_tokens=skip)
-            full = self.tokenizer.decode(ids[state.prefix : state.read + 1], skip_special_tokens=skip)
-            state.read += 1
-            if full.endswith("\ufffd"):
-                continue
-            state.text += full[len(prefix):]
-            state.prefix = max(state.prefix, state.read - 4)
-        if not params.stop:
-            return state.text, None
-        longest = max(len(x) for x in params.stop)
-        start = max(0, before - longest + 1)
-        best: tuple[int, str] | None = None
-        for x in params.stop:
-            i = state.text.find(x, start)
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, x)
-        if best is None:
-            return state.text, None
-        i, x = best
-        return (state.text[: i + len(x)] if params.include_stop_str_in_output else state.text[:i]), x
-
-
-@dataclass(kw_only=True)
-class _Detok:
-    prefix: int = 0  # first id of the decode window
-    read: int = 0  # ids before this are in `text`
-    text: str = ""
+        return outputs
 
 
 def _log_record_formats(args: Any) -> None:
@@ -420,12 +261,25 @@ def _log_record_formats(args: Any) -> None:
                 "; ".join(f"{k} {v:g} B/token" for k, v in prod.items()))
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device):
+def model_dir_of(config: EngineConfig) -> Path:
+    """The checkpoint directory of `config` (the embedded default when none is given), checked to hold one."""
+    if config.model.model is None:
+        from deepinfer_engine.default_model import default_model_dir
+
+        return default_model_dir()
+    model_dir = Path(config.model.model)
+    if not (model_dir / "config.json").exists():
+        raise ConfigError(f"model: {str(model_dir)!r} has no config.json; expected a checkpoint directory")
+    return model_dir
+
+
+def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool):
     from deepinfer_engine.model.loader import load_model
 
     model = load_model(model_dir, dtype=dtype, device=device)
+    model.set_deployed_numerics(deployed, cache_records=cache_records)
     model.eval()
     return model
 
 
-__all__ = ["LLMEngine", "StepStats", "TokenLogprobs", "mix_seed"]
+__all__ = ["EngineCore", "StepStats", "mix_seed", "model_dir_of", "sampler_seed"]

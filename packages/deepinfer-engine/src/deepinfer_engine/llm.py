@@ -4,14 +4,18 @@ prefill/decode tokens per second. Outputs come back in input order."""
 from __future__ import annotations
 
 import logging
+import numbers
+import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
-from deepinfer_engine.chat_stream import ChatDelta, ChatStream, hidden_special_ids
+from deepinfer_engine.chat_stream import ChatDelta, hidden_special_ids
 from deepinfer_engine.config import EngineConfig
-from deepinfer_engine.engine import LLMEngine
 from deepinfer_engine.errors import InputError
+from deepinfer_engine.input_processor import ProcessedRequest
+from deepinfer_engine.llm_engine import LLMEngine
+from deepinfer_engine.output_processor import ChatSpec
 from deepinfer_engine.outputs import RequestOutput
 from deepinfer_engine.sampling_params import SamplingParams
 
@@ -21,41 +25,55 @@ DeltaCallback = Callable[[int, int, ChatDelta], None]
 logger = logging.getLogger(__name__)
 
 
-def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
-    """Accept a string, a token-id list, {"prompt": ...} / {"prompt_token_ids": ...}, or a list of those."""
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a string, a prompt dict, a list of ints) or a list of prompts -> a list of prompts."""
     if isinstance(prompts, str | dict):
-        prompts = [prompts]
-    elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts):
-        prompts = [list(prompts)]
-    out: list[tuple[str | None, list[int] | None]] = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            out.append((p, None))
-        elif isinstance(p, dict):
-            if "prompt_token_ids" in p:
-                out.append((p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]))
-            elif "prompt" in p:
-                out.append((str(p["prompt"]), None))
-            else:
-                raise InputError(f"prompts[{i}]: dict without 'prompt' or 'prompt_token_ids' (keys {sorted(p)})")
-        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            out.append((None, list(p)))
-        else:
-            raise InputError(f"prompts[{i}]: found {type(p).__name__}, expected str, list[int] or a prompt dict")
-    return out
+        return [prompts]
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(t, numbers.Number) for t in prompts):
+        return [prompts]  # one prompt of ids (a float or bool among them is reported by admission)
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise InputError(f"prompts: found {type(prompts).__name__}, expected a prompt or a list of prompts")
+    return list(prompts)
+
+
+def _params_list(sampling_params: Any, n: int, what: str) -> list[Any]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, str | bytes):
+        params = list(sampling_params)
+        if len(params) != n:
+            raise InputError(f"sampling_params: found a list of {len(params)}, expected one per {what} ({n}) "
+                             f"or a single SamplingParams")
+        return params
+    raise InputError(f"sampling_params: found {type(sampling_params).__name__}, expected SamplingParams or a list")
 
 
 class LLM:
     """`LLM(model=DIR, **engine_options)`; with no model the embedded tiny V4.1 checkpoint is used.
 
     Engine options are the flat names of `EngineConfig` (`max_num_seqs`, `kv_cache_memory_bytes`, `device`, ...);
-    an unknown name raises `ConfigError` listing the closest valid ones.
+    an unknown name raises `ConfigError` listing the closest valid ones. `model` and `tokenizer` may be str or
+    os.PathLike.
+
+    Bad input: every request of a `generate` / `chat` call is validated against the model before any of them is
+    queued; if one is invalid the call raises `InputError` naming it (`prompts[i]` / `sampling_params[i]`, the
+    field, the value found, the expected range) and nothing of that call runs (vLLM's policy); the engine is
+    left as it was. A request that is valid but cannot be served (prompt longer than max_model_len, non-finite
+    logits, a failing step) finishes with finish_reason "error" and `RequestOutput.error`, and the other requests
+    of the call complete normally. If a call is interrupted (an exception, Ctrl-C) its requests are aborted, so the
+    next call starts clean.
     """
 
     bar_refresh_s: float = 0.1
     """Seconds between progress-bar redraws while no prompt finishes (live prefill/decode tok/s)."""
 
-    def __init__(self, model: str | None = None, **engine_options: Any) -> None:
+    def __init__(self, model: str | os.PathLike[str] | None = None, **engine_options: Any) -> None:
+        if model is not None and isinstance(model, os.PathLike):
+            model = os.fspath(model)
+        if isinstance(engine_options.get("tokenizer"), os.PathLike):
+            engine_options["tokenizer"] = os.fspath(engine_options["tokenizer"])
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = LLMEngine.from_config(self.config)
         self._counter = 0
@@ -79,60 +97,76 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        items = _normalize_prompts(prompts)
-        if sampling_params is None:
-            params = [SamplingParams()] * len(items)
-        elif isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(items)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(items):
-                raise InputError(f"sampling_params: found a list of {len(params)}, expected one per prompt "
-                                 f"({len(items)}) or a single SamplingParams")
-        ids = self._add(items, params)
+        items = _as_prompt_list(prompts)
+        params = _params_list(sampling_params, len(items), "prompt")
+        ready = self._admit(items, params)
+        ids = self._add(ready)
         return self._run(ids, use_tqdm=use_tqdm)
 
-    def _add(self, items: list[tuple[str | None, list[int] | None]], params: list[SamplingParams]) -> list[str]:
-        """Validate and tokenize everything first, so that a bad input leaves no half-added batch behind."""
-        ready: list[tuple[str | None, list[int], SamplingParams]] = []
-        for i, ((text, token_ids), sp) in enumerate(zip(items, params)):
-            if not isinstance(sp, SamplingParams):
-                raise InputError(f"sampling_params[{i}]: found {type(sp).__name__}, expected SamplingParams")
-            if token_ids is None:
-                token_ids = self.engine.encode_prompt(text)
-            self.engine.check_prompt(token_ids, where=f"prompts[{i}]")
-            ready.append((text, token_ids, sp))
-        ids: list[str] = []
-        for text, token_ids, sp in ready:
-            rid = str(self._counter)
-            self._counter += 1
-            self.engine.add_request(rid, token_ids, sp, prompt=text)
-            ids.append(rid)
+    def _admit(self, items: Sequence[Any], params: Sequence[Any],
+               on_invalid: Literal["raise", "error"] = "raise") -> list[ProcessedRequest | InputError]:
+        """Validate every request of a call before any is queued. on_invalid="raise": the first bad one raises
+        InputError; "error": its InputError takes its place in the list (reported as an error output)."""
+        ready: list[ProcessedRequest | InputError] = []
+        for i, (prompt, sp) in enumerate(zip(items, params)):
+            try:
+                ready.append(self.engine.process_input(prompt, sp, where=f"prompts[{i}]",
+                                                       params_where=f"sampling_params[{i}]"))
+            except InputError as exc:
+                if on_invalid == "raise":
+                    raise
+                ready.append(exc)
+        return ready
+
+    def _next_id(self) -> str:
+        rid = str(self._counter)
+        self._counter += 1
+        return rid
+
+    def _add(self, ready: Sequence[ProcessedRequest | InputError], chats: Sequence[ChatSpec | None] | None = None
+             ) -> list[str | RequestOutput]:
+        """Queue admitted requests (an InputError in the list becomes a finished error output in its place)."""
+        ids: list[str | RequestOutput] = []
+        added: list[str] = []
+        try:
+            for i, req in enumerate(ready):
+                rid = self._next_id()
+                if isinstance(req, InputError):
+                    ids.append(_error_output(rid, str(req)))
+                    continue
+                self.engine.add_processed(rid, req, chat=chats[i] if chats is not None else None)
+                added.append(rid)
+                ids.append(rid)
+        except BaseException:
+            self.engine.discard(added)
+            raise
         return ids
 
-    def _run(self, ids: list[str], *, use_tqdm: bool, streams: dict[str, list[ChatStream]] | None = None,
-             on_delta: DeltaCallback | None = None) -> list[RequestOutput]:
-        """Step until every request of `ids` is done. `streams`: per request id, one ChatStream per sample, fed
-        the new token ids after every step (a sample whose stream hit a stop sequence is stopped at once);
-        `on_delta(position in ids, sample index, delta)` sees each parsed event as it arrives."""
+    def _run(self, ids: list[str | RequestOutput], *, use_tqdm: bool, on_delta: DeltaCallback | None = None
+             ) -> list[RequestOutput]:
+        """Step until every request of `ids` is done (entries that are already outputs are passed through);
+        `on_delta(position in ids, sample index, delta)` sees each parsed chat event as it arrives."""
         done: dict[str, RequestOutput] = {}
-        streams = streams or {}
-        order = {rid: i for i, rid in enumerate(ids)}
+        wanted = [i for i in ids if isinstance(i, str)]
+        order = {rid: i for i, rid in enumerate(ids) if isinstance(rid, str)}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+            bar.update(len(ids) - len(wanted))
         eng = self.engine
-        wanted = set(ids)
         pre0, dec0, t0 = eng.total.prefill_tokens, eng.total.decode_tokens, time.perf_counter()
         shown = t0
         try:
             while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.request_id in streams:
-                        self._feed(out, streams[out.request_id], order[out.request_id], on_delta)
-                    if out.finished and out.request_id in wanted:
+                step = eng.step_outputs()
+                if on_delta is not None:
+                    for rid, index, delta in step.chat_deltas:
+                        if rid in order:
+                            on_delta(order[rid], index, delta)
+                for out in step.request_outputs:
+                    if out.finished and out.request_id in order:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
@@ -145,31 +179,14 @@ class LLM:
                     if now - shown >= self.bar_refresh_s:
                         bar.refresh()
                         shown = now
+        except BaseException:
+            # an interrupted call (a bug, Ctrl-C) must not leave its requests queued for the next call
+            eng.discard([rid for rid in wanted if rid not in done])
+            raise
         finally:
             if bar is not None:
                 bar.close()
-        return [done[i] for i in ids]
-
-    def _feed(self, out: RequestOutput, streams: list[ChatStream], position: int,
-              on_delta: DeltaCallback | None) -> None:
-        for co, stream in zip(out.outputs, streams):
-            if stream.num_pushed > len(co.token_ids) or (stream.done and not co.finished):
-                continue
-            new = co.token_ids[stream.num_pushed:]
-            stop_id = co.stop_reason if isinstance(co.stop_reason, int) else None
-            deltas = stream.push(new, final=co.finished, stop_token_id=stop_id) if new else []
-            if stream.stopped and not co.finished:
-                # the recipe matched a stop sequence: no more tokens for this sample
-                self.engine.stop_sample(out.request_id, co.index)
-            if co.finished:
-                deltas += stream.finish(co.finish_reason)
-                stream.apply_to(co)
-                if co.parse_error is not None:
-                    logger.warning("chat output %s[%d]: %s (raw text kept in .text: %r)", out.request_id, co.index,
-                                   co.parse_error, co.text)
-            if on_delta is not None:
-                for d in deltas:
-                    on_delta(position, co.index, d)
+        return [i if isinstance(i, RequestOutput) else done[i] for i in ids]
 
     # ------------------------------------------------------------------ chat through deepseek-recipe
     def chat(
@@ -195,36 +212,33 @@ class LLM:
         its `parse_error` names the problem, the parsed fields stay None and `.text` holds the raw text.
         """
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams(max_tokens=256)] * len(convs)
-        else:
-            params = list(sampling_params)
-        if len(params) != len(convs):
-            raise InputError(f"sampling_params: found a list of {len(params)}, expected one per conversation "
-                             f"({len(convs)}) or a single SamplingParams")
+        params = _params_list(sampling_params or SamplingParams(max_tokens=256), len(convs), "conversation")
         renders = [self.render_chat(conv, tools=tools, thinking=thinking, reasoning_effort=reasoning_effort)
                    for conv in convs]
         return self.generate_chat(renders, params, use_tqdm=use_tqdm, on_delta=on_delta,
                                   hide_special_tokens=hide_special_tokens)
 
     def generate_chat(self, renders: Sequence[_RenderedChat | None], params: Sequence[SamplingParams], *,
-                      use_tqdm: bool = True, prompts: Sequence[dict[str, Any]] | None = None,
-                      on_delta: DeltaCallback | None = None, hide_special_tokens: bool = False
-                      ) -> list[RequestOutput]:
+                      use_tqdm: bool = True, prompts: Sequence[Any] | None = None,
+                      on_delta: DeltaCallback | None = None, hide_special_tokens: bool = False,
+                      on_invalid: Literal["raise", "error"] = "raise") -> list[RequestOutput]:
         """Generate rendered chats (and, where `renders[i]` is None, the plain `prompts[i]`) in one batch,
-        parsing the chat samples incrementally (see `chat`)."""
-        items = _normalize_prompts([{"prompt_token_ids": r.token_ids} if r is not None else prompts[i]
-                                    for i, r in enumerate(renders)])
-        full = [r.sampling(sp) if r is not None else sp for r, sp in zip(renders, params)]
-        ids = self._add(items, full)
-        streams: dict[str, list[ChatStream]] = {}
-        for rid, r, sp in zip(ids, renders, full):
-            if r is not None:
-                hidden = (hidden_special_ids(self._added_tokens(), r.request.parsing_options)
-                          if hide_special_tokens else frozenset())
-                streams[rid] = [ChatStream(r.request, self._recipe_tokenizer(), eos_token_ids=self.engine.eos_token_ids,
-                                           hidden_token_ids=hidden) for _ in range(sp.n)]
-        return self._run(ids, use_tqdm=use_tqdm, streams=streams, on_delta=on_delta)
+        parsing the chat samples incrementally (see `chat`). on_invalid="error" reports a request that fails
+        admission as a finished output with finish_reason "error" instead of raising (batch files)."""
+        items = [{"prompt_token_ids": r.token_ids} if r is not None else prompts[i] for i, r in enumerate(renders)]
+        full = [r.sampling(sp) if r is not None and isinstance(sp, SamplingParams) else sp
+                for r, sp in zip(renders, params)]
+        ready = self._admit(items, full, on_invalid)
+        chats: list[ChatSpec | None] = []
+        for r in renders:
+            if r is None:
+                chats.append(None)
+                continue
+            hidden = (hidden_special_ids(self._added_tokens(), r.request.parsing_options)
+                      if hide_special_tokens else frozenset())
+            chats.append(ChatSpec(request=r.request, tokenizer=self._recipe_tokenizer(), hidden_token_ids=hidden))
+        ids = self._add(ready, chats)
+        return self._run(ids, use_tqdm=use_tqdm, on_delta=on_delta)
 
     def _added_tokens(self) -> dict[int, str]:
         tok = self.engine.tokenizer
@@ -288,6 +302,13 @@ class _RenderedChat:
         # keep special tokens in `.text`: it is the raw output shown when parsing fails. The recipe's own stop
         # sequences are applied by its StreamProcessor (content only, not reasoning), which stops the sample.
         return sp.replace(skip_special_tokens=False)
+
+
+def _error_output(request_id: str, error: str) -> RequestOutput:
+    from deepinfer_engine.outputs import CompletionOutput
+
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], finished=True, error=error,
+                         outputs=[CompletionOutput(index=0, finish_reason="error")])
 
 
 def llm_from_cli(ns: Any, **overrides: Any) -> LLM:

@@ -48,8 +48,10 @@ class RequestMetrics:
 
 @dataclass(kw_only=True)
 class RequestOutput:
-    """Result for one prompt, in input order. `error` is set (and every output's finish_reason is "error")
-    when the request could not be served at all, e.g. a prompt longer than max_model_len."""
+    """Result for one prompt, in input order. `error` says why when a sample finished with finish_reason
+    "error": the request could not be served at all (a prompt longer than max_model_len or than the whole cache:
+    every sample), its logits turned non-finite, or the step computing it failed (the samples concerned).
+    `token_ids` of each output is the only copy of its ids outside the engine core, filled from the core's deltas."""
 
     request_id: str
     prompt: str | None

@@ -23,7 +23,8 @@ class SamplingParams:
     temperature 0 = greedy. top_k 0 or -1 = off; top_p 1 = off; min_p 0 = off. repetition_penalty 1 = off
     (applies to prompt and output tokens); presence/frequency penalties 0 = off (output tokens only).
     seed: per-request reproducible sampling, independent of the rest of the batch (None: the engine derives one
-    from its own `seed` option and the request's position). stop: strings that end the output (not included
+    from its own `seed` option and the request's position); any int: seeds in [0, 2**63) key the sampler as they
+    are, others (negative, >= 2**63) are hashed over all their bits, so distinct seeds never collide by truncation. stop: strings that end the output (not included
     unless include_stop_str_in_output); stop_token_ids: ids that end it (included in token_ids, not in text).
     max_tokens None = until max_model_len. logprobs / prompt_logprobs: number of top alternatives to return
     per position (0 = only the chosen token), None = off. n: independent samples per prompt.
@@ -88,11 +89,20 @@ class SamplingParams:
             stop = ()
         elif isinstance(stop, str):
             stop = (stop,)
-        else:
+        elif isinstance(stop, list | tuple):
             stop = tuple(stop)
+        else:
+            raise bad("stop", "a non-empty string or a list of non-empty strings")
         if any(not isinstance(s, str) or not s for s in stop):
             raise bad("stop", "a non-empty string or a list of non-empty strings")
+        for s in stop:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("stop", "valid Unicode strings (found a lone surrogate)") from None
         object.__setattr__(self, "stop", stop)
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, list | tuple):
+            raise bad("stop_token_ids", "a list of token ids >= 0")
         ids = tuple(self.stop_token_ids or ())
         if any(not is_int(t) or t < 0 for t in ids):
             raise bad("stop_token_ids", "a list of token ids >= 0")

@@ -43,11 +43,11 @@ def _script_runner(llm: LLM, monkeypatch, scripts: list[list[int]]) -> list[list
     order: dict[str, list[int]] = {}
     counts: dict[str, int] = {}
     runner, eng = llm.engine.runner, llm.engine
-    real_execute, real_add = runner.execute, eng.add_request
+    real_execute, real_add = runner.execute, eng.add_processed
 
-    def add_request(rid, ids, params, **kw):
-        prompts.append(list(ids))
-        return real_add(rid, ids, params, **kw)
+    def add_processed(rid, req, **kw):
+        prompts.append(list(req.prompt_token_ids))
+        return real_add(rid, req, **kw)
 
     def execute(sched):
         res = real_execute(sched)
@@ -61,7 +61,7 @@ def _script_runner(llm: LLM, monkeypatch, scripts: list[list[int]]) -> list[list
         return res
 
     monkeypatch.setattr(runner, "execute", execute)
-    monkeypatch.setattr(eng, "add_request", add_request)
+    monkeypatch.setattr(eng, "add_processed", add_processed)
     return prompts
 
 

@@ -5,12 +5,15 @@ forward on a fresh cache. Bugs in paging, slots, chunking or preemption change i
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.kv_cache import plan_cache
 from deepinfer_engine.core.kv_cache_spec import CacheFamily
-from deepinfer_engine.engine import LLMEngine
+from deepinfer_engine.engine import EngineCore
+from deepinfer_engine.llm_engine import LLMEngine
 from deepinfer_engine.model.forward_batch import ForwardBatch
 from deepinfer_engine.worker.model_runner import ModelRunner
 
@@ -84,8 +87,10 @@ def make_engine(model: FakeModel, *, num_pages: int = 200, page_size: int = 4, m
                       max_model_len=max_model_len, num_pages=num_pages)
     cache = FakeCache(plan.num_slots, plan.num_pages, page_size)
     runner = ModelRunner(model, cache, device="cpu", eos_token_ids=eos)
-    return LLMEngine(config=config, runner=runner, plan=plan, max_model_len=max_model_len, tokenizer=tokenizer,
-                     eos_token_ids=eos, bos_token_id=None)
+    vocab = getattr(model, "vocab", None)
+    core = EngineCore(config=config, runner=runner, plan=plan, max_model_len=max_model_len, eos_token_ids=eos,
+                      args=SimpleNamespace(vocab_size=vocab) if vocab is not None else None)
+    return LLMEngine(core, tokenizer=tokenizer, bos_token_id=None)
 
 
 @pytest.fixture

@@ -140,11 +140,6 @@ def _parse_line(llm, line_no: int, raw: str | bytes, seen: dict[str, int], defau
                 prompt = {"prompt_token_ids": p}
             else:
                 raise ValueError("prompt: expected a string or a list of token ids")
-        vocab = getattr(llm.engine.args, "vocab_size", None)
-        if vocab is not None:
-            bad = [t for t in prompt["prompt_token_ids"] if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt: token id {bad[0]} is outside [0, {vocab})")
     except Exception as exc:  # recipe ConversionError, SamplingParamsError, ...: report the line, keep going
         return _error(line_no, cid, "invalid_request", f"{type(exc).__name__}: {exc}")
     return _Request(line_no, cid, url, body, render, prompt, sp)
@@ -181,24 +176,11 @@ def _result(req: _Request, out, created: int) -> dict[str, Any]:
 
 
 def _run_wave(llm, wave: list[_Request], *, use_tqdm: bool) -> None:
-    """Generate `wave` as one batch and set each request's result. A typed error of the whole call (a request
-    the engine refuses at admission) is narrowed down by halving the wave until it fails only the line it
-    concerns; the other requests still run batched (k refused lines cost about 2k log2(n) extra calls)."""
-    from deepinfer_engine.errors import user_error_types
-
+    """Generate `wave` as one batch and set each request's result; a request the engine refuses at admission
+    (ids outside the vocabulary, logprobs too large, ...) comes back as that line's error, the rest run."""
     created = int(time.time())
-    try:
-        outs = llm.generate_chat([r.render for r in wave], [r.params for r in wave],
-                                 prompts=[r.prompt for r in wave], use_tqdm=use_tqdm)
-    except user_error_types() as exc:
-        if len(wave) > 1:
-            half = len(wave) // 2
-            _run_wave(llm, wave[:half], use_tqdm=use_tqdm)
-            _run_wave(llm, wave[half:], use_tqdm=use_tqdm)
-            return
-        req = wave[0]
-        req.result = _error(req.line_no, req.custom_id, "request_failed", f"{type(exc).__name__}: {exc}")
-        return
+    outs = llm.generate_chat([r.render for r in wave], [r.params for r in wave], prompts=[r.prompt for r in wave],
+                             use_tqdm=use_tqdm, on_invalid="error")
     for req, out in zip(wave, outs):
         req.result = _result(req, out, created)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -11,10 +12,10 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # back in `waiting`, will recompute its whole prefix
-    FINISHED_STOPPED = "stop"  # EOS, a stop token id or (set by the engine) a stop string
+    FINISHED_STOPPED = "stop"  # EOS or a stop token id (stop strings are the output processor's)
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "abort"  # cancelled by the caller
-    FINISHED_ERROR = "error"  # can never be served (too long, cache too small); `error` says why
+    FINISHED_ERROR = "error"  # cannot be served (too long, cache too small, non-finite logits, a failed step)
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +36,27 @@ _FINISHED = frozenset(
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class EngineCoreRequest:
+    """One sequence handed to the engine core, already validated against the model at admission.
+
+    A prompt with n > 1 samples becomes n of these (one per sample, each with its own id and seed); the output
+    processor fans their outputs back in. `sampling` is the engine's SamplingParams, opaque to the core;
+    `seed` the resolved seed of the counter-based sampler, in [0, 2**63).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Any
+    seed: int
+    max_tokens: int | None
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    arrival_index: int = 0
+
+
 class Request:
     """Mutable per-request state: prompt + generated ids and how many of them are in the cache.
 
@@ -42,6 +64,9 @@ class Request:
     cache. After preemption `num_computed_tokens` goes back to 0 and the whole sequence is recomputed (the
     outputs so far are kept, so a preempted request resumes exactly where it stopped).
     `payload` is opaque to the core (the engine keeps its SamplingParams there).
+
+    This object owns the request's token state: `output_token_ids` is the only list the engine core appends
+    sampled ids to; the runner reads it by reference (penalties, min_tokens) and never keeps a copy.
     """
 
     def __init__(
@@ -72,6 +97,12 @@ class Request:
         self.num_preemptions = 0
         self.error: str | None = None
         self.stop_reason: int | str | None = None
+
+    @classmethod
+    def from_core_request(cls, r: EngineCoreRequest) -> Request:
+        return cls(r.request_id, r.prompt_token_ids, max_tokens=r.max_tokens, eos_token_ids=r.eos_token_ids,
+                   stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos, min_tokens=r.min_tokens,
+                   arrival_index=r.arrival_index, payload=r.sampling)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ runner keeps every request's block table in its persistent input batch and drops
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,10 +20,15 @@ from typing import Any
 @dataclass(frozen=True, kw_only=True)
 class NewRequestData:
     """Sent the first time the runner sees a request (and again after a preemption, which drops nothing but
-    the cache contents): what the sampler needs for the request's whole life."""
+    the cache contents): what the sampler needs for the request's whole life.
+
+    `prompt_token_ids` / `output_token_ids` are the scheduler's own lists of the `Request`, passed by reference
+    (read-only for the runner): the scheduler appends each sampled id once and the runner sees it there.
+    """
 
     req_id: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
     sampling: Any  # the engine's SamplingParams (opaque to the core)
     seed: int  # resolved seed of the counter-based RNG (requests without a seed get one from the engine)
 
@@ -84,20 +90,33 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # one per chunk with sample=True
+    """sampled_token_ids: one per chunk with sample=True, except rows listed in `errors` (req_id -> why the
+    request cannot continue, e.g. non-finite logits); the scheduler finishes those with finish_reason "error"."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # new prompt positions only
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
-class RequestUpdate:
-    """What changed for one request in one step (the engine turns these into RequestOutputs)."""
+class EngineCoreOutput:
+    """What changed for one sequence in one engine-core step: the delta the output processor consumes.
+
+    new_token_ids: ids sampled this step (the core keeps the full list; this is only the news). finish_reason:
+    "stop" (EOS or a stop token id; stop_reason = that id, None for EOS), "length", "abort", "error" (`error`
+    says why) or None while running. A finishing delta is the last one for its request id.
+    """
 
     req_id: str
     new_token_ids: tuple[int, ...] = ()
     new_logprobs: tuple[TokenLogprobs, ...] = ()
     new_prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

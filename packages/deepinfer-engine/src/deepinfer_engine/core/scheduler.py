@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from deepinfer_engine.core.kv_cache import KVCacheManager
 from deepinfer_engine.core.request import Request, RequestStatus
 from deepinfer_engine.core.sched_output import (
+    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
-    RequestUpdate,
     ScheduledChunk,
     SchedulerOutput,
 )
@@ -45,7 +45,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell the runner next step
-        self._pending_updates: list[RequestUpdate] = []  # finished outside a model step (errors, aborts)
+        self._pending_updates: list[EngineCoreOutput] = []  # finished outside a model step (errors, aborts)
         self._seeds: dict[str, int] = {}
         self._pages_sent: dict[str, int] = {}  # pages of each running request the runner already holds
         self.num_preemptions = 0
@@ -86,15 +86,12 @@ class Scheduler:
                 continue
             self._finish(req, RequestStatus.FINISHED_ABORTED)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, stop_reason=None, *,
-                        emit: bool = False) -> None:
-        """Finish from outside: the engine's stop-string matcher (emit=False: the engine records the finish
-        itself) or a caller's parser (emit=True: the finish comes back as an update of the next step)."""
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> None:
+        """Finish with finish_reason "error" (e.g. the step that computed them raised); reported next step."""
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None and not req.is_finished:
-                req.stop_reason = stop_reason
-                self._finish(req, status, emit=emit)
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=error)
 
     def _finish(self, req: Request, status: RequestStatus, *, error: str | None = None, emit: bool = True) -> None:
         if req in self.running:
@@ -108,8 +105,8 @@ class Scheduler:
         self._finished_ids.add(req.request_id)
         if emit:
             self._pending_updates.append(
-                RequestUpdate(req_id=req.request_id, finished=True, finish_reason=status.finish_reason,
-                              stop_reason=req.stop_reason, error=error)
+                EngineCoreOutput(req_id=req.request_id, finish_reason=status.finish_reason,
+                                 stop_reason=req.stop_reason, error=error, num_preemptions=req.num_preemptions)
             )
 
     def has_unfinished_requests(self) -> bool:
@@ -212,7 +209,8 @@ class Scheduler:
                 num_prompt_tokens=req.num_prompt_tokens,
             ))
         new_data = tuple(
-            NewRequestData(req_id=r.request_id, prompt_token_ids=tuple(r.prompt_token_ids), sampling=r.payload,
+            NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                           output_token_ids=r.output_token_ids, sampling=r.payload,
                            seed=self._seeds.get(r.request_id, 0))
             for r in new_reqs
         )
@@ -221,7 +219,7 @@ class Scheduler:
         return SchedulerOutput(chunks=tuple(chunks), new_requests=new_data, finished_req_ids=finished,
                                preempted_req_ids=frozenset(preempted))
 
-    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[RequestUpdate]:
+    def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updates = self._pending_updates
         self._pending_updates = []
         for chunk in sched.chunks:
@@ -230,9 +228,15 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
             plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
+            error = out.errors.get(chunk.req_id)
+            if error is not None:
+                self._finish(req, RequestStatus.FINISHED_ERROR, error=error, emit=False)
+                updates.append(EngineCoreOutput(req_id=req.request_id, new_prompt_logprobs=plp, finish_reason="error",
+                                                error=error, num_preemptions=req.num_preemptions))
+                continue
             if not chunk.sample:
                 if plp:
-                    updates.append(RequestUpdate(req_id=req.request_id, new_prompt_logprobs=plp))
+                    updates.append(EngineCoreOutput(req_id=req.request_id, new_prompt_logprobs=plp))
                 continue
             tok = out.sampled_token_ids[chunk.req_id]
             req.output_token_ids.append(tok)
@@ -240,10 +244,10 @@ class Scheduler:
             lp = out.logprobs.get(chunk.req_id)
             if status is not None:
                 self._finish(req, status, emit=False)
-            updates.append(RequestUpdate(
+            updates.append(EngineCoreOutput(
                 req_id=req.request_id, new_token_ids=(tok,), new_logprobs=(lp,) if lp is not None else (),
-                new_prompt_logprobs=plp, finished=status is not None,
-                finish_reason=status.finish_reason if status is not None else None, stop_reason=req.stop_reason))
+                new_prompt_logprobs=plp, finish_reason=status.finish_reason if status is not None else None,
+                stop_reason=req.stop_reason, num_preemptions=req.num_preemptions))
         return updates
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:

@@ -44,6 +44,7 @@ __all__ = [
     "paged_read",
     "paged_write",
     "ring_history",
+    "stores_records",
     "upload",
 ]
 
@@ -76,6 +77,15 @@ class RecordFormat:
 
         cb = self.fmt.code_bytes(self.dim)
         return dequantize(rec[:, :cb], rec[:, cb:], self.fmt, dtype)
+
+
+def stores_records(args: object) -> bool:
+    """Whether `kv_cache_dtype="auto"` can store compact records for this model (V4.1 with every record width a
+    multiple of its format's block); otherwise the deployed numerics run over a plain cache."""
+    try:
+        return bool(_record_formats(args, "auto"))
+    except ConfigError:
+        return False
 
 
 def _record_formats(args: object, kv_cache_dtype: str) -> dict[str, RecordFormat]:

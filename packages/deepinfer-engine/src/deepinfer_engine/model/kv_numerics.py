@@ -80,10 +80,17 @@ class KVNumerics:
         return scores.to(torch.bfloat16).float() if self.bf16_index_scores else scores
 
 
-def kv_numerics(args: object, deployed: bool) -> KVNumerics:
-    """The checkpoint's deployment formats (``deployed``) or none (today's behaviour)."""
+def kv_numerics(args: object, deployed: bool, *, cache_records: bool = False) -> KVNumerics:
+    """The checkpoint's deployment formats (``deployed``) or none (today's behaviour).
+
+    ``cache_records``: the cache itself stores the window and compressed-entry records (``ModelCache`` with
+    ``kv_cache_dtype="auto"``) and hands back decoded records, so those two are not rounded here again (NVFP4
+    rounding is not idempotent: its e4m3 scale is recomputed from the already rounded block).
+    """
     if not deployed:
         return KVNumerics()
     if args.arch == "v41":
+        if cache_records:
+            return KVNumerics(index=MXFP4_E2M1, bf16_index_scores=True)
         return KVNumerics(window=MXFP8_E4M3, compressed=NVFP4_E2M1, index=MXFP4_E2M1, bf16_index_scores=True)
     return KVNumerics(window=V4_FP8_NOPE, compressed=V4_FP8_NOPE, rope_dims=args.qk_rope_head_dim)

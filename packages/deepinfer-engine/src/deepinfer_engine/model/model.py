@@ -159,12 +159,13 @@ class Transformer(nn.Module):
                 self.mtp = nn.ModuleList(MTPBlock(args, p, dtype) for p in drafts)
         self.set_deployed_numerics(deployed_numerics)
 
-    def set_deployed_numerics(self, on: bool) -> None:
-        """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back."""
+    def set_deployed_numerics(self, on: bool, *, cache_records: bool = False) -> None:
+        """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back.
+        `cache_records`: the cache stores the deployed records itself (kv_numerics.kv_numerics)."""
         from deepinfer_engine.model.kv_numerics import kv_numerics
 
         self.deployed_numerics = bool(on)
-        numerics = kv_numerics(self.args, self.deployed_numerics)
+        numerics = kv_numerics(self.args, self.deployed_numerics, cache_records=cache_records)
         for m in self.modules():
             if isinstance(m, Attention):
                 m.numerics = numerics

@@ -1,30 +1,31 @@
 """Model runner: `SchedulerOutput` (a diff) -> persistent `InputBatch` -> `ForwardBatch` -> model forward ->
 sampler -> `ModelRunnerOutput`.
 
-Keeps per-request sampling state (params, seed, token history for penalties) and, in the input batch, each
-request's block table, built from the scheduler's page diffs; a preemption drops the table (the resumed request
-is sent again as new), so recompute needs nothing special here.
+Keeps per-request sampling state (params, seed, and the scheduler's token lists by reference for penalties and
+min_tokens: sampled ids are stored once, by the scheduler) and, in the input batch, each request's block table,
+built from the scheduler's page diffs; a preemption drops the table (the resumed request is sent again as new),
+so recompute needs nothing special here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from deepinfer_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from deepinfer_engine.worker.input_batch import InputBatch
-from deepinfer_engine.worker.sampler import Sampler, build_sampling_batch
+from deepinfer_engine.worker.sampler import INVALID_TOKEN, Sampler, build_sampling_batch
 
 
 @dataclass
 class _RequestState:
     params: Any  # SamplingParams
     seed: int
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    prompt_ids: Sequence[int]  # the scheduler's Request lists, by reference (read-only here)
+    output_ids: Sequence[int]
     next_prompt_logprob: int = 1  # next prompt index j whose logprob (given ids < j) is still to be returned
 
 
@@ -72,7 +73,7 @@ class ModelRunner:
         for nr in sched.new_requests:
             if nr.req_id not in self.states:  # a preempted request keeps its state (outputs so far)
                 self.states[nr.req_id] = _RequestState(params=nr.sampling, seed=nr.seed,
-                                                       prompt_ids=list(nr.prompt_token_ids))
+                                                       prompt_ids=nr.prompt_token_ids, output_ids=nr.output_token_ids)
         self.input_batch.update(sched)
         if sched.is_empty:
             return ModelRunnerOutput()
@@ -108,6 +109,7 @@ class ModelRunner:
 
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        errors: dict[str, str] = {}
         if sample_at:
             chunk_by_id = {c.req_id: c for c in sched.chunks}
             states = [self.states[rid] for rid, _ in sample_at]
@@ -125,8 +127,11 @@ class ModelRunner:
             tokens = out.token_ids.tolist()  # the one sync of the step (plus logprobs when asked for)
             lp = [t.tolist() for t in out.logprobs] if out.logprobs is not None else None
             for k, ((rid, _), st, tok) in enumerate(zip(sample_at, states, tokens)):
+                if tok == INVALID_TOKEN:
+                    errors[rid] = (f"the model's logits are not finite (NaN or Inf) at output position "
+                                   f"{len(st.output_ids)}: the checkpoint or a kernel produced invalid values")
+                    continue
                 sampled[rid] = tok
-                st.output_ids.append(tok)
                 if lp is not None and st.params.logprobs is not None:
                     want = st.params.logprobs
                     logprobs[rid] = TokenLogprobs(token_id=tok, logprob=lp[0][k], rank=lp[3][k],
@@ -149,4 +154,5 @@ class ModelRunner:
                     token_id=st.prompt_ids[j], logprob=chosen[k], rank=rank[k],
                     top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
                 st.next_prompt_logprob = j + 1
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                 errors=errors)

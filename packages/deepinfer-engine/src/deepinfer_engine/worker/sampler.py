@@ -1,5 +1,10 @@
 """Batched sampler over the rows of one step: penalties, min-tokens masking, temperature / min-p / top-k / top-p,
-counter-based seeded sampling, logprobs. One set of small host->device copies per step, no per-request syncs."""
+counter-based seeded sampling, logprobs. One set of small host->device copies per step, no per-request syncs.
+
+Rows whose raw logits are not finite (a NaN anywhere, +Inf, or all -Inf) come back as token id -1
+(`INVALID_TOKEN`): the check is one reduction on the device, folded into the sampled ids so that the caller's
+single read of the ids also carries it (no extra host synchronization).
+"""
 
 from __future__ import annotations
 
@@ -32,9 +37,12 @@ class SamplingBatch:
     max_logprobs: int | None = None
 
 
+INVALID_TOKEN = -1
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplerOutput:
-    token_ids: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64; INVALID_TOKEN where the row's logits were not finite
     logprobs: tuple[torch.Tensor, ...] | None = None  # (chosen [N], top_ids [N,k], top_vals [N,k], rank [N])
 
 
@@ -85,6 +93,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 raw model outputs (row order = batch rows)."""
         raw = logits
+        # amax propagates NaN: one reduction flags NaN, +Inf and all -Inf rows. Every op below is row-wise, so a
+        # bad row yields garbage only in its own row, which is replaced by INVALID_TOKEN at the end.
+        finite = torch.isfinite(raw.amax(dim=-1))
         if batch.penalties is not None:
             prompt_ids, output_ids, rep, pres, freq = batch.penalties
             logits = apply_penalties(logits, prompt_ids=prompt_ids, output_ids=output_ids, repetition_penalty=rep,
@@ -101,4 +112,5 @@ class Sampler:
         lps = None
         if batch.max_logprobs is not None:
             lps = logprobs_topk(raw, tokens, batch.max_logprobs)
+        tokens = torch.where(finite, tokens, torch.full_like(tokens, INVALID_TOKEN))
         return SamplerOutput(token_ids=tokens, logprobs=lps)
