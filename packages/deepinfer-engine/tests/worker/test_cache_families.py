@@ -1,12 +1,13 @@
-"""The families the engine sizes its caches with (measured from the model's own ModelCache layout) give the
+"""The families the engine sizes its caches with (the model's own cache layout) give the
 design per-token figures for the real configs in bf16: V4.1 3,200 B/token, V4 6,880 B/token."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.engine import default_page_size, families_from_cache
+from deepinfer_engine.engine import default_page_size
 from deepinfer_engine.model.args import ModelArgs
+from deepinfer_engine.model.cache_layout import cache_families
 from deepinfer_engine.model.presets import v4_flash_config, v41_flash_config
 
 
@@ -15,7 +16,7 @@ def test_real_config_paged_bytes_per_token(make_config, per_token: int) -> None:
     args = ModelArgs.from_config_dict(make_config())
     page = default_page_size([p.ratio for p in args.layer_plans], args.hidden_size)
     assert page == 128
-    fams = families_from_cache(args, page, torch.bfloat16)
+    fams = cache_families(args, page, torch.bfloat16)
     paged = sum(f.bytes_per_token for f in fams if f.kind == "paged")
     assert paged == per_token
     swa = next(f for f in fams if f.name == "swa_ring")

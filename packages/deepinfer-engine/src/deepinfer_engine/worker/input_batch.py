@@ -121,7 +121,7 @@ class InputBatch:
             if not self._copied.query():  # the previous step's copies still read the pinned buffers
                 self._copied.synchronize()
             self._copied = None
-        self._grow(2 * T + N + 4 * S, S * P)
+        self._grow(3 * T + N + 4 * S, S * P)  # ids, positions, logit rows, per-sequence ints, token -> sequence
         tok = self._tok.np
         ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
         tok[:T] = ids
