@@ -16,7 +16,7 @@ def _chunk(rid, ids, start, slot, pages, sample=True):
 
 
 def _new(rid):
-    return NewRequestData(req_id=rid, prompt_token_ids=(1, 2), sampling=None, seed=0)
+    return NewRequestData(req_id=rid, prompt_token_ids=(1, 2), output_token_ids=[], sampling=None, seed=0)
 
 
 def test_tables_follow_the_diffs_and_the_step_tensors_match_the_chunks():
