@@ -18,12 +18,15 @@ __all__ = [
     "E2M1_VALUES",
     "FP8_E4M3_MAX",
     "FP4_E2M1_MAX",
+    "act_quant_fp8",
     "dequant_fp4",
     "dequant_fp8_block",
     "e2m1_lut",
     "e8m0_to_float",
+    "fake_quant_act_fp8",
     "float_to_e8m0",
     "pack_fp4",
+    "pow2_ceil_scale",
     "quant_fp4",
     "quant_fp8_block",
     "unpack_fp4",
@@ -136,6 +139,51 @@ def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> t
         )
     v = unpack_fp4(weight)
     return v * _expand_blocks(_scale_to_float(scale), rows, cols, 1, block)
+
+
+# ------------------------------------------------------------------------------------------------
+# dynamic activation quantization (FP8 e4m3, one power-of-two scale per 1 x group channels)
+
+# Smallest group amax used for a scale: an all-zero group gets a tiny finite scale instead of 0 (DeepSeek's rule).
+ACT_AMAX_MIN = 1e-4
+
+
+def pow2_ceil_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(fp32(amax * fp32(1/448))))`` as float32 (amax clamped to >= 1e-4).
+
+    Bit-exact definition shared with the Triton kernels: the product is rounded to fp32 first, then the
+    power of two is read off its exponent field (+1 when any mantissa bit is set), so every backend gets the
+    same scale. Because of that rounding, max |x| / s may exceed 448 by a rounding step; quantizers clamp.
+    """
+    x = amax.to(torch.float32).clamp(min=ACT_AMAX_MIN) * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+    bits = x.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp << 23).view(torch.float32)
+
+
+def act_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` float -> (``[..., K] float8_e4m3fn``, scales ``[..., ceil(K/group)] float32`` powers of two).
+
+    Per 1 x group channels: s = pow2_ceil_scale(max |x|), q = e4m3(clamp(x / s, -448, 448)) (round to nearest
+    even). A partial last group uses its own amax.
+    """
+    k = x.shape[-1]
+    ng = -(-k // group)
+    xf = x.to(torch.float32)
+    pad = torch.zeros(*x.shape[:-1], ng * group, dtype=torch.float32, device=x.device)
+    pad[..., :k] = xf
+    amax = pad.abs().view(*x.shape[:-1], ng, group).amax(dim=-1)
+    s = pow2_ceil_scale(amax)
+    sx = s.repeat_interleave(group, dim=-1)[..., :k]
+    q = (xf / sx).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def fake_quant_act_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``act_quant_fp8`` then back: ``[..., K] float32`` values q * s (exactly representable in bf16 too)."""
+    q, s = act_quant_fp8(x, group)
+    return q.to(torch.float32) * s.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]
 
 
 # ------------------------------------------------------------------------------------------------
