@@ -13,12 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from deepinfer_kernels.linear import linear_f32_out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
-from deepinfer_engine.model.attention import Attention, Linear, RMSNorm
+from deepinfer_engine.model.attention import Attention, RMSNorm
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import (
     add_hc_head_params,
     add_hc_mix_params,
@@ -119,9 +121,22 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits)."""
+    """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits).
 
-    def __init__(self, args: object, dtype: torch.dtype = torch.float32, *, with_draft: bool = True) -> None:
+    quantized: hold every tensor the checkpoint stores quantized in that format (FP8 / FP4 + scales, decoded in
+    the GEMMs; what load_model builds); False: dense weights in `dtype` (random-init tests). quantize_activations
+    (with quantized): FP8 Linears quantize their inputs to e4m3 per 1 x block channels (deployed numerics).
+    """
+
+    def __init__(
+        self,
+        args: object,
+        dtype: torch.dtype = torch.float32,
+        *,
+        with_draft: bool = True,
+        quantized: bool = False,
+        quantize_activations: bool = False,
+    ) -> None:
         super().__init__()
         self.args = args
         self.with_draft = with_draft
@@ -146,6 +161,13 @@ class Transformer(nn.Module):
                 self.mtp = dspark.build_stages(args, dtype)
             else:
                 self.mtp = nn.ModuleList(MTPBlock(args, p, dtype) for p in drafts)
+        self.quantized = quantized
+        if quantized:
+            from deepinfer_engine.model.weight_formats import apply_checkpoint_formats
+
+            apply_checkpoint_formats(self, args, quantize_activations=quantize_activations)
+        elif quantize_activations:
+            raise ModelConfigError("quantize_activations needs quantized=True (FP8 weights in memory)")
 
     def set_engram_token_map(self, token_map: object) -> None:
         """Install the Engram hasher from a compressed token map (numpy int64 [vocab], engram_hash)."""
@@ -257,8 +279,8 @@ class Transformer(nn.Module):
         else:
             pre_last = pre
             h = hc_pre(rows, pre[batch.logits_indices])
-        # fp32 logits: head.weight.float() @ h.float() as the reference (§A.1)
-        logits = torch.nn.functional.linear(self.norm(h).float(), self.head.weight.float())
+        # fp32 logits (§A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
+        logits = linear_f32_out(self.norm(h), self.head.weight)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> Tensor:
@@ -275,4 +297,4 @@ class Transformer(nn.Module):
         ctx = ForwardContext.build(batch, cache, ctx_lens=ctx_lens)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
-        return torch.nn.functional.linear(h[batch.logits_indices].float(), self.head.weight.float())
+        return linear_f32_out(h[batch.logits_indices], self.head.weight)

@@ -44,13 +44,19 @@ def fp8_linear(
     numerics; `deepinfer_kernels.quant.act_quant_fp8`). backend: "auto" | "torch" | "triton".
     """
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_linear: weight must be [N, K] float8_e4m3fn, found {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"fp8_linear: weight must be [N, K] float8_e4m3fn, found {weight.dtype} {tuple(weight.shape)}"
+        )
     if x.shape[-1] != weight.shape[1] or x.dtype not in _FLOATS:
-        raise ValueError(f"fp8_linear: x {x.dtype} {tuple(x.shape)} does not match weight [N, K={weight.shape[1]}]")
+        raise ValueError(
+            f"fp8_linear: x {x.dtype} {tuple(x.shape)} does not match weight [N, K={weight.shape[1]}]"
+        )
     _check_block("fp8_linear", weight, scale, block)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and (not act_quant or block[1] in (16, 32, 64, 128))
+    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and (
+        not act_quant or block[1] in (16, 32, 64, 128)
+    )
     why = f"scale {scale.dtype}, act_quant group {block[1]}; needs e8m0/f32 scales and a power-of-two group"
     if resolve_backend("fp8_linear", backend, x2, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
@@ -66,7 +72,9 @@ def linear_f32_out(x: Tensor, weight: Tensor, *, backend: str = "auto") -> Tenso
     ``[..., N] float32``. On CUDA the kernel reads W in its dtype and accumulates in fp32 (the LM head's
     129,280 x d bf16 weight is never copied to fp32). A float32 weight is a plain fp32 matmul."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"linear_f32_out: x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [..., K], [N, K]")
+        raise ValueError(
+            f"linear_f32_out: x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [..., K], [N, K]"
+        )
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if weight.dtype == torch.float32:

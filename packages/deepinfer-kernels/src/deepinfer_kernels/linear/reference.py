@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -18,7 +17,9 @@ from deepinfer_kernels.quant.reference import dequant_fp8_block, fake_quant_act_
 __all__ = ["fp8_linear", "linear_f32_out"]
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: tuple[int, int], act_quant: bool = False) -> Tensor:
+def fp8_linear(
+    x: Tensor, weight: Tensor, scale: Tensor, block: tuple[int, int], act_quant: bool = False
+) -> Tensor:
     """x ``[M, K]`` float; weight ``[N, K] float8_e4m3fn``; scale ``[ceil(N/b0), ceil(K/b1)]`` e8m0 | f32 ->
     ``[M, N]`` in x's dtype."""
     w = dequant_fp8_block(weight, scale, block).to(x.dtype)

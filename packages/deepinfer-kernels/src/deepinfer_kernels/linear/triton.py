@@ -208,7 +208,9 @@ def _launch(
     return y
 
 
-def fp8_linear(x: Tensor, weight: Tensor, scale: Tensor, block: tuple[int, int], *, act_quant: bool) -> Tensor:
+def fp8_linear(
+    x: Tensor, weight: Tensor, scale: Tensor, block: tuple[int, int], *, act_quant: bool
+) -> Tensor:
     """x [M, K] (bf16 / fp16 / fp32), weight [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [M, N]
     x's dtype. Validated by the package dispatcher."""
     return _launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear")

@@ -36,7 +36,9 @@ def moe_experts(
     backend: "auto" | "torch" | "triton" (Triton: FP4 stacked experts, x bf16 / fp16 / fp32, d and I multiples
     of 32). The reference checks the id range (one host read); the Triton path trusts the router's ids."""
     if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}")
+        raise ValueError(
+            f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}"
+        )
     stacked = isinstance(experts, StackedExperts)
     ok = (
         stacked

@@ -102,15 +102,23 @@ def _gate_up_kernel(
             ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             wm = n_mask[:, None] & (kb[None, :] * 2 < K)
             sm = n_mask[:, None] & (ks[None, :] * 32 < K)
-            w1 = _fp4_tile(w1_ptr + w_off + kb[None, :], s1_ptr + s_off + ks[None, :], wm, sm, BLOCK_N, BLOCK_K)
+            w1 = _fp4_tile(
+                w1_ptr + w_off + kb[None, :], s1_ptr + s_off + ks[None, :], wm, sm, BLOCK_N, BLOCK_K
+            )
             g += _dot(a, w1, DOT_F32)
-            w3 = _fp4_tile(w3_ptr + w_off + kb[None, :], s3_ptr + s_off + ks[None, :], wm, sm, BLOCK_N, BLOCK_K)
+            w3 = _fp4_tile(
+                w3_ptr + w_off + kb[None, :], s3_ptr + s_off + ks[None, :], wm, sm, BLOCK_N, BLOCK_K
+            )
             u += _dot(a, w3, DOT_F32)
         if CLAMP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
         h = g / (1.0 + tl.exp(-g)) * u
-        hp = h_ptr + (pid_b * BLOCK_M + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+        hp = (
+            h_ptr
+            + (pid_b * BLOCK_M + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * stride_h
+            + offs_n[None, :]
+        )
         tl.store(hp, h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
@@ -180,7 +188,9 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     p = flat.numel()
     dev = flat.device
     order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     pend = torch.cumsum(padded, 0)
     pstart = pend - padded
