@@ -23,7 +23,7 @@ __all__ = ["fp8_linear", "linear_f32_out"]
 # whose bf16 dot is wrong)
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
-_E8M0_ZERO = 5.877471754111438e-39
+_E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from deepinfer_kernels._launch import cdiv, check_launchable
 
 __all__ = ["align_pairs", "moe_experts_fp4"]
 
-_E8M0_ZERO = 5.877471754111438e-39
+_E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
 
 @triton.jit
