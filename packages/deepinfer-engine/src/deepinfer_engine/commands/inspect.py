@@ -180,23 +180,26 @@ def _forward_lines(directory: Path, prompt: str, device: str, dtype_name: str) -
     ]
 
 
-def resident_estimate(args: ModelArgs, dtype_name: str) -> dict[str, object]:
+def resident_estimate(args: ModelArgs, dtype_name: str, specs: list | None = None) -> dict[str, object]:
     """Bytes the loaded model would hold (weights in checkpoint formats, floats in `dtype_name`), computed by
-    building it on the meta device: {"resident_weight_bytes", "resident_bytes_by_dtype"}."""
+    building it on the meta device: {"resident_weight_bytes", "resident_bytes_by_dtype"}. `specs`: the tensor
+    inventory of `args` if the caller has it."""
     import torch
 
     from deepinfer_engine.model.model import Transformer
-    from deepinfer_engine.model.weight_formats import resident_bytes
+    from deepinfer_engine.model.weight_formats import apply_checkpoint_formats, resident_bytes
 
     with torch.device("meta"):
-        model = Transformer(args, getattr(torch, dtype_name), quantized=True)
+        model = Transformer(args, getattr(torch, dtype_name))
+        apply_checkpoint_formats(model, args, specs=specs)
     by = resident_bytes(model)
     return {"resident_weight_bytes": sum(by.values()), "resident_bytes_by_dtype": by}
 
 
 def _resident_lines(args: ModelArgs, dtype_name: str) -> list[str]:
-    est = resident_estimate(args, dtype_name)
-    total = summarize(tensor_inventory(args)).total_bytes
+    specs = tensor_inventory(args)
+    est = resident_estimate(args, dtype_name, specs)
+    total = summarize(specs).total_bytes
     lines = [f"resident bytes when loaded ({dtype_name}, weights in checkpoint formats):"]
     for k, v in sorted(est["resident_bytes_by_dtype"].items()):
         lines.append(f"  {k:<22} {v:>20,}")
@@ -218,7 +221,9 @@ def load_report(directory: Path, device: str, dtype_name: str) -> dict[str, obje
         ck_total = reader.total_size if reader.total_size is not None else reader.stored_nbytes()
         ck_by: dict[str, int] = {}
         for spec in reader.weight_specs():
-            for dt, n in [(spec.dtype, spec.nbytes)] + ([(spec.scale.dtype, spec.scale.nbytes)] if spec.scale else []):
+            for dt, n in [(spec.dtype, spec.nbytes)] + (
+                [(spec.scale.dtype, spec.scale.nbytes)] if spec.scale else []
+            ):
                 ck_by[dt] = ck_by.get(dt, 0) + n
     model = load_model(directory, dtype=getattr(torch, dtype_name), device=device)
     by = resident_bytes(model)

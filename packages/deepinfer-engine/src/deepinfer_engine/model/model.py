@@ -63,7 +63,9 @@ class Block(nn.Module):
                 head_dim=args.engram_head_dim, num_lookups=args.engram_num_ngram_heads, eps=args.rms_norm_eps,
             ).to(dtype)  # fmt: skip
 
-    def forward(self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """r [T, n, d] -> (r' [T, n, d], pre of the FFN mixes [T, n] f32)."""
         if self.engram is not None:
             if ctx.engram_rows is None:
@@ -138,6 +140,8 @@ class Transformer(nn.Module):
         quantize_activations: bool = False,
     ) -> None:
         super().__init__()
+        if quantize_activations and not quantized:
+            raise ModelConfigError("quantize_activations needs quantized=True (FP8 weights in memory)")
         self.args = args
         self.with_draft = with_draft
         self.dtype = dtype
@@ -166,8 +170,6 @@ class Transformer(nn.Module):
             from deepinfer_engine.model.weight_formats import apply_checkpoint_formats
 
             apply_checkpoint_formats(self, args, quantize_activations=quantize_activations)
-        elif quantize_activations:
-            raise ModelConfigError("quantize_activations needs quantized=True (FP8 weights in memory)")
 
     def set_engram_token_map(self, token_map: object) -> None:
         """Install the Engram hasher from a compressed token map (numpy int64 [vocab], engram_hash)."""
@@ -213,7 +215,9 @@ class Transformer(nn.Module):
             ctx_lens = tuple(int(v) for v in vals[5 : 5 + len(starts)])
             if lo < 0 or hi >= a.vocab_size:
                 bad = lo if lo < 0 else hi
-                raise InputError(f"input_ids: found token id {bad}, expected 0 <= id < vocab_size={a.vocab_size}")
+                raise InputError(
+                    f"input_ids: found token id {bad}, expected 0 <= id < vocab_size={a.vocab_size}"
+                )
             if pmin < 0 or pmax >= a.max_position_embeddings:
                 bad = pmin if pmin < 0 else pmax
                 raise InputError(
@@ -223,7 +227,9 @@ class Transformer(nn.Module):
             if bad_row < t:
                 i = max(j for j, st in enumerate(starts) if st <= bad_row)
                 p = pos[starts[i] : starts[i] + batch.query_lens[i]]
-                raise InputError(f"positions of sequence {i}: found {p.tolist()[:8]}..., expected consecutive")
+                raise InputError(
+                    f"positions of sequence {i}: found {p.tolist()[:8]}..., expected consecutive"
+                )
         if backbone:  # draft steps (MTP) run at positions of their own; they do not move the mark
             for slot, c in zip(batch.slots, ctx_lens):
                 cache.check_resume(slot, c)
@@ -292,7 +298,9 @@ class Transformer(nn.Module):
         """V4 MTP block k: batch carries the NEXT tokens (id t+1) at the chosen positions; hidden [T, n, d] the
         backbone streams of the same rows. Returns [N, V] f32 logits (predicting t+2)."""
         if self.mtp is None or self.args.has_dspark:
-            raise InputError("forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)")
+            raise InputError(
+                "forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)"
+            )
         ctx_lens = self.check_inputs(batch, cache, backbone=False)
         ctx = ForwardContext.build(batch, cache, ctx_lens=ctx_lens)
         blk: MTPBlock = self.mtp[k]

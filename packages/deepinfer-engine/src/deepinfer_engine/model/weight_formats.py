@@ -7,23 +7,32 @@ scale_dtype, block)``, so no quantized tensor is silently widened. Call it befor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from torch import nn
 
 from deepinfer_engine.errors import ModelConfigError
-from deepinfer_engine.model.inventory import tensor_inventory
+from deepinfer_engine.model.inventory import TensorSpec, tensor_inventory
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.weight_names import checkpoint_to_param
 
 __all__ = ["apply_checkpoint_formats", "resident_bytes"]
 
 
-def apply_checkpoint_formats(model: nn.Module, args: object, *, quantize_activations: bool = False) -> None:
+def apply_checkpoint_formats(
+    model: nn.Module,
+    args: object,
+    *,
+    quantize_activations: bool = False,
+    specs: Iterable[TensorSpec] | None = None,
+) -> None:
     """Every module holding a quantized checkpoint tensor switches to its stored format (in place).
 
-    quantize_activations: FP8 Linears quantize their input to e4m3 per 1 x block channels (deployed numerics)."""
+    quantize_activations: FP8 Linears quantize their input to e4m3 per 1 x block channels (deployed numerics).
+    specs: the tensor inventory of `args` when the caller already has it (it is large for the real configs)."""
     seen: set[str] = set()
     with_draft = getattr(model, "with_draft", True)
-    for spec in tensor_inventory(args):
+    for spec in tensor_inventory(args) if specs is None else specs:
         if spec.scale is None:
             continue
         pname, _ = checkpoint_to_param(spec.name)
