@@ -74,7 +74,9 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.to(torch.float32)  # torch's own conversion: exact, 255 -> NaN (checked against e8m0_to_float)
+    if scale.dtype == torch.uint8:
         return e8m0_to_float(scale)
     if scale.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return scale.to(torch.float32)
@@ -83,6 +85,15 @@ def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 def _expand_blocks(s: torch.Tensor, rows: int, cols: int, b0: int, b1: int) -> torch.Tensor:
     return s.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+
+
+def _apply_blocks(w: torch.Tensor, s: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+    """w [rows, cols] float32 times the block scales s [ceil(rows/b0), ceil(cols/b1)] (one broadcast multiply when
+    the blocks tile w exactly: this runs on every reference GEMM call)."""
+    rows, cols = w.shape
+    if rows % b0 == 0 and cols % b1 == 0:
+        return (w.view(rows // b0, b0, cols // b1, b1) * s[:, None, :, None]).view(rows, cols)
+    return w * _expand_blocks(s, rows, cols, b0, b1)
 
 
 def dequant_fp8_block(
@@ -104,17 +115,14 @@ def dequant_fp8_block(
             f"dequant_fp8_block: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
             f"with block {(b0, b1)}; expected {want}"
         )
-    w = weight.to(torch.float32)
-    return w * _expand_blocks(_scale_to_float(scale), rows, cols, b0, b1)
+    return _apply_blocks(weight.to(torch.float32), _scale_to_float(scale), b0, b1)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., in/2] int8`` (two e2m1 codes per byte, low nibble first) -> ``[..., in] float32`` code values."""
     u = _as_uint8(packed)
-    lut = e2m1_lut(u.device)
-    lo = (u & 0x0F).long()
-    hi = (u >> 4).long()
-    return torch.stack([lut[lo], lut[hi]], dim=-1).flatten(-2)
+    codes = torch.stack([u & 0x0F, u >> 4], dim=-1).long()  # [..., in/2, 2]: low nibble first
+    return e2m1_lut(u.device)[codes].flatten(-2)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -137,8 +145,7 @@ def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> t
             f"dequant_fp4: scale shape {tuple(scale.shape)} does not match packed weight {tuple(weight.shape)} "
             f"(logical [{rows}, {cols}]) with 1x{block} blocks; expected {want}"
         )
-    v = unpack_fp4(weight)
-    return v * _expand_blocks(_scale_to_float(scale), rows, cols, 1, block)
+    return _apply_blocks(unpack_fp4(weight), _scale_to_float(scale), 1, block)
 
 
 # ------------------------------------------------------------------------------------------------
