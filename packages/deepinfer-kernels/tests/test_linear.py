@@ -89,3 +89,13 @@ def test_linear_f32_out_reference():
     assert torch.equal(y, F.linear(x.float(), w.float()))
     w32 = w.float()
     assert torch.equal(linear_f32_out(x.float(), w32), F.linear(x.float(), w32))
+
+
+def test_e8m0_dtype_conversion_used_by_the_decoders_matches_the_bit_decoder():
+    from deepinfer_kernels.quant import e8m0_to_float
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    ones = torch.ones(256, 1).to(torch.float8_e4m3fn)
+    got = dequant_fp8_block(ones, codes.view(torch.float8_e8m0fnu).view(256, 1), (1, 1))[:, 0]
+    want = e8m0_to_float(codes)
+    assert torch.equal(got[:255], want[:255]) and bool(torch.isnan(got[255]))

@@ -75,7 +75,8 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
 def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     if scale.dtype == torch.float8_e8m0fnu:
-        return scale.to(torch.float32)  # torch's own conversion: exact, 255 -> NaN (checked against e8m0_to_float)
+        # torch's own conversion: exact, 255 -> NaN (tests compare it with e8m0_to_float on all 256 codes)
+        return scale.to(torch.float32)
     if scale.dtype == torch.uint8:
         return e8m0_to_float(scale)
     if scale.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
