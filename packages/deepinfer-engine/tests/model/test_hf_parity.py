@@ -27,7 +27,7 @@ from deepinfer_engine.model.args import ModelArgs  # noqa: E402
 from deepinfer_engine.model.cache import ModelCache  # noqa: E402
 from deepinfer_engine.model.checkpoint import CheckpointReader  # noqa: E402
 from deepinfer_engine.model.forward_batch import ForwardBatch  # noqa: E402
-from deepinfer_engine.model.loader import load_model  # noqa: E402
+from deepinfer_engine.model.loader import expected_checkpoint_tensors, load_model, load_weights  # noqa: E402
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v4_dspark_config  # noqa: E402
 from deepinfer_engine.model.writer import write_checkpoint  # noqa: E402
 from deepinfer_engine.testing_hf import (  # noqa: E402
@@ -48,8 +48,9 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def our_model(state, args):
+    """Dense fp32 model from decoded official tensors (checkpoint names), through the weight loaders."""
     m = model_mod.Transformer(args, torch.float32)
-    m.load_state_dict(state, strict=True)
+    load_weights(m, state)
     return m.eval()
 
 
@@ -78,9 +79,9 @@ def args():
 def _from_checkpoint(root, config: dict, seed: int):
     """(our model loaded from a freshly written checkpoint, its dequantized official tensors)."""
     d = write_checkpoint(root / f"seed{seed}", config, seed)
-    ours = load_model(d, torch.float32).eval()
+    ours = load_model(d, torch.float32).eval()  # weights held as stored (FP8 / FP4), decoded per call
     with CheckpointReader(d) as reader:
-        state = {n: reader.load(n) for n in ours.state_dict()}
+        state = {s.name: reader.load(s.name) for s in reader.weight_specs()}
     return ours, state
 
 
@@ -203,6 +204,11 @@ def test_v4_0731_backbone_matches_hf():
     a = ModelArgs.from_config_dict(tiny_v4_dspark_config())
     ours = init_random_(model_mod.Transformer(a, torch.float32), seed=5).eval()
     assert ours.mtp is not None and len(ours.mtp) == 3
-    backbone = {k: v for k, v in ours.state_dict().items() if not k.startswith("mtp.")}
+    sd = ours.state_dict()
+    backbone = {  # checkpoint names (stacked experts split per expert)
+        ck: (sd[p] if e is None else sd[p][e])
+        for ck, (p, e) in expected_checkpoint_tensors(ours).items()
+        if not ck.startswith("mtp.")
+    }
     ids = _ids(a, 33, 5)
     assert rel_err(our_logits_chunked(ours, a, ids, [33]), hf_logits(build_hf_model(backbone, a), ids)) <= TOL

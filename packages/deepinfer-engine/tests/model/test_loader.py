@@ -20,13 +20,31 @@ def ckpt_v4(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("v4") / "ck", "v4", "tiny", 0)
 
 
-def test_v4_checkpoint_loads_exactly_the_dequantized_tensors(ckpt_v4):
-    """Parity of these weights with HF is test_hf_parity.py (also on make_checkpoint checkpoints)."""
-    model = load_model(ckpt_v4, torch.float32)
-    assert model.mtp is not None and len(model.mtp) == 1
+def test_v4_checkpoint_loads_exactly_the_stored_or_decoded_tensors(ckpt_v4):
+    """Quantized (default): every FP8 / FP4 tensor and scale is held exactly as stored (experts in their stacked
+    slot), the rest decoded; dense: everything decoded. Parity with HF is test_hf_parity.py."""
+    from deepinfer_engine.model.linear import QUANTIZED_DTYPES
+    from deepinfer_engine.model.loader import expected_checkpoint_tensors
+
+    quant = load_model(ckpt_v4, torch.float32)
+    dense = load_model(ckpt_v4, torch.float32, quantized=False)
+    assert quant.mtp is not None and len(quant.mtp) == 1
+    qs, ds = quant.state_dict(), dense.state_dict()
+    assert "layers.0.ffn.experts.w1.weight" in qs and "layers.0.ffn.experts.0.w1.weight" not in qs
+    held = 0
     with CheckpointReader(ckpt_v4) as reader:
-        for n, t in model.state_dict().items():
-            assert torch.equal(t, reader.load(n)), n
+        for ck, (pname, slot) in expected_checkpoint_tensors(quant).items():
+            t = qs[pname] if slot is None else qs[pname][slot]
+            if t.dtype in QUANTIZED_DTYPES or ck.endswith(".scale"):
+                raw = reader.load_raw(ck)
+                assert t.dtype == raw.dtype and torch.equal(t.view(torch.uint8), raw.view(torch.uint8)), ck
+                held += 1
+            else:
+                assert torch.equal(t, reader.load(ck)), ck
+        for ck, (pname, slot) in expected_checkpoint_tensors(dense).items():
+            t = ds[pname] if slot is None else ds[pname][slot]
+            assert torch.equal(t, reader.load(ck)), ck
+    assert held > 100  # every attention / shared-expert FP8 weight + scale, every expert slot
 
 
 def test_v41_checkpoint_loads_with_engram_and_dspark(tmp_path):

@@ -34,8 +34,13 @@ def test_bf16_parameters_and_cache_dtypes(pair) -> None:
         )
         if fp32:
             assert p.dtype == torch.float32, name
-    for name in ("embed.weight", "head.weight", "layers.0.attn.wq_a.weight", "layers.0.ffn.experts.0.w1.weight"):
+    for name in ("embed.weight", "head.weight", "layers.0.attn.q_norm.weight"):
         assert params[name].dtype == torch.bfloat16, name
+    # quantized tensors stay in their checkpoint formats whatever the model dtype
+    assert params["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert params["layers.0.attn.wq_a.scale"].dtype == torch.float8_e8m0fnu
+    assert params["layers.0.ffn.experts.w1.weight"].dtype == torch.int8
+    assert m16.layers[0].attn.wq_a.dtype == torch.bfloat16  # compute dtype
     cache = ModelCache.allocate(m16.args, num_slots=1, num_pages=2, page_size=16, dtype=torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in cache.swa.values())
     assert all(t.dtype == torch.float32 for t in cache.comp_state.values())

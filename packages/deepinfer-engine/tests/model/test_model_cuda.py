@@ -76,7 +76,8 @@ def test_load_model_on_cuda_keeps_the_spec_dtypes(models, arch: str) -> None:
     for name, p in params.items():
         if name.endswith(fp32_leaves) or ".compressor.ape" in name or "confidence_head" in name:
             assert p.dtype == torch.float32, name
-    assert params["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
+    assert params["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn  # checkpoint format kept on CUDA
+    assert params["layers.0.ffn.experts.w1.weight"].dtype == torch.int8  # FP4 codes, two per byte
     assert params["embed.weight"].dtype == torch.bfloat16
     if arch == "v41":
         assert m.engram_hasher is not None  # installed from the checkpoint's tokenizer.json

@@ -69,16 +69,24 @@ class _FakeReader:
         return v if not v.is_floating_point() else v.to(dtype)
 
 
+def _checkpoint_state(model):
+    """The model's tensors under their checkpoint names (stacked experts split into per-expert tensors)."""
+    from deepinfer_engine.model.loader import expected_checkpoint_tensors
+
+    sd = model.state_dict()
+    return {ck: (sd[p] if e is None else sd[p][e]) for ck, (p, e) in expected_checkpoint_tensors(model).items()}
+
+
 def test_loader_copies_every_tensor_by_name(model):
     fresh = Transformer(model.args, torch.float32)
     sd = model.state_dict()
-    load_state_into(fresh, _FakeReader(sd))
+    load_state_into(fresh, _FakeReader(_checkpoint_state(model)))
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, sd[k]), k
 
 
 def test_loader_rejects_shape_mismatch_missing_and_unexpected(model):
-    sd = dict(model.state_dict())
+    sd = _checkpoint_state(model)
     bad = dict(sd)
     bad["layers.1.attn.wq_a.weight"] = torch.zeros(3, 3)
     with pytest.raises(CheckpointError, match=r"layers\.1\.attn\.wq_a\.weight.*\[3, 3\].*\[32, 64\]"):

@@ -8,6 +8,7 @@ from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.moe import MoE
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
+from deepinfer_kernels.moe import swiglu_expert
 
 
 def test_hash_layer_routes_by_token_id():
@@ -23,8 +24,10 @@ def test_hash_layer_routes_by_token_id():
     torch.testing.assert_close(w, want / want.sum(-1, keepdim=True) * a.routed_scaling_factor)
     # whole MoE = weighted routed experts + shared expert
     y = moe(x, ids)
+    stacked = moe.experts.stacked()  # [E, ...] experts; stacked[e] decodes expert e (w1, w3, w2)
     ref = moe.shared_experts(x) + sum(
-        w[:, k : k + 1] * torch.stack([moe.experts[int(e)](x[t : t + 1])[0] for t, e in enumerate(sel[:, k])])
+        w[:, k : k + 1]
+        * torch.stack([swiglu_expert(x[t : t + 1], *stacked[int(e)], a.swiglu_limit)[0] for t, e in enumerate(sel[:, k])])
         for k in range(sel.shape[1])
     )
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)

@@ -5,6 +5,9 @@
 without either it inspects the embedded default checkpoint. `--forward` runs the model on a short prompt.
 `deepinfer inspect DIR --verify [--json]` reads every tensor and lists what would load but compute garbage
 (non-finite values, invalid scale codes) besides every structural problem; exit status 1 on findings.
+`--load` loads the model (weights in their checkpoint formats) on `--device` with `--dtype` and reports the bytes
+it holds against the checkpoint's; `--json` prints that report as one JSON object. `--config` reports the
+resident bytes of the model a load would build (meta device: no weights needed).
 """
 
 from __future__ import annotations
@@ -37,9 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=["float32", "bfloat16"],
-        help="dtype for --forward (default float32)",
+        help="dtype for --forward / --load / the --config resident bytes (default float32)",
     )
     add_verify_arguments(parser)
+    parser.add_argument(
+        "--load",
+        action="store_true",
+        help="load the model and report resident weight bytes (parameters + buffers) vs the checkpoint's",
+    )
 
 
 def _arch_lines(a: ModelArgs) -> list[str]:
@@ -174,9 +182,81 @@ def _forward_lines(directory: Path, prompt: str, device: str, dtype_name: str) -
     ]
 
 
+def resident_estimate(args: ModelArgs, dtype_name: str, specs: list | None = None) -> dict[str, object]:
+    """Bytes the loaded model would hold (weights in checkpoint formats, floats in `dtype_name`), computed by
+    building it on the meta device: {"resident_weight_bytes", "resident_bytes_by_dtype"}. `specs`: the tensor
+    inventory of `args` if the caller has it."""
+    import torch
+
+    from deepinfer_engine.model.model import Transformer
+    from deepinfer_engine.model.weight_formats import apply_checkpoint_formats, resident_bytes
+
+    with torch.device("meta"):
+        model = Transformer(args, getattr(torch, dtype_name))
+        apply_checkpoint_formats(model, args, specs=specs)
+    by = resident_bytes(model)
+    return {"resident_weight_bytes": sum(by.values()), "resident_bytes_by_dtype": by}
+
+
+def _resident_lines(args: ModelArgs, dtype_name: str) -> list[str]:
+    specs = tensor_inventory(args)
+    est = resident_estimate(args, dtype_name, specs)
+    total = summarize(specs).total_bytes
+    lines = [f"resident bytes when loaded ({dtype_name}, weights in checkpoint formats):"]
+    for k, v in sorted(est["resident_bytes_by_dtype"].items()):
+        lines.append(f"  {k:<22} {v:>20,}")
+    r = est["resident_weight_bytes"]
+    lines.append(f"  {'resident_weight_bytes':<22} {r:>20,}  ({r / total:.4f} x total_size)")
+    return lines
+
+
+def load_report(directory: Path, device: str, dtype_name: str) -> dict[str, object]:
+    """Load the model from `directory` and measure what it holds: checkpoint_bytes (the index's total_size),
+    resident_weight_bytes (parameters + buffers), both by dtype, and their ratio."""
+    import torch
+
+    from deepinfer_engine.model.checkpoint import CheckpointReader
+    from deepinfer_engine.model.loader import load_model
+    from deepinfer_engine.model.weight_formats import resident_bytes
+
+    with CheckpointReader(directory) as reader:
+        ck_total = reader.total_size if reader.total_size is not None else reader.stored_nbytes()
+        ck_by: dict[str, int] = {}
+        for spec in reader.weight_specs():
+            for dt, n in [(spec.dtype, spec.nbytes)] + (
+                [(spec.scale.dtype, spec.scale.nbytes)] if spec.scale else []
+            ):
+                ck_by[dt] = ck_by.get(dt, 0) + n
+    model = load_model(directory, dtype=getattr(torch, dtype_name), device=device)
+    by = resident_bytes(model)
+    resident = sum(by.values())
+    return {
+        "checkpoint": str(directory),
+        "device": device,
+        "dtype": dtype_name,
+        "checkpoint_bytes": ck_total,
+        "checkpoint_bytes_by_dtype": ck_by,
+        "resident_weight_bytes": resident,
+        "resident_bytes_by_dtype": by,
+        "resident_over_checkpoint": resident / ck_total if ck_total else None,
+    }
+
+
+def _load_lines(report: dict[str, object]) -> list[str]:
+    lines = [f"load: {report['device']}, {report['dtype']}"]
+    lines.append(f"  checkpoint_bytes       {report['checkpoint_bytes']:>20,}")
+    for k, v in sorted(report["resident_bytes_by_dtype"].items()):
+        lines.append(f"    resident {k:<13} {v:>20,}")
+    lines.append(
+        f"  resident_weight_bytes  {report['resident_weight_bytes']:>20,}  "
+        f"({report['resident_over_checkpoint']:.4f} x checkpoint_bytes)"
+    )
+    return lines
+
+
 def run(ns: argparse.Namespace) -> int:
-    if ns.json and not ns.verify:
-        raise DeepInferError("--json goes with --verify (the plain report is text only)")
+    if ns.json and not (ns.verify or ns.load):
+        raise DeepInferError("--json goes with --verify or --load (the plain report is text only)")
     if ns.config is not None:
         if ns.dir is not None:
             raise DeepInferError("give either a checkpoint DIR or --config FILE, not both")
@@ -185,6 +265,7 @@ def run(ns: argparse.Namespace) -> int:
         args = ModelArgs.from_file(ns.config)
         print(f"config: {ns.config}")
         print("\n".join(format_report(args, plan=not ns.no_plan)))
+        print("\n".join(_resident_lines(args, ns.dtype)))
         return 0
     directory = ns.dir
     if directory is None:
@@ -195,6 +276,9 @@ def run(ns: argparse.Namespace) -> int:
         return run_verify(Path(directory), as_json=ns.json, progress=ns.progress)
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
+    if ns.load and ns.json:
+        print(json.dumps(load_report(Path(directory), ns.device, ns.dtype)))
+        return 0
     with CheckpointReader(directory) as reader:
         print(f"checkpoint: {directory}")
         print("\n".join(format_report(reader.args, plan=not ns.no_plan)))
@@ -209,6 +293,8 @@ def run(ns: argparse.Namespace) -> int:
                 print(f"  ... {len(probs) - 50} more")
             return 1
         print(f"check: OK ({len(names):,} tensors in {shards} shards, {reader.stored_nbytes():,} bytes)")
+    if ns.load:
+        print("\n".join(_load_lines(load_report(Path(directory), ns.device, ns.dtype))))
     if ns.forward:
         print("\n".join(_forward_lines(Path(directory), ns.prompt, ns.device, ns.dtype)))
     return 0
@@ -222,7 +308,8 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", action="store_true",
                         help="read every tensor (streamed shard by shard) and list non-finite values, invalid "
                              "scale codes, bad offsets and invalid small files; exit 1 on findings")
-    parser.add_argument("--json", action="store_true", help="with --verify: print the result as one JSON object")
+    parser.add_argument("--json", action="store_true",
+                        help="with --verify or --load: print the result as one JSON object")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="with --verify: progress bar on stderr (default: on)")
 

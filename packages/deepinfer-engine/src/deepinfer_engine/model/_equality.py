@@ -44,7 +44,7 @@ def init_random_(model: nn.Module, seed: int = 0, *, vocab_for_hash: int | None 
             val = 0.5 + 0.5 * torch.rand(t.shape, generator=g)
         elif leaf in ("attn_sink", "ape", "bias", "bias_vl"):
             val = 0.5 * torch.randn(t.shape, generator=g)
-        elif t.dim() == 2:
+        elif t.dim() >= 2:  # [out, in] weights and stacked [E, out, in] experts: N(0, 1/fan_in)
             val = torch.randn(t.shape, generator=g) / t.shape[-1] ** 0.5
         else:
             val = torch.randn(t.shape, generator=g)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from deepinfer_kernels.compressor import compress_pool
 from deepinfer_kernels.indexer import causal_mask, topk_indices, visible_counts
 from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs
@@ -21,19 +20,9 @@ from torch import Tensor, nn
 from deepinfer_engine.model.cache import PagedPlan
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_engine.model.kv_numerics import KVNumerics
+from deepinfer_engine.model.linear import Linear
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
-
-
-class Linear(nn.Module):
-    """y = x W^T with `weight [out, in]` (checkpoint name `.weight`); input cast to the weight's dtype."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -304,6 +293,5 @@ class Attention(nn.Module):
         o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2)  # [T, H, Dh]
         o = self.rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
         o = o.reshape(t, self.n_groups, -1)
-        wa = self.wo_a.weight.view(self.n_groups, self.o_rank, -1)
-        z = torch.einsum("tgi,gri->tgr", o.to(wa.dtype), wa)
+        z = self.wo_a.grouped(o, self.n_groups)
         return self.wo_b(z.reshape(t, -1))

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_engine.model.kv_numerics import KVNumerics
+from deepinfer_engine.model.linear import Linear
 
 _NO_ROUNDING = KVNumerics()
 
@@ -131,7 +132,7 @@ class Csa2Indexer(nn.Module):
         self.index_head_dim = index_head_dim
         self.wk = nn.Linear(head_dim, index_head_dim, bias=False) if has_k else None
         self.k_norm = _Norm(index_head_dim) if has_k else None
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * index_head_dim, bias=False) if has_q else None
+        self.wq_b = Linear(q_lora_rank, n_heads * index_head_dim, torch.float32) if has_q else None
         self.weights_proj = nn.Linear(dim, n_heads, bias=False) if has_q else None
 
     def keys(self, latent: Tensor, positions: Tensor, rope: RopeFn) -> Tensor:
@@ -150,7 +151,7 @@ class Csa2Indexer(nn.Module):
                 "index_source_layer_ids: queries requested from a layer without attn.indexer.wq_b"
             )
         t = qr.shape[0]
-        q = (qr @ self.wq_b.weight.to(qr.dtype).T).view(t, self.n_heads, self.index_head_dim)
+        q = self.wq_b(qr).to(qr.dtype).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
         w = (x.float() @ self.weights_proj.weight.float().T) * (
             self.index_head_dim**-0.5 * self.n_heads**-0.5

@@ -17,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels.linear import linear_f32_out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
-from deepinfer_engine.model.attention import Linear, RMSNorm
+from deepinfer_engine.model.attention import RMSNorm
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
 from deepinfer_engine.model.model import Block
 
@@ -189,7 +191,7 @@ def draft_block(model: nn.Module, batch: ForwardBatch, cache: ModelCache) -> Dra
         r, pre = st(r, ctx, pre)
     last = stages[-1]
     h = apply_hc_head(last, r, a) if a.has_hc_head else hc_pre(r, pre)
-    logits = torch.nn.functional.linear(last.norm(h).float(), model.head.weight.float())
+    logits = linear_f32_out(last.norm(h), model.head.weight)
     return DraftOutput(base_logits=logits, hidden=h)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
+from deepinfer_engine.model.linear import Linear, new_param, stored_torch_dtype
 
 # Smallest |g| before the square root: sqrt(1e-6) = 1e-3 is the gate's smallest distance from 0.5.
 GATE_CLAMP = 1e-6
@@ -37,11 +38,32 @@ def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps:
 
 
 class _Table(nn.Module):
-    """``engram.embed.weight [N, head_dim]`` (the loader dequantizes FP8 + ``embed.scale`` into it)."""
+    """``engram.embed.weight [N, head_dim]``: dense, or as stored (FP8 e4m3 rows + ``embed.scale [N, head_dim/32]``
+    UE8M0, decoded per looked-up row: the tables are the largest tensors of V4.1 and stay FP8 in memory)."""
 
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(rows, dim))
+        self.scale: nn.Parameter | None = None
+        self.group = dim
+
+    def use_checkpoint_format(self, stored: str, scale_dtype: str, block: tuple[int, int]) -> None:
+        if stored != "f8_e4m3" or block[0] != 1:
+            raise ModelConfigError(f"engram table: stored {stored!r} block {block}, expected f8_e4m3 rows (1, g)")
+        rows, dim = self.weight.shape
+        self.weight = new_param((rows, dim), torch.float8_e4m3fn, self.weight)
+        self.scale = new_param((rows, -(-dim // block[1])), stored_torch_dtype(scale_dtype), self.weight)
+        self.group = block[1]
+
+    def lookup(self, row_ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """row_ids [...] int64 -> rows [..., head_dim] in `dtype` (exact decode of the gathered rows only)."""
+        if self.scale is None:
+            return self.weight[row_ids].to(dtype)
+        from deepinfer_kernels.quant import dequant_fp8_block
+
+        w, s = self.weight[row_ids.reshape(-1)], self.scale[row_ids.reshape(-1)]
+        rows = dequant_fp8_block(w, s, (1, self.group))
+        return rows.view(*row_ids.shape, -1).to(dtype)
 
 
 class Engram(nn.Module):
@@ -58,7 +80,7 @@ class Engram(nn.Module):
         super().__init__()
         self.dim, self.hc_mult, self.num_lookups, self.eps = dim, hc_mult, num_lookups, eps
         self.embed = _Table(num_embeddings, head_dim)
-        self.wkv = nn.Linear(num_lookups * head_dim, (hc_mult + 1) * dim, bias=False)
+        self.wkv = Linear(num_lookups * head_dim, (hc_mult + 1) * dim, torch.float32)
         self.q_weight = nn.Parameter(torch.ones(hc_mult, dim))
         self.k_weight = nn.Parameter(torch.ones(hc_mult, dim))
 
@@ -70,8 +92,8 @@ class Engram(nn.Module):
             raise InputError(
                 f"engram row_ids: found {tuple(row_ids.shape)}, expected [{t}, {self.num_lookups}]"
             )
-        e = self.embed.weight[row_ids].reshape(t, -1)  # [T, lookups * head_dim]
-        kv = (e @ self.wkv.weight.to(e.dtype).T).view(t, self.hc_mult + 1, self.dim)
+        e = self.embed.lookup(row_ids, self.wkv.dtype).reshape(t, -1)  # [T, lookups * head_dim], model dtype
+        kv = self.wkv(e).view(t, self.hc_mult + 1, self.dim)
         keys, val = kv[:, : self.hc_mult], kv[:, self.hc_mult]
         gate = engram_gate(r, keys, self.q_weight, self.k_weight, self.eps)  # [T, hc]
         if image_mask is not None:

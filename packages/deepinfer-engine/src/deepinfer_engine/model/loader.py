@@ -1,32 +1,57 @@
-"""Build a `Transformer` from a checkpoint directory: every parameter by its checkpoint name (C's
-`CheckpointReader`, dequantized), shapes checked, missing / unexpected tensors rejected with `CheckpointError`.
+"""Build a `Transformer` from a checkpoint directory through per-parameter weight loaders.
 
-The one name table (`MODULE_TO_CHECKPOINT`) is the identity today: module names were chosen equal to the official
-reference names (architecture.md §6). A rename, if ever needed, goes into that table and nowhere else.
+Every checkpoint tensor name maps to one parameter (and, for routed experts, one slot of a stacked ``[E, ...]``
+parameter) by the one name table in `weight_names.py`; missing / unexpected tensors and shape mismatches raise
+`CheckpointError`. By default the model keeps the checkpoint's storage formats (FP8 e4m3 + UE8M0 block scales,
+FP4 e2m1 experts packed two per byte + scales, FP8 Engram tables): parameters of those formats receive the raw
+stored tensors, the others the decoded tensor in their own dtype (bf16 / fp32 as stored, cast to the model
+dtype where the model computes in it). `quantized=False` decodes everything at load instead (dense model).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 
 from deepinfer_engine.errors import CheckpointError
 from deepinfer_engine.model.inventory import optional_tensor_names
+from deepinfer_engine.model.linear import QUANTIZED_DTYPES, default_weight_loader
 from deepinfer_engine.model.model import Transformer
+from deepinfer_engine.model.weight_names import (
+    MODULE_TO_CHECKPOINT,
+    checkpoint_name,
+    checkpoint_to_param,
+    param_to_checkpoint,
+)
 
-__all__ = ["MODULE_TO_CHECKPOINT", "checkpoint_name", "load_model", "load_state_into"]
-
-# module state-dict name -> official checkpoint name, where they differ (none so far).
-MODULE_TO_CHECKPOINT: MappingProxyType[str, str] = MappingProxyType({})
+__all__ = [
+    "MODULE_TO_CHECKPOINT",
+    "checkpoint_name",
+    "checkpoint_to_param",
+    "expected_checkpoint_tensors",
+    "load_model",
+    "load_state_into",
+    "load_weights",
+]
 
 DRAFT_PREFIX = "mtp."
 
 
-def checkpoint_name(module_name: str) -> str:
-    return MODULE_TO_CHECKPOINT.get(module_name, module_name)
+def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named
+
+
+def expected_checkpoint_tensors(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
+    """checkpoint tensor name -> (parameter / buffer name, expert slot) for every tensor the model holds."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for pname, t in _named_tensors(model).items():
+        for ck, slot in param_to_checkpoint(pname, t.shape[0] if t.dim() else 0):
+            out[ck] = (pname, slot)
+    return out
 
 
 def _is_scale_companion(name: str, stored: set[str]) -> bool:
@@ -34,54 +59,76 @@ def _is_scale_companion(name: str, stored: set[str]) -> bool:
     return name.endswith(".scale") and name[: -len("scale")] + "weight" in stored
 
 
+def _load_one(target: torch.Tensor, tensor: torch.Tensor, slot: int | None, ck: str) -> None:
+    loader = getattr(target, "weight_loader", default_weight_loader)
+    try:
+        loader(target, tensor, slot)
+    except CheckpointError as exc:
+        raise CheckpointError(f"tensor '{ck}': {exc}") from None
+
+
+def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Give every meta parameter / buffer uninitialized storage on `device` (same objects, so the weight_loader
+    attributes and any sharing survive)."""
+    named = _named_tensors(model)
+    if not any(t.is_meta for t in named.values()):
+        return
+    # to_empty makes new Parameter objects when the device changes: carry the loader attributes over
+    extras = {n: dict(vars(t)) for n, t in named.items() if vars(t)}
+    model.to_empty(device=device)
+    after = _named_tensors(model)
+    for n, attrs in extras.items():
+        for k, v in attrs.items():
+            setattr(after[n], k, v)
+
+
+@torch.no_grad()
+def load_weights(model: Transformer, weights: object, *, device: torch.device | str | None = None) -> None:
+    """Load `(checkpoint name, tensor)` pairs (decoded float tensors, or stored ones for quantized parameters)
+    through the parameters' weight loaders; every tensor of the model must be given exactly once."""
+    expected = expected_checkpoint_tensors(model)
+    _materialize(model, device or "cpu")
+    named = _named_tensors(model)
+    seen: set[str] = set()
+    for ck, t in weights.items() if hasattr(weights, "items") else weights:
+        if ck not in expected:
+            raise CheckpointError(f"tensor '{ck}' is not part of the model built from its config")
+        pname, slot = expected[ck]
+        _load_one(named[pname], t, slot, ck)
+        seen.add(ck)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise CheckpointError(f"{len(missing)} model tensors were not given: {missing[:6]}")
+
+
 @torch.no_grad()
 def load_state_into(model: Transformer, reader: object, *, device: torch.device | str = "cpu") -> None:
-    """Copy every model tensor from `reader` (anything with `tensor_names()` and `load(name, dtype, device)`)."""
-    state = model.state_dict(keep_vars=True)
+    """Fill every model tensor from `reader` (anything with `tensor_names()`, `load(name, dtype, device)` and
+    `load_raw(name)`): quantized parameters get the stored tensors, dense ones the decoded tensor."""
     stored = set(reader.tensor_names())
-    weights = {n for n in stored if not _is_scale_companion(n, stored)}
     if not model.with_draft:
-        weights = {n for n in weights if not n.startswith(DRAFT_PREFIX)}
-    wanted = {checkpoint_name(k): k for k in state}
-    missing = sorted(set(wanted) - weights)
+        stored = {n for n in stored if not n.startswith(DRAFT_PREFIX)}
+    expected = expected_checkpoint_tensors(model)
+    missing = sorted(set(expected) - stored)
     # tensors the inventory declares optional (present or not in a release, never read) are dropped here
-    unexpected = sorted(weights - set(wanted) - optional_tensor_names(model.args))
+    optional = optional_tensor_names(model.args)
+    unexpected = sorted(n for n in stored - set(expected) - optional if not _is_scale_companion(n, stored))
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint tensors do not match the model built from its config: {len(missing)} missing "
             f"{missing[:6]}, {len(unexpected)} unexpected {unexpected[:6]}"
         )
-    # Parameters may live on the meta device (load_model builds there): every one is replaced by the tensor read
-    # from the checkpoint on `device` (no placeholder storage, no CPU staging copy). Parameters shared by several
-    # names stay shared (keyed by the placeholder's identity).
-    replaced: dict[int, torch.Tensor] = {}
-    owners = {name: mod for name, mod in model.named_modules(remove_duplicate=False)}
-    for ck, mod_name in wanted.items():
-        target = state[mod_name]
-        t = reader.load(ck, dtype=target.dtype if target.is_floating_point() else torch.float32, device=device)
-        if tuple(t.shape) != tuple(target.shape):
-            raise CheckpointError(
-                f"tensor '{ck}': checkpoint shape {list(t.shape)}, expected {list(target.shape)} from config.json"
-            )
-        t = t.to(device=device, dtype=target.dtype)
-        done = replaced.get(id(target))
-        if done is not None:
-            done.data = t
-            continue
-        owner_name, _, attr = mod_name.rpartition(".")
-        owner = owners[owner_name]
-        if attr in owner._parameters:
-            new: torch.Tensor = torch.nn.Parameter(t, requires_grad=target.requires_grad)
-            owner._parameters[attr] = new
+    _materialize(model, device)
+    named = _named_tensors(model)
+    for ck, (pname, slot) in expected.items():
+        target = named[pname]
+        if target.dtype in QUANTIZED_DTYPES or ck.endswith(".scale"):
+            t = reader.load_raw(ck)
         else:
-            new = t
-            owner._buffers[attr] = new
-        replaced[id(target)] = new
-        # the same placeholder may be registered under other module names (tied weights): point them here too
-        for other in (n for n, v in state.items() if v is target and n != mod_name):
-            o_name, _, o_attr = other.rpartition(".")
-            reg = owners[o_name]._parameters if o_attr in owners[o_name]._parameters else owners[o_name]._buffers
-            reg[o_attr] = new
+            t = reader.load(
+                ck, dtype=target.dtype if target.is_floating_point() else torch.float32, device=device
+            )
+        _load_one(target, t, slot, ck)
 
 
 def load_model(
@@ -91,22 +138,29 @@ def load_model(
     *,
     with_draft: bool = True,
     token_map: object | None = None,
+    quantized: bool = True,
+    quantize_activations: bool = False,
 ) -> Transformer:
-    """Transformer holding the dequantized weights of `ckpt_dir` (parameters in `dtype`, fp32 where the spec
-    keeps fp32: mHC, sinks, ape, gate bias, compressor projections). Engram models get their hasher from
-    `token_map` or the directory's tokenizer.json (architecture.md §C.6 token map)."""
+    """Transformer holding the weights of `ckpt_dir` on `device`: in their checkpoint formats (quantized=True,
+    the default) or decoded to `dtype`; float parameters in `dtype`, fp32 where the spec keeps fp32 (mHC,
+    sinks, ape, gate bias, compressor projections). quantize_activations: FP8 activation quantization before
+    every FP8 GEMM (deployed numerics). Engram models get their hasher from `token_map` or the directory's
+    tokenizer.json (architecture.md §C.6 token map)."""
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
     reader = CheckpointReader(ckpt_dir)
     try:
-        # build on the meta device (no storage, no init kernels), then materialize every parameter straight from
-        # the reader on the target device: peak memory = the model once, real-width checkpoints fit a GPU
+        # build on the meta device (no storage, no init kernels), then give every tensor storage on the target
+        # device once and fill it from the reader: peak memory = the model once, in its stored formats
         with torch.device("meta"):
-            model = Transformer(reader.args, dtype, with_draft=with_draft)
+            model = Transformer(
+                reader.args, dtype, with_draft=with_draft, quantized=quantized,
+                quantize_activations=quantize_activations,
+            )  # fmt: skip
         load_state_into(model, reader, device=device)
     finally:
         reader.close()
-    left = [n for n, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]
+    left = [n for n, v in _named_tensors(model).items() if v.is_meta]
     if left:
         raise CheckpointError(f"tensors not materialized from the checkpoint (still on meta): {left[:6]}")
     if reader.args.engram_layer_ids:

@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from deepinfer_kernels.linear import linear_f32_out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
-from deepinfer_engine.model.attention import Attention, Linear, RMSNorm
+from deepinfer_engine.model.attention import Attention, RMSNorm
 from deepinfer_engine.model.cache import ModelCache, upload
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 from deepinfer_engine.model.image_ids import image_positions, max_input_id
+from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import (
     add_hc_head_params,
     add_hc_mix_params,
@@ -63,7 +65,9 @@ class Block(nn.Module):
                 head_dim=args.engram_head_dim, num_lookups=args.engram_num_ngram_heads, eps=args.rms_norm_eps,
             ).to(dtype)  # fmt: skip
 
-    def forward(self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """r [T, n, d] -> (r' [T, n, d], pre of the FFN mixes [T, n] f32)."""
         if self.engram is not None:
             if ctx.engram_rows is None:
@@ -121,7 +125,14 @@ class ModelOutput:
 
 
 class Transformer(nn.Module):
-    """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits)."""
+    """`embed` → layers → head collapse (V4 hc_head / V4.1 last pre-mix) → `norm` → `head` (fp32 logits).
+
+    quantized: hold every tensor the checkpoint stores quantized in that format (FP8 / FP4 + scales, decoded in
+    the GEMMs; what load_model builds); False: dense weights in `dtype` (random-init tests). quantize_activations
+    (with quantized): FP8 Linears quantize their inputs to e4m3 per 1 x block channels (deployed numerics).
+    deployed_numerics: round every KV write / indexer operand through the checkpoint's cache record formats
+    (engine option ``kv_cache_dtype="auto"``, kv_numerics.py); False keeps full-precision KV.
+    """
 
     def __init__(
         self,
@@ -129,11 +140,13 @@ class Transformer(nn.Module):
         dtype: torch.dtype = torch.float32,
         *,
         with_draft: bool = True,
+        quantized: bool = False,
+        quantize_activations: bool = False,
         deployed_numerics: bool = False,
     ) -> None:
-        """deployed_numerics: round every KV write / indexer operand through the checkpoint's cache record
-        formats (engine option ``kv_cache_dtype="auto"``, kv_numerics.py); False keeps full-precision KV."""
         super().__init__()
+        if quantize_activations and not quantized:
+            raise ModelConfigError("quantize_activations needs quantized=True (FP8 weights in memory)")
         self.args = args
         self.with_draft = with_draft
         self.dtype = dtype
@@ -157,6 +170,11 @@ class Transformer(nn.Module):
                 self.mtp = dspark.build_stages(args, dtype)
             else:
                 self.mtp = nn.ModuleList(MTPBlock(args, p, dtype) for p in drafts)
+        self.quantized = quantized
+        if quantized:
+            from deepinfer_engine.model.weight_formats import apply_checkpoint_formats
+
+            apply_checkpoint_formats(self, args, quantize_activations=quantize_activations)
         self.set_deployed_numerics(deployed_numerics)
 
     def set_deployed_numerics(self, on: bool, *, cache_records: bool = False) -> None:
@@ -260,8 +278,8 @@ class Transformer(nn.Module):
         else:
             pre_last = pre
             h = hc_pre(rows, pre[batch.logits_indices])
-        # fp32 logits: head.weight.float() @ h.float() as the reference (§A.1)
-        logits = torch.nn.functional.linear(self.norm(h).float(), self.head.weight.float())
+        # fp32 logits (§A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
+        logits = linear_f32_out(self.norm(h), self.head.weight)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> Tensor:
@@ -278,4 +296,4 @@ class Transformer(nn.Module):
         ctx = ForwardContext.build(batch, cache, host=host)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
-        return torch.nn.functional.linear(h[batch.logits_indices].float(), self.head.weight.float())
+        return linear_f32_out(h[batch.logits_indices], self.head.weight)

@@ -1,18 +1,19 @@
 """MoE of every layer (architecture.md §A.8, §C.5): Gate (sqrtsoftplus, bias for selection, V4 hash routing by
-`tid2eid`, V4.1 `bias_vl` at image positions, docs/fidelity.md §2), routed experts (clamped SwiGLU) and the
-shared expert."""
+`tid2eid`, V4.1 `bias_vl` at image positions, docs/fidelity.md §2), routed experts stacked `[E, ...]` (clamped
+SwiGLU) and the shared expert."""
 
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels.moe import moe_experts, swiglu_expert
+from deepinfer_kernels.moe import StackedExperts, moe_experts
 from deepinfer_kernels.routing import gate_scores, select_experts
 from torch import Tensor, nn
 
-from deepinfer_engine.model.attention import Linear
+from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.image_ids import image_positions
+from deepinfer_engine.model.linear import Linear, new_param, stacked_weight_loader, stored_torch_dtype
 
-__all__ = ["Expert", "Gate", "MoE"]
+__all__ = ["Expert", "ExpertWeight", "Experts", "Gate", "MoE"]
 
 
 class Gate(nn.Module):
@@ -57,7 +58,8 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    """`w1` (gate) [I, d], `w3` (up) [I, d], `w2` (down) [d, I]; clamped SwiGLU (§2)."""
+    """`w1` (gate) [I, d], `w3` (up) [I, d], `w2` (down) [d, I]; clamped SwiGLU (§2). The shared expert: its
+    Linears hold FP8 weights once the model uses the checkpoint formats."""
 
     def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -67,7 +69,66 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return swiglu_expert(x, self.w1.weight, self.w3.weight, self.w2.weight, self.limit)
+        # the arithmetic of deepinfer_kernels.moe.swiglu_expert: gate / up in fp32, h in x's dtype
+        g = self.w1(x).float()
+        u = self.w3(x).float()
+        if self.limit > 0:
+            g = g.clamp(max=self.limit)
+            u = u.clamp(min=-self.limit, max=self.limit)
+        return self.w2((torch.nn.functional.silu(g) * u).to(x.dtype))
+
+
+class ExpertWeight(nn.Module):
+    """One of `experts.{w1,w2,w3}` stacked over the layer's experts: `weight [E, out, in]` dense, or as stored
+    (FP4 `[E, out, in/2] int8` + `scale [E, out, in/32]` e8m0; FP8 `[E, out, in]` + block `scale`). Checkpoint
+    tensor `experts.{e}.{w}.weight` fills slot e (stacked_weight_loader)."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape = (num_experts, out_features, in_features)
+        self.fmt = "dense"
+        self.block: tuple[int, int] = (1, 32)
+        self.weight = new_param(self.shape, dtype, torch.empty(0), stacked_weight_loader)
+        self.scale: nn.Parameter | None = None
+
+    def use_checkpoint_format(self, stored: str, scale_dtype: str, block: tuple[int, int]) -> None:
+        e, o, i = self.shape
+        b0, b1 = block
+        if stored == "fp4_e2m1x2":
+            self.fmt, shape = "fp4", (e, o, i // 2)
+        elif stored == "f8_e4m3":
+            self.fmt, shape = "fp8", (e, o, i)
+        else:
+            raise ModelConfigError(f"routed experts: stored format {stored!r}, expected fp4_e2m1x2 or f8_e4m3")
+        self.weight = new_param(shape, stored_torch_dtype(stored), self.weight, stacked_weight_loader)
+        scale_shape = (e, -(-o // b0), -(-i // b1))
+        self.scale = new_param(scale_shape, stored_torch_dtype(scale_dtype), self.weight, stacked_weight_loader)
+        self.block = (b0, b1)
+
+
+class Experts(nn.Module):
+    """`ffn.experts.*`: the routed experts of one layer, stacked; no per-expert module, no loop in the forward
+    (the grouped kernel on CUDA; the torch reference decodes the experts a step uses)."""
+
+    def __init__(self, num_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.limit = limit
+        self.w1 = ExpertWeight(num_experts, inter, dim, dtype)
+        self.w2 = ExpertWeight(num_experts, dim, inter, dtype)
+        self.w3 = ExpertWeight(num_experts, inter, dim, dtype)
+
+    def __len__(self) -> int:
+        return self.w1.shape[0]
+
+    def stacked(self) -> StackedExperts:
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        return StackedExperts(
+            w1.weight, w3.weight, w2.weight, w1.scale, w3.scale, w2.scale, fmt=w1.fmt, block=w1.block
+        )
+
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x))."""
+        return moe_experts(x, weights, ids, self.stacked(), self.limit)
 
 
 class MoE(nn.Module):
@@ -78,12 +139,11 @@ class MoE(nn.Module):
         d, inter = args.hidden_size, args.moe_intermediate_size
         self.limit = args.swiglu_limit
         self.gate = Gate(args, plan, dtype)
-        self.experts = nn.ModuleList(Expert(d, inter, self.limit, dtype) for _ in range(plan.n_routed_experts))
+        self.experts = Experts(plan.n_routed_experts, d, inter, self.limit, dtype)
         self.shared_experts = Expert(d, inter * args.n_shared_experts, self.limit, dtype)
 
     def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
         """x [T, d] (ffn_norm output), input_ids [T] raw ids -> [T, d] in x's dtype."""
         weights, ids = self.gate(x, input_ids)
-        experts = [(e.w1.weight, e.w3.weight, e.w2.weight) for e in self.experts]
-        y = moe_experts(x, weights, ids, experts, self.limit)
+        y = self.experts(x, weights, ids)
         return (y + self.shared_experts(x).float()).to(x.dtype)

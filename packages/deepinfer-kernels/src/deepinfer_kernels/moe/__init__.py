@@ -1,4 +1,10 @@
-"""MoE experts: clamped SwiGLU expert and the routed combine (architecture.md §2, §A.8). Reference backend only."""
+"""MoE experts: clamped SwiGLU expert and the routed combine (architecture.md §2, §A.8).
+
+`moe_experts` takes the experts either as a sequence of float ``(w1, w3, w2)`` or as one `StackedExperts`
+(``[E, ...]`` in the checkpoint format). Torch reference everywhere (per-call exact decode of the experts a step
+uses); on CUDA the FP4 experts run the Triton grouped W4A16 path (device-side permutation, fused SwiGLU, no host
+read).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +13,49 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.moe import reference
 from deepinfer_kernels.moe.reference import swiglu_expert
+from deepinfer_kernels.moe.stacked import EXPERT_FORMATS, StackedExperts
 
-__all__ = ["moe_experts", "swiglu_expert"]
+__all__ = ["EXPERT_FORMATS", "StackedExperts", "moe_experts", "swiglu_expert"]
 
 
 def moe_experts(
-    x: Tensor, weights: Tensor, ids: Tensor, experts: Sequence[tuple[Tensor, Tensor, Tensor]], limit: float
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    experts: Sequence[tuple[Tensor, Tensor, Tensor]] | StackedExperts,
+    limit: float,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
-    """x [T, d]; weights [T, k] fp32; ids [T, k] int64 in [0, E); experts[e] = (w1 [I,d], w3 [I,d], w2 [d,I]).
-    Returns [T, d] fp32 (sum of weighted expert outputs; shared experts are the caller's)."""
+    """x [T, d]; weights [T, k] fp32; ids [T, k] int64 in [0, E); experts[e] = (w1 [I,d], w3 [I,d], w2 [d,I])
+    or a `StackedExperts`. Returns [T, d] fp32 (sum of weighted expert outputs; shared experts are the caller's).
+
+    backend: "auto" | "torch" | "triton" (Triton: FP4 stacked experts, x bf16 / fp16 / fp32, d and I multiples
+    of 32). The reference checks the id range (one host read); the Triton path trusts the router's ids."""
     if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}")
+        raise ValueError(
+            f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}"
+        )
+    stacked = isinstance(experts, StackedExperts)
+    ok = (
+        stacked
+        and experts.fmt == "fp4"
+        and x.dim() == 2
+        and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and x.shape[1] == experts.hidden
+        and x.shape[1] % 32 == 0
+        and experts.inter % 32 == 0
+    )
+    why = "needs StackedExperts in fp4 with d, I multiples of 32 and a float x"
+    tensors = (x, experts.w1) if stacked else (x,)
+    if resolve_backend("moe_experts", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.moe import triton as triton_backend
+
+        e = experts
+        return triton_backend.moe_experts_fp4(x, weights, ids, e.w1, e.w3, e.w2, e.s1, e.s3, e.s2, limit)
     if ids.numel():
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read for both bounds
         if lo < 0 or hi >= len(experts):

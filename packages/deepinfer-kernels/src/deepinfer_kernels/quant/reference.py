@@ -18,12 +18,15 @@ __all__ = [
     "E2M1_VALUES",
     "FP8_E4M3_MAX",
     "FP4_E2M1_MAX",
+    "act_quant_fp8",
     "dequant_fp4",
     "dequant_fp8_block",
     "e2m1_lut",
     "e8m0_to_float",
+    "fake_quant_act_fp8",
     "float_to_e8m0",
     "pack_fp4",
+    "pow2_ceil_scale",
     "quant_fp4",
     "quant_fp8_block",
     "unpack_fp4",
@@ -71,7 +74,10 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+    if scale.dtype == torch.float8_e8m0fnu:
+        # torch's own conversion: exact, 255 -> NaN (tests compare it with e8m0_to_float on all 256 codes)
+        return scale.to(torch.float32)
+    if scale.dtype == torch.uint8:
         return e8m0_to_float(scale)
     if scale.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return scale.to(torch.float32)
@@ -80,6 +86,15 @@ def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
 
 def _expand_blocks(s: torch.Tensor, rows: int, cols: int, b0: int, b1: int) -> torch.Tensor:
     return s.repeat_interleave(b0, dim=0)[:rows].repeat_interleave(b1, dim=1)[:, :cols]
+
+
+def _apply_blocks(w: torch.Tensor, s: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+    """w [rows, cols] float32 times the block scales s [ceil(rows/b0), ceil(cols/b1)] (one broadcast multiply when
+    the blocks tile w exactly: this runs on every reference GEMM call)."""
+    rows, cols = w.shape
+    if rows % b0 == 0 and cols % b1 == 0:
+        return (w.view(rows // b0, b0, cols // b1, b1) * s[:, None, :, None]).view(rows, cols)
+    return w * _expand_blocks(s, rows, cols, b0, b1)
 
 
 def dequant_fp8_block(
@@ -101,17 +116,14 @@ def dequant_fp8_block(
             f"dequant_fp8_block: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} "
             f"with block {(b0, b1)}; expected {want}"
         )
-    w = weight.to(torch.float32)
-    return w * _expand_blocks(_scale_to_float(scale), rows, cols, b0, b1)
+    return _apply_blocks(weight.to(torch.float32), _scale_to_float(scale), b0, b1)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., in/2] int8`` (two e2m1 codes per byte, low nibble first) -> ``[..., in] float32`` code values."""
     u = _as_uint8(packed)
-    lut = e2m1_lut(u.device)
-    lo = (u & 0x0F).long()
-    hi = (u >> 4).long()
-    return torch.stack([lut[lo], lut[hi]], dim=-1).flatten(-2)
+    codes = torch.stack([u & 0x0F, u >> 4], dim=-1).long()  # [..., in/2, 2]: low nibble first
+    return e2m1_lut(u.device)[codes].flatten(-2)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -134,8 +146,52 @@ def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, block: int = 32) -> t
             f"dequant_fp4: scale shape {tuple(scale.shape)} does not match packed weight {tuple(weight.shape)} "
             f"(logical [{rows}, {cols}]) with 1x{block} blocks; expected {want}"
         )
-    v = unpack_fp4(weight)
-    return v * _expand_blocks(_scale_to_float(scale), rows, cols, 1, block)
+    return _apply_blocks(unpack_fp4(weight), _scale_to_float(scale), 1, block)
+
+
+# ------------------------------------------------------------------------------------------------
+# dynamic activation quantization (FP8 e4m3, one power-of-two scale per 1 x group channels)
+
+# Smallest group amax used for a scale: an all-zero group gets a tiny finite scale instead of 0 (DeepSeek's rule).
+ACT_AMAX_MIN = 1e-4
+
+
+def pow2_ceil_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(fp32(amax * fp32(1/448))))`` as float32 (amax clamped to >= 1e-4).
+
+    Bit-exact definition shared with the Triton kernels: the product is rounded to fp32 first, then the
+    power of two is read off its exponent field (+1 when any mantissa bit is set), so every backend gets the
+    same scale. Because of that rounding, max |x| / s may exceed 448 by a rounding step; quantizers clamp.
+    """
+    x = amax.to(torch.float32).clamp(min=ACT_AMAX_MIN) * torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32)
+    bits = x.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exp << 23).view(torch.float32)
+
+
+def act_quant_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` float -> (``[..., K] float8_e4m3fn``, scales ``[..., ceil(K/group)] float32`` powers of two).
+
+    Per 1 x group channels: s = pow2_ceil_scale(max |x|), q = e4m3(clamp(x / s, -448, 448)) (round to nearest
+    even). A partial last group uses its own amax.
+    """
+    k = x.shape[-1]
+    ng = -(-k // group)
+    xf = x.to(torch.float32)
+    pad = torch.zeros(*x.shape[:-1], ng * group, dtype=torch.float32, device=x.device)
+    pad[..., :k] = xf
+    amax = pad.abs().view(*x.shape[:-1], ng, group).amax(dim=-1)
+    s = pow2_ceil_scale(amax)
+    sx = s.repeat_interleave(group, dim=-1)[..., :k]
+    q = (xf / sx).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def fake_quant_act_fp8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``act_quant_fp8`` then back: ``[..., K] float32`` values q * s (exactly representable in bf16 too)."""
+    q, s = act_quant_fp8(x, group)
+    return q.to(torch.float32) * s.repeat_interleave(group, dim=-1)[..., : x.shape[-1]]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,90 @@
+"""Linear layers over weights in their checkpoint formats: FP8 e4m3 block-scaled (dequantized in the kernel,
+optional FP8 activation quantization) and the float32-output LM head. Torch references; Triton on CUDA.
+
+Shapes: M rows (tokens), K input features, N output features.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepinfer_kernels._backend import resolve_backend
+from deepinfer_kernels.linear import reference
+
+__all__ = ["fp8_linear", "linear_f32_out"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_block(op: str, weight: Tensor, scale: Tensor, block: tuple[int, int]) -> None:
+    n, k = weight.shape
+    want = (-(-n // block[0]), -(-k // block[1]))
+    if tuple(scale.shape) != want:
+        raise ValueError(
+            f"{op}: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} with block "
+            f"{tuple(block)}; expected {want}"
+        )
+
+
+def fp8_linear(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    block: tuple[int, int],
+    *,
+    act_quant: bool = False,
+    backend: str = "auto",
+) -> Tensor:
+    """``y = x Wᵀ`` with W FP8 e4m3 block-scaled, decoded inside the kernel (no dequantized copy).
+
+    x ``[..., K]`` bf16 / fp16 / fp32; weight ``[N, K] float8_e4m3fn``; scale ``[ceil(N/b0), ceil(K/b1)]``
+    ``float8_e8m0fnu`` (UE8M0) or float32; block ``(b0, b1)`` (V4.1 (32, 32), V4 (128, 128)) -> ``[..., N]`` in x's
+    dtype. ``act_quant``: quantize x to e4m3 with one power-of-two scale per 1 x b1 channels first (the deployed
+    numerics; `deepinfer_kernels.quant.act_quant_fp8`). backend: "auto" | "torch" | "triton".
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"fp8_linear: weight must be [N, K] float8_e4m3fn, found {weight.dtype} {tuple(weight.shape)}"
+        )
+    if x.shape[-1] != weight.shape[1] or x.dtype not in _FLOATS:
+        raise ValueError(
+            f"fp8_linear: x {x.dtype} {tuple(x.shape)} does not match weight [N, K={weight.shape[1]}]"
+        )
+    _check_block("fp8_linear", weight, scale, block)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and (
+        not act_quant or block[1] in (16, 32, 64, 128)
+    )
+    why = f"scale {scale.dtype}, act_quant group {block[1]}; needs e8m0/f32 scales and a power-of-two group"
+    if resolve_backend("fp8_linear", backend, x2, weight, scale, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.linear import triton as triton_backend
+
+        y = triton_backend.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant)
+    else:
+        y = reference.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant)
+    return y.reshape(*lead, weight.shape[0])
+
+
+def linear_f32_out(x: Tensor, weight: Tensor, *, backend: str = "auto") -> Tensor:
+    """``y = x Wᵀ`` as float32 without converting W: x ``[..., K]``, weight ``[N, K]`` (bf16 / fp16 / fp32) ->
+    ``[..., N] float32``. On CUDA the kernel reads W in its dtype and accumulates in fp32 (the LM head's
+    129,280 x d bf16 weight is never copied to fp32). A float32 weight is a plain fp32 matmul."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_f32_out: x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [..., K], [N, K]"
+        )
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if weight.dtype == torch.float32:
+        return torch.nn.functional.linear(x2.float(), weight).reshape(*lead, weight.shape[0])
+    ok = weight.dtype in _FLOATS and x.dtype in _FLOATS
+    why = f"x {x.dtype}, weight {weight.dtype}"
+    if resolve_backend("linear_f32_out", backend, x2, weight, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.linear import triton as triton_backend
+
+        y = triton_backend.linear_f32_out(x2, weight)
+    else:
+        y = reference.linear_f32_out(x2, weight)
+    return y.reshape(*lead, weight.shape[0])

@@ -1,0 +1,111 @@
+"""Triton `linear` kernels vs the torch references: CPU interpreter at tiny irregular shapes; `gpu` at V4.1 / V4
+shapes (M = 1..256).
+
+Tolerances: fp32 (exact fp32 dots): atol 1e-5 relative to max |ref|; act_quant in fp32 is bit-identical in the
+quantized activations, so the same. bf16 interpreter: 1 ULP (it truncates f32 -> bf16). bf16 GPU: max |Δ| <=
+1e-2 max |ref| (bf16 output rounding + fp32 accumulation order vs cuBLAS). LM head (bf16 in, fp32 out) vs the
+fp32 reference: max |Δ| <= 1e-5 max |ref| (same products, different summation order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from deepinfer_kernels.linear import reference
+from deepinfer_kernels.quant import quant_fp8_block
+from deepinfer_kernels.testing import triton_interpreter
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.fixture(scope="module")
+def interp():
+    with triton_interpreter("deepinfer_kernels.linear.triton") as (mod,):
+        yield mod
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block"), [(3, 40, 96, (32, 32)), (17, 33, 70, (32, 32)), (2, 130, 256, (128, 128))]
+)
+def test_fp8_linear_interpreter(interp, m, n, k, block):
+    g = torch.Generator().manual_seed(m + n)
+    q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, block)
+    x = torch.randn(m, k, generator=g)
+    for aq in (False, True):
+        got = interp.fp8_linear(x, q, s, block, act_quant=aq)
+        assert _rel(got, reference.fp8_linear(x, q, s, block, act_quant=aq)) <= 1e-5, aq
+    xb = x.bfloat16()
+    got = interp.fp8_linear(xb, q, s, block, act_quant=True)
+    want = reference.fp8_linear(xb, q, s, block, act_quant=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-2)
+
+
+def test_fp8_linear_interpreter_float32_scales(interp):
+    g = torch.Generator().manual_seed(3)
+    q, s = quant_fp8_block(torch.randn(20, 128, generator=g), 128, scale_fmt=None)
+    assert s.dtype == torch.float32
+    x = torch.randn(2, 128, generator=g)
+    assert (
+        _rel(
+            interp.fp8_linear(x, q, s, (128, 128), act_quant=False), reference.fp8_linear(x, q, s, (128, 128))
+        )
+        <= 1e-5
+    )
+
+
+def test_linear_f32_out_interpreter(interp):
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(50, 72, generator=g).bfloat16()
+    x = torch.randn(3, 72, generator=g).bfloat16()
+    got = interp.linear_f32_out(x, w)
+    assert got.dtype == torch.float32 and _rel(got, reference.linear_f32_out(x, w)) <= 1e-6
+    assert interp.linear_f32_out(x[:0], w).shape == (0, 50)
+
+
+# ---------------------------------------------------------------------------------------------- GPU, real shapes
+V41 = [(1280, 5120), (32768, 1280), (5120, 8192), (2304, 5120), (5120, 2304)]
+
+
+def _random_fp8(n: int, k: int, block: tuple[int, int], g: torch.Generator, device: str):
+    w = torch.randint(-126, 127, (n, k), generator=g, dtype=torch.int8)
+    w = torch.where((w & 0x7F) == 0x7F, torch.zeros_like(w), w)  # no NaN codes
+    q = w.view(torch.float8_e4m3fn).to(device)
+    sb = torch.randint(118, 124, (-(-n // block[0]), -(-k // block[1])), generator=g, dtype=torch.uint8)
+    return q, sb.view(torch.float8_e8m0fnu).to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16, 64, 256])
+@pytest.mark.parametrize("act_quant", [False, True])
+def test_fp8_linear_gpu_v41_shapes(m, act_quant):
+    from deepinfer_kernels.linear import fp8_linear
+
+    g = torch.Generator().manual_seed(m)
+    for n, k in V41 + [(1024, 4096)]:
+        block = (128, 128) if (n, k) == (1024, 4096) else (32, 32)
+        q, s = _random_fp8(n, k, block, g, "cuda")
+        x = torch.randn(m, k, generator=g).cuda().bfloat16()
+        got = fp8_linear(x, q, s, block, act_quant=act_quant, backend="triton")
+        want = reference.fp8_linear(x.float(), q, s, block, act_quant=act_quant)
+        assert got.dtype == torch.bfloat16 and _rel(got, want) <= 1e-2, (n, k)
+        got32 = fp8_linear(x.float(), q, s, block, act_quant=act_quant, backend="triton")
+        assert _rel(got32, want) <= 1e-5, (n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_lm_head_gpu(m):
+    from deepinfer_kernels.linear import linear_f32_out
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    w = (torch.randn(129280, 5120, generator=g, device="cuda") / 70).bfloat16()
+    x = torch.randn(m, 5120, generator=g, device="cuda").bfloat16()
+    got = linear_f32_out(x, w, backend="triton")
+    assert got.dtype == torch.float32 and _rel(got, reference.linear_f32_out(x, w)) <= 1e-5
