@@ -276,7 +276,8 @@ def model_dir_of(config: EngineConfig) -> Path:
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool):
     from deepinfer_engine.model.loader import load_model
 
-    model = load_model(model_dir, dtype=dtype, device=device)
+    # deployed numerics: FP8 activation quantization before every FP8 GEMM and the KV record formats
+    model = load_model(model_dir, dtype=dtype, device=device, quantize_activations=deployed)
     model.set_deployed_numerics(deployed, cache_records=cache_records)
     model.eval()
     return model
