@@ -1,4 +1,4 @@
-"""Acceptance statistics of speculative decoding (runtime.md §1.7): histogram of accepted drafts, mean accepted
+"""Acceptance statistics of speculative decoding (docs/dspark.md): histogram of accepted drafts, mean accepted
 length tau (includes the bonus/correction token), per-position acceptance, verification efficiency, confidence
 calibration error. Host-side accumulators (plain ints / floats); imports torch only to read tensors."""
 
@@ -60,7 +60,7 @@ class AcceptanceStats:
         """Add one step: `num_accepted [B]`, `num_drafts [B]` (verified drafts per request); `num_proposed [B]`
         drafts proposed per request (default: block_size each); optionally the
         predicted `confidence [B, N]` and the analytic `accept_prob [B, N]` (AcceptResult.accept_prob) to track
-        mean |c - accept_prob| over verified positions (runtime.md §1.5 `batch_confidence_error`)."""
+        mean |c - accept_prob| over verified positions."""
         acc = _as_list("num_accepted", num_accepted)
         ver = _as_list("num_drafts", num_drafts)
         if len(acc) != len(ver):

@@ -1,5 +1,5 @@
 """Verification of speculative drafts against the target model: greedy acceptance and exact rejection-sampling
-acceptance (runtime.md §1.5), batched over requests that verify different numbers of drafts. Imports torch only.
+acceptance (docs/dspark.md), batched over requests that verify different numbers of drafts. Imports torch only.
 
 Layout shared by every function here (B requests, N = max drafts in the batch, V vocab):
   target rows `[R, V]`, R = sum_b (num_drafts[b] + 1), sequence-major: request b owns num_drafts[b] + 1 consecutive
@@ -184,8 +184,8 @@ def rejection_accept(
 
     target_probs: `[R, V] float` normalised target distributions (after temperature / top-k / top-p), varlen rows.
     draft_probs: `[B, N, V] float` the draft distributions q_j the drafts were sampled from.
-    generator / uniforms: randomness, see `verify_uniforms`; `uniforms [B, N + 1]` (e.g. from a counter-based hash,
-        runtime.md §1.5) takes precedence; then the only host syncs left are the input checks (num_drafts range,
+    generator / uniforms: randomness, see `verify_uniforms`; `uniforms [B, N + 1]` (e.g. `verify_counter_uniforms`)
+        takes precedence; then the only host syncs left are the input checks (num_drafts range,
         row count, draft id range).
     draft_prob_penalty: alpha in the residual. 1.0 is the exact textbook rule; DeepInfer uses exp(-5e-5) so that a
         rounding-level p ~= q does not leave an all-zero residual (a tiny, bounded bias) [I].
