@@ -615,10 +615,21 @@ def profile_latency(model, batch: int, *, ema: float):
     return LatencyModel.profile(step, [batch * k for k in range(1, N + 2)], warmup=1, repeats=5, ema=ema)
 
 
+def _latency(spec: str, model, batch: int, ema: float):
+    from deepinfer_dspark import LatencyModel
+
+    if spec == "profile":
+        return profile_latency(model, batch, ema=ema)
+    base, slope = (float(x) for x in spec.removeprefix("affine:").split(","))
+    return LatencyModel.affine(base, slope, batch * 8, ema=ema)
+
+
 def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: int = 48, seed: int = 1000,
-            temperatures: tuple[float, ...] = (0.0, 1.0), threshold: float = 0.5, latency_spec: str = "profile",
-            ema: float = 0.05, threads: int = 1, log: Callable[[str], None] = print) -> dict:
-    """Per policy and temperature: mean accepted length, verified draft tokens per step, tokens/s (this CPU)."""
+            temperatures: tuple[float, ...] = (0.0, 1.0), threshold: float = 0.5,
+            latency_specs: tuple[str, ...] = ("profile",), ema: float = 0.05, threads: int = 1,
+            log: Callable[[str], None] = print) -> dict:
+    """Per temperature: plain decoding, then verify_all, threshold and cost (once per latency spec): mean accepted
+    length, verified draft tokens per step, tokens/s on this machine."""
     from deepinfer_dspark import LatencyModel, VerifyPolicy
     from deepinfer_engine.model.loader import load_model
 
@@ -626,26 +637,26 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
     model = load_model(ckpt, dtype=torch.float32)
     data = sequences(tokenize(corpus_sentences(seed, 400), ckpt / "tokenizer.json"), prompt_len)
     prompts = data[:batch]
-    if latency_spec == "profile":
-        latency0 = profile_latency(model, batch, ema=ema)
-    else:
-        base, slope = (float(x) for x in latency_spec.removeprefix("affine:").split(","))
-        latency0 = LatencyModel.affine(base, slope, batch * 8, ema=ema)
-    log(f"latency curve: {dict(zip(latency0.sizes, [round(t * 1e3, 2) for t in latency0.seconds]))} ms")
-    policies = {"verify_all": VerifyPolicy(kind="verify_all"),
-                "threshold": VerifyPolicy(kind="threshold", threshold=threshold),
-                "cost": VerifyPolicy(kind="cost")}
+    curves = {spec: _latency(spec, model, batch, ema) for spec in latency_specs}
+    for spec, c in curves.items():
+        log(f"latency {spec}: {dict(zip(c.sizes, [round(t * 1e3, 2) for t in c.seconds]))} ms")
     report: dict = {"settings": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
-                                 "threshold": threshold, "latency": latency_spec, "ema": ema, "threads": threads,
-                                 "latency_ms": [round(t * 1e3, 3) for t in latency0.seconds],
-                                 "latency_sizes": latency0.sizes}, "runs": []}
+                                 "threshold": threshold, "ema": ema, "threads": threads,
+                                 "latency": {k: {"sizes": c.sizes, "ms": [round(t * 1e3, 3) for t in c.seconds]}
+                                             for k, c in curves.items()}}, "runs": []}
+    runs = [("verify_all", VerifyPolicy(kind="verify_all"), None, ""),
+            ("threshold", VerifyPolicy(kind="threshold", threshold=threshold), None, "")]
+    runs += [(f"cost[{k}]", VerifyPolicy(kind="cost"), c, k) for k, c in curves.items()]
     for temp in temperatures:
         ref = generate(model, prompts, new_tokens, temperature=temp, seed=seed)
         report["runs"].append({"policy": "none", "temperature": temp, "steps": ref["steps"],
                                "tokens_per_s": ref["generated"] / ref["seconds"]})
-        for name, pol in policies.items():
-            lat = LatencyModel(latency0.sizes, latency0.seconds, ema=ema)
-            r = generate(model, prompts, new_tokens, policy=pol, latency=lat, temperature=temp, seed=seed)
+        log(json.dumps(report["runs"][-1]))
+        for name, pol, curve, spec in runs:
+            lat = None if curve is None else LatencyModel(curve.sizes, curve.seconds, ema=ema)
+            # only a measured curve is corrected with this machine's timings; an affine one models another device
+            r = generate(model, prompts, new_tokens, policy=pol, latency=lat, temperature=temp, seed=seed,
+                         online=spec == "profile")
             st = r["stats"]
             row = {"policy": name, "temperature": temp, "steps": r["steps"],
                    "mean_accepted_length": st.mean_accepted_length,
@@ -678,14 +689,16 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--prompt-len", type=int, default=16)
     m.add_argument("--new-tokens", type=int, default=48)
     m.add_argument("--threshold", type=float, default=0.5)
-    m.add_argument("--latency", default="profile", help="'profile' (time the target forward) or 'affine:BASE,SLOPE' seconds")
+    m.add_argument("--latency", action="append", default=None,
+                   help="'profile' (time the target forward at start-up) or 'affine:BASE,SLOPE' (seconds, seconds per "
+                        "query token); repeat for several cost-policy runs")
     m.add_argument("--ema", type=float, default=0.05)
     m.add_argument("--threads", type=int, default=1)
     m.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "measure":
         rep = measure(args.ckpt, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                      threshold=args.threshold, latency_spec=args.latency, ema=args.ema, threads=args.threads)
+                      threshold=args.threshold, latency_specs=tuple(args.latency or ["profile"]), ema=args.ema, threads=args.threads)
         if args.json:
             args.json.write_text(json.dumps(rep, indent=2) + "\n")
     if args.cmd == "build":
