@@ -21,8 +21,9 @@ What is trained (the engine's tiny V4.1 config and model code, unchanged):
 - both phases run the engine's own module code with autograd on: `Transformer.forward_features`,
   `dspark.insert_context` and `dspark.draft_block` are decorated `torch.no_grad()` for inference; this script
   calls the undecorated functions (`__wrapped__`) so the trained forward is exactly the inference forward.
-- the last part of each phase trains through the checkpoint's quantization (FP8 e4m3 32x32 blocks, FP4 e2m1
-  experts) with a straight-through estimator, so the written (quantized) checkpoint behaves like the trained one.
+- the target is trained in fp32 and then rounded to the checkpoint's formats (FP8 e4m3 32x32 blocks, FP4 e2m1
+  experts, bf16) before the drafter phase, so the drafter learns the target as the engine loads it; the last
+  `draft_qat_fraction` of the drafter's steps run through the same quantization with a straight-through estimator.
 
 The checkpoint is written by the engine's writer (layout, index, config, tokenizer files) with the trained tensors
 quantized exactly as the writer quantizes random ones, and is loaded back with `load_model` for measurement.
@@ -375,8 +376,8 @@ def train_draft(model, data: Tensor, feats: Tensor, tlp: Tensor, vocab: Vocab, *
 # --------------------------------------------------------------------------------------------------------------
 BUILD_DEFAULTS = {
     "seed": 0, "sentences": 3000, "seq_len": 64,
-    "target_steps": 150, "target_batch": 8, "target_lr": 3e-3,
-    "draft_steps": 150, "draft_blocks": 64, "draft_lr": 3e-3,
+    "target_steps": 150, "target_batch": 8, "target_lr": 6e-3,
+    "draft_steps": 150, "draft_blocks": 64, "draft_lr": 5e-3,
     "target_qat_fraction": 0.0, "draft_qat_fraction": 0.2,
 }
 
@@ -413,13 +414,19 @@ def write_trained_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
                   metadata={"format": "pt"})
 
 
-def build(out: Path, *, threads: int = 1, log: Callable[[str], None] = print, **kw: object) -> dict:
-    """Deterministically build the trained testbed checkpoint into `out`; returns a summary dict."""
+def build(out: Path, *, threads: int = 1, force: bool = False, log: Callable[[str], None] = print,
+          **kw: object) -> dict:
+    """Deterministically build the trained testbed checkpoint into `out` (skipped when `out/testbed.json` records
+    the same settings, unless `force`); returns the summary dict."""
     from deepinfer_engine.model.loader import load_model
     from deepinfer_engine.model.presets import tiny_v41_config
     from deepinfer_engine.model.writer import write_checkpoint
 
     cfg = {**BUILD_DEFAULTS, **kw}
+    done = out / "testbed.json"
+    if not force and done.is_file() and json.loads(done.read_text()).get("settings") == cfg:
+        log(f"{out}: already built with these settings (testbed.json); pass force=True / --force to rebuild")
+        return json.loads(done.read_text())
     torch.set_num_threads(threads)
     torch.manual_seed(int(cfg["seed"]))
     t0 = time.perf_counter()
@@ -681,6 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="train the testbed and write its checkpoint")
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--threads", type=int, default=1)
+    b.add_argument("--force", action="store_true", help="rebuild even if testbed.json records the same settings")
     for k, v in BUILD_DEFAULTS.items():
         b.add_argument("--" + k.replace("_", "-"), type=type(v), default=v)
     m = sub.add_parser("measure", help="speculative decoding per policy on a built checkpoint")
@@ -703,7 +711,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps(rep, indent=2) + "\n")
     if args.cmd == "build":
         kw = {k: getattr(args, k) for k in BUILD_DEFAULTS}
-        print(json.dumps(build(args.out, threads=args.threads, **kw), indent=2))
+        print(json.dumps(build(args.out, threads=args.threads, force=args.force, **kw), indent=2))
     return 0
 
 
