@@ -470,14 +470,14 @@ def build(out: Path, *, threads: int = 1, force: bool = False, log: Callable[[st
 class StageDrafter:
     """`deepinfer_dspark.DraftModel` over the engine model's draft stages (what the engine's adapter does)."""
 
-    def __init__(self, model, cache, block_tables: Tensor) -> None:
+    def __init__(self, model, cache, block_tables: Tensor, sts: float | tuple[float, ...] = 1.0) -> None:
         from deepinfer_dspark import DraftHeads
 
         self.model, self.cache, self.block_tables = model, cache, block_tables
         self.slots = torch.arange(block_tables.shape[0])  # the requests of the current step (set by the caller)
         last = model.mtp[-1]
         self._heads = DraftHeads(markov_embed=last.markov_head.w1, markov_head=last.markov_head.w2,
-                                 confidence=last.confidence_head.proj.weight)
+                                 confidence=last.confidence_head.proj.weight, sts=sts)
 
     @property
     def block_size(self) -> int:
@@ -530,7 +530,7 @@ def _sample_rows(logits: Tensor, temperature: float, seeds: Tensor, positions: T
 
 @torch.no_grad()
 def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=None, temperature: float = 0.0,
-             seed: int = 0, online: bool = True) -> dict:
+             seed: int = 0, online: bool = True, sts: float | tuple[float, ...] = 1.0) -> dict:
     """Decode `new_tokens` per prompt; `policy` None = plain autoregressive decoding (the reference), else
     DSpark speculation with that verification policy. Returns tokens [B, new_tokens], stats and timings."""
     from deepinfer_dspark import AcceptanceStats, probs_from_logits, propose, schedule_verification, verify
@@ -554,7 +554,7 @@ def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=No
     result[:, 0] = anchor
     count = torch.ones(B, dtype=torch.int64)
     stats = AcceptanceStats(N)
-    drafter = StageDrafter(model, cache, bt) if policy is not None else None
+    drafter = StageDrafter(model, cache, bt, sts) if policy is not None else None
     temp = torch.full((B,), float(temperature))
     target_seconds = 0.0
     steps = 0
@@ -622,6 +622,40 @@ def profile_latency(model, batch: int, *, ema: float):
     return LatencyModel.profile(step, [batch * k for k in range(1, N + 2)], warmup=1, repeats=5, ema=ema)
 
 
+@torch.no_grad()
+def fit_confidence_sts(model, ckpt: Path, *, blocks: int = 512, seed: int = 7) -> dict[str, tuple[float, ...]]:
+    """Post-hoc STS temperatures of the Confidence Head on training-corpus blocks (teacher-forced), one set per
+    decoding mode: "sampling" against the analytic acceptance 1 - TV, "greedy" against argmax agreement on the
+    blocks whose earlier positions all agreed (the confidence is conditional)."""
+    from deepinfer_dspark import fit_sts
+    from deepinfer_engine.model import dspark
+
+    cfg = json.loads((ckpt / "testbed.json").read_text())["settings"]
+    data = sequences(tokenize(corpus_sentences(int(cfg["seed"]), int(cfg["sentences"])), ckpt / "tokenizer.json"),
+                     int(cfg["seq_len"]))
+    vocab = Vocab(torch.unique(data), model.args.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    data = data[torch.randperm(data.shape[0], generator=g)[:32]]
+    feats, tlp = target_pass(model, data, vocab)
+    N = model.args.dspark_block_size
+    seqs = torch.randint(data.shape[0], (blocks,), generator=g)
+    anchors = torch.randint(1, data.shape[1] - N, (blocks,), generator=g)
+    ctx, ctx_feat, blk, cache = draft_batches(model, data, feats, seqs, anchors)
+    dspark.insert_context(model, ctx, cache, ctx_feat)
+    out = dspark.draft_block(model, blk, cache)
+    last = model.mtp[-1]
+    cols = anchors[:, None] + torch.arange(N)[None, :]
+    e = last.markov_head.w1[data[seqs[:, None], cols]]  # [B, N, r]
+    u = last.norm(out.hidden).float() @ model.head.weight[vocab.ids].float().T
+    q_log = vocab.log_probs(u.view(blocks, N, -1) + e.float() @ last.markov_head.w2[vocab.ids].float().T)
+    p_log = tlp[seqs[:, None], cols]
+    z = torch.cat([out.hidden.view(blocks, N, -1).float(), e.float()], -1) @ last.confidence_head.proj.weight.float()[0]
+    soft = 1 - 0.5 * (q_log.exp() - p_log.exp()).abs().sum(-1)
+    match = (q_log.argmax(-1) == p_log.argmax(-1)).double()
+    reached = torch.cumprod(torch.cat([torch.ones(blocks, 1, dtype=torch.float64), match[:, :-1]], 1), 1).bool()
+    return {"sampling": fit_sts(z, soft.clamp(0, 1)), "greedy": fit_sts(z, match, reached)}
+
+
 def _latency(spec: str, model, batch: int, ema: float):
     from deepinfer_dspark import LatencyModel
 
@@ -632,9 +666,9 @@ def _latency(spec: str, model, batch: int, ema: float):
 
 
 def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: int = 48, seed: int = 1000,
-            temperatures: tuple[float, ...] = (0.0, 1.0), threshold: float = 0.5,
+            temperatures: tuple[float, ...] = (0.0, 1.0), thresholds: tuple[float, ...] = (0.5,),
             latency_specs: tuple[str, ...] = ("profile",), ema: float = 0.05, threads: int = 1,
-            log: Callable[[str], None] = print) -> dict:
+            sts: bool = True, log: Callable[[str], None] = print) -> dict:
     """Per temperature: plain decoding, then verify_all, threshold and cost (once per latency spec): mean accepted
     length, verified draft tokens per step, tokens/s on this machine."""
     from deepinfer_dspark import LatencyModel, VerifyPolicy
@@ -644,15 +678,17 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
     model = load_model(ckpt, dtype=torch.float32)
     data = sequences(tokenize(corpus_sentences(seed, 400), ckpt / "tokenizer.json"), prompt_len)
     prompts = data[:batch]
+    temps = fit_confidence_sts(model, ckpt) if sts else {"sampling": 1.0, "greedy": 1.0}
+    log(f"confidence STS temperatures: {temps}")
     curves = {spec: _latency(spec, model, batch, ema) for spec in latency_specs}
     for spec, c in curves.items():
         log(f"latency {spec}: {dict(zip(c.sizes, [round(t * 1e3, 2) for t in c.seconds]))} ms")
     report: dict = {"settings": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
-                                 "threshold": threshold, "ema": ema, "threads": threads,
+                                 "thresholds": thresholds, "ema": ema, "threads": threads, "sts": temps,
                                  "latency": {k: {"sizes": c.sizes, "ms": [round(t * 1e3, 3) for t in c.seconds]}
                                              for k, c in curves.items()}}, "runs": []}
-    runs = [("verify_all", VerifyPolicy(kind="verify_all"), None, ""),
-            ("threshold", VerifyPolicy(kind="threshold", threshold=threshold), None, "")]
+    runs = [("verify_all", VerifyPolicy(kind="verify_all"), None, "")]
+    runs += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None, "") for t in thresholds]
     runs += [(f"cost[{k}]", VerifyPolicy(kind="cost"), c, k) for k, c in curves.items()]
     for temp in temperatures:
         ref = generate(model, prompts, new_tokens, temperature=temp, seed=seed)
@@ -663,7 +699,7 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
             lat = None if curve is None else LatencyModel(curve.sizes, curve.seconds, ema=ema)
             # only a measured curve is corrected with this machine's timings; an affine one models another device
             r = generate(model, prompts, new_tokens, policy=pol, latency=lat, temperature=temp, seed=seed,
-                         online=spec == "profile")
+                         online=spec == "profile", sts=temps["greedy" if temp == 0 else "sampling"])
             st = r["stats"]
             row = {"policy": name, "temperature": temp, "steps": r["steps"],
                    "mean_accepted_length": st.mean_accepted_length,
@@ -696,17 +732,20 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--batch", type=int, default=16)
     m.add_argument("--prompt-len", type=int, default=16)
     m.add_argument("--new-tokens", type=int, default=48)
-    m.add_argument("--threshold", type=float, default=0.5)
+    m.add_argument("--threshold", type=float, action="append", default=None, help="repeatable; default 0.5")
     m.add_argument("--latency", action="append", default=None,
                    help="'profile' (time the target forward at start-up) or 'affine:BASE,SLOPE' (seconds, seconds per "
                         "query token); repeat for several cost-policy runs")
     m.add_argument("--ema", type=float, default=0.05)
     m.add_argument("--threads", type=int, default=1)
+    m.add_argument("--no-sts", action="store_true", help="use the raw confidences (no post-hoc STS calibration)")
+    m.add_argument("--temperature", type=float, action="append", default=None, help="repeatable; default 0 and 1")
     m.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.cmd == "measure":
         rep = measure(args.ckpt, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                      threshold=args.threshold, latency_specs=tuple(args.latency or ["profile"]), ema=args.ema, threads=args.threads)
+                      thresholds=tuple(args.threshold or [0.5]), latency_specs=tuple(args.latency or ["profile"]), ema=args.ema, threads=args.threads,
+                      sts=not args.no_sts, temperatures=tuple(args.temperature or [0.0, 1.0]))
         if args.json:
             args.json.write_text(json.dumps(rep, indent=2) + "\n")
     if args.cmd == "build":

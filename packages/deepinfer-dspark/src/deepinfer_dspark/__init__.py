@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from deepinfer_dspark.calibrate import fit_sts
 from deepinfer_dspark.config import DSparkConfig
 from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
 from deepinfer_dspark.propose import confidence, markov_bias, propose, sample_block
@@ -57,6 +58,7 @@ __all__ = [
     "confidence",
     "cost_budget",
     "counter_uniforms",
+    "fit_sts",
     "greedy_accept",
     "markov_bias",
     "probs_from_logits",
