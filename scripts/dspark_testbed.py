@@ -377,7 +377,7 @@ def train_draft(model, data: Tensor, feats: Tensor, tlp: Tensor, vocab: Vocab, *
 BUILD_DEFAULTS = {
     "seed": 0, "sentences": 3000, "seq_len": 64,
     "target_steps": 150, "target_batch": 8, "target_lr": 6e-3,
-    "draft_steps": 150, "draft_blocks": 64, "draft_lr": 5e-3,
+    "draft_steps": 400, "draft_blocks": 64, "draft_lr": 5e-3,
     "target_qat_fraction": 0.0, "draft_qat_fraction": 0.2,
 }
 
