@@ -399,14 +399,23 @@ def write_trained_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
     from deepinfer_engine.model.checkpoint import INDEX_FILE
     from deepinfer_engine.model.inventory import tensor_inventory
     from deepinfer_engine.model.writer import write_checkpoint
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     write_checkpoint(out, config, seed=0, overwrite=True)
     weight_map = json.loads((out / INDEX_FILE).read_text())["weight_map"]
     state = model.state_dict()
     by_file: dict[str, dict[str, Tensor]] = {}
+    written: dict[str, dict[str, Tensor]] = {}
     for spec in tensor_inventory(model.args):
-        by_file.setdefault(weight_map[spec.name], {}).update(stored_tensors(spec, state[spec.name]))
+        fname = weight_map[spec.name]
+        if spec.name in state:
+            by_file.setdefault(fname, {}).update(stored_tensors(spec, state[spec.name]))
+            continue
+        # a tensor the checkpoint format lists but the model does not use: keep the writer's own value
+        if fname not in written:
+            written[fname] = load_file(str(out / fname))
+        names = [spec.name] + ([spec.scale.name] if spec.scale is not None else [])
+        by_file.setdefault(fname, {}).update({n: written[fname][n] for n in names})
     for fname, tensors in by_file.items():
         if set(tensors) != {k for k, v in weight_map.items() if v == fname}:
             raise RuntimeError(f"{fname}: trained tensors do not match the writer's shard layout")
