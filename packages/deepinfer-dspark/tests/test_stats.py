@@ -82,3 +82,22 @@ def test_errors():
         AcceptanceStats(0)
     with pytest.raises(DSparkInputError, match="block_size"):
         s.merge(AcceptanceStats(3))
+
+
+def test_token_counters_per_step_and_merge():
+    s = AcceptanceStats(5)
+    s.update([2, 0, 5], [3, 1, 5])  # proposed defaults to the block size per request
+    s.update([1], [4], num_proposed=[4])
+    assert (s.num_draft_tokens, s.num_verified_tokens, s.num_accepted_tokens) == (19, 13, 8)
+    assert s.steps == 2 and s.request_steps == 4
+    assert s.verified_tokens_per_step == pytest.approx(6.5)
+    assert s.verified_tokens_per_request_step == pytest.approx(13 / 4)
+    assert s.mean_accepted_length == pytest.approx((8 + 4) / 4)
+    other = AcceptanceStats(5)
+    other.update([0], [0])
+    s.merge(other)
+    assert (s.num_draft_tokens, s.num_verified_tokens, s.steps) == (24, 13, 3)
+    d = s.as_dict()
+    assert d["num_verified_tokens"] == 13 and d["num_draft_tokens"] == 24
+    with pytest.raises(DSparkInputError, match="num_proposed"):
+        s.update([0], [3], num_proposed=[2])

@@ -2,9 +2,26 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
+from deepinfer_dspark.calibrate import fit_sts
 from deepinfer_dspark.config import DSparkConfig
 from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
-from deepinfer_dspark.protocol import DraftModel, DraftProposal
+from deepinfer_dspark.propose import confidence, markov_bias, propose, sample_block
+from deepinfer_dspark.protocol import DraftBlock, DraftHeads, DraftModel, DraftProposal
+from deepinfer_dspark.rng import (
+    DRAW_ACCEPT,
+    DRAW_DRAFT,
+    DRAW_FINAL,
+    counter_uniforms,
+    verify_counter_uniforms,
+)
+from deepinfer_dspark.schedule import (
+    POLICIES,
+    LatencyModel,
+    VerifyPolicy,
+    allocate,
+    cost_budget,
+    schedule_verification,
+)
 from deepinfer_dspark.stats import AcceptanceStats
 from deepinfer_dspark.verify import (
     AcceptResult,
@@ -21,17 +38,35 @@ except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0.0.0+source"
 
 __all__ = [
+    "DRAW_ACCEPT",
+    "DRAW_DRAFT",
+    "DRAW_FINAL",
+    "POLICIES",
     "AcceptResult",
     "AcceptanceStats",
     "DSparkConfig",
     "DSparkConfigError",
     "DSparkInputError",
+    "DraftBlock",
+    "DraftHeads",
     "DraftModel",
     "DraftProposal",
+    "LatencyModel",
+    "VerifyPolicy",
     "__version__",
+    "allocate",
+    "confidence",
+    "cost_budget",
+    "counter_uniforms",
+    "fit_sts",
     "greedy_accept",
+    "markov_bias",
     "probs_from_logits",
+    "propose",
     "rejection_accept",
+    "sample_block",
+    "schedule_verification",
     "verify",
+    "verify_counter_uniforms",
     "verify_uniforms",
 ]

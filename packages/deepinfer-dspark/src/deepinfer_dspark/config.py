@@ -19,7 +19,7 @@ def _int(name: str, value: object, minimum: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class DSparkConfig:
-    """Defaults are V4.1-Flash's `config.json` (`dspark_*` fields; architecture.md Part B, C.7).
+    """Defaults are V4.1-Flash's `config.json` (`dspark_*` fields).
 
     block_size: drafts proposed per round N (`dspark_block_size`); the draft block is [anchor, noise x (N-1)] at
         positions p..p+N-1 and position i predicts token p+1+i.
@@ -28,7 +28,7 @@ class DSparkConfig:
         the layer inputs, V4-0731 the outputs). Distinct, >= 0, in checkpoint order.
     markov_rank: rank r of the low-rank bigram head (`dspark_markov_rank`).
     max_verify: upper bound on drafts verified per request per step (0 disables speculation; <= block_size).
-    window: draft sliding-window length (must equal the target's `sliding_window`, runtime.md §1.2).
+    window: draft sliding-window length (must equal the target's `sliding_window`).
     """
 
     block_size: int = 5

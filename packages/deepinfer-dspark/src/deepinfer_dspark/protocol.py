@@ -1,5 +1,6 @@
 """The seam between the engine and the DSpark algorithm: `DraftModel` (implemented by the engine, which owns the
-draft transformer blocks and caches) and the `DraftProposal` bundle it returns. Imports torch only."""
+draft transformer stages and caches), the `DraftBlock` its parallel pass returns, the `DraftHeads` weights, and the
+`DraftProposal` bundle that `propose` makes of them. Imports torch only."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
 
-__all__ = ["DraftModel", "DraftProposal"]
+__all__ = ["DraftBlock", "DraftHeads", "DraftModel", "DraftProposal"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,13 +79,76 @@ class DraftProposal:
         return None if self.confidence is None else torch.cumprod(self.confidence.to(torch.float32), dim=1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class DraftBlock:
+    """Output of one parallel pass of the draft stages over B blocks of N positions.
+
+    base_logits: `[B, N, V] float32` head(RMSNorm(h)) of each block position, WITHOUT the Markov correction.
+    hidden: `[B, N, d]` the pre-norm head input h (the confidence head reads it).
+    Position i of request b predicts token p_b + 1 + i.
+    """
+
+    base_logits: Tensor
+    hidden: Tensor
+
+    def __post_init__(self) -> None:
+        u, h = self.base_logits, self.hidden
+        if not isinstance(u, Tensor) or u.dim() != 3 or not u.dtype.is_floating_point:
+            found = f"{tuple(u.shape)} {u.dtype}" if isinstance(u, Tensor) else type(u).__name__
+            raise DSparkInputError(f"DraftBlock.base_logits: expected a [B, N, V] float tensor, found {found}")
+        if not isinstance(h, Tensor) or h.dim() != 3 or h.shape[:2] != u.shape[:2]:
+            found = tuple(h.shape) if isinstance(h, Tensor) else type(h).__name__
+            raise DSparkInputError(f"DraftBlock.hidden: expected [{u.shape[0]}, {u.shape[1]}, d], found {found}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftHeads:
+    """The weights of the sequential heads (checkpoint names in docs/dspark.md).
+
+    markov_embed: `[V, r]` W1, the previous token's markov embedding (V4.1 `markov_head.embed.weight`).
+    markov_head: `[V, r]` W2, rank -> vocab bias (V4.1 `markov_head.head.weight`).
+    confidence: `[1, d + r]` or `[d + r]` Confidence Head weight (no bias), None when the checkpoint has none.
+    sts: per-position temperature of the confidence logit (post-hoc STS calibration): one float for every
+        position or one per block position; 1.0 = uncalibrated.
+    """
+
+    markov_embed: Tensor
+    markov_head: Tensor
+    confidence: Tensor | None = None
+    sts: float | tuple[float, ...] = 1.0
+
+    def __post_init__(self) -> None:
+        w1, w2 = self.markov_embed, self.markov_head
+        if w1.dim() != 2 or w2.dim() != 2 or w1.shape != w2.shape:
+            raise DSparkInputError(
+                f"DraftHeads: markov_embed / markov_head must both be [V, r], found {tuple(w1.shape)} / "
+                f"{tuple(w2.shape)}"
+            )
+        c = self.confidence
+        if c is not None and (c.dim() not in (1, 2) or (c.dim() == 2 and c.shape[0] != 1) or c.numel() <= w1.shape[1]):
+            raise DSparkInputError(
+                f"DraftHeads.confidence: expected [1, d + r] or [d + r] with r = {w1.shape[1]}, found {tuple(c.shape)}"
+            )
+        temps = self.sts if isinstance(self.sts, tuple) else (self.sts,)
+        if not temps or any(not isinstance(t, (int, float)) or not t > 0 for t in temps):
+            raise DSparkInputError(f"DraftHeads.sts: expected temperatures > 0, found {self.sts!r}")
+
+    def sts_temperature(self, position: int) -> float:
+        if isinstance(self.sts, tuple):
+            return float(self.sts[min(position, len(self.sts) - 1)])
+        return float(self.sts)
+
+
 @runtime_checkable
 class DraftModel(Protocol):
-    """What the engine implements so that the DSpark algorithm can ask for drafts.
+    """What the engine implements so that the DSpark algorithm can draft (`propose.propose`).
 
-    Context insertion (target features of accepted positions -> draft sliding-window KV) happens inside the
-    engine's target forward (runtime.md §1.2 (a)) and is not part of this protocol; by the time `propose` is
-    called the draft rings of every request hold its context up to position p - 1.
+    The engine owns the draft transformer stages and their caches; this package owns everything after the
+    parallel pass (Markov sampling, confidence, scheduling, verification, statistics).
+
+    Context insertion (target features of accepted positions -> draft sliding-window KV) happens around the
+    engine's target forward (docs/dspark.md "Engine seam") and is not part of this protocol; by the time
+    `draft_block` is called the draft rings of every request hold its context up to position p - 1.
     """
 
     @property
@@ -92,22 +156,17 @@ class DraftModel(Protocol):
         """N, drafts per round (DSparkConfig.block_size)."""
         ...
 
-    def propose(
-        self,
-        anchor_ids: Tensor,
-        anchor_positions: Tensor,
-        *,
-        temperature: Tensor | None = None,
-        generators: list[torch.Generator] | None = None,
-    ) -> DraftProposal:
-        """Draft N tokens for each of B requests.
+    @property
+    def heads(self) -> DraftHeads:
+        """The Markov head and Confidence Head weights (read on every `propose`; cheap to return)."""
+        ...
+
+    def draft_block(self, anchor_ids: Tensor, anchor_positions: Tensor) -> DraftBlock:
+        """One parallel pass over the blocks [anchor_ids[b], noise x (N-1)] at positions p_b .. p_b + N - 1.
 
         anchor_ids: `[B] int64`, the golden token g of each request (just sampled by the verifier, not yet run
             through the target) at position anchor_positions[b] = p.
         anchor_positions: `[B] int64` absolute positions p.
-        temperature: `[B] float32` sampling temperature per request (0 = greedy drafting); None = all greedy.
-        generators: one torch.Generator per request for draft sampling (None = greedy or engine-chosen RNG).
-        Returns a DraftProposal with draft_ids `[B, N]` (positions p+1..p+N) and, for sampled requests,
-        draft_probs `[B, N, V]`. Must not write any cache position >= p that the target reads later.
+        Must not write any cache row that the target reads later (the block's own KV stays local).
         """
         ...

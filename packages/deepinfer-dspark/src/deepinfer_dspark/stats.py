@@ -1,4 +1,4 @@
-"""Acceptance statistics of speculative decoding (runtime.md §1.7): histogram of accepted drafts, mean accepted
+"""Acceptance statistics of speculative decoding (docs/dspark.md): histogram of accepted drafts, mean accepted
 length tau (includes the bonus/correction token), per-position acceptance, verification efficiency, confidence
 calibration error. Host-side accumulators (plain ints / floats); imports torch only to read tensors."""
 
@@ -30,6 +30,8 @@ class AcceptanceStats:
       verified[j]       request-steps that verified a draft at position j (num_drafts > j);
       reached[j]        ... that verified position j and accepted every draft before it;
       accepted[j]       ... that accepted the draft at position j (num_accepted > j).
+    Token counters (the engine's per-request / per-run metrics): num_draft_tokens (proposed), num_verified_tokens
+    (drafts the target checked), num_accepted_tokens; steps = batch steps (update calls).
     """
 
     def __init__(self, block_size: int) -> None:
@@ -43,6 +45,8 @@ class AcceptanceStats:
         self.accepted = [0] * block_size
         self._conf_abs_err = 0.0
         self._conf_count = 0
+        self.num_draft_tokens = 0
+        self.steps = 0
 
     def update(
         self,
@@ -51,10 +55,12 @@ class AcceptanceStats:
         *,
         confidence: Tensor | None = None,
         accept_prob: Tensor | None = None,
+        num_proposed: Sequence[int] | Tensor | None = None,
     ) -> None:
-        """Add one step: `num_accepted [B]`, `num_drafts [B]` (verified drafts per request); optionally the
+        """Add one step: `num_accepted [B]`, `num_drafts [B]` (verified drafts per request); `num_proposed [B]`
+        drafts proposed per request (default: block_size each); optionally the
         predicted `confidence [B, N]` and the analytic `accept_prob [B, N]` (AcceptResult.accept_prob) to track
-        mean |c - accept_prob| over verified positions (runtime.md §1.5 `batch_confidence_error`)."""
+        mean |c - accept_prob| over verified positions."""
         acc = _as_list("num_accepted", num_accepted)
         ver = _as_list("num_drafts", num_drafts)
         if len(acc) != len(ver):
@@ -65,6 +71,13 @@ class AcceptanceStats:
                     f"num_accepted / num_drafts: expected 0 <= accepted <= drafts <= {self.block_size}, found "
                     f"accepted={a}, drafts={m}"
                 )
+        prop = [self.block_size] * len(ver) if num_proposed is None else _as_list("num_proposed", num_proposed)
+        if len(prop) != len(ver) or any(not m <= p <= self.block_size for p, m in zip(prop, ver)):
+            raise DSparkInputError(
+                f"num_proposed: expected {len(ver)} values with num_drafts <= proposed <= {self.block_size}, found {prop}"
+            )
+        self.num_draft_tokens += sum(prop)
+        self.steps += 1
         for a, m in zip(acc, ver):
             self.request_steps += 1
             self.histogram[a] += 1
@@ -94,6 +107,24 @@ class AcceptanceStats:
     def generated_tokens(self) -> int:
         """Tokens emitted = accepted drafts + one correction/bonus token per request-step."""
         return sum(k * n for k, n in enumerate(self.histogram)) + self.request_steps
+
+    @property
+    def num_verified_tokens(self) -> int:
+        """Draft tokens the target verified (the anchor row of each request-step is not counted)."""
+        return sum(self.verified)
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return sum(self.accepted)
+
+    @property
+    def verified_tokens_per_step(self) -> float:
+        """Verified draft tokens per batch step (0.0 before any update)."""
+        return self.num_verified_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def verified_tokens_per_request_step(self) -> float:
+        return self.num_verified_tokens / self.request_steps if self.request_steps else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
@@ -129,12 +160,19 @@ class AcceptanceStats:
                              (self.reached, other.reached), (self.accepted, other.accepted)):
             for i, v in enumerate(theirs):
                 mine[i] += v
+        self.num_draft_tokens += other.num_draft_tokens
+        self.steps += other.steps
         self._conf_abs_err += other._conf_abs_err
         self._conf_count += other._conf_count
 
     def as_dict(self) -> dict[str, object]:
         return {
+            "steps": self.steps,
             "request_steps": self.request_steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_verified_tokens": self.num_verified_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "verified_tokens_per_step": self.verified_tokens_per_step,
             "generated_tokens": self.generated_tokens,
             "mean_accepted_length": self.mean_accepted_length,
             "verification_efficiency": self.verification_efficiency,

@@ -1,5 +1,5 @@
 """Verification of speculative drafts against the target model: greedy acceptance and exact rejection-sampling
-acceptance (runtime.md §1.5), batched over requests that verify different numbers of drafts. Imports torch only.
+acceptance (docs/dspark.md), batched over requests that verify different numbers of drafts. Imports torch only.
 
 Layout shared by every function here (B requests, N = max drafts in the batch, V vocab):
   target rows `[R, V]`, R = sum_b (num_drafts[b] + 1), sequence-major: request b owns num_drafts[b] + 1 consecutive
@@ -47,6 +47,18 @@ class AcceptResult:
     def num_emitted(self) -> Tensor:
         """`[B] int64` tokens emitted per request (accepted drafts + the correction/bonus token)."""
         return self.num_accepted + 1
+
+    def next_anchors(self) -> Tensor:
+        """`[B] int64` the last emitted token of each request (correction or bonus): the next round's anchor,
+        at position p + 1 + num_accepted (p = this round's anchor position)."""
+        return self.output_ids.gather(1, self.num_accepted[:, None]).squeeze(1)
+
+    def rejected(self, num_drafts: Sequence[int] | Tensor) -> Tensor:
+        """`[B] int64` verified drafts that were rejected: the target forward wrote cache rows for positions
+        p + 1 + num_accepted .. p + num_drafts that the accepted sequence does not contain (roll them back, or let
+        the next step overwrite them)."""
+        m = torch.as_tensor(num_drafts, dtype=torch.int64).to(self.num_accepted.device)
+        return m - self.num_accepted
 
     def tokens(self) -> list[list[int]]:
         """Emitted token ids per request as Python lists (one host sync)."""
@@ -172,8 +184,8 @@ def rejection_accept(
 
     target_probs: `[R, V] float` normalised target distributions (after temperature / top-k / top-p), varlen rows.
     draft_probs: `[B, N, V] float` the draft distributions q_j the drafts were sampled from.
-    generator / uniforms: randomness, see `verify_uniforms`; `uniforms [B, N + 1]` (e.g. from a counter-based hash,
-        runtime.md §1.5) takes precedence; then the only host syncs left are the input checks (num_drafts range,
+    generator / uniforms: randomness, see `verify_uniforms`; `uniforms [B, N + 1]` (e.g. `verify_counter_uniforms`)
+        takes precedence; then the only host syncs left are the input checks (num_drafts range,
         row count, draft id range).
     draft_prob_penalty: alpha in the residual. 1.0 is the exact textbook rule; DeepInfer uses exp(-5e-5) so that a
         rounding-level p ~= q does not leave an all-zero residual (a tiny, bounded bias) [I].
@@ -249,6 +261,7 @@ def verify(
     *,
     greedy: bool | Tensor = False,
     generators: Sequence[torch.Generator] | None = None,
+    uniforms: Tensor | None = None,
     draft_prob_penalty: float = 1.0,
 ) -> AcceptResult:
     """Verify a proposal for a batch that mixes greedy and sampled requests.
@@ -259,6 +272,8 @@ def verify(
         are required when any request samples.
     greedy: True / False for the whole batch or a `[B] bool` tensor.
     generators: one per request (requests draw randomness only when they sample, see `verify_uniforms`).
+    uniforms: `[B, N + 1]` explicit uniforms (e.g. `verify_counter_uniforms`), taking precedence over
+        generators; rows of greedy requests are ignored.
     """
     draft_ids = proposal.draft_ids
     batch, width = draft_ids.shape
@@ -283,10 +298,15 @@ def verify(
     if greedy_rows.numel():
         g = _greedy_padded(padded[greedy_rows], draft_ids[greedy_rows], m[greedy_rows])
         output[greedy_rows], num_accepted[greedy_rows] = g.output_ids, g.num_accepted
-    chosen = None if generators is None else [generators[i] for i in sampled.tolist()]
-    uniforms = verify_uniforms(m[sampled].cpu(), width, chosen, device=device)
+    if uniforms is not None:
+        if uniforms.shape != (batch, width + 1):
+            raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
+        u = uniforms.to(device)[sampled]
+    else:
+        chosen = None if generators is None else [generators[i] for i in sampled.tolist()]
+        u = verify_uniforms(m[sampled].cpu(), width, chosen, device=device)
     r = _rejection_padded(
-        padded[sampled], draft_ids[sampled], proposal.draft_probs[sampled], m[sampled], uniforms, draft_prob_penalty
+        padded[sampled], draft_ids[sampled], proposal.draft_probs[sampled], m[sampled], u, draft_prob_penalty
     )
     output[sampled], num_accepted[sampled] = r.output_ids, r.num_accepted
     assert r.accept_prob is not None

@@ -1,0 +1,136 @@
+"""Block proposal: the sequential Markov sampling loop over one parallel draft pass, and per-position confidence.
+
+The engine's `DraftModel.draft_block` runs the draft stages once over [anchor, noise, ...] (parallel, not
+autoregressive) and returns the base logits U_i and the pre-norm hidden h_i of the N block positions. This module
+turns them into drafts (docs/dspark.md "Proposal"):
+
+    prev = anchor y_p
+    for i in 0 .. N-1:
+        e_i      = W1[prev]                      markov embed [r]
+        logits_i = U_i + W2 @ e_i                low-rank bigram correction [V]
+        d_i      = argmax(logits_i)                          (temperature 0)
+                 | inverse-CDF(softmax(logits_i / T), u_i)   (u_i = counter uniform (seed, p + 1 + i, DRAW_DRAFT))
+        c_i      = sigmoid(w . [h_i ; e_i] / T_sts[i])       P(d_i accepted | d_<i accepted)
+        prev     = d_i
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepinfer_dspark.errors import DSparkInputError
+from deepinfer_dspark.protocol import DraftBlock, DraftHeads, DraftModel, DraftProposal
+from deepinfer_dspark.rng import DRAW_DRAFT, counter_uniforms
+
+__all__ = ["confidence", "markov_bias", "propose", "sample_block"]
+
+
+def markov_bias(heads: DraftHeads, prev: Tensor) -> tuple[Tensor, Tensor]:
+    """prev `[B] int64` -> (markov embed e `[B, r]`, logit bias W2 @ e `[B, V] float32`)."""
+    e = heads.markov_embed[prev]
+    return e, e.float() @ heads.markov_head.float().T
+
+
+def confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, position: int) -> Tensor | None:
+    """`[B] float32` c = sigmoid(w . [h ; e] / T_sts[position]); None without a confidence head.
+
+    hidden `[B, d]` is the PRE-norm head input of the block position, e `[B, r]` the markov embed of the token
+    before the drafted one."""
+    if heads.confidence is None:
+        return None
+    x = torch.cat([hidden.float(), e.float()], dim=-1)
+    z = x @ heads.confidence.float().reshape(-1)
+    return torch.sigmoid(z / heads.sts_temperature(position))
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    cdf = torch.cumsum(probs, dim=-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def sample_block(
+    block: DraftBlock,
+    heads: DraftHeads,
+    anchor_ids: Tensor,
+    anchor_positions: Tensor,
+    *,
+    temperature: Tensor | None = None,
+    seeds: Tensor | None = None,
+    keep_logits: bool = False,
+) -> DraftProposal:
+    """Sequential Markov sampling of one block per request (module docstring).
+
+    block: base_logits `[B, N, V] float32`, hidden `[B, N, d]` from `DraftModel.draft_block`.
+    anchor_ids / anchor_positions: `[B] int64` the golden token y_p and its position p.
+    temperature: `[B] float32`, 0 = greedy (argmax) for that request; None = all greedy.
+    seeds: `[B] int64` per-request seeds of the counter-based uniforms (required when any temperature > 0).
+    Returns a DraftProposal with draft_ids `[B, N]`, draft_probs `[B, N, V]` (None when every request is greedy;
+    one-hot rows for greedy requests in a mixed batch), confidence `[B, N]` (None without a confidence head).
+    """
+    base, hidden = block.base_logits, block.hidden
+    batch, width, vocab = base.shape
+    if anchor_ids.shape != (batch,) or anchor_positions.shape != (batch,):
+        raise DSparkInputError(
+            f"anchor_ids / anchor_positions: expected shape ({batch},), found {tuple(anchor_ids.shape)} / "
+            f"{tuple(anchor_positions.shape)}"
+        )
+    if heads.markov_head.shape[0] != vocab:
+        raise DSparkInputError(f"heads.markov_head: expected [{vocab}, r] rows = vocab, found {tuple(heads.markov_head.shape)}")
+    device = base.device
+    temp = torch.zeros(batch, device=device) if temperature is None else temperature.to(device, torch.float32)
+    if temp.shape != (batch,) or bool((temp < 0).any()):
+        raise DSparkInputError(f"temperature: expected [{batch}] values >= 0, found {temperature!r}")
+    sampled = temp > 0
+    any_sampled = bool(sampled.any())
+    if any_sampled and seeds is None:
+        raise DSparkInputError("seeds: required when a request samples (temperature > 0), found None")
+    pos = anchor_positions.to(device, torch.int64)
+    prev = anchor_ids.to(device, torch.int64)
+    ids, probs, logits_out, conf = [], [], [], []
+    safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
+    for i in range(width):
+        e, bias = markov_bias(heads, prev)
+        logits = base[:, i].float() + bias
+        greedy_tok = logits.argmax(-1)
+        if any_sampled:
+            p = torch.softmax(logits / safe_t, dim=-1)
+            u = counter_uniforms(seeds.to(device), pos + 1 + i, DRAW_DRAFT)
+            tok = torch.where(sampled, _inverse_cdf(p, u), greedy_tok)
+            one_hot = torch.nn.functional.one_hot(greedy_tok, vocab).to(p.dtype)
+            probs.append(torch.where(sampled[:, None], p, one_hot))
+        else:
+            tok = greedy_tok
+        c = confidence(heads, hidden[:, i], e, i)
+        if c is not None:
+            conf.append(c)
+        if keep_logits:
+            logits_out.append(logits)
+        ids.append(tok)
+        prev = tok
+    return DraftProposal(
+        draft_ids=torch.stack(ids, 1),
+        draft_probs=torch.stack(probs, 1) if any_sampled else None,
+        draft_logits=torch.stack(logits_out, 1) if keep_logits else None,
+        confidence=torch.stack(conf, 1) if conf else None,
+    )
+
+
+def propose(
+    model: DraftModel,
+    anchor_ids: Tensor,
+    anchor_positions: Tensor,
+    *,
+    temperature: Tensor | None = None,
+    seeds: Tensor | None = None,
+) -> DraftProposal:
+    """One round of drafts for B requests: the model's parallel pass, then `sample_block`."""
+    block = model.draft_block(anchor_ids, anchor_positions)
+    if block.base_logits.shape[:2] != (anchor_ids.shape[0], model.block_size):
+        raise DSparkInputError(
+            f"draft_block: expected base_logits [{anchor_ids.shape[0]}, {model.block_size}, V], found "
+            f"{tuple(block.base_logits.shape)}"
+        )
+    return sample_block(block, model.heads, anchor_ids, anchor_positions, temperature=temperature, seeds=seeds)
+

@@ -1,0 +1,226 @@
+"""How many drafts each request verifies this step: the `verify_all`, `threshold` and `cost` policies, and the
+latency model the cost policy reads (docs/dspark.md "Verification policies").
+
+Survival a[b, j] = prod_{k <= j} c[b, k] is the predicted probability that drafts 1..j+1 of request b are all
+accepted; verifying j+1 drafts of request b is expected to yield 1 + sum_{i <= j} a[b, i] tokens (the correction /
+bonus token always comes). Candidates (b, j) are ranked by a[b, j], non-increasing in j, so every top-K set of the
+stable ranking is a prefix per request (ties keep request-major, depth-minor order).
+
+cost: with S requests and K admitted drafts the step processes Q = S + K query tokens and is expected to yield
+E(K) = S + (sum of the K largest survivals); its expected time is T(Q) from `LatencyModel`. The policy picks K by
+  - exact=True  (default) greedy admission with early stop: K grows while E(K+1)/T(K+1) > E(K)/T(K). Whether a
+    draft (b, j) is admitted depends only on candidates ranked before it, i.e. on survivals of OTHER requests and
+    on a[b, <= j], which depend on drafts d_1..d_j of b but not on d_{j+1} itself: the choice is non-anticipating
+    and rejection sampling stays exact. For an affine T (base + slope * Q) this K is also the global optimum
+    (E is concave in K, so E/T is unimodal).
+  - exact=False the global argmax of E(K)/T(K) over all K (optimal for any curve, e.g. jagged CUDA-graph buckets)
+    but anticipating: with sampling it biases the output unless the survivals that choose K are a round older
+    than the drafts (use `cost_budget` on last round's survivals, then `allocate` with this round's).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
+
+__all__ = ["POLICIES", "LatencyModel", "VerifyPolicy", "allocate", "cost_budget", "schedule_verification"]
+
+POLICIES = ("verify_all", "threshold", "cost")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyPolicy:
+    """kind: one of POLICIES. threshold: survival threshold of `threshold` (verify the prefix with a_j >=
+    threshold). exact: `cost` search mode (module docstring)."""
+
+    kind: str = "cost"
+    threshold: float = 0.5
+    exact: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICIES:
+            raise DSparkConfigError(f"VerifyPolicy.kind: expected one of {POLICIES}, found {self.kind!r}")
+        if not isinstance(self.threshold, (int, float)) or not 0.0 <= self.threshold <= 1.0:
+            raise DSparkConfigError(f"VerifyPolicy.threshold: expected a float in [0, 1], found {self.threshold!r}")
+        if not isinstance(self.exact, bool):
+            raise DSparkConfigError(f"VerifyPolicy.exact: expected a bool, found {self.exact!r}")
+
+
+class LatencyModel:
+    """Expected seconds of one target step as a function of its query tokens Q (piecewise linear through the
+    profiled points, extrapolated with the last segment's slope), corrected online.
+
+    Mutable runtime state (EMA-corrected points), so a plain class. `observe(q, seconds)` moves the two points
+    around q towards the measurement by `ema` times the error, split by the interpolation weights.
+    """
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], *, ema: float = 0.05) -> None:
+        sizes, seconds = [int(s) for s in sizes], [float(t) for t in seconds]
+        if len(sizes) < 2 or len(sizes) != len(seconds):
+            raise DSparkConfigError(
+                f"LatencyModel: expected >= 2 (size, seconds) points of equal count, found {len(sizes)} sizes and "
+                f"{len(seconds)} times"
+            )
+        if any(b <= a for a, b in zip(sizes, sizes[1:])) or sizes[0] < 1:
+            raise DSparkConfigError(f"LatencyModel.sizes: expected strictly increasing ints >= 1, found {sizes}")
+        if any(not (t > 0 and math.isfinite(t)) for t in seconds):
+            raise DSparkConfigError(f"LatencyModel.seconds: expected finite times > 0, found {seconds}")
+        if not 0.0 <= ema <= 1.0:
+            raise DSparkConfigError(f"LatencyModel.ema: expected a float in [0, 1], found {ema!r}")
+        self.sizes = sizes
+        self.seconds = seconds
+        self.ema = ema
+        self.observations = 0
+
+    @classmethod
+    def affine(cls, base: float, per_token: float, max_tokens: int, *, ema: float = 0.05) -> LatencyModel:
+        """T(Q) = base + per_token * Q (two points, exact extrapolation)."""
+        return cls([1, max(2, max_tokens)], [base + per_token, base + per_token * max(2, max_tokens)], ema=ema)
+
+    @classmethod
+    def profile(
+        cls,
+        step: Callable[[int], object],
+        sizes: Sequence[int],
+        *,
+        warmup: int = 1,
+        repeats: int = 5,
+        timer: Callable[[], float] = time.perf_counter,
+        ema: float = 0.05,
+    ) -> LatencyModel:
+        """Time `step(q)` (a target forward over q query tokens, synchronised by the caller) at each size:
+        `warmup` untimed calls, then the median of `repeats` timed calls."""
+        if repeats < 1 or warmup < 0:
+            raise DSparkConfigError(f"LatencyModel.profile: expected repeats >= 1, warmup >= 0, found {repeats}, {warmup}")
+        times = []
+        for q in sizes:
+            for _ in range(warmup):
+                step(int(q))
+            runs = []
+            for _ in range(repeats):
+                t0 = timer()
+                step(int(q))
+                runs.append(timer() - t0)
+            runs.sort()
+            times.append(max(runs[len(runs) // 2], 1e-9))
+        return cls(sizes, times, ema=ema)
+
+    def _segment(self, q: float) -> tuple[int, float]:
+        """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
+        s = self.sizes
+        i = 0
+        while i < len(s) - 2 and q > s[i + 1]:
+            i += 1
+        return i, (q - s[i]) / (s[i + 1] - s[i])
+
+    def predict(self, q: float) -> float:
+        i, w = self._segment(float(q))
+        return max(self.seconds[i] + w * (self.seconds[i + 1] - self.seconds[i]), 1e-12)
+
+    def curve(self, max_tokens: int, device: torch.device | str = "cpu") -> Tensor:
+        """`[max_tokens + 1] float64` predicted seconds for Q = 0 .. max_tokens (entry 0 unused by the policies)."""
+        sizes = torch.tensor(self.sizes, dtype=torch.float64)
+        secs = torch.tensor(self.seconds, dtype=torch.float64)
+        q = torch.arange(max_tokens + 1, dtype=torch.float64)
+        i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(self.sizes) - 2)  # same segment as _segment
+        w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12).to(device)
+
+    def observe(self, q: int, seconds: float) -> None:
+        """Online correction with one measured step of q query tokens."""
+        if not (seconds > 0 and math.isfinite(seconds)) or q < 1:
+            raise DSparkInputError(f"LatencyModel.observe: expected q >= 1 and seconds > 0, found {q}, {seconds}")
+        i, w = self._segment(float(q))
+        err = seconds - self.predict(q)
+        w = min(max(w, 0.0), 1.0)
+        self.seconds[i] = max(self.seconds[i] + self.ema * (1 - w) * err, 1e-9)
+        self.seconds[i + 1] = max(self.seconds[i + 1] + self.ema * w * err, 1e-9)
+        self.observations += 1
+
+
+def _check(survival: Tensor, max_drafts: Sequence[int] | Tensor) -> Tensor:
+    if not isinstance(survival, Tensor) or survival.dim() != 2 or not survival.dtype.is_floating_point:
+        raise DSparkInputError(f"survival: expected a [B, N] float tensor, found {getattr(survival, 'shape', survival)}")
+    batch, width = survival.shape
+    m = torch.as_tensor(max_drafts, dtype=torch.int64).to(survival.device)
+    if m.shape != (batch,):
+        raise DSparkInputError(f"max_drafts: expected shape ({batch},), found {tuple(m.shape)}")
+    if m.numel() and (int(m.min()) < 0 or int(m.max()) > width):
+        raise DSparkInputError(f"max_drafts: expected values in [0, {width}], found {m.tolist()}")
+    return m
+
+
+def _ranked(survival: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """Candidates sorted by survival (stable, descending): (values `[C]` float64, request index `[C]`)."""
+    batch, width = survival.shape
+    valid = torch.arange(width, device=survival.device)[None, :] < m[:, None]
+    a = torch.where(valid, survival.to(torch.float64).clamp(0, 1), torch.full_like(survival, -1, dtype=torch.float64))
+    vals, order = torch.sort(a.reshape(-1), descending=True, stable=True)
+    count = int(valid.sum())
+    return vals[:count], (order[:count] // width)
+
+
+def allocate(survival: Tensor, max_drafts: Sequence[int] | Tensor, budget: int | Tensor) -> Tensor:
+    """`[B] int64` drafts per request: the `budget` highest-survival candidates (a prefix per request)."""
+    m = _check(survival, max_drafts)
+    _, req = _ranked(survival, m)
+    k = min(int(budget), req.numel())
+    if k < 0:
+        raise DSparkInputError(f"budget: expected >= 0, found {int(budget)}")
+    return torch.bincount(req[:k], minlength=survival.shape[0]).to(torch.int64)
+
+
+def cost_budget(
+    survival: Tensor, max_drafts: Sequence[int] | Tensor, latency: LatencyModel, *, exact: bool = True
+) -> int:
+    """K, the number of drafts to verify in the whole batch (module docstring); 0 <= K <= sum(max_drafts)."""
+    m = _check(survival, max_drafts)
+    vals, _ = _ranked(survival, m)
+    batch = survival.shape[0]
+    if batch == 0 or vals.numel() == 0:
+        return 0
+    k = torch.arange(vals.numel() + 1, device=vals.device)
+    expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])  # E(K), K = 0..C
+    seconds = latency.curve(batch + vals.numel(), vals.device)[batch + k]  # T(S + K)
+    rate = expected / seconds
+    if not exact:
+        return int(torch.argmax(rate))  # first maximum
+    worse = rate[1:] <= rate[:-1]  # adding candidate K+1 does not improve the rate
+    return int(torch.argmax(worse.to(torch.int8))) if bool(worse.any()) else vals.numel()
+
+
+def schedule_verification(
+    policy: VerifyPolicy,
+    max_drafts: Sequence[int] | Tensor,
+    *,
+    survival: Tensor | None = None,
+    latency: LatencyModel | None = None,
+) -> Tensor:
+    """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]).
+
+    max_drafts: `[B]` upper bounds per request (block size, or fewer near max_tokens / the context limit).
+    survival: `[B, N]` a = cumprod(confidence) (`DraftProposal.survival()`); required by threshold and cost.
+    latency: required by cost.
+    """
+    if policy.kind == "verify_all":
+        m = torch.as_tensor(max_drafts, dtype=torch.int64)
+        if m.dim() != 1 or (m.numel() and int(m.min()) < 0):
+            raise DSparkInputError(f"max_drafts: expected a [B] tensor of values >= 0, found {m.tolist()}")
+        return m.to(survival.device) if survival is not None else m
+    if survival is None:
+        raise DSparkInputError(f"survival: the {policy.kind!r} policy needs confidences (a Confidence Head), found None")
+    m = _check(survival, max_drafts)
+    if policy.kind == "threshold":
+        width = survival.shape[1]
+        ok = (survival >= policy.threshold) & (torch.arange(width, device=survival.device)[None, :] < m[:, None])
+        return torch.cumprod(ok.to(torch.int64), dim=1).sum(1)
+    if latency is None:
+        raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
+    return allocate(survival, m, cost_budget(survival, m, latency, exact=policy.exact))

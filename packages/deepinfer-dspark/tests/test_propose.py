@@ -1,0 +1,119 @@
+"""Sequential Markov sampling and confidence (`propose.sample_block`): greedy hand case, the formula of every
+position against a direct computation, temperature sampling distribution (chi-square), reproducibility."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_dspark import DraftBlock, DraftHeads, DSparkInputError, counter_uniforms, sample_block
+from deepinfer_dspark.rng import DRAW_DRAFT
+
+# chi-square critical values at significance 1e-3 by degrees of freedom (standard table).
+CHI2_CRIT_1E3 = {2: 13.816, 4: 18.467}
+
+
+def _hand_heads() -> DraftHeads:
+    # V = 3, rank 1: W1 = [[1], [0], [2]], W2 = [[1], [-1], [0]] -> bias(prev) = W1[prev] * W2
+    return DraftHeads(markov_embed=torch.tensor([[1.0], [0.0], [2.0]]), markov_head=torch.tensor([[1.0], [-1.0], [0.0]]),
+                      confidence=torch.tensor([[1.0, 0.0, 2.0]]))
+
+
+def test_greedy_markov_hand_case():
+    u = torch.tensor([[[0.0, 0.0, 0.0], [0.0, 2.5, 0.0], [0.0, 0.0, 0.5]]])
+    h = torch.tensor([[[0.5, 7.0], [0.0, 1.0], [-1.0, 0.0]]])
+    # step 0, prev = y_p = 2: bias [2,-2,0] -> token 0
+    # step 1, prev = 0: bias [1,-1,0] -> [1,1.5,0] -> token 1   (prev kept at y_p would give token 0)
+    # step 2, prev = 1: bias [0,0,0] -> [0,0,0.5] -> token 2    (prev = 0 would give token 0)
+    prop = sample_block(DraftBlock(base_logits=u, hidden=h), _hand_heads(), torch.tensor([2]), torch.tensor([7]),
+                        keep_logits=True)
+    assert prop.draft_ids.tolist() == [[0, 1, 2]]
+    assert torch.allclose(prop.draft_logits[0], torch.tensor([[2.0, -2.0, 0.0], [1.0, 1.5, 0.0], [0.0, 0.0, 0.5]]))
+    # confidence c_i = sigmoid(w . [h_i ; W1[prev_i]]), w = [1, 0, 2]: prev = 2, 0, 1 -> e = 2, 1, 0
+    want = torch.sigmoid(torch.tensor([0.5 + 4.0, 0.0 + 2.0, -1.0 + 0.0]))
+    assert torch.allclose(prop.confidence[0], want)
+    # per-position STS temperatures divide the confidence logit
+    heads = DraftHeads(markov_embed=_hand_heads().markov_embed, markov_head=_hand_heads().markov_head,
+                       confidence=_hand_heads().confidence, sts=(1.0, 2.0, 4.0))
+    prop2 = sample_block(DraftBlock(base_logits=u, hidden=h), heads, torch.tensor([2]), torch.tensor([7]))
+    assert torch.allclose(prop2.confidence[0], torch.sigmoid(torch.tensor([4.5, 1.0, -0.25])))
+
+
+def _random_case(batch: int, width: int = 4, vocab: int = 5, rank: int = 2, dim: int = 3, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    block = DraftBlock(base_logits=torch.randn(batch, width, vocab, generator=g),
+                       hidden=torch.randn(batch, width, dim, generator=g))
+    heads = DraftHeads(markov_embed=torch.randn(vocab, rank, generator=g),
+                       markov_head=torch.randn(vocab, rank, generator=g),
+                       confidence=torch.randn(1, dim + rank, generator=g))
+    return block, heads
+
+
+def test_sampled_block_matches_direct_formula():
+    block, heads = _random_case(6)
+    anchors = torch.tensor([0, 1, 2, 3, 4, 0])
+    pos = torch.tensor([3, 9, 0, 100, 5, 3])
+    seeds = torch.arange(6, dtype=torch.int64) * 7919
+    temp = torch.tensor([0.7, 1.0, 0.0, 2.0, 1.3, 0.7])
+    prop = sample_block(block, heads, anchors, pos, temperature=temp, seeds=seeds)
+    for b in range(6):
+        prev = int(anchors[b])
+        for i in range(block.base_logits.shape[1]):
+            e = heads.markov_embed[prev]
+            logits = block.base_logits[b, i] + heads.markov_head @ e
+            if temp[b] > 0:
+                p = torch.softmax(logits / temp[b], -1)
+                u = counter_uniforms(seeds[b : b + 1], pos[b : b + 1] + 1 + i, DRAW_DRAFT)
+                tok = int(torch.searchsorted(torch.cumsum(p, 0), u * p.sum(), right=True).clamp(max=4))
+                assert torch.allclose(prop.draft_probs[b, i], p, atol=1e-6)
+            else:
+                tok = int(logits.argmax())
+                assert prop.draft_probs[b, i].tolist() == torch.nn.functional.one_hot(torch.tensor(tok), 5).tolist()
+            assert int(prop.draft_ids[b, i]) == tok
+            c = torch.sigmoid(torch.cat([block.hidden[b, i], e]) @ heads.confidence[0])
+            assert torch.allclose(prop.confidence[b, i], c, atol=1e-6)
+            prev = tok
+
+
+def test_temperature_sampling_follows_the_corrected_distribution():
+    n = 20000
+    block, heads = _random_case(1, width=2, seed=3)
+    block = DraftBlock(base_logits=block.base_logits.expand(n, -1, -1), hidden=block.hidden.expand(n, -1, -1))
+    temp = torch.full((n,), 0.8)
+    prop = sample_block(block, heads, torch.full((n,), 2), torch.zeros(n, dtype=torch.int64), temperature=temp,
+                        seeds=torch.arange(n, dtype=torch.int64))
+    # position 0: softmax((U_0 + W2 W1[2]) / 0.8)
+    p0 = torch.softmax((block.base_logits[0, 0] + heads.markov_head @ heads.markov_embed[2]) / 0.8, -1)
+    counts = torch.bincount(prop.draft_ids[:, 0], minlength=5).double()
+    chi2 = float(((counts - n * p0) ** 2 / (n * p0)).sum())
+    assert chi2 < CHI2_CRIT_1E3[4], chi2
+    # position 1 conditioned on the sampled d_0 = 1 follows softmax((U_1 + W2 W1[1]) / 0.8)
+    rows = prop.draft_ids[:, 0] == 1
+    p1 = torch.softmax((block.base_logits[0, 1] + heads.markov_head @ heads.markov_embed[1]) / 0.8, -1)
+    c1 = torch.bincount(prop.draft_ids[rows, 1], minlength=5).double()
+    m = float(rows.sum())
+    chi2 = float(((c1 - m * p1) ** 2 / (m * p1)).sum())
+    assert chi2 < CHI2_CRIT_1E3[4], chi2
+
+
+def test_sampling_is_batch_independent_and_reproducible():
+    block, heads = _random_case(8, seed=5)
+    anchors, pos = torch.arange(8) % 5, torch.arange(8, dtype=torch.int64) * 3
+    seeds, temp = torch.arange(8, dtype=torch.int64) + 11, torch.full((8,), 1.0)
+    full = sample_block(block, heads, anchors, pos, temperature=temp, seeds=seeds)
+    again = sample_block(block, heads, anchors, pos, temperature=temp, seeds=seeds)
+    assert torch.equal(full.draft_ids, again.draft_ids)
+    sub = [6, 1, 3]
+    part = sample_block(DraftBlock(base_logits=block.base_logits[sub], hidden=block.hidden[sub]), heads,
+                        anchors[sub], pos[sub], temperature=temp[sub], seeds=seeds[sub])
+    assert torch.equal(part.draft_ids, full.draft_ids[sub])
+
+
+def test_errors():
+    block, heads = _random_case(2)
+    with pytest.raises(DSparkInputError, match="seeds"):
+        sample_block(block, heads, torch.tensor([0, 1]), torch.tensor([0, 1]), temperature=torch.tensor([1.0, 0.0]))
+    with pytest.raises(DSparkInputError, match="temperature"):
+        sample_block(block, heads, torch.tensor([0, 1]), torch.tensor([0, 1]), temperature=torch.tensor([-1.0, 0.0]),
+                     seeds=torch.tensor([1, 2]))
+    with pytest.raises(DSparkInputError, match="anchor"):
+        sample_block(block, heads, torch.tensor([0]), torch.tensor([0, 1]))

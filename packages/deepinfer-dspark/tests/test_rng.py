@@ -1,0 +1,58 @@
+"""Counter-based uniforms: pure function of (seed, position, draw), uniform, independent across keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_dspark import DSparkInputError, counter_uniforms, verify_counter_uniforms
+from deepinfer_dspark.rng import DRAW_ACCEPT, DRAW_DRAFT, DRAW_FINAL
+
+CHI2_CRIT_1E3_DF63 = 103.442  # chi-square, 63 degrees of freedom, significance 1e-3 (standard table)
+
+
+def test_pure_function_of_the_key():
+    seeds = torch.tensor([0, -5, 2**40 + 3, 7], dtype=torch.int64)
+    pos = torch.tensor([[0, 1], [5, 6], [1 << 33, 2], [9, 9]], dtype=torch.int64)
+    u = counter_uniforms(seeds, pos, DRAW_DRAFT)
+    assert u.dtype == torch.float32 and u.shape == (4, 2)
+    assert bool(((u >= 0) & (u < 1)).all())
+    assert torch.equal(u, counter_uniforms(seeds, pos, DRAW_DRAFT))
+    # any subset / order of requests gives the same values (batch independence)
+    assert torch.equal(counter_uniforms(seeds[[3, 0]], pos[[3, 0]], DRAW_DRAFT), u[[3, 0]])
+    assert torch.equal(counter_uniforms(seeds, pos[:, 0], DRAW_DRAFT), u[:, 0])
+    # equal positions of one seed -> equal values; another draw -> another value
+    assert u[3, 0] == u[3, 1]
+    assert not torch.equal(u, counter_uniforms(seeds, pos, DRAW_ACCEPT))
+
+
+def test_uniform_and_uncorrelated():
+    n = 64 * 2000
+    seeds = torch.arange(n, dtype=torch.int64) // 16
+    pos = torch.arange(n, dtype=torch.int64) % 16
+    u = counter_uniforms(seeds, pos, DRAW_ACCEPT)
+    counts = torch.bincount((u * 64).long(), minlength=64).double()
+    chi2 = float(((counts - n / 64) ** 2 / (n / 64)).sum())
+    assert chi2 < CHI2_CRIT_1E3_DF63, chi2
+    v = counter_uniforms(seeds, pos, DRAW_FINAL)
+    w = counter_uniforms(seeds, pos + 1, DRAW_ACCEPT)
+    for other in (v, w):
+        r = torch.corrcoef(torch.stack([u, other]).double())[0, 1]
+        assert abs(float(r)) < 4 / n**0.5  # 4 standard errors of a zero correlation
+    assert abs(float(u.mean()) - 0.5) < 4 * (1 / 12 / n) ** 0.5
+
+
+def test_verify_uniform_layout():
+    seeds, p = torch.tensor([3, 4]), torch.tensor([10, 20])
+    u = verify_counter_uniforms(seeds, p, 3)
+    assert u.shape == (2, 4)
+    assert torch.equal(u[:, :3], counter_uniforms(seeds, torch.stack([p + 1, p + 2, p + 3], 1), DRAW_ACCEPT))
+    assert torch.equal(u[:, 3], counter_uniforms(seeds, p, DRAW_FINAL))
+
+
+def test_errors():
+    with pytest.raises(DSparkInputError, match="seeds"):
+        counter_uniforms(torch.tensor([1.0]), torch.tensor([1]), 0)
+    with pytest.raises(DSparkInputError, match="positions"):
+        counter_uniforms(torch.tensor([1]), torch.tensor([1, 2]), 0)
+    with pytest.raises(DSparkInputError, match="draw"):
+        counter_uniforms(torch.tensor([1]), torch.tensor([1]), -1)

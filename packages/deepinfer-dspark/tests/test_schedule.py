@@ -1,0 +1,124 @@
+"""Verification policies on hand-built confidence vectors; the cost policy against brute force; the latency model."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+from deepinfer_dspark import (
+    DSparkConfigError,
+    DSparkInputError,
+    LatencyModel,
+    VerifyPolicy,
+    allocate,
+    cost_budget,
+    schedule_verification,
+)
+
+
+def _survival(conf: list[list[float]]) -> torch.Tensor:
+    return torch.cumprod(torch.tensor(conf, dtype=torch.float32), dim=1)
+
+
+def test_verify_all_and_threshold_by_hand():
+    a = _survival([[0.9, 0.9, 0.5, 1.0, 1.0], [0.4, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    # survivals: [0.9, 0.81, 0.405, 0.405, 0.405], [0.4, ...], [1, ...]
+    all_ = schedule_verification(VerifyPolicy(kind="verify_all"), [5, 5, 3], survival=a)
+    assert all_.tolist() == [5, 5, 3]
+    thr = schedule_verification(VerifyPolicy(kind="threshold", threshold=0.5), [5, 5, 3], survival=a)
+    assert thr.tolist() == [2, 0, 3]
+    thr = schedule_verification(VerifyPolicy(kind="threshold", threshold=0.4), [5, 5, 5], survival=a)
+    assert thr.tolist() == [5, 5, 5]
+    assert schedule_verification(VerifyPolicy(kind="threshold", threshold=1.0), [5, 5, 5], survival=a).tolist() == [0, 0, 5]
+
+
+def test_cost_by_hand():
+    # 2 requests, T(Q) = 1 + 0.5 Q. Survivals ranked: 0.9, 0.8, 0.5, 0.2, 0.1.
+    a = torch.tensor([[0.9, 0.5, 0.1], [0.8, 0.2, 0.0]])
+    lat = LatencyModel.affine(1.0, 0.5, 64)
+    # E/T for K = 0..5: 2/2=1.0, 2.9/2.5=1.16, 3.7/3=1.233, 4.2/3.5=1.2, ... -> K = 2: one draft each
+    assert cost_budget(a, [3, 3], lat) == 2
+    got = schedule_verification(VerifyPolicy(kind="cost"), [3, 3], survival=a, latency=lat)
+    assert got.tolist() == [1, 1]
+    # a cheap extra token (slope 0.01) makes every draft with survival > ~0.02 worth verifying
+    cheap = LatencyModel.affine(1.0, 0.01, 64)
+    assert schedule_verification(VerifyPolicy(kind="cost"), [3, 3], survival=a, latency=cheap).tolist() == [3, 2]
+
+
+def test_allocate_is_prefix_per_request_with_ties():
+    a = torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.2]])
+    assert allocate(a, [3, 3], 2).tolist() == [2, 0]  # ties: request-major, depth-minor
+    assert allocate(a, [3, 3], 4).tolist() == [3, 1]
+    assert allocate(a, [1, 3], 3).tolist() == [1, 2]
+    assert allocate(a, [3, 3], 100).tolist() == [3, 3]
+
+
+def _brute_force(a: torch.Tensor, m: list[int], lat: LatencyModel) -> float:
+    best = 0.0
+    for counts in itertools.product(*(range(k + 1) for k in m)):
+        e = len(m) + sum(float(a[b, :c].sum()) for b, c in enumerate(counts))
+        best = max(best, e / lat.predict(len(m) + sum(counts)))
+    return best
+
+
+def _rate(a: torch.Tensor, counts: list[int], lat: LatencyModel) -> float:
+    e = len(counts) + sum(float(a[b, :c].sum()) for b, c in enumerate(counts))
+    return e / lat.predict(len(counts) + sum(counts))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cost_global_is_optimal_and_exact_matches_on_affine_curves(seed: int):
+    rng = random.Random(seed)
+    batch, width = rng.randint(1, 3), rng.randint(1, 4)
+    conf = [[rng.choice([rng.random(), 1.0, 0.0, 0.5]) for _ in range(width)] for _ in range(batch)]
+    a = _survival(conf).double()
+    m = [rng.randint(0, width) for _ in range(batch)]
+    # a jagged piecewise-linear curve (bucketed CUDA graphs) and an affine one
+    sizes = list(range(1, batch * (width + 1) + 2))
+    jagged = LatencyModel(sizes, [1.0 + 0.3 * q + rng.choice([0.0, 0.4, 0.9]) for q in sizes])
+    affine = LatencyModel.affine(rng.uniform(0.2, 2.0), rng.uniform(0.01, 1.0), 64)
+    for lat in (jagged, affine):
+        counts = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat).tolist()
+        assert all(0 <= c <= k for c, k in zip(counts, m))
+        assert _rate(a, counts, lat) == pytest.approx(_brute_force(a, m, lat), rel=1e-9)
+    exact = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=affine).tolist()
+    assert _rate(a, exact, affine) == pytest.approx(_brute_force(a, m, affine), rel=1e-9)
+
+
+def test_latency_model_interpolates_profiles_and_corrects():
+    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.5)
+    assert lat.predict(1) == 1.0 and lat.predict(2) == pytest.approx(1.5) and lat.predict(6) == pytest.approx(2.75)
+    assert lat.predict(12) == pytest.approx(3.5)  # last segment's slope beyond the last point
+    assert lat.curve(3).tolist()[1:] == pytest.approx([1.0, 1.5, 2.0])
+    lat.observe(4, 4.5)  # error 2.0 at a point: it moves by ema * 2.0 = 1.0
+    assert lat.seconds == pytest.approx([1.0, 3.5, 3.0]) and lat.observations == 1
+    lat.observe(6, 3.25 + 1.0)  # halfway between 4 and 8: predicted 3.25, error 1.0 split 0.5 / 0.5 * ema
+    assert lat.seconds == pytest.approx([1.0, 3.75, 3.25])
+    clock = iter(range(1000))
+    prof = LatencyModel.profile(lambda q: None, [1, 2, 4], repeats=3, timer=lambda: float(next(clock)))
+    assert prof.sizes == [1, 2, 4] and prof.seconds == [1.0, 1.0, 1.0]
+    calls = []
+    LatencyModel.profile(calls.append, [2, 5], warmup=2, repeats=1, timer=lambda: 0.0)
+    assert calls == [2, 2, 2, 5, 5, 5]
+
+
+def test_errors():
+    a = torch.ones(2, 3)
+    with pytest.raises(DSparkConfigError, match="kind"):
+        VerifyPolicy(kind="markov")
+    with pytest.raises(DSparkConfigError, match="threshold"):
+        VerifyPolicy(kind="threshold", threshold=1.5)
+    with pytest.raises(DSparkInputError, match="survival"):
+        schedule_verification(VerifyPolicy(kind="threshold"), [1, 1])
+    with pytest.raises(DSparkInputError, match="latency"):
+        schedule_verification(VerifyPolicy(kind="cost"), [1, 1], survival=a)
+    with pytest.raises(DSparkInputError, match="max_drafts"):
+        schedule_verification(VerifyPolicy(kind="cost"), [4, 1], survival=a, latency=LatencyModel.affine(1, 1, 8))
+    with pytest.raises(DSparkConfigError, match="sizes"):
+        LatencyModel([2, 2], [1.0, 1.0])
+    with pytest.raises(DSparkConfigError, match="seconds"):
+        LatencyModel([1, 2], [1.0, -1.0])
+    with pytest.raises(DSparkInputError, match="observe"):
+        LatencyModel.affine(1, 1, 8).observe(0, 1.0)
