@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def resolve_model_dir(model: str, cache_dir: str) -> Path:
     if model in ("tiny-v41", "tiny-v4"):
-        from deepinfer_engine.testing import make_tiny_checkpoint
+        from engine_testing import make_tiny_checkpoint
 
         out = Path(cache_dir) / model
         if not (out / "config.json").is_file():

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

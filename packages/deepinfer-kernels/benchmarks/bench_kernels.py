@@ -7,7 +7,7 @@ Run from the repo root:
 Per op and batch it prints one row per backend: device time per call from CUDA-graph replay (launch gaps
 removed; the eager per-call wall time is shown beside it), achieved GB/s and TFLOP/s for the bytes/FLOPs the op
 must move/do, and % of the H200 roofline max(bytes / 4.8 TB/s, FLOPs / 790 TFLOP/s) (datasheet HBM, measured
-bf16 dense rate; kernels.md §6.2). Inputs rotate over several sets so repeated calls do not run out of the 60 MB
+bf16 dense rate; docs/kernels.md §6.2). Inputs rotate over several sets so repeated calls do not run out of the 60 MB
 L2 (decode reads each layer's KV and weights cold). Every triton result is checked against the reference first.
 `--sweep` (default on) also times a few sparse-attention launch configurations (block_h, block_n, num_warps)
 within `--sweep-budget-s`; `--smoke-cpu` runs the script on CPU through the Triton interpreter (no timings).

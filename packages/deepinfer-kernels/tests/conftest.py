@@ -3,7 +3,7 @@
 triton.jit picks "interpreted" vs "compiled" when a function is decorated, and triton's own library functions
 (`tl.zeros`, `tl.max`, ...) are decorated when triton is first imported. Importing it here with
 TRITON_INTERPRET=1 (then restoring the variable) keeps the whole CPU session on the interpreter without the
-re-import fallback of `deepinfer_kernels.testing.triton_interpreter`. No effect when CUDA is present or triton
+re-import fallback of `kernels_testing.triton_interpreter` (tests/support). No effect when CUDA is present or triton
 is missing or already imported.
 """
 

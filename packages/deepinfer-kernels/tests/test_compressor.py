@@ -1,4 +1,4 @@
-"""compress_pool: per-channel softmax pooling (architecture.md §C.3 ratio 2, §A.6/A.7)."""
+"""compress_pool: per-channel softmax pooling (docs/model.md §C.3 ratio 2, docs/model.md §A.6/A.7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""mHC references against hand-derived values (architecture.md §A.3)."""
+"""mHC references against hand-derived values (docs/model.md §A.3)."""
 
 from __future__ import annotations
 

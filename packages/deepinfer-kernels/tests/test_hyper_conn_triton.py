@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 import torch
 from deepinfer_kernels.hyper_conn import hc_mix, hc_post, hc_pre, reference
-from deepinfer_kernels.testing import triton_interpreter
+from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

@@ -1,4 +1,4 @@
-"""Indexer reference (§C.4) against small hand-derived cases."""
+"""Indexer reference (docs/model.md §C.4) against small hand-derived cases."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ pytestmark = [
 
 _SCRIPT = r"""
 import json
-from deepinfer_kernels.testing import sm90_compile_report as rep
+from kernels_testing import sm90_compile_report as rep
 from deepinfer_kernels.linear import triton as lt
 from deepinfer_kernels.moe import triton as mt
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from deepinfer_kernels.linear import reference
 from deepinfer_kernels.quant import quant_fp8_block
-from deepinfer_kernels.testing import triton_interpreter
+from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

@@ -1,4 +1,4 @@
-"""Clamped SwiGLU expert and routed combine (architecture.md §2, pitfall 7)."""
+"""Clamped SwiGLU expert and routed combine (docs/model.md §2, pitfall 7)."""
 
 from __future__ import annotations
 

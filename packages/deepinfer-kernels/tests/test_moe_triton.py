@@ -16,7 +16,7 @@ import pytest
 import torch
 from deepinfer_kernels.moe import StackedExperts, moe_experts, reference
 from deepinfer_kernels.quant import quant_fp4
-from deepinfer_kernels.testing import triton_interpreter
+from kernels_testing import triton_interpreter
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

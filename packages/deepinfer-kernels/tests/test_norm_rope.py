@@ -1,4 +1,4 @@
-"""norm_rope references against hand-derived values (architecture.md §2)."""
+"""norm_rope references against hand-derived values (docs/model.md §2)."""
 
 from __future__ import annotations
 

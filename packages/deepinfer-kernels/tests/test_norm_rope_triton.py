@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 from deepinfer_kernels.norm_rope import reference, rms_norm
-from deepinfer_kernels.testing import triton_interpreter
+from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

@@ -1,4 +1,4 @@
-"""MoE routing references (architecture.md §A.8): sqrtsoftplus, bias for selection only, renorm x scale, hash."""
+"""MoE routing references (docs/model.md §A.8): sqrtsoftplus, bias for selection only, renorm x scale, hash."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 import torch
 from deepinfer_kernels.routing import reference, route_logits, select_experts
-from deepinfer_kernels.testing import triton_interpreter
+from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

@@ -1,4 +1,4 @@
-"""sparse_attn reference vs a naive per-query loop (architecture.md §A.4: sink only in the denominator)."""
+"""sparse_attn reference vs a naive per-query loop (docs/model.md §A.4: sink only in the denominator)."""
 
 from __future__ import annotations
 

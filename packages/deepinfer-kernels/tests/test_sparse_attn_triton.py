@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 from deepinfer_kernels.sparse_attn import reference, sparse_attn
-from deepinfer_kernels.testing import triton_interpreter
+from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 

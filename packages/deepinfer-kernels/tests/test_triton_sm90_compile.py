@@ -22,7 +22,7 @@ pytestmark = [
 
 _SCRIPT = r"""
 import json
-from deepinfer_kernels.testing import sm90_compile_report as rep
+from kernels_testing import sm90_compile_report as rep
 from deepinfer_kernels.sparse_attn import triton as sa
 from deepinfer_kernels.hyper_conn import triton as hc
 from deepinfer_kernels.norm_rope import triton as rn

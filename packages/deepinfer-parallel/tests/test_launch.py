@@ -13,7 +13,7 @@ import torch.distributed as dist
 from deepinfer_parallel.config import ParallelConfig
 from deepinfer_parallel.errors import RankFailedError
 from deepinfer_parallel.launch import SpawnedRanks
-from deepinfer_parallel.testing import run_ranks
+from parallel_testing import run_ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(90)]
 

@@ -42,7 +42,7 @@ def _agree(state):
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
 def test_gloo_ranks_agree():
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     results = run_ranks(_agree, 3, timeout_s=80)
     assert results[0] == results[1] == results[2]

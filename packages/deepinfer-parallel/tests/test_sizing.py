@@ -1,4 +1,4 @@
-"""EP sizing against the arithmetic of runtime.md §6.3 and architecture.md §8.2 (V4.1-Flash)."""
+"""EP sizing against the arithmetic of docs/runtime.md §6.3 and docs/checkpoint.md §8.2 (V4.1-Flash)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from deepinfer_parallel.sizing import (
 
 GB = 10**9
 # V4.1-Flash numbers from config.json: 40 MoE layers x 384 experts, hidden 5120, moe_intermediate 2304; DSpark:
-# 3 stages x 128 experts. Replicated weights ~= 10.6 GB (runtime.md §4.1 / §6.3, Engram tables on host).
+# 3 stages x 128 experts. Replicated weights ~= 10.6 GB (docs/runtime.md §4.1 / §6.3, Engram tables on host).
 MAIN = dict(num_layers=40, num_experts=384, hidden_size=5120, moe_intermediate_size=2304)
 DRAFT = dict(num_layers=3, num_experts=128, hidden_size=5120, moe_intermediate_size=2304)
 REPLICATED = 10_600_000_000
@@ -28,7 +28,7 @@ def _v41(**overrides):
 
 
 def test_expert_bytes_match_architecture_doc():
-    # architecture.md §8.2: 543,581,798,400 routed params x (0.5 + 1/32) B = 288.8 GB; runtime.md: draft 7.2 GB.
+    # docs/checkpoint.md §8.2: 543,581,798,400 routed params x (0.5 + 1/32) B = 288.8 GB; docs/runtime.md: draft 7.2 GB.
     assert expert_bytes(**MAIN) == 543_581_798_400 * 17 // 32
     assert round(expert_bytes(**MAIN) / GB, 1) == 288.8
     assert round(expert_bytes(**DRAFT) / GB, 1) == 7.2
@@ -37,7 +37,7 @@ def test_expert_bytes_match_architecture_doc():
 
 @pytest.mark.parametrize(
     "ep,routed_gb,total_gb",
-    # runtime.md §6.3 table: routed experts per GPU (main + draft) and + replicated, as printed there.
+    # docs/runtime.md §6.3 table: routed experts per GPU (main + draft) and + replicated, as printed there.
     [(1, 296, 307), (2, 148, 159), (4, 74, 85), (8, 37, 48), (64, 4.6, 15)],
 )
 def test_table_of_runtime_doc(ep, routed_gb, total_gb):
@@ -49,7 +49,7 @@ def test_table_of_runtime_doc(ep, routed_gb, total_gb):
 
 
 def test_smallest_ep_that_fits_gpus_of_the_doc():
-    # runtime.md §6.3: H100/H800 80 GB -> EP8; H200 141 GB -> EP4; B300 ~270 GB -> EP2 (before KV/activations).
+    # docs/runtime.md §6.3: H100/H800 80 GB -> EP8; H200 141 GB -> EP4; B300 ~270 GB -> EP2 (before KV/activations).
     assert smallest_ep_that_fits(budget_bytes=80 * GB, **_v41()).ep_size == 8
     assert smallest_ep_that_fits(budget_bytes=141 * GB, **_v41()).ep_size == 4
     assert smallest_ep_that_fits(budget_bytes=270 * GB, **_v41()).ep_size == 2

@@ -6,7 +6,7 @@ import json
 
 import deepseek_recipe as dr
 import pytest
-from deepseek_recipe.testing import request_class
+from recipe_testing import request_class
 
 LONE = "\ud800"
 BODIES = {

@@ -23,9 +23,9 @@ from contextlib import contextmanager
 
 import deepseek_recipe as dr
 import pytest
-from deepseek_recipe.testing import golden_cases, request_class
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from recipe_testing import golden_cases, request_class
 
 EXAMPLES = int(os.environ.get("DEEPSEEK_RECIPE_FUZZ_EXAMPLES", "30"))
 FUZZ = settings(

@@ -6,7 +6,7 @@ import json
 
 import deepseek_recipe as R
 import pytest
-from deepseek_recipe.testing import (
+from recipe_testing import (
     build_conversation,
     conversion_options,
     drive_stream,

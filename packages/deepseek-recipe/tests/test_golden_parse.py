@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from deepseek_recipe.testing import convert_request, drive_stream, golden_params
+from recipe_testing import convert_request, drive_stream, golden_params
 
 
 def _summary(response: dict) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import deepseek_recipe as R
 import pytest
-from deepseek_recipe.testing import build_conversation, convert_request, golden_params
+from recipe_testing import build_conversation, convert_request, golden_params
 
 
 @pytest.mark.parametrize("case", golden_params("render.jsonl"))

@@ -6,9 +6,9 @@ import json
 
 import deepseek_recipe as dr
 import pytest
-from deepseek_recipe.testing import normalize
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from recipe_testing import normalize
 
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

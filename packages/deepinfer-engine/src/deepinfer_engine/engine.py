@@ -238,7 +238,7 @@ class EngineCore:
 
 
 def _log_record_formats(args: Any) -> None:
-    """Bytes per token of the compressed caches in the design's record formats (runtime.md §6.2), for comparison
+    """Bytes per token of the compressed caches in the design's record formats (docs/runtime.md §6.2), for comparison
     with the cache actually allocated (which stores the reference dtype)."""
     from deepinfer_engine.core.kv_cache_spec import compressed_owners, paged_bytes_per_token
 

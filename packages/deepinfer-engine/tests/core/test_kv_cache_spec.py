@@ -1,5 +1,5 @@
-"""Per-token bytes of the real configs' paged families equal the design figures (runtime.md §6.2,
-architecture.md §7.1/§7.2): V4.1 3,200 B bf16, 890 B NVFP4+MXFP4, 1,490 B MXFP8+MXFP4; V4 6,880 B bf16,
+"""Per-token bytes of the real configs' paged families equal the design figures (docs/runtime.md §6.2,
+docs/caches.md §7.1/§7.2): V4.1 3,200 B bf16, 890 B NVFP4+MXFP4, 1,490 B MXFP8+MXFP4; V4 6,880 B bf16,
 3,514 B production (FP8 main + MXFP4 index)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from deepinfer_engine.core.kv_cache_spec import (
 )
 from deepinfer_engine.model.presets import v4_flash_config, v41_flash_config  # config data, no torch
 
-V41_DESIGN_CONFIG = Path("/work/shared/design/v41_flash_config.json")
+V41_DESIGN_CONFIG = Path(__file__).resolve().parents[1] / "data" / "v41_flash_config.json"
 
 
 def _v41_text_config() -> dict:
@@ -53,7 +53,7 @@ def test_v41_flash_paged_bytes_per_token() -> None:
 
 def test_v4_flash_paged_bytes_per_token() -> None:
     cfg = v4_flash_config()
-    assert cfg["compress_ratios"] == [0, 0] + [4, 128] * 20 + [4, 0]  # architecture.md §1.1
+    assert cfg["compress_ratios"] == [0, 0] + [4, 128] * 20 + [4, 0]  # docs/model.md §1.1
     owners = compressed_owners(cfg["compress_ratios"], cfg["num_hidden_layers"])
     assert sum(o.has_index_keys for o in owners) == 21 and len(owners) == 41
     kw = dict(head_dim=cfg["head_dim"], index_head_dim=cfg["index_head_dim"], rope_dim=cfg["qk_rope_head_dim"])

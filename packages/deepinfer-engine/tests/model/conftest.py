@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.engram_hash import synthetic_token_map
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v41_config
+from equality import init_random_
 
 
 @pytest.fixture

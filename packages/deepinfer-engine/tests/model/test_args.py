@@ -11,7 +11,7 @@ from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model import presets
 from deepinfer_engine.model.args import LayerPlan, ModelArgs
 
-V41_DESIGN_JSON = Path("/work/shared/design/v41_flash_config.json")
+V41_DESIGN_JSON = Path(__file__).resolve().parents[1] / "data" / "v41_flash_config.json"
 
 
 def test_v4_flash_real_config_parses() -> None:

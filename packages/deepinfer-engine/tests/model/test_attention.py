@@ -1,17 +1,17 @@
-"""Attention pieces against direct transcriptions of the spec (architecture.md §A.4-§A.7): V4 CSA overlapping
+"""Attention pieces against direct transcriptions of the spec (docs/model.md §A.4-§A.7): V4 CSA overlapping
 compressor, HCA compressor, indexer causality, window masks (causal and DSpark non-causal), RoPE per layer kind."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.attention import Attention
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.presets import tiny_v4_config
 from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin
+from equality import init_random_
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def _run_compressed(attn, args, x, chunks):
 
 
 def _naive_entries(comp, x, ratio, overlap, rope, eps):
-    """§A.6 / §A.7 written out per window and channel."""
+    """docs/model.md §A.6 / docs/model.md §A.7 written out per window and channel."""
     a = x.float() @ comp.wkv.weight.float().T
     z = x.float() @ comp.wgate.weight.float().T
     z = z + comp.ape[torch.arange(x.shape[0]) % ratio]

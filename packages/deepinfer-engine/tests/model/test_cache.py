@@ -1,4 +1,4 @@
-"""ModelCache families and addressing (architecture.md §7, contracts §3): rings by position, paged entries."""
+"""ModelCache families and addressing (docs/caches.md §7, contracts §3): rings by position, paged entries."""
 
 from __future__ import annotations
 

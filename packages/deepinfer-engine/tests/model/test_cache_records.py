@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine.errors import ConfigError
-from deepinfer_engine.model._equality import init_random_, max_rel_err
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.cache_layout import cache_families
@@ -19,6 +18,7 @@ from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config, v41_flash_config
 from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, fake_quant
+from equality import init_random_, max_rel_err
 
 
 def _args() -> ModelArgs:

@@ -16,7 +16,7 @@ from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.checkpoint import INDEX_FILE, CheckpointReader, read_safetensors_header
 from deepinfer_engine.model.inventory import tensor_inventory
 from deepinfer_engine.model.writer import init_tensor
-from deepinfer_engine.testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 
@@ -255,7 +255,7 @@ def test_random_weights_keep_activations_well_conditioned(tiny_dirs: dict[str, P
     from deepinfer_engine.model.forward_batch import ForwardBatch
 
     for arch in ("v4", "v41"):
-        # synthetic Engram token map (architecture.md §9.2) keeps this test fast; the real map is G's to test
+        # synthetic Engram token map (docs/testing.md §9.2) keeps this test fast; the real map is G's to test
         tmap = torch.arange(129280).numpy() % 99092 if arch == "v41" else None
         model = loader.load_model(tiny_dirs[arch], dtype=torch.float32, token_map=tmap)
         rms: list[float] = []
@@ -288,7 +288,7 @@ def test_load_on_cuda_matches_cpu(tiny_dirs: dict[str, Path]) -> None:
 
 
 def test_v4_base_style_fp8_experts_with_float32_scales(tmp_path: Path) -> None:
-    # V4-Flash-Base: FP8 block experts and float32 scales (no scale_fmt) (architecture.md §1.1, §6.2)
+    # V4-Flash-Base: FP8 block experts and float32 scales (no scale_fmt) (docs/model.md §1.1, §6.2)
     from deepinfer_engine.model.writer import write_checkpoint
 
     cfg = presets.tiny_v4_config()

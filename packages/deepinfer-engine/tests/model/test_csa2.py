@@ -1,4 +1,4 @@
-"""CSA2 compressor / indexer / candidate filter (§C.3-C.4): hand cases and chunking invariants."""
+"""CSA2 compressor / indexer / candidate filter (docs/model.md §C.3-C.4): hand cases and chunking invariants."""
 
 from __future__ import annotations
 

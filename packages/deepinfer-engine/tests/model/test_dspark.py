@@ -1,4 +1,4 @@
-"""DSpark draft stages (§B, §C.7): non-causal block mask, context window, Markov/confidence heads."""
+"""DSpark draft stages (§B, docs/model.md §C.7): non-causal block mask, context window, Markov/confidence heads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.dspark import (
@@ -24,6 +23,7 @@ from deepinfer_engine.model.dspark import (
 )
 from deepinfer_engine.model.forward_batch import ForwardBatch
 from deepinfer_engine.model.model import Transformer
+from equality import init_random_
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Engram injection (§C.6): gate formula on hand cases, image positions, history plumbing for decode."""
+"""Engram injection (docs/model.md §C.6): gate formula on hand cases, image positions, history plumbing for decode."""
 
 from __future__ import annotations
 

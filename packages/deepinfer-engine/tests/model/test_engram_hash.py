@@ -1,4 +1,4 @@
-"""Engram hashing (architecture.md §C.6): published primes, multipliers, token-map class count, row ids."""
+"""Engram hashing (docs/model.md §C.6): published primes, multipliers, token-map class count, row ids."""
 
 from __future__ import annotations
 
@@ -32,14 +32,14 @@ def test_is_prime_small_numbers_match_trial_division():
 
 
 def test_primes_tiny_config_published_values():
-    # architecture.md §9.2: engram_vocab_size 64, 2 heads, max n-gram 4, layers [1, 3].
+    # docs/testing.md §9.2: engram_vocab_size 64, 2 heads, max n-gram 4, layers [1, 3].
     primes = engram_primes([1, 3], 4, 2, 64)
     assert primes == [[[67, 71], [73, 79], [83, 89]], [[97, 101], [103, 107], [109, 113]]]
     assert engram_num_embeddings([1, 3], 4, 2, 64) == [462, 630]
 
 
 def test_primes_real_config_published_values():
-    # architecture.md §1.3 / §C.6: engram_vocab_size 16,000,000, 8 heads, max n-gram 4, layers [1, 14].
+    # docs/model.md §1.3 / docs/model.md §C.6: engram_vocab_size 16,000,000, 8 heads, max n-gram 4, layers [1, 14].
     primes = engram_primes([1, 14], 4, 8, 16_000_000)
     assert primes[0][0][:3] == [16000057, 16000079, 16000081]
     assert primes[1][0][0] == 16000477
@@ -57,7 +57,7 @@ def test_primes_reject_bad_sizes():
 
 
 def test_multipliers_published_values():
-    # architecture.md §C.6 step 2 (compressed vocab 99,092).
+    # docs/model.md §C.6 step 2 (compressed vocab 99,092).
     m1 = engram_multipliers(1, 99092, 4)
     m14 = engram_multipliers(14, 99092, 4)
     assert m1.dtype == np.int64 and m1.shape == (4,)
@@ -71,7 +71,7 @@ def test_multipliers_published_values():
 # Row ids
 # ---------------------------------------------------------------------------------------------------------
 
-TINY = dict(  # architecture.md §9.2 engram fields
+TINY = dict(  # docs/testing.md §9.2 engram fields
     layer_ids=[1, 3], max_ngram_size=4, n_heads=2, vocab_size=64, compressed_vocab_size=16, pad_token_id=2
 )
 TINY_VOCAB = 512
@@ -191,7 +191,7 @@ def real_map(real_tokenizer_path, token_map_cache):
 
 
 def test_real_tokenizer_has_published_class_count(real_map):
-    # architecture.md §1.3 / §C.6: engram_compressed_vocab_size = 99,092.
+    # docs/model.md §1.3 / docs/model.md §C.6: engram_compressed_vocab_size = 99,092.
     assert real_map.shape == (129280,)
     assert num_token_classes(real_map) == 99092
     # every vocabulary id has a class, image_token_id 129264..129268 included: text ids are text

@@ -1,6 +1,6 @@
 """Parity of our V4 model (deepinfer_engine.model.model.Transformer) with the HF DeepseekV4 oracle (fp32).
 
-Tiny V4 (architecture.md §9.1: SWA, CSA ratio 4 with overlap + indexer top-k 4, HCA ratio 8, hash MoE, mHC):
+Tiny V4 (docs/testing.md §9.1: SWA, CSA ratio 4 with overlap + indexer top-k 4, HCA ratio 8, hash MoE, mHC):
 random checkpoints written by `make_checkpoint` (official format: FP8 block scales, FP4 experts) are loaded by
 our loader; the same dequantized tensors go into HF. Logits must agree to rel err <= 1e-5 (max |diff| / max |ref|)
 over every position, for several seeds, prompt lengths past the window (8), many CSA/HCA blocks, chunked
@@ -22,7 +22,6 @@ pytest.importorskip("transformers", minversion="5.23")  # 5.17 ships deepseek_v4
 pytest.importorskip("transformers.models.deepseek_v4")
 model_mod = pytest.importorskip("deepinfer_engine.model.model")
 
-from deepinfer_engine.model._equality import init_random_  # noqa: E402
 from deepinfer_engine.model.args import ModelArgs  # noqa: E402
 from deepinfer_engine.model.cache import ModelCache  # noqa: E402
 from deepinfer_engine.model.checkpoint import CheckpointReader  # noqa: E402
@@ -30,7 +29,8 @@ from deepinfer_engine.model.forward_batch import ForwardBatch  # noqa: E402
 from deepinfer_engine.model.loader import expected_checkpoint_tensors, load_model, load_weights  # noqa: E402
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v4_dspark_config  # noqa: E402
 from deepinfer_engine.model.writer import write_checkpoint  # noqa: E402
-from deepinfer_engine.testing_hf import (  # noqa: E402
+from equality import init_random_  # noqa: E402
+from hf_oracle import (  # noqa: E402
     build_hf_model,
     hf_indexer_boundary_ties,
     hf_logits,

@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine.errors import InputError
-from deepinfer_engine.model._equality import run_full
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.image_ids import IMAGE_ID_SPAN, accepts_image_ids, image_positions, max_input_id
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
+from equality import run_full
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

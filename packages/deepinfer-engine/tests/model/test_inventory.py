@@ -1,4 +1,4 @@
-"""Inventory counts of the real configs against the published / design-doc numbers (architecture.md §6, §8)."""
+"""Inventory counts of the real configs against the published / design-doc numbers (docs/checkpoint.md §6, §8)."""
 
 from __future__ import annotations
 

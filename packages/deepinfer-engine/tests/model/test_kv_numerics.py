@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import init_random_, max_rel_err, run_batched, run_chunked, run_full
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.engram_hash import synthetic_token_map
 from deepinfer_engine.model.kv_numerics import V4_FP8_NOPE, KVNumerics, kv_numerics
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
 from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1, fake_quant
+from equality import init_random_, max_rel_err, run_batched, run_chunked, run_full
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

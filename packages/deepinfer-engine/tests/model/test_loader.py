@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 from deepinfer_engine.errors import CheckpointError
-from deepinfer_engine.model._equality import max_rel_err, run_chunked, run_full
 from deepinfer_engine.model.checkpoint import CheckpointReader
 from deepinfer_engine.model.loader import load_model
 from deepinfer_engine.model.writer import make_checkpoint
+from equality import max_rel_err, run_chunked, run_full
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 

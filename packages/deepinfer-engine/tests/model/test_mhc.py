@@ -1,17 +1,17 @@
-"""Block-level mHC wiring (architecture.md §A.2 vs §C.2): V4 collapses each sub-layer with its own pre; V4.1
+"""Block-level mHC wiring (docs/model.md §A.2 vs docs/model.md §C.2): V4 collapses each sub-layer with its own pre; V4.1
 (delayed) uses the previous sub-layer's pre, stream 0 at layer 0, and returns the FFN pre for the next layer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.mhc import apply_hc_mix, hc_post, hc_pre
 from deepinfer_engine.model.model import Block
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
+from equality import init_random_
 
 
 def _ctx(a, n):

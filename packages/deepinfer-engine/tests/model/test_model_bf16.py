@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import run_chunked, run_full
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.loader import load_model
-from deepinfer_engine.testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint
+from equality import run_chunked, run_full
 
 BF16_MEDIAN, BF16_ROW_TOL, BF16_ROW_FRAC, BF16_TOP1 = 5e-2, 5e-2, 0.6, 0.7
 

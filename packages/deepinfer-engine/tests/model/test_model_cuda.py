@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import max_rel_err, random_chunks, run_batched, run_chunked, run_full
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch
 from deepinfer_engine.model.loader import load_model
-from deepinfer_engine.testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint
+from equality import max_rel_err, random_chunks, run_batched, run_chunked, run_full
 
 pytestmark = pytest.mark.gpu
 

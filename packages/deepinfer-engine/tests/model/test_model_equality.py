@@ -1,14 +1,19 @@
 """V4 tiny: full forward == token-by-token decode == random chunked prefill == batched with other sequences
 (fp32, max|Δ|/max|ref| <= 1e-5), plus the V4 MTP block and the bf16 mode.
 
-(The V4.1 versions live in test_v41_equality.py on the same harness, deepinfer_engine.model._equality.)
+(The V4.1 versions live in test_v41_equality.py on the same harness, equality.)
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import (
+from deepinfer_engine.model.args import ModelArgs
+from deepinfer_engine.model.cache import ModelCache
+from deepinfer_engine.model.forward_batch import ForwardBatch
+from deepinfer_engine.model.model import Transformer
+from deepinfer_engine.model.presets import tiny_v4_config
+from equality import (
     init_random_,
     max_rel_err,
     random_chunks,
@@ -16,11 +21,6 @@ from deepinfer_engine.model._equality import (
     run_chunked,
     run_full,
 )
-from deepinfer_engine.model.args import ModelArgs
-from deepinfer_engine.model.cache import ModelCache
-from deepinfer_engine.model.forward_batch import ForwardBatch
-from deepinfer_engine.model.model import Transformer
-from deepinfer_engine.model.presets import tiny_v4_config
 
 TOL = 1e-5
 
@@ -82,7 +82,7 @@ def test_rollback_by_position_overwrites(model):
 
 
 def test_mtp_block_runs_and_is_causal(model):
-    """MTP (§A.9): one pass over all rows == step by step through its own window cache, sharing the backbone's
+    """MTP (docs/model.md §A.9): one pass over all rows == step by step through its own window cache, sharing the backbone's
     ModelCache (the MTP layer has its own ring; its steps do not trip the backbone rollback guard)."""
     args = model.args
     ids = _ids(model, 14, 6)

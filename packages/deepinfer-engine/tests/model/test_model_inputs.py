@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine.errors import CheckpointError, InputError
-from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch
 from deepinfer_engine.model.loader import load_state_into
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config
+from equality import init_random_
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,14 @@
-"""MoE gate wiring (architecture.md §A.8, §C.5): hash layers route by the current token id without bias; V4.1
+"""MoE gate wiring (docs/model.md §A.8, docs/model.md §C.5): hash layers route by the current token id without bias; V4.1
 image-sentinel ids select with `bias_vl`; weights always from the unbiased scores; shared expert added."""
 
 from __future__ import annotations
 
 import torch
-from deepinfer_engine.model._equality import init_random_
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.moe import MoE
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
 from deepinfer_kernels.moe import swiglu_expert
+from equality import init_random_
 
 
 def test_hash_layer_routes_by_token_id():

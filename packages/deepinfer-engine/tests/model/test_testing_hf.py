@@ -1,4 +1,4 @@
-"""HF oracle harness (deepinfer_engine.testing_hf) on the tiny V4 config (architecture.md §9.1)."""
+"""HF oracle harness (hf_oracle) on the tiny V4 config (docs/testing.md §9.1)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytest.importorskip("transformers.models.deepseek_v4")
 from deepinfer_engine.errors import CheckpointError  # noqa: E402
 from deepinfer_engine.model.args import ModelArgs  # noqa: E402
 from deepinfer_engine.model.presets import tiny_v4_config  # noqa: E402
-from deepinfer_engine.testing_hf import (  # noqa: E402
+from hf_oracle import (  # noqa: E402
     build_hf_model,
     canonical_tie_break,
     hf_config_from_args,
@@ -44,7 +44,7 @@ def tiny_hf(tiny_state, tiny_args):
 
 
 def test_name_mapping_spot_checks():
-    # architecture.md §6.6, verified against transformers 5.24 conversion_mapping.py / modeling_deepseek_v4.py
+    # docs/checkpoint.md §6.6, verified against transformers 5.24 conversion_mapping.py / modeling_deepseek_v4.py
     assert official_to_hf_name("embed.weight") == "model.embed_tokens.weight"
     assert official_to_hf_name("head.weight") == "lm_head.weight"
     assert official_to_hf_name("hc_head_scale") == "model.hc_head.hc_scale"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_engine.model._equality import max_rel_err, run_batched, run_chunked, run_full
 from deepinfer_engine.model.model import Transformer
+from equality import max_rel_err, run_batched, run_chunked, run_full
 
 TOL = 1e-5
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.model import moe
-from deepinfer_engine.testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

@@ -104,7 +104,7 @@ def test_single_process_all_modes():
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_ranks_match_single_process_moe(world):
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     run_ranks(_check_all, world, timeout_s=80)
 
@@ -179,7 +179,7 @@ def test_low_latency_path_replays_in_a_cuda_graph():
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_nccl_world_of_one_matches_single_process_moe():
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     run_ranks(_check_all, 1, backend="nccl", devices=["cuda:0"], start_method="spawn", timeout_s=280)
 
@@ -188,7 +188,7 @@ def test_nccl_world_of_one_matches_single_process_moe():
                                    pytest.param(4, marks=pytest.mark.multigpu(4))])
 @pytest.mark.timeout(300)
 def test_nccl_ranks_match_single_process_moe(world):
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     run_ranks(_check_all, world, backend="nccl", devices=[f"cuda:{r}" for r in range(world)], start_method="spawn",
               timeout_s=280)

@@ -68,7 +68,7 @@ def _move_across_ranks(state) -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("world", [2, 4])
 def test_move_across_gloo_ranks_any_dtype(world):
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     run_ranks(_move_across_ranks, world, timeout_s=80)
 
@@ -77,7 +77,7 @@ def test_move_across_gloo_ranks_any_dtype(world):
                                    pytest.param(4, marks=pytest.mark.multigpu(4))])
 @pytest.mark.timeout(300)
 def test_move_across_nccl_ranks_any_dtype(world):
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     run_ranks(_move_across_ranks, world, backend="nccl", devices=[f"cuda:{r}" for r in range(world)],
               start_method="spawn", timeout_s=280)

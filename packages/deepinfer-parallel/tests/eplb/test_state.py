@@ -105,7 +105,7 @@ def _run(state) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_rebalance_mid_run_keeps_moe_output(world):
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     results = run_ranks(_run, world, timeout_s=110)
     for r in results:
@@ -120,7 +120,7 @@ def test_rebalance_mid_run_keeps_moe_output(world):
                                    pytest.param(4, marks=pytest.mark.multigpu(4))])
 @pytest.mark.timeout(300)
 def test_nccl_rebalance_mid_run_keeps_moe_output(world):
-    from deepinfer_parallel.testing import run_ranks
+    from parallel_testing import run_ranks
 
     results = run_ranks(_run, world, backend="nccl", devices=[f"cuda:{r}" for r in range(world)],
                         start_method="spawn", timeout_s=280)

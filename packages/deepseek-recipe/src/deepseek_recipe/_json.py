@@ -6,7 +6,7 @@
 * Serialization: "spaced" (`", "`, `": "`) and compact flavours; non-ASCII is
   written raw; floats as Python `repr` except the V4 spaced style, which writes
   values in [1e-5, 1e-4) in plain decimal and smaller exponents unpadded
-  (recipe.md §3).
+  (docs/recipe.md §3).
 """
 
 from __future__ import annotations

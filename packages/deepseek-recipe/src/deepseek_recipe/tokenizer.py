@@ -1,6 +1,6 @@
 """`Tokenizer`: HF `tokenizers` over a DeepSeek `tokenizer.json`, plus prompt encoding helpers.
 
-Prompt encoding (recipe.md §2) encodes each plain region *without* the added
+Prompt encoding (docs/recipe.md §2) encodes each plain region *without* the added
 vocabulary and maps each explicit special range to its added-token id, so text
 typed by a user never turns into special tokens.
 """

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         default="tiny",
-        help="tiny (architecture.md §9 shapes, real vocabulary), tiny-dspark (v4 with 3 DSpark stages), "
+        help="tiny (docs/testing.md §9 shapes, real vocabulary), tiny-dspark (v4 with 3 DSpark stages), "
         "layers-N (real widths, N layers), full (the released size)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")

@@ -1,7 +1,7 @@
 """What one cache family costs; shared by the model (which derives it) and the torch-free cache manager.
 
 Also the per-token record-size rules of the compressed (paged) caches, so that the bytes per token of a real
-config can be checked against the design figures (runtime.md §6.2, architecture.md §7) without torch.
+config can be checked against the design figures (docs/runtime.md §6.2, docs/caches.md §7) without torch.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention of every layer kind (architecture.md §A.4-§A.7, §C.3): q LoRA path, window K=V ring, one sink softmax
+"""Attention of every layer kind (docs/model.md §A.4-§A.7, docs/model.md §C.3): q LoRA path, window K=V ring, one sink softmax
 over window ∪ selected compressed entries, inverse RoPE, grouped low-rank output; the V4 CSA/HCA compressors and
 the V4 lightning indexer. V4.1 CSA2 compressed paths come from `csa2.py` (M-41) through `_compressed()`.
 
@@ -82,7 +82,7 @@ class Compressor(nn.Module):
         d = args.hidden_size
         out = (2 if overlap else 1) * width
         self.ratio, self.width, self.overlap = ratio, width, overlap
-        # the reference converts compressor projections to fp32 and runs them in fp32 (§A.10)
+        # the reference converts compressor projections to fp32 and runs them in fp32 (docs/model.md §A.10)
         self.wkv = Linear(d, out, torch.float32)
         self.wgate = Linear(d, out, torch.float32)
         self.ape = nn.Parameter(torch.zeros(ratio, out, dtype=torch.float32))

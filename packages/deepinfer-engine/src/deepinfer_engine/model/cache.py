@@ -1,4 +1,4 @@
-"""Model-side cache storage (architecture.md §7): named per-layer tensors of every family, addressed by position.
+"""Model-side cache storage (docs/caches.md §7): named per-layer tensors of every family, addressed by position.
 
 Which layer owns what comes from ONE derivation, `core.kv_cache_spec.layer_cache_spec(args, plan)`; the
 storage below is private to this module's methods (layers call `window_pool`, `state_pool`, `write_entries`,

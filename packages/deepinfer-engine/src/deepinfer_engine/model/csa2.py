@@ -1,4 +1,4 @@
-"""V4.1 CSA2: shared compressed KV, indexer keys/queries, candidate filter, Full/Reuse/Reindex (§C.3-C.4).
+"""V4.1 CSA2: shared compressed KV, indexer keys/queries, candidate filter, Full/Reuse/Reindex (docs/model.md §C.3-C.4).
 
 Who does what in one forward (layers run in order, so a source always runs before its users):
 - kv-source layers (``plan.has_compressor``) turn their new tokens into compressed entries ``C_w`` and index keys
@@ -50,7 +50,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def pool_ratio2(a: Tensor, z: Tensor) -> Tensor:
-    """Ratio-2 pooling: per-channel softmax over the 2 tokens of each group (§C.3, no ape, no overlap).
+    """Ratio-2 pooling: per-channel softmax over the 2 tokens of each group (docs/model.md §C.3, no ape, no overlap).
 
     a, z: ``[G, 2, D] float32`` (token 2w then 2w+1 of group w). Returns ``[G, D] float32``
     ``Σ_s softmax_s(z[:, s, c]) · a[:, s, c]``.
@@ -91,7 +91,7 @@ def compress_chunk(
 
 
 class Csa2Compressor(nn.Module):
-    """``attn.compressor.{wkv, wgate (ratio 2 only), norm}`` of a kv-source layer (§C.3)."""
+    """``attn.compressor.{wkv, wgate (ratio 2 only), norm}`` of a kv-source layer (docs/model.md §C.3)."""
 
     def __init__(self, *, dim: int, head_dim: int, ratio: int, eps: float) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""DSpark draft stages (architecture.md Part B, §C.7): modules ``mtp.{k}.*`` and their forward.
+"""DSpark draft stages (docs/model.md Part B, docs/model.md §C.7): modules ``mtp.{k}.*`` and their forward.
 
 Two forwards, both on ``Transformer.mtp`` (built by ``build_stages``):
 - ``insert_context``: for accepted positions s with target features ``a_s`` (hc-stream means at the target
@@ -48,7 +48,7 @@ class MarkovHead(nn.Module):
     """Low-rank previous-token bias: ``bias = W2 · W1[prev]`` with ``W1, W2 [V, rank]``.
 
     Names: V4.1 ``markov_head.embed.weight`` / ``markov_head.head.weight``; V4-0731 ``markov_head.markov_w1.weight``
-    / ``markov_head.markov_w2.weight`` (§B.2, §C.7).
+    / ``markov_head.markov_w2.weight`` (docs/model.md §B.2, docs/model.md §C.7).
     """
 
     def __init__(self, *, vocab: int, rank: int, arch: str, dtype: torch.dtype) -> None:
@@ -78,7 +78,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, *, dim: int, rank: int, dtype: torch.dtype) -> None:
         super().__init__()
-        del dtype  # stored fp32 in the checkpoint (§B.2); forward rounds it to bf16 like the reference
+        del dtype  # stored fp32 in the checkpoint (docs/model.md §B.2); forward rounds it to bf16 like the reference
         self.proj = Linear(dim + rank, 1, torch.float32)
 
     def forward(self, h: Tensor, e: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""V4.1 Engram n-gram memory injection (architecture.md §C.6), applied to the hc streams before a layer's
+"""V4.1 Engram n-gram memory injection (docs/model.md §C.6), applied to the hc streams before a layer's
 attention mixes.
 
 Row ids come from G's ``EngramHasher`` (host, numpy): they depend only on token ids, so one call per forward
@@ -21,7 +21,7 @@ GATE_CLAMP = 1e-6
 
 
 def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
-    """Per-stream Engram gate (§C.6), fp32.
+    """Per-stream Engram gate (docs/model.md §C.6), fp32.
 
     r: ``[T, n, d]`` hc streams, key: ``[T, n, d]`` per-stream keys, q_weight / k_weight: ``[n, d]``.
     ``g_i = (Σ_c r_i[c] q_i[c] k_i[c] key_i[c]) · rsqrt(mean(r_i²)+ε) · rsqrt(mean(key_i²)+ε) / sqrt(d)``;
@@ -67,7 +67,7 @@ class _Table(nn.Module):
 
 
 class Engram(nn.Module):
-    """``layers.{l}.engram.{embed.weight, wkv.weight, q_weight, k_weight}`` (§C.6).
+    """``layers.{l}.engram.{embed.weight, wkv.weight, q_weight, k_weight}`` (docs/model.md §C.6).
 
     embed: ``[N_l, head_dim]``; wkv: ``[(hc_mult+1)·d, num_lookups·head_dim]`` with num_lookups =
     ``(max_ngram-1)·n_heads`` (keys of the hc_mult streams, then the value); q_weight, k_weight: ``[hc_mult, d]``.

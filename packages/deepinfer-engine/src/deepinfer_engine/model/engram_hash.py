@@ -1,4 +1,4 @@
-"""Engram n-gram hashing for DeepSeek-V4.1 (architecture.md §C.6): token map, multipliers, primes, row ids.
+"""Engram n-gram hashing for DeepSeek-V4.1 (docs/model.md §C.6): token map, multipliers, primes, row ids.
 
 Everything here depends only on token ids, so it is pure numpy / Python (no torch): the engine computes the
 row ids on the host and hands them to the model, which gathers rows of each layer's ``engram.embed`` table.
@@ -53,7 +53,7 @@ def is_prime(n: int) -> bool:
 def engram_primes(
     layer_ids: Sequence[int], max_ngram_size: int, n_heads: int, vocab_size: int
 ) -> list[list[list[int]]]:
-    """Hash-bucket primes ``[layer][n-2][head]`` for every engram layer (§C.6 step 3).
+    """Hash-bucket primes ``[layer][n-2][head]`` for every engram layer (docs/model.md §C.6 step 3).
 
     For each engram layer in the given order, for n = 2..max_ngram_size, for head h: the smallest prime that is
     >= ``vocab_size`` (i.e. "the next prime above vocab_size-1") and was not handed out before. The "seen"
@@ -93,7 +93,7 @@ def engram_num_embeddings(
 
 
 def engram_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram_size: int) -> np.ndarray:
-    """Odd per-shift multipliers ``M_L`` (§C.6 step 2): ``int64 [max_ngram_size]``.
+    """Odd per-shift multipliers ``M_L`` (docs/model.md §C.6 step 2): ``int64 [max_ngram_size]``.
 
     ``v = default_rng(10007*L).integers(0, (2**63-1)//compressed_vocab//2, size=max_ngram)``; ``M = 2v+1``.
     The bound keeps ``val * M`` (val < compressed_vocab) below 2**63, so the XOR accumulation never overflows.
@@ -107,7 +107,7 @@ def engram_multipliers(layer_id: int, compressed_vocab_size: int, max_ngram_size
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Token map: vocabulary id -> compressed id (§C.6 step 1)
+# Token map: vocabulary id -> compressed id (docs/model.md §C.6 step 1)
 # ----------------------------------------------------------------------------------------------------------
 
 DEAD = -1
@@ -165,7 +165,7 @@ def compressed_token_map(tokenizer: Any) -> np.ndarray:
     decoded alone (special tokens kept, no clean-up) and keyed by:
       * its raw token string (``id_to_token``) when the decoding contains U+FFFD (a partial UTF-8 byte run);
       * otherwise ``normalize_token_text(decoded)``, or the decoded text itself when that normalises to ""
-        (e.g. ``"\\x0b"`` or a lone vowel sign): [I] this fall-back is not in architecture.md but is needed to
+        (e.g. ``"\\x0b"`` or a lone vowel sign): [I] this fall-back is not in docs/model.md but is needed to
         reproduce the published 99,092 classes (without it: 98,875).
     All keys share one namespace (a raw token string may equal another token's normalised text).
     Compressed ids are assigned in order of first appearance over ids 0..V-1 (every id, the config's
@@ -186,7 +186,7 @@ def compressed_token_map(tokenizer: Any) -> np.ndarray:
 
 
 def synthetic_token_map(vocab_size: int, compressed_vocab_size: int) -> np.ndarray:
-    """Tiny-config token map ``cid = id mod compressed_vocab_size`` (architecture.md §9.2): ``int64 [vocab]``."""
+    """Tiny-config token map ``cid = id mod compressed_vocab_size`` (docs/testing.md §9.2): ``int64 [vocab]``."""
     return np.arange(vocab_size, dtype=np.int64) % compressed_vocab_size
 
 
@@ -262,7 +262,7 @@ class TokenMapCache:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Row ids (§C.6 step 4)
+# Row ids (docs/model.md §C.6 step 4)
 # ----------------------------------------------------------------------------------------------------------
 
 

@@ -1,4 +1,4 @@
-"""The tensor inventory of an official checkpoint (architecture.md §6): every tensor name, shape, stored dtype.
+"""The tensor inventory of an official checkpoint (docs/checkpoint.md §6): every tensor name, shape, stored dtype.
 
 One table serves the writer (what to create), the reader (what to check) and `deepinfer inspect` (parameter
 and byte counts, §8). Pure Python (no torch). Shapes are logical `[out, in]`; FP4 experts are stored packed
@@ -276,7 +276,7 @@ def _engram(b: _Builder, p: LayerPlan) -> None:
         "engram",
         l,
     )
-    # q_weight / k_weight dtype bf16 is [S] (architecture.md §C.6, open question 9).
+    # q_weight / k_weight dtype bf16 is [S] (docs/model.md §C.6, open question 9).
     b.add(f"{pre}q_weight", (a.hc_mult, d), "bf16", "engram", "engram", l)
     b.add(f"{pre}k_weight", (a.hc_mult, d), "bf16", "engram", "engram", l)
 
@@ -309,7 +309,7 @@ def tensor_inventory(args: ModelArgs) -> list[TensorSpec]:
     for k, p in enumerate(drafts):
         pre, l = p.prefix, p.layer_id
         if a.has_dspark:
-            if k == 0:  # fuses the hc-stream means of the target layers (architecture.md §B.2); dtype FP8 [I]
+            if k == 0:  # fuses the hc-stream means of the target layers (docs/model.md §B.2); dtype FP8 [I]
                 b.fp8(
                     f"{pre}main_proj.weight",
                     (d, d * len(a.dspark_target_layer_ids)),
@@ -318,7 +318,7 @@ def tensor_inventory(args: ModelArgs) -> list[TensorSpec]:
                     l,
                 )
                 b.add(f"{pre}main_norm.weight", (d,), "bf16", "dspark_heads", "draft", l)
-        else:  # V4-Flash MTP block (§A.9)
+        else:  # V4-Flash MTP block (docs/model.md §A.9)
             b.fp8(f"{pre}e_proj.weight", (d, d), "mtp_heads", "draft", l)
             b.fp8(f"{pre}h_proj.weight", (d, d), "mtp_heads", "draft", l)
             b.add(f"{pre}enorm.weight", (d,), "bf16", "mtp_heads", "draft", l)
@@ -336,7 +336,7 @@ def tensor_inventory(args: ModelArgs) -> list[TensorSpec]:
                 b.add(f"{pre}hc_head_scale", (1,), "f32", comp, "draft", l)
         if a.has_dspark and last:
             r = a.dspark_markov_rank or 0
-            # V4-0731 names markov_w1/markov_w2, V4.1 embed/head (§B.2, §C.7); bf16 assumed [I].
+            # V4-0731 names markov_w1/markov_w2, V4.1 embed/head (docs/model.md §B.2, docs/model.md §C.7); bf16 assumed [I].
             w1, w2 = ("markov_w1", "markov_w2") if a.arch == "v4" else ("embed", "head")
             b.add(f"{pre}markov_head.{w1}.weight", (V, r), "bf16", "dspark_heads", "draft", l)
             b.add(f"{pre}markov_head.{w2}.weight", (V, r), "bf16", "dspark_heads", "draft", l)

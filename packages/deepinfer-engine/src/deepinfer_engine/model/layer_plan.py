@@ -1,7 +1,7 @@
 """`LayerPlan`: what one layer contains and which caches it reads, derived once from `ModelArgs`.
 
 The one place the model, the cache layout and the checkpoint inventory read layer kinds from (docs/model.md
-§A.5-§A.7 for V4, §C.3-§C.4 for V4.1). Pure Python.
+docs/model.md §A.5-§A.7 for V4, docs/model.md §C.3-§C.4 for V4.1). Pure Python.
 """
 
 from __future__ import annotations

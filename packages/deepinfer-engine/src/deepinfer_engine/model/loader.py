@@ -145,7 +145,7 @@ def load_model(
     the default) or decoded to `dtype`; float parameters in `dtype`, fp32 where the spec keeps fp32 (mHC,
     sinks, ape, gate bias, compressor projections). quantize_activations: FP8 activation quantization before
     every FP8 GEMM (deployed numerics). Engram models get their hasher from `token_map` or the directory's
-    tokenizer.json (architecture.md §C.6 token map)."""
+    tokenizer.json (docs/model.md §C.6 token map)."""
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
     reader = CheckpointReader(ckpt_dir)

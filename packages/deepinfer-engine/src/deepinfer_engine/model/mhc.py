@@ -1,4 +1,4 @@
-"""mHC parameter groups and their use (architecture.md §A.3, §C.2), on top of `deepinfer_kernels.hyper_conn`.
+"""mHC parameter groups and their use (docs/model.md §A.3, docs/model.md §C.2), on top of `deepinfer_kernels.hyper_conn`.
 
 The checkpoint stores the mixes as flat attributes of the block (`layers.{l}.hc_attn_fn`, `..._base`, `..._scale`)
 and the V4 head as `hc_head_{fn,base,scale}`; these helpers register and apply them under exactly those names.

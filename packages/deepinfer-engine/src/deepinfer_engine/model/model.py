@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 / V4.1 text model (architecture.md §A.1-§A.9, §C.1-§C.2), module by module as the reference.
+"""The DeepSeek-V4 / V4.1 text model (docs/model.md §A.1-§A.9, docs/model.md §C.1-§C.2), module by module as the reference.
 
 Parameter names equal the official checkpoint names (`embed.weight`, `layers.{l}.attn.wq_a.weight`, `mtp.{k}.…`).
 V4: mHC with the learned hc_head, SWA / CSA / HCA, hash-routed MoE in the first `num_hash_layers`, MTP block.
@@ -91,7 +91,7 @@ class Block(nn.Module):
 
 
 class MTPBlock(Block):
-    """V4-Flash MTP block `mtp.{k}.` (§A.9): e_proj/h_proj/enorm/hnorm/norm + own hc_head around a ratio-0 Block."""
+    """V4-Flash MTP block `mtp.{k}.` (docs/model.md §A.9): e_proj/h_proj/enorm/hnorm/norm + own hc_head around a ratio-0 Block."""
 
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__(args, plan, dtype)
@@ -278,7 +278,7 @@ class Transformer(nn.Module):
         else:
             pre_last = pre
             h = hc_pre(rows, pre[batch.logits_indices])
-        # fp32 logits (§A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
+        # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
         logits = linear_f32_out(self.norm(h), self.head.weight)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
 

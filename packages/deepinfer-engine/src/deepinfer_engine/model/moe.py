@@ -1,4 +1,4 @@
-"""MoE of every layer (architecture.md §A.8, §C.5): Gate (sqrtsoftplus, bias for selection, V4 hash routing by
+"""MoE of every layer (docs/model.md §A.8, docs/model.md §C.5): Gate (sqrtsoftplus, bias for selection, V4 hash routing by
 `tid2eid`, V4.1 `bias_vl` at image positions, docs/fidelity.md §2), routed experts stacked `[E, ...]` (clamped
 SwiGLU) and the shared expert."""
 

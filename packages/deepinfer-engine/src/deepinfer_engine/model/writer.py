@@ -1,4 +1,4 @@
-"""Writer of random checkpoints in exactly the official release format (architecture.md §6).
+"""Writer of random checkpoints in exactly the official release format (docs/checkpoint.md §6).
 
 `make_checkpoint(out_dir, arch, preset, seed)` writes config.json, generation_config.json,
 model.safetensors.index.json, shards `model-0000K-of-0000N.safetensors` (safetensors format, no pickle),

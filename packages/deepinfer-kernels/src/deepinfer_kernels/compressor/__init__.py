@@ -1,4 +1,4 @@
-"""KV compressor pooling (architecture.md §A.6/§A.7/§C.3). Reference backend only for now."""
+"""KV compressor pooling (docs/model.md §A.6/§A.7/§C.3). Reference backend only for now."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference of compressor pooling (architecture.md §A.6/§A.7/§C.3): per-channel softmax over tokens."""
+"""Pure-torch reference of compressor pooling (docs/model.md §A.6/§A.7/§C.3): per-channel softmax over tokens."""
 
 from __future__ import annotations
 

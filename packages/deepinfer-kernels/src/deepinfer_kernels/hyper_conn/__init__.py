@@ -1,4 +1,4 @@
-"""mHC hyper-connection mixing (architecture.md §A.3 / §C.2): torch references; Triton hc_mix / hc_pre / hc_post."""
+"""mHC hyper-connection mixing (docs/model.md §A.3 / docs/model.md §C.2): torch references; Triton hc_mix / hc_pre / hc_post."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference of mHC (architecture.md §A.3): mixes with Sinkhorn, pre-collapse, post-combine, head.
+"""Pure-torch reference of mHC (docs/model.md §A.3): mixes with Sinkhorn, pre-collapse, post-combine, head.
 
 R: [T, n, d] residual streams. All mixing math in fp32.
 """

@@ -1,4 +1,4 @@
-"""Lightning indexer for V4.1 CSA2 (architecture.md §C.4): scores, causal top-k with -1 padding, candidates.
+"""Lightning indexer for V4.1 CSA2 (docs/model.md §C.4): scores, causal top-k with -1 padding, candidates.
 
 Only the pure-torch reference exists so far; GPU kernels will be dispatched from these same names.
 """

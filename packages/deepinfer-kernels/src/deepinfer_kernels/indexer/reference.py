@@ -1,4 +1,4 @@
-"""Pure-torch reference of the V4.1 lightning indexer (architecture.md §C.4): scores, causal top-k, candidates.
+"""Pure-torch reference of the V4.1 lightning indexer (docs/model.md §C.4): scores, causal top-k, candidates.
 
 All functions work on ONE sequence: its T new queries against the N compressed entries that exist for it
 (entry w of a ratio-r kv source covers tokens r*w .. r*w+r-1). Batched GPU kernels must match these

@@ -1,4 +1,4 @@
-"""MoE experts: clamped SwiGLU expert and the routed combine (architecture.md §2, §A.8).
+"""MoE experts: clamped SwiGLU expert and the routed combine (docs/model.md §2, docs/model.md §A.8).
 
 `moe_experts` takes the experts either as a sequence of float ``(w1, w3, w2)`` or as one `StackedExperts`
 (``[E, ...]`` in the checkpoint format). Torch reference everywhere (per-call exact decode of the experts a step

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the MoE expert computation (architecture.md §2 clamped SwiGLU, §A.8 combine)."""
+"""Pure-torch reference of the MoE expert computation (docs/model.md §2 clamped SwiGLU, docs/model.md §A.8 combine)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RMSNorm and interleaved RoPE on the trailing rope dims (architecture.md §2): torch references; Triton RMSNorm."""
+"""RMSNorm and interleaved RoPE on the trailing rope dims (docs/model.md §2): torch references; Triton RMSNorm."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pure-torch references: RMSNorm and interleaved (GPT-J) RoPE on the trailing rope dims, YaRN frequencies.
 
-Written as architecture.md §2: norms in fp32, RoPE pairs (2i, 2i+1) of the LAST `rope_dim` channels.
+Written as docs/model.md §2: norms in fp32, RoPE pairs (2i, 2i+1) of the LAST `rope_dim` channels.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Exact torch references for the checkpoint number formats (architecture.md §6.2) and their inverse quantizers.
+"""Exact torch references for the checkpoint number formats (docs/checkpoint.md §6.2) and their inverse quantizers.
 
 - E8M0 (UE8M0) scale byte b -> 2^(b-127); b = 255 is NaN (torch ``float8_e8m0fnu``). b = 0 is 2^-127, a float32
   subnormal, represented exactly.

@@ -1,4 +1,4 @@
-"""MoE gate scores and top-k selection (architecture.md §A.8/§C.5): torch references; Triton fused top-k."""
+"""MoE gate scores and top-k selection (docs/model.md §A.8/§C.5): torch references; Triton fused top-k."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference of MoE routing (architecture.md §A.8/§C.5): sqrtsoftplus scores, biased top-k selection,
+"""Pure-torch reference of MoE routing (docs/model.md §A.8/§C.5): sqrtsoftplus scores, biased top-k selection,
 hash routing, renormalisation over the selected experts and the routed scaling factor."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sparse MQA attention over indexed kv rows with attn_sink (architecture.md §A.4): torch reference + Triton."""
+"""Sparse MQA attention over indexed kv rows with attn_sink (docs/model.md §A.4): torch reference + Triton."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure-torch reference of sparse MQA attention with a per-head sink (architecture.md §A.4), dense-gather style.
+"""Pure-torch reference of sparse MQA attention with a per-head sink (docs/model.md §A.4), dense-gather style.
 
 Every query attends to the kv rows named by its index list (-1 = none); K = V = the full kv row; the sink logit
 enters only the softmax denominator; softmax in fp32.

@@ -9,7 +9,7 @@ from .._text import check_text, describe
 
 __all__ = ["SpecialToken", "SpecialTokens", "IMAGE_SPECIAL_TOKEN_ID"]
 
-# [I] recipe.md §1: the V4.1 tokenizer maps the image placeholder to 129264; the
+# [I] docs/recipe.md §1: the V4.1 tokenizer maps the image placeholder to 129264; the
 # public V4 tokenizer calls that id `<｜image2｜>`. Kept as the official constant.
 IMAGE_SPECIAL_TOKEN_ID = 129264
 

@@ -1,4 +1,4 @@
-"""`DeepseekV4Encoding`: the V4 prompt layout (recipe.md §4)."""
+"""`DeepseekV4Encoding`: the V4 prompt layout (docs/recipe.md §4)."""
 
 from __future__ import annotations
 

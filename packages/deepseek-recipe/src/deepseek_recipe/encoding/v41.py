@@ -1,4 +1,4 @@
-"""`DeepseekV41Encoding`: the V4.1 prompt layout (recipe.md §5)."""
+"""`DeepseekV41Encoding`: the V4.1 prompt layout (docs/recipe.md §5)."""
 
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ class DeepseekV41Encoding(EncodingBase):
         for index, m in enumerate(messages):
             role = m.role
             if index == 0 and (thinking or role == "system"):
-                # [I] recipe.md §1: `<｜System｜>` exists only in the (unpublished) V4.1 tokenizer; with the
+                # [I] docs/recipe.md §1: `<｜System｜>` exists only in the (unpublished) V4.1 tokenizer; with the
                 # public V4 tokenizer, encoding such a prompt fails exactly as the reference does.
                 p.push_special(tk.system)
             if index == 0 and thinking:

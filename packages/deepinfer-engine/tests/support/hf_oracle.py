@@ -1,6 +1,6 @@
 """HF transformers oracle for the DeepSeek-V4-Flash backbone (test-only; `transformers` >= 5.23 is a dev dependency).
 
-The official checkpoint names (architecture.md §6.3, no ``model.`` prefix) are mapped to the parameter names of
+The official checkpoint names (docs/checkpoint.md §6.3, no ``model.`` prefix) are mapped to the parameter names of
 ``transformers.DeepseekV4ForCausalLM`` (checked against transformers 5.24: ``models/deepseek_v4/modeling_deepseek_v4.py``
 and the ``"deepseek_v4"`` rules of ``conversion_mapping.py``), so a dequantized fp32 state dict of our model can run
 through HF's eager reference. HF covers Part A only: no MTP / DSpark (``mtp.*`` is dropped) and no V4.1.
@@ -9,7 +9,7 @@ what our bf16/fp32 reference path does.
 
 Typical parity test (M-core)::
 
-    from deepinfer_engine.testing_hf import build_hf_model, hf_logits
+    from hf_oracle import build_hf_model, hf_logits
     hf = build_hf_model(state, args)          # state: official name -> dequantized fp32 tensor
     ref = hf_logits(hf, input_ids)            # [T, V] float32, full causal prefill, no cache
 
@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-
 from deepinfer_engine.errors import CheckpointError, ModelConfigError
 
 __all__ = [
@@ -420,7 +419,7 @@ def hf_reference_logits(
 
 
 def v4_official_shapes_from_spec(args: Any) -> dict[str, tuple[int, ...]]:
-    """Official V4 backbone tensor names -> logical shapes, from architecture.md §6.3 (MTP included)."""
+    """Official V4 backbone tensor names -> logical shapes, from docs/checkpoint.md §6.3 (MTP included)."""
     d, hc = args.hidden_size, args.hc_mult
     H, Dh, Rq = args.num_attention_heads, args.head_dim, args.q_lora_rank
     G, Ro, E, I = args.o_groups, args.o_lora_rank, args.n_routed_experts, args.moe_intermediate_size

@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
-
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch
+from torch import Tensor, nn
 
 __all__ = ["init_random_", "max_rel_err", "random_chunks", "run_batched", "run_chunked", "run_full"]
 

@@ -18,7 +18,7 @@ def make_tiny_checkpoint(
 ) -> Path:
     """Write a tiny random checkpoint (config.json, index, shards, tokenizer files) into `path`; return it.
 
-    `preset`: "tiny" (architecture.md §9 shapes, real 129,280-token vocabulary) or "tiny-dspark" (arch v4 only).
+    `preset`: "tiny" (docs/testing.md §9 shapes, real 129,280-token vocabulary) or "tiny-dspark" (arch v4 only).
     About 40 MB; takes ~1-2 s on CPU. Share one per test session (e.g. a session-scoped fixture).
     """
     from deepinfer_engine.model.writer import make_checkpoint

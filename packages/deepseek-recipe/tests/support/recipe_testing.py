@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .messages import (
+from deepseek_recipe.messages import (
     AssistantMessage,
     Conversation,
     LatestReminderMessage,
@@ -14,7 +14,7 @@ from .messages import (
     ToolMessage,
     UserMessage,
 )
-from .options import ConversionOptions, ReasoningContentBehavior, WebSearchBehavior
+from deepseek_recipe.options import ConversionOptions, ReasoningContentBehavior, WebSearchBehavior
 
 __all__ = [
     "build_conversation",
@@ -94,9 +94,9 @@ def conversion_options(opts: dict) -> ConversionOptions:
 
 
 def request_class(api: str):
-    from .requests.chat_completions import ChatCompletionRequest
-    from .requests.messages import MessagesRequest
-    from .requests.responses import ResponsesRequest
+    from deepseek_recipe.requests.chat_completions import ChatCompletionRequest
+    from deepseek_recipe.requests.messages import MessagesRequest
+    from deepseek_recipe.requests.responses import ResponsesRequest
 
     return {
         "chat_completions": ChatCompletionRequest,
@@ -114,35 +114,25 @@ def convert_request(api: str, body: Any, opts: dict):
 
 
 def golden_dir():
-    """The golden corpus directory: $DEEPINFER_RECIPE_GOLDEN, else a `shared/recipe-golden` found upwards."""
+    """The golden corpus directory: $DEEPINFER_RECIPE_GOLDEN, else the package's own `tests/golden`."""
     import os
     from pathlib import Path
 
     env = os.environ.get("DEEPINFER_RECIPE_GOLDEN")
-    if env:
-        p = Path(env)
-        return p if p.is_dir() else None
-    for parent in Path(__file__).resolve().parents:
-        for candidate in (parent / "shared" / "recipe-golden", parent.parent / "shared" / "recipe-golden"):
-            if (candidate / "render.jsonl").is_file():
-                return candidate
-    cwd = Path.cwd().resolve()
-    for parent in (cwd, *cwd.parents):
-        for candidate in (parent / "shared" / "recipe-golden", parent.parent / "shared" / "recipe-golden"):
-            if (candidate / "render.jsonl").is_file():
-                return candidate
-    return None
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "golden"
 
 
 def golden_cases(name: str) -> list[dict]:
-    """The cases of one golden JSONL file ([] when the corpus is absent)."""
+    """The cases of one golden JSONL file (`name` or `name.xz`); a missing corpus is an error, not a skip."""
     import json
+    import lzma
 
     d = golden_dir()
-    if d is None or not (d / name).is_file():
-        return []
-    with open(d / name, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    for path, opener in ((d / name, open), (d / f"{name}.xz", lzma.open)):
+        if path.is_file():
+            with opener(path, "rt", encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+    raise FileNotFoundError(f"golden corpus {name} not found in {d} (set DEEPINFER_RECIPE_GOLDEN)")
 
 
 def golden_params(name: str) -> list:
@@ -150,19 +140,20 @@ def golden_params(name: str) -> list:
     corpus is absent. Needs pytest (imported here, so the library itself does not depend on it)."""
     import pytest
 
-    cases = golden_cases(name)
-    if not cases:
-        reason = f"golden corpus {name} not found (set DEEPINFER_RECIPE_GOLDEN or keep shared/recipe-golden)"
-        return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="no-golden")]
-    return [pytest.param(c, id=c["id"]) for c in cases]
+    return [pytest.param(c, id=c["id"]) for c in golden_cases(name)]
 
 
 def drive_stream(
     api, converted, chunks, *, tokenizer, call_finish, model, response_id="resp-golden", created=1700000000
 ):
     """Feed corpus chunks to a stream processor the way the golden driver did; normalized output."""
-    from .parsing.stream_processor import InferenceChunk, InferenceFinishReason, PromptUsage, StreamProcessor
-    from .responses import response_class
+    from deepseek_recipe.parsing.stream_processor import (
+        InferenceChunk,
+        InferenceFinishReason,
+        PromptUsage,
+        StreamProcessor,
+    )
+    from deepseek_recipe.responses import response_class
 
     gen = request_class(api).chunk_generator(converted, response_id, model)
     gen._clock = lambda: created
