@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# GPU evidence for the decode-step work, in time-boxed steps (each step's output goes to $OUT/<step>.log and a
+# JSON where the tool writes one). Runs from source; wheels the machine lacks are taken from .whl/ if present.
+#
+#   bash scripts/gpu_proof.sh tests|small|full [OLD_TREE]
+#     tests  pytest -m gpu over every package (torch.cuda sync-debug tests included)
+#     small  real-width slices with 32 routed experts (V4.1 layers-4, V4 layers-3): kernel launches / host syncs /
+#            GPU busy per engine decode step for this tree and, if OLD_TREE (a checkout's packages/ root) is
+#            given, for that tree too; `deepinfer bench latency` table against the bytes bound
+#     full   the same slices with all experts: bench latency + plot (V4.1), ours vs HF eager (V4)
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu-out}
+mkdir -p "$OUT"
+MODE=${1:-tests}
+OLD=${2:-}
+SITE=/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$SITE" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+src_path() { echo "$1/deepinfer-kernels/src:$1/deepinfer-parallel/src:$1/deepinfer-dspark/src:$1/deepinfer-engine/src:$1/deepseek-recipe/src"; }
+NEW_PY="$SITE:$(src_path "$ROOT/packages"):$ROOT/packages/deepinfer-engine/tests/support"
+export PYTHONPATH="$NEW_PY" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DEEPINFER_CACHE_DIR=/tmp/deepinfer-cache
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+CK=/tmp/ck
+step() {  # step NAME LIMIT_S CMD...
+    local name=$1 limit=$2; shift 2
+    echo "=== [$name] $(date +%T) limit ${limit}s :: $*"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== [$name] rc=$rc $(date +%T)"
+    tail -n 25 "$OUT/$name.log"
+}
+py() { python3 -m deepinfer_engine "$@"; }
+
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+case "$MODE" in
+tests)
+    step gpu_tests 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider packages tests
+    ;;
+small)
+    step make_v41 150 py make-checkpoint --arch v41 --preset layers-4 --n-routed-experts 32 --device cuda --out $CK/v41-l4-e32
+    step make_v4 120 py make-checkpoint --arch v4 --preset layers-3 --n-routed-experts 32 --device cuda --out $CK/v4-l3-e32
+    step profile_new 150 python3 scripts/profile_step.py --model $CK/v41-l4-e32 --batch 1,32 --input-len 1024 --steps 8 \
+        --label after --output-json "$OUT/profile_after.json"
+    if [ -n "$OLD" ]; then
+        step profile_old 150 env PYTHONPATH="$SITE:$(src_path "$OLD")" python3 scripts/profile_step.py --model $CK/v41-l4-e32 \
+            --batch 1,32 --input-len 1024 --steps 8 --label before --output-json "$OUT/profile_before.json"
+    fi
+    step latency_v41_e32 200 py bench latency --model $CK/v41-l4-e32 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
+        --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --output-json "$OUT/latency_v41_e32.json"
+    ;;
+full)
+    step make_v41_full 240 py make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step latency_v41_full 240 py bench latency --model $CK/v41-l4 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
+        --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --plot "$OUT/roofline_v41.png" \
+        --output-json "$OUT/latency_v41_full.json"
+    rm -rf $CK/v41-l4
+    step make_v4_full 150 py make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
+    step hf_peer 300 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
+        --iters 2 --output-json "$OUT/hf_peer.json"
+    ;;
+esac
