@@ -32,7 +32,7 @@ step() {  # step NAME LIMIT_S CMD...
     echo "=== [$name] rc=$rc $(date +%T)"
     tail -n 25 "$OUT/$name.log"
 }
-py() { python3 -m deepinfer_engine "$@"; }
+
 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 case "$MODE" in
@@ -40,24 +40,24 @@ tests)
     step gpu_tests 420 python3 -m pytest -m gpu -q -rs -p no:cacheprovider packages tests
     ;;
 small)
-    step make_v41 150 py make-checkpoint --arch v41 --preset layers-4 --n-routed-experts 32 --device cuda --out $CK/v41-l4-e32
-    step make_v4 120 py make-checkpoint --arch v4 --preset layers-3 --n-routed-experts 32 --device cuda --out $CK/v4-l3-e32
+    step make_v41 150 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --n-routed-experts 32 --device cuda --out $CK/v41-l4-e32
+    step make_v4 120 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --n-routed-experts 32 --device cuda --out $CK/v4-l3-e32
     step profile_new 150 python3 scripts/profile_step.py --model $CK/v41-l4-e32 --batch 1,32 --input-len 1024 --steps 8 \
         --label after --output-json "$OUT/profile_after.json"
     if [ -n "$OLD" ]; then
         step profile_old 150 env PYTHONPATH="$SITE:$(src_path "$OLD")" python3 scripts/profile_step.py --model $CK/v41-l4-e32 \
             --batch 1,32 --input-len 1024 --steps 8 --label before --output-json "$OUT/profile_before.json"
     fi
-    step latency_v41_e32 200 py bench latency --model $CK/v41-l4-e32 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
+    step latency_v41_e32 200 python3 -m deepinfer_engine bench latency --model $CK/v41-l4-e32 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
         --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --output-json "$OUT/latency_v41_e32.json"
     ;;
 full)
-    step make_v41_full 240 py make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
-    step latency_v41_full 240 py bench latency --model $CK/v41-l4 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
+    step make_v41_full 240 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step latency_v41_full 240 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
         --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --plot "$OUT/roofline_v41.png" \
         --output-json "$OUT/latency_v41_full.json"
     rm -rf $CK/v41-l4
-    step make_v4_full 150 py make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
+    step make_v4_full 150 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 300 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
     ;;
