@@ -22,11 +22,11 @@ from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.attention import RMSNorm
+from deepinfer_engine.model.block import Block
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
-from deepinfer_engine.model.model import Block
 
 __all__ = [
     "ConfidenceHead",
