@@ -140,3 +140,25 @@ def test_model_without_dspark_stages_is_refused(model: Transformer) -> None:
     cache, bt = ModelCache.allocate_dense(model.args, [8], dtype=torch.float32)
     with pytest.raises(InputError, match="no DSpark draft stages"):
         StageDrafter(bare, cache, bt)
+
+
+def test_slots_map_rows_to_their_requests(model: Transformer) -> None:
+    """Row b drafts from the rings of cache slot slots[b]: the two requests in reverse order give the reversed
+    blocks, and a request's block does not depend on the other request's context."""
+    a = model.args
+    tids = tuple(a.dspark_target_layer_ids)
+    b, p = PROMPTS.shape
+    cache, bt = ModelCache.allocate_dense(a, [p + a.dspark_block_size + 2] * b, dtype=torch.float32)
+    drafter = StageDrafter(model, cache, bt)
+    prefill = _batch(list(PROMPTS), torch.zeros(b, dtype=torch.int64), bt, torch.arange(b))
+    drafter.insert_context(prefill, model.forward_features(prefill, cache, capture=tids).features)
+    anchors, pos = torch.tensor([7, 900]), torch.full((b,), p)
+    fwd = drafter.draft_block(anchors, pos)
+    drafter.slots = torch.tensor([1, 0])
+    rev = drafter.draft_block(anchors.flip(0), pos)
+    torch.testing.assert_close(rev.base_logits, fwd.base_logits.flip(0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rev.hidden, fwd.hidden.flip(0), atol=1e-5, rtol=1e-5)
+    drafter.slots = torch.tensor([1])
+    one = drafter.draft_block(anchors[1:], pos[1:])
+    torch.testing.assert_close(one.base_logits[0], fwd.base_logits[1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fwd.base_logits[0], fwd.base_logits[1])  # different anchors and contexts: a real check
