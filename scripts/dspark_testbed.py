@@ -476,43 +476,6 @@ def build(out: Path, *, threads: int = 1, force: bool = False, log: Callable[[st
 # --------------------------------------------------------------------------------------------------------------
 # measure: speculative decoding on the trained checkpoint, per policy
 # --------------------------------------------------------------------------------------------------------------
-class StageDrafter:
-    """`deepinfer_dspark.DraftModel` over the engine model's draft stages (what the engine's adapter does)."""
-
-    def __init__(self, model, cache, block_tables: Tensor, sts: float | tuple[float, ...] = 1.0) -> None:
-        from deepinfer_dspark import DraftHeads
-
-        self.model, self.cache, self.block_tables = model, cache, block_tables
-        self.slots = torch.arange(block_tables.shape[0])  # the requests of the current step (set by the caller)
-        last = model.mtp[-1]
-        self._heads = DraftHeads(markov_embed=last.markov_head.w1, markov_head=last.markov_head.w2,
-                                 confidence=last.confidence_head.proj.weight, sts=sts)
-
-    @property
-    def block_size(self) -> int:
-        return self.model.args.dspark_block_size
-
-    @property
-    def heads(self):
-        return self._heads
-
-    def draft_block(self, anchor_ids: Tensor, anchor_positions: Tensor):
-        from deepinfer_dspark import DraftBlock
-        from deepinfer_engine.model import dspark
-        from deepinfer_engine.model.forward_batch import ForwardBatch
-
-        a = self.model.args
-        B, N = anchor_ids.shape[0], self.block_size
-        batch = ForwardBatch(
-            input_ids=dspark.draft_block_ids(anchor_ids, N, a.dspark_noise_token_id),
-            positions=(anchor_positions[:, None] + torch.arange(N)[None, :]).reshape(-1),
-            query_lens=(N,) * B, slots=tuple(self.slots.tolist()), block_tables=self.block_tables[self.slots],
-            logits_indices=torch.zeros(1, dtype=torch.int64),
-        )
-        out = dspark.draft_block(self.model, batch, self.cache)
-        return DraftBlock(base_logits=out.base_logits.view(B, N, -1), hidden=out.hidden.view(B, N, -1))
-
-
 def _varlen_batch(tokens: list[Tensor], starts: Tensor, block_tables: Tensor, slots: Tensor | None = None):
     """Sequences `tokens[i]` at positions starts[i].. in cache slots `slots` (default 0..S-1), all rows' logits."""
     from deepinfer_engine.model.forward_batch import ForwardBatch
@@ -545,6 +508,7 @@ def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=No
     from deepinfer_dspark import AcceptanceStats, probs_from_logits, propose, schedule_verification, verify
     from deepinfer_dspark import verify_counter_uniforms as vcu
     from deepinfer_engine.model.dspark import insert_context, target_features
+    from deepinfer_engine.model.dspark_drafter import StageDrafter
 
     a = model.args
     N, tids = a.dspark_block_size, tuple(a.dspark_target_layer_ids)
@@ -563,7 +527,7 @@ def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=No
     result[:, 0] = anchor
     count = torch.ones(B, dtype=torch.int64)
     stats = AcceptanceStats(N)
-    drafter = StageDrafter(model, cache, bt, sts) if policy is not None else None
+    drafter = StageDrafter(model, cache, bt, sts=sts) if policy is not None else None
     temp = torch.full((B,), float(temperature))
     target_seconds = 0.0
     steps = 0

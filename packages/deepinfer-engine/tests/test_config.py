@@ -19,3 +19,113 @@ def test_kv_cache_dtype_option() -> None:
     add_engine_args(parser)
     cfg = EngineConfig.from_cli(parser.parse_args(["--kv-cache-dtype", "auto"]))
     assert cfg.cache.kv_cache_dtype == "auto"
+
+
+def test_parallel_section_defaults_validation_and_layout() -> None:
+    cfg = EngineConfig.from_options()
+    p = cfg.parallel
+    assert (p.data_parallel_size, p.enable_expert_parallel, p.enable_eplb) == (1, False, False)
+    assert (p.num_redundant_experts, p.eplb_window_size, p.eplb_step_interval) == (0, 1000, 3000)
+    layout = EngineConfig.from_options(
+        data_parallel_size=4, enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=8
+    ).parallel.to_parallel()
+    assert (layout.dp_size, layout.ep_size, layout.num_redundant_experts, layout.enable_eplb) == (4, 4, 8, True)
+    assert EngineConfig.from_options(data_parallel_size=2).parallel.to_parallel().ep_size == 1
+    for opts, needle in [
+        ({"data_parallel_size": 0}, "data_parallel_size: found 0"),
+        ({"num_redundant_experts": -1}, "num_redundant_experts: found -1"),
+        ({"eplb_window_size": 5000}, "eplb_window_size: found 5000"),
+        ({"enable_eplb": True}, "enable_expert_parallel"),
+        ({"data_parallel_size": "2"}, "data_parallel_size"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            EngineConfig.from_options(**opts)
+
+
+def test_speculative_section_defaults_and_validation() -> None:
+    s = EngineConfig.from_options().speculative
+    assert (s.speculative_method, s.num_speculative_tokens, s.speculative_policy) == (None, None, "verify_all")
+    assert s.speculative_threshold == 0.5
+    s = EngineConfig.from_options(speculative_method="dspark", speculative_policy="threshold",
+                                  speculative_threshold=0.8, num_speculative_tokens=4).speculative
+    assert (s.speculative_method, s.speculative_policy, s.speculative_threshold, s.num_speculative_tokens) == (
+        "dspark", "threshold", 0.8, 4)
+    for opts, needle in [
+        ({"speculative_method": "eagle"}, "speculative_method: found 'eagle'"),
+        ({"speculative_policy": "greedy"}, "speculative_policy: found 'greedy'"),
+        ({"speculative_threshold": 1.5}, "speculative_threshold: found 1.5"),
+        ({"speculative_method": "dspark", "num_speculative_tokens": 0}, "num_speculative_tokens: found 0"),
+        ({"num_speculative_tokens": 3}, "without a speculative_method"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            EngineConfig.from_options(**opts)
+
+
+def test_new_options_round_trip_and_appear_as_cli_flags() -> None:
+    opts = dict(data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, num_redundant_experts=2,
+                eplb_window_size=10, eplb_step_interval=20, speculative_method="mtp", num_speculative_tokens=1,
+                speculative_policy="cost", speculative_threshold=0.25)
+    cfg = EngineConfig.from_options(**opts)
+    back = cfg.to_options()
+    assert {k: back[k] for k in opts} == opts
+    assert EngineConfig.from_options(**back) == cfg
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    help_text = parser.format_help()
+    for name in opts:
+        assert "--" + name.replace("_", "-") in help_text
+    argv = ["--data-parallel-size", "2", "--enable-expert-parallel", "--speculative-method", "dspark",
+            "--speculative-policy", "threshold", "--speculative-threshold", "0.7"]
+    cli = EngineConfig.from_cli(parser.parse_args(argv))
+    assert (cli.parallel.data_parallel_size, cli.parallel.enable_expert_parallel) == (2, True)
+    assert (cli.speculative.speculative_method, cli.speculative.speculative_threshold) == ("dspark", 0.7)
+
+
+def test_generate_help_lists_the_options(capsys) -> None:
+    from deepinfer_engine.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--data-parallel-size", "--enable-expert-parallel", "--enable-eplb", "--num-redundant-experts",
+                 "--eplb-window-size", "--eplb-step-interval", "--speculative-method", "--num-speculative-tokens",
+                 "--speculative-policy", "--speculative-threshold"):
+        assert flag in out
+
+
+def test_vllm_speculative_config_dict(monkeypatch) -> None:
+    from deepinfer_engine import llm as llm_module
+    from deepinfer_engine.config import speculative_options
+
+    assert speculative_options(None) == {}
+    assert speculative_options({"method": "dspark", "num_speculative_tokens": 3}) == {
+        "speculative_method": "dspark", "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="speculative_config: found key"):
+        speculative_options({"method": "dspark", "model": "some/draft"})
+    seen = {}
+
+    def capture(config):
+        seen["config"] = config
+        raise RuntimeError("stop before loading")
+
+    monkeypatch.setattr(llm_module.LLMEngine, "from_config", staticmethod(capture))
+    with pytest.raises(RuntimeError, match="stop before loading"):
+        llm_module.LLM(speculative_config={"method": "mtp", "num_speculative_tokens": 1, "policy": "cost"})
+    s = seen["config"].speculative
+    assert (s.speculative_method, s.num_speculative_tokens, s.speculative_policy) == ("mtp", 1, "cost")
+
+
+@pytest.mark.parametrize(("opts", "needle"), [
+    ({"speculative_method": "dspark"}, "speculative_method: found 'dspark'"),
+    ({"data_parallel_size": 2}, "data_parallel_size: found 2"),
+])
+def test_engine_loop_refuses_what_it_does_not_run(opts, needle, monkeypatch) -> None:
+    from deepinfer_engine.engine import EngineCore
+
+    def no_default_model(*a, **k):
+        raise AssertionError("the refusal must come before any loading")
+
+    monkeypatch.setattr("deepinfer_engine.default_model.default_model_dir", no_default_model)
+    with pytest.raises(ConfigError, match=needle) as info:
+        EngineCore.from_config(EngineConfig.from_options(**opts))
+    assert "not supported by this engine loop yet" in str(info.value)

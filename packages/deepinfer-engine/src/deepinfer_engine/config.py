@@ -13,12 +13,26 @@ import difflib
 import re
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from deepinfer_engine.errors import ConfigError
 
-__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "SchedulerConfig", "engine_option_names", "parse_bytes"]
+if TYPE_CHECKING:
+    import deepinfer_parallel
+
+__all__ = [
+    "CacheConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+    "engine_option_names",
+    "parse_bytes",
+    "speculative_options",
+]
 
 
 def _opt(default: Any, help: str, **kw: Any) -> Any:
@@ -93,7 +107,116 @@ class SchedulerConfig:
             raise ConfigError(f"long_prefill_token_threshold: found {self.long_prefill_token_threshold}, expected >= 0")
 
 
-_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"{name}: found {value!r}, expected an integer >= {low}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Data-parallel attention / expert-parallel MoE layout (vLLM's option names; docs/parallel.md)."""
+
+    data_parallel_size: int = _opt(1, "data-parallel ranks, one GPU each (this engine loop runs 1)")
+    enable_expert_parallel: bool = _opt(False, "spread the routed experts over the data-parallel ranks")
+    enable_eplb: bool = _opt(False, "rebalance (replicate) hot experts while running; needs expert parallelism")
+    num_redundant_experts: int = _opt(0, "extra physical expert slots per MoE layer for EPLB replicas")
+    eplb_window_size: int = _opt(1000, "steps of expert load EPLB keeps (<= eplb_step_interval)")
+    eplb_step_interval: int = _opt(3000, "steps between EPLB rebalances")
+
+    def __post_init__(self) -> None:
+        _int_at_least("data_parallel_size", self.data_parallel_size, 1)
+        _int_at_least("num_redundant_experts", self.num_redundant_experts, 0)
+        _int_at_least("eplb_window_size", self.eplb_window_size, 1)
+        _int_at_least("eplb_step_interval", self.eplb_step_interval, 1)
+        if self.eplb_window_size > self.eplb_step_interval:
+            raise ConfigError(
+                f"eplb_window_size: found {self.eplb_window_size}, expected <= eplb_step_interval="
+                f"{self.eplb_step_interval}"
+            )
+        if (self.enable_eplb or self.num_redundant_experts) and not self.enable_expert_parallel:
+            raise ConfigError(
+                "enable_eplb / num_redundant_experts: found without enable_expert_parallel, expected "
+                "enable_expert_parallel=True (replicas only exist when experts are spread over ranks)"
+            )
+
+    def to_parallel(self) -> deepinfer_parallel.ParallelConfig:
+        """The deepinfer-parallel layout: one EP group over all ranks with expert parallelism, else ep_size 1."""
+        from deepinfer_parallel import ParallelConfig as Layout
+        from deepinfer_parallel import ParallelConfigError
+
+        dp = self.data_parallel_size
+        try:
+            return Layout(
+                dp_size=dp, ep_size=dp if self.enable_expert_parallel else 1,
+                num_redundant_experts=self.num_redundant_experts, enable_eplb=self.enable_eplb,
+                eplb_window_size=self.eplb_window_size, eplb_step_interval=self.eplb_step_interval,
+            )  # fmt: skip
+        except ParallelConfigError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys `method` / `num_speculative_tokens`; docs/dspark.md)."""
+
+    speculative_method: Literal["dspark", "mtp"] | None = _opt(
+        None, "draft with the checkpoint's DSpark stages or V4 MTP block (default: none)")
+    num_speculative_tokens: int | None = _opt(
+        None, "drafts per step (default: the checkpoint's DSpark block size / MTP depth)")
+    speculative_policy: Literal["verify_all", "threshold", "cost"] = _opt(
+        "verify_all", "how many drafts to verify: all, those whose survival >= threshold, or the latency-optimal count")
+    speculative_threshold: float = _opt(0.5, "survival threshold of speculative_policy=threshold, in [0, 1]")
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in (None, "dspark", "mtp"):
+            raise ConfigError(f"speculative_method: found {self.speculative_method!r}, expected None, dspark or mtp")
+        if self.num_speculative_tokens is not None:
+            _int_at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
+            if self.speculative_method is None:
+                raise ConfigError(
+                    f"num_speculative_tokens: found {self.num_speculative_tokens} without a speculative_method, "
+                    "expected speculative_method=dspark or mtp as well"
+                )
+        if self.speculative_policy not in ("verify_all", "threshold", "cost"):
+            raise ConfigError(
+                f"speculative_policy: found {self.speculative_policy!r}, expected verify_all, threshold or cost"
+            )
+        t = self.speculative_threshold
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
+            raise ConfigError(f"speculative_threshold: found {t!r}, expected a number in [0, 1]")
+
+
+# vLLM's `speculative_config` dict keys -> engine options (policy / threshold are DeepInfer's own keys)
+_SPECULATIVE_KEYS = {
+    "method": "speculative_method",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "policy": "speculative_policy",
+    "threshold": "speculative_threshold",
+}
+
+
+def speculative_options(config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 4})` -> engine options."""
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"speculative_config: found {type(config).__name__}, expected a dict or None")
+    unknown = sorted(k for k in config if k not in _SPECULATIVE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"speculative_config: found key(s) {unknown}, expected only {sorted(_SPECULATIVE_KEYS)} (the draft "
+            "model is the checkpoint's own DSpark stages / MTP block)"
+        )
+    return {_SPECULATIVE_KEYS[k]: v for k, v in config.items()}
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "speculative": SpeculativeConfig,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +226,8 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineConfig:

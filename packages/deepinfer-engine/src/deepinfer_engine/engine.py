@@ -151,6 +151,7 @@ class EngineCore:
         from deepinfer_engine.model.cache import ModelCache, stores_records
         from deepinfer_engine.model.cache_layout import cache_families
 
+        _refuse_unsupported(config)
         mc = config.model
         model_dir = model_dir_of(config)
         device = resolve_device(mc.device)
@@ -284,3 +285,21 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, de
 
 
 __all__ = ["EngineCore", "StepStats", "mix_seed", "model_dir_of", "sampler_seed"]
+
+
+def _refuse_unsupported(config: EngineConfig) -> None:
+    """Options the config accepts (vLLM names, validated) that this engine loop does not run yet: refuse them
+    before any loading rather than silently decode without them."""
+    spec, par = config.speculative, config.parallel
+    if spec.speculative_method is not None:
+        raise ConfigError(
+            f"speculative_method: found {spec.speculative_method!r}; speculative decoding is not supported by this "
+            "engine loop yet (the DSpark drafter and verifier exist as model / deepinfer-dspark pieces). Fix: leave "
+            "speculative_method unset"
+        )
+    if par.data_parallel_size > 1:
+        raise ConfigError(
+            f"data_parallel_size: found {par.data_parallel_size}; more than one rank is not supported by this engine "
+            "loop yet (it runs one process). Fix: data_parallel_size=1"
+        )
+

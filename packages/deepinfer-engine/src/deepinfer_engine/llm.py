@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from deepinfer_engine.chat_stream import ChatDelta, hidden_special_ids
-from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.config import EngineConfig, speculative_options
 from deepinfer_engine.errors import InputError
 from deepinfer_engine.input_processor import ProcessedRequest
 from deepinfer_engine.llm_engine import LLMEngine
@@ -74,6 +74,8 @@ class LLM:
             model = os.fspath(model)
         if isinstance(engine_options.get("tokenizer"), os.PathLike):
             engine_options["tokenizer"] = os.fspath(engine_options["tokenizer"])
+        if "speculative_config" in engine_options:  # vLLM's dict shape -> the speculative_* options
+            engine_options.update(speculative_options(engine_options.pop("speculative_config")))
         self.config = EngineConfig.from_options(model=model, **engine_options)
         self.engine = LLMEngine.from_config(self.config)
         self._counter = 0

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine.model.args import ModelArgs
+from deepinfer_engine.model.block import Block
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.mhc import apply_hc_mix, hc_post, hc_pre
-from deepinfer_engine.model.model import Block
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
 from equality import init_random_
 

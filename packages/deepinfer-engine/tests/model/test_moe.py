@@ -53,3 +53,24 @@ def test_image_ids_select_with_bias_vl():
     assert sorted(sel[0].tolist()) == sorted(torch.topk(scores[0], 2).indices.tolist())
     want = scores[1, sel[1]]
     torch.testing.assert_close(w[1], want / want.sum() * a.routed_scaling_factor)
+
+
+def test_routed_experts_go_through_the_dispatch_strategy():
+    """Default LocalDispatch = the local Experts call (bit for bit); an EPDispatch over a one-rank EP group
+    (dispatch -> the layer's Experts on received rows -> combine) gives the same output (fp32, 1e-5)."""
+    from deepinfer_parallel import EPDispatch, EPDispatcher, LocalDispatch, ParallelState
+
+    a = ModelArgs.from_config_dict(tiny_v41_config())
+    plan = a.plan(a.num_hash_layers)  # a score-routed layer
+    moe = init_random_(MoE(a, plan, torch.float32), seed=3)
+    assert isinstance(moe.dispatch, LocalDispatch)
+    x = torch.randn(9, a.hidden_size, generator=torch.Generator().manual_seed(1))
+    ids = torch.arange(9)
+    w, sel = moe.gate(x, ids)
+    want = (moe.experts(x, w, sel) + moe.shared_experts(x).float()).to(x.dtype)
+    local = moe(x, ids)
+    assert torch.equal(local, want)
+    disp = EPDispatcher(ParallelState.single(), num_physical_experts=plan.n_routed_experts,
+                        hidden_size=a.hidden_size, top_k=plan.num_experts_per_tok, dtype=torch.float32)
+    moe.dispatch = EPDispatch(disp)
+    torch.testing.assert_close(moe(x, ids), local, atol=1e-5, rtol=1e-5)

@@ -3,7 +3,14 @@
 from importlib.metadata import PackageNotFoundError, version
 
 from deepinfer_parallel.config import EPBackend, ParallelConfig
-from deepinfer_parallel.ep import DispatchOutput, EPDispatcher, ExpertPlacement
+from deepinfer_parallel.ep import (
+    DispatchOutput,
+    EPDispatch,
+    EPDispatcher,
+    ExpertPlacement,
+    LocalDispatch,
+    MoEDispatch,
+)
 from deepinfer_parallel.eplb import ExpertLoadRecorder, rebalance_experts
 from deepinfer_parallel.eplb.shuffle import move_expert_weights
 from deepinfer_parallel.eplb.state import EPLBState
@@ -21,11 +28,14 @@ except PackageNotFoundError:  # running from a source tree without installation
 __all__ = [
     "DispatchOutput",
     "EPBackend",
+    "EPDispatch",
     "EPDispatcher",
     "EPLBState",
     "EPMemoryEstimate",
     "ExpertLoadRecorder",
     "ExpertPlacement",
+    "LocalDispatch",
+    "MoEDispatch",
     "ParallelConfig",
     "ParallelConfigError",
     "ParallelState",

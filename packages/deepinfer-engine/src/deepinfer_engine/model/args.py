@@ -160,6 +160,9 @@ class ModelArgs:
 
     # ----------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        # checked here, not in config_checks: RopeScaling lives in this module, which imports config_checks
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise config_error("rope_scaling", self.rope_scaling, "a RopeScaling or None")
         check_args(self)
         object.__setattr__(self, "layer_plans", build_layer_plans(self))
 

@@ -59,10 +59,6 @@ def check_args(a: ModelArgs) -> None:  # noqa: C901 - one flat list of checks re
         raise config_error(
             "rope_theta/compress_rope_theta", (a.rope_theta, a.compress_rope_theta), "positive numbers"
         )
-    from deepinfer_engine.model.args import RopeScaling  # args imports this module
-
-    if a.rope_scaling is not None and not isinstance(a.rope_scaling, RopeScaling):
-        raise config_error("rope_scaling", a.rope_scaling, "a RopeScaling or None")
     if a.expert_dtype not in ("fp4", "fp8"):
         raise config_error("expert_dtype", a.expert_dtype, "'fp4' or 'fp8'")
     if a.scale_fmt not in ("ue8m0", None):

@@ -22,11 +22,11 @@ from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.attention import RMSNorm
+from deepinfer_engine.model.block import Block
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
-from deepinfer_engine.model.model import Block
 
 __all__ = [
     "ConfidenceHead",
@@ -36,6 +36,7 @@ __all__ = [
     "build_stages",
     "draft_block",
     "draft_block_ids",
+    "draft_stages",
     "greedy_draft",
     "insert_context",
     "markov_logits",
@@ -127,7 +128,8 @@ def build_stages(args: object, dtype: torch.dtype) -> nn.ModuleList:
     return nn.ModuleList(DSparkStage(args, p, dtype, index=k, count=len(plans)) for k, p in enumerate(plans))
 
 
-def _stages(model: nn.Module) -> nn.ModuleList:
+def draft_stages(model: nn.Module) -> nn.ModuleList:
+    """`model.mtp` when the model has DSpark stages, else InputError."""
     stages = getattr(model, "mtp", None)
     if stages is None or not model.args.has_dspark:
         raise InputError("DSpark: this model has no DSpark draft stages (dspark_block_size missing)")
@@ -150,7 +152,7 @@ def insert_context(model: nn.Module, batch: ForwardBatch, cache: ModelCache, fea
 
     ``batch`` carries the accepted positions (input_ids are not used). Returns ``m [T, d]``.
     """
-    stages = _stages(model)
+    stages = draft_stages(model)
     ctx = ForwardContext.build(batch, cache)
     s0 = stages[0]
     m = s0.main_norm(s0.main_proj(features))
@@ -181,7 +183,7 @@ def draft_block(model: nn.Module, batch: ForwardBatch, cache: ModelCache) -> Dra
     batch: per sequence the block tokens at positions ``p .. p+N-1`` (p = the anchor's position); the stages'
     rings must hold the context KV of positions ``< p`` (``insert_context``). Nothing is written to the rings.
     """
-    stages = _stages(model)
+    stages = draft_stages(model)
     a = model.args
     ctx = ForwardContext.build(batch, cache, block_noncausal=True)
     e = model.embed.weight[batch.input_ids]
@@ -222,7 +224,7 @@ def greedy_draft(model: nn.Module, out: DraftOutput, anchors: Tensor) -> tuple[T
 
     Returns (draft tokens ``[B, N] int64``, corrected logits ``[B, N, V]`` f32, confidences ``[B, N]`` f32).
     """
-    last = _stages(model)[-1]
+    last = draft_stages(model)[-1]
     b = anchors.shape[0]
     u = out.base_logits.view(b, -1, out.base_logits.shape[-1])
     hid = out.hidden.view(b, u.shape[1], -1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from deepinfer_kernels.moe import StackedExperts, moe_experts
 from deepinfer_kernels.routing import gate_scores, select_experts
+from deepinfer_parallel.ep import LocalDispatch, MoEDispatch
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import ModelConfigError
@@ -132,7 +133,10 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    """`ffn.*`: gate + routed experts + shared expert. y = Σ_k w_k Expert_{id_k}(x) + Shared(x)."""
+    """`ffn.*`: gate + routed experts + shared expert. y = Σ_k w_k Expert_{id_k}(x) + Shared(x).
+
+    The routed sum goes through `dispatch` (deepinfer-parallel `MoEDispatch`): `LocalDispatch` (default, every
+    expert on this rank) or an expert-parallel strategy set by the caller that builds the EP group."""
 
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__()
@@ -141,9 +145,11 @@ class MoE(nn.Module):
         self.gate = Gate(args, plan, dtype)
         self.experts = Experts(plan.n_routed_experts, d, inter, self.limit, dtype)
         self.shared_experts = Expert(d, inter * args.n_shared_experts, self.limit, dtype)
+        self.layer_id = plan.layer_id
+        self.dispatch: MoEDispatch = LocalDispatch()
 
     def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
         """x [T, d] (ffn_norm output), input_ids [T] raw ids -> [T, d] in x's dtype."""
         weights, ids = self.gate(x, input_ids)
-        y = self.experts(x, weights, ids)
+        y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
         return (y + self.shared_experts(x).float()).to(x.dtype)

@@ -62,7 +62,7 @@ def _new_response(id: str, model: str, created: int, echo=None) -> dict:  # noqa
 
 
 def _check_echo(echo):
-    from ..requests.responses import ResponsesEcho
+    from ..requests.responses_echo import ResponsesEcho
 
     if echo is not None and not isinstance(echo, ResponsesEcho):
         raise TypeError(f"echo must be a ResponsesEcho or None, got {type(echo).__name__}")

@@ -1,0 +1,104 @@
+"""Transformer layers: `Block` (one backbone layer `layers.{l}.`, or the ratio-0 core of a draft stage) and the
+V4 `MTPBlock` (docs/model.md §A.9). Their own module so the model (model.py) and the DSpark stages (dspark.py)
+both build on them without importing each other.
+
+Shapes: T tokens of the step (flattened varlen), n = hc_mult streams, d hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from deepinfer_engine.errors import ModelConfigError
+from deepinfer_engine.model.attention import Attention, RMSNorm
+from deepinfer_engine.model.forward_batch import ForwardContext
+from deepinfer_engine.model.linear import Linear
+from deepinfer_engine.model.mhc import (
+    add_hc_head_params,
+    add_hc_mix_params,
+    apply_hc_head,
+    apply_hc_mix,
+    hc_post,
+    hc_pre,
+)
+from deepinfer_engine.model.moe import MoE
+
+__all__ = ["Block", "MTPBlock"]
+
+
+class Block(nn.Module):
+    """One layer `layers.{l}.` (or a draft layer `mtp.{k}.`): [Engram] → attention sub-layer → MoE sub-layer.
+
+    forward(R, ctx, pre_prev) -> (R', pre_ffn). V4 collapses each sub-layer input with its own `pre`; V4.1
+    (delayed mHC) with the `pre` of the previous sub-layer (`pre_prev`; None = layer 0 → stream 0).
+    """
+
+    def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = args
+        self.layer_id = plan.layer_id
+        self.delayed = args.uses_delayed_mhc
+        d = args.hidden_size
+        self.attn = Attention(args, plan, dtype)
+        self.ffn = MoE(args, plan, dtype)
+        self.attn_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.ffn_norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        add_hc_mix_params(self, "hc_attn", args)
+        add_hc_mix_params(self, "hc_ffn", args)
+        self.engram: nn.Module | None = None
+        if plan.has_engram:
+            from deepinfer_engine.model import engram  # V4.1 (M-41)
+
+            self.engram_col = engram.engram_layer_index(tuple(args.engram_layer_ids), plan.layer_id)
+            self.engram = engram.Engram(
+                dim=d, hc_mult=args.hc_mult, num_embeddings=args.engram_num_embeddings[self.engram_col],
+                head_dim=args.engram_head_dim, num_lookups=args.engram_num_ngram_heads, eps=args.rms_norm_eps,
+            ).to(dtype)  # fmt: skip
+
+    def forward(
+        self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """r [T, n, d] -> (r' [T, n, d], pre of the FFN mixes [T, n] f32)."""
+        if self.engram is not None:
+            if ctx.engram_rows is None:
+                raise ModelConfigError(
+                    f"layer {self.layer_id} has Engram but the forward has no Engram row ids "
+                    "(set Transformer.engram_hasher, e.g. via load_model or set_engram_token_map)"
+                )
+            r = self.engram(r, ctx.engram_rows[:, self.engram_col], ctx.image_mask)
+        pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
+        if not self.delayed:
+            x = hc_pre(r, pre_a)
+        elif pre_prev is None:
+            x = r[:, 0]  # delayed mHC starts from stream 0 (= the embedding)
+        else:
+            x = hc_pre(r, pre_prev)
+        r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a)
+        pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
+        x = hc_pre(r, pre_a if self.delayed else pre_f)
+        r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f)
+        return r, pre_f
+
+
+class MTPBlock(Block):
+    """V4-Flash MTP block `mtp.{k}.` (docs/model.md §A.9): e_proj/h_proj/enorm/hnorm/norm + own hc_head around a ratio-0 Block."""
+
+    def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
+        super().__init__(args, plan, dtype)
+        d = args.hidden_size
+        self.e_proj = Linear(d, d, dtype)
+        self.h_proj = Linear(d, d, dtype)
+        self.enorm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(d, args.rms_norm_eps, dtype)
+        self.norm = RMSNorm(d, args.rms_norm_eps, dtype)
+        add_hc_head_params(self, args)
+
+    @torch.no_grad()
+    def forward_mtp(self, r_t: Tensor, e: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
+        """r_t [T, n, d] backbone streams at t (before hc_head), e [T, d] = embed[token t+1].
+
+        Returns (normed head input [T, d], the block's output streams [T, n, d])."""
+        x = self.h_proj(self.hnorm(r_t)) + self.e_proj(self.enorm(e))[:, None, :]
+        x, _ = Block.forward(self, x, ctx)
+        return self.norm(apply_hc_head(self, x, self.args)), x

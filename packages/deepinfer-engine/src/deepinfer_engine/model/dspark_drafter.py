@@ -1,0 +1,75 @@
+"""`StageDrafter`: the model's DSpark draft stages (dspark.py) behind deepinfer-dspark's `DraftModel` protocol.
+
+The engine owns the stages and their window rings; deepinfer-dspark owns everything after the parallel pass
+(Markov sampling, confidence, verification budget, acceptance). One decode round, driven by the caller
+(docs/dspark.md "Engine seam"): `propose(drafter, g, p, ...)` calls `draft_block`; the target verifies; the
+target features of the accepted positions go back into the rings with `insert_context`.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepinfer_dspark import DraftBlock, DraftHeads
+from torch import Tensor, nn
+
+from deepinfer_engine.errors import InputError
+from deepinfer_engine.model import dspark
+from deepinfer_engine.model.cache import ModelCache
+from deepinfer_engine.model.forward_batch import ForwardBatch
+
+__all__ = ["StageDrafter"]
+
+
+class StageDrafter:
+    """`deepinfer_dspark.DraftModel` over `model.mtp` (the DSpark stages) and the cache rows of `block_tables`.
+
+    block_tables: `[S, blocks] int32` of the S cache slots the drafter may serve; `slots` (`[B] int64`, default
+    all S in order) names the slot of each request of the current round, row b of `draft_block`'s anchors.
+    sts: the Confidence Head's STS temperature(s) (1.0 = uncalibrated; `DraftHeads.sts`).
+    """
+
+    def __init__(
+        self, model: nn.Module, cache: ModelCache, block_tables: Tensor, *, sts: float | tuple[float, ...] = 1.0
+    ) -> None:
+        last = dspark.draft_stages(model)[-1]  # InputError when the model has no DSpark stages
+        self.model, self.cache, self.block_tables = model, cache, block_tables
+        self.slots = torch.arange(block_tables.shape[0], device=block_tables.device)
+        self._heads = DraftHeads(
+            markov_embed=last.markov_head.w1, markov_head=last.markov_head.w2,
+            confidence=last.confidence_head.proj.weight, sts=sts,
+        )  # fmt: skip
+
+    @property
+    def block_size(self) -> int:
+        """N (the checkpoint's `dspark_block_size`)."""
+        return int(self.model.args.dspark_block_size)
+
+    @property
+    def heads(self) -> DraftHeads:
+        return self._heads
+
+    def draft_block(self, anchor_ids: Tensor, anchor_positions: Tensor) -> DraftBlock:
+        """anchor_ids / anchor_positions `[B] int64` (request b in cache slot `slots[b]`) -> base logits
+        `[B, N, V] float32` and pre-norm hidden `[B, N, d]`; the rings are read, never written."""
+        b, n = anchor_ids.shape[0], self.block_size
+        if anchor_positions.shape != (b,) or self.slots.shape != (b,):
+            raise InputError(
+                f"StageDrafter.draft_block: found anchors {tuple(anchor_ids.shape)}, positions "
+                f"{tuple(anchor_positions.shape)}, slots {tuple(self.slots.shape)}; expected all [B] "
+                "(set drafter.slots to the cache slots of this round's requests)"
+            )
+        offsets = torch.arange(n, device=anchor_positions.device)
+        batch = ForwardBatch(
+            input_ids=dspark.draft_block_ids(anchor_ids, n, self.model.args.dspark_noise_token_id),
+            positions=(anchor_positions[:, None] + offsets[None, :]).reshape(-1),
+            query_lens=(n,) * b, slots=tuple(self.slots.tolist()), block_tables=self.block_tables[self.slots],
+            logits_indices=torch.zeros(1, dtype=torch.int64, device=anchor_ids.device),
+        )  # fmt: skip
+        out = dspark.draft_block(self.model, batch, self.cache)
+        return DraftBlock(base_logits=out.base_logits.view(b, n, -1), hidden=out.hidden.view(b, n, -1))
+
+    def insert_context(self, batch: ForwardBatch, features: dict[int, Tensor]) -> Tensor:
+        """Write the draft rings for the accepted positions of `batch` from the target's captured features
+        (`forward_features(capture=model.args.dspark_target_layer_ids)`, rows of `batch`). Returns m `[T, d]`."""
+        tids = tuple(self.model.args.dspark_target_layer_ids)
+        return dspark.insert_context(self.model, batch, self.cache, dspark.target_features(features, tids))
