@@ -147,29 +147,35 @@ def stored_tensors(spec, w: Tensor) -> dict[str, Tensor]:
 class _StraightThroughStore(nn.Module):
     """Parametrization: forward uses the stored (quantized) value, gradients pass straight through."""
 
-    def __init__(self, spec) -> None:
+    def __init__(self, spec, stacked: bool = False) -> None:
         super().__init__()
         self.spec = spec
+        self.stacked = stacked  # routed experts: one [E, out, in] parameter, each slot stored as its own tensor
 
     def forward(self, w: Tensor) -> Tensor:
         with torch.no_grad():
-            r = stored_round_trip(self.spec, w)
+            r = (torch.stack([stored_round_trip(self.spec, w[e]) for e in range(w.shape[0])]) if self.stacked
+                 else stored_round_trip(self.spec, w))
         return w + (r - w).detach()
 
 
 def quantization_aware(model: nn.Module, names: list[str]) -> None:
     """Make the named parameters read through the checkpoint's quantization (straight-through gradients)."""
     from deepinfer_engine.model.inventory import tensor_inventory
+    from deepinfer_engine.model.weight_names import param_to_checkpoint
     from torch.nn.utils import parametrize
 
     specs = {s.name: s for s in tensor_inventory(model.args)}
     modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
     for name in names:
-        spec = specs[name]
+        p = params[name]
+        ck, slot = param_to_checkpoint(name, p.shape[0] if p.dim() else 0)[0]
+        spec = specs[ck]
         if spec.dtype in ("f32", "i64", "bf16"):  # bf16 rounding (2^-8 relative) is left to the final round trip
             continue
         owner, _, attr = name.rpartition(".")
-        parametrize.register_parametrization(modules[owner], attr, _StraightThroughStore(spec))
+        parametrize.register_parametrization(modules[owner], attr, _StraightThroughStore(spec, slot is not None))
 
 
 def remove_quantization_aware(model: nn.Module) -> None:
@@ -398,18 +404,22 @@ def write_trained_checkpoint(model: nn.Module, config: dict, out: Path) -> None:
     rewritten with the trained tensors, quantized as the writer quantizes (same names, shapes, dtypes, shards)."""
     from deepinfer_engine.model.checkpoint import INDEX_FILE
     from deepinfer_engine.model.inventory import tensor_inventory
+    from deepinfer_engine.model.loader import expected_checkpoint_tensors
     from deepinfer_engine.model.writer import write_checkpoint
     from safetensors.torch import load_file, save_file
 
     write_checkpoint(out, config, seed=0, overwrite=True)
     weight_map = json.loads((out / INDEX_FILE).read_text())["weight_map"]
     state = model.state_dict()
+    where = expected_checkpoint_tensors(model)  # checkpoint name -> (parameter, expert slot of a stacked one)
     by_file: dict[str, dict[str, Tensor]] = {}
     written: dict[str, dict[str, Tensor]] = {}
     for spec in tensor_inventory(model.args):
         fname = weight_map[spec.name]
-        if spec.name in state:
-            by_file.setdefault(fname, {}).update(stored_tensors(spec, state[spec.name]))
+        if spec.name in where:
+            pname, slot = where[spec.name]
+            value = state[pname] if slot is None else state[pname][slot]
+            by_file.setdefault(fname, {}).update(stored_tensors(spec, value))
             continue
         # a tensor the checkpoint format lists but the model does not use: keep the writer's own value
         if fname not in written:
@@ -442,7 +452,7 @@ def build(out: Path, *, threads: int = 1, force: bool = False, log: Callable[[st
     config = tiny_v41_config()
     out.mkdir(parents=True, exist_ok=True)
     write_checkpoint(out, config, seed=int(cfg["seed"]), overwrite=True)  # initial weights + tokenizer files
-    model = load_model(out, dtype=torch.float32)
+    model = load_model(out, dtype=torch.float32, quantized=False)  # dense float weights: trainable
     a = model.args
     data = sequences(tokenize(corpus_sentences(int(cfg["seed"]), int(cfg["sentences"])), out / "tokenizer.json"),
                      int(cfg["seq_len"]))
