@@ -140,7 +140,7 @@ for arch in v41 v4; do
         --kernel-backend "$KB" --output-json "$OUT/bench_model_$arch.json"
 done
 
-# 4) E's engine benchmark, if this checkout has it (small cache: the CUDA default takes 90% of free memory)
+# 4) the engine benchmark, if this checkout has it (small cache: the CUDA default takes 90% of free memory)
 if [ "$DRY" = 1 ] || "$PY" -m deepinfer_engine bench --help >/dev/null 2>&1; then
     ENGINE_OPTS=(--model "$BENCH_DIR/tiny-v41" --device "$DEV" --kv-cache-memory-bytes 1GiB --max-model-len 512)
     if [ "$DEV" = cuda ]; then NP=64; IL=128; OL=32; else NP=4; IL=16; OL=4; fi

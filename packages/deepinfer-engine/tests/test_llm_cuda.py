@@ -1,4 +1,4 @@
-"""`LLM(device="cuda")` on the tiny V4.1 / V4 checkpoints against `LLM(device="cpu")` (gpu marker; E's test_llm.py
+"""`LLM(device="cuda")` on the tiny V4.1 / V4 checkpoints against `LLM(device="cpu")` (gpu marker; the CPU test_llm.py
 covers CUDA == dense recompute with preemption and batch-independent sampling on V4.1).
 
 - fp32: greedy token ids on CUDA == greedy token ids on CPU for every prompt (both engines chunk the prompts

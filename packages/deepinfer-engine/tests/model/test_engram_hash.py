@@ -262,7 +262,7 @@ def test_normalize_token_text_rules():
 
 
 def test_real_v41_config_hasher_fits_its_tables(real_map):
-    # C's ModelArgs for the released V4.1-Flash config + the real token map: table sizes and row ranges agree.
+    # ModelArgs for the released V4.1-Flash config + the real token map: table sizes and row ranges agree.
     from deepinfer_engine.model.args import ModelArgs
     from deepinfer_engine.model.presets import v41_flash_config
 

@@ -10,7 +10,7 @@ differs, i.e. the paths compared are really exercised.
 
 Exact ties of CSA index scores at the top-k boundary (frequent with 4 random index heads: the score is exactly 0
 when every head's ReLU is 0) make the selected set implementation-defined; the oracle is built with
-`canonical_topk_ties=True` (lower entry id first, as our indexer kernel). docs/findings-hf-parity.md has details.
+`canonical_topk_ties=True` (lower entry id first, as our indexer kernel). docs/testing.md §9.3 has details.
 """
 
 from __future__ import annotations

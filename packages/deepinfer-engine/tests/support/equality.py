@@ -1,4 +1,4 @@
-"""Test harness (library code, used by tests of M and M-41): random init of a Transformer and the equality runs
+"""Test harness (used by the model tests): random init of a Transformer and the equality runs
 full forward == token-by-token decode == chunked prefill == batched with other sequences.
 
 Every run returns per-token logits [n, V] float32 for each sequence, so results compare row by row.

@@ -7,7 +7,7 @@ through HF's eager reference. HF covers Part A only: no MTP / DSpark (``mtp.*`` 
 HF's indexer omits the reference's Hadamard / FP4 simulation, and HF runs no FP8 KV fake-quantization, which is also
 what our bf16/fp32 reference path does.
 
-Typical parity test (M-core)::
+Typical parity test::
 
     from hf_oracle import build_hf_model, hf_logits
     hf = build_hf_model(state, args)          # state: official name -> dequantized fp32 tensor
@@ -502,7 +502,7 @@ def v4_official_shapes_from_spec(args: Any) -> dict[str, tuple[int, ...]]:
 
 
 def v4_official_shapes(args: Any) -> dict[str, tuple[int, ...]]:
-    """C's inventory when it exists (official names, logical shapes), else the §6.3 list above."""
+    """The tensor inventory when it exists (official names, logical shapes), else the §6.3 list above."""
     try:
         from deepinfer_engine.model.inventory import tensor_inventory
     except ImportError:

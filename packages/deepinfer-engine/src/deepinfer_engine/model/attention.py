@@ -1,6 +1,6 @@
 """Attention of every layer kind (docs/model.md §A.4-§A.7, docs/model.md §C.3): q LoRA path, window K=V ring, one sink softmax
 over window ∪ selected compressed entries, inverse RoPE, grouped low-rank output; the V4 CSA/HCA compressors and
-the V4 lightning indexer. V4.1 CSA2 compressed paths come from `csa2.py` (M-41) through `_compressed()`.
+the V4 lightning indexer. V4.1 CSA2 compressed paths come from `csa2.py` through `_compressed()`.
 
 Shapes: T tokens of the step, H heads, Dh head dim, G o_groups, Ro o_lora_rank. Einsum letters: t token,
 g group, r o_lora row, i group input (H/G * Dh).
@@ -184,7 +184,7 @@ class Attention(nn.Module):
             if plan.kind == "csa":
                 self.indexer = Indexer(args, ratio=plan.ratio, dtype=dtype)
         elif plan.kind == "csa2":
-            from deepinfer_engine.model import csa2  # V4.1 pieces (M-41); imported only when used
+            from deepinfer_engine.model import csa2  # V4.1 pieces; imported only when used
 
             self._csa2_plan = csa2.Csa2Plan.from_layer_plan(plan, args)
             if plan.has_compressor:

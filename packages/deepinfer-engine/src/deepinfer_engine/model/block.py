@@ -48,7 +48,7 @@ class Block(nn.Module):
         add_hc_mix_params(self, "hc_ffn", args)
         self.engram: nn.Module | None = None
         if plan.has_engram:
-            from deepinfer_engine.model import engram  # V4.1 (M-41)
+            from deepinfer_engine.model import engram  # V4.1
 
             self.engram_col = engram.engram_layer_index(tuple(args.engram_layer_ids), plan.layer_id)
             self.engram = engram.Engram(

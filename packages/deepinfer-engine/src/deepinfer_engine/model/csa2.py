@@ -211,7 +211,7 @@ class Csa2Plan:
 
     @staticmethod
     def from_layer_plan(plan: object, args: object) -> Csa2Plan:
-        """Build from C's ``LayerPlan`` and ``ModelArgs`` (duck-typed: this module does not import args.py)."""
+        """Build from ``LayerPlan`` and ``ModelArgs`` (duck-typed: this module does not import args.py)."""
         return Csa2Plan(
             layer_id=plan.layer_id,
             ratio=plan.ratio,

@@ -1,9 +1,9 @@
 """V4.1 Engram n-gram memory injection (docs/model.md §C.6), applied to the hc streams before a layer's
 attention mixes.
 
-Row ids come from G's ``EngramHasher`` (host, numpy): they depend only on token ids, so one call per forward
+Row ids come from ``EngramHasher`` (host, numpy): they depend only on token ids, so one call per forward
 serves every engram layer. The history of the last ``max_ngram-1`` ids of each sequence comes from
-``ForwardContext.token_history`` (M-core fills it from the cache's per-slot token ring); the model computes
+``ForwardContext.token_history`` (the model fills it from the cache's per-slot token ring); the model computes
 ``ctx.engram_rows`` once per forward with ``engram_row_ids`` and hands each layer its column.
 """
 

@@ -81,7 +81,7 @@ class Transformer(nn.Module):
         self.mtp: nn.ModuleList | None = None
         if drafts and with_draft:
             if args.has_dspark:
-                from deepinfer_engine.model import dspark  # DSpark stages (M-41)
+                from deepinfer_engine.model import dspark  # DSpark stages
 
                 self.mtp = dspark.build_stages(args, dtype)
             else:
