@@ -74,3 +74,32 @@ def test_decode_forward_and_batch_building_make_no_host_sync(tmp_path, monkeypat
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert counts["guarded"] >= 4, counts  # decode steps really ran under the guard
+
+
+@pytest.mark.parametrize("arch", ["v41", "v4"])
+def test_engine_decode_step_reads_the_host_once(tmp_path, arch: str) -> None:
+    """A whole engine decode step (scheduling, batch building, forward with the MoE, sampling) makes exactly one
+    host synchronization: the read of the sampled ids."""
+    import warnings
+
+    ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch=arch, seed=0)
+    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=8, ignore_eos=True, seed=1)
+    for i, n in enumerate((7, 12, 3)):
+        eng.add_request(f"r{i}", [5 + j for j in range(n)], sp)
+    decode_steps = 0
+    while decode_steps < 2 + WARMUP_DECODE_STEPS:  # prefill, then warm-up decode steps
+        before = eng.total.prefill_tokens
+        eng.step()
+        decode_steps += eng.total.prefill_tokens == before
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs = [w for w in seen if "synchroniz" in str(w.message).lower()]
+        assert len(syncs) == 1, [str(w.message) for w in syncs]

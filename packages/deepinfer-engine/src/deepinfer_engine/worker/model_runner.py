@@ -17,7 +17,7 @@ import torch
 
 from deepinfer_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from deepinfer_engine.worker.input_batch import InputBatch
-from deepinfer_engine.worker.sampler import INVALID_TOKEN, Sampler, build_sampling_batch
+from deepinfer_engine.worker.sampler import INVALID_TOKEN, Sampler, build_sampling_batch, to_device
 
 
 @dataclass
@@ -122,7 +122,7 @@ class ModelRunner:
                 [self._banned(s) for s in states],
                 logits.device,
             )
-            rows = torch.tensor([i for _, i in sample_at], dtype=torch.int64, device=logits.device)
+            rows = to_device([i for _, i in sample_at], torch.int64, logits.device)
             out = self.sampler(logits.index_select(0, rows), sbatch)
             tokens = out.token_ids.tolist()  # the one sync of the step (plus logprobs when asked for)
             lp = [t.tolist() for t in out.logprobs] if out.logprobs is not None else None
@@ -142,9 +142,8 @@ class ModelRunner:
             from deepinfer_kernels.sampling import logprobs_topk
 
             k_max = max(self.states[rid].params.prompt_logprobs for rid, _, _ in plp_at)
-            rows = torch.tensor([i for _, i, _ in plp_at], dtype=torch.int64, device=logits.device)
-            targets = torch.tensor([self.states[rid].prompt_ids[j] for rid, _, j in plp_at], dtype=torch.int64,
-                                   device=logits.device)
+            rows = to_device([i for _, i, _ in plp_at], torch.int64, logits.device)
+            targets = to_device([self.states[rid].prompt_ids[j] for rid, _, j in plp_at], torch.int64, logits.device)
             chosen, top_ids, top_vals, rank = (t.tolist() for t in
                                                logprobs_topk(logits.index_select(0, rows), targets, k_max))
             for k, (rid, _, j) in enumerate(plp_at):

@@ -46,13 +46,22 @@ class SamplerOutput:
     logprobs: tuple[torch.Tensor, ...] | None = None  # (chosen [N], top_ids [N,k], top_vals [N,k], rank [N])
 
 
+def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values -> a device tensor without a host synchronization: staged in pinned memory and copied
+    asynchronously (a plain `torch.tensor(values, device=cuda)` copies from pageable memory and waits)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(1, max((len(r) for r in rows), default=1))
     out = torch.full((len(rows), width), -1, dtype=torch.int64)
     for i, r in enumerate(rows):
         if r:
             out[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-    return out.to(device, non_blocking=True)
+    return to_device(out, torch.int64, device)
 
 
 def build_sampling_batch(
@@ -60,27 +69,26 @@ def build_sampling_batch(
     banned_ids: list[tuple[int, ...]], device: torch.device,
 ) -> SamplingBatch:
     """From per-row SamplingParams (and the request state the runner keeps) to device tensors."""
-    f32 = dict(dtype=torch.float32, device=device)
-    i64 = dict(dtype=torch.int64, device=device)
+    f32, i64 = torch.float32, torch.int64
     penalties = None
     if any(p.uses_penalties for p in params):
         penalties = (
             _pad(prompt_ids, device),
             _pad(output_ids, device),
-            torch.tensor([p.repetition_penalty for p in params], **f32),
-            torch.tensor([p.presence_penalty for p in params], **f32),
-            torch.tensor([p.frequency_penalty for p in params], **f32),
+            to_device([p.repetition_penalty for p in params], f32, device),
+            to_device([p.presence_penalty for p in params], f32, device),
+            to_device([p.frequency_penalty for p in params], f32, device),
         )
     rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
     cols = [t for ids in banned_ids for t in ids]
     wants = [p.logprobs for p in params if p.logprobs is not None]
     return SamplingBatch(
-        temperature=torch.tensor([p.temperature for p in params], **f32),
-        top_k=torch.tensor([max(p.top_k, 0) for p in params], **i64),
-        top_p=torch.tensor([p.top_p for p in params], **f32),
-        min_p=torch.tensor([p.min_p for p in params], **f32),
-        seeds=torch.tensor([s & 0x7FFFFFFFFFFFFFFF for s in seeds], **i64),
-        offsets=torch.tensor(offsets, **i64),
+        temperature=to_device([p.temperature for p in params], f32, device),
+        top_k=to_device([max(p.top_k, 0) for p in params], i64, device),
+        top_p=to_device([p.top_p for p in params], f32, device),
+        min_p=to_device([p.min_p for p in params], f32, device),
+        seeds=to_device([s & 0x7FFFFFFFFFFFFFFF for s in seeds], i64, device),
+        offsets=to_device(offsets, i64, device),
         all_greedy=all(p.greedy for p in params),
         any_masks=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         penalties=penalties,
@@ -103,7 +111,7 @@ class Sampler:
         if batch.banned is not None:
             rows, cols = batch.banned
             logits = logits.clone() if logits is raw else logits
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+            logits[to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device)] = float("-inf")
         if batch.all_greedy:
             tokens = logits.argmax(dim=-1)
         else:
