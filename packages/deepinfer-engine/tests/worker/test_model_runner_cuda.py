@@ -3,10 +3,8 @@
 Guarded under `torch.cuda.set_sync_debug_mode("error")` (any synchronizing CUDA call raises): the runner's
 batch building (`InputBatch.prepare`) and the whole model forward of every pure-decode step after two warm-up
 decode steps (the first calls move RoPE tables, compile Triton kernels, allocate pinned blocks).
-Not guarded, stated so the exclusions can be removed when their owners land:
-- the MoE layers (`model/moe.py` reads expert counts on the host; its rewrite with a device-side permutation
-  removes that): the guard is lifted for the duration of each MoE call;
-- the sampler and the read of the sampled ids (the one intended host read of a step).
+The first test lifts the guard inside the MoE layers and leaves the sampler out; the second one covers a whole
+engine decode step (MoE and sampler included) and counts exactly one synchronization, the sampled-id read.
 """
 
 from __future__ import annotations
