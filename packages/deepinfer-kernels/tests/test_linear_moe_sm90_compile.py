@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,9 @@ print(json.dumps(out))
 
 def test_quantized_gemm_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the child imports the test-support helpers too (pytest's `pythonpath` applies to this process only)
+    support = str(Path(__file__).resolve().parent / "support")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,16 +31,19 @@ from deepinfer_kernels.routing import triton as rt
 
 cfg = sa.DEFAULT_CONFIG
 sa_sig = {n: t for n, t in zip(
-    ["q_ptr", "kv_ptr", "idx_ptr", "sink_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr", "H", "D", "K", "S_ROWS",
-     "blocks_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot", "stride_oh", "qk_scale"],
-    ["*bf16", "*bf16", "*i64", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"] + ["i32"] * 11 + ["fp32"])}
+    ["q_ptr", "kv_ptr", "idx_ptr", "kv2_ptr", "idx2_ptr", "sink_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr",
+     "H", "D", "K", "S_ROWS", "blocks_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot",
+     "stride_oh", "K1", "S_ROWS2", "stride_kv2", "stride_it2", "qk_scale"],
+    ["*bf16", "*bf16", "*i64", "*bf16", "*i64", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"] + ["i32"] * 15
+    + ["fp32"])}
 out = {}
 for split in (False, True):
-    out[f"sparse_attn split={split}"] = rep(
-        sa._sparse_attn_kernel, sa_sig,
-        dict(HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=512,
-             SPLIT=split, UPCAST=False, EXACT_F32=False),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    for two in (False, True):  # one source (window pool) / two sources (window + paged compressed entries)
+        out[f"sparse_attn split={split} two={two}"] = rep(
+            sa._sparse_attn_kernel, sa_sig,
+            dict(TWO=two, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
+                 BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False),
+            num_warps=sa.TWO_SOURCE_NUM_WARPS if two else cfg["num_warps"], num_stages=cfg["num_stages"])
 out["sparse_attn combine"] = rep(
     sa._sparse_attn_combine_kernel,
     {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32", "D": "i32",
@@ -79,15 +83,18 @@ print(json.dumps(out))
 
 def test_default_configs_compile_for_sm90_without_spills():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the child imports the test-support helpers too (pytest's `pythonpath` applies to this process only)
+    support = str(Path(__file__).resolve().parent / "support")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 = its current default
     proc = subprocess.run(
         [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 9
+    assert len(report) == 11
     for name, r in report.items():
         assert r["stack"] == 0, (name, r)  # spill bytes
         assert r["shared"] <= 227 * 1024, (name, r)  # H200: 227 KiB of shared memory per block
-    for name in ("sparse_attn split=False", "sparse_attn split=True"):
+    for name in (f"sparse_attn split={split} two={two}" for split in (False, True) for two in (False, True)):
         assert report[name]["mma"] or report[name]["wgmma"], report[name]

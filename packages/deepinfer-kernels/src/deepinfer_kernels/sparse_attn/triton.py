@@ -26,6 +26,9 @@ _LOG2E = 1.4426950408889634
 # Defaults picked for H=64, D=512 on sm_90 without a tuning run yet: a [16, 512] fp32 accumulator is 64
 # registers per thread at 4 warps; a [32, 512] bf16 kv tile is 32 KiB of shared memory per stage.
 DEFAULT_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
+# Two sources (window + paged compressed entries) hold a second set of row pointers: at 4 warps the sm_90a build
+# spills (255 registers, 440 B of stack, ahead-of-time report); 8 warps compile without spills.
+TWO_SOURCE_NUM_WARPS = 8
 
 
 # Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
@@ -221,7 +224,7 @@ def sparse_attn(
         return out
     block_h = block_h or DEFAULT_CONFIG["block_h"]
     block_n = block_n or DEFAULT_CONFIG["block_n"]
-    num_warps = num_warps or DEFAULT_CONFIG["num_warps"]
+    num_warps = num_warps or (TWO_SOURCE_NUM_WARPS if two else DEFAULT_CONFIG["num_warps"])
     num_stages = num_stages or DEFAULT_CONFIG["num_stages"]
     if q.stride(2) != 1:
         q = q.contiguous()
