@@ -166,6 +166,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from deepinfer_engine.model.loader import load_model
+    from deepinfer_kernels import backend_from_env
 
     device = torch.device(ns.device)
     if device.type == "cuda":
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(model_dir, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
         for kb in ns.kernel_backend:
-            os.environ["DEEPINFER_KERNEL_BACKEND"] = kb  # read by deepinfer_kernels at every call
+            os.environ["DEEPINFER_KERNEL_BACKEND"] = kb
+            model.set_kernel_backend(backend_from_env())  # the model resolves the backend once, not per call
             for b in ns.batch:
                 r = bench_one(model, batch=b, prefill_len=ns.prefill_len, decode_steps=ns.decode_steps,
                               iters=ns.iters, warmup=ns.warmup, device=device)

@@ -119,3 +119,24 @@ def test_auto_on_cuda_picks_triton(clean_env: pytest.MonkeyPatch) -> None:
     assert resolve_backend("op", "auto", x, torch.zeros(2)) == "torch"  # mixed devices: the reference decides
     clean_env.setenv(ENV_VAR, "torch")
     assert resolve_backend("op", "auto", x) == "torch"
+
+
+def test_resolved_backends_never_read_the_environment(monkeypatch) -> None:
+    import torch
+    from deepinfer_kernels import KernelBackendError, backend_from_env
+    from deepinfer_kernels._backend import resolve_backend
+
+    x = torch.zeros(2)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for env, resolved in (("", "device"), ("auto", "device"), ("torch", "torch"), ("TRITON", "triton-where-supported")):
+        monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", env)
+        assert backend_from_env() == resolved
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")  # would force triton under "auto"
+    assert resolve_backend("op", "device", x) == "torch"  # CPU tensors: the reference, whatever the variable says
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    assert resolve_backend("op", "triton-where-supported", x, triton_ok=False, why_not="no kernel") == "torch"
+    with pytest.raises(KernelBackendError, match="needs every tensor on CUDA"):
+        resolve_backend("op", "triton-where-supported", x)  # an op with a kernel: an explicit request (if triton)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "nope")
+    with pytest.raises(KernelBackendError, match="DEEPINFER_KERNEL_BACKEND='nope'"):
+        backend_from_env()

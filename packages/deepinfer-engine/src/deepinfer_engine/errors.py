@@ -33,7 +33,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
 
     This package's errors, the recipe's documented request errors (`ConversionError`, `ImageError`,
     `CalcResizeError`), a kernel backend that cannot run the inputs, and OS errors on user-named files."""
-    from deepinfer_kernels._backend import KernelBackendError  # the kernels package does not re-export it
+    from deepinfer_kernels import KernelBackendError
     from deepseek_recipe import CalcResizeError, ConversionError, ImageError
 
     return (DeepInferError, ConversionError, ImageError, CalcResizeError, KernelBackendError, OSError)

@@ -100,3 +100,28 @@ def test_loader_rejects_shape_mismatch_missing_and_unexpected(model):
     # scale companions of quantized weights are not "unexpected"
     with_scale = dict(sd, **{"layers.0.attn.wq_a.scale": torch.ones(1, 1)})
     load_state_into(Transformer(model.args, torch.float32), _FakeReader(with_scale))
+
+
+def test_kernel_backend_is_resolved_once_at_build(monkeypatch) -> None:
+    """The model reads DEEPINFER_KERNEL_BACKEND when it is built and hands the result to every module; a later
+    change of the variable does not reach it (no op reads the environment on a model's behalf)."""
+    import torch
+    from deepinfer_engine.model import presets
+    from deepinfer_engine.model.args import ModelArgs
+    from deepinfer_engine.model.model import Transformer
+
+    args = ModelArgs.from_config_dict(presets.tiny_v4_config())
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "torch")
+    with torch.device("meta"):
+        model = Transformer(args, torch.float32)
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "triton")
+    backends = {getattr(m, "kernel_backend", None) for m in model.modules()}
+    assert backends == {"torch"}
+    monkeypatch.delenv("DEEPINFER_KERNEL_BACKEND")
+    model.set_kernel_backend("device")
+    assert {m.kernel_backend for m in model.modules()} == {"device"}
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "bogus")
+    from deepinfer_kernels import KernelBackendError
+
+    with pytest.raises(KernelBackendError, match="DEEPINFER_KERNEL_BACKEND"), torch.device("meta"):
+        Transformer(args, torch.float32)

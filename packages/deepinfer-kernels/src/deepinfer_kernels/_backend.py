@@ -16,13 +16,17 @@ __all__ = [
     "ENV_VAR",
     "Backend",
     "KernelBackendError",
+    "backend_from_env",
     "interpreter_enabled",
     "resolve_backend",
     "triton_available",
 ]
 
-Backend = Literal["auto", "torch", "triton"]
+Backend = Literal["auto", "torch", "triton", "device", "triton-where-supported"]
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+# Resolved forms a model computes once at build (`backend_from_env`) and passes to every op, so no call reads the
+# environment: "device" = auto without the variable; "triton-where-supported" = DEEPINFER_KERNEL_BACKEND=triton.
+RESOLVED: tuple[str, ...] = ("torch", "device", "triton-where-supported")
 ENV_VAR = "DEEPINFER_KERNEL_BACKEND"
 # Same truthy spellings as triton's own env_bool knob parser (TRITON_INTERPRET is read by triton.jit).
 _TRUE = ("1", "true", "on", "yes")
@@ -46,6 +50,15 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
+def backend_from_env() -> Literal["torch", "device", "triton-where-supported"]:
+    """The backend a model resolves once at build from `DEEPINFER_KERNEL_BACKEND` (unset / auto -> "device",
+    torch -> "torch", triton -> "triton-where-supported"); raises KernelBackendError for any other value."""
+    env = os.environ.get(ENV_VAR, "").strip().lower()
+    if env not in ("",) + BACKENDS:
+        raise KernelBackendError(f"{ENV_VAR}={env!r}, expected one of {BACKENDS} or unset")
+    return {"": "device", "auto": "device", "torch": "torch", "triton": "triton-where-supported"}[env]
+
+
 def resolve_backend(
     op: str, backend: str, *tensors: Tensor, triton_ok: bool = True, why_not: str = ""
 ) -> Literal["torch", "triton"]:
@@ -60,8 +73,15 @@ def resolve_backend(
       keeps the reference for the others; `auto`/unset: triton when every tensor is on CUDA, the op supports
       the inputs and triton imports, else the reference). An explicit `backend` argument is never overridden.
     """
+    if backend == "device":  # resolved at model build: auto without reading the environment
+        on_cuda = bool(tensors) and all(t.is_cuda for t in tensors)
+        return "triton" if (triton_ok and on_cuda and triton_available()) else "torch"
+    if backend == "triton-where-supported":
+        if not triton_ok:
+            return "torch"
+        backend = "triton"
     if backend not in BACKENDS:
-        raise KernelBackendError(f"{op}: backend={backend!r}, expected one of {BACKENDS}")
+        raise KernelBackendError(f"{op}: backend={backend!r}, expected one of {BACKENDS + RESOLVED[1:]}")
     if backend == "auto":
         env = os.environ.get(ENV_VAR, "").strip().lower()
         if env not in ("",) + BACKENDS:

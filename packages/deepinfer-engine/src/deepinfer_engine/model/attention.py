@@ -28,13 +28,15 @@ __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
 class RMSNorm(nn.Module):
     """Weighted RMSNorm, fp32 math, result in the input dtype (§2)."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, backend=self.kernel_backend)
 
 
 class Rope:
@@ -156,6 +158,8 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     """`layers.{l}.attn.*` / `mtp.{k}.attn.*` of any layer kind (plan.kind: swa | csa | hca | csa2)."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__()
         d, H, Dh = args.hidden_size, args.num_attention_heads, args.head_dim
@@ -207,7 +211,7 @@ class Attention(nn.Module):
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
         if self.q_head_norm:
-            q = rms_norm(q, None, self.eps)
+            q = rms_norm(q, None, self.eps, backend=self.kernel_backend)
         return self.rope(q, positions), qr
 
     def project_kv(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -290,7 +294,8 @@ class Attention(nn.Module):
             # window pool + the compressed cache read in place through store rows (one softmax over both);
             # a cache kept in another dtype than the activations is cast (a copy: only tests mix dtypes)
             kv2, idx2 = sel.kv if sel.kv.dtype == pool.dtype else sel.kv.to(pool.dtype), sel.indices
-        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2)  # [T, H, Dh]
+        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2,
+                        backend=self.kernel_backend)  # [T, H, Dh]
         o = self.rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
         o = o.reshape(t, self.n_groups, -1)
         z = self.wo_a.grouped(o, self.n_groups)

@@ -34,6 +34,8 @@ class Block(nn.Module):
     (delayed mHC) with the `pre` of the previous sub-layer (`pre_prev`; None = layer 0 → stream 0).
     """
 
+    kernel_backend = "auto"  # replaced by the model-wide backend resolved at build (Transformer)
+
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__()
         self.args = args
@@ -69,15 +71,16 @@ class Block(nn.Module):
             r = self.engram(r, ctx.engram_rows[:, self.engram_col], ctx.image_mask)
         pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
         if not self.delayed:
-            x = hc_pre(r, pre_a)
+            x = hc_pre(r, pre_a, backend=self.kernel_backend)
         elif pre_prev is None:
             x = r[:, 0]  # delayed mHC starts from stream 0 (= the embedding)
         else:
-            x = hc_pre(r, pre_prev)
-        r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a)
+            x = hc_pre(r, pre_prev, backend=self.kernel_backend)
+        r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a, backend=self.kernel_backend)
         pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
-        x = hc_pre(r, pre_a if self.delayed else pre_f)
-        r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f)
+        x = hc_pre(r, pre_a if self.delayed else pre_f, backend=self.kernel_backend)
+        r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f,
+                    backend=self.kernel_backend)
         return r, pre_f
 
 

@@ -192,8 +192,9 @@ def draft_block(model: nn.Module, batch: ForwardBatch, cache: ModelCache) -> Dra
     for st in stages:
         r, pre = st(r, ctx, pre)
     last = stages[-1]
-    h = apply_hc_head(last, r, a) if a.has_hc_head else hc_pre(r, pre)
-    logits = linear_f32_out(last.norm(h), model.head.weight)
+    backend = getattr(model, "kernel_backend", "auto")
+    h = apply_hc_head(last, r, a) if a.has_hc_head else hc_pre(r, pre, backend=backend)
+    logits = linear_f32_out(last.norm(h), model.head.weight, backend=backend)
     return DraftOutput(base_logits=logits, hidden=h)
 
 

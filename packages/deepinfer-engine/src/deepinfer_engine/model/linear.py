@@ -86,6 +86,8 @@ class Linear(nn.Module):
     decoded in the GEMM. `quantize_activations`: FP8 activation quantization before the GEMM (FP8 layers only).
     """
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -121,7 +123,8 @@ class Linear(nn.Module):
         x = x.to(self.dtype)
         if self.scale is None:
             return F.linear(x, self.weight)
-        return fp8_linear(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations)
+        return fp8_linear(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
+                          backend=self.kernel_backend)
 
     def grouped(self, x: Tensor, groups: int) -> Tensor:
         """Block-diagonal use of the weight: x ``[T, G, in/G]`` with row group g of W ``[G*r, in/G]`` -> ``[T, G, r]``
@@ -147,6 +150,7 @@ class Linear(nn.Module):
                 self.scale[g * rows // b0 : (g + 1) * rows // b0],
                 self.block,
                 act_quant=self.quantize_activations,
+                backend=self.kernel_backend,
             )
             for g in range(groups)
         ]

@@ -32,6 +32,7 @@ def apply_hc_mix(module: nn.Module, prefix: str, r: Tensor, args: object) -> tup
         sinkhorn_iters=args.hc_sinkhorn_iters,
         hc_eps=args.hc_eps,
         rms_eps=args.rms_norm_eps,
+        backend=getattr(module, "kernel_backend", "auto"),
     )
 
 

@@ -92,6 +92,17 @@ class Transformer(nn.Module):
 
             apply_checkpoint_formats(self, args, quantize_activations=quantize_activations)
         self.set_deployed_numerics(deployed_numerics)
+        # the kernel backend is decided once, here (DEEPINFER_KERNEL_BACKEND read once), and handed to every module
+        from deepinfer_kernels import backend_from_env
+
+        self.set_kernel_backend(backend_from_env())
+
+    def set_kernel_backend(self, backend: str) -> None:
+        """Give every module the kernel backend its ops run with: "device" (Triton where the op supports the
+        inputs on CUDA), "torch" (the references), "triton-where-supported", or a plain op backend."""
+        self.kernel_backend = backend
+        for m in self.modules():
+            m.kernel_backend = backend
 
     def set_deployed_numerics(self, on: bool, *, cache_records: bool = False) -> None:
         """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back.
@@ -193,9 +204,9 @@ class Transformer(nn.Module):
             pre_last = None
         else:
             pre_last = pre
-            h = hc_pre(rows, pre[batch.logits_indices])
+            h = hc_pre(rows, pre[batch.logits_indices], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
-        logits = linear_f32_out(self.norm(h), self.head.weight)
+        logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> Tensor:
@@ -212,4 +223,4 @@ class Transformer(nn.Module):
         ctx = ForwardContext.build(batch, cache, host=host)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
-        return linear_f32_out(h[batch.logits_indices], self.head.weight)
+        return linear_f32_out(h[batch.logits_indices], self.head.weight, backend=self.kernel_backend)

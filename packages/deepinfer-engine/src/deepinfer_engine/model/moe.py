@@ -20,6 +20,8 @@ __all__ = ["Expert", "ExpertWeight", "Experts", "Gate", "MoE"]
 class Gate(nn.Module):
     """`ffn.gate.{weight [E, d], bias [E] f32 | tid2eid [V, k] i64, bias_vl [E] f32}`."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__()
         E, k = plan.n_routed_experts, plan.num_experts_per_tok
@@ -47,14 +49,15 @@ class Gate(nn.Module):
         if self.is_hash:
             return select_experts(
                 scores, self.topk, hash_ids=self.tid2eid[input_ids], route_scale=self.route_scale,
-                renormalize=self.renormalize,
+                renormalize=self.renormalize, backend=self.kernel_backend,
             )  # fmt: skip
         bias: Tensor = self.bias
         if self.bias_vl is not None:
             is_img = image_positions(input_ids, self.vocab_size)  # ids past the vocabulary, never text ids
             bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
         return select_experts(
-            scores, self.topk, bias=bias, route_scale=self.route_scale, renormalize=self.renormalize
+            scores, self.topk, bias=bias, route_scale=self.route_scale, renormalize=self.renormalize,
+            backend=self.kernel_backend,
         )
 
 
@@ -111,6 +114,8 @@ class Experts(nn.Module):
     """`ffn.experts.*`: the routed experts of one layer, stacked; no per-expert module, no loop in the forward
     (the grouped kernel on CUDA; the torch reference decodes the experts a step uses)."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, num_experts: int, dim: int, inter: int, limit: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.limit = limit
@@ -129,7 +134,7 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x))."""
-        return moe_experts(x, weights, ids, self.stacked(), self.limit)
+        return moe_experts(x, weights, ids, self.stacked(), self.limit, backend=self.kernel_backend)
 
 
 class MoE(nn.Module):
