@@ -9,7 +9,8 @@ positions 0..L-1, last-token logits); decode = decode-steps forwards of one toke
 L, L+1, ... Timings are wall clock with a device synchronize around each timed region; every iteration rewrites
 the same cache positions (the cache is addressed by position). `tiny-v41` / `tiny-v4` write a random tiny
 checkpoint (make_checkpoint "tiny") into --cache-dir first. --kernel-backend runs every row once per kernel backend
-(DEEPINFER_KERNEL_BACKEND: auto = Triton kernels where they exist on CUDA, torch = the references). Prints a table;
+(DEEPINFER_KERNEL_BACKEND, applied to the loaded model with set_kernel_backend: auto = Triton kernels where
+they exist on CUDA, torch = the references). Prints a table;
 --output-json writes the rows.
 """
 

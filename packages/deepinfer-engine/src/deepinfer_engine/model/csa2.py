@@ -29,6 +29,7 @@ from deepinfer_kernels.indexer import (
     topk_indices,
     visible_counts,
 )
+from deepinfer_kernels.norm_rope.reference import rms_norm  # fp32 math, weight in fp32, input dtype out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import ModelConfigError
@@ -40,13 +41,6 @@ _NO_ROUNDING = KVNumerics()
 
 RopeFn = Callable[[Tensor, Tensor], Tensor]
 """``rope(x [T, ..., D], positions [T] int64) -> x`` rotating the trailing rope dims (compress θ + YaRN)."""
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm in fp32 (§2), multiplied by ``weight`` in fp32, cast back to ``x.dtype``."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
 
 
 def pool_ratio2(a: Tensor, z: Tensor) -> Tensor:
