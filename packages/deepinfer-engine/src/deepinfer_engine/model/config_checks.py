@@ -130,22 +130,12 @@ def check_args(a: ModelArgs) -> None:  # noqa: C901 - one flat list of checks re
     # --- V4.1 source lists
     if a.arch == "v41":
         compressed = [l for l in range(L) if ratios[l] > 0]
-        _check_ids("kv_source_layer_ids", a.kv_source_layer_ids, L, "backbone layer ids")
-        _check_ids("index_source_layer_ids", a.index_source_layer_ids, L, "backbone layer ids")
-        bad = [s for s in a.kv_source_layer_ids if ratios[s] == 0]
-        if bad:
-            raise config_error(
-                "kv_source_layer_ids",
-                list(a.kv_source_layer_ids),
-                f"layers with ratio > 0 (ratio 0 at {bad})",
-            )
-        bad = [s for s in a.index_source_layer_ids if ratios[s] == 0]
-        if bad:
-            raise config_error(
-                "index_source_layer_ids",
-                list(a.index_source_layer_ids),
-                f"layers with ratio > 0 (ratio 0 at {bad})",
-            )
+        for name in ("kv_source_layer_ids", "index_source_layer_ids"):
+            ids = getattr(a, name)
+            _check_ids(name, ids, L, "backbone layer ids")
+            bad = [s for s in ids if ratios[s] == 0]
+            if bad:
+                raise config_error(name, list(ids), f"layers with ratio > 0 (ratio 0 at {bad})")
         # A layer reuses the compressed cache of the last kv source at or before it, so a kv source must start
         # every run of compressed layers and every change of ratio (a Reuse layer shares its source's ratio).
         must = [l for l in compressed if l == 0 or ratios[l - 1] != ratios[l]]
