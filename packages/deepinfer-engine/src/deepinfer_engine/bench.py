@@ -116,11 +116,13 @@ def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int
         eng.add_request(f"bench-decode-{seed}-{i}", ids, sp)
     times: list[float] = []
     while eng.has_unfinished_requests():
-        prefilled = eng.total.prefill_tokens
+        prefilled, decoded = eng.total.prefill_tokens, eng.total.decode_tokens
         t0 = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
-        if eng.total.prefill_tokens == prefilled:
+        # a step that reported decode tokens and no prompt tokens (with async_scheduling a step call reports the
+        # step launched by the call before it: the call launching the prefill reports nothing)
+        if eng.total.prefill_tokens == prefilled and eng.total.decode_tokens > decoded:
             times.append(dt)
     return times
 

@@ -138,6 +138,11 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         sc = config.scheduler
         self._async: AsyncStepLoop | None = None
+        if sc.async_scheduling and config.speculative.speculative_method is not None:
+            # the placeholders count one output per step; drafts need 1 + k and a rollback of rejected positions
+            raise ConfigError(f"async_scheduling: found True with speculative_method="
+                              f"{config.speculative.speculative_method!r}; asynchronous scheduling does not run "
+                              "speculative decoding yet. Fix: async_scheduling=False")
         if sc.async_scheduling and not hasattr(runner, "execute_async"):
             raise ConfigError(f"async_scheduling: found True with a {type(runner).__name__}, expected a runner with "
                               "execute_async (worker.async_runner.AsyncModelRunner)")

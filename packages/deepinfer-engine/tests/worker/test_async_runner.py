@@ -218,7 +218,7 @@ def test_a_reused_id_never_gets_a_stale_result(make_fake_engine, fake_model) -> 
     assert got == ref[1].outputs[0].token_ids
 
 
-def test_async_option_needs_an_async_runner(make_fake_engine, fake_model) -> None:
+def test_async_option_needs_an_async_runner_and_no_drafts(make_fake_engine, fake_model) -> None:
     from deepinfer_engine.engine import EngineCore
     from deepinfer_engine.errors import ConfigError
 
@@ -226,6 +226,10 @@ def test_async_option_needs_an_async_runner(make_fake_engine, fake_model) -> Non
     with pytest.raises(ConfigError, match="async_scheduling: found True with a ModelRunner"):
         EngineCore(config=core.config.replace(async_scheduling=True), runner=core.runner, plan=core.plan,
                    max_model_len=core.max_model_len)
+    runner = make_fake_engine(fake_model, async_scheduling=True).core.runner
+    with pytest.raises(ConfigError, match="async_scheduling: found True with speculative_method='dspark'"):
+        EngineCore(config=core.config.replace(async_scheduling=True, speculative_method="dspark"), runner=runner,
+                   plan=core.plan, max_model_len=core.max_model_len)
 
 
 def test_placeholder_is_never_a_vocabulary_id() -> None:
