@@ -70,7 +70,7 @@ CASES = {
                                                        presence_penalty=0.3, min_tokens=4, logprobs=3,
                                                        prompt_logprobs=2), {}),
     "preemption_and_chunked_prefill": (SamplingParams(temperature=0.8, max_tokens=8, seed=9, ignore_eos=True,
-                                                      logprobs=1),
+                                                      logprobs=1, prompt_logprobs=1),
                                        dict(num_pages=8, max_num_batched_tokens=5, max_num_seqs=4)),
     "max_model_len": (SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), dict(max_model_len=16)),
     "one_sequence_per_step": (GREEDY.replace(n=3, temperature=1.0, seed=1), dict(max_num_seqs=1)),
@@ -131,17 +131,18 @@ def test_abort_in_flight_frees_everything(make_fake_engine, fake_model) -> None:
 
 
 class _Poisoned:
-    """Wraps an async runner: the step feeding `poison` raises at launch (`at="launch"`) or when its results
-    are read back (`at="result"`)."""
+    """Wraps an async runner: the step feeding `poison` raises `exc` at launch (`at="launch"`) or when its
+    results are read back (`at="result"`)."""
 
-    def __init__(self, runner, poison: int, at: str) -> None:
+    def __init__(self, runner, poison: int, at: str, exc: BaseException | None = None) -> None:
         self.runner, self.poison, self.at = runner, poison, at
+        self.exc = exc if exc is not None else RuntimeError("boom")
         self.states = runner.states
 
     def execute_async(self, sched):
         hit = any(self.poison in c.token_ids for c in sched.chunks)
         if hit and self.at == "launch":
-            raise RuntimeError("boom")
+            raise self.exc
         out = self.runner.execute_async(sched)
         if hit:
             def fail():
@@ -169,6 +170,21 @@ def test_a_failing_step_fails_only_its_requests(make_fake_engine, fake_model, at
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length"]
     assert outs[2].outputs[0].token_ids == alone[1]
     _clean(llm)
+
+
+def test_an_interrupted_call_leaves_the_engine_clean(make_fake_engine, fake_model) -> None:
+    eng = make_fake_engine(fake_model, async_scheduling=True)
+    eng.core.runner = _Poisoned(eng.core.runner, 33, "launch", KeyboardInterrupt())
+    llm = LLM.from_engine(eng)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[0], [33, 34], PROMPTS[2]], GREEDY.replace(n=2), use_tqdm=False)
+    assert not eng.scheduler.waiting and not eng.scheduler.running
+    assert not eng.output_processor.has_unfinished_requests()
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], GREEDY, use_tqdm=False)
+    alone = LLM.from_engine(make_fake_engine(fake_model)).generate([PROMPTS[0], PROMPTS[2]], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    _clean(llm)
+    assert len(eng.scheduler._owners) <= 4
 
 
 class _NanModel:

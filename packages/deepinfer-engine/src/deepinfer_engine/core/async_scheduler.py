@@ -32,6 +32,7 @@ __all__ = ["PLACEHOLDER_TOKEN", "AsyncScheduler"]
 
 # Input id of a position whose token is the previous step's (not yet returned) sample. Never a vocabulary id.
 PLACEHOLDER_TOKEN = -1
+_MAX_OUTSTANDING = 4
 
 
 class AsyncScheduler(Scheduler):
@@ -41,6 +42,8 @@ class AsyncScheduler(Scheduler):
         # per scheduled step (by id of its SchedulerOutput): the Request object of each chunk. A result lands one
         # step late and applies only to the object it was computed for, never to a later request that reuses
         # the id of one that finished meanwhile.
+        # (the engine keeps one step in flight, so at most two are outstanding; an entry whose step was never
+        # updated (an interrupt between schedule and launch) is dropped once _MAX_OUTSTANDING newer ones exist)
         self._owners: dict[int, dict[str, Request]] = {}
         self._updating: dict[str, Request] = {}
 
@@ -50,6 +53,8 @@ class AsyncScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         sched = super().schedule()
         self._owners[id(sched)] = {c.req_id: self.requests[c.req_id] for c in sched.chunks}
+        while len(self._owners) > _MAX_OUTSTANDING:
+            del self._owners[next(iter(self._owners))]
         return sched
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
