@@ -112,6 +112,40 @@ def test_late_stops_discard_the_extra_row(make_fake_engine, fake_model, fake_tok
     assert asy.engine.total.decode_tokens - sync.engine.total.decode_tokens == 4
 
 
+def test_step_n_plus_1_is_launched_before_step_n_is_read(make_fake_engine, fake_model, monkeypatch) -> None:
+    """The order that makes the overlap: every launch after the first comes before the host read of the step
+    before it, and nothing reads a step's ids before that (a model without Engram never waits for them)."""
+    from deepinfer_engine.worker.async_output import AsyncOutput
+
+    llm = LLM.from_engine(make_fake_engine(fake_model, async_scheduling=True))
+    runner = llm.engine.runner
+    log: list[tuple[str, int]] = []
+    launch = runner.execute_async
+
+    def logged_launch(sched):
+        out = launch(sched)
+        out.step_no = sum(1 for e, _ in log if e == "launch")
+        log.append(("launch", out.step_no))
+        return out
+
+    def logged_read(self, _inner=AsyncOutput.result):
+        log.append(("read", self.step_no))
+        return _inner(self)
+
+    def no_early_ids(self):
+        raise AssertionError("a model without Engram must not wait for the previous step's ids")
+
+    monkeypatch.setattr(runner, "execute_async", logged_launch)
+    monkeypatch.setattr(AsyncOutput, "result", logged_read)
+    monkeypatch.setattr(AsyncOutput, "token_ids", no_early_ids)
+    llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    reads = [n for e, n in log if e == "read"]
+    assert reads == sorted(reads) and len(reads) >= 6
+    for n in reads:
+        if n + 1 in {m for e, m in log if e == "launch"}:
+            assert log.index(("launch", n + 1)) < log.index(("read", n))
+
+
 def test_abort_in_flight_frees_everything(make_fake_engine, fake_model) -> None:
     eng = make_fake_engine(fake_model, async_scheduling=True)
     eng.add_request("r", PROMPTS[0], SamplingParams(n=2, temperature=1.0, max_tokens=20, ignore_eos=True, seed=1))

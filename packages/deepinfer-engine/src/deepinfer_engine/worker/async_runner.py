@@ -75,17 +75,15 @@ class AsyncModelRunner(ModelRunner):
 
     # ------------------------------------------------------------------ hooks of ModelRunner
     def _placeholder_rows(self, chunks: tuple[ScheduledChunk, ...]) -> tuple[list[int], list[str]]:
+        """Rows (and their requests) fed a placeholder. With one step in flight a placeholder is the last token
+        of its chunk; one anywhere else would reach the model as id -1 and fail its input check."""
         rows, rids = [], []
         t = 0
         for c in chunks:
-            for k, tok in enumerate(c.token_ids):
-                if tok == PLACEHOLDER_TOKEN:
-                    if k != c.num_tokens - 1:
-                        raise InputError(f"scheduler output: request {c.req_id!r} has a placeholder id at chunk "
-                                         f"offset {k} of {c.num_tokens}; expected it last (one step in flight)")
-                    rows.append(t + k)
-                    rids.append(c.req_id)
             t += c.num_tokens
+            if c.token_ids[-1] == PLACEHOLDER_TOKEN:
+                rows.append(t - 1)
+                rids.append(c.req_id)
         return rows, rids
 
     def _source_rows(self, rids: list[str]) -> list[int]:
@@ -102,8 +100,9 @@ class AsyncModelRunner(ModelRunner):
             return
         src = self._source_rows(rids)
         dev = inp.input_ids.device
-        ids = self._prev.token_ids.index_select(0, to_device(src, torch.int64, dev)).clamp_(min=0)
-        inp.input_ids.index_copy_(0, to_device(rows, torch.int64, dev), ids)
+        src_dst = to_device([src, rows], torch.int64, dev)  # one small copy for both index vectors
+        ids = self._prev.token_ids.index_select(0, src_dst[0]).clamp_(min=0)
+        inp.input_ids.index_copy_(0, src_dst[1], ids)
         host = inp.host.input_ids
         if self.needs_host_ids:
             known = self._prev.output.token_ids() if self._prev.output is not None else ids.tolist()
@@ -114,15 +113,15 @@ class AsyncModelRunner(ModelRunner):
     def _complete_sampling(self, sbatch: SamplingBatch, chunks: list[ScheduledChunk]) -> SamplingBatch:
         if sbatch.penalties is None:
             return sbatch
-        pending = [i for i, c in enumerate(chunks) if c.token_ids and c.token_ids[-1] == PLACEHOLDER_TOKEN]
+        pending = [i for i, c in enumerate(chunks) if c.token_ids[-1] == PLACEHOLDER_TOKEN]
         if not pending:
             return sbatch
         prompt_ids, output_ids, *rest = sbatch.penalties
         dev = output_ids.device
         extra = torch.full((output_ids.shape[0], 1), -1, dtype=torch.int64, device=dev)
         src = self._source_rows([chunks[i].req_id for i in pending])
-        tok = self._prev.token_ids.index_select(0, to_device(src, torch.int64, dev))
-        extra.index_copy_(0, to_device(pending, torch.int64, dev), tok[:, None])
+        src_dst = to_device([src, pending], torch.int64, dev)
+        extra.index_copy_(0, src_dst[1], self._prev.token_ids.index_select(0, src_dst[0])[:, None])
         # the in-flight token goes last: -1 (an invalid sample) counts as padding
         return dataclasses.replace(sbatch, penalties=(prompt_ids, torch.cat([output_ids, extra], dim=1), *rest))
 
