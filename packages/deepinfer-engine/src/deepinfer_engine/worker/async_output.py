@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_engine.core.sched_output import ModelRunnerOutput
+from deepinfer_engine.worker.model_runner import LaunchedStep
 
 __all__ = ["AsyncOutput"]
 
@@ -28,9 +29,9 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class AsyncOutput:
-    """The pending host copy of one step's results (`step`: worker.model_runner.LaunchedStep)."""
+    """The pending host copy of one launched step's results."""
 
-    def __init__(self, step, collect: Callable[[object], ModelRunnerOutput], *,
+    def __init__(self, step: LaunchedStep, collect: Callable[[LaunchedStep], ModelRunnerOutput], *,
                  copy_stream: torch.cuda.Stream | None = None) -> None:
         self._collect = collect
         self._event: torch.cuda.Event | None = None
@@ -60,9 +61,6 @@ class AsyncOutput:
         for t in (step.token_ids, *(step.logprobs or ()), *(step.prompt_logprobs or ())):
             if t is not None and t.device.type == "cuda":
                 t.record_stream(stream)
-
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
 
     def _wait(self) -> None:
         if self._event is not None:
