@@ -39,7 +39,7 @@ class _Feed:
 
     row_of: dict[str, int]
     token_ids: torch.Tensor  # [rows] int64 on the device
-    output: AsyncOutput | None
+    output: AsyncOutput
 
 
 class AsyncModelRunner(ModelRunner):
@@ -105,7 +105,7 @@ class AsyncModelRunner(ModelRunner):
         inp.input_ids.index_copy_(0, src_dst[1], ids)
         host = inp.host.input_ids
         if self.needs_host_ids:
-            known = self._prev.output.token_ids() if self._prev.output is not None else ids.tolist()
+            known = self._prev.output.token_ids()  # waits for the previous step's ids (Engram hashes on the host)
             host[rows] = np.maximum(np.asarray([known[i] for i in src], dtype=np.int64), 0)
         else:
             host[rows] = 0
