@@ -5,6 +5,9 @@ Keeps per-request sampling state (params, seed, and the scheduler's token lists 
 min_tokens: sampled ids are stored once, by the scheduler) and, in the input batch, each request's block table,
 built from the scheduler's page diffs; a preemption drops the table (the resumed request is sent again as new),
 so recompute needs nothing special here.
+
+`execute` = `collect(launch(sched))`: `launch` enqueues the step and reads nothing back, `collect` does the step's
+one host read. Asynchronous scheduling (worker/async_runner.py) collects a step after launching the next one.
 """
 
 from __future__ import annotations
