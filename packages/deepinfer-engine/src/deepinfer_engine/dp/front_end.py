@@ -108,12 +108,13 @@ class DPEngineCore:
             c.close()
         self._finalizer = weakref.finalize(self, _stop, self._ranks, self._conns, _STOP_TIMEOUT_S)
         self.world_size = n
+        self.failure: RankFailedError | None = None
+        self.stats = DPStats(world_size=n)
         infos: list[RankInfo] = [m[1] for m in self._gather("ready")]
         self.infos = infos
         self.max_model_len = infos[0].max_model_len
         self.plan = infos[0].plan
         self.balancer = LoadBalancer([i.load for i in infos], page_size=infos[0].plan.page_size)
-        self.stats = DPStats(world_size=n)
         self.total = StepStats()
         self._new: list[list[EngineCoreRequest]] = [[] for _ in range(n)]
         self._aborts: list[list[str]] = [[] for _ in range(n)]
@@ -136,7 +137,15 @@ class DPEngineCore:
     # ------------------------------------------------------------------ rank traffic
     def _gather(self, kind: str) -> list[tuple]:
         """One message of `kind` from every rank, watching the ranks meanwhile (a failure raises
-        RankFailedError naming the rank, every rank gone)."""
+        RankFailedError naming the rank, every rank gone; later calls raise it again)."""
+        try:
+            return self._gather_or_raise(kind)
+        except RankFailedError as exc:
+            self.failure = exc
+            self.close()
+            raise
+
+    def _gather_or_raise(self, kind: str) -> list[tuple]:
         got: dict[int, tuple] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(got) < self.world_size:
@@ -148,13 +157,11 @@ class DPEngineCore:
                 except (EOFError, OSError):
                     continue  # the rank is gone: poll() below names it
                 if msg[0] != kind:
-                    self.close()
                     raise RankFailedError(r, None, f"sent {msg[0]!r} while the front-end expected {kind!r}")
                 got[r] = msg
             self._ranks.poll()
             if time.monotonic() > deadline:
                 silent = [r for r in range(self.world_size) if r not in got]
-                self.close()
                 raise RankFailedError(silent[0], None, f"ranks {silent} sent no {kind!r} within {self.timeout_s} s")
         return [got[r] for r in range(self.world_size)]
 
@@ -176,11 +183,16 @@ class DPEngineCore:
         return bool(self._owner)
 
     def step(self) -> list[EngineCoreOutput]:
-        if self._finalizer.alive is False:
+        if self.failure is not None:
+            raise RankFailedError(self.failure.rank, self.failure.exitcode, self.failure.detail)
+        if not self._finalizer.alive:
             raise RankFailedError(-1, None, "the data-parallel engine is closed")
         t0 = time.perf_counter()
         for r, conn in enumerate(self._conns):
-            conn.send(("step", self._new[r], self._aborts[r]))
+            try:
+                conn.send(("step", self._new[r], self._aborts[r]))
+            except OSError:
+                break  # the rank is gone: _gather names it
             self._new[r], self._aborts[r] = [], []
         replies = self._gather("step")
         outputs: list[EngineCoreOutput] = []
