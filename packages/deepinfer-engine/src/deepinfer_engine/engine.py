@@ -148,10 +148,11 @@ class EngineCore:
     @classmethod
     def from_config(
         cls, config: EngineConfig, *, device: torch.device | None = None,
-        expert_slots: Callable[[int], Sequence[int]] | None = None,
+        expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None,
     ) -> EngineCore:  # fmt: skip
-        """device / expert_slots: set by a data-parallel rank (deepinfer_engine.dp): its device, and the
-        checkpoint experts of its slots per MoE layer (`load_model(expert_slots=)`); a rank is one engine core."""
+        """device / expert_slots / token_map: set by a data-parallel rank (deepinfer_engine.dp): its device, the
+        checkpoint experts of its slots per MoE layer (`load_model(expert_slots=)`) and the Engram token map its
+        front-end computed once for all ranks; a rank is one engine core."""
         from deepinfer_engine.model.args import ModelArgs
         from deepinfer_engine.model.cache import ModelCache, stores_records
         from deepinfer_engine.model.cache_layout import cache_families
@@ -173,7 +174,7 @@ class EngineCore:
         # (V4.1 at real widths), otherwise the model rounds through the same formats into a plain cache
         storage = "auto" if kv_dtype == "auto" and stores_records(args) else "bfloat16"
         model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto",
-                            expert_slots=expert_slots)
+                            expert_slots=expert_slots, token_map=token_map)
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))
         bad = [r for r in ratios if r > 0 and page_size % r]
@@ -281,12 +282,12 @@ def model_dir_of(config: EngineConfig) -> Path:
 
 
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool,
-                expert_slots: Callable[[int], Sequence[int]] | None = None):
+                expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None):
     from deepinfer_engine.model.loader import load_model
 
     # deployed numerics: FP8 activation quantization before every FP8 GEMM and the KV record formats
     model = load_model(model_dir, dtype=dtype, device=device, quantize_activations=deployed,
-                       expert_slots=expert_slots)
+                       expert_slots=expert_slots, token_map=token_map)
     model.set_deployed_numerics(deployed, cache_records=cache_records)
     model.eval()
     return model

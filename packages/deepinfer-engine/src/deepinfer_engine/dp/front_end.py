@@ -19,6 +19,7 @@ import time
 import weakref
 from collections.abc import Iterable
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +58,18 @@ def _stop(ranks: SpawnedRanks, conns: list[Connection], timeout_s: float) -> Any
         ranks.close()
         for c in conns:
             c.close()
+
+
+def _engram_token_map(model_dir: Path, args: Any) -> Any:
+    """The Engram compressed token map (V4.1), computed once here instead of in every rank (it decodes the whole
+    vocabulary); None when the model has no Engram or no tokenizer.json (the rank's loader then reports it)."""
+    tok = model_dir / "tokenizer.json"
+    if not getattr(args, "engram_layer_ids", None) or not tok.is_file():
+        return None
+    from deepinfer_engine.model.checkpoint_files import load_tokenizer
+    from deepinfer_engine.model.engram_hash import compressed_token_map
+
+    return compressed_token_map(load_tokenizer(tok, required=False))
 
 
 class DPEngineCore:
@@ -102,7 +115,8 @@ class DPEngineCore:
         pairs = [ctx.Pipe(duplex=True) for _ in range(n)]
         self._conns = [p for p, _ in pairs]
         children = [c for _, c in pairs]
-        self._ranks = SpawnedRanks(serve_rank, n, config, children, config=layout, backend=backend,
+        token_map = _engram_token_map(model_dir, self.args)
+        self._ranks = SpawnedRanks(serve_rank, n, config, children, token_map, config=layout, backend=backend,
                                    devices=devices, start_method=start_method, timeout_s=timeout_s)
         for c in children:
             c.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,9 +77,11 @@ class DPRankCore:
 
     spmd: the rank is one process of a `torchrun` world serving its own requests (LLM in every process), so
     `has_unfinished_requests` is a world vote: a rank keeps stepping (empty steps) while any rank has work.
+    token_map: the Engram compressed token map when the front-end computed it (else the loader does).
     """
 
-    def __init__(self, config: EngineConfig, state: ParallelState, *, spmd: bool = False) -> None:
+    def __init__(self, config: EngineConfig, state: ParallelState, *, spmd: bool = False,
+                 token_map: Any = None) -> None:
         from deepinfer_engine.model.args import ModelArgs
 
         self.state = state
@@ -91,7 +94,8 @@ class DPRankCore:
             num_experts=int(args.n_routed_experts), hidden_size=int(args.hidden_size),
             top_k=int(args.num_experts_per_tok),
         )  # fmt: skip
-        self.core = EngineCore.from_config(config, device=state.device, expert_slots=self.experts.loader_slots)
+        self.core = EngineCore.from_config(config, device=state.device, expert_slots=self.experts.loader_slots,
+                                           token_map=token_map)
         model = self.core.runner.model
         self.dtype = model.dtype
         self.experts.install(

@@ -36,10 +36,11 @@ class RankInfo:
     load: Any
 
 
-def serve_rank(state: ParallelState, config: EngineConfig, conns: Sequence[Connection]) -> dict[str, Any]:
+def serve_rank(state: ParallelState, config: EngineConfig, conns: Sequence[Connection],
+               token_map: Any = None) -> dict[str, Any]:
     """`SpawnedRanks` target: rank `state.rank` talks to the front-end through `conns[state.rank]`."""
     conn = conns[state.rank]
-    rank = DPRankCore(config, state)
+    rank = DPRankCore(config, state, token_map=token_map)
     conn.send(("ready", RankInfo(
         rank=state.rank, max_model_len=rank.max_model_len, max_num_seqs=rank.scheduler.max_num_seqs,
         plan=rank.plan, held_experts=[tuple(h) for h in rank.experts.held_experts()], load=rank.load(),
