@@ -109,6 +109,7 @@ class DPEngineCore:
         if start_method is None:
             cpu_fork = device.type == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
             start_method = "fork" if cpu_fork else "spawn"
+        self.backend = backend
         self.timeout_s = timeout_s
         self.log_interval = log_interval
         ctx = mp.get_context(start_method)
