@@ -33,7 +33,8 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int, bos: int | None)
 
 
 def _device_info(llm: LLM) -> dict[str, Any]:
-    dev = llm.engine.runner.device
+    runner = llm.engine.runner  # None for a data-parallel engine: its models live in the rank processes
+    dev = runner.device if runner is not None else llm.engine.core.device
     info: dict[str, Any] = {"device": str(dev), "torch": torch.__version__, "python": platform.python_version()}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
@@ -72,8 +73,14 @@ def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, t
         "temperature": temperature, "elapsed_s": elapsed, "input_tokens": n_in, "output_tokens": n_out,
         "requests_per_s": num_prompts / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
         "output_tokens_per_s": n_out / elapsed, "errors": sum(o.error is not None for o in outs),
-        **_device_info(llm), "settings": _settings(llm),
+        **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
     }
+
+
+def _data_parallel(llm: LLM) -> dict[str, Any]:
+    """Placement and per-rank work of a data-parallel engine since it started (warm-up included)."""
+    stats = getattr(llm.engine.core, "dp_stats", None)
+    return {} if stats is None else {"data_parallel": stats()}
 
 
 def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
@@ -101,7 +108,7 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
         "std_latency_s": statistics.pstdev(times), "latencies_s": times,
         "percentiles_s": {str(p): pct(p) for p in (10, 25, 50, 75, 90, 99)},
         "output_tokens_per_s": batch_size * output_len / statistics.fmean(times),
-        **_device_info(llm), "settings": _settings(llm),
+        **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
     }
 
 
@@ -224,6 +231,9 @@ def format_result(r: dict[str, Any]) -> str:
         for p, v in r["percentiles_s"].items():
             row(f"{p}% percentile (s)", f"{v:.4f}")
         row("Output tokens/s", f"{r['output_tokens_per_s']:.1f}")
+    dp = r.get("data_parallel")
+    if dp:
+        row("DP tokens per rank", f"{dp['tokens_per_rank']} (imbalance max/mean {dp['token_imbalance']:.2f})")
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -116,7 +116,7 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
 class ParallelConfig:
     """Data-parallel attention / expert-parallel MoE layout (vLLM's option names; docs/parallel.md)."""
 
-    data_parallel_size: int = _opt(1, "data-parallel ranks, one GPU each (this engine loop runs 1)")
+    data_parallel_size: int = _opt(1, "data-parallel ranks, one process (and one GPU) each")
     enable_expert_parallel: bool = _opt(False, "spread the routed experts over the data-parallel ranks")
     enable_eplb: bool = _opt(False, "rebalance (replicate) hot experts while running; needs expert parallelism")
     num_redundant_experts: int = _opt(0, "extra physical expert slots per MoE layer for EPLB replicas")

@@ -110,6 +110,7 @@ class DPEngineCore:
             cpu_fork = device.type == "cpu" and sys.platform.startswith("linux") and not torch.cuda.is_initialized()
             start_method = "fork" if cpu_fork else "spawn"
         self.backend = backend
+        self.device = torch.device(devices[0])  # rank 0's (bench / device reports)
         self.timeout_s = timeout_s
         self.log_interval = log_interval
         ctx = mp.get_context(start_method)
