@@ -22,6 +22,7 @@ pytestmark = pytest.mark.distributed
 PROMPTS = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
 ONE = [[0, 5, 6, 7, 8, 9]]  # fewer requests than ranks: the others stay idle
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
+SEEDED = SamplingParams(temperature=1.0, top_k=50, max_tokens=4, seed=42, ignore_eos=True)
 NUM_EXPERTS = 8  # the tiny presets
 
 
@@ -43,13 +44,14 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    """Greedy token ids of the single-process engine: {arch: (PROMPTS outputs, ONE outputs)}."""
+    """Token ids of the single-process engine: {arch: (PROMPTS greedy, ONE greedy, PROMPTS seeded sampling)}."""
     made: dict[str, tuple] = {}
 
     def get(arch: str):
         if arch not in made:
             llm = LLM(str(ckpt(arch)), **_opts(arch))
-            made[arch] = tuple(_ids(llm.generate(p, GREEDY, use_tqdm=False)) for p in (PROMPTS, ONE))
+            made[arch] = tuple(_ids(llm.generate(p, sp, use_tqdm=False))
+                               for p, sp in ((PROMPTS, GREEDY), (ONE, GREEDY), (PROMPTS, SEEDED)))
         return made[arch]
 
     return get
@@ -86,7 +88,7 @@ EPLB = {"enable_eplb": True, "eplb_window_size": 2, "eplb_step_interval": 2}
     ("v4", 4, {}),
 ])  # fmt: skip
 def test_expert_parallel_greedy_equals_single_process(ckpt, reference, arch, world, extra) -> None:
-    want_batch, want_one = reference(arch)
+    want_batch, want_one, _ = reference(arch)
     slots = (NUM_EXPERTS + extra.get("num_redundant_experts", 0)) // world
     with LLM(str(ckpt(arch)), data_parallel_size=world, enable_expert_parallel=True, **_opts(arch), **extra) as llm:
         core = llm.engine.core
@@ -115,11 +117,19 @@ def test_expert_parallel_greedy_equals_single_process(ckpt, reference, arch, wor
 
 
 def test_pure_data_parallel_holds_every_expert_and_is_reaped_when_dropped(ckpt, reference) -> None:
-    want_batch, _ = reference("v41")
+    want_batch, _, want_seeded = reference("v41")
     llm = LLM(str(ckpt("v41")), data_parallel_size=2, **_opts("v41"))
     core = llm.engine.core
     assert [list(info.held_experts[0]) for info in core.infos] == [list(range(NUM_EXPERTS))] * 2
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want_batch
+    # seeded sampling does not depend on the rank a request lands on
+    assert _ids(llm.generate(PROMPTS, SEEDED, use_tqdm=False)) == want_seeded
+    # an abort reaches the request's rank with the next step and comes back as its final output
+    llm.engine.add_request("to-abort", PROMPTS[1], GREEDY)
+    llm.engine.abort_request("to-abort")
+    outs = llm.engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("to-abort", "abort")]
+    assert not llm.engine.has_unfinished_requests()
     pids = core.pids
     del llm, core
     gc.collect()

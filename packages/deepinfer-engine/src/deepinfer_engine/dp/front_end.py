@@ -39,6 +39,7 @@ __all__ = ["DPEngineCore"]
 logger = logging.getLogger(__name__)
 
 RANK_TIMEOUT_S = 300.0
+LOAD_TIMEOUT_S = 3600.0  # a real checkpoint is hundreds of GB
 _STOP_TIMEOUT_S = 30.0
 _POLL_S = 0.05
 
@@ -76,11 +77,12 @@ class DPEngineCore:
     """N data-parallel ranks behind EngineCore's API. config.parallel: data_parallel_size ranks; with
     enable_expert_parallel the routed experts are spread over them (EP group = all ranks), else every rank holds
     all experts. start_method: "fork" (default on Linux when the ranks run on the CPU and CUDA is not initialised
-    here: ranks start in milliseconds) or "spawn" (default otherwise). timeout_s bounds rank start-up, each step
-    and the collectives inside the ranks."""
+    here: ranks start in milliseconds) or "spawn" (default otherwise). timeout_s bounds each step and the
+    collectives inside the ranks; load_timeout_s the start-up (checkpoint loading) of every rank."""
 
     def __init__(self, config: EngineConfig, *, start_method: str | None = None,
-                 timeout_s: float = RANK_TIMEOUT_S, log_interval: int = 100) -> None:
+                 timeout_s: float = RANK_TIMEOUT_S, load_timeout_s: float = LOAD_TIMEOUT_S,
+                 log_interval: int = 100) -> None:
         from deepinfer_engine.model.args import ModelArgs
         from deepinfer_engine.model.checkpoint_files import read_eos_ids
 
@@ -126,7 +128,7 @@ class DPEngineCore:
         self.world_size = n
         self.failure: RankFailedError | None = None
         self.stats = DPStats(world_size=n)
-        infos: list[RankInfo] = [m[1] for m in self._gather("ready")]
+        infos: list[RankInfo] = [m[1] for m in self._gather("ready", load_timeout_s)]
         self.infos = infos
         self.max_model_len = infos[0].max_model_len
         self.plan = infos[0].plan
@@ -135,6 +137,7 @@ class DPEngineCore:
         self._new: list[list[EngineCoreRequest]] = [[] for _ in range(n)]
         self._aborts: list[list[str]] = [[] for _ in range(n)]
         self._owner: dict[str, int] = {}
+        self._in_flight = False
         self.last_reports: list[RankStep] = []
         self.results: list[Any] | None = None
         held = ", ".join(f"rank {i.rank}: {list(i.held_experts[0])}" for i in infos)
@@ -151,19 +154,19 @@ class DPEngineCore:
     scheduler = None
 
     # ------------------------------------------------------------------ rank traffic
-    def _gather(self, kind: str) -> list[tuple]:
+    def _gather(self, kind: str, timeout_s: float) -> list[tuple]:
         """One message of `kind` from every rank, watching the ranks meanwhile (a failure raises
         RankFailedError naming the rank, every rank gone; later calls raise it again)."""
         try:
-            return self._gather_or_raise(kind)
+            return self._gather_or_raise(kind, timeout_s)
         except RankFailedError as exc:
             self.failure = exc
             self.close()
             raise
 
-    def _gather_or_raise(self, kind: str) -> list[tuple]:
+    def _gather_or_raise(self, kind: str, timeout_s: float) -> list[tuple]:
         got: dict[int, tuple] = {}
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(got) < self.world_size:
             pending = [self._conns[r] for r in range(self.world_size) if r not in got]
             for c in wait(pending, timeout=_POLL_S):
@@ -178,7 +181,7 @@ class DPEngineCore:
             self._ranks.poll()
             if time.monotonic() > deadline:
                 silent = [r for r in range(self.world_size) if r not in got]
-                raise RankFailedError(silent[0], None, f"ranks {silent} sent no {kind!r} within {self.timeout_s} s")
+                raise RankFailedError(silent[0], None, f"ranks {silent} sent no {kind!r} within {timeout_s} s")
         return [got[r] for r in range(self.world_size)]
 
     # ------------------------------------------------------------------ the API
@@ -204,13 +207,17 @@ class DPEngineCore:
         if not self._finalizer.alive:
             raise RankFailedError(-1, None, "the data-parallel engine is closed")
         t0 = time.perf_counter()
-        for r, conn in enumerate(self._conns):
-            try:
-                conn.send(("step", self._new[r], self._aborts[r]))
-            except OSError:
-                break  # the rank is gone: _gather names it
-            self._new[r], self._aborts[r] = [], []
-        replies = self._gather("step")
+        # a call interrupted while waiting (Ctrl-C) left its step running: collect that one, send nothing new
+        if not self._in_flight:
+            for r, conn in enumerate(self._conns):
+                try:
+                    conn.send(("step", self._new[r], self._aborts[r]))
+                except OSError:
+                    break  # the rank is gone: _gather names it
+                self._new[r], self._aborts[r] = [], []
+            self._in_flight = True
+        replies = self._gather("step", self.timeout_s)
+        self._in_flight = False
         outputs: list[EngineCoreOutput] = []
         reports: list[RankStep] = []
         for r, (_, outs, report) in enumerate(replies):

@@ -9,6 +9,7 @@ its traceback (SpawnedRanks turns it into RankFailedError naming this rank).
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -39,6 +40,9 @@ class RankInfo:
 def serve_rank(state: ParallelState, config: EngineConfig, conns: Sequence[Connection],
                token_map: Any = None) -> dict[str, Any]:
     """`SpawnedRanks` target: rank `state.rank` talks to the front-end through `conns[state.rank]`."""
+    # Ctrl-C reaches the whole process group: the front-end decides (it stops or kills the ranks), a rank dying
+    # on its own would only turn the interrupt into a rank failure
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = conns[state.rank]
     rank = DPRankCore(config, state, token_map=token_map)
     conn.send(("ready", RankInfo(
