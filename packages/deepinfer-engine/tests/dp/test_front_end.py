@@ -116,7 +116,24 @@ def test_expert_parallel_greedy_equals_single_process(ckpt, reference, arch, wor
         assert any(layer != [e % NUM_EXPERTS for e in initial[r]] for r in range(world) for layer in moved[r])
 
 
-def test_pure_data_parallel_holds_every_expert_and_is_reaped_when_dropped(ckpt, reference) -> None:
+def _interrupt_one_step(llm: LLM, monkeypatch) -> None:
+    """A call interrupted (Ctrl-C) while its step runs on the ranks; the next call must collect that step first."""
+    core = llm.engine.core
+    gather, interrupts = core._gather_or_raise, []
+
+    def interrupted(kind, timeout_s):
+        if not interrupts:
+            interrupts.append(kind)
+            raise KeyboardInterrupt
+        return gather(kind, timeout_s)
+
+    monkeypatch.setattr(core, "_gather_or_raise", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+
+
+def test_pure_data_parallel_holds_every_expert_and_is_reaped_when_dropped(ckpt, reference, monkeypatch) -> None:
     want_batch, _, want_seeded = reference("v41")
     llm = LLM(str(ckpt("v41")), data_parallel_size=2, **_opts("v41"))
     core = llm.engine.core
@@ -129,6 +146,9 @@ def test_pure_data_parallel_holds_every_expert_and_is_reaped_when_dropped(ckpt, 
     llm.engine.abort_request("to-abort")
     outs = llm.engine.step()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("to-abort", "abort")]
+    assert not llm.engine.has_unfinished_requests()
+    _interrupt_one_step(llm, monkeypatch)
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want_batch
     assert not llm.engine.has_unfinished_requests()
     pids = core.pids
     del llm, core
