@@ -41,3 +41,31 @@ def test_fp8_payload_only_with_deployed_numerics() -> None:
     assert fp8_dispatch_block(4096, deployed=True) == 128
     assert fp8_dispatch_block(96, deployed=True) == 32
     assert fp8_dispatch_block(100, deployed=True) is None
+
+
+def test_installed_dispatch_with_fp8_payload_feeds_the_experts_fp8_rounded_rows(ckpt) -> None:
+    """RankExperts on a one-rank EP group, deployed numerics: every backbone MoE layer runs through the shared
+    EPDispatch, whose experts see each row decoded from its FP8 payload (e4m3 + UE8M0 per 32 values) - the same
+    as the local experts on FP8-rounded activations (fp32, 1e-5); an empty MoE step runs every layer with T = 0."""
+    from deepinfer_engine.dp.rank_experts import RankExperts
+    from deepinfer_parallel import ParallelConfig, ParallelState
+    from deepinfer_parallel.ep.fp8_payload import decode_fp8_rows, encode_fp8_rows
+
+    model = load_model(ckpt, torch.float32)
+    a = model.args
+    rx = RankExperts(ParallelState.single(), ParallelConfig(), expert_parallel=True, num_layers=a.num_hidden_layers,
+                     num_experts=a.n_routed_experts, hidden_size=a.hidden_size, top_k=a.num_experts_per_tok)
+    block = fp8_dispatch_block(a.hidden_size, deployed=True)
+    rx.install(model, max_tokens_per_rank=8, dtype=torch.float32, fp8_block=block)
+    assert all(layer.ffn.dispatch is rx.dispatch for layer in model.layers)
+    moe = model.layers[-1].ffn
+    x = torch.randn(5, a.hidden_size, generator=torch.Generator().manual_seed(0))
+    w, ids = moe.gate(x, torch.arange(5))
+    rounded = decode_fp8_rows(encode_fp8_rows(x, block), a.hidden_size, block, torch.float32)
+    want = moe.experts(rounded, w, ids)
+    for kind in ("prefill", "decode"):  # throughput and low-latency modes
+        rx.set_mode(kind)
+        got = rx.dispatch.run(x, w, ids, moe.experts, layer=moe.layer_id)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(rounded, x)  # the payload really is FP8
+    rx.empty_step(torch.device("cpu"), torch.float32)
