@@ -190,3 +190,22 @@ def test_a_failing_rank_fails_the_call_naming_it_and_leaves_no_process(ckpt, mon
     with pytest.raises(RankFailedError):  # the engine stays failed, it does not hang
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.close()
+
+
+@pytest.mark.parametrize(("opts", "env", "needle"), [
+    ({"data_parallel_size": 3, "enable_expert_parallel": True}, {}, "num_redundant_experts=1"),
+    ({"data_parallel_size": 4, "enable_expert_parallel": True}, {"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
+])  # fmt: skip
+def test_layouts_that_cannot_run_are_refused_before_any_rank_starts(ckpt, monkeypatch, opts, env, needle) -> None:
+    from deepinfer_engine.errors import ConfigError
+    from deepinfer_parallel import SpawnedRanks
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def no_spawn(*a, **k):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(SpawnedRanks, "__init__", no_spawn)
+    with pytest.raises(ConfigError, match=needle):
+        LLM(str(ckpt("v41")), **_opts("v41"), **opts)

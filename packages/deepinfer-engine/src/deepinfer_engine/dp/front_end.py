@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from deepinfer_parallel import RankFailedError, SpawnedRanks
+from deepinfer_parallel import ParallelConfigError, RankFailedError, SpawnedRanks
 
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.request import EngineCoreRequest
@@ -97,15 +97,15 @@ class DPEngineCore:
         if par.enable_expert_parallel:
             try:
                 layout.check_experts(int(self.args.n_routed_experts))
-            except Exception as exc:  # ParallelConfigError: before any process starts
+            except ParallelConfigError as exc:  # before any process starts
                 raise ConfigError(str(exc)) from exc
         device = resolve_device(config.model.device)
         if device.type == "cuda":
-            count = torch.cuda.device_count()
-            if n > count:
-                raise ConfigError(f"data_parallel_size: found {n}, but this host has {count} CUDA device(s); one "
-                                  "rank per GPU. Fix: data_parallel_size <= the GPU count, or device='cpu'")
-            devices, backend = [f"cuda:{i}" for i in range(n)], "nccl"
+            count, first = torch.cuda.device_count(), device.index or 0  # device="cuda:k": ranks on k, k+1, ...
+            if first + n > count:
+                raise ConfigError(f"data_parallel_size: found {n} ranks from cuda:{first}, but this host has {count} "
+                                  "CUDA device(s); one rank per GPU. Fix: fewer ranks, or device='cpu'")
+            devices, backend = [f"cuda:{first + i}" for i in range(n)], "nccl"
         else:
             devices, backend = ["cpu"] * n, "gloo"
         if start_method is None:
