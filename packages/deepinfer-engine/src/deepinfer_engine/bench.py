@@ -32,9 +32,13 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int, bos: int | None)
     return out
 
 
-def _device_info(llm: LLM) -> dict[str, Any]:
+def _device(llm: LLM) -> torch.device:
     runner = llm.engine.runner  # None for a data-parallel engine: its models live in the rank processes
-    dev = runner.device if runner is not None else llm.engine.core.device
+    return runner.device if runner is not None else llm.engine.core.device
+
+
+def _device_info(llm: LLM) -> dict[str, Any]:
+    dev = _device(llm)
     info: dict[str, Any] = {"device": str(dev), "torch": torch.__version__, "python": platform.python_version()}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
@@ -138,7 +142,7 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
     bandwidth and bf16 matmul rate measured on the same device in the same run."""
     from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate
 
-    dev = llm.engine.runner.device
+    dev = _device(llm)
     copy_bw = measure_copy_bandwidth(dev, nbytes=(1 << 30) if dev.type == "cuda" else (1 << 26))
     mm_rate = measure_matmul_rate(dev, n=8192 if dev.type == "cuda" else 512, iters=10 if dev.type == "cuda" else 3)
     rows = []

@@ -19,7 +19,7 @@ from deepinfer_parallel import ParallelState
 
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.kv_cache import CachePlan
-from deepinfer_engine.dp.rank_core import DPRankCore
+from deepinfer_engine.dp.rank_core import DPRankCore, RankLoad
 
 __all__ = ["RankInfo", "serve_rank"]
 
@@ -34,7 +34,7 @@ class RankInfo:
     max_num_seqs: int
     plan: CachePlan
     held_experts: list[Sequence[int]]
-    load: Any
+    load: RankLoad
 
 
 def serve_rank(state: ParallelState, config: EngineConfig, conns: Sequence[Connection],
