@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
 PROMPTS = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
 GREEDY = SamplingParams(temperature=0, max_tokens=5)
-# float32: combine sums the routed experts in the activation dtype's payload; in fp32 it is the one-process sum
+# float32: combine receives each routed expert output in the activation dtype; in fp32 that is the one-process sum
+# up to summation order (bf16 would round every expert output before the weighted sum)
 OPTS = {"device": "cuda", "dtype": "float32", "page_size": 4}
 
 
