@@ -17,6 +17,37 @@ import sys
 from pathlib import Path
 
 
+def top_kernels(llm, batch: int, input_len: int, steps: int, n: int) -> str:
+    """Device-time table of the kernels of `steps` full-batch decode steps (torch profiler)."""
+    import torch
+    from deepinfer_engine import SamplingParams
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    budget = int(llm.config.scheduler.max_num_batched_tokens)
+    sp = SamplingParams(max_tokens=steps + 3 + -(-batch * input_len // budget), temperature=0.0, ignore_eos=True)
+    ids = [f"top-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        eng.add_request(rid, [0] + [(7 * i + j) % 100000 + 3 for j in range(input_len - 1)], sp)
+    while True:  # until a step decodes every sequence (graph captured in that step if new)
+        before = eng.total.decode_tokens
+        eng.step()
+        if eng.total.decode_tokens - before == batch:
+            break
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+    eng.abort_request(ids)
+    while eng.has_unfinished_requests():
+        eng.step()
+    try:
+        return prof.key_averages().table(sort_by="device_time_total", row_limit=n)
+    except (KeyError, AttributeError, ValueError):
+        return prof.key_averages().table(sort_by="cuda_time_total", row_limit=n)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -25,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--top-kernels", type=int, default=0, help="print the N kernels with the most device time")
     p.add_argument("--output-json")
     ns = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -53,10 +85,15 @@ def main(argv: list[str] | None = None) -> int:
         out[mode] = {"roofline": r, "profile": prof}
         if mode == "graphs":
             st = graphs.stats
-            out["graph_stats"] = {"captures": st.captures, "capture_s": st.capture_s, "pool_bytes": st.pool_bytes,
+            out["graph_stats"] = {"captures": st.captures, "capture_s": st.capture_s, "pool_bytes": graphs.pool_bytes(),
                                   "replays": st.replays, "eager_steps": st.eager_steps, "shapes": st.shapes}
             print(f"graphs: {st.captures} captures {st.shapes} in {st.capture_s:.2f} s, "
-                  f"{st.pool_bytes / 2**20:.0f} MiB reserved by them, {st.replays} replays")
+                  f"{graphs.pool_bytes() / 2**20:.0f} MiB in their pool, {st.replays} replays")
+    if ns.top_kernels:
+        runner.cuda_graphs = graphs
+        for b in (int(x) for x in ns.profile_batch.split(",") if x):
+            print(f"--- top kernels, graphs on, B={b} (device time over {ns.steps} decode steps)")
+            print(top_kernels(llm, b, ns.input_len, ns.steps, ns.top_kernels))
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(out, indent=1, default=str))
     return 0

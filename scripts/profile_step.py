@@ -81,7 +81,10 @@ def profile_batch(llm: Any, batch: int, input_len: int, steps: int) -> dict[str,
     _add(llm, "warmup", batch, input_len, 2, seed=1)  # compiles, allocations
     while eng.has_unfinished_requests():
         eng.step()
-    _add(llm, "main", batch, input_len, steps + 1, seed=2)
+    # chunked prefill: the first prompts decode while later ones prefill; enough tokens that every request still
+    # decodes in the profiled steps
+    prefill_steps = -(-batch * input_len // int(llm.config.scheduler.max_num_batched_tokens)) + 1
+    _add(llm, "main", batch, input_len, steps + prefill_steps + 1, seed=2)
     _step_until_decode(eng)  # the first decode step ran inside (it may share the step with the last prefill)
     torch.cuda.synchronize()
     wall: list[float] = []

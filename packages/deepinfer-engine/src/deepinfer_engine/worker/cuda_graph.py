@@ -80,7 +80,6 @@ class GraphStats:
     replays: int = 0
     eager_steps: int = 0
     capture_s: float = 0.0
-    pool_bytes: int = 0  # device memory taken by the captures (allocator reserved, after - before)
     shapes: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -132,13 +131,23 @@ class CudaGraphRunner:
         self.stats.replays += 1
         return g.logits[: batch.num_seqs]
 
+    def pool_bytes(self) -> int:
+        """Device memory reserved by the graphs' shared pool (allocator segments of that pool), -1 when this
+        torch's memory snapshot does not name segment pools. Reads the allocator state: not for a hot path."""
+        if self._pool is None:
+            return 0
+        segs = torch.cuda.memory_snapshot()
+        if segs and "segment_pool_id" not in segs[0]:
+            return -1
+        pool = tuple(self._pool)
+        return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) == pool)
+
     def _forward(self, step: StaticDecodeStep) -> Tensor:
         return self.model.forward_features(None, self.cache, static=step).logits
 
     def _capture(self, B: int, L: int) -> _Graph:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
@@ -160,7 +169,6 @@ class CudaGraphRunner:
         st = self.stats
         st.captures += 1
         st.capture_s += dt
-        st.pool_bytes += torch.cuda.memory_reserved(self.device) - before
         st.shapes.append((B, L))
         logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
         return g
