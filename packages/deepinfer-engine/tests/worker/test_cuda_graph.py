@@ -39,3 +39,41 @@ def test_which_steps_replay():
     assert decode_shape((1, 1), (5, 9), [1, 0], sizes, 4096) is None
     assert decode_shape((1,) * 9, (3,) * 9, list(range(9)), sizes, 4096) is None  # past the largest bucket
     assert decode_shape((), (), [], sizes, 4096) is None
+
+
+class _RecordingGraphs:
+    """Stands in for CudaGraphRunner at the runner's hook: the real bucket rule; 'replays' run the eager model on
+    the step's batch (or decline, like a shape whose capture failed)."""
+
+    def __init__(self, model, cache, *, declines: bool) -> None:
+        self.model, self.cache, self.declines = model, cache, declines
+        self.asked: list[tuple[int, int]] = []
+        self.ran = 0
+
+    def shape_of(self, batch, logit_rows):
+        return decode_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, graph_batch_sizes(4), 4096)
+
+    def run(self, batch, shape):
+        self.asked.append(shape)
+        if self.declines:
+            return None
+        self.ran += 1
+        return self.model(batch, self.cache)
+
+
+@pytest.mark.parametrize("declines", [False, True])
+def test_runner_routes_decode_steps_to_the_graphs(fake_model, make_fake_engine, declines: bool) -> None:
+    from deepinfer_engine.llm import LLM
+    from deepinfer_engine.sampling_params import SamplingParams
+
+    prompts = [[5, 6, 7], [9] * 11, [3, 4]]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM.from_engine(make_fake_engine(fake_model)).generate(
+        prompts, sp, use_tqdm=False)]  # fmt: skip
+    eng = make_fake_engine(fake_model)
+    graphs = _RecordingGraphs(fake_model, eng.runner.cache, declines=declines)
+    eng.runner.cuda_graphs = graphs
+    got = [o.outputs[0].token_ids for o in LLM.from_engine(eng).generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    assert graphs.asked and all(s == (4, MIN_LEN_BUCKET) for s in graphs.asked)  # 3 decoding -> bucket 4
+    assert graphs.ran == (0 if declines else len(graphs.asked))

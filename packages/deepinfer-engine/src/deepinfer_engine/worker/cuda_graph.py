@@ -107,6 +107,7 @@ class CudaGraphRunner:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._engram_shape = model.engram_row_shape(cache)
+        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
         """(B, L) of a graph that can run this step, None when it must run eagerly."""
@@ -114,17 +115,26 @@ class CudaGraphRunner:
             return None
         shape = decode_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, self.batch_sizes,
                              self.max_model_len)  # fmt: skip
-        if shape is None:
+        if shape is None or shape in self.failed:
             self.stats.eager_steps += 1
+            return None
         return shape
 
-    def run(self, batch: object, shape: tuple[int, int]) -> Tensor:
-        """[S, V] float32 logits of a decode step (shape from shape_of); valid until the next replay."""
-        rows = self.model.host_step(batch, self.cache)
-        facts = DecodeFacts.of(batch, rows)
+    def run(self, batch: object, shape: tuple[int, int]) -> Tensor | None:
+        """[S, V] float32 logits of a decode step (shape from shape_of), valid until the next replay; None when
+        the shape cannot be captured (the forward holds something a graph cannot record, e.g. a host read in an
+        expert-parallel dispatch): logged once, and that shape runs eagerly from then on."""
         g = self.graphs.get(shape)
         if g is None:
-            g = self._capture(*shape)
+            try:
+                g = self._capture(*shape)
+            except RuntimeError as exc:  # torch reports capture violations as RuntimeError
+                torch.cuda.synchronize(self.device)
+                self.failed[shape] = f"{type(exc).__name__}: {exc}"
+                logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
+                return None
+        rows = self.model.host_step(batch, self.cache)
+        facts = DecodeFacts.of(batch, rows)
         g.step.check_tables(facts)
         g.step.fill(facts)
         g.graph.replay()

@@ -105,9 +105,9 @@ class ModelRunner:
             seq_of_token=inp.seq_of_token,
         )  # fmt: skip
         graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
-        if graph is not None:  # a decode step: replay of the captured forward for its padded shape
-            logits = self.cuda_graphs.run(batch, graph)
-        else:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+        # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
+        logits = self.cuda_graphs.run(batch, graph) if graph is not None else None
+        if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
             logits = self.model(batch, self.cache)
         if not logit_rows:
             return ModelRunnerOutput()
