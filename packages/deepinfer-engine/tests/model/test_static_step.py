@@ -99,15 +99,16 @@ def test_static_decode_equals_exact_v4():
 def test_static_paged_rows_scratch_and_completion():
     from deepinfer_engine.model.cache import SeqHost
 
-    # ratio 2, page 8 (4 entries / page); seq 0 at ctx 5 (completes entry 2), seq 1 at ctx 2 (entry 1 in
-    # progress), row 2 padding; scratch row 99
+    # ratio 2, page 8 (4 entries / page), 6 entry slots per sequence (2 pages); scratch row 99.
+    # seq 0 at ctx 9: completes entry 4 (page 7, row 0 = store row 28), 5 entries; seq 1 at ctx 2: entry 1 in
+    # progress (scratch), 1 entry; row 2 is padding
     bt = np.array([[3, 7], [5, -1], [-1, -1]])
-    seqs = SeqHost(ctx=np.array([5, 2, 0]), qlen=np.ones(3, np.int64), start=np.arange(3), slot=np.array([0, 1, 9]))
+    seqs = SeqHost(ctx=np.array([9, 2, 0]), qlen=np.ones(3, np.int64), start=np.arange(3), slot=np.array([0, 1, 9]))
     real = np.array([True, True, False])
-    read, write, new_w, new_seq, offs = static_paged_arrays(2, 8, bt, seqs, real, 4, 99)
-    assert read.reshape(3, 4).tolist() == [[12, 13, 14, 99], [20, 99, 99, 99], [99, 99, 99, 99]]
-    assert write.tolist() == [14, 99, 99] and new_w.tolist() == [2, 1, 0]
-    assert new_seq.tolist() == [0, 1, 2] and offs.tolist() == [0, 4, 8]
+    read, write, new_w, new_seq, offs = static_paged_arrays(2, 8, bt, seqs, real, 6, 99)
+    assert read.reshape(3, 6).tolist() == [[12, 13, 14, 15, 28, 99], [20, 99, 99, 99, 99, 99], [99] * 6]
+    assert write.tolist() == [28, 99, 99] and new_w.tolist() == [4, 1, 0]
+    assert new_seq.tolist() == [0, 1, 2] and offs.tolist() == [0, 6, 12]
 
 
 def test_static_step_refuses_too_long_or_too_many():

@@ -97,9 +97,14 @@ def static_paged_arrays(
     counts = np.where(real, (seqs.ctx + 1) // r, 0)
     if int(counts.max(initial=0)) > width:
         raise CapacityError(f"fixed-shape step of {width} entries per sequence: a sequence has {int(counts.max())}")
-    seq = np.repeat(np.arange(B, dtype=np.int64), width)
-    w = np.tile(np.arange(width, dtype=np.int64), B)
-    read_rows = rows(seq, w, w < counts[seq])
+    # entry w lives in page table[w // per_page], row w % per_page of it: one broadcast over the table, no gather
+    npages = -(-width // per_page)
+    table = np.full((B, npages), -1, dtype=np.int64)
+    k = min(npages, width_pages)
+    table[:, :k] = bt[:, :k]
+    grid = (table[:, :, None] * per_page + np.arange(per_page, dtype=np.int64)).reshape(B, -1)[:, :width]
+    valid = (np.arange(width, dtype=np.int64) < counts[:, None]) & (grid >= 0)
+    read_rows = np.where(valid, grid, scratch_row).reshape(-1)
     new_w = seqs.ctx // r
     done = real & ((seqs.ctx + 1) % r == 0)
     write_rows = rows(np.arange(B, dtype=np.int64), new_w, done)
