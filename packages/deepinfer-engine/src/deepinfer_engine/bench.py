@@ -117,22 +117,31 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
 
 
 def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0) -> list[float]:
-    """Wall time of each pure decode step (every sequence past its prompt) of one batch, through the engine's
-    step loop: schedule + forward + sampling + the step's one host read, i.e. what a user waits per token."""
+    """Wall time of `steps` pure decode steps of one batch in which all `batch_size` sequences decode, through
+    the engine's step loop: schedule + forward + sampling + the step's one host read, i.e. what a user waits per
+    token. Chunked prefill lets the first-prefilled sequences decode beside later prompts, so each request gets
+    enough tokens to still be running when the last prompt is done; steps with a prompt chunk, or with fewer
+    sequences decoding, are not timed, and the batch is aborted once `steps` were timed."""
     eng = llm.engine
     vocab = int(getattr(eng.args, "vocab_size", 129280))
     prompts = _random_prompts(batch_size, input_len, vocab, seed, eng.bos_token_id)
-    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, seed=seed)
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"bench-decode-{seed}-{i}", ids, sp)
+    budget = max(1, int(llm.config.scheduler.max_num_batched_tokens))
+    prefill_steps = -(-batch_size * input_len // budget) + 1
+    sp = SamplingParams(max_tokens=steps + prefill_steps + 1, temperature=0.0, ignore_eos=True, seed=seed)
+    ids = [f"bench-decode-{seed}-{i}" for i in range(batch_size)]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, sp)
     times: list[float] = []
-    while eng.has_unfinished_requests():
-        prefilled = eng.total.prefill_tokens
+    while eng.has_unfinished_requests() and len(times) < steps:
+        prefilled, decoded = eng.total.prefill_tokens, eng.total.decode_tokens
         t0 = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
-        if eng.total.prefill_tokens == prefilled:
+        if eng.total.prefill_tokens == prefilled and eng.total.decode_tokens - decoded == batch_size:
             times.append(dt)
+    eng.abort_request(ids)
+    while eng.has_unfinished_requests():
+        eng.step()
     return times
 
 

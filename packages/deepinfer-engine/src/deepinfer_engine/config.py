@@ -51,6 +51,9 @@ class ModelConfig:
     num_cpu_threads: int | None = _opt(
         None, "torch intra-op threads when running on CPU (default: 1 for tiny models, whose ops are too small to "
         "gain from threads and lose a lot to thread contention; torch's default otherwise)")
+    enforce_eager: bool = _opt(
+        False, "run every step eagerly; otherwise decode steps on CUDA replay CUDA graphs captured per padded "
+        "batch size and length (docs/cuda_graphs.md)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -195,7 +195,13 @@ class EngineCore:
         _log_record_formats(args)
         cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
                                     dtype=dtype, device=device, kv_cache_dtype=storage)
-        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)
+        graphs = None
+        if device.type == "cuda" and not mc.enforce_eager:
+            from deepinfer_engine.worker.cuda_graph import CudaGraphRunner
+
+            graphs = CudaGraphRunner(model, cache, device=device, max_num_seqs=min(config.scheduler.max_num_seqs,
+                                     plan.num_slots), max_model_len=max_model_len)  # fmt: skip
+        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
                    model_dir=model_dir, eos_token_ids=eos)
 
