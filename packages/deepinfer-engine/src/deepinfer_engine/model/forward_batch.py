@@ -233,8 +233,9 @@ class ForwardContext:
     engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (hashed on the host from
                       host.input_ids and the cache's host token ring, once per forward, one copy to the device)
     image_mask:       [T] bool positions carrying image-sentinel ids
-    window_floor:     [S] int64 per sequence, the lowest position a window may read (prefill truncation: the
-                      decoder rings hold nothing below a request's first kept position), or None
+    window_floor:     per sequence, the lowest position a ring may be read at (prefill truncation: the decoder
+                      rings hold nothing below a request's first kept position), or None: ring plans read no
+                      history row below it and windows mask it
     block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
                       window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
                       tokens' window kv is NOT written into the ring.
@@ -249,7 +250,7 @@ class ForwardContext:
     ctx_lens: tuple[int, ...]
     seq_of_token: Tensor
     block_noncausal: bool = False
-    window_floor: Tensor | None = None
+    window_floor: tuple[int, ...] | None = None
     engram_rows: Tensor | None = None  # [T, num_engram_layers, lookups] int64 rows into each engram.embed
     image_mask: Tensor | None = None  # [T] bool image-sentinel positions (Engram gate 0)
     compressed: dict[int, CompressedView] = field(default_factory=dict)
@@ -303,6 +304,8 @@ class ForwardContext:
     # ---------------------------------------------------------------------------------------------- plans
     def ring_plan(self, ring_rows: int, backs: tuple[int, ...], *, write: bool) -> RingPlan:
         """Cached RingPlan for a ring of `ring_rows` rows read with backs[i] history rows per sequence."""
+        if self.window_floor is not None:  # rows below the floor were never written: not even read
+            backs = tuple(min(b, max(c - f, 0)) for b, c, f in zip(backs, self.ctx_lens, self.window_floor))
         key = ("ring", ring_rows, backs, write)
         plan = self.plans.get(key)
         if plan is None:
@@ -349,7 +352,10 @@ class ForwardContext:
         q = lo[:, None] + torch.arange(k, device=pos.device)[None, :]  # [T, K] positions
         valid = (q >= 0) & (q <= hi[:, None])
         if self.window_floor is not None:
-            valid &= q >= self.window_floor[seq][:, None]
+            floor = self.plans.get("floor")
+            if floor is None:
+                floor = self.plans["floor"] = upload(np.asarray(self.window_floor, dtype=np.int64), pos.device)
+            valid &= q >= floor[seq][:, None]
         rows = plan.pool_rows(seq[:, None].expand_as(q), q, st)
         idx = torch.where(valid, rows, torch.full_like(rows, -1))
         self.plans[key] = idx

@@ -74,8 +74,10 @@ class DecoderSplit:
 
 def exact_keep(window: int, num_decoder_layers: int) -> int:
     """Smallest KEEP for which compact prefill equals full prefill when every decoder layer projects its window
-    K/V from its own hidden: window x (decoder layers + 1)."""
-    return window * (num_decoder_layers + 1)
+    K/V from its own hidden (docs/prefill_truncation.md §2): each decoder layer leaves the first window - 1 kept
+    rows of its input inexact for the next, so the last row stays exact while KEEP >= layers x (window - 1) + 1
+    (below window x (layers + 1), the round figure usually quoted)."""
+    return num_decoder_layers * (window - 1) + 1
 
 
 def decoder_split(args: object, keep: int) -> DecoderSplit:
@@ -139,7 +141,7 @@ class TruncationPlan:
             self.batch, ctx.cache, host=self.batch.host, capture_layers=ctx.capture_layers,
             engram_rows=take(ctx.engram_rows), image_mask=take(ctx.image_mask),
         )  # fmt: skip
-        sub.window_floor = upload(np.asarray(self.floor, dtype=np.int64), r.device)
+        sub.window_floor = self.floor
         sub.features = {lid: take(f) for lid, f in ctx.features.items()}
         for lid in self.split.borrowed_topk:
             if lid in ctx.topk:
@@ -181,7 +183,7 @@ def plan_truncation(split: DecoderSplit | None, batch: ForwardBatch, host: StepH
         if batch_of.size else np.zeros(0, dtype=np.int64)  # fmt: skip
     T = batch.num_tokens
     device = batch.input_ids.device
-    if batch.host is None:  # direct model users: the rows asked for must be computed
+    if batch.host is None or device.type == "cpu":  # a host check where it costs no device read
         li = batch.logits_indices.cpu().numpy()
         dropped = np.setdiff1d(li, row_idx)
         if dropped.size:
