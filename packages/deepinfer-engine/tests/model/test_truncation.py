@@ -17,54 +17,20 @@ import torch
 from deepinfer_engine.errors import ConfigError, InputError
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache
-from deepinfer_engine.model.engram_hash import engram_num_embeddings, synthetic_token_map
 from deepinfer_engine.model.forward_batch import ForwardBatch
 from deepinfer_engine.model.model import Transformer
-from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config
+from deepinfer_engine.model.presets import tiny_v4_config
 from deepinfer_engine.model.truncation import decoder_split, exact_keep
-from equality import init_random_, max_rel_err
+from equality import max_rel_err
+from truncation_runs import generate, prompt, real_topology_model, step_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5
-STEPS = 5  # greedy tokens after the prompt
 
 
 @pytest.fixture(scope="module")
 def model(make_tiny_v41_model) -> Transformer:
     return make_tiny_v41_model(seed=11)
-
-
-def _prompt(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed))
-
-
-def _step(ids: torch.Tensor, start: int, bt: torch.Tensor, known: int, *, last_logits: bool) -> ForwardBatch:
-    b = ForwardBatch.single(ids, start_pos=start, block_table=bt, all_logits=False)
-    li = b.logits_indices if last_logits else torch.zeros(0, dtype=torch.int64)
-    return dataclasses.replace(b, logits_indices=li, known_lens=(known,))
-
-
-@torch.no_grad()
-def _generate(m: Transformer, ids: torch.Tensor, chunks: list[int], mode: str, keep: int = 140,
-              steps: int = STEPS) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Chunked prefill (logits only at the end), then greedy decode. Returns (first-token logits [V], greedy
-    tokens, the decode steps' logits [steps, V])."""
-    m.set_prefill_truncation(mode, keep)
-    n = ids.numel()
-    cache, bt = ModelCache.allocate_dense(m.args, [n + steps + 8], dtype=torch.float32)
-    s = 0
-    for c in chunks:
-        out = m(_step(ids[s : s + c], s, bt[0], n, last_logits=s + c == n), cache)
-        s += c
-    first = out[-1]
-    tok, toks, dec = int(first.argmax()), [], []
-    for i in range(steps):
-        toks.append(tok)
-        logits = m(_step(torch.tensor([tok]), n + i, bt[0], n + i + 1, last_logits=True), cache)[-1]
-        dec.append(logits)
-        tok = int(logits.argmax())
-    m.set_prefill_truncation("off")
-    return first, toks, torch.stack(dec) if dec else first[:0]
 
 
 def test_split_of_the_real_and_tiny_configs(model: Transformer) -> None:
@@ -79,28 +45,28 @@ def test_split_of_the_real_and_tiny_configs(model: Transformer) -> None:
 @pytest.mark.parametrize("chunks", [[70], [30, 40], [50, 20], [20, 20, 30]])
 def test_exact_keep_equals_full_prefill(model: Transformer, chunks: list[int]) -> None:
     """[50, 20] and [20, 20, 30] split the kept rectangle (positions 48..69) across chunks."""
-    ids = _prompt(70, 3)
-    ref, ref_toks, ref_dec = _generate(model, ids, [70], "off")
+    ids = prompt(70, 3)
+    ref, ref_toks, ref_dec = generate(model, ids, [70], "off")
     keep = exact_keep(model.args.sliding_window, 3)
-    first, toks, dec = _generate(model, ids, chunks, "compact", keep)
+    first, toks, dec = generate(model, ids, chunks, "compact", keep)
     err = max(max_rel_err(first, ref), max_rel_err(dec, ref_dec))
     print(f"compact keep {keep} chunks {chunks}: max rel err {err:.3g}")
     assert err <= TOL and toks == ref_toks
 
 
 def test_one_row_below_the_bound_differs(model: Transformer) -> None:
-    ids = _prompt(70, 3)
-    ref, _, _ = _generate(model, ids, [70], "off", steps=0)
-    first, _, _ = _generate(model, ids, [70], "compact", exact_keep(model.args.sliding_window, 3) - 1, steps=0)
+    ids = prompt(70, 3)
+    ref, _, _ = generate(model, ids, [70], "off", steps=0)
+    first, _, _ = generate(model, ids, [70], "compact", exact_keep(model.args.sliding_window, 3) - 1, steps=0)
     assert max_rel_err(first, ref) > 2 * TOL  # measured 4.4e-5: one clipped window row reaches the last row
 
 
 def test_truncated_rows_never_reach_the_decoder_rings(model: Transformer) -> None:
     """Decoder ring rows of dropped positions are never written nor read: rings pre-filled with NaN stay NaN at
     those positions, and the output is still exact (the window floor masks them)."""
-    ids = _prompt(70, 3)
+    ids = prompt(70, 3)
     keep = exact_keep(model.args.sliding_window, 3)
-    ref, _, _ = _generate(model, ids, [70], "off", steps=0)
+    ref, _, _ = generate(model, ids, [70], "off", steps=0)
     model.set_prefill_truncation("compact", keep)
     cache, bt = ModelCache.allocate_dense(model.args, [80], dtype=torch.float32)
     for ring in cache.swa.values():
@@ -111,10 +77,10 @@ def test_truncated_rows_never_reach_the_decoder_rings(model: Transformer) -> Non
     try:
         with torch.no_grad():
             # the rectangle 48..69 lies in the second chunk only: the first writes no decoder ring row
-            model(_step(ids[:40], 0, bt[0], 70, last_logits=False), cache)
+            model(step_batch(ids[:40], 0, bt[0], 70, last_logits=False), cache)
             assert all(torch.isnan(cache.swa[lid][0]).all() for lid in decoder)
             assert not torch.isnan(cache.swa[4][0]).any()  # encoder rings: written as always
-            out = model(_step(ids[40:], 40, bt[0], 70, last_logits=True), cache)
+            out = model(step_batch(ids[40:], 40, bt[0], 70, last_logits=True), cache)
     finally:
         hook.remove()
         model.set_prefill_truncation("off")
@@ -130,7 +96,7 @@ def test_batched_requests_keep_their_own_rows(model: Transformer) -> None:
     (nothing dropped); D a long prompt with known_len 0 (prompt logprobs: every row, every logit)."""
     keep = exact_keep(model.args.sliding_window, 3)
     lens = [60, 90, 12, 50]
-    seqs = [_prompt(n, 10 + i) for i, n in enumerate(lens)]
+    seqs = [prompt(n, 10 + i) for i, n in enumerate(lens)]
     refs = []
     for s in seqs:
         cache, bt = ModelCache.allocate_dense(model.args, [s.numel()], dtype=torch.float32)
@@ -157,7 +123,7 @@ def test_batched_requests_keep_their_own_rows(model: Transformer) -> None:
         )  # fmt: skip
         out = model(b2, cache)
         # step 3: B's final chunk
-        b3 = _step(seqs[1][70:], 70, bt[1], 90, last_logits=True)
+        b3 = step_batch(seqs[1][70:], 70, bt[1], 90, last_logits=True)
         b3 = dataclasses.replace(b3, slots=(1,))
         out_b = model(b3, cache)
     finally:
@@ -172,7 +138,7 @@ def test_a_dropped_logits_row_is_an_input_error(model: Transformer) -> None:
     model.set_prefill_truncation("compact", 22)
     try:
         cache, bt = ModelCache.allocate_dense(model.args, [60], dtype=torch.float32)
-        b = dataclasses.replace(ForwardBatch.single(_prompt(60, 1), block_table=bt[0]), known_lens=(60,))
+        b = dataclasses.replace(ForwardBatch.single(prompt(60, 1), block_table=bt[0]), known_lens=(60,))
         with pytest.raises(InputError, match="prefill truncation drops"):
             model(b, cache)
     finally:
@@ -191,29 +157,9 @@ def test_bad_options_are_config_errors(model: Transformer) -> None:
 
 
 # ------------------------------------------------------------------ the real topology at tiny widths
-def real_topology_tiny_config() -> dict:
-    """tiny_v41_config widths with the real V4.1 layer topology: 40 layers [0,0]+[2]*18+[1]*20, window 128, kv
-    sources 2/8/14/20, index sources 2/8/.../36, candidate publisher 20, DSpark targets 37-39."""
-    cfg = tiny_v41_config()
-    tc = cfg["text_config"]
-    tc.update(
-        num_hidden_layers=40, sliding_window=128, compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-        kv_source_layer_ids=[2, 8, 14, 20], index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
-        candidate_source_layer_id=20, engram_layer_ids=[1, 14], dspark_target_layer_ids=[37, 38, 39],
-    )  # fmt: skip
-    tc["engram_num_embeddings"] = engram_num_embeddings(
-        tc["engram_layer_ids"], tc["engram_max_ngram_size"], tc["engram_n_heads"], tc["engram_vocab_size"]
-    )
-    return cfg
-
-
 @pytest.fixture(scope="module")
 def real_topology() -> Transformer:
-    args = ModelArgs.from_config_dict(real_topology_tiny_config())
-    m = Transformer(args, torch.float32, with_draft=False)
-    init_random_(m, seed=5)
-    m.set_engram_token_map(synthetic_token_map(args.vocab_size, args.engram_compressed_vocab_size))
-    return m.eval()
+    return real_topology_model(seed=5)
 
 
 def test_default_keep_on_the_real_topology_is_an_approximation(real_topology: Transformer) -> None:
@@ -224,9 +170,9 @@ def test_default_keep_on_the_real_topology_is_an_approximation(real_topology: Tr
     assert exact_keep(128, 20) == 2541
     errs, agree = [], 0
     for seed in range(4):
-        ids = _prompt(400, 100 + seed)
-        ref, _, _ = _generate(real_topology, ids, [400], "off", steps=0)
-        first, _, _ = _generate(real_topology, ids, [250, 150], "compact", 140, steps=0)
+        ids = prompt(400, 100 + seed)
+        ref, _, _ = generate(real_topology, ids, [400], "off", steps=0)
+        first, _, _ = generate(real_topology, ids, [250, 150], "compact", 140, steps=0)
         errs.append(max_rel_err(first, ref))
         agree += int(first.argmax() == ref.argmax())
     print(f"real topology, KEEP 140, prompt 400: first-token logit rel err {[f'{e:.3g}' for e in errs]}, "
