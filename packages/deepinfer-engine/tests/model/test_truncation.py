@@ -178,3 +178,32 @@ def test_default_keep_on_the_real_topology_is_an_approximation(real_topology: Tr
     print(f"real topology, KEEP 140, prompt 400: first-token logit rel err {[f'{e:.3g}' for e in errs]}, "
           f"argmax agreement {agree}/4")
     assert min(errs) > 1e-4  # an approximation, measurably
+
+
+@torch.no_grad()
+def test_kept_rows_give_the_dspark_context(model: Transformer) -> None:
+    """The target features of the kept rows (ModelOutput.kept_batch) fill the draft rings as a full prefill's
+    features do: the draft block after the prompt gets the same base logits (tiny targets 5-7 are decoder layers)."""
+    from deepinfer_engine.model.dspark import draft_block, draft_block_ids, insert_context, target_features
+
+    a = model.args
+    ids, n = prompt(70, 3), 70
+    targets = tuple(a.dspark_target_layer_ids)
+    drafts = []
+    for mode in ("off", "compact"):
+        model.set_prefill_truncation(mode, exact_keep(a.sliding_window, 3))
+        try:
+            cache, bt = ModelCache.allocate_dense(a, [n + a.dspark_block_size + 8], dtype=torch.float32)
+            for s, c in ((0, 40), (40, 30)):
+                batch = step_batch(ids[s : s + c], s, bt[0], n, last_logits=s + c == n)
+                out = model.forward_features(batch, cache, capture=targets)
+                rows = out.kept_batch if out.kept_batch is not None else batch
+                if mode == "compact":
+                    assert rows.num_tokens == (0 if s == 0 else 22) and out.features[5].shape[0] == rows.num_tokens
+                if rows.num_tokens:
+                    insert_context(model, rows, cache, target_features(out.features, targets))
+            block = draft_block_ids(torch.tensor([7]), a.dspark_block_size, a.dspark_noise_token_id)
+            drafts.append(draft_block(model, ForwardBatch.single(block, start_pos=n, block_table=bt[0]), cache))
+        finally:
+            model.set_prefill_truncation("off")
+    assert max_rel_err(drafts[1].base_logits, drafts[0].base_logits) <= TOL

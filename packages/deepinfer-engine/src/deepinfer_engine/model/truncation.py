@@ -151,7 +151,10 @@ class TruncationPlan:
                 sub.candidates[lid] = take(ctx.candidates[lid])
         lid, ratio = self.split.boundary, attn._csa2_plan.ratio
         sub.compressed[lid] = csa2.source_view(lid, ratio, sub)  # the whole compressed KV, via the sub plans
-        return take(r), take(pre), sub
+        r, pre = take(r), take(pre)
+        if not self.batch.num_seqs:  # the decoder runs no row: captured decoder features are empty, not missing
+            sub.features.update({c: r.new_zeros(0, r.shape[-1]) for c in ctx.capture_layers if c >= lid})
+        return r, pre, sub
 
 
 def plan_truncation(split: DecoderSplit | None, batch: ForwardBatch, host: StepHost) -> TruncationPlan | None:
