@@ -112,12 +112,14 @@ class TruncationPlan:
 
     rows:  [T'] int64 rows of the step's batch the decoder runs on (None: all of them)
     batch: the sub-batch of those rows (sequences with no kept row left out; logits_indices remapped)
+    host:  the sub-batch's host facts
     floor: per sub-batch sequence, its first kept position (decoder windows never read below it)
     """
 
     split: DecoderSplit
     rows: Tensor | None
     batch: ForwardBatch
+    host: StepHost
     floor: tuple[int, ...]
 
     def enter(
@@ -138,7 +140,7 @@ class TruncationPlan:
             return t if t is None or rows is None else t.index_select(0, rows)
 
         sub = ForwardContext.build(
-            self.batch, ctx.cache, host=self.batch.host, capture_layers=ctx.capture_layers,
+            self.batch, ctx.cache, host=self.host, capture_layers=ctx.capture_layers,
             engram_rows=take(ctx.engram_rows), image_mask=take(ctx.image_mask),
         )  # fmt: skip
         sub.window_floor = self.floor
@@ -195,11 +197,8 @@ def plan_truncation(split: DecoderSplit | None, batch: ForwardBatch, host: StepH
                 "known_len - prefill_truncation_keep), expected only kept rows. Fix: known_lens=None (or 0 for "
                 "that sequence) when every row's logits are needed"
             )
-    if all_rows:
-        rows = None
-        sub_batch = batch
-        sub_host = host
-    else:
+    rows, sub_batch, sub_host = None, batch, host
+    if not all_rows:
         rows = upload(row_idx.astype(np.int64), device)
         where = torch.full((T,), row_idx.shape[0], dtype=torch.int64, device=device)
         where[rows] = torch.arange(row_idx.shape[0], dtype=torch.int64, device=device)
@@ -216,4 +215,4 @@ def plan_truncation(split: DecoderSplit | None, batch: ForwardBatch, host: StepH
             host=sub_host,
         )  # fmt: skip
     floor = tuple(int(start[i]) for i in batch_of)
-    return TruncationPlan(split=split, rows=rows, batch=sub_batch, floor=floor)
+    return TruncationPlan(split=split, rows=rows, batch=sub_batch, host=sub_host, floor=floor)
