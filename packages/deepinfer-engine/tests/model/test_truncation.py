@@ -54,6 +54,18 @@ def test_exact_keep_equals_full_prefill(model: Transformer, chunks: list[int]) -
     assert err <= TOL and toks == ref_toks
 
 
+def test_exact_keep_with_deployed_kv_numerics(model: Transformer) -> None:
+    """kv_cache_dtype="auto" numerics (FP8 window records, FP4 compressed KV and index keys): still exact."""
+    ids = prompt(70, 3)
+    model.set_deployed_numerics(True)
+    try:
+        ref, ref_toks, ref_dec = generate(model, ids, [70], "off")
+        first, toks, dec = generate(model, ids, [50, 20], "compact", exact_keep(model.args.sliding_window, 3))
+    finally:
+        model.set_deployed_numerics(False)
+    assert max(max_rel_err(first, ref), max_rel_err(dec, ref_dec)) <= TOL and toks == ref_toks
+
+
 def test_one_row_below_the_bound_differs(model: Transformer) -> None:
     ids = prompt(70, 3)
     ref, _, _ = generate(model, ids, [70], "off", steps=0)
