@@ -174,22 +174,21 @@ def real_topology() -> Transformer:
     return real_topology_model(seed=5)
 
 
+@pytest.mark.slow  # ~8 s on 2 busy cores: 40 layers, 300-token prompts
 def test_default_keep_on_the_real_topology_is_an_approximation(real_topology: Transformer) -> None:
-    """KEEP 140 < exact bound 20 x 127 + 1 = 2541: measured, not asserted equal (docs/prefill_truncation.md §3
-    quotes these numbers). Prompt 400 tokens, 4 prompts."""
+    """KEEP 140 < exact bound 20 x 127 + 1 = 2541: measured, not equal (scripts/prefill_truncation_error.py gives
+    the numbers of docs/prefill_truncation.md §3). Prompt 300 tokens in chunks 180 + 120, 2 prompts."""
     s = decoder_split(real_topology.args, 140)
     assert (s.boundary, s.num_decoder_layers, s.exact) == (20, 20, False)
     assert exact_keep(128, 20) == 2541
-    errs, agree = [], 0
-    for seed in range(4):
-        ids = prompt(400, 100 + seed)
-        ref, _, _ = generate(real_topology, ids, [400], "off", steps=0)
-        first, _, _ = generate(real_topology, ids, [250, 150], "compact", 140, steps=0)
+    errs = []
+    for seed in range(2):
+        ids = prompt(300, 100 + seed)
+        ref, _, _ = generate(real_topology, ids, [300], "off", steps=0)
+        first, _, _ = generate(real_topology, ids, [180, 120], "compact", 140, steps=0)
         errs.append(max_rel_err(first, ref))
-        agree += int(first.argmax() == ref.argmax())
-    print(f"real topology, KEEP 140, prompt 400: first-token logit rel err {[f'{e:.3g}' for e in errs]}, "
-          f"argmax agreement {agree}/4")
-    assert min(errs) > 1e-4  # an approximation, measurably
+    print(f"real topology, KEEP 140, prompt 300: first-token logit rel err {[f'{e:.3g}' for e in errs]}")
+    assert min(errs) > 1e-3  # an approximation, measurably (fp32 rounding is ~1e-6)
 
 
 @torch.no_grad()
