@@ -66,6 +66,23 @@ def test_exact_keep_with_deployed_kv_numerics(model: Transformer) -> None:
     assert max(max_rel_err(first, ref), max_rel_err(dec, ref_dec)) <= TOL and toks == ref_toks
 
 
+@pytest.mark.gpu
+def test_exact_keep_on_cuda(make_tiny_v41_model) -> None:
+    """The same equality on CUDA (the device's kernels in both modes; fp32)."""
+    m = make_tiny_v41_model(seed=11).to("cuda")
+    ids = prompt(70, 3)
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32: fp32 differences only
+    try:
+        ref, ref_toks, ref_dec = generate(m, ids, [70], "off")
+        for chunks in ([70], [50, 20]):
+            first, toks, dec = generate(m, ids, chunks, "compact", exact_keep(m.args.sliding_window, 3))
+            assert first.is_cuda and max(max_rel_err(first, ref), max_rel_err(dec, ref_dec)) <= 1e-4, chunks
+            assert toks == ref_toks, chunks
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
 def test_one_row_below_the_bound_differs(model: Transformer) -> None:
     ids = prompt(70, 3)
     ref, _, _ = generate(model, ids, [70], "off", steps=0)

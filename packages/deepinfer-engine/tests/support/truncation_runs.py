@@ -26,19 +26,20 @@ def prompt(n: int, seed: int) -> torch.Tensor:
 
 
 def step_batch(ids: torch.Tensor, start: int, bt: torch.Tensor, known: int, *, last_logits: bool) -> ForwardBatch:
-    b = ForwardBatch.single(ids, start_pos=start, block_table=bt, all_logits=False)
-    li = b.logits_indices if last_logits else torch.zeros(0, dtype=torch.int64)
+    b = ForwardBatch.single(ids.to(bt.device), start_pos=start, block_table=bt, all_logits=False)
+    li = b.logits_indices if last_logits else torch.zeros(0, dtype=torch.int64, device=bt.device)
     return dataclasses.replace(b, logits_indices=li, known_lens=(known,))
 
 
 @torch.no_grad()
 def generate(m: Transformer, ids: torch.Tensor, chunks: list[int], mode: str, keep: int = 140,
              steps: int = STEPS) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """Chunked prefill (logits only at the end), then greedy decode. Returns (first-token logits [V], greedy
-    tokens, the decode steps' logits [steps, V])."""
+    """Chunked prefill (logits only at the end), then greedy decode, on the model's device. Returns (first-token
+    logits [V], greedy tokens, the decode steps' logits [steps, V])."""
     m.set_prefill_truncation(mode, keep)
     n = ids.numel()
-    cache, bt = ModelCache.allocate_dense(m.args, [n + steps + 8], dtype=torch.float32)
+    device = next(m.parameters()).device
+    cache, bt = ModelCache.allocate_dense(m.args, [n + steps + 8], dtype=torch.float32, device=device)
     s = 0
     for c in chunks:
         out = m(step_batch(ids[s : s + c], s, bt[0], n, last_logits=s + c == n), cache)
