@@ -6,8 +6,8 @@
         checkpoint first when the directory has none: arch:preset[:routed experts])
 
 Runs through the public `LLM` API (engine `add_request` / `step`) with `async_scheduling` False, then True, on
-the same checkpoint, prompts and sampling. Two markers per forward: one recorded when the runner calls the model,
-one after the sampler returns; on CUDA they are CUDA events on the compute stream (device timeline), on CPU host
+the same checkpoint, prompts and sampling. Two markers per forward: one recorded when the runner calls the model
+(or replays a captured CUDA graph), one after the sampler returns; on CUDA they are CUDA events on the compute stream (device timeline), on CPU host
 clock readings (the CPU is the device: the same code path runs, but nothing can overlap). For consecutive pure
 decode steps (every sequence feeds one token) of the measured batch:
   idle ms  = start marker of step k+1 - end marker of step k: the time the device waits between the sampler of one
@@ -98,6 +98,19 @@ class _Markers:
         def forward(batch, cache):
             self.steps.append([batch.num_seqs, batch.num_tokens == batch.num_seqs, self.mark(), None])
             return model(batch, cache)
+
+        graphs = getattr(runner, "cuda_graphs", None)
+        if graphs is not None:  # decode steps replay a captured graph instead of calling the model
+            replay = graphs.run
+
+            def run(batch, shape):
+                self.steps.append([batch.num_seqs, batch.num_tokens == batch.num_seqs, self.mark(), None])
+                logits = replay(batch, shape)
+                if logits is None:  # not capturable: the runner calls the model eagerly, which marks again
+                    self.steps.pop()
+                return logits
+
+            graphs.run = run
 
         def sample(logits, sbatch):
             out = sampler(logits, sbatch)

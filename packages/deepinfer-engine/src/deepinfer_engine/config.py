@@ -51,8 +51,20 @@ class ModelConfig:
     num_cpu_threads: int | None = _opt(
         None, "torch intra-op threads when running on CPU (default: 1 for tiny models, whose ops are too small to "
         "gain from threads and lose a lot to thread contention; torch's default otherwise)")
+    enforce_eager: bool = _opt(
+        False, "run every step eagerly; otherwise decode steps on CUDA replay CUDA graphs captured per padded "
+        "batch size and length (docs/cuda_graphs.md)")
+    prefill_truncation: Literal["off", "compact"] = _opt(
+        "off", "decoder truncation in prefill (V4.1): compact runs the layers from the first ratio-1 layer on only "
+        "the last prefill_truncation_keep rows of each prompt (fewer FLOPs; an approximation unless keep covers "
+        "the bound in docs/prefill_truncation.md); off runs every row through every layer")
+    prefill_truncation_keep: int = _opt(
+        140, "rows per prompt the decoder layers run on under prefill_truncation=compact (>= sliding window + 6)")
 
     def __post_init__(self) -> None:
+        if self.prefill_truncation not in ("off", "compact"):
+            raise ConfigError(f"prefill_truncation: found {self.prefill_truncation!r}, expected off or compact")
+        _int_at_least("prefill_truncation_keep", self.prefill_truncation_keep, 1)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: found {self.dtype!r}, expected auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -118,7 +130,7 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
 class ParallelConfig:
     """Data-parallel attention / expert-parallel MoE layout (vLLM's option names; docs/parallel.md)."""
 
-    data_parallel_size: int = _opt(1, "data-parallel ranks, one GPU each (this engine loop runs 1)")
+    data_parallel_size: int = _opt(1, "data-parallel ranks, one process (and one GPU) each")
     enable_expert_parallel: bool = _opt(False, "spread the routed experts over the data-parallel ranks")
     enable_eplb: bool = _opt(False, "rebalance (replicate) hot experts while running; needs expert parallelism")
     num_redundant_experts: int = _opt(0, "extra physical expert slots per MoE layer for EPLB replicas")

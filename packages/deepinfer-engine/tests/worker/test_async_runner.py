@@ -280,6 +280,9 @@ def test_async_option_needs_an_async_runner_and_no_drafts(make_fake_engine, fake
     with pytest.raises(ConfigError, match="async_scheduling: found True with speculative_method='dspark'"):
         EngineCore(config=core.config.replace(async_scheduling=True, speculative_method="dspark"), runner=runner,
                    plan=core.plan, max_model_len=core.max_model_len)
+    with pytest.raises(ConfigError, match="async_scheduling: found True with data_parallel_size=2"):
+        EngineCore(config=core.config.replace(async_scheduling=True, data_parallel_size=2), runner=runner,
+                   plan=core.plan, max_model_len=core.max_model_len)
 
 
 def test_placeholder_is_never_a_vocabulary_id() -> None:

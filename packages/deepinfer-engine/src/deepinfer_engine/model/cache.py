@@ -153,6 +153,17 @@ class ModelCache:
     # per slot: end position (exclusive) of the last backbone forward; host ints, for the rollback guard
     high_water: list[int] = field(default_factory=list)
 
+    # The device storage holds one slot and one page more than `num_slots` / `num_pages`: the scratch slot and
+    # page that the padded rows of a fixed-shape (CUDA-graph) decode step write into and read from. No request
+    # is ever given them (the scheduler sees num_slots / num_pages), so what lands there is never read as data.
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
+
     def __post_init__(self) -> None:
         if not self.high_water:
             self.high_water = [0] * self.num_slots
@@ -300,17 +311,18 @@ class ModelCache:
                 return torch.zeros(*lead, width, dtype=dtype, device=device)
             return torch.zeros(*lead, f.nbytes, dtype=torch.uint8, device=device)
 
+        slot_rows, page_rows = num_slots + 1, num_pages + 1  # + the scratch slot / page (ModelCache.scratch_slot)
         for lid, s in specs.items():
-            swa[lid] = store("window", (num_slots, ring), s.head_dim)
+            swa[lid] = store("window", (slot_rows, ring), s.head_dim)
             for st in s.state_rings:
                 comp_state[(lid, st.name)] = torch.zeros(
-                    num_slots, st.rows + slack, 2, st.width, dtype=torch.float32, device=device
+                    slot_rows, st.rows + slack, 2, st.width, dtype=torch.float32, device=device
                 )
             if s.owns_entries:
                 ratios[lid] = s.ratio
-                compressed_kv[lid] = store("entries", (num_pages, page_size // s.ratio), s.kv_width)
+                compressed_kv[lid] = store("entries", (page_rows, page_size // s.ratio), s.kv_width)
                 if s.owns_index_keys:
-                    index_keys[lid] = store("index_keys", (num_pages, page_size // s.ratio), s.index_width)
+                    index_keys[lid] = store("index_keys", (page_rows, page_size // s.ratio), s.index_width)
         token_ring = None
         if getattr(args, "engram_layer_ids", None):
             token_ring = np.full((num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=np.int64)
@@ -479,6 +491,9 @@ class RingPlan:
     hist_first: Tensor  # [S] int64 position of that row (c_i - b_i)
     write_dst: Tensor | None  # [m] int64 rows of ring.view(-1, *C) receiving fresh rows (None: no write)
     write_src: Tensor | None  # [m] int64 rows of fresh
+    # fixed-shape plans (static_step.py) also serve positions outside the pool (the padded entry of a sequence
+    # that completes none this step): pool_rows clamps to [0, pool_len); None = exact plans, no clamp
+    pool_len: int | None = None
 
     def gather(self, ring: Tensor, fresh: Tensor, *, write: bool = True) -> Tensor:
         """Pool [num_hist + T, *C] in fresh's dtype; then (if planned and write) stores this step's rows."""
@@ -500,7 +515,8 @@ class RingPlan:
         c = st.ctx[seq]
         hist = self.hist_off[seq] + pos - self.hist_first[seq]
         fresh = self.num_hist + st.start[seq] + pos - c
-        return torch.where(pos < c, hist, fresh)
+        rows = torch.where(pos < c, hist, fresh)
+        return rows if self.pool_len is None else rows.clamp(0, self.pool_len - 1)
 
 
 def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -515,12 +531,17 @@ def _split(t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
     return list(torch.split(t, list(sizes))) if sizes else []
 
 
-def build_ring_plan(
-    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, device: torch.device
-) -> RingPlan:
-    """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
+def ring_plan_arrays(
+    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, clip: bool = True
+) -> list[np.ndarray]:
+    """Host arrays of a RingPlan: [hist_src, hist_off, hist_first(, write_dst, write_src)].
+
+    clip=True reads b_i = min(backs[i], ctx_i) history rows (exact); clip=False reads backs[i] rows whatever
+    ctx_i (fixed sizes for a captured step: rows of positions < 0 are stale ring rows that nothing reads)."""
     R = ring_rows
-    b = np.minimum(np.asarray(backs, dtype=np.int64), seqs.ctx)
+    b = np.asarray(backs, dtype=np.int64)
+    if clip:
+        b = np.minimum(b, seqs.ctx)
     over = np.nonzero(b > R)[0]
     if over.size:
         i = int(over[0])
@@ -537,12 +558,26 @@ def build_ring_plan(
         kseg, kj = _segments(k)
         skip = seqs.qlen - k  # only the last min(n, R) rows land (distinct ring rows, no duplicate writes)
         parts += [seqs.slot[kseg] * R + (seqs.ctx[kseg] + skip[kseg] + kj) % R, seqs.start[kseg] + skip[kseg] + kj]
-    sizes = [p.shape[0] for p in parts]
-    out = _split(upload(np.concatenate(parts), device), sizes)  # one copy for the whole plan
+    return parts
+
+
+def ring_plan_from(ring_rows: int, parts: Sequence[Tensor], *, pool_len: int | None = None) -> RingPlan:
+    """RingPlan over device tensors laid out as ring_plan_arrays returns them."""
+    write = len(parts) == 5
     return RingPlan(
-        ring_rows=R, num_hist=int(sizes[0]), hist_src=out[0], hist_off=out[1], hist_first=out[2],
-        write_dst=out[3] if write else None, write_src=out[4] if write else None,
+        ring_rows=ring_rows, num_hist=int(parts[0].shape[0]), hist_src=parts[0], hist_off=parts[1],
+        hist_first=parts[2], write_dst=parts[3] if write else None, write_src=parts[4] if write else None,
+        pool_len=pool_len,
     )  # fmt: skip
+
+
+def build_ring_plan(
+    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, device: torch.device
+) -> RingPlan:
+    """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
+    parts = ring_plan_arrays(ring_rows, backs, seqs, write=write)
+    sizes = [p.shape[0] for p in parts]
+    return ring_plan_from(ring_rows, _split(upload(np.concatenate(parts), device), sizes))  # one copy
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -248,7 +248,9 @@ def csa2_update_source(
     if r == 2:
         # rows of positions [p0 - back, p0 + n): back = 1 when a chunk starts inside a group; this step's rows
         # are stored in the ring for the next chunk
-        ring_plan = ctx.ring_plan(cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True)
+        ring_plan = ctx.ring_plan(
+            cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True, max_back=1
+        )
         both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
     if paged.num_new:
         if r == 1:
@@ -264,17 +266,25 @@ def csa2_update_source(
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
         cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))
         cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
-    store, rows = cache.entry_source(lid, paged)
-    view = CompressedView(
-        store=store,
-        rows=rows,
-        index_keys=cache.read_index_keys(lid, paged),
-        seq_offsets=paged.offsets,
-        seq_counts=paged.counts,
-        ratio=r,
-    )
+    view = source_view(lid, r, ctx)
     ctx.compressed[lid] = view
     return view
+
+
+def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedView:
+    """The compressed entries and index keys of kv source `layer_id` for every sequence of `ctx`, as they stand
+    in the cache (each sequence's entries ``0 .. floor((ctx+n)/ratio)-1``)."""
+    cache = ctx.cache
+    paged = ctx.paged_plan(ratio)
+    store, rows = cache.entry_source(layer_id, paged)
+    return CompressedView(
+        store=store,
+        rows=rows,
+        index_keys=cache.read_index_keys(layer_id, paged),
+        seq_offsets=paged.offsets,
+        seq_counts=paged.counts,
+        ratio=ratio,
+    )
 
 
 # Batched scoring scores every query against every sequence's entries ([T, E] cells, of which only
@@ -294,6 +304,8 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
         return index_scores(q, w, keys)
+    if ctx.static is not None:  # fixed-shape decode: one query per sequence, cmax entry slots per sequence
+        return _per_sequence_scores(q, w, keys.view(ctx.num_seqs, cmax, -1))
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
@@ -305,6 +317,13 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
         off, count = view.seq_offsets[i], view.seq_counts[i]
         out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count])
     return out
+
+
+def _per_sequence_scores(q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
+    """index_scores of query i against its own sequence's keys only: q [S, H, D], w [S, H], keys [S, E, D] ->
+    [S, E] float32 (the same sums as index_scores, batched over sequences)."""
+    logits = torch.einsum("shd,sed->she", q.float(), keys.float())
+    return torch.einsum("she,sh->se", torch.relu(logits), w.float())
 
 
 def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:

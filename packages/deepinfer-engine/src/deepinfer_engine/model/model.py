@@ -25,6 +25,8 @@ from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, S
 from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
+from deepinfer_engine.model.static_step import StaticDecodeStep
+from deepinfer_engine.model.truncation import plan_truncation
 
 __all__ = ["ModelOutput", "Transformer"]
 
@@ -32,12 +34,15 @@ __all__ = ["ModelOutput", "Transformer"]
 @dataclass(kw_only=True)
 class ModelOutput:
     """logits [N, V] f32 (rows batch.logits_indices); hidden: final streams [T, n, d] before the head collapse;
-    pre_last: V4.1 pre of the last FFN mixes [T, n] (None for V4); features: captured [T, d] per layer id."""
+    pre_last: V4.1 pre of the last FFN mixes [T, n] (None for V4); features: captured [T, d] per layer id.
+    kept_batch: under prefill truncation, the sub-batch of the rows hidden / pre_last / features cover (each
+    sequence's last rows; truncation.py); None: they cover every row of the step's batch."""
 
     logits: Tensor
     hidden: Tensor
     pre_last: Tensor | None
     features: dict[int, Tensor] = field(default_factory=dict)
+    kept_batch: ForwardBatch | None = None
 
 
 class Transformer(nn.Module):
@@ -96,6 +101,18 @@ class Transformer(nn.Module):
         from deepinfer_kernels import backend_from_env
 
         self.set_kernel_backend(backend_from_env())
+        self.decoder_split = None  # prefill truncation off (set_prefill_truncation)
+
+    def set_prefill_truncation(self, mode: str, keep: int = 140) -> None:
+        """Decoder truncation in prefill (truncation.py): "off" runs every row through every layer; "compact"
+        runs the decoder layers on the last `keep` rows of each request (ConfigError on a model without an
+        encoder/decoder split or a keep below window + 6)."""
+        from deepinfer_engine.errors import ConfigError
+        from deepinfer_engine.model.truncation import PREFILL_TRUNCATION_MODES, decoder_split
+
+        if mode not in PREFILL_TRUNCATION_MODES:
+            raise ConfigError(f"prefill_truncation: found {mode!r}, expected one of {', '.join(PREFILL_TRUNCATION_MODES)}")
+        self.decoder_split = decoder_split(self.args, keep) if mode == "compact" else None
 
     def set_kernel_backend(self, backend: str) -> None:
         """Give every module the kernel backend its ops run with: "device" (Triton where the op supports the
@@ -159,29 +176,61 @@ class Transformer(nn.Module):
                 cache.check_resume(slot, c)
         return host
 
-    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
+    def _engram_rows_host(
+        self, cache: ModelCache, slots: tuple[int, ...], ctx_lens: tuple[int, ...], query_lens: tuple[int, ...],
+        ids: np.ndarray,
+    ) -> np.ndarray | None:
         """Store this step's ids in the cache's host token ring and, when the model has an Engram hasher, hash
-        every engram layer's row ids on the host: [T, num_engram_layers, lookups] int64 on the batch's device."""
-        cache = ctx.cache
+        every engram layer's row ids on the host: [T, num_engram_layers, lookups] int64 (None: no Engram)."""
         if cache.token_ring is None:
             return None
         k = self.args.engram_max_ngram_size
-        ids = ctx.host.input_ids
-        hist = cache.token_histories(ctx.batch.slots, ctx.ctx_lens, ctx.query_lens, ids, k - 1)
+        hist = cache.token_histories(slots, ctx_lens, query_lens, ids, k - 1)
         if self.engram_hasher is None:
             return None
-        rows = self.engram_hasher.hash_batch(ids.astype(np.int64, copy=False), ctx.query_lens, hist)
-        return upload(np.asarray(rows, dtype=np.int64), ctx.batch.input_ids.device)
+        rows = self.engram_hasher.hash_batch(ids.astype(np.int64, copy=False), query_lens, hist)
+        return np.asarray(rows, dtype=np.int64)
+
+    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
+        """The step's Engram row ids on the batch's device (hashed on the host, one copy)."""
+        rows = self._engram_rows_host(ctx.cache, ctx.batch.slots, ctx.ctx_lens, ctx.query_lens, ctx.host.input_ids)
+        return None if rows is None else upload(rows, ctx.batch.input_ids.device)
+
+    def engram_row_shape(self, cache: ModelCache) -> tuple[int, ...] | None:
+        """Per-token shape (num_engram_layers, lookups) of the Engram row ids, None without Engram (pure: hashes
+        one dummy token, touches no cache)."""
+        if cache.token_ring is None or self.engram_hasher is None:
+            return None
+        rows = self.engram_hasher.hash_batch(np.zeros(1, dtype=np.int64), (1,), [np.zeros(0, dtype=np.int64)])
+        return tuple(np.asarray(rows).shape[1:])
+
+    def host_step(self, batch: ForwardBatch, cache: ModelCache) -> np.ndarray | None:
+        """The host half of a forward, for a caller that replays the device half (a captured fixed-shape step):
+        the input checks, the Engram token ring update + row ids (returned, [T, layers, lookups] int64 or None)
+        and the rollback marks. Exactly what forward_features does on the host for the same batch."""
+        host = self.check_inputs(batch, cache)
+        rows = self._engram_rows_host(cache, batch.slots, tuple(host.ctx_lens), batch.query_lens, host.input_ids)
+        for slot, c, n in zip(batch.slots, host.ctx_lens, batch.query_lens):
+            cache.high_water[slot] = c + n
+        return rows
 
     # ---------------------------------------------------------------------------------------------- forward
     @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
     def forward_features(
-        self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
+        self, batch: ForwardBatch | None, cache: ModelCache, *, capture: tuple[int, ...] = (),
+        static: StaticDecodeStep | None = None,
     ) -> ModelOutput:
-        host = self.check_inputs(batch, cache)
-        ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture))
+        """static: run the fixed-shape step held there (its batch, plans and Engram rows; `batch` is ignored and
+        the host half, `host_step`, is the caller's) -- the form a CUDA graph captures."""
+        if static is None:
+            host = self.check_inputs(batch, cache)
+            ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture))
+            ctx.engram_rows = self._engram_rows(ctx)
+        else:
+            ctx = static.context(cache, capture_layers=tuple(capture))
+            ctx.engram_rows = static.engram_rows
+            batch = ctx.batch
         a = self.args
-        ctx.engram_rows = self._engram_rows(ctx)
         img = image_positions(batch.input_ids, a.vocab_size)
         if ctx.engram_rows is not None:
             ctx.image_mask = img
@@ -189,25 +238,34 @@ class Transformer(nn.Module):
         e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
         r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
         pre: Tensor | None = None
+        # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
+        cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
+        c = ctx  # the context of the rows still running (the decoder's kept rows after the boundary)
         for layer in self.layers:
             lid = layer.layer_id
-            if a.arch == "v41" and lid in ctx.capture_layers:
-                ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
-            r, pre = layer(r, ctx, pre)
-            if a.arch == "v4" and lid in ctx.capture_layers:
-                ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
-        for i, slot in enumerate(batch.slots):
-            cache.high_water[slot] = ctx.end_len(i)
-        rows = r[batch.logits_indices]
+            if cut is not None and lid == cut.split.boundary:
+                r, pre, c = cut.enter(layer, r, pre, ctx)
+                if not c.num_seqs:
+                    break  # no decoder row in this step (early prefill chunks only)
+            if a.arch == "v41" and lid in c.capture_layers:
+                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+            r, pre = layer(r, c, pre)
+            if a.arch == "v4" and lid in c.capture_layers:
+                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+        if static is None:
+            for i, slot in enumerate(batch.slots):
+                cache.high_water[slot] = ctx.end_len(i)
+        rows = r[c.batch.logits_indices]
         if a.has_hc_head:
             h = apply_hc_head(self, rows, a)
             pre_last = None
         else:
             pre_last = pre
-            h = hc_pre(rows, pre[batch.logits_indices], backend=self.kernel_backend)
+            h = hc_pre(rows, pre[c.batch.logits_indices], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
         logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
-        return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
+        return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
+                           kept_batch=None if c is ctx else c.batch)
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> Tensor:
         """[N, V] float32 logits of the rows batch.logits_indices (contracts §3)."""

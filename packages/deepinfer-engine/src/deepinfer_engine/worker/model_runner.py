@@ -81,6 +81,7 @@ class ModelRunner:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         batch_cls: type | None = None,
+        cuda_graphs: Any = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -90,6 +91,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.input_batch = InputBatch(self.device)
+        self.cuda_graphs = cuda_graphs  # worker.cuda_graph.CudaGraphRunner (decode steps replayed) or None
 
     def _banned(self, st: _RequestState, output_index: int) -> tuple[int, ...]:
         # output_index, not len(output_ids): with asynchronous scheduling the list lags the step by one token
@@ -131,9 +133,11 @@ class ModelRunner:
         sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
         plp_at: list[tuple[str, int, int]] = []  # (req_id, index into logit_rows, target prompt index j)
         row = 0
+        known: list[int] = []  # per chunk, its request's known tokens (prefill truncation; 0 = every row needed)
         for c in sched.chunks:
             st = self.states[c.req_id]
             n = c.num_tokens
+            known.append(0 if st.params.prompt_logprobs is not None else c.num_prompt_tokens + c.output_index)
             if st.params.prompt_logprobs is not None:
                 for p in range(c.start_position, c.start_position + n):
                     j = p + 1
@@ -150,9 +154,13 @@ class ModelRunner:
         batch = self.batch_cls(
             input_ids=inp.input_ids, positions=inp.positions, query_lens=inp.query_lens, slots=inp.slots,
             block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
-            seq_of_token=inp.seq_of_token,
+            seq_of_token=inp.seq_of_token, known_lens=tuple(known),
         )  # fmt: skip
-        logits = self.model(batch, self.cache)  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+        graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
+        # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
+        logits = self.cuda_graphs.run(batch, graph) if graph is not None else None
+        if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+            logits = self.model(batch, self.cache)
         if not logit_rows:
             self._sampled([], None)
             return LaunchedStep()
