@@ -125,6 +125,7 @@ class EngineCore:
         args: Any = None,
         model_dir: Path | None = None,
         eos_token_ids: Sequence[int] = (1,),
+        num_spec_tokens: int = 0,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -138,7 +139,7 @@ class EngineCore:
             kv=KVCacheManager.from_plan(plan), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
-            long_prefill_token_threshold=sc.long_prefill_token_threshold,
+            long_prefill_token_threshold=sc.long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
         )
         self.total = StepStats()
         for line in plan.describe():
@@ -188,9 +189,15 @@ class EngineCore:
         _log_record_formats(args)
         cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
                                     dtype=dtype, device=device, kv_cache_dtype=storage)
-        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)
+        spec, num_spec = None, 0
+        if config.speculative.speculative_method is not None:
+            from deepinfer_engine.worker.spec_decode import build_spec_decoder
+
+            spec, num_spec = build_spec_decoder(config, model, cache, model_dir=model_dir, num_pages=plan.num_pages,
+                                                device=device)
+        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos, spec=spec)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
-                   model_dir=model_dir, eos_token_ids=eos)
+                   model_dir=model_dir, eos_token_ids=eos, num_spec_tokens=num_spec)
 
     @property
     def vocab_size(self) -> int | None:
@@ -226,9 +233,10 @@ class EngineCore:
             outputs = self.scheduler.update_from_output(sched, _EMPTY_RESULT)
         else:
             outputs = self.scheduler.update_from_output(sched, result)
+        emitted = {o.req_id: len(o.new_token_ids) for o in outputs}
         for c in sched.chunks:
             if c.sample and c.num_tokens == 1 and c.start_position >= c.num_prompt_tokens:
-                self.total.decode_tokens += 1
+                self.total.decode_tokens += max(1, emitted.get(c.req_id, 1))  # a speculative round emits several
             else:
                 self.total.prefill_tokens += c.num_tokens
         for o in outputs:
@@ -291,11 +299,10 @@ def _refuse_unsupported(config: EngineConfig) -> None:
     """Options the config accepts (vLLM names, validated) that this engine loop does not run yet: refuse them
     before any loading rather than silently decode without them."""
     spec, par = config.speculative, config.parallel
-    if spec.speculative_method is not None:
+    if spec.speculative_method == "mtp":
         raise ConfigError(
-            f"speculative_method: found {spec.speculative_method!r}; speculative decoding is not supported by this "
-            "engine loop yet (the DSpark drafter and verifier exist as model / deepinfer-dspark pieces). Fix: leave "
-            "speculative_method unset"
+            "speculative_method: found 'mtp'; the V4 MTP draft loop is not wired into this engine loop yet (the "
+            "DSpark one is). Fix: speculative_method='dspark' on a DSpark checkpoint, or leave it unset"
         )
     if par.data_parallel_size > 1:
         raise ConfigError(

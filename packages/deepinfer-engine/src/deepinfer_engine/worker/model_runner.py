@@ -50,6 +50,7 @@ class ModelRunner:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         batch_cls: type | None = None,
+        spec: Any = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -59,6 +60,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.input_batch = InputBatch(self.device)
+        self.spec = spec  # speculative decoding (worker/spec_decode.SpecDecoder) or None
 
     def _banned(self, st: _RequestState) -> tuple[int, ...]:
         p = st.params
@@ -78,11 +80,14 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput()
 
+        # speculative decoding: drafts extend the decode chunks that verify them (worker/spec_decode.py)
+        rnd = self.spec.begin(sched.chunks, self.states, self.device) if self.spec is not None else None
+        chunks = sched.chunks if rnd is None else rnd.chunks
         logit_rows: list[int] = []
         sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
         plp_at: list[tuple[str, int, int]] = []  # (req_id, index into logit_rows, target prompt index j)
         row = 0
-        for c in sched.chunks:
+        for c in chunks:
             st = self.states[c.req_id]
             n = c.num_tokens
             if st.params.prompt_logprobs is not None:
@@ -91,27 +96,36 @@ class ModelRunner:
                     if st.next_prompt_logprob <= j < len(st.prompt_ids):
                         plp_at.append((c.req_id, len(logit_rows), j))
                         logit_rows.append(row + p - c.start_position)
-            if c.sample:
+            if rnd is not None and c.req_id in rnd.index:  # every row of [g, d_1 .. d_m] is verified
+                rnd.logit_rows.append(len(logit_rows))
+                logit_rows.extend(range(row, row + n))
+            elif c.sample:
                 sample_at.append((c.req_id, len(logit_rows)))
                 logit_rows.append(row + n - 1)
             row += n
 
-        inp = self.input_batch.prepare(sched.chunks, logit_rows)
+        inp = self.input_batch.prepare(chunks, logit_rows)
         batch = self.batch_cls(
             input_ids=inp.input_ids, positions=inp.positions, query_lens=inp.query_lens, slots=inp.slots,
             block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
             seq_of_token=inp.seq_of_token,
         )  # fmt: skip
-        logits = self.model(batch, self.cache)  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+        spec: dict[str, Any] = {}
+        errors: dict[str, str] = {}
+        if rnd is None:
+            logits = self.model(batch, self.cache)  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+        else:
+            out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
+            logits = out.logits
+            spec, errors = self.spec.finish(rnd, logits, out.features, batch.num_tokens)
         if not logit_rows:
             return ModelRunnerOutput()
         logits = logits.float()
 
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        errors: dict[str, str] = {}
         if sample_at:
-            chunk_by_id = {c.req_id: c for c in sched.chunks}
+            chunk_by_id = {c.req_id: c for c in chunks}
             states = [self.states[rid] for rid, _ in sample_at]
             sbatch = build_sampling_batch(
                 [s.params for s in states],
@@ -154,4 +168,4 @@ class ModelRunner:
                     top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
                 st.next_prompt_logprob = j + 1
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                 errors=errors)
+                                 errors=errors, spec=spec)
