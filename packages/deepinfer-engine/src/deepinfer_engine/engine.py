@@ -199,6 +199,11 @@ class EngineCore:
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
                    model_dir=model_dir, eos_token_ids=eos, num_spec_tokens=num_spec)
 
+    def spec_stats(self) -> Any:
+        """The run's speculative-decoding `deepinfer_dspark.AcceptanceStats` (None without speculation)."""
+        spec = getattr(self.runner, "spec", None)
+        return None if spec is None else spec.stats
+
     @property
     def vocab_size(self) -> int | None:
         v = getattr(self.args, "vocab_size", None)
