@@ -100,6 +100,17 @@ class SpecDecoder:
         self.stats = AcceptanceStats(self.block_size)
         self.sts = dict(sts or {})
 
+    def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
+                   online_latency: bool | None = None) -> None:
+        """Switch the verification policy of a running engine (benchmarks compare policies on one load)."""
+        if policy.kind == "cost" and latency is None and self.latency is None:
+            raise ValueError("set_policy: the cost policy needs a LatencyModel")
+        self.policy = policy
+        if latency is not None:
+            self.latency = latency
+        if online_latency is not None:
+            self.online_latency = online_latency
+
     def reset_stats(self) -> AcceptanceStats:
         """Start a new run's statistics; returns the previous accumulator."""
         old, self.stats = self.stats, AcceptanceStats(self.block_size)
