@@ -303,12 +303,7 @@ __all__ = ["EngineCore", "StepStats", "mix_seed", "model_dir_of", "sampler_seed"
 def _refuse_unsupported(config: EngineConfig) -> None:
     """Options the config accepts (vLLM names, validated) that this engine loop does not run yet: refuse them
     before any loading rather than silently decode without them."""
-    spec, par = config.speculative, config.parallel
-    if spec.speculative_method == "mtp":
-        raise ConfigError(
-            "speculative_method: found 'mtp'; the V4 MTP draft loop is not wired into this engine loop yet (the "
-            "DSpark one is). Fix: speculative_method='dspark' on a DSpark checkpoint, or leave it unset"
-        )
+    par = config.parallel
     if par.data_parallel_size > 1:
         raise ConfigError(
             f"data_parallel_size: found {par.data_parallel_size}; more than one rank is not supported by this engine "

@@ -1,5 +1,5 @@
 """Speculative decoding in the engine loop (worker/spec_decode.py): lossless greedy output with the checkpoint's
-DSpark stages and with a stand-in drafter that proposes mostly-right drafts (mixed acceptance, rollback of every
+DSpark stages, with V4's MTP block, and with a stand-in drafter that proposes mostly-right drafts (mixed acceptance, rollback of every
 cache family, chunked prefill, preemption), the emitted distribution at temperature > 0 against the target's
 exact distribution, per-request metrics, and the typed configuration errors."""
 
@@ -184,8 +184,42 @@ def test_sampled_speculation_emits_the_target_distribution(ckpts) -> None:
     assert not math.isnan(chi2)
 
 
+def test_mtp_speculation_is_lossless_and_drafts_what_the_mtp_block_predicts(tmp_path) -> None:
+    """V4 with its MTP block: greedy speculation == plain greedy (chunked prefill, mixed lengths); the draft the
+    engine keeps after the last step equals the MTP block run over the whole sequence in one forward (the
+    pure-torch path: full target forward, then forward_mtp over positions 1 .. L), within fp32 reordering."""
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.forward_batch import ForwardBatch
+
+    path = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = _ids(_llm(path).generate(PROMPTS[:3], sp, use_tqdm=False))
+    llm = _llm(path, max_num_batched_tokens=8, speculative_config={"method": "mtp"})
+    outs = llm.generate(PROMPTS[:3], sp, use_tqdm=False)
+    assert _ids(outs) == plain
+    stats = llm.engine.runner.spec.stats
+    assert stats.request_steps > 0 and stats.num_verified_tokens == stats.request_steps  # one draft per round
+
+    model, drafter = llm.engine.runner.model, llm.engine.runner.spec.drafter
+    drafter._pending.clear()
+    (out,) = llm.generate([PROMPTS[2]], sp, use_tqdm=False)
+    seq = PROMPTS[2] + list(out.outputs[0].token_ids)
+    ((pos, got),) = drafter._pending.values()
+    assert pos == len(seq) - 1
+    L = len(seq)
+    cache, bt = ModelCache.allocate_dense(model.args, [L + 1], dtype=torch.float32)
+    full = ForwardBatch(input_ids=torch.tensor(seq), positions=torch.arange(L), query_lens=(L,), slots=(0,),
+                        block_tables=bt, logits_indices=torch.tensor([L - 1]))
+    hidden = model.forward_features(full, cache).hidden
+    cache, bt = ModelCache.allocate_dense(model.args, [L + 1], dtype=torch.float32)
+    mtp = ForwardBatch(input_ids=torch.tensor(seq[1:]), positions=torch.arange(1, L), query_lens=(L - 1,),
+                       slots=(0,), block_tables=bt, logits_indices=torch.tensor([L - 2]))
+    want = model.forward_mtp(mtp, cache, hidden[: L - 1], 0)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_speculation_config_errors(ckpts, tmp_path) -> None:
-    with pytest.raises(ConfigError, match="mtp"):
+    with pytest.raises(ConfigError, match="without a V4 MTP block"):
         _llm(ckpts["v41"], speculative_config={"method": "mtp"})
     with pytest.raises(ConfigError, match="dspark_block_size"):
         _llm(ckpts["v41"], speculative_config={"method": "dspark", "num_speculative_tokens": 9})
@@ -194,6 +228,8 @@ def test_speculation_config_errors(ckpts, tmp_path) -> None:
     v4 = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
     with pytest.raises(ConfigError, match="without DSpark draft stages"):
         _llm(v4, speculative_config={"method": "dspark"})
+    with pytest.raises(ConfigError, match="no Confidence Head"):
+        _llm(v4, speculative_config={"method": "mtp", "policy": "cost"})
 
 
 def test_bench_reports_speculative_statistics(ckpts) -> None:

@@ -117,8 +117,10 @@ class ModelRunner:
         else:
             out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
             logits = out.logits
-            spec, errors = self.spec.finish(rnd, logits, out.features, batch.num_tokens)
+            spec, errors = self.spec.finish(rnd, out, batch.num_tokens)
         if not logit_rows:
+            if rnd is not None:
+                self.spec.after_sampling(rnd, {}, self.states)
             return ModelRunnerOutput()
         logits = logits.float()
 
@@ -167,5 +169,7 @@ class ModelRunner:
                     token_id=st.prompt_ids[j], logprob=chosen[k], rank=rank[k],
                     top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
                 st.next_prompt_logprob = j + 1
+        if rnd is not None:
+            self.spec.after_sampling(rnd, sampled, self.states)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  errors=errors, spec=spec)

@@ -68,6 +68,9 @@ class SpecRound:
     params: list[Any] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # per b: first logits row of its m + 1 rows
     started: float = 0.0
+    keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
+    results: dict[str, SpecResult] = field(default_factory=dict)
+    hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
 
 
 class SpecDecoder:
@@ -130,6 +133,9 @@ class SpecDecoder:
     @torch.no_grad()
     def begin(self, chunks: Sequence[ScheduledChunk], states: Mapping[str, Any], device: torch.device) -> SpecRound:
         picked = [c for c in chunks if self.speculates(c, states[c.req_id])]
+        can_draft = getattr(self.drafter, "can_draft", None)
+        if can_draft is not None:  # drafters whose draft comes from the previous step (MTP)
+            picked = [c for c in picked if can_draft(c.slot, c.start_position)]
         rnd = SpecRound(chunks=tuple(chunks), index={c.req_id: b for b, c in enumerate(picked)})
         if not picked:
             return rnd
@@ -190,14 +196,15 @@ class SpecDecoder:
         return torch.softmax(scaled, dim=-1)
 
     @torch.no_grad()
-    def finish(
-        self, rnd: SpecRound, logits: Tensor, features: Mapping[int, Tensor], num_tokens: int
-    ) -> tuple[dict[str, SpecResult], dict[str, str]]:
+    def finish(self, rnd: SpecRound, out: Any, num_tokens: int) -> tuple[dict[str, SpecResult], dict[str, str]]:
         """Verify the round, insert the draft context of the step, update statistics and the latency model.
 
-        logits: the step's logits rows (the round's rows at `rnd.logit_rows`, m + 1 consecutive rows each);
-        features: `{layer: [T, d]}` captured over the step's T = num_tokens rows. Returns (results, errors).
+        out: the target's `ModelOutput` of the step: logits rows (the round's rows at `rnd.logit_rows`, m + 1
+        consecutive rows each), `features` `{layer: [T, d]}` captured over the step's T = num_tokens rows, the
+        final streams `hidden`. Returns (results, errors).
         """
+        logits, features = out.logits, out.features
+        rnd.hidden = out.hidden
         results: dict[str, SpecResult] = {}
         errors: dict[str, str] = {}
         accepted_rows = {c.req_id: c.num_tokens for c in rnd.chunks}  # rows of each chunk now in the sequence
@@ -230,7 +237,33 @@ class SpecDecoder:
                                           num_verified_tokens=rnd.drafts_host[b], num_accepted_tokens=a)
                 accepted_rows[rid] = a + 1
         self.insert_context(rnd.chunks, accepted_rows, features)
+        rnd.keep, rnd.results = accepted_rows, results
         return results, errors
+
+    @torch.no_grad()
+    def after_sampling(self, rnd: SpecRound, sampled: Mapping[str, int], states: Mapping[str, Any]) -> None:
+        """After the runner sampled the step's other chunks: drafters that draft from this step's target
+        streams (`after_step`, MTP) get every position the step added and the token that follows it."""
+        after = getattr(self.drafter, "after_step", None)
+        if after is None or rnd.hidden is None:
+            return
+        next_ids: dict[str, list[int]] = {}
+        for c in rnd.chunks:
+            r = rnd.results.get(c.req_id)
+            if r is not None:
+                next_ids[c.req_id] = list(r.token_ids)
+            elif c.req_id not in rnd.index:
+                st = states[c.req_id]
+                end = c.start_position + c.num_tokens
+                if c.sample:
+                    if c.req_id not in sampled:
+                        continue
+                    tail = [sampled[c.req_id]]
+                else:  # the next known token of the prompt (or of the outputs, when recomputing)
+                    p = len(st.prompt_ids)
+                    tail = [st.prompt_ids[end] if end < p else st.output_ids[end - p]]
+                next_ids[c.req_id] = list(c.token_ids[1:]) + tail
+        after(rnd.chunks, rnd.keep, next_ids, rnd.hidden)
 
     def insert_context(self, chunks: Sequence[ScheduledChunk], keep: Mapping[str, int],
                        features: Mapping[int, Tensor]) -> None:
@@ -313,11 +346,8 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
 
     spec = config.speculative
     args = model.args
-    if spec.speculative_method != "dspark":
-        raise ConfigError(
-            f"speculative_method: found {spec.speculative_method!r}; this engine loop runs dspark only (the V4 MTP "
-            "draft loop is not wired yet). Fix: speculative_method='dspark' on a DSpark checkpoint, or unset"
-        )
+    if spec.speculative_method == "mtp":
+        return _build_mtp(spec, model, cache)
     if not args.has_dspark or getattr(model, "mtp", None) is None:
         raise ConfigError(
             "speculative_method='dspark': found a checkpoint without DSpark draft stages (dspark_block_size "
@@ -359,3 +389,27 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, sts=sts)
     return decoder, k
+
+
+def _build_mtp(spec: Any, model: Any, cache: Any) -> tuple[SpecDecoder, int]:
+    """V4's MTP block as a one-token drafter (worker/mtp_draft.py): verify_all only (no Confidence Head)."""
+    from deepinfer_engine.errors import ConfigError
+    from deepinfer_engine.worker.mtp_draft import MTPDrafter
+
+    args = model.args
+    if args.has_dspark or getattr(model, "mtp", None) is None or not int(args.num_nextn_predict_layers):
+        raise ConfigError(
+            "speculative_method='mtp': found a checkpoint without a V4 MTP block (num_nextn_predict_layers = 0, or "
+            "DSpark stages instead); expected a V4-Flash checkpoint. Fix: speculative_method='dspark' for DSpark "
+            "checkpoints, or leave it unset"
+        )
+    k = spec.num_speculative_tokens or 1
+    if k != 1:
+        raise ConfigError(f"num_speculative_tokens: found {k} with speculative_method='mtp', expected 1 (one MTP "
+                          "block drafts one token)")
+    if spec.speculative_policy != "verify_all":
+        raise ConfigError(f"speculative_policy: found {spec.speculative_policy!r} with speculative_method='mtp', "
+                          "expected verify_all (the MTP block has no Confidence Head)")
+    decoder = SpecDecoder(MTPDrafter(model, cache), policy=VerifyPolicy(kind="verify_all"), latency=None, capture=(),
+                          max_position=int(args.max_position_embeddings))
+    return decoder, 1
