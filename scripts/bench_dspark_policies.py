@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--threshold", type=float, default=0.2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{args.ckpt}: no testbed checkpoint; run scripts/dspark_testbed.py build --out {args.ckpt}")
     sts = ensure_sts(args.ckpt, tb)
     sets = prompt_sets(args.ckpt, tb, args.seeds, args.prompts, args.prompt_len)
-    common = dict(device=args.device, dtype="float32" if args.device == "cpu" else "auto",
+    common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
                   max_num_seqs=args.prompts, num_cpu_threads=args.threads)
     common = {k: v for k, v in common.items() if v is not None}
     plain = LLM(str(args.ckpt), **common)
