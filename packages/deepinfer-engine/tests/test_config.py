@@ -56,6 +56,8 @@ def test_speculative_section_defaults_and_validation() -> None:
         ({"speculative_threshold": 1.5}, "speculative_threshold: found 1.5"),
         ({"speculative_method": "dspark", "num_speculative_tokens": 0}, "num_speculative_tokens: found 0"),
         ({"num_speculative_tokens": 3}, "without a speculative_method"),
+        ({"speculative_method": "dspark", "speculative_latency": "affine:0.1"}, "speculative_latency: found"),
+        ({"speculative_method": "dspark", "speculative_latency": "affine:-1,0.1"}, "speculative_latency: found"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             EngineConfig.from_options(**opts)
@@ -116,7 +118,6 @@ def test_vllm_speculative_config_dict(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(("opts", "needle"), [
-    ({"speculative_method": "dspark"}, "speculative_method: found 'dspark'"),
     ({"data_parallel_size": 2}, "data_parallel_size: found 2"),
 ])
 def test_engine_loop_refuses_what_it_does_not_run(opts, needle, monkeypatch) -> None:

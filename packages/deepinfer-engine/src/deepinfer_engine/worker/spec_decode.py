@@ -132,6 +132,7 @@ class SpecDecoder:
     # ------------------------------------------------------------------------------------------ 1. propose
     @torch.no_grad()
     def begin(self, chunks: Sequence[ScheduledChunk], states: Mapping[str, Any], device: torch.device) -> SpecRound:
+        started = time.perf_counter()  # the step the policy trades against includes the draft pass
         picked = [c for c in chunks if self.speculates(c, states[c.req_id])]
         can_draft = getattr(self.drafter, "can_draft", None)
         if can_draft is not None:  # drafters whose draft comes from the previous step (MTP)
@@ -157,12 +158,20 @@ class SpecDecoder:
         prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
                        seeds=None if all(rnd.greedy) else rnd.seeds)
         base = sum(c.num_tokens for c in chunks if c.req_id not in rnd.index)
-        m = schedule_verification(self.policy, max_drafts, survival=prop.survival(), latency=self.latency,
-                                  base_tokens=base)
-        m = m.to(device)
-        both = torch.cat([m[:, None], prop.draft_ids], 1).tolist()  # the one host read before the forward
-        rnd.proposal, rnd.num_drafts = prop, m
-        rnd.drafts_host = [row[0] for row in both]
+        # the policy runs on the host: it is a few small sorts and scans, and m is needed there anyway (the verify
+        # chunks' tokens); one copy brings the drafts and the survivals over
+        surv = prop.survival()
+        wide = prop.draft_ids.to(torch.float64) if surv is None else torch.cat(
+            [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
+        wide = wide.cpu()  # the one host read before the forward
+        n = self.block_size
+        m = schedule_verification(self.policy, torch.from_numpy(host[:, 3].copy()),
+                                  survival=None if surv is None else wide[:, n:].to(torch.float32),
+                                  latency=self.latency, base_tokens=base)
+        ids = wide[:, :n].to(torch.int64).tolist()
+        rnd.drafts_host = [int(k) for k in m.tolist()]
+        rnd.proposal, rnd.num_drafts = prop, m.to(device)
+        both = [[k, *row] for k, row in zip(rnd.drafts_host, ids)]
         out = []
         for c in chunks:
             b = rnd.index.get(c.req_id)
@@ -172,7 +181,7 @@ class SpecDecoder:
             k = both[b][0]
             out.append(replace(c, token_ids=(c.token_ids[0], *both[b][1 : 1 + k])))
         rnd.chunks = tuple(out)
-        rnd.started = time.perf_counter()
+        rnd.started = started
         return rnd
 
     # ------------------------------------------------------------------------------------------ 3. verify
