@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--threshold", type=float, default=0.2)
+    ap.add_argument("--threshold", type=float, nargs="+", default=[0.2])
+    ap.add_argument("--affine", nargs="*", default=[], metavar="BASE,SLOPE",
+                    help="extra cost-policy runs with a fixed T(Q) = BASE + SLOPE * Q (seconds; no online correction): "
+                         "the policy as it would act on a device with that per-token cost")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cost run with the profiled curve")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
     ap.add_argument("--json", type=Path, default=None)
@@ -98,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     spec_llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **common)
     dec = spec_llm.engine.runner.spec
     profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds))
-    policies = [("verify_all", VerifyPolicy(kind="verify_all")),
-                (f"threshold[{args.threshold}]", VerifyPolicy(kind="threshold", threshold=args.threshold)),
-                ("cost", VerifyPolicy(kind="cost"))]
+    policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
+    policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
+    if not args.no_profile:
+        policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
+    policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
     warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     plain.generate(sets[0][:4], warm, use_tqdm=False)
     spec_llm.generate(sets[0][:4], warm, use_tqdm=False)
@@ -110,9 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True, seed=args.seeds[si])
             tps, _, ref = run(plain, prompts, sp)
             rows.append({"policy": "plain", "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps})
-            for name, pol in policies:
-                lat = LatencyModel(list(profiled.sizes), list(profiled.seconds)) if pol.kind == "cost" else None
-                dec.set_policy(pol, lat)
+            for name, pol, curve in policies:
+                if curve == "profile":
+                    dec.set_policy(pol, LatencyModel(list(profiled.sizes), list(profiled.seconds)), online_latency=True)
+                elif curve is not None:
+                    base, slope = (float(x) for x in curve.split(","))
+                    dec.set_policy(pol, LatencyModel.affine(base, slope, 8192), online_latency=False)
+                else:
+                    dec.set_policy(pol)
                 tps, st, out = run(spec_llm, prompts, sp)
                 rows.append({"policy": name, "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps,
                              "mean_accepted_length": st["mean_accepted_length"],
@@ -168,10 +179,10 @@ def format_table(table: list[dict], llm) -> str:
         return f"{m:{fmt}} ({lo:{fmt}}..{hi:{fmt}})"
 
     lines = [f"DSpark policies on {llm.engine.runner.device} (mean (min..max) over prompt sets)",
-             f"{'T':>3} {'policy':<16} {'tokens/s':>24} {'tau':>20} {'tau vs all':>20} {'verified/req-step':>20} "
+             f"{'T':>3} {'policy':<22} {'tokens/s':>24} {'tau':>20} {'tau vs all':>20} {'verified/req-step':>20} "
              f"{'verified vs all':>20}"]
     for e in table:
-        lines.append(f"{e['temperature']:>3g} {e['policy']:<16} {f(e, 'tokens_per_s', '.1f'):>24} "
+        lines.append(f"{e['temperature']:>3g} {e['policy']:<22} {f(e, 'tokens_per_s', '.1f'):>24} "
                      f"{f(e, 'mean_accepted_length', '.2f'):>20} {f(e, 'tau_vs_verify_all', '.3f'):>20} "
                      f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20}"
                      + ("  GREEDY MISMATCH" if e.get("greedy_mismatch") else ""))

@@ -251,7 +251,7 @@ def format_result(r: dict[str, Any]) -> str:
     if spec is not None:
         row("Speculative", f"{spec['method']} / {spec['policy']}")
         row("Mean accepted length", f"{spec['mean_accepted_length']:.3f}")
-        row("Draft / verified / accepted", f"{spec['num_draft_tokens']} / {spec['num_verified_tokens']} / "
+        row("Draft/verified/accepted", f"{spec['num_draft_tokens']} / {spec['num_verified_tokens']} / "
                                            f"{spec['num_accepted_tokens']}")
         row("Verified tokens per step", f"{spec['verified_tokens_per_step']:.2f}")
     lines.append("=" * 60)
