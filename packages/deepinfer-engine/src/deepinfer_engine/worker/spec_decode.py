@@ -227,9 +227,9 @@ class SpecDecoder:
             res = verify(target, rnd.proposal, rnd.num_drafts, greedy=greedy, uniforms=uniforms)
             seg = torch.repeat_interleave(torch.arange(len(rnd.req_ids), device=raw.device),
                                           rnd.num_drafts + 1)
-            nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.bool, device=raw.device).index_put_(
-                (seg,), bad, accumulate=True)
-            packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None].to(torch.int64), res.output_ids], 1)
+            nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.int64, device=raw.device).index_add_(
+                0, seg, bad.to(torch.int64))
+            packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
             host = packed.tolist()  # the step's one host read of the round
             if self.latency is not None and self.online_latency:
                 self.latency.observe(num_tokens, max(time.perf_counter() - rnd.started, 1e-9))
