@@ -259,3 +259,27 @@ def test_bench_reports_speculative_statistics(ckpts) -> None:
     assert spec["mean_accepted_length"] >= 1 and spec["request_steps"] > 0
     assert "Mean accepted length" in format_result(r)
     assert "speculative" not in throughput(_llm(ckpts["v41"]), num_prompts=1, input_len=4, output_len=2)
+
+
+def test_non_finite_verify_logits_fail_only_that_request(v41_spec) -> None:
+    model = v41_spec.engine.runner.model
+    orig = model.forward_features
+    calls = []
+
+    def poisoned(batch, cache, capture=()):
+        out = orig(batch, cache, capture=capture)
+        calls.append(batch.query_lens)
+        if len(calls) == 2:  # the first verify step (the first call is the prefill)
+            out.logits = torch.full_like(out.logits, float("nan"))
+        return out
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    model.forward_features = poisoned
+    try:
+        (out,) = v41_spec.generate([PROMPTS[0]], sp, use_tqdm=False)
+    finally:
+        del model.forward_features
+    assert out.outputs[0].finish_reason == "error" and "not finite" in out.error
+    assert calls[1] != calls[0]  # the poisoned step was a verify step after the prefill
+    (again,) = v41_spec.generate([PROMPTS[0]], sp, use_tqdm=False)  # the engine stays usable
+    assert again.error is None and len(again.outputs[0].token_ids) == 6
