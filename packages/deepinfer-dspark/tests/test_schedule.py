@@ -122,3 +122,19 @@ def test_errors():
         LatencyModel([1, 2], [1.0, -1.0])
     with pytest.raises(DSparkInputError, match="observe"):
         LatencyModel.affine(1, 1, 8).observe(0, 1.0)
+
+
+def test_cost_base_tokens_prices_the_whole_step():
+    # an affine T(base_tokens + S + K) is the same as an affine curve whose intercept absorbs the other tokens
+    g = torch.Generator().manual_seed(3)
+    surv = torch.cumprod(torch.rand(6, 5, generator=g), dim=1)
+    m = torch.full((6,), 5)
+    for b in (0, 7, 200):
+        shifted = LatencyModel.affine(0.01 + 0.002 * b, 0.002, 4096)
+        got = cost_budget(surv, m, LatencyModel.affine(0.01, 0.002, 4096), base_tokens=b)
+        assert got == cost_budget(surv, m, shifted)
+    # more of the step spent elsewhere makes a draft relatively cheaper: never fewer drafts
+    ks = [cost_budget(surv, m, LatencyModel.affine(0.01, 0.002, 4096), base_tokens=b) for b in (0, 50, 500)]
+    assert ks == sorted(ks) and ks[-1] > ks[0]
+    with pytest.raises(DSparkInputError, match="base_tokens"):
+        cost_budget(surv, m, LatencyModel.affine(0.01, 0.002, 4096), base_tokens=-1)

@@ -56,6 +56,8 @@ def test_speculative_section_defaults_and_validation() -> None:
         ({"speculative_threshold": 1.5}, "speculative_threshold: found 1.5"),
         ({"speculative_method": "dspark", "num_speculative_tokens": 0}, "num_speculative_tokens: found 0"),
         ({"num_speculative_tokens": 3}, "without a speculative_method"),
+        ({"speculative_method": "dspark", "speculative_latency": "affine:0.1"}, "speculative_latency: found"),
+        ({"speculative_method": "dspark", "speculative_latency": "affine:-1,0.1"}, "speculative_latency: found"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             EngineConfig.from_options(**opts)
@@ -116,9 +118,12 @@ def test_vllm_speculative_config_dict(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(("opts", "needle", "why"), [
-    ({"speculative_method": "dspark"}, "speculative_method: found 'dspark'", "not supported by this engine loop yet"),
     # data parallelism runs through LLM / LLMEngine (deepinfer_engine.dp), whose ranks are EngineCores
     ({"data_parallel_size": 2}, "data_parallel_size: found 2", "one EngineCore runs one rank"),
+    ({"speculative_method": "dspark", "prefill_truncation": "compact"}, "prefill_truncation: found 'compact'",
+     "speculative decoding reads the draft context from every prefill row"),
+    ({"speculative_method": "dspark", "data_parallel_size": 2}, "speculative_method: found 'dspark'",
+     "the data-parallel ranks do not speculate yet"),
 ])
 def test_engine_loop_refuses_what_it_does_not_run(opts, needle, why, monkeypatch) -> None:
     from deepinfer_engine.engine import EngineCore

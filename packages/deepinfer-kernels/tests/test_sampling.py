@@ -15,6 +15,17 @@ def _rows(n: int, v: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, v, generator=g) * 2.0
 
 
+def test_counter_uniform_top_value_stays_below_one() -> None:
+    # this key's column 54310 hashes to the top 24-bit value, whose centre 1 - 2**-25 rounds to 1.0 in float32
+    u = counter_uniform(torch.tensor([2838760209921152440]), torch.tensor([0]), 129280)
+    assert float(u[0, 54310]) == 1.0 - 2.0**-24 and bool((u < 1).all())
+    logits = torch.zeros(1, 129280)
+    logits[0, :3] = 5.0
+    tok = sample(logits, temperature=torch.ones(1), top_k=torch.tensor([3]), top_p=torch.ones(1),
+                 min_p=torch.zeros(1), seeds=torch.tensor([2838760209921152440]), offsets=torch.tensor([0]))
+    assert int(tok) < 3  # never a masked token
+
+
 def test_counter_uniform_is_open_unit_interval_deterministic_and_keyed() -> None:
     seeds = torch.tensor([0, 1, -5, 2**62 + 3], dtype=torch.int64)
     offs = torch.tensor([0, 0, 7, 123456], dtype=torch.int64)

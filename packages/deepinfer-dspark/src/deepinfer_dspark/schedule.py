@@ -178,17 +178,28 @@ def allocate(survival: Tensor, max_drafts: Sequence[int] | Tensor, budget: int |
 
 
 def cost_budget(
-    survival: Tensor, max_drafts: Sequence[int] | Tensor, latency: LatencyModel, *, exact: bool = True
+    survival: Tensor,
+    max_drafts: Sequence[int] | Tensor,
+    latency: LatencyModel,
+    *,
+    exact: bool = True,
+    base_tokens: int = 0,
 ) -> int:
-    """K, the number of drafts to verify in the whole batch (module docstring); 0 <= K <= sum(max_drafts)."""
+    """K, the number of drafts to verify in the whole batch (module docstring); 0 <= K <= sum(max_drafts).
+
+    base_tokens: query tokens the same step processes besides the S anchors and the K drafts (prefill chunks,
+    requests that do not speculate): the step time is T(base_tokens + S + K)."""
     m = _check(survival, max_drafts)
+    if base_tokens < 0:
+        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
     vals, _ = _ranked(survival, m)
     batch = survival.shape[0]
     if batch == 0 or vals.numel() == 0:
         return 0
     k = torch.arange(vals.numel() + 1, device=vals.device)
     expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])  # E(K), K = 0..C
-    seconds = latency.curve(batch + vals.numel(), vals.device)[batch + k]  # T(S + K)
+    q0 = base_tokens + batch
+    seconds = latency.curve(q0 + vals.numel(), vals.device)[q0 + k]  # T(base + S + K)
     rate = expected / seconds
     if not exact:
         return int(torch.argmax(rate))  # first maximum
@@ -202,12 +213,13 @@ def schedule_verification(
     *,
     survival: Tensor | None = None,
     latency: LatencyModel | None = None,
+    base_tokens: int = 0,
 ) -> Tensor:
     """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]).
 
     max_drafts: `[B]` upper bounds per request (block size, or fewer near max_tokens / the context limit).
     survival: `[B, N]` a = cumprod(confidence) (`DraftProposal.survival()`); required by threshold and cost.
-    latency: required by cost.
+    latency: required by cost. base_tokens: the step's other query tokens (`cost_budget`).
     """
     if policy.kind == "verify_all":
         m = torch.as_tensor(max_drafts, dtype=torch.int64)
@@ -223,4 +235,4 @@ def schedule_verification(
         return torch.cumprod(ok.to(torch.int64), dim=1).sum(1)
     if latency is None:
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
-    return allocate(survival, m, cost_budget(survival, m, latency, exact=policy.exact))
+    return allocate(survival, m, cost_budget(survival, m, latency, exact=policy.exact, base_tokens=base_tokens))

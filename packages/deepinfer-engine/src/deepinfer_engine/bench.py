@@ -67,9 +67,11 @@ def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, t
     prompts = _random_prompts(num_prompts, input_len, vocab, seed, llm.engine.bos_token_id)
     sp = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True, seed=seed)
     llm.generate(prompts[:1], sp.replace(max_tokens=2), use_tqdm=False)  # warm-up
+    spec0 = _spec_reset(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     elapsed = time.perf_counter() - t0
+    spec = _spec_summary(llm, spec0)
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     return {
@@ -77,7 +79,8 @@ def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, t
         "temperature": temperature, "elapsed_s": elapsed, "input_tokens": n_in, "output_tokens": n_out,
         "requests_per_s": num_prompts / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
         "output_tokens_per_s": n_out / elapsed, "errors": sum(o.error is not None for o in outs),
-        **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
+        **({"speculative": spec} if spec is not None else {}), **_device_info(llm), "settings": _settings(llm),
+        **_data_parallel(llm),
     }
 
 
@@ -87,6 +90,26 @@ def _data_parallel(llm: LLM) -> dict[str, Any]:
     return {} if stats is None else {"data_parallel": stats()}
 
 
+
+def _spec_reset(llm: LLM) -> bool:
+    """Start fresh speculative statistics for the timed run (False without speculation)."""
+    spec = getattr(llm.engine.runner, "spec", None)
+    if spec is None:
+        return False
+    spec.reset_stats()
+    return True
+
+
+def _spec_summary(llm: LLM, on: bool) -> dict[str, Any] | None:
+    """The timed run's speculative statistics: drafts proposed / verified / accepted, mean accepted length,
+    verified draft tokens per step, per-position acceptance."""
+    if not on:
+        return None
+    spec = llm.engine.runner.spec
+    return {"method": llm.config.speculative.speculative_method, "policy": spec.policy.kind,
+            **spec.stats.as_dict()}
+
+
 def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
             num_iters_warmup: int = 1, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     vocab = int(getattr(llm.engine.args, "vocab_size", 129280))
@@ -94,11 +117,13 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
     sp = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True, seed=seed)
     for _ in range(num_iters_warmup):
         llm.generate(prompts, sp, use_tqdm=False)
+    spec0 = _spec_reset(llm)
     times = []
     for _ in range(num_iters):
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
         times.append(time.perf_counter() - t0)
+    spec = _spec_summary(llm, spec0)
     qs = sorted(times)
 
     def pct(p: float) -> float:
@@ -112,7 +137,8 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
         "std_latency_s": statistics.pstdev(times), "latencies_s": times,
         "percentiles_s": {str(p): pct(p) for p in (10, 25, 50, 75, 90, 99)},
         "output_tokens_per_s": batch_size * output_len / statistics.fmean(times),
-        **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
+        **({"speculative": spec} if spec is not None else {}), **_device_info(llm), "settings": _settings(llm),
+        **_data_parallel(llm),
     }
 
 
@@ -247,6 +273,13 @@ def format_result(r: dict[str, Any]) -> str:
     dp = r.get("data_parallel")
     if dp:
         row("DP tokens per rank", f"{dp['tokens_per_rank']} (imbalance max/mean {dp['token_imbalance']:.2f})")
+    spec = r.get("speculative")
+    if spec is not None:
+        row("Speculative", f"{spec['method']} / {spec['policy']}")
+        row("Mean accepted length", f"{spec['mean_accepted_length']:.3f}")
+        row("Draft/verified/accepted", f"{spec['num_draft_tokens']} / {spec['num_verified_tokens']} / "
+                                           f"{spec['num_accepted_tokens']}")
+        row("Verified tokens per step", f"{spec['verified_tokens_per_step']:.2f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 

@@ -180,6 +180,9 @@ class SpeculativeConfig:
     speculative_policy: Literal["verify_all", "threshold", "cost"] = _opt(
         "verify_all", "how many drafts to verify: all, those whose survival >= threshold, or the latency-optimal count")
     speculative_threshold: float = _opt(0.5, "survival threshold of speculative_policy=threshold, in [0, 1]")
+    speculative_latency: str = _opt(
+        "profile", "step-time curve of speculative_policy=cost: profile (time the target forward at start-up, "
+        "corrected online) or affine:BASE,SLOPE (seconds + seconds per query token, fixed)")
 
     def __post_init__(self) -> None:
         if self.speculative_method not in (None, "dspark", "mtp"):
@@ -198,6 +201,24 @@ class SpeculativeConfig:
         t = self.speculative_threshold
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
             raise ConfigError(f"speculative_threshold: found {t!r}, expected a number in [0, 1]")
+        affine_latency(self.speculative_latency)  # validates the spelling
+
+
+def affine_latency(spec: str) -> tuple[float, float] | None:
+    """`speculative_latency`: None for "profile", (base, slope) seconds for "affine:BASE,SLOPE"."""
+    if spec == "profile":
+        return None
+    bad = ConfigError(f"speculative_latency: found {spec!r}, expected profile or affine:BASE,SLOPE (seconds, e.g. "
+                      "affine:0.02,0.0005)")
+    if not isinstance(spec, str) or not spec.startswith("affine:"):
+        raise bad
+    try:
+        base, slope = (float(x) for x in spec.removeprefix("affine:").split(","))
+    except ValueError:
+        raise bad from None
+    if not (base > 0 and slope >= 0):
+        raise bad
+    return base, slope
 
 
 # vLLM's `speculative_config` dict keys -> engine options (policy / threshold are DeepInfer's own keys)
@@ -206,6 +227,7 @@ _SPECULATIVE_KEYS = {
     "num_speculative_tokens": "num_speculative_tokens",
     "policy": "speculative_policy",
     "threshold": "speculative_threshold",
+    "latency": "speculative_latency",
 }
 
 

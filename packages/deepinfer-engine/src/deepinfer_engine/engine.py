@@ -128,6 +128,7 @@ class EngineCore:
         args: Any = None,
         model_dir: Path | None = None,
         eos_token_ids: Sequence[int] = (1,),
+        num_spec_tokens: int = 0,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -155,7 +156,7 @@ class EngineCore:
             kv=KVCacheManager.from_plan(plan), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
-            long_prefill_token_threshold=sc.long_prefill_token_threshold,
+            long_prefill_token_threshold=sc.long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
         )
         self.total = StepStats()
         if sc.async_scheduling:
@@ -176,7 +177,7 @@ class EngineCore:
         from deepinfer_engine.model.cache import ModelCache, stores_records
         from deepinfer_engine.model.cache_layout import cache_families
 
-        _refuse_unsupported(config, as_rank=device is not None)
+        refuse_unsupported(config, as_rank=device is not None)
         mc = config.model
         model_dir = model_dir_of(config)
         device = device if device is not None else resolve_device(mc.device)
@@ -225,10 +226,21 @@ class EngineCore:
 
             graphs = CudaGraphRunner(model, cache, device=device, max_num_seqs=min(config.scheduler.max_num_seqs,
                                      plan.num_slots), max_model_len=max_model_len)  # fmt: skip
+        spec, num_spec = None, 0
+        if config.speculative.speculative_method is not None:
+            from deepinfer_engine.worker.spec_decode import build_spec_decoder
+
+            spec, num_spec = build_spec_decoder(config, model, cache, model_dir=model_dir, num_pages=plan.num_pages,
+                                                device=device)
         runner_cls = AsyncModelRunner if config.scheduler.async_scheduling else ModelRunner
-        runner = runner_cls(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs)
+        runner = runner_cls(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs, spec=spec)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
-                   model_dir=model_dir, eos_token_ids=eos)
+                   model_dir=model_dir, eos_token_ids=eos, num_spec_tokens=num_spec)
+
+    def spec_stats(self) -> Any:
+        """The run's speculative-decoding `deepinfer_dspark.AcceptanceStats` (None without speculation)."""
+        spec = getattr(self.runner, "spec", None)
+        return None if spec is None else spec.stats
 
     @property
     def vocab_size(self) -> int | None:
@@ -278,9 +290,10 @@ class EngineCore:
 
     def account(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput], t0: float) -> None:
         """Step statistics, and forget the requests `outputs` finished."""
+        emitted = {o.req_id: len(o.new_token_ids) for o in outputs}
         for c in sched.chunks:
             if c.sample and c.num_tokens == 1 and c.start_position >= c.num_prompt_tokens:
-                self.total.decode_tokens += 1
+                self.total.decode_tokens += max(1, emitted.get(c.req_id, 1))  # a speculative round emits several
             else:
                 self.total.prefill_tokens += c.num_tokens
         for o in outputs:
@@ -340,16 +353,23 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, de
 __all__ = ["EngineCore", "StepStats", "mix_seed", "model_dir_of", "sampler_seed"]
 
 
-def _refuse_unsupported(config: EngineConfig, *, as_rank: bool = False) -> None:
+def refuse_unsupported(config: EngineConfig, *, as_rank: bool = False) -> None:
     """Options the config accepts (vLLM names, validated) that this engine loop does not run yet: refuse them
     before any loading rather than silently decode without them. as_rank: built as one rank of a data-parallel
     engine (deepinfer_engine.dp), which runs data_parallel_size > 1."""
     spec, par = config.speculative, config.parallel
-    if spec.speculative_method is not None:
+    if spec.speculative_method is not None and config.model.prefill_truncation != "off":
+        # the drafter's context rows are indexed over every row of the step; truncation keeps only the last ones
         raise ConfigError(
-            f"speculative_method: found {spec.speculative_method!r}; speculative decoding is not supported by this "
-            "engine loop yet (the DSpark drafter and verifier exist as model / deepinfer-dspark pieces). Fix: leave "
-            "speculative_method unset"
+            f"prefill_truncation: found {config.model.prefill_truncation!r} with speculative_method="
+            f"{spec.speculative_method!r}; speculative decoding reads the draft context from every prefill row. "
+            "Fix: prefill_truncation='off' when speculating"
+        )
+    if spec.speculative_method is not None and (par.data_parallel_size > 1 or par.enable_expert_parallel):
+        raise ConfigError(
+            f"speculative_method: found {spec.speculative_method!r} with data_parallel_size="
+            f"{par.data_parallel_size} / enable_expert_parallel={par.enable_expert_parallel}; the data-parallel "
+            "ranks do not speculate yet. Fix: leave speculative_method unset, or run one rank"
         )
     if (par.data_parallel_size > 1 or par.enable_expert_parallel) and not as_rank:
         raise ConfigError(

@@ -186,8 +186,11 @@ class LLM:
                 if bar is not None:
                     now = time.perf_counter()
                     dt = max(now - t0, 1e-9)
+                    spec = eng.spec_stats()
                     bar.set_postfix_str(f"prefill {(eng.total.prefill_tokens - pre0) / dt:.0f} tok/s, "
-                                        f"decode {(eng.total.decode_tokens - dec0) / dt:.0f} tok/s", refresh=False)
+                                        f"decode {(eng.total.decode_tokens - dec0) / dt:.0f} tok/s"
+                                        + (f", accepted len {spec.mean_accepted_length:.2f}" if spec else ""),
+                                        refresh=False)
                     # tqdm redraws only on update(); the rates must move while prompts are still running
                     if now - shown >= self.bar_refresh_s:
                         bar.refresh()

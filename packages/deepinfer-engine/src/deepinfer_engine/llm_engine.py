@@ -54,6 +54,9 @@ class LLMEngine:
     eos_token_ids = property(lambda self: self.core.eos_token_ids)
     total = property(lambda self: self.core.total)
 
+    def spec_stats(self) -> Any:
+        return self.core.spec_stats()
+
     # ------------------------------------------------------------------ admission
     def encode_prompt(self, text: str) -> list[int]:
         return self.input_processor.encode_prompt(text)

@@ -148,6 +148,12 @@ class OutputProcessor:
         if d.new_prompt_logprobs and out.prompt_logprobs is not None and idx == 0:
             out.prompt_logprobs.extend(d.new_prompt_logprobs)
         out.metrics.num_preemptions = max(out.metrics.num_preemptions, d.num_preemptions)
+        if d.num_draft_tokens:  # a speculative round
+            m = out.metrics
+            m.num_draft_tokens += d.num_draft_tokens
+            m.num_verified_tokens += d.num_verified_tokens
+            m.num_accepted_tokens += d.num_accepted_tokens
+            m.num_spec_steps += 1
         finish, stop_reason = d.finish_reason, d.stop_reason
         # a core "stop" with new ids was ended by its last id (EOS or a stop token id): kept in token_ids, not text
         stopped_by_token = finish == "stop" and bool(d.new_token_ids)

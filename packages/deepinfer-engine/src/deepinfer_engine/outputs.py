@@ -44,6 +44,20 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # speculative decoding (all samples of the request together; 0 without speculation): drafts proposed,
+    # drafts the target verified, drafts accepted, and the speculative rounds (verify steps) they came from
+    num_draft_tokens: int = 0
+    num_verified_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens emitted per speculative round (accepted drafts + the correction / bonus token); None
+        before any round."""
+        if not self.num_spec_steps:
+            return None
+        return (self.num_accepted_tokens + self.num_spec_steps) / self.num_spec_steps
 
 
 @dataclass(kw_only=True)

@@ -198,3 +198,68 @@ def test_abort_during_a_step_drops_its_result() -> None:
     updates = s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 5}))
     assert [u.finish_reason for u in updates] == ["abort"]
     assert s.get_request("a").output_token_ids == []
+
+
+def _spec_sched(**kw) -> Scheduler:
+    kv = KVCacheManager(page_size=4, num_pages=kw.pop("pages", 100), num_slots=8)
+    return Scheduler(kv=kv, max_num_seqs=8, max_num_batched_tokens=kw.pop("budget", 32), max_model_len=64,
+                     num_spec_tokens=kw.pop("spec", 3))
+
+
+def test_spec_tokens_reserved_for_decode_chunks_only() -> None:
+    from deepinfer_engine.core.sched_output import SpecResult
+
+    s = _spec_sched(budget=10)
+    s.add_request(_req("a", 5, max_tokens=10))
+    out = s.schedule()  # prefill: no drafts
+    assert [c.num_spec_tokens for c in out.chunks] == [0]
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 50}))
+    out = s.schedule()
+    (c,) = out.chunks
+    assert (c.num_tokens, c.num_spec_tokens, c.start_position) == (1, 3, 5)
+    assert len(s.kv.page_ids("a")) == s.kv.pages_for(5 + 1 + 3)  # pages for the drafts are reserved
+    # 2 accepted drafts + 1 correction: the computed tokens advance past the accepted drafts only
+    res = SpecResult(token_ids=(51, 52, 53), num_draft_tokens=5, num_verified_tokens=3, num_accepted_tokens=2)
+    (delta,) = s.update_from_output(out, ModelRunnerOutput(spec={"a": res}))
+    req = s.get_request("a")
+    assert delta.new_token_ids == (51, 52, 53) and (delta.num_verified_tokens, delta.num_accepted_tokens) == (3, 2)
+    assert req.num_computed_tokens == 5 + 1 + 2 and req.num_tokens == 5 + 4
+    assert s.schedule().chunks[0].token_ids == (53,)
+
+
+def test_spec_tokens_bounded_by_max_tokens_and_stop_truncates() -> None:
+    from deepinfer_engine.core.sched_output import SpecResult
+
+    s = _spec_sched()
+    s.add_request(_req("a", 3, max_tokens=3))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 50}))
+    out = s.schedule()
+    assert out.chunks[0].num_spec_tokens == 1  # 2 more tokens may be emitted: 1 draft + the bonus
+    s.add_request(_req("b", 3, max_tokens=20))
+    s.update_from_output(out, ModelRunnerOutput(spec={"a": SpecResult(
+        token_ids=(51, 52), num_draft_tokens=5, num_verified_tokens=1, num_accepted_tokens=1)}))
+    assert s.get_request("a").output_token_ids == [50, 51, 52]
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"b": 60}))
+    out = s.schedule()
+    # EOS in the middle of a round ends the request there; the tokens after it are dropped
+    (delta,) = s.update_from_output(out, ModelRunnerOutput(spec={"b": SpecResult(
+        token_ids=(61, EOS, 63), num_draft_tokens=5, num_verified_tokens=3, num_accepted_tokens=2)}))
+    assert delta.new_token_ids == (61, EOS) and delta.finish_reason == "stop"
+    assert s.get_request("b").output_token_ids == [60, 61, EOS]
+
+
+def test_spec_tokens_off_without_budget_or_pages() -> None:
+    s = _spec_sched(budget=1)
+    s.add_request(_req("a", 1, max_tokens=10))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 50}))
+    assert s.schedule().chunks[0].num_spec_tokens == 0  # the budget holds only the decode token
+    s = _spec_sched(pages=1)
+    s.add_request(_req("a", 2, max_tokens=10))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 50}))
+    out = s.schedule()
+    # 3 tokens fit the one page; the drafts would need a second page, so the chunk decodes plainly
+    assert out.chunks[0].num_spec_tokens == 0 and s.num_preemptions == 0

@@ -52,6 +52,9 @@ class ScheduledChunk:
     sample: bool
     output_index: int
     num_prompt_tokens: int
+    # speculative decoding: drafts the runner may verify after this chunk's one token (budget and pages are
+    # reserved for them; 0 = plain decode). The runner reports what it emitted in ModelRunnerOutput.spec.
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +92,17 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SpecResult:
+    """One request's speculative round: `token_ids` = accepted drafts then the correction / bonus token (in
+    order, 1 .. 1 + num_accepted ids); drafts proposed / verified by the target / accepted."""
+
+    token_ids: tuple[int, ...]
+    num_draft_tokens: int
+    num_verified_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelRunnerOutput:
     """sampled_token_ids: one per chunk with sample=True, except rows listed in `errors` (req_id -> why the
     request cannot continue, e.g. non-finite logits); the scheduler finishes those with finish_reason "error"."""
@@ -97,6 +111,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # new prompt positions only
     errors: dict[str, str] = field(default_factory=dict)
+    # requests that ran a speculative round (instead of an entry in sampled_token_ids)
+    spec: dict[str, SpecResult] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +132,10 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    # speculative decoding counts of this step (drafts proposed / verified / accepted; 0 without speculation)
+    num_draft_tokens: int = 0
+    num_verified_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

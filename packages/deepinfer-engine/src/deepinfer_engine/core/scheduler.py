@@ -34,6 +34,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
+        num_spec_tokens: int = 0,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -41,6 +42,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.num_spec_tokens = num_spec_tokens  # speculative decoding: most drafts per decode chunk (0 = off)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -163,9 +165,22 @@ class Scheduler:
             n = min(n, self.long_prefill_token_threshold)
         return n
 
+    def _spec_len(self, req: Request, n: int, budget: int) -> int:
+        """Drafts a decode chunk may verify: budget and pages are reserved for them; never more than the
+        request may still emit after its one guaranteed token (max_tokens, max_model_len)."""
+        if self.num_spec_tokens <= 0 or n != 1 or req.num_output_tokens == 0:
+            return 0
+        if req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        k = min(self.num_spec_tokens, budget - n, self.max_model_len - req.num_tokens - 1)
+        if req.max_tokens is not None:
+            k = min(k, req.max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         planned: list[tuple[Request, int]] = []
+        spec: dict[str, int] = {}
         new_reqs: list[Request] = []
         preempted: list[str] = []
 
@@ -183,6 +198,10 @@ class Scheduler:
                     f"({self.kv.num_pages} pages x {self.kv.page_size} tokens): raise kv_cache_memory_bytes or "
                     f"lower max_tokens / max_model_len"))
                 continue
+            k = self._spec_len(req, n, budget)
+            if k and self.kv.allocate(req, n + k):  # drafts only where their pages fit without preempting
+                spec[req.request_id] = k
+                budget -= k
             ok = True
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]  # most recently admitted first (LCFS)
@@ -227,6 +246,7 @@ class Scheduler:
                 sample=req.num_computed_tokens + n == self._num_tokens(req),
                 output_index=self._num_tokens(req) - req.num_prompt_tokens,
                 num_prompt_tokens=req.num_prompt_tokens,
+                num_spec_tokens=spec.get(req.request_id, 0),
             ))
         new_data = tuple(
             NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
@@ -258,16 +278,29 @@ class Scheduler:
                 if plp:
                     updates.append(EngineCoreOutput(req_id=req.request_id, new_prompt_logprobs=plp))
                 continue
-            tok = out.sampled_token_ids[chunk.req_id]
-            req.output_token_ids.append(tok)
-            status = self._stop_status(req, tok)
+            sr = out.spec.get(chunk.req_id)
+            toks = sr.token_ids if sr is not None else (out.sampled_token_ids[chunk.req_id],)
+            # a speculative round: the accepted drafts were fed at the positions after the chunk's token, so
+            # they are in the cache now; the last emitted token is the next one to feed
+            req.num_computed_tokens += len(toks) - 1
+            emitted: list[int] = []
+            status = None
+            for tok in toks:  # stop at the first stop condition: later tokens of the round are dropped
+                req.output_token_ids.append(tok)
+                emitted.append(tok)
+                status = self._stop_status(req, tok)
+                if status is not None:
+                    break
             lp = out.logprobs.get(chunk.req_id)
             if status is not None:
                 self._finish(req, status, emit=False)
             updates.append(EngineCoreOutput(
-                req_id=req.request_id, new_token_ids=(tok,), new_logprobs=(lp,) if lp is not None else (),
+                req_id=req.request_id, new_token_ids=tuple(emitted), new_logprobs=(lp,) if lp is not None else (),
                 new_prompt_logprobs=plp, finish_reason=status.finish_reason if status is not None else None,
-                stop_reason=req.stop_reason, num_preemptions=req.num_preemptions))
+                stop_reason=req.stop_reason, num_preemptions=req.num_preemptions,
+                num_draft_tokens=sr.num_draft_tokens if sr else 0,
+                num_verified_tokens=sr.num_verified_tokens if sr else 0,
+                num_accepted_tokens=sr.num_accepted_tokens if sr else 0))
         return updates
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:

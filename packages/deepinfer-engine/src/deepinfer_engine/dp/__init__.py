@@ -30,6 +30,9 @@ def in_torchrun_world() -> bool:
 
 
 def core_from_config(config: EngineConfig) -> DPEngineCore | DPRankCore:
+    from deepinfer_engine.engine import refuse_unsupported
+
+    refuse_unsupported(config, as_rank=True)  # before any rank starts
     if not in_torchrun_world():
         return DPEngineCore(config)
     from deepinfer_parallel import ParallelConfigError, ParallelState

@@ -8,6 +8,9 @@ target features of the accepted positions go back into the rings with `insert_co
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 from deepinfer_dspark import DraftBlock, DraftHeads
 from torch import Tensor, nn
@@ -15,7 +18,7 @@ from torch import Tensor, nn
 from deepinfer_engine.errors import InputError
 from deepinfer_engine.model import dspark
 from deepinfer_engine.model.cache import ModelCache
-from deepinfer_engine.model.forward_batch import ForwardBatch
+from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 
 __all__ = ["StageDrafter"]
 
@@ -34,10 +37,23 @@ class StageDrafter:
         last = dspark.draft_stages(model)[-1]  # InputError when the model has no DSpark stages
         self.model, self.cache, self.block_tables = model, cache, block_tables
         self.slots = torch.arange(block_tables.shape[0], device=block_tables.device)
-        self._heads = DraftHeads(
+        self._last = last
+        self._heads = self._make_heads(sts)
+        # optional host copy of the round (slots, anchor ids, anchor positions) set by the caller with `slots`
+        self.round_host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
+
+    def _make_heads(self, sts: float | tuple[float, ...]) -> DraftHeads:
+        last = self._last
+        return DraftHeads(
             markov_embed=last.markov_head.w1, markov_head=last.markov_head.w2,
             confidence=last.confidence_head.proj.weight, sts=sts,
         )  # fmt: skip
+
+    def use_sts(self, sts: float | tuple[float, ...]) -> None:
+        """Switch the Confidence Head's STS temperatures (e.g. per decoding mode: greedy and sampled requests
+        accept differently, docs/dspark.md "Proposal")."""
+        if sts != self._heads.sts:
+            self._heads = self._make_heads(sts)
 
     @property
     def block_size(self) -> int:
@@ -59,11 +75,23 @@ class StageDrafter:
                 "(set drafter.slots to the cache slots of this round's requests)"
             )
         offsets = torch.arange(n, device=anchor_positions.device)
+        ids = dspark.draft_block_ids(anchor_ids, n, self.model.args.dspark_noise_token_id)
+        tables = self.block_tables[self.slots]
+        host = None
+        if self.round_host is not None:  # the caller's host copy: no device read-back before the forward
+            slots, anchors, positions = self.round_host
+            if len(slots) != b:
+                raise InputError(f"StageDrafter.round_host: found {len(slots)} requests, expected {b}")
+            block = np.full((b, n), self.model.args.dspark_noise_token_id, dtype=np.int64)
+            block[:, 0] = anchors
+            host = StepHost(ctx_lens=tuple(int(p) for p in positions), input_ids=block.reshape(-1),
+                            block_tables=np.full(tuple(tables.shape), -1, dtype=np.int32))
+        else:
+            slots = tuple(self.slots.tolist())
         batch = ForwardBatch(
-            input_ids=dspark.draft_block_ids(anchor_ids, n, self.model.args.dspark_noise_token_id),
-            positions=(anchor_positions[:, None] + offsets[None, :]).reshape(-1),
-            query_lens=(n,) * b, slots=tuple(self.slots.tolist()), block_tables=self.block_tables[self.slots],
-            logits_indices=torch.zeros(1, dtype=torch.int64, device=anchor_ids.device),
+            input_ids=ids, positions=(anchor_positions[:, None] + offsets[None, :]).reshape(-1),
+            query_lens=(n,) * b, slots=tuple(int(s) for s in slots), block_tables=tables,
+            logits_indices=torch.zeros(1, dtype=torch.int64, device=anchor_ids.device), host=host,
         )  # fmt: skip
         out = dspark.draft_block(self.model, batch, self.cache)
         return DraftBlock(base_logits=out.base_logits.view(b, n, -1), hidden=out.hidden.view(b, n, -1))

@@ -58,6 +58,9 @@ class LaunchedStep:
     logprobs: tuple[torch.Tensor, ...] | None = None
     prompt_targets: list[tuple[str, int, int]] = field(default_factory=list)
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None
+    spec_round: Any = None  # the speculative round verified in this step (worker/spec_decode.py) or None
+    spec: dict[str, Any] = field(default_factory=dict)  # its per-request results (SpecResult)
+    errors: dict[str, str] = field(default_factory=dict)  # per-request errors found while verifying
 
 
 def _default_batch_cls() -> type:
@@ -82,6 +85,7 @@ class ModelRunner:
         eos_token_ids: Sequence[int] = (),
         batch_cls: type | None = None,
         cuda_graphs: Any = None,
+        spec: Any = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -92,6 +96,7 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.input_batch = InputBatch(self.device)
         self.cuda_graphs = cuda_graphs  # worker.cuda_graph.CudaGraphRunner (decode steps replayed) or None
+        self.spec = spec  # speculative decoding (worker/spec_decode.SpecDecoder) or None
 
     def _banned(self, st: _RequestState, output_index: int) -> tuple[int, ...]:
         # output_index, not len(output_ids): with asynchronous scheduling the list lags the step by one token
@@ -129,12 +134,15 @@ class ModelRunner:
             self._sampled([], None)
             return LaunchedStep()
 
+        # speculative decoding: drafts extend the decode chunks that verify them (worker/spec_decode.py)
+        rnd = self.spec.begin(sched.chunks, self.states, self.device) if self.spec is not None else None
+        chunks = sched.chunks if rnd is None else rnd.chunks
         logit_rows: list[int] = []
         sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
         plp_at: list[tuple[str, int, int]] = []  # (req_id, index into logit_rows, target prompt index j)
         row = 0
         known: list[int] = []  # per chunk, its request's known tokens (prefill truncation; 0 = every row needed)
-        for c in sched.chunks:
+        for c in chunks:
             st = self.states[c.req_id]
             n = c.num_tokens
             known.append(0 if st.params.prompt_logprobs is not None else c.num_prompt_tokens + c.output_index)
@@ -144,31 +152,39 @@ class ModelRunner:
                     if st.next_prompt_logprob <= j < len(st.prompt_ids):
                         plp_at.append((c.req_id, len(logit_rows), j))
                         logit_rows.append(row + p - c.start_position)
-            if c.sample:
+            if rnd is not None and c.req_id in rnd.index:  # every row of [g, d_1 .. d_m] is verified
+                rnd.logit_rows.append(len(logit_rows))
+                logit_rows.extend(range(row, row + n))
+            elif c.sample:
                 sample_at.append((c.req_id, len(logit_rows)))
                 logit_rows.append(row + n - 1)
             row += n
 
-        inp = self.input_batch.prepare(sched.chunks, logit_rows)
+        inp = self.input_batch.prepare(chunks, logit_rows)
         self._resolve_placeholders(sched, inp)
         batch = self.batch_cls(
             input_ids=inp.input_ids, positions=inp.positions, query_lens=inp.query_lens, slots=inp.slots,
             block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
             seq_of_token=inp.seq_of_token, known_lens=tuple(known),
         )  # fmt: skip
-        graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
-        # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
-        logits = self.cuda_graphs.run(batch, graph) if graph is not None else None
-        if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
-            logits = self.model(batch, self.cache)
+        step = LaunchedStep(spec_round=rnd)
+        if rnd is not None:  # a verify step runs eagerly: it feeds several rows per sequence and reads features
+            out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
+            logits = out.logits
+            step.spec, step.errors = self.spec.finish(rnd, out, batch.num_tokens)
+        else:
+            graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
+            # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
+            logits = self.cuda_graphs.run(batch, graph) if graph is not None else None
+            if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+                logits = self.model(batch, self.cache)
         if not logit_rows:
             self._sampled([], None)
-            return LaunchedStep()
+            return step
         logits = logits.float()
 
-        step = LaunchedStep()
         if sample_at:
-            chunk_by_id = {c.req_id: c for c in sched.chunks}
+            chunk_by_id = {c.req_id: c for c in chunks}
             chunks = [chunk_by_id[rid] for rid, _ in sample_at]
             states = [self.states[rid] for rid, _ in sample_at]
             sbatch = build_sampling_batch(
@@ -207,7 +223,7 @@ class ModelRunner:
         `step`'s tensors may already be host copies (asynchronous scheduling: worker/async_output.py)."""
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        errors: dict[str, str] = {}
+        errors: dict[str, str] = dict(step.errors)
         if step.sampled:
             tokens = step.token_ids.tolist()
             lp = [t.tolist() for t in step.logprobs] if step.logprobs is not None else None
@@ -228,5 +244,7 @@ class ModelRunner:
                 prompt_logprobs.setdefault(rid, []).append(TokenLogprobs(
                     token_id=token_id, logprob=chosen[k], rank=rank[k],
                     top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
+        if step.spec_round is not None:
+            self.spec.after_sampling(step.spec_round, sampled, self.states)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                 errors=errors)
+                                 errors=errors, spec=step.spec)

@@ -34,7 +34,9 @@ def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, num_cols: int) -
     """Uniform noise in the open interval (0, 1), a pure function of (seed, offset, column).
 
     seeds: [N] int64 (any 64-bit value); offsets: [N] int64 (e.g. the output position being sampled);
-    returns [N, num_cols] float32. Values are k/2**24 + 2**-25, never 0 or 1, so -log(u) is finite and > 0.
+    returns [N, num_cols] float32. Values are k/2**24 + 2**-25, never 0 or 1, so -log(u) is finite and > 0
+    (the top value 1 - 2**-25 is not a float32 and would round to 1.0: it is clamped to 1 - 2**-24; at 1.0 the
+    exponential race divided by -log(1) = 0 and picked masked tokens through NaN).
     """
     seeds = seeds.to(torch.int64)
     offsets = offsets.to(torch.int64)
@@ -46,7 +48,7 @@ def counter_uniform(seeds: torch.Tensor, offsets: torch.Tensor, num_cols: int) -
     cols = torch.arange(num_cols, device=seeds.device, dtype=torch.int64)
     h = _mix32(row_key[:, None] + cols[None, :] * _GOLDEN)
     h = _mix32(h ^ row_key2[:, None])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return (((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp(max=1.0 - 2.0**-24)
 
 
 def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

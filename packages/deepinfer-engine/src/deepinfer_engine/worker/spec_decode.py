@@ -1,0 +1,424 @@
+"""Speculative decoding inside one engine step (docs/dspark.md "Engine integration").
+
+The scheduler reserves token budget and cache pages for up to `ScheduledChunk.num_spec_tokens` drafts after a
+decode chunk's one token (the golden token g at position p). Per step, for the decode chunks that may speculate:
+
+1. `begin`: propose a block of N drafts per request with the draft model (`deepinfer_dspark.propose`; its rings
+   hold the target context of positions < p), choose how many to verify (`schedule_verification`: verify_all,
+   threshold or cost), and extend each chunk to `[g, d_1 .. d_m]` at positions p .. p + m.
+2. The runner runs ONE target forward over every chunk of the step (prefill chunks, plain decode chunks and the
+   verify chunks) and captures the draft model's target layers.
+3. `finish`: exact verification (`deepinfer_dspark.verify`: greedy argmax agreement, or rejection sampling
+   against the target distribution after temperature / top-k / top-p / min-p), statistics, the latency model's
+   online correction, and the draft context: the target features of every position this step made part of a
+   sequence (all rows of prefill / plain chunks, rows 0 .. num_accepted of verify chunks) go into the draft rings.
+
+Rollback needs no copying: every cache family is addressed by absolute position, so the rows the verify forward
+wrote for rejected drafts (window rings, compressor state, compressed pages, index keys, Engram token ring) are
+overwritten when the sequence reaches those positions again; the rings keep `slack` extra rows so a rollback of
+up to slack + 1 positions leaves the rows the next step reads intact (`ModelCache.check_resume` guards it). The
+draft rings are written only for accepted positions. The scheduler advances `num_computed_tokens` by the
+accepted drafts only.
+
+Requests that need per-token state the verifier does not model (penalties, logprobs, min_tokens still pending)
+decode without drafts in the same batch; they are sampled by the runner's sampler as usual.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from deepinfer_dspark import (
+    AcceptanceStats,
+    DraftProposal,
+    LatencyModel,
+    VerifyPolicy,
+    propose,
+    schedule_verification,
+    verify,
+    verify_counter_uniforms,
+)
+from deepinfer_kernels.sampling import mask_logits
+from torch import Tensor
+
+from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
+from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
+
+__all__ = ["SpecDecoder", "SpecRound", "profile_target_latency"]
+
+
+@dataclass(kw_only=True)
+class SpecRound:
+    """One step's speculative state between `begin` and `finish` (B = verifying requests, round order)."""
+
+    chunks: tuple[ScheduledChunk, ...]  # the step's chunks; verify chunks carry [g, d_1 .. d_m]
+    index: dict[str, int]  # req_id -> b
+    req_ids: list[str] = field(default_factory=list)
+    proposal: DraftProposal | None = None
+    num_drafts: Tensor | None = None  # [B] int64
+    drafts_host: list[int] = field(default_factory=list)
+    positions: Tensor | None = None  # [B] int64 anchor positions p
+    seeds: Tensor | None = None  # [B] int64
+    greedy: list[bool] = field(default_factory=list)
+    params: list[Any] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # per b: first logits row of its m + 1 rows
+    started: float = 0.0
+    keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
+    results: dict[str, SpecResult] = field(default_factory=dict)
+    hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
+
+
+class SpecDecoder:
+    """The per-step speculative flow over a `deepinfer_dspark.DraftModel` (the model's draft stages).
+
+    drafter: the DraftModel, with `slots` (the cache slot of each request of a round) and
+        `insert_context(batch, features)` (writes the draft rings for accepted positions).
+    capture: target layer ids whose features the drafter reads (the forward captures them).
+    sts: STS temperatures of the Confidence Head per decoding mode ("greedy" / "sampling"), {} = none.
+    """
+
+    def __init__(
+        self,
+        drafter: Any,
+        *,
+        policy: VerifyPolicy,
+        latency: LatencyModel | None,
+        capture: tuple[int, ...],
+        max_position: int,
+        online_latency: bool = True,
+        sts: Mapping[str, float | tuple[float, ...]] | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.policy = policy
+        self.latency = latency
+        self.capture = tuple(capture)
+        self.max_position = int(max_position)
+        self.online_latency = online_latency
+        self.block_size = int(drafter.block_size)
+        self.stats = AcceptanceStats(self.block_size)
+        self.sts = dict(sts or {})
+
+    def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
+                   online_latency: bool | None = None) -> None:
+        """Switch the verification policy of a running engine (benchmarks compare policies on one load)."""
+        if policy.kind == "cost" and latency is None and self.latency is None:
+            raise ValueError("set_policy: the cost policy needs a LatencyModel")
+        self.policy = policy
+        if latency is not None:
+            self.latency = latency
+        if online_latency is not None:
+            self.online_latency = online_latency
+
+    def reset_stats(self) -> AcceptanceStats:
+        """Start a new run's statistics; returns the previous accumulator."""
+        old, self.stats = self.stats, AcceptanceStats(self.block_size)
+        return old
+
+    # ------------------------------------------------------------------------------------------ which requests
+    def speculates(self, chunk: ScheduledChunk, st: Any) -> bool:
+        """Whether this decode chunk runs a speculative round (the verifier models the request's sampling)."""
+        if chunk.num_spec_tokens <= 0 or chunk.num_tokens != 1 or not chunk.sample:
+            return False
+        if chunk.start_position + self.block_size > self.max_position:  # the draft block's positions must exist
+            return False
+        p = st.params
+        return p.logprobs is None and not p.uses_penalties and len(st.output_ids) >= p.min_tokens
+
+    # ------------------------------------------------------------------------------------------ 1. propose
+    @torch.no_grad()
+    def begin(self, chunks: Sequence[ScheduledChunk], states: Mapping[str, Any], device: torch.device) -> SpecRound:
+        started = time.perf_counter()  # the step the policy trades against includes the draft pass
+        picked = [c for c in chunks if self.speculates(c, states[c.req_id])]
+        can_draft = getattr(self.drafter, "can_draft", None)
+        if can_draft is not None:  # drafters whose draft comes from the previous step (MTP)
+            picked = [c for c in picked if can_draft(c.slot, c.start_position)]
+        rnd = SpecRound(chunks=tuple(chunks), index={c.req_id: b for b, c in enumerate(picked)})
+        if not picked:
+            return rnd
+        sts = [states[c.req_id] for c in picked]
+        rnd.req_ids = [c.req_id for c in picked]
+        rnd.params = [s.params for s in sts]
+        rnd.greedy = [bool(p.greedy) for p in rnd.params]
+        host = np.asarray([[c.token_ids[0], c.start_position, c.slot, min(c.num_spec_tokens, self.block_size),
+                            s.seed & 0x7FFFFFFFFFFFFFFF] for c, s in zip(picked, sts)], dtype=np.int64)
+        dev = torch.from_numpy(host).to(device, non_blocking=device.type == "cuda")
+        anchors, rnd.positions, slots, max_drafts, rnd.seeds = dev.unbind(1)
+        temps = torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, rnd.params)],
+                             dtype=torch.float32).to(device)
+        self.drafter.slots = slots
+        self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
+        mode = "greedy" if all(rnd.greedy) else "sampling"
+        if hasattr(self.drafter, "use_sts"):
+            self.drafter.use_sts(self.sts.get(mode, 1.0))
+        prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
+                       seeds=None if all(rnd.greedy) else rnd.seeds)
+        base = sum(c.num_tokens for c in chunks if c.req_id not in rnd.index)
+        # the policy runs on the host: it is a few small sorts and scans, and m is needed there anyway (the verify
+        # chunks' tokens); one copy brings the drafts and the survivals over
+        surv = prop.survival()
+        wide = prop.draft_ids.to(torch.float64) if surv is None else torch.cat(
+            [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
+        wide = wide.cpu()  # the one host read before the forward
+        n = self.block_size
+        m = schedule_verification(self.policy, torch.from_numpy(host[:, 3].copy()),
+                                  survival=None if surv is None else wide[:, n:].to(torch.float32),
+                                  latency=self.latency, base_tokens=base)
+        ids = wide[:, :n].to(torch.int64).tolist()
+        rnd.drafts_host = [int(k) for k in m.tolist()]
+        rnd.proposal, rnd.num_drafts = prop, m.to(device)
+        both = [[k, *row] for k, row in zip(rnd.drafts_host, ids)]
+        out = []
+        for c in chunks:
+            b = rnd.index.get(c.req_id)
+            if b is None:
+                out.append(c)
+                continue
+            k = both[b][0]
+            out.append(replace(c, token_ids=(c.token_ids[0], *both[b][1 : 1 + k])))
+        rnd.chunks = tuple(out)
+        rnd.started = started
+        return rnd
+
+    # ------------------------------------------------------------------------------------------ 3. verify
+    def _target(self, logits: Tensor, rnd: SpecRound) -> Tensor:
+        """Target distributions of the verify rows (probabilities after temperature / top-k / top-p / min-p;
+        greedy rows only need their argmax, which the softmax keeps)."""
+        if all(rnd.greedy):
+            return logits
+        reps = torch.tensor([k + 1 for k in rnd.drafts_host])
+
+        def per_row(values: list[float], dtype: torch.dtype) -> Tensor:
+            return torch.repeat_interleave(torch.tensor(values, dtype=dtype), reps).to(logits.device)
+
+        ps = rnd.params
+        temp = per_row([1.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, ps)], torch.float32)
+        scaled = logits / temp[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in ps):
+            scaled = mask_logits(scaled, top_k=per_row([max(p.top_k, 0) for p in ps], torch.int64),
+                                 top_p=per_row([float(p.top_p) for p in ps], torch.float32),
+                                 min_p=per_row([float(p.min_p) for p in ps], torch.float32))
+        return torch.softmax(scaled, dim=-1)
+
+    @torch.no_grad()
+    def finish(self, rnd: SpecRound, out: Any, num_tokens: int) -> tuple[dict[str, SpecResult], dict[str, str]]:
+        """Verify the round, insert the draft context of the step, update statistics and the latency model.
+
+        out: the target's `ModelOutput` of the step: logits rows (the round's rows at `rnd.logit_rows`, m + 1
+        consecutive rows each), `features` `{layer: [T, d]}` captured over the step's T = num_tokens rows, the
+        final streams `hidden`. Returns (results, errors).
+        """
+        logits, features = out.logits, out.features
+        rnd.hidden = out.hidden
+        results: dict[str, SpecResult] = {}
+        errors: dict[str, str] = {}
+        accepted_rows = {c.req_id: c.num_tokens for c in rnd.chunks}  # rows of each chunk now in the sequence
+        if rnd.req_ids:
+            rows = torch.cat([torch.arange(r, r + k + 1) for r, k in zip(rnd.logit_rows, rnd.drafts_host)])
+            raw = logits.index_select(0, rows.to(logits.device)).float()
+            bad = ~torch.isfinite(raw.amax(-1))
+            target = self._target(raw, rnd)
+            greedy = torch.tensor(rnd.greedy, dtype=torch.bool, device=raw.device)
+            uniforms = verify_counter_uniforms(rnd.seeds, rnd.positions, self.block_size)
+            res = verify(target, rnd.proposal, rnd.num_drafts, greedy=greedy, uniforms=uniforms)
+            seg = torch.repeat_interleave(torch.arange(len(rnd.req_ids), device=raw.device),
+                                          rnd.num_drafts + 1)
+            nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.int64, device=raw.device).index_add_(
+                0, seg, bad.to(torch.int64))
+            packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
+            host = packed.tolist()  # the step's one host read of the round
+            if self.latency is not None and self.online_latency:
+                self.latency.observe(num_tokens, max(time.perf_counter() - rnd.started, 1e-9))
+            acc = [row[0] for row in host]
+            self.stats.update(acc, rnd.drafts_host)
+            for b, rid in enumerate(rnd.req_ids):
+                a = acc[b]
+                if host[b][1]:
+                    errors[rid] = ("the model's logits are not finite (NaN or Inf) in a speculative verify step: "
+                                   "the checkpoint or a kernel produced invalid values")
+                    accepted_rows[rid] = 0
+                    continue
+                results[rid] = SpecResult(token_ids=tuple(host[b][2 : 3 + a]), num_draft_tokens=self.block_size,
+                                          num_verified_tokens=rnd.drafts_host[b], num_accepted_tokens=a)
+                accepted_rows[rid] = a + 1
+        self.insert_context(rnd.chunks, accepted_rows, features)
+        rnd.keep, rnd.results = accepted_rows, results
+        return results, errors
+
+    @torch.no_grad()
+    def after_sampling(self, rnd: SpecRound, sampled: Mapping[str, int], states: Mapping[str, Any]) -> None:
+        """After the runner sampled the step's other chunks: drafters that draft from this step's target
+        streams (`after_step`, MTP) get every position the step added and the token that follows it."""
+        after = getattr(self.drafter, "after_step", None)
+        if after is None or rnd.hidden is None:
+            return
+        next_ids: dict[str, list[int]] = {}
+        for c in rnd.chunks:
+            r = rnd.results.get(c.req_id)
+            if r is not None:
+                next_ids[c.req_id] = list(r.token_ids)
+            elif c.req_id not in rnd.index:
+                st = states[c.req_id]
+                end = c.start_position + c.num_tokens
+                if c.sample:
+                    if c.req_id not in sampled:
+                        continue
+                    tail = [sampled[c.req_id]]
+                else:  # the next known token of the prompt (or of the outputs, when recomputing)
+                    p = len(st.prompt_ids)
+                    tail = [st.prompt_ids[end] if end < p else st.output_ids[end - p]]
+                next_ids[c.req_id] = list(c.token_ids[1:]) + tail
+        after(rnd.chunks, rnd.keep, next_ids, rnd.hidden)
+
+    def insert_context(self, chunks: Sequence[ScheduledChunk], keep: Mapping[str, int],
+                       features: Mapping[int, Tensor]) -> None:
+        """Draft rings <- target features of the first keep[req] rows of each chunk (positions that are now
+        part of the sequence). Rows of rejected drafts are never inserted."""
+        if not self.capture or not hasattr(self.drafter, "insert_context"):
+            return
+        starts, lens, slots, rows = [], [], [], []
+        row = 0
+        for c in chunks:
+            k = keep.get(c.req_id, 0)
+            if k > 0:
+                starts.append(c.start_position)
+                lens.append(k)
+                slots.append(c.slot)
+                rows.append(np.arange(row, row + k, dtype=np.int64))
+            row += c.num_tokens
+        if not lens:
+            return
+        rows_np = np.concatenate(rows)
+        pos_np = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lens)])
+        device = next(iter(features.values())).device
+        packed = torch.from_numpy(np.concatenate([rows_np, pos_np])).to(device, non_blocking=device.type == "cuda")
+        sel, positions = packed.split([rows_np.size, pos_np.size])
+        ids = np.zeros(pos_np.size, dtype=np.int64)
+        tables = np.full((len(lens), 1), -1, dtype=np.int32)
+        batch = ForwardBatch(
+            input_ids=torch.zeros_like(positions), positions=positions, query_lens=tuple(lens), slots=tuple(slots),
+            block_tables=torch.from_numpy(tables).to(device), logits_indices=positions[:0],
+            host=StepHost(ctx_lens=tuple(starts), input_ids=ids, block_tables=tables),
+        )  # fmt: skip
+        self.drafter.insert_context(batch, {lid: f.index_select(0, sel) for lid, f in features.items()})
+
+
+def profile_target_latency(
+    forward: Callable[[ForwardBatch], object], *, block_size: int, max_tokens: int, num_slots: int, pages: int,
+    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 3,
+) -> LatencyModel:
+    """The cost policy's latency curve T(Q): the target forward over Q query tokens, timed at start-up (before
+    any request holds cache rows) at Q = 1, 2, 4, ... up to `max_tokens`, as ceil(Q / (N + 1)) sequences of at
+    most N + 1 tokens (a verify step's shape), each in its own slot and pages. `forward(batch)` runs the model;
+    the caller resets the slots afterwards."""
+    per = block_size + 1
+    need = -(-per // page_size)
+    cap = min(max_tokens, num_slots * per, (pages // need) * per)
+    sizes = sorted({q for q in [1 << i for i in range(20)] + [cap] if 1 <= q <= cap})
+    if len(sizes) < 2:
+        sizes = [1, 2]
+
+    def step(q: int) -> None:
+        lens = [per] * (q // per) + ([q % per] if q % per else [])
+        s = len(lens)
+        ids = np.full(q, 100, dtype=np.int64)
+        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+        tables = (np.arange(s * need, dtype=np.int32).reshape(s, need))
+        batch = ForwardBatch(
+            input_ids=torch.from_numpy(ids).to(device), positions=torch.from_numpy(pos).to(device),
+            query_lens=tuple(lens), slots=tuple(range(s)), block_tables=torch.from_numpy(tables).to(device),
+            logits_indices=torch.arange(q, device=device),
+            host=StepHost(ctx_lens=(0,) * s, input_ids=ids, block_tables=tables),
+        )  # fmt: skip
+        forward(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return LatencyModel.profile(step, sizes, warmup=1, repeats=repeats, ema=ema)
+
+
+def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, num_pages: int,
+                       device: torch.device) -> tuple[SpecDecoder, int]:
+    """The engine's speculative decoder for `config.speculative` (method "dspark": the checkpoint's DSpark
+    stages behind `StageDrafter`) and the drafts per step the scheduler reserves. ConfigError when the
+    checkpoint cannot serve the method or the cache cannot roll back that many drafts."""
+    import json
+    from pathlib import Path
+
+    from deepinfer_engine.config import affine_latency
+    from deepinfer_engine.errors import ConfigError
+    from deepinfer_engine.model.dspark_drafter import StageDrafter
+
+    spec = config.speculative
+    args = model.args
+    if spec.speculative_method == "mtp":
+        return _build_mtp(spec, model, cache)
+    if not args.has_dspark or getattr(model, "mtp", None) is None:
+        raise ConfigError(
+            "speculative_method='dspark': found a checkpoint without DSpark draft stages (dspark_block_size "
+            "missing); expected a V4.1 / V4-0731 checkpoint. Fix: leave speculative_method unset"
+        )
+    block = int(args.dspark_block_size)
+    k = spec.num_speculative_tokens or block
+    if k > block:
+        raise ConfigError(f"num_speculative_tokens: found {k}, expected <= the checkpoint's dspark_block_size {block}")
+    if k > cache.slack + 1:
+        raise ConfigError(f"num_speculative_tokens: found {k}, expected <= the cache rollback slack + 1 "
+                          f"({cache.slack + 1}): a rejected tail must not overwrite rows the next step reads")
+    policy = VerifyPolicy(kind=spec.speculative_policy, threshold=float(spec.speculative_threshold))
+    sts: dict[str, Any] = {}
+    sts_file = Path(model_dir) / "dspark_sts.json" if model_dir is not None else None
+    if sts_file is not None and sts_file.exists():  # post-hoc Confidence Head calibration shipped with the weights
+        raw = json.loads(sts_file.read_text())
+        sts = {mode: tuple(float(t) for t in v) if isinstance(v, list) else float(v) for mode, v in raw.items()
+               if mode in ("greedy", "sampling")}
+    tables = torch.full((cache.num_slots, 1), -1, dtype=torch.int32, device=device)  # the stages own no pages
+    drafter = StageDrafter(model, cache, tables)
+    if policy.kind in ("threshold", "cost") and drafter.heads.confidence is None:
+        raise ConfigError(f"speculative_policy: found {policy.kind!r}, but the checkpoint has no Confidence Head; "
+                          "use verify_all")
+    latency, online = None, True
+    if policy.kind == "cost":
+        max_tokens = config.scheduler.max_num_batched_tokens
+        fixed = affine_latency(spec.speculative_latency)
+        if fixed is not None:
+            latency, online = LatencyModel.affine(fixed[0], fixed[1], max_tokens), False
+        else:
+            latency = profile_target_latency(
+                lambda b: model.forward_features(b, cache), block_size=block, max_tokens=min(
+                    max_tokens, config.scheduler.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
+                pages=num_pages, page_size=cache.page_size, device=device)
+            for s in range(cache.num_slots):  # no request holds these rows yet: leave every slot fresh
+                cache.reset_slot(s)
+                cache.high_water[s] = 0
+    decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
+                          max_position=int(args.max_position_embeddings), online_latency=online, sts=sts)
+    return decoder, k
+
+
+def _build_mtp(spec: Any, model: Any, cache: Any) -> tuple[SpecDecoder, int]:
+    """V4's MTP block as a one-token drafter (worker/mtp_draft.py): verify_all only (no Confidence Head)."""
+    from deepinfer_engine.errors import ConfigError
+    from deepinfer_engine.worker.mtp_draft import MTPDrafter
+
+    args = model.args
+    if args.has_dspark or getattr(model, "mtp", None) is None or not int(args.num_nextn_predict_layers):
+        raise ConfigError(
+            "speculative_method='mtp': found a checkpoint without a V4 MTP block (num_nextn_predict_layers = 0, or "
+            "DSpark stages instead); expected a V4-Flash checkpoint. Fix: speculative_method='dspark' for DSpark "
+            "checkpoints, or leave it unset"
+        )
+    k = spec.num_speculative_tokens or 1
+    if k != 1:
+        raise ConfigError(f"num_speculative_tokens: found {k} with speculative_method='mtp', expected 1 (one MTP "
+                          "block drafts one token)")
+    if spec.speculative_policy != "verify_all":
+        raise ConfigError(f"speculative_policy: found {spec.speculative_policy!r} with speculative_method='mtp', "
+                          "expected verify_all (the MTP block has no Confidence Head)")
+    decoder = SpecDecoder(MTPDrafter(model, cache), policy=VerifyPolicy(kind="verify_all"), latency=None, capture=(),
+                          max_position=int(args.max_position_embeddings))
+    return decoder, 1

@@ -1,0 +1,285 @@
+"""Speculative decoding in the engine loop (worker/spec_decode.py): lossless greedy output with the checkpoint's
+DSpark stages, with V4's MTP block, and with a stand-in drafter that proposes mostly-right drafts (mixed acceptance, rollback of every
+cache family, chunked prefill, preemption), the emitted distribution at temperature > 0 against the target's
+exact distribution, per-request metrics, and the typed configuration errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from deepinfer_dspark import DraftBlock, DraftHeads
+from deepinfer_engine import LLM, SamplingParams
+from deepinfer_engine.errors import ConfigError
+from deepinfer_engine.model.writer import make_checkpoint
+
+PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18]]  # mixed lengths
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("spec")
+    return {"v41": make_checkpoint(root / "v41", "v41", "tiny", 0),
+            "v4-0731": make_checkpoint(root / "v4d", "v4", "tiny-dspark", 0)}
+
+
+def _llm(path: Path, **kw) -> LLM:
+    page = 4 if path.name == "v41" else 8  # a multiple of every compress ratio
+    return LLM(str(path), device="cpu", dtype="float32", page_size=page, **kw)
+
+
+def _use_policy(llm: LLM, kind: str) -> None:
+    """Switch the running engine's verification policy (one model load serves every policy)."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+
+    spec = llm.engine.runner.spec
+    spec.policy = VerifyPolicy(kind=kind)
+    spec.latency = LatencyModel.affine(0.01, 0.001, 64) if kind == "cost" else None
+    spec.online_latency = False
+    spec.reset_stats()
+
+
+def _ids(outs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def v41_reference(ckpts) -> list[list[int]]:
+    """Plain greedy outputs of PROMPTS on tiny V4.1 (14 tokens; shorter runs are prefixes)."""
+    return _ids(_llm(ckpts["v41"]).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+                                            use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def v41_spec(ckpts) -> LLM:
+    """One speculative engine for the V4.1 tests: a 10-token step budget (prefill chunks beside verify chunks)
+    and 12 pages of 4 tokens, too few for the four requests at once (preemption + recompute)."""
+    return _llm(ckpts["v41"], max_num_batched_tokens=10, num_kv_pages=12, speculative_config={"method": "dspark"})
+
+
+def test_greedy_speculation_equals_plain_greedy_with_checkpoint_drafter(ckpts, v41_reference, v41_spec) -> None:
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [r[:6] for r in v41_reference]
+    for policy in ("verify_all", "threshold", "cost"):
+        _use_policy(v41_spec, policy)
+        outs = v41_spec.generate(PROMPTS, sp, use_tqdm=False)
+        assert _ids(outs) == want, policy
+        stats = v41_spec.engine.runner.spec.stats
+        assert stats.request_steps > 0 and stats.num_draft_tokens == 5 * stats.request_steps
+        m = [o.metrics for o in outs]
+        assert sum(x.num_verified_tokens for x in m) == stats.num_verified_tokens
+        assert sum(x.num_accepted_tokens for x in m) == stats.num_accepted_tokens
+    # V4-0731: V4 backbone (learned hc_head, CSA / HCA) with DSpark stages reading layer outputs
+    plain = _ids(_llm(ckpts["v4-0731"]).generate(PROMPTS[:3], sp, use_tqdm=False))
+    llm = _llm(ckpts["v4-0731"], max_num_batched_tokens=8, speculative_config={"method": "dspark"})
+    assert _ids(llm.generate(PROMPTS[:3], sp, use_tqdm=False)) == plain
+
+
+class OracleDrafter:
+    """A stand-in `DraftModel`: proposes the reference continuation of each request, wrong at positions
+    q with q % 4 == 0 or q % 7 == 1, so rounds accept 0 .. 3 drafts. `seq_of_slot(slot)` gives the full reference
+    token sequence of the request in that cache slot."""
+
+    def __init__(self, vocab: int, seq_of_slot, *, block_size: int = 5) -> None:
+        self.block_size, self.vocab, self.seq_of_slot = block_size, vocab, seq_of_slot
+        w = torch.zeros(vocab, 2)
+        conf = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # hidden[0] carries a confidence logit
+        self.heads = DraftHeads(markov_embed=w, markov_head=w, confidence=conf)
+        self.slots = None
+        self.round_host = None
+
+    def draft_block(self, anchor_ids, anchor_positions) -> DraftBlock:
+        b, n = anchor_ids.shape[0], self.block_size
+        logits = torch.zeros(b, n, self.vocab)
+        hidden = torch.zeros(b, n, 2)
+        for i, (slot, p) in enumerate(zip(self.slots.tolist(), anchor_positions.tolist())):
+            seq = self.seq_of_slot(slot)
+            for j in range(n):
+                q = p + 1 + j
+                right = q < len(seq) and q % 4 != 0 and q % 7 != 1
+                tok = seq[q] if q < len(seq) else 7
+                logits[i, j, tok if right else (tok + 1) % self.vocab] = 30.0
+                hidden[i, j, 0] = 4.0 if right else -4.0
+        return DraftBlock(base_logits=logits, hidden=hidden)
+
+
+def _oracle_run(llm: LLM, prompts, sp, reference) -> list[list[int]]:
+    eng = llm.engine
+    full = {str(i): list(p) + list(r) for i, (p, r) in enumerate(zip(prompts, reference))}
+
+    def seq_of_slot(slot: int) -> list[int]:
+        kv = eng.scheduler.kv
+        (rid,) = [r for r in eng.scheduler.requests if r in kv._slots and kv.slot(r) == slot]
+        return full[rid]
+
+    eng.runner.spec.drafter = OracleDrafter(int(eng.args.vocab_size), seq_of_slot)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, sp)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [list(done[str(i)].outputs[0].token_ids) for i in range(len(prompts))], done
+
+
+def test_greedy_lossless_with_mixed_acceptance_chunked_prefill_and_preemption(v41_reference, v41_spec) -> None:
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    real = v41_spec.engine.runner.spec.drafter
+    preempted = v41_spec.engine.scheduler.num_preemptions
+    try:
+        for policy in ("verify_all", "threshold", "cost"):
+            _use_policy(v41_spec, policy)
+            got, done = _oracle_run(v41_spec, PROMPTS, sp, v41_reference)
+            assert got == v41_reference, policy
+            stats = v41_spec.engine.runner.spec.stats
+            assert stats.mean_accepted_length > 1.5, stats.as_dict()  # drafts really were accepted
+            assert 0 < stats.histogram[0] and sum(stats.histogram[1:]) > 0  # ... and rejected
+            m = [o.metrics for o in done.values()]
+            assert sum(x.num_accepted_tokens for x in m) == stats.num_accepted_tokens
+            assert all(x.mean_accepted_length is None or x.mean_accepted_length >= 1 for x in m)
+    finally:
+        v41_spec.engine.runner.spec.drafter = real
+    assert v41_spec.engine.scheduler.num_preemptions > preempted
+
+
+def _masked_probs(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    vals, idx = logits.topk(top_k)
+    return torch.zeros_like(logits).scatter_(0, idx, torch.softmax(vals, 0))
+
+
+@pytest.mark.slow  # ~80 s on 2 busy cores: 300 samples, each proposing over the full 129,280-token vocabulary
+def test_sampled_speculation_emits_the_target_distribution(ckpts) -> None:
+    """(t1, t2) of 240 samples (temperature 1, top_k 3: 9 outcomes) with speculation (the stand-in drafter
+    proposes t2 with the wrong probabilities, so acceptance and the residual both occur) against the exact
+    target probabilities from the model itself. Pearson chi-square, 8 degrees of freedom, significance 0.001
+    (critical value 26.12): the sampler is counter-based, so the outcome is deterministic."""
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.forward_batch import ForwardBatch
+
+    llm = _llm(ckpts["v41"], max_num_seqs=60, speculative_config={"method": "dspark"})
+    eng = llm.engine
+    model = eng.runner.model
+    prompt = [0, 21, 22, 23]
+    k, n = 3, 240
+
+    def next_probs(ids: list[int]) -> torch.Tensor:
+        cache, bt = ModelCache.allocate_dense(model.args, [len(ids) + 1], dtype=torch.float32)
+        b = ForwardBatch(input_ids=torch.tensor(ids), positions=torch.arange(len(ids)), query_lens=(len(ids),),
+                         slots=(0,), block_tables=bt, logits_indices=torch.tensor([len(ids) - 1]))
+        return _masked_probs(model(b, cache)[0].double(), k)
+
+    p1 = next_probs(prompt)
+    firsts = p1.nonzero().squeeze(1).tolist()
+    expected = {(a, b): float(p1[a] * p2[b]) for a in firsts for p2 in [next_probs(prompt + [a])]
+                for b in p2.nonzero().squeeze(1).tolist()}
+    cand = {a: sorted({b for (x, b) in expected if x == a}) for a in firsts}
+
+    class Skewed(OracleDrafter):  # drafts t2 from the target's own support, with inverted preferences
+        def draft_block(self, anchor_ids, anchor_positions) -> DraftBlock:
+            b, nb = anchor_ids.shape[0], self.block_size
+            logits = torch.full((b, nb, self.vocab), -30.0)
+            for i, g in enumerate(anchor_ids.tolist()):
+                for r, tok in enumerate(cand.get(g, [7])):
+                    logits[i, :, tok] = float(r)
+            return DraftBlock(base_logits=logits, hidden=torch.zeros(b, nb, 2))
+
+    eng.runner.spec.drafter = Skewed(int(eng.args.vocab_size), None)
+    (out,) = llm.generate([prompt], SamplingParams(n=n, temperature=1.0, top_k=k, max_tokens=3, ignore_eos=True,
+                                                   seed=1234), use_tqdm=False)
+    counts: dict[tuple[int, int], int] = {}
+    for c in out.outputs:
+        key = (c.token_ids[0], c.token_ids[1])
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= set(expected)
+    chi2 = sum((counts.get(key, 0) - n * p) ** 2 / (n * p) for key, p in expected.items())
+    stats = eng.runner.spec.stats
+    assert stats.num_verified_tokens > 0 and 0 < stats.num_accepted_tokens < stats.num_verified_tokens
+    assert len(expected) == 9 and chi2 < 26.12, (chi2, counts, expected)
+    assert not math.isnan(chi2)
+
+
+def test_mtp_speculation_is_lossless_and_drafts_what_the_mtp_block_predicts(tmp_path) -> None:
+    """V4 with its MTP block: greedy speculation == plain greedy (chunked prefill, mixed lengths); the draft the
+    engine keeps after the last step equals the MTP block run over the whole sequence in one forward (the
+    pure-torch path: full target forward, then forward_mtp over positions 1 .. L), within fp32 reordering."""
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.forward_batch import ForwardBatch
+
+    path = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = _ids(_llm(path).generate(PROMPTS[:3], sp, use_tqdm=False))
+    llm = _llm(path, max_num_batched_tokens=8, speculative_config={"method": "mtp"})
+    outs = llm.generate(PROMPTS[:3], sp, use_tqdm=False)
+    assert _ids(outs) == plain
+    stats = llm.engine.runner.spec.stats
+    assert stats.request_steps > 0 and stats.num_verified_tokens == stats.request_steps  # one draft per round
+
+    model, drafter = llm.engine.runner.model, llm.engine.runner.spec.drafter
+    drafter._pending.clear()
+    (out,) = llm.generate([PROMPTS[2]], sp, use_tqdm=False)
+    seq = PROMPTS[2] + list(out.outputs[0].token_ids)
+    ((pos, got),) = drafter._pending.values()
+    assert pos == len(seq) - 1
+    L = len(seq)
+    cache, bt = ModelCache.allocate_dense(model.args, [L + 1], dtype=torch.float32)
+    full = ForwardBatch(input_ids=torch.tensor(seq), positions=torch.arange(L), query_lens=(L,), slots=(0,),
+                        block_tables=bt, logits_indices=torch.tensor([L - 1]))
+    hidden = model.forward_features(full, cache).hidden
+    cache, bt = ModelCache.allocate_dense(model.args, [L + 1], dtype=torch.float32)
+    mtp = ForwardBatch(input_ids=torch.tensor(seq[1:]), positions=torch.arange(1, L), query_lens=(L - 1,),
+                       slots=(0,), block_tables=bt, logits_indices=torch.tensor([L - 2]))
+    want = model.forward_mtp(mtp, cache, hidden[: L - 1], 0)[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_speculation_config_errors(ckpts, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="without a V4 MTP block"):
+        _llm(ckpts["v41"], speculative_config={"method": "mtp"})
+    with pytest.raises(ConfigError, match="dspark_block_size"):
+        _llm(ckpts["v41"], speculative_config={"method": "dspark", "num_speculative_tokens": 9})
+    with pytest.raises(ConfigError, match="speculative_latency"):
+        _llm(ckpts["v41"], speculative_config={"method": "dspark", "latency": "affine:x"})
+    v4 = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
+    with pytest.raises(ConfigError, match="without DSpark draft stages"):
+        _llm(v4, speculative_config={"method": "dspark"})
+    with pytest.raises(ConfigError, match="no Confidence Head"):
+        _llm(v4, speculative_config={"method": "mtp", "policy": "cost"})
+
+
+def test_bench_reports_speculative_statistics(ckpts) -> None:
+    from deepinfer_engine.bench import format_result, throughput
+
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"})
+    r = throughput(llm, num_prompts=2, input_len=4, output_len=4)
+    spec = r["speculative"]
+    assert spec["policy"] == "verify_all" and spec["num_verified_tokens"] > 0
+    assert spec["mean_accepted_length"] >= 1 and spec["request_steps"] > 0
+    assert "Mean accepted length" in format_result(r)
+    assert "speculative" not in throughput(_llm(ckpts["v41"]), num_prompts=1, input_len=4, output_len=2)
+
+
+def test_non_finite_verify_logits_fail_only_that_request(v41_spec) -> None:
+    model = v41_spec.engine.runner.model
+    orig = model.forward_features
+    calls = []
+
+    def poisoned(batch, cache, capture=()):
+        out = orig(batch, cache, capture=capture)
+        calls.append(batch.query_lens)
+        if len(calls) == 2:  # the first verify step (the first call is the prefill)
+            out.logits = torch.full_like(out.logits, float("nan"))
+        return out
+
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    model.forward_features = poisoned
+    try:
+        (out,) = v41_spec.generate([PROMPTS[0]], sp, use_tqdm=False)
+    finally:
+        del model.forward_features
+    assert out.outputs[0].finish_reason == "error" and "not finite" in out.error
+    assert calls[1] != calls[0]  # the poisoned step was a verify step after the prefill
+    (again,) = v41_spec.generate([PROMPTS[0]], sp, use_tqdm=False)  # the engine stays usable
+    assert again.error is None and len(again.outputs[0].token_ids) == 6

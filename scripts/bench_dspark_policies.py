@@ -1,0 +1,193 @@
+"""DSpark verification policies through the engine (`LLM(..., speculative_config=...)`) on the trained testbed:
+mean accepted length, verified draft tokens per step and tokens/s per policy, over several held-out prompt sets.
+
+    python scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --json policies.json
+
+One engine load with speculation (policy switched between runs) and one without (the plain-decoding baseline).
+The checkpoint is the one `scripts/dspark_testbed.py build` writes; the Confidence Head's STS temperatures are
+fitted once on training-corpus blocks and stored beside the weights as `dspark_sts.json`, which the engine reads.
+The cost policy's latency curve is the engine's own: the target forward timed at start-up on this device and
+corrected online. Prints a table (mean and min..max over prompt sets) and, with --json, the per-run rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _testbed():
+    spec = importlib.util.spec_from_file_location("dspark_testbed", ROOT / "scripts" / "dspark_testbed.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["dspark_testbed"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def ensure_sts(ckpt: Path, tb) -> dict:
+    """`<ckpt>/dspark_sts.json` (fitted here when missing): STS temperatures per decoding mode."""
+    path = ckpt / "dspark_sts.json"
+    if not path.exists():
+        from deepinfer_engine.model.loader import load_model
+
+        temps = tb.fit_confidence_sts(load_model(ckpt, dtype=torch.float32), ckpt)
+        path.write_text(json.dumps({k: list(v) for k, v in temps.items()}) + "\n")
+    return json.loads(path.read_text())
+
+
+def prompt_sets(ckpt: Path, tb, seeds: list[int], count: int, length: int) -> list[list[list[int]]]:
+    out = []
+    for s in seeds:
+        rows = tb.sequences(tb.tokenize(tb.corpus_sentences(s, 30 * count), ckpt / "tokenizer.json"), length)
+        out.append([r.tolist() for r in rows[:count]])
+    return out
+
+
+def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
+    spec = llm.engine.runner.spec
+    if spec is not None:
+        spec.reset_stats()
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return n / dt, (spec.stats.as_dict() if spec is not None else None), [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+    from deepinfer_engine import LLM, SamplingParams
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ckpt", type=Path, default=ROOT / ".cache" / "dspark-testbed")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per set")
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--threshold", type=float, nargs="+", default=[0.2])
+    ap.add_argument("--affine", nargs="*", default=[], metavar="BASE,SLOPE",
+                    help="extra cost-policy runs with a fixed T(Q) = BASE + SLOPE * Q (seconds; no online correction): "
+                         "the policy as it would act on a device with that per-token cost")
+    ap.add_argument("--no-profile", action="store_true", help="skip the cost run with the profiled curve")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    tb = _testbed()
+    if not (args.ckpt / "testbed.json").exists():
+        raise SystemExit(f"{args.ckpt}: no testbed checkpoint; run scripts/dspark_testbed.py build --out {args.ckpt}")
+    sts = ensure_sts(args.ckpt, tb)
+    sets = prompt_sets(args.ckpt, tb, args.seeds, args.prompts, args.prompt_len)
+    common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
+                  max_num_seqs=args.prompts, num_cpu_threads=args.threads)
+    common = {k: v for k, v in common.items() if v is not None}
+    plain = LLM(str(args.ckpt), **common)
+    spec_llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **common)
+    dec = spec_llm.engine.runner.spec
+    profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds))
+    policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
+    policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
+    if not args.no_profile:
+        policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
+    policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
+    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain.generate(sets[0][:4], warm, use_tqdm=False)
+    spec_llm.generate(sets[0][:4], warm, use_tqdm=False)
+    rows = []
+    for temp in args.temperature:
+        for si, prompts in enumerate(sets):
+            sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True, seed=args.seeds[si])
+            tps, _, ref = run(plain, prompts, sp)
+            rows.append({"policy": "plain", "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps})
+            for name, pol, curve in policies:
+                if curve == "profile":
+                    dec.set_policy(pol, LatencyModel(list(profiled.sizes), list(profiled.seconds)), online_latency=True)
+                elif curve is not None:
+                    base, slope = (float(x) for x in curve.split(","))
+                    dec.set_policy(pol, LatencyModel.affine(base, slope, 8192), online_latency=False)
+                else:
+                    dec.set_policy(pol)
+                tps, st, out = run(spec_llm, prompts, sp)
+                rows.append({"policy": name, "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps,
+                             "mean_accepted_length": st["mean_accepted_length"],
+                             "verified_per_request_step": st["num_verified_tokens"] / max(1, st["request_steps"]),
+                             "verified_per_step": st["verified_tokens_per_step"], "steps": st["steps"],
+                             "verification_efficiency": st["verification_efficiency"],
+                             "num_verified_tokens": st["num_verified_tokens"],
+                             "num_accepted_tokens": st["num_accepted_tokens"],
+                             "matches_plain": out == ref if temp == 0 else None})
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                      flush=True)
+    table = summarize(rows)
+    print(format_table(table, spec_llm))
+    if args.json:
+        args.json.write_text(json.dumps({"settings": {**vars(args), "ckpt": str(args.ckpt), "json": None, "sts": sts,
+                                                      "latency_ms": [round(t * 1e3, 3) for t in profiled.seconds],
+                                                      "latency_sizes": profiled.sizes,
+                                                      "device": str(spec_llm.engine.runner.device)},
+                                         "rows": rows, "summary": table}, indent=2) + "\n")
+    return 0
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (temperature, policy): mean and min / max over prompt sets; verified and tau relative to verify_all."""
+    out = []
+    keys = sorted({(r["temperature"], r["policy"]) for r in rows}, key=lambda k: (k[0], k[1] != "plain", k[1]))
+    for temp, pol in keys:
+        rs = [r for r in rows if r["temperature"] == temp and r["policy"] == pol]
+        base = {r["seed"]: r for r in rows if r["temperature"] == temp and r["policy"] == "verify_all"}
+        entry = {"temperature": temp, "policy": pol, "sets": len(rs)}
+        for f in ("tokens_per_s", "mean_accepted_length", "verified_per_request_step", "verified_per_step"):
+            vals = [r[f] for r in rs if f in r]
+            if vals:
+                entry[f] = (statistics.fmean(vals), min(vals), max(vals))
+        if pol != "plain" and base:
+            tau = [r["mean_accepted_length"] / base[r["seed"]]["mean_accepted_length"] for r in rs]
+            ver = [r["num_verified_tokens"] / base[r["seed"]]["num_verified_tokens"] - 1 for r in rs]
+            entry["tau_vs_verify_all"] = (statistics.fmean(tau), min(tau), max(tau))
+            entry["verified_vs_verify_all"] = (statistics.fmean(ver), min(ver), max(ver))
+        if any(r.get("matches_plain") is False for r in rs):
+            entry["greedy_mismatch"] = True
+        out.append(entry)
+    return out
+
+
+def format_table(table: list[dict], llm) -> str:
+    def f(e, key, fmt, pct=False):
+        if key not in e:
+            return "-"
+        m, lo, hi = e[key]
+        if pct:
+            return f"{m * 100:+.0f}% ({lo * 100:+.0f}..{hi * 100:+.0f})"
+        return f"{m:{fmt}} ({lo:{fmt}}..{hi:{fmt}})"
+
+    lines = [f"DSpark policies on {llm.engine.runner.device} (mean (min..max) over prompt sets)",
+             f"{'T':>3} {'policy':<22} {'tokens/s':>24} {'tau':>20} {'tau vs all':>20} {'verified/req-step':>20} "
+             f"{'verified vs all':>20}"]
+    for e in table:
+        lines.append(f"{e['temperature']:>3g} {e['policy']:<22} {f(e, 'tokens_per_s', '.1f'):>24} "
+                     f"{f(e, 'mean_accepted_length', '.2f'):>20} {f(e, 'tau_vs_verify_all', '.3f'):>20} "
+                     f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20}"
+                     + ("  GREEDY MISMATCH" if e.get("greedy_mismatch") else ""))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
