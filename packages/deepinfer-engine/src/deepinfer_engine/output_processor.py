@@ -148,6 +148,9 @@ class OutputProcessor:
         if d.new_prompt_logprobs and out.prompt_logprobs is not None and idx == 0:
             out.prompt_logprobs.extend(d.new_prompt_logprobs)
         out.metrics.num_preemptions = max(out.metrics.num_preemptions, d.num_preemptions)
+        if d.num_cached_tokens > out.num_cached_tokens:  # n > 1: the sample that got most from the prefix cache
+            out.num_cached_tokens = d.num_cached_tokens
+            out.metrics.num_replayed_tokens = d.num_replayed_tokens
         finish, stop_reason = d.finish_reason, d.stop_reason
         # a core "stop" with new ids was ended by its last id (EOS or a stop token id): kept in token_ids, not text
         stopped_by_token = finish == "stop" and bool(d.new_token_ids)

@@ -95,6 +95,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # prefix cache (docs/prefix_cache.md): tokens of the first admission served from the cache, of which
+        # `num_replayed_tokens` were recomputed (bounded replay)
+        self.num_cached_tokens = 0
+        self.num_replayed_tokens = 0
         self.error: str | None = None
         self.stop_reason: int | str | None = None
 

@@ -178,15 +178,23 @@ class Scheduler:
             i += 1
 
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+            w = 0
+            while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[w]
+                if self.kv.waits_for_inflight(req):  # its next page is computed this step: share it next step
+                    w += 1
+                    continue
+                hit = self.kv.lookup(req) if req.num_computed_tokens == 0 else None
+                if hit is not None:
+                    req.num_computed_tokens = hit.start
                 remaining = req.num_tokens - req.num_computed_tokens
                 n = self._chunk_len(req, budget)
-                if n < remaining and not self.enable_chunked_prefill:
+                if (n < remaining and not self.enable_chunked_prefill) or not self.kv.allocate(req, n, hit=hit):
+                    req.num_computed_tokens = 0
                     break
-                if not self.kv.allocate(req, n):
-                    break
-                self.waiting.popleft()
+                if hit is not None and req.num_preemptions == 0:
+                    req.num_cached_tokens, req.num_replayed_tokens = hit.num_cached_tokens, hit.num_replayed_tokens
+                del self.waiting[w]
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 new_reqs.append(req)
@@ -198,6 +206,7 @@ class Scheduler:
             pages = self.kv.page_ids(req.request_id)
             sent = self._pages_sent.get(req.request_id, 0)
             self._pages_sent[req.request_id] = len(pages)
+            self.kv.plan_step(req, req.num_computed_tokens, req.num_computed_tokens + n)
             chunks.append(ScheduledChunk(
                 req_id=req.request_id,
                 token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
@@ -217,7 +226,7 @@ class Scheduler:
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(chunks=tuple(chunks), new_requests=new_data, finished_req_ids=finished,
-                               preempted_req_ids=frozenset(preempted))
+                               preempted_req_ids=frozenset(preempted), cache_ops=self.kv.take_ops())
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updates = self._pending_updates
@@ -227,6 +236,7 @@ class Scheduler:
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += chunk.num_tokens
+            self.kv.commit(req)  # its newly full pages become shareable
             plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
             error = out.errors.get(chunk.req_id)
             if error is not None:
@@ -247,7 +257,8 @@ class Scheduler:
             updates.append(EngineCoreOutput(
                 req_id=req.request_id, new_token_ids=(tok,), new_logprobs=(lp,) if lp is not None else (),
                 new_prompt_logprobs=plp, finish_reason=status.finish_reason if status is not None else None,
-                stop_reason=req.stop_reason, num_preemptions=req.num_preemptions))
+                stop_reason=req.stop_reason, num_preemptions=req.num_preemptions,
+                num_cached_tokens=req.num_cached_tokens, num_replayed_tokens=req.num_replayed_tokens))
         return updates
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:

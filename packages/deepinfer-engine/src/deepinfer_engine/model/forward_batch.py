@@ -253,6 +253,9 @@ class ForwardContext:
     # per-sequence [S] tensors and the per-forward gather plans (built on first use, shared by all layers)
     seq_t: SeqTensors | None = None
     plans: dict[tuple, object] = field(default_factory=dict)
+    # [S] int64: positions below it are outside the sliding window of the sequence (approximate prefix replay:
+    # the window rows before the replay start were never cached); None = no floor in this forward
+    window_floor: Tensor | None = None
 
     @classmethod
     def build(
@@ -264,9 +267,19 @@ class ForwardContext:
         S, T = batch.num_seqs, batch.num_tokens
         qlen = np.asarray(batch.query_lens, dtype=np.int64)
         starts = np.cumsum(qlen) - qlen
+        slot = np.asarray(batch.slots, dtype=np.int64)
+        ctx_np = np.asarray(host.ctx_lens, dtype=np.int64).reshape(S)
+        # prefix cache state of the slots (docs/prefix_cache.md): floors of replayed hits, armed captures
+        wf = getattr(cache, "write_floor", None)
+        write_floor = np.asarray([wf[s] for s in batch.slots], dtype=np.int64) if wf else None
+        win = getattr(cache, "window_floor", None)
+        window_floor = [win[s] for s in batch.slots] if win else []
+        take = getattr(cache, "take_captures", None)
+        captures = tuple(take(batch.slots, host.ctx_lens, batch.query_lens)) if take is not None else ()
         seq_host = SeqHost(
-            ctx=np.asarray(host.ctx_lens, dtype=np.int64).reshape(S), qlen=qlen, start=starts,
-            slot=np.asarray(batch.slots, dtype=np.int64),
+            ctx=ctx_np, qlen=qlen, start=starts, slot=slot,
+            write_floor=write_floor if write_floor is not None and (write_floor > ctx_np).any() else None,
+            captures=captures,
         )  # fmt: skip
         if batch.seq is not None and batch.seq_of_token is not None:
             seq_t, seq_of_token = batch.seq, batch.seq_of_token
@@ -279,11 +292,16 @@ class ForwardContext:
             )
             ctx_t, qlen_t, start_t, slot_t, seq_of_token = torch.split(packed, [S, S, S, S, T])
             seq_t = SeqTensors(ctx=ctx_t, qlen=qlen_t, start=start_t, slot=slot_t)
+        floors = None
+        ring = max((t.shape[1] for t in getattr(cache, "swa", {}).values()), default=0)
+        if any(f > 0 and c - f < ring for f, c in zip(window_floor, host.ctx_lens)):  # a window still reaches it
+            floors = upload(np.asarray(window_floor, dtype=np.int64), batch.input_ids.device)
         return cls(
             batch=batch,
             cache=cache,
             host=host,
             seq_host=seq_host,
+            window_floor=floors,
             seq_starts=tuple(int(x) for x in starts),
             query_lens=batch.query_lens,
             ctx_lens=tuple(host.ctx_lens),
@@ -337,6 +355,8 @@ class ForwardContext:
         else:
             k = window
             lo = pos - window + 1
+            if self.window_floor is not None:
+                lo = torch.maximum(lo, self.window_floor[seq])
             hi = pos
         q = lo[:, None] + torch.arange(k, device=pos.device)[None, :]  # [T, K] positions
         valid = (q >= 0) & (q <= hi[:, None])

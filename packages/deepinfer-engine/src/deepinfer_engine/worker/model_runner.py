@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from deepinfer_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from deepinfer_engine.worker.cache_ops import apply_cache_ops
 from deepinfer_engine.worker.input_batch import InputBatch
 from deepinfer_engine.worker.sampler import INVALID_TOKEN, Sampler, build_sampling_batch, to_device
 
@@ -75,6 +76,8 @@ class ModelRunner:
                 self.states[nr.req_id] = _RequestState(params=nr.sampling, seed=nr.seed,
                                                        prompt_ids=nr.prompt_token_ids, output_ids=nr.output_token_ids)
         self.input_batch.update(sched)
+        if sched.cache_ops is not None:  # prefix cache copies, before the forward reads the cache
+            apply_cache_ops(self.cache, sched.cache_ops)
         if sched.is_empty:
             return ModelRunnerOutput()
 
