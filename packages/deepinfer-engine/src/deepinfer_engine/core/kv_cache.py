@@ -374,7 +374,7 @@ class KVCacheManager:
         for k in range(self._registered.get(rid, 0), min(full, len(pages))):
             self._pool.register(pages[k], hashes[k])
         self._registered[rid] = max(self._registered.get(rid, 0), min(full, len(pages)))
-        for k, dest in self._pending.pop(rid, ()):
+        for k, dest in sorted(self._pending.pop(rid, ())):  # the deepest boundary ends most recently used
             if k < full:
                 self._states.commit(hashes[k], dest)
             else:

@@ -174,6 +174,7 @@ class Scheduler:
             if not ok:
                 break
             planned.append((req, n))
+            self.kv.plan_step(req, req.num_computed_tokens, req.num_computed_tokens + n)  # prefix cache
             budget -= n
             i += 1
 
@@ -199,6 +200,7 @@ class Scheduler:
                 self.running.append(req)
                 new_reqs.append(req)
                 planned.append((req, n))
+                self.kv.plan_step(req, req.num_computed_tokens, req.num_computed_tokens + n)
                 budget -= n
 
         chunks = []
@@ -206,7 +208,6 @@ class Scheduler:
             pages = self.kv.page_ids(req.request_id)
             sent = self._pages_sent.get(req.request_id, 0)
             self._pages_sent[req.request_id] = len(pages)
-            self.kv.plan_step(req, req.num_computed_tokens, req.num_computed_tokens + n)
             chunks.append(ScheduledChunk(
                 req_id=req.request_id,
                 token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
