@@ -87,13 +87,16 @@ def test_approximate_replay_bounds_and_leaves_cached_pages_alone(llms, arch: str
     assert len(o.outputs[0].token_ids) == GREEDY.max_tokens
 
 
-def test_n_samples_share_the_prompt_and_sample_as_unshared(llms) -> None:
+@pytest.mark.parametrize("mode", ["exact", "approximate"])
+def test_n_samples_share_the_prompt_and_sample_as_unshared(llms, mode: str) -> None:
     sp = SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=5, ignore_eos=True)
     prompt = [0] + list(range(500, 518))  # 19 tokens: 4 full pages of 4
     (off,) = llms("v41", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
-    llm = llms("v41")
-    hits = llm.engine.scheduler.kv.stats.hits
+    llm = llms("v41") if mode == "exact" else llms("v41", prefix_replay="approximate")
+    hits, forks = llm.engine.scheduler.kv.stats.hits, llm.engine.scheduler.kv.stats.forks
     (on,) = llm.generate([prompt], sp, use_tqdm=False)
     assert [c.token_ids for c in on.outputs] == [c.token_ids for c in off.outputs]
-    assert on.num_cached_tokens == 16  # two of the samples resumed at the 16-token boundary the first computed
-    assert llm.engine.scheduler.kv.stats.hits - hits == 2
+    # the other two samples forked the first one's live state after its prefill: its slot cloned, 4 full pages
+    # shared, the page of position 18 copied, one token (the prompt's last) computed each
+    assert on.num_cached_tokens == 18
+    assert llm.engine.scheduler.kv.stats.hits - hits == 2 and llm.engine.scheduler.kv.stats.forks - forks == 2

@@ -200,7 +200,8 @@ class EngineCore:
                 host_pages = cc.prefix_cache_host_bytes // max(1, cache.host_tier_bytes_per_page())
                 cache.allocate_host_pages(host_pages)
             prefix = PrefixCaching(mode=cc.prefix_replay, window=int(args.sliding_window), num_host_pages=host_pages,
-                                   state_slots=tuple(range(plan.num_slots, plan.num_slots + plan.num_state_slots)))
+                                   state_slots=tuple(range(plan.num_slots, plan.num_slots + plan.num_state_slots)),
+                                   max_fork_rollback=cache.slack + 1)
             logger.info("prefix caching: %s replay, %d state slots, %d host pages", cc.prefix_replay,
                         plan.num_state_slots, host_pages)
         runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)

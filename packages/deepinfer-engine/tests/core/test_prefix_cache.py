@@ -227,3 +227,22 @@ def test_scheduler_shares_a_prefix_computed_in_the_same_step(mode: str) -> None:
     reqs = {r: s.get_request(r) for r in "bc"}
     assert all(r.num_cached_tokens == 16 for r in reqs.values())
     assert kv.page_ids("b")[:4] == kv.page_ids("a")[:4] == kv.page_ids("c")[:4]
+
+
+def test_fork_clones_the_live_slot_shares_full_pages_and_copies_the_partial_one() -> None:
+    kv = KVCacheManager(page_size=4, num_pages=16, num_slots=3, prefix=PrefixCaching(
+        mode="exact", window=4, max_fork_rollback=2))
+    a = _req("a", list(range(10)))
+    _compute(kv, a, 10)
+    kv.take_ops()
+    b = _req("b", list(range(10)))  # same prompt: resume at 9 (its last token is computed for its logits)
+    src, f = kv.fork_point(b, [a])
+    assert src is a and f == 9
+    assert kv.fork_point(_req("c", list(range(6)) + [99, 98]), [a]) is None  # diverges 4 behind a's progress
+    b.num_computed_tokens = f
+    assert kv.allocate_fork(b, a, f, 1)
+    pa, pb = kv.page_ids("a"), kv.page_ids("b")
+    assert pb[:2] == pa[:2] and pb[2] != pa[2] and kv.pool.refcount(pa[0]) == 2
+    ops = kv.take_ops()
+    assert ops.clone_slots == ((kv.slot("a"), kv.slot("b"), 10),) and ops.copy_pages == ((pa[2], pb[2]),)
+    assert kv.stats.forks == 1 and kv.stats.cached_tokens == 9

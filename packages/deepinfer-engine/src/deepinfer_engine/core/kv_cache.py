@@ -129,6 +129,9 @@ class PrefixCaching:
     window: int
     num_host_pages: int = 0
     state_slots: tuple[int, ...] = ()
+    # forks (a request sharing a running request's computed prefix): the deepest rollback the slot rings
+    # allow (the cache's slack + 1); 0 = no forks
+    max_fork_rollback: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "approximate"):
@@ -159,6 +162,7 @@ class PrefixStats:
     cached_tokens: int = 0
     replayed_tokens: int = 0
     host_loaded_pages: int = 0
+    forks: int = 0  # hits served by cloning a running request's state (shared prefixes inside a batch)
 
     @property
     def hit_rate(self) -> float:
@@ -168,7 +172,8 @@ class PrefixStats:
     def as_dict(self) -> dict[str, float]:
         return {"prefix_queries": self.queries, "prefix_query_tokens": self.query_tokens, "prefix_hits": self.hits,
                 "prefix_cached_tokens": self.cached_tokens, "prefix_replayed_tokens": self.replayed_tokens,
-                "prefix_host_loaded_pages": self.host_loaded_pages, "prefix_hit_rate": self.hit_rate}
+                "prefix_host_loaded_pages": self.host_loaded_pages, "prefix_forks": self.forks,
+                "prefix_hit_rate": self.hit_rate}
 
 
 # token ids of the positions before a resume point handed to the runner (the Engram n-gram history needs
@@ -202,7 +207,7 @@ class KVCacheManager:
         self._registered: dict[str, int] = {}  # leading pages of the table known to the cache
         self._pending: dict[str, list[tuple[int, int]]] = {}  # (page index, state slot) captured this step
         self._inflight: set[bytes] = set()  # hashes of pages being computed in the step being scheduled
-        self._ops: dict[str, list] = {k: [] for k in ("restore", "history", "floors", "captures")}
+        self._ops: dict[str, list] = {k: [] for k in ("restore", "history", "floors", "captures", "clone", "copy")}
         self.stats = PrefixStats()
 
     @classmethod
@@ -280,6 +285,62 @@ class KVCacheManager:
         hashes = self._hashes_upto(req, (req.num_tokens - 1) // self.page_size)
         k = self._pool.match(hashes).num_pages
         return k < len(hashes) and hashes[k] in self._inflight
+
+    def fork_point(self, req: Request, running: Sequence[Request], *, after: int = 0) -> tuple[Request, int] | None:
+        """A running request whose live state `req` can start from, and the position F to resume at (> after).
+
+        The source must have computed at least F tokens that equal req's first F, with F at most
+        `max_fork_rollback` behind its progress (its rings still hold every row a step at F reads) and at most
+        req.num_tokens - 1. The fork clones the source's slot, shares its full pages below F and copies the
+        page F falls in."""
+        if self.prefix is None or not self.prefix.max_fork_rollback or req.request_id in self._pages:
+            return None
+        toks = req.all_token_ids
+        best: tuple[Request, int] | None = None
+        for src in running:
+            c = src.num_computed_tokens
+            if src.request_id not in self._slots or c == 0:
+                continue
+            lo = max(after + 1, c - self.prefix.max_fork_rollback, best[1] + 1 if best else 0)
+            hi = min(c, req.num_tokens - 1)
+            if hi < lo:
+                continue
+            theirs = src.token_slice(0, hi)
+            if toks[:lo] != theirs[:lo]:
+                continue
+            f = lo
+            while f < hi and toks[f] == theirs[f]:
+                f += 1
+            best = (src, f)
+        return best
+
+    def allocate_fork(self, req: Request, src: Request, position: int, num_new_tokens: int) -> bool:
+        """Start `req` at `position` from `src`'s live state (see fork_point): all or nothing."""
+        rid, P = req.request_id, self.page_size
+        if rid in self._pages or not self._free_slots:
+            return False
+        shared = self._pages[src.request_id][: position // P]
+        partial = position % P != 0
+        total = max(len(shared) + partial, self.pages_for(position + num_new_tokens))
+        new = self._pool.take(total - len(shared))
+        if new is None:
+            return False
+        self._pool.acquire(shared)
+        self._pages[rid] = list(shared) + new
+        self._registered[rid] = len(shared)
+        slot = self._slots[rid] = self._free_slots.pop()
+        src_slot = self._slots[src.request_id]
+        self._ops["clone"].append((src_slot, slot, src.num_computed_tokens))
+        if partial:
+            self._ops["copy"].append((self._pages[src.request_id][position // P], new[0]))
+        self._ops["floors"].append(ReplayFloor(slot=slot))
+        st = self.stats
+        st.queries += 1
+        st.query_tokens += req.num_prompt_tokens
+        st.hits += 1
+        st.cached_tokens += position
+        st.forks += 1
+        return True
 
     # ------------------------------------------------------------------------------------------ allocation
     def allocate(self, request: Request, num_new_tokens: int, *, hit: PrefixHit | None = None) -> bool:
@@ -386,7 +447,8 @@ class KVCacheManager:
         if self.prefix is None:
             return None
         offload, load = self._pool.end_step()
-        ops = CacheOps(offload=tuple(offload), load=tuple(load), restore=tuple(self._ops["restore"]),
+        ops = CacheOps(offload=tuple(offload), load=tuple(load), copy_pages=tuple(self._ops["copy"]),
+                       clone_slots=tuple(self._ops["clone"]), restore=tuple(self._ops["restore"]),
                        history=tuple(self._ops["history"]), floors=tuple(self._ops["floors"]),
                        captures=tuple(self._ops["captures"]))
         for v in self._ops.values():

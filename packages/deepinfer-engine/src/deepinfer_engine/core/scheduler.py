@@ -186,15 +186,21 @@ class Scheduler:
                     w += 1
                     continue
                 hit = self.kv.lookup(req) if req.num_computed_tokens == 0 else None
-                if hit is not None:
-                    req.num_computed_tokens = hit.start
+                fork = self.kv.fork_point(req, self.running, after=hit.start if hit else 0) if (
+                    req.num_computed_tokens == 0) else None  # a running request's live state reaches further
+                if fork is not None:
+                    hit = None
+                req.num_computed_tokens = fork[1] if fork else hit.start if hit else req.num_computed_tokens
                 remaining = req.num_tokens - req.num_computed_tokens
                 n = self._chunk_len(req, budget)
-                if (n < remaining and not self.enable_chunked_prefill) or not self.kv.allocate(req, n, hit=hit):
+                ok = n >= remaining or self.enable_chunked_prefill
+                if not ok or not (self.kv.allocate_fork(req, fork[0], fork[1], n) if fork
+                                  else self.kv.allocate(req, n, hit=hit)):
                     req.num_computed_tokens = 0
                     break
-                if hit is not None and req.num_preemptions == 0:
-                    req.num_cached_tokens, req.num_replayed_tokens = hit.num_cached_tokens, hit.num_replayed_tokens
+                if (hit is not None or fork is not None) and req.num_preemptions == 0:
+                    req.num_cached_tokens = fork[1] if fork else hit.num_cached_tokens
+                    req.num_replayed_tokens = 0 if fork else hit.num_replayed_tokens
                 del self.waiting[w]
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
