@@ -409,6 +409,7 @@ class KVCacheManager:
         if self.prefix is None:
             return
         P = self.page_size
+        end = min(end, req.num_tokens)  # positions past the known tokens (drafts) are never cached
         hashes = self._hashes_upto(req, end // P)
         self._inflight.update(hashes[start // P : end // P])
         if self.prefix.mode != "exact" or not self._states.num_slots:
@@ -429,7 +430,7 @@ class KVCacheManager:
         if self.prefix is None:
             return
         rid = req.request_id
-        full = req.num_computed_tokens // self.page_size
+        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
         pages = self._pages.get(rid, [])
         hashes = self._hashes_upto(req, full)
         for k in range(self._registered.get(rid, 0), min(full, len(pages))):
