@@ -100,3 +100,16 @@ def test_n_samples_share_the_prompt_and_sample_as_unshared(llms, mode: str) -> N
     # shared, the page of position 18 copied, one token (the prompt's last) computed each
     assert on.num_cached_tokens == 18
     assert llm.engine.scheduler.kv.stats.hits - hits == 2 and llm.engine.scheduler.kv.stats.forks - forks == 2
+
+
+def test_prompt_logprobs_are_computed_not_served_from_the_cache(llms) -> None:
+    prompt = [0] + list(range(600, 630))
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    llm = llms("v41")
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # the whole prompt is cached now
+    (on,) = llm.generate([prompt], sp, use_tqdm=False)
+    (off,) = llms("v41", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
+    assert on.num_cached_tokens == 0 and len(on.prompt_logprobs) == len(prompt)
+    got = [(x.token_id, round(x.logprob, 4)) for x in on.prompt_logprobs if x is not None]
+    want = [(x.token_id, round(x.logprob, 4)) for x in off.prompt_logprobs if x is not None]
+    assert got == want and len(got) == len(prompt) - 1

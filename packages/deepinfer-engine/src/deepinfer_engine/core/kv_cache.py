@@ -259,7 +259,7 @@ class KVCacheManager:
         exact: the longest cached chain whose last page boundary has a state block; resume there, replay 0.
         approximate: the longest cached chain h; resume at h - min(h, window) (a hit that would replay
         everything is no hit)."""
-        if self.prefix is None or req.request_id in self._pages:
+        if self.prefix is None or req.request_id in self._pages or not req.use_prefix_cache:
             return None
         hashes = self._hashes_upto(req, (req.num_tokens - 1) // self.page_size)
         found = self._pool.match(hashes)
@@ -280,7 +280,7 @@ class KVCacheManager:
     def waits_for_inflight(self, req: Request) -> bool:
         """True when the first page of `req` that is not cached is being computed in this step by another
         request: admitting it next step shares that page instead of computing it twice."""
-        if self.prefix is None or not self._inflight:
+        if self.prefix is None or not self._inflight or not req.use_prefix_cache:
             return False
         hashes = self._hashes_upto(req, (req.num_tokens - 1) // self.page_size)
         k = self._pool.match(hashes).num_pages
@@ -293,7 +293,8 @@ class KVCacheManager:
         `max_fork_rollback` behind its progress (its rings still hold every row a step at F reads) and at most
         req.num_tokens - 1. The fork clones the source's slot, shares its full pages below F and copies the
         page F falls in."""
-        if self.prefix is None or not self.prefix.max_fork_rollback or req.request_id in self._pages:
+        if (self.prefix is None or not self.prefix.max_fork_rollback or req.request_id in self._pages
+                or not req.use_prefix_cache):
             return None
         toks = req.all_token_ids
         best: tuple[Request, int] | None = None
