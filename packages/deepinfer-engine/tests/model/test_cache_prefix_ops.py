@@ -36,10 +36,10 @@ def test_captured_state_block_resumes_exactly(kind: str) -> None:
     cache = ModelCache.allocate(a, num_slots=3, num_pages=6, page_size=P, dtype=torch.float32,
                                 kv_cache_dtype="auto" if kind == "v41-records" else "bfloat16")
     cache.arm_capture(0, b, 2)
-    cache.arm_capture(0, 48, 2)  # beyond this forward: stays armed
+    cache.arm_capture(0, 48, 1)  # beyond this forward: dropped (captures are armed for one forward)
+    before = cache.swa[0][1].clone()
     full = model(ForwardBatch.single(ids, block_table=torch.tensor([0, 1, 2])), cache)
-    assert cache.captures == {0: [(48, 2)]}
-    cache.captures.clear()
+    assert cache.captures == {} and torch.equal(cache.swa[0][1], before)
     cache.copy_pages([(0, 3), (1, 4)])  # the pages below the boundary (a hit would share them)
     cache.clone_slot(2, 1, b)  # restore the state block into a fresh slot
     cache.set_token_history(1, b, ids[b - 8 : b].tolist())

@@ -352,19 +352,13 @@ class ModelCache:
     def take_captures(self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int]
                       ) -> list[tuple[int, int, int]]:
         """(sequence index, position, dest slot) of the armed captures this forward can serve (position in
-        (ctx, ctx + n]); they are disarmed."""
-        out = []
+        (ctx, ctx + n]). Captures are armed for the next backbone forward only: all are disarmed here."""
+        out: list[tuple[int, int, int]] = []
+        if not self.captures:
+            return out
         for i, (slot, c, n) in enumerate(zip(slots, ctx_lens, query_lens)):
-            armed = self.captures.get(slot)
-            if not armed:
-                continue
-            keep = []
-            for pos, dest in armed:
-                (out.append((i, pos, dest)) if c < pos <= c + n else keep.append((pos, dest)))
-            if keep:
-                self.captures[slot] = keep
-            else:
-                del self.captures[slot]
+            out.extend((i, pos, dest) for pos, dest in self.captures.get(slot, ()) if c < pos <= c + n)
+        self.captures.clear()
         return out
 
     @classmethod

@@ -179,7 +179,7 @@ class Transformer(nn.Module):
         self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
     ) -> ModelOutput:
         host = self.check_inputs(batch, cache)
-        ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture))
+        ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture), state_captures=True)
         a = self.args
         ctx.engram_rows = self._engram_rows(ctx)
         img = image_positions(batch.input_ids, a.vocab_size)
