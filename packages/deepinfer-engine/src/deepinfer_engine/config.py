@@ -88,7 +88,7 @@ class CacheConfig:
         0, "pinned host memory for evicted cached pages (e.g. 8GiB; 0 = off)", parse=lambda s: parse_bytes(s))
     num_prefix_state_slots: int | None = _opt(
         None, "exact replay: slots holding ring state blocks, charged against the cache budget (default: "
-        "max_num_seqs)")
+        "max_num_seqs, at most a quarter of kv_cache_memory_bytes)")
 
     def __post_init__(self) -> None:
         if self.prefix_replay not in ("exact", "approximate"):

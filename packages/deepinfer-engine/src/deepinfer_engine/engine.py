@@ -185,8 +185,14 @@ class EngineCore:
                 budget = DEFAULT_CPU_CACHE_BYTES
         cc = config.cache
         exact = cc.enable_prefix_caching and cc.prefix_replay == "exact"
-        states = (cc.num_prefix_state_slots if cc.num_prefix_state_slots is not None
-                  else config.scheduler.max_num_seqs) if exact else 0
+        states = 0
+        if exact:
+            states = cc.num_prefix_state_slots
+            if states is None:  # default: max_num_seqs blocks, at most a quarter of the budget
+                per_slot = sum(f.bytes_per_slot for f in families if f.kind == "slot")
+                states = config.scheduler.max_num_seqs
+                if budget is not None and per_slot:
+                    states = min(states, budget // 4 // per_slot)
         plan = plan_cache(families, page_size=page_size, memory_bytes=budget,
                           max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
                           num_pages=cc.num_kv_pages, num_state_slots=states)
