@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -382,6 +382,31 @@ class KVCacheManager:
                 self.stats.query_tokens += request.num_prompt_tokens
                 self._placed(request, slot, hit)
         return True
+
+    def admit(self, req: Request, running: Sequence[Request], chunk_len: Callable[[Request], int | None]
+              ) -> int | None:
+        """Place a waiting request: start it from a running request's live state (fork), a cached prefix, or
+        its beginning, whichever reaches furthest, and allocate its first chunk (`chunk_len(req)` tokens from
+        that start; None = does not fit). Returns the chunk length, or None with nothing changed."""
+        fresh = req.num_computed_tokens == 0
+        hit = self.lookup(req) if fresh else None
+        fork = self.fork_point(req, running, after=hit.start if hit else 0) if fresh else None
+        if fork is not None:
+            hit = None
+            req.num_computed_tokens = fork[1]
+        elif hit is not None:
+            req.num_computed_tokens = hit.start
+        n = chunk_len(req)
+        ok = n is not None and (self.allocate_fork(req, fork[0], fork[1], n) if fork is not None
+                                else self.allocate(req, n, hit=hit))
+        if not ok:
+            if fresh:
+                req.num_computed_tokens = 0
+            return None
+        if (hit is not None or fork is not None) and req.num_preemptions == 0:
+            req.num_cached_tokens = fork[1] if fork is not None else hit.num_cached_tokens
+            req.num_replayed_tokens = 0 if fork is not None else hit.num_replayed_tokens
+        return n
 
     def _placed(self, req: Request, slot: int, hit: PrefixHit | None) -> None:
         """Ops for a request that just got its slot: reset (or set) its replay floors; with a hit restore the

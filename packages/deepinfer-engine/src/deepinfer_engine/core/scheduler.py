@@ -7,6 +7,7 @@ count, slots and pages allow.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -143,6 +144,14 @@ class Scheduler:
             n = min(n, self.long_prefill_token_threshold)
         return n
 
+    def _admit_len(self, req: Request, budget: int) -> int | None:
+        """Tokens of a waiting request's first chunk from its (possibly prefix-cached) start; None when the prompt
+        does not fit the budget and chunked prefill is off."""
+        n = self._chunk_len(req, budget)
+        if n < req.num_tokens - req.num_computed_tokens and not self.enable_chunked_prefill:
+            return None
+        return n
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         planned: list[tuple[Request, int]] = []
@@ -185,22 +194,9 @@ class Scheduler:
                 if self.kv.waits_for_inflight(req):  # its next page is computed this step: share it next step
                     w += 1
                     continue
-                hit = self.kv.lookup(req) if req.num_computed_tokens == 0 else None
-                fork = self.kv.fork_point(req, self.running, after=hit.start if hit else 0) if (
-                    req.num_computed_tokens == 0) else None  # a running request's live state reaches further
-                if fork is not None:
-                    hit = None
-                req.num_computed_tokens = fork[1] if fork else hit.start if hit else req.num_computed_tokens
-                remaining = req.num_tokens - req.num_computed_tokens
-                n = self._chunk_len(req, budget)
-                ok = n >= remaining or self.enable_chunked_prefill
-                if not ok or not (self.kv.allocate_fork(req, fork[0], fork[1], n) if fork
-                                  else self.kv.allocate(req, n, hit=hit)):
-                    req.num_computed_tokens = 0
+                n = self.kv.admit(req, self.running, functools.partial(self._admit_len, budget=budget))
+                if n is None:
                     break
-                if (hit is not None or fork is not None) and req.num_preemptions == 0:
-                    req.num_cached_tokens = fork[1] if fork else hit.num_cached_tokens
-                    req.num_replayed_tokens = 0 if fork else hit.num_replayed_tokens
                 del self.waiting[w]
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
