@@ -54,7 +54,8 @@ def test_exact_replay_equals_no_cache_with_eviction_and_host_tier(llms, arch: st
     page = 4 if arch == "v41" else 8
     # 64 tokens of pages: the unrelated turn evicts the first turn's tail pages (to the host tier when it is on)
     small = {"num_kv_pages": 64 // page, "num_prefix_state_slots": 32}
-    for kw in ({}, small, {**small, "prefix_cache_host_bytes": 2**20}):
+    configs = [{}, small, {**small, "prefix_cache_host_bytes": 2**20}]
+    for kw in configs if arch == "v41" else configs[::2]:  # V4: the page paths are the same code
         llm = llms(arch, **kw)
         kv = llm.engine.scheduler.kv
         before = (kv.stats.hits, kv.stats.host_loaded_pages, kv.pool.num_evicted)

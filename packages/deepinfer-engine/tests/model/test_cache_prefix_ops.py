@@ -69,3 +69,32 @@ def test_page_copy_and_host_tier_round_trip_are_bitwise() -> None:
     for k, t in cache._paged_stores():
         assert torch.equal(t[1], before[k][2]) and torch.equal(t[2], before[k][1]) and torch.equal(t[3], before[k][0])
     assert cache.host_tier_bytes_per_page() == sum(t[0].numel() * 4 for _, t in cache._paged_stores())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["v41", "v4"])
+def test_approximate_replay_floors_hide_the_slot_and_spare_the_pages(kind: str) -> None:
+    """With the floors set, a replay from s = h - W reads nothing of what its slot held before (garbage or
+    zeros give the same logits) and writes no compressed entry of the shared pages below h."""
+    a = _args(kind)
+    model = init_random_(Transformer(a, torch.float32, with_draft=False), seed=3)
+    if a.arch == "v41":
+        model.set_engram_token_map(synthetic_token_map(a.vocab_size, a.engram_compressed_vocab_size))
+    P, n, h = 16, 40, 32
+    s = h - a.sliding_window
+    ids = torch.randint(3, a.vocab_size, (n,), generator=torch.Generator().manual_seed(2))
+    cache = ModelCache.allocate(a, num_slots=3, num_pages=8, page_size=P, dtype=torch.float32)
+    full = model(ForwardBatch.single(ids, block_table=torch.tensor([0, 1, 2])), cache)
+    shared = {k: t[:2].clone() for k, t in cache._paged_stores()}
+    g = torch.Generator().manual_seed(9)
+    outs = []
+    for slot, tail, fill in ((1, 5, "garbage"), (2, 6, "zeros")):
+        for t in cache._slot_stores():
+            t[slot].copy_(torch.randn(t[slot].shape, generator=g) * 5 if fill == "garbage" else torch.zeros_like(t[slot]))
+        cache.set_floors(slot, s, h)
+        cache.set_token_history(slot, s, ids[s - 8 : s].tolist())
+        outs.append(model(ForwardBatch.single(ids[s:], start_pos=s, slot=slot,
+                                              block_table=torch.tensor([0, 1, tail])), cache))
+    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(t[:2], shared[k]) for k, t in cache._paged_stores())
+    assert max_rel_err(outs[0][h - s :], full[h:]) > 0  # the floored window is an approximation
