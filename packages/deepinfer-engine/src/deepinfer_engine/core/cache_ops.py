@@ -1,7 +1,7 @@
 """Cache operations the model runner applies before a step's forward (docs/prefix_cache.md). Pure Python.
 
 The scheduler decides, the runner moves tensors: every op names slot ids, page ids or host-tier ids handed out
-by the torch-free cache manager. Order of application (`ModelCache.apply_ops`): offloads (device page -> host),
+by the torch-free cache manager. Order of application (`worker.cache_ops.apply_cache_ops`): snapshots, offloads (device page -> host),
 loads (host -> device page), page copies, slot clones, state restores, token histories, replay floors; captures
 are armed for the forward itself (they read rows the forward computes).
 """
@@ -48,6 +48,10 @@ class Capture:
 
 @dataclass(frozen=True, kw_only=True)
 class CacheOps:
+    # (slot, state slot, position): copy a slot whose sequence stopped exactly at a page boundary in the previous
+    # step into a state block; applied first (a capture that needs no rows of the forward: decode steps stay
+    # free of captures, so fixed-shape CUDA-graph steps never carry one)
+    snapshots: tuple[tuple[int, int, int], ...] = ()
     offload: tuple[tuple[int, int], ...] = ()  # (device page, host page): save an evicted cached page
     load: tuple[tuple[int, int], ...] = ()  # (host page, device page): bring a cached page back
     copy_pages: tuple[tuple[int, int], ...] = ()  # (src page, dst page)
@@ -59,5 +63,5 @@ class CacheOps:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.offload or self.load or self.copy_pages or self.clone_slots or self.restore
+        return not (self.snapshots or self.offload or self.load or self.copy_pages or self.clone_slots or self.restore
                     or self.history or self.floors or self.captures)

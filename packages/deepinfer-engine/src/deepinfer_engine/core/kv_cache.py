@@ -208,6 +208,8 @@ class KVCacheManager:
         self._pending: dict[str, list[tuple[int, int]]] = {}  # (page index, state slot) captured this step
         self._inflight: set[bytes] = set()  # hashes of pages being computed in the step being scheduled
         self._ops: dict[str, list] = {k: [] for k in ("restore", "history", "floors", "captures", "clone", "copy")}
+        self._snapshots_next: list[tuple[int, int, int]] = []  # planned this step, applied before the next
+        self._snapshots_due: list[tuple[int, int, int]] = []
         self.stats = PrefixStats()
 
     @classmethod
@@ -449,7 +451,10 @@ class KVCacheManager:
             if dest is None:
                 break
             pending.append((k, dest))
-            self._ops["captures"].append(Capture(slot=slot, position=(k + 1) * P, dest=dest))
+            if (k + 1) * P == end:  # the chunk stops there: copy the whole slot before the next forward
+                self._snapshots_next.append((slot, dest, end))
+            else:  # inside the chunk: the forward copies the rows as it computes them
+                self._ops["captures"].append(Capture(slot=slot, position=(k + 1) * P, dest=dest))
 
     def commit(self, req: Request) -> None:
         """After a step computed a request's chunk: register its newly full pages and captured state blocks."""
@@ -474,7 +479,9 @@ class KVCacheManager:
         if self.prefix is None:
             return None
         offload, load = self._pool.end_step()
-        ops = CacheOps(offload=tuple(offload), load=tuple(load), copy_pages=tuple(self._ops["copy"]),
+        snapshots, self._snapshots_due = tuple(self._snapshots_due), self._snapshots_next
+        self._snapshots_next = []
+        ops = CacheOps(snapshots=snapshots, offload=tuple(offload), load=tuple(load), copy_pages=tuple(self._ops["copy"]),
                        clone_slots=tuple(self._ops["clone"]), restore=tuple(self._ops["restore"]),
                        history=tuple(self._ops["history"]), floors=tuple(self._ops["floors"]),
                        captures=tuple(self._ops["captures"]))

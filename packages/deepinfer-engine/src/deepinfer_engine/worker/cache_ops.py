@@ -19,9 +19,11 @@ __all__ = ["apply_cache_ops"]
 
 
 def apply_cache_ops(cache: Any, ops: CacheOps) -> None:
-    """Offloads, loads, page copies, slot clones / state restores, token histories, floors, then arm the
+    """Snapshots, offloads, loads, page copies, slot clones / state restores, token histories, floors, then arm the
     captures for the forward that follows (`cache.copy_stream`: the CUDA stream of the host-tier transfers)."""
     cache.captures.clear()  # captures left armed by a step whose forward failed must not fire now
+    for src, dst, pos in ops.snapshots:  # state blocks of sequences that stopped at a page boundary last step
+        cache.clone_slot(src, dst, pos)
     if ops.offload or ops.load:
         copy_stream = getattr(cache, "copy_stream", None)
         if copy_stream is not None:
