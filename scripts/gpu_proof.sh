@@ -8,6 +8,7 @@
 #            GPU busy per engine decode step for this tree and, if OLD_TREE (a checkout's packages/ root) is
 #            given, for that tree too; `deepinfer bench latency` table against the bytes bound
 #     full   the same slices with all experts: bench latency + plot (V4.1), ours vs HF eager (V4)
+#     graphs V4.1 layers-4 with all experts: decode step with CUDA graphs vs eager in one process (bench_graphs.py)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -60,5 +61,10 @@ full)
     step make_v4_full 150 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 300 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
+    ;;
+graphs)
+    step make_v41_full 120 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step graphs_v41 300 python3 scripts/bench_graphs.py --model $CK/v41-l4 --batch 1,8,32,64 --profile-batch 1,64 \
+        --input-len 1024 --steps 8 --top-kernels 14 --output-json "$OUT/graphs_v41.json"
     ;;
 esac

@@ -8,7 +8,7 @@ of the engine (run it with another tree on PYTHONPATH for a before/after pair). 
 then B random prompts of input-len tokens are prefilled and `steps` pure decode steps (no prefill token in the
 step) are profiled. Counted per step from the profiler's CPU-side CUDA runtime events: kernel launches
 (cudaLaunchKernel / cuLaunchKernel / cudaLaunchKernelExC), host synchronizations (cudaStreamSynchronize,
-cudaDeviceSynchronize, cudaEventSynchronize, and blocking cudaMemcpy); GPU busy = summed device-kernel time over
+cudaDeviceSynchronize, cudaEventSynchronize, and blocking cudaMemcpy), graph replays (cudaGraphLaunch); GPU busy = summed device-kernel time over
 the wall time of the profiled steps.
 """
 
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 LAUNCH = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+GRAPH = ("cudaGraphLaunch", "cuGraphLaunch")  # one replay of a captured step (its kernels are not launches)
 SYNC = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -80,7 +81,10 @@ def profile_batch(llm: Any, batch: int, input_len: int, steps: int) -> dict[str,
     _add(llm, "warmup", batch, input_len, 2, seed=1)  # compiles, allocations
     while eng.has_unfinished_requests():
         eng.step()
-    _add(llm, "main", batch, input_len, steps + 1, seed=2)
+    # chunked prefill: the first prompts decode while later ones prefill; enough tokens that every request still
+    # decodes in the profiled steps
+    prefill_steps = -(-batch * input_len // int(llm.config.scheduler.max_num_batched_tokens)) + 1
+    _add(llm, "main", batch, input_len, steps + prefill_steps + 1, seed=2)
     _step_until_decode(eng)  # the first decode step ran inside (it may share the step with the last prefill)
     torch.cuda.synchronize()
     wall: list[float] = []
@@ -96,17 +100,20 @@ def profile_batch(llm: Any, batch: int, input_len: int, steps: int) -> dict[str,
         total_wall = time.perf_counter() - t_start
     while eng.has_unfinished_requests():
         eng.step()
-    launches = syncs = 0
+    launches = syncs = graphs = 0
     kernel_us = 0.0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernel_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
         elif e.name in LAUNCH:
             launches += 1
+        elif e.name in GRAPH:
+            graphs += 1
         elif e.name in SYNC:
             syncs += 1
     return {"batch": batch, "steps": n, "step_ms_median": statistics.median(wall) * 1e3,
             "kernel_launches_per_step": launches / n, "host_syncs_per_step": syncs / n,
+            "graph_launches_per_step": graphs / n,
             "gpu_busy_fraction": kernel_us / 1e6 / total_wall}
 
 
@@ -118,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(ns.model, **opts)
     rows = [profile_batch(llm, int(b), ns.input_len, ns.steps) for b in ns.batch.split(",") if b]
     print(f"{ns.label or 'engine'}: {ns.model}, input {ns.input_len}")
-    print(f"{'B':>4} {'ms/step':>9} {'launches':>9} {'syncs':>6} {'GPU busy':>9}")
+    print(f"{'B':>4} {'ms/step':>9} {'launches':>9} {'graphs':>6} {'syncs':>6} {'GPU busy':>9}")
     for r in rows:
         print(f"{r['batch']:>4} {r['step_ms_median']:>9.2f} {r['kernel_launches_per_step']:>9.0f} "
-              f"{r['host_syncs_per_step']:>6.1f} {r['gpu_busy_fraction'] * 100:>8.1f}%")
+              f"{r['graph_launches_per_step']:>6.1f} {r['host_syncs_per_step']:>6.1f} "
+              f"{r['gpu_busy_fraction'] * 100:>8.1f}%")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"label": ns.label, "model": ns.model, "options": opts,
                                                     "torch": torch.__version__,

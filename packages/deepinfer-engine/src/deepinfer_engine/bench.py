@@ -34,8 +34,13 @@ def _random_prompts(n: int, length: int, vocab: int, seed: int, bos: int | None)
     return out
 
 
+def _device(llm: LLM) -> torch.device:
+    runner = llm.engine.runner  # None for a data-parallel engine: its models live in the rank processes
+    return runner.device if runner is not None else llm.engine.core.device
+
+
 def _device_info(llm: LLM) -> dict[str, Any]:
-    dev = llm.engine.runner.device
+    dev = _device(llm)
     info: dict[str, Any] = {"device": str(dev), "torch": torch.__version__, "python": platform.python_version()}
     if dev.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(dev)
@@ -74,7 +79,7 @@ def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, t
         "temperature": temperature, "elapsed_s": elapsed, "input_tokens": n_in, "output_tokens": n_out,
         "requests_per_s": num_prompts / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
         "output_tokens_per_s": n_out / elapsed, "errors": sum(o.error is not None for o in outs),
-        **_prefix_stats(llm), **_device_info(llm), "settings": _settings(llm),
+        **_prefix_stats(llm), **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
     }
 
 
@@ -155,6 +160,12 @@ def shared_prefix(make_llm: Callable[[bool], LLM], *, num_prompts: int, input_le
     }
 
 
+def _data_parallel(llm: LLM) -> dict[str, Any]:
+    """Placement and per-rank work of a data-parallel engine since it started (warm-up included)."""
+    stats = getattr(llm.engine.core, "dp_stats", None)
+    return {} if stats is None else {"data_parallel": stats()}
+
+
 def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
             num_iters_warmup: int = 1, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     vocab = int(getattr(llm.engine.args, "vocab_size", 129280))
@@ -180,27 +191,36 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
         "std_latency_s": statistics.pstdev(times), "latencies_s": times,
         "percentiles_s": {str(p): pct(p) for p in (10, 25, 50, 75, 90, 99)},
         "output_tokens_per_s": batch_size * output_len / statistics.fmean(times),
-        **_device_info(llm), "settings": _settings(llm),
+        **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
     }
 
 
 def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0) -> list[float]:
-    """Wall time of each pure decode step (every sequence past its prompt) of one batch, through the engine's
-    step loop: schedule + forward + sampling + the step's one host read, i.e. what a user waits per token."""
+    """Wall time of `steps` pure decode steps of one batch in which all `batch_size` sequences decode, through
+    the engine's step loop: schedule + forward + sampling + the step's one host read, i.e. what a user waits per
+    token. Chunked prefill lets the first-prefilled sequences decode beside later prompts, so each request gets
+    enough tokens to still be running when the last prompt is done; steps with a prompt chunk, or with fewer
+    sequences decoding, are not timed, and the batch is aborted once `steps` were timed."""
     eng = llm.engine
     vocab = int(getattr(eng.args, "vocab_size", 129280))
     prompts = _random_prompts(batch_size, input_len, vocab, seed, eng.bos_token_id)
-    sp = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, seed=seed)
-    for i, ids in enumerate(prompts):
-        eng.add_request(f"bench-decode-{seed}-{i}", ids, sp)
+    budget = max(1, int(llm.config.scheduler.max_num_batched_tokens))
+    prefill_steps = -(-batch_size * input_len // budget) + 1
+    sp = SamplingParams(max_tokens=steps + prefill_steps + 1, temperature=0.0, ignore_eos=True, seed=seed)
+    ids = [f"bench-decode-{seed}-{i}" for i in range(batch_size)]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, p, sp)
     times: list[float] = []
-    while eng.has_unfinished_requests():
-        prefilled = eng.total.prefill_tokens
+    while eng.has_unfinished_requests() and len(times) < steps:
+        prefilled, decoded = eng.total.prefill_tokens, eng.total.decode_tokens
         t0 = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
-        if eng.total.prefill_tokens == prefilled:
+        if eng.total.prefill_tokens == prefilled and eng.total.decode_tokens - decoded == batch_size:
             times.append(dt)
+    eng.abort_request(ids)
+    while eng.has_unfinished_requests():
+        eng.step()
     return times
 
 
@@ -210,7 +230,7 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
     bandwidth and bf16 matmul rate measured on the same device in the same run."""
     from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate
 
-    dev = llm.engine.runner.device
+    dev = _device(llm)
     copy_bw = measure_copy_bandwidth(dev, nbytes=(1 << 30) if dev.type == "cuda" else (1 << 26))
     mm_rate = measure_matmul_rate(dev, n=8192 if dev.type == "cuda" else 512, iters=10 if dev.type == "cuda" else 3)
     rows = []
@@ -320,6 +340,9 @@ def format_result(r: dict[str, Any]) -> str:
         for p, v in r["percentiles_s"].items():
             row(f"{p}% percentile (s)", f"{v:.4f}")
         row("Output tokens/s", f"{r['output_tokens_per_s']:.1f}")
+    dp = r.get("data_parallel")
+    if dp:
+        row("DP tokens per rank", f"{dp['tokens_per_rank']} (imbalance max/mean {dp['token_imbalance']:.2f})")
     lines.append("=" * 60)
     return "\n".join(lines)
 

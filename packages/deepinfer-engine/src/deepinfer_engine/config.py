@@ -51,6 +51,9 @@ class ModelConfig:
     num_cpu_threads: int | None = _opt(
         None, "torch intra-op threads when running on CPU (default: 1 for tiny models, whose ops are too small to "
         "gain from threads and lose a lot to thread contention; torch's default otherwise)")
+    enforce_eager: bool = _opt(
+        False, "run every step eagerly; otherwise decode steps on CUDA replay CUDA graphs captured per padded "
+        "batch size and length (docs/cuda_graphs.md)")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -134,7 +137,7 @@ def _int_at_least(name: str, value: Any, low: int) -> None:
 class ParallelConfig:
     """Data-parallel attention / expert-parallel MoE layout (vLLM's option names; docs/parallel.md)."""
 
-    data_parallel_size: int = _opt(1, "data-parallel ranks, one GPU each (this engine loop runs 1)")
+    data_parallel_size: int = _opt(1, "data-parallel ranks, one process (and one GPU) each")
     enable_expert_parallel: bool = _opt(False, "spread the routed experts over the data-parallel ranks")
     enable_eplb: bool = _opt(False, "rebalance (replicate) hot experts while running; needs expert parallelism")
     num_redundant_experts: int = _opt(0, "extra physical expert slots per MoE layer for EPLB replicas")

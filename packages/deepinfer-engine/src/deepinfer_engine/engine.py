@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,15 +147,21 @@ class EngineCore:
 
     # ------------------------------------------------------------------ construction from a checkpoint
     @classmethod
-    def from_config(cls, config: EngineConfig) -> EngineCore:
+    def from_config(
+        cls, config: EngineConfig, *, device: torch.device | None = None,
+        expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None,
+    ) -> EngineCore:  # fmt: skip
+        """device / expert_slots / token_map: set by a data-parallel rank (deepinfer_engine.dp): its device, the
+        checkpoint experts of its slots per MoE layer (`load_model(expert_slots=)`) and the Engram token map its
+        front-end computed once for all ranks; a rank is one engine core."""
         from deepinfer_engine.model.args import ModelArgs
         from deepinfer_engine.model.cache import ModelCache, stores_records
         from deepinfer_engine.model.cache_layout import cache_families
 
-        _refuse_unsupported(config)
+        _refuse_unsupported(config, as_rank=device is not None)
         mc = config.model
         model_dir = model_dir_of(config)
-        device = resolve_device(mc.device)
+        device = device if device is not None else resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
         # the small files first: a malformed one fails in a second, not after the weights have loaded
@@ -168,7 +174,8 @@ class EngineCore:
         # "auto": the checkpoint's deployed numerics; the cache stores compact records where the layout allows
         # (V4.1 at real widths), otherwise the model rounds through the same formats into a plain cache
         storage = "auto" if kv_dtype == "auto" and stores_records(args) else "bfloat16"
-        model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto")
+        model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto",
+                            expert_slots=expert_slots, token_map=token_map)
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))
         bad = [r for r in ratios if r > 0 and page_size % r]
@@ -210,7 +217,13 @@ class EngineCore:
                                    max_fork_rollback=cache.slack + 1)
             logger.info("prefix caching: %s replay, %d state slots, %d host pages", cc.prefix_replay,
                         plan.num_state_slots, host_pages)
-        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos)
+        graphs = None
+        if device.type == "cuda" and not mc.enforce_eager:
+            from deepinfer_engine.worker.cuda_graph import CudaGraphRunner
+
+            graphs = CudaGraphRunner(model, cache, device=device, max_num_seqs=min(config.scheduler.max_num_seqs,
+                                     plan.num_slots), max_model_len=max_model_len)  # fmt: skip
+        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
                    model_dir=model_dir, eos_token_ids=eos, prefix=prefix)
 
@@ -302,11 +315,13 @@ def model_dir_of(config: EngineConfig) -> Path:
     return model_dir
 
 
-def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool):
+def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool,
+                expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None):
     from deepinfer_engine.model.loader import load_model
 
     # deployed numerics: FP8 activation quantization before every FP8 GEMM and the KV record formats
-    model = load_model(model_dir, dtype=dtype, device=device, quantize_activations=deployed)
+    model = load_model(model_dir, dtype=dtype, device=device, quantize_activations=deployed,
+                       expert_slots=expert_slots, token_map=token_map)
     model.set_deployed_numerics(deployed, cache_records=cache_records)
     model.eval()
     return model
@@ -315,9 +330,10 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, de
 __all__ = ["EngineCore", "StepStats", "mix_seed", "model_dir_of", "sampler_seed"]
 
 
-def _refuse_unsupported(config: EngineConfig) -> None:
+def _refuse_unsupported(config: EngineConfig, *, as_rank: bool = False) -> None:
     """Options the config accepts (vLLM names, validated) that this engine loop does not run yet: refuse them
-    before any loading rather than silently decode without them."""
+    before any loading rather than silently decode without them. as_rank: built as one rank of a data-parallel
+    engine (deepinfer_engine.dp), which runs data_parallel_size > 1."""
     spec, par = config.speculative, config.parallel
     if spec.speculative_method is not None:
         raise ConfigError(
@@ -325,9 +341,10 @@ def _refuse_unsupported(config: EngineConfig) -> None:
             "engine loop yet (the DSpark drafter and verifier exist as model / deepinfer-dspark pieces). Fix: leave "
             "speculative_method unset"
         )
-    if par.data_parallel_size > 1:
+    if (par.data_parallel_size > 1 or par.enable_expert_parallel) and not as_rank:
         raise ConfigError(
-            f"data_parallel_size: found {par.data_parallel_size}; more than one rank is not supported by this engine "
-            "loop yet (it runs one process). Fix: data_parallel_size=1"
+            f"data_parallel_size: found {par.data_parallel_size} (enable_expert_parallel={par.enable_expert_parallel}"
+            "); one EngineCore runs one rank. Fix: build the engine through LLM / LLMEngine.from_config, which "
+            "starts the data-parallel ranks"
         )
 

@@ -92,6 +92,17 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's rank processes (data_parallel_size > 1 / enable_expert_parallel); idempotent. Also
+        done by `with LLM(...) as llm:` and, as a last resort, when the LLM is garbage-collected."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

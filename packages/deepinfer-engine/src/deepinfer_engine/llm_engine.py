@@ -37,7 +37,10 @@ class LLMEngine:
         # the small files before the weights: a malformed tokenizer fails in a second, not after loading
         tokenizer = (load_tokenizer(mc.tokenizer) if mc.tokenizer
                      else load_tokenizer(model_dir_of(config), required=False))
-        core = EngineCore.from_config(config)
+        from deepinfer_engine import dp
+
+        # data parallelism: N rank processes behind a front-end, or this process as one rank of a torchrun world
+        core = dp.core_from_config(config) if dp.uses_data_parallel(config) else EngineCore.from_config(config)
         return cls(core, tokenizer=tokenizer, bos_token_id=getattr(core.args, "bos_token_id", 0))
 
     # the core's components, for benchmarks, commands and tests
@@ -101,6 +104,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
+
+    def close(self) -> None:
+        """Release what the core holds beyond memory: a data-parallel core's rank processes (idempotent)."""
+        close = getattr(self.core, "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ one step
     def step_outputs(self) -> ProcessedOutputs:

@@ -14,13 +14,14 @@ def test_families_v4():
     a = ModelArgs.from_config_dict(tiny_v4_config())
     c = ModelCache.allocate(a, num_slots=3, num_pages=5, page_size=16, dtype=torch.float32)
     assert set(c.swa) == set(range(7))  # 6 layers + MTP, each its own ring
-    assert c.swa[0].shape == (3, a.sliding_window + DEFAULT_SLACK, a.head_dim)
+    assert c.swa[0].shape == (3 + 1, a.sliding_window + DEFAULT_SLACK, a.head_dim)
     # CSA (layer 1): main overlap state 2*ratio rows of [A | Z] at 2*head_dim, indexer state, keys; HCA: main only
-    assert c.comp_state[(1, "main")].shape == (3, 8 + DEFAULT_SLACK, 2, 2 * a.head_dim)
-    assert c.comp_state[(1, "indexer")].shape == (3, 8 + DEFAULT_SLACK, 2, 2 * a.index_head_dim)
-    assert c.comp_state[(2, "main")].shape == (3, 8 + DEFAULT_SLACK, 2, a.head_dim)
+    assert c.comp_state[(1, "main")].shape == (3 + 1, 8 + DEFAULT_SLACK, 2, 2 * a.head_dim)
+    assert c.comp_state[(1, "indexer")].shape == (3 + 1, 8 + DEFAULT_SLACK, 2, 2 * a.index_head_dim)
+    assert c.comp_state[(2, "main")].shape == (3 + 1, 8 + DEFAULT_SLACK, 2, a.head_dim)
     assert (2, "indexer") not in c.comp_state
-    assert c.compressed_kv[1].shape == (5, 16 // 4, a.head_dim) and c.compressed_kv[2].shape == (5, 2, a.head_dim)
+    # storage: + the scratch slot / page of fixed-shape (CUDA-graph) steps
+    assert c.compressed_kv[1].shape == (5 + 1, 16 // 4, a.head_dim) and c.compressed_kv[2].shape == (5 + 1, 2, a.head_dim)
     assert set(c.index_keys) == {1, 3, 5}
     assert c.token_ring is None
 
@@ -29,7 +30,7 @@ def test_families_v41():
     a = ModelArgs.from_config_dict(tiny_v41_config())
     c = ModelCache.allocate(a, num_slots=2, num_pages=4, page_size=8, dtype=torch.float32)
     assert set(c.compressed_kv) == {2, 4, 5}  # kv sources only
-    assert c.compressed_kv[5].shape == (4, 8, a.head_dim)  # ratio 1
+    assert c.compressed_kv[5].shape == (4 + 1, 8, a.head_dim)  # ratio 1 (+ the scratch page)
     assert set(c.index_keys) == {2, 4, 5}
     assert set(k for k, _ in c.comp_state) == {2, 4}  # ratio-2 sources keep (A, Z) rows; ratio 1 needs none
     assert c.token_ring.shape == (2, a.engram_max_ngram_size - 1 + DEFAULT_SLACK)
@@ -77,7 +78,8 @@ def test_cache_families_match_allocation(cfg, dtype):
     page = 16
     fams = {f.name: f for f in cache_families(a, page, dtype)}
     c = ModelCache.allocate(a, num_slots=1, num_pages=1, page_size=page, dtype=dtype, device="meta")
-    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    # the storage holds 2 slots / pages: the requested one + the scratch one of fixed-shape steps
+    nb = lambda ts: sum(t.numel() * t.element_size() for t in ts) / 2  # noqa: E731
     assert fams["swa_ring"].bytes_per_slot == nb(c.swa.values())
     assert fams["compressor_state"].bytes_per_slot == nb(c.comp_state.values())
     assert fams["compressed_kv"].bytes_per_token == nb(c.compressed_kv.values()) / page

@@ -23,7 +23,8 @@ WARMUP_DECODE_STEPS = 2
 @pytest.mark.parametrize("arch", ["v41", "v4"])
 def test_decode_forward_and_batch_building_make_no_host_sync(tmp_path, monkeypatch, arch: str) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch=arch, seed=0)
-    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    # the eager forward (graphs replay a captured one: test_cuda_graph_cuda.py)
+    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
     runner = llm.engine.runner
     counts = {"decode": 0, "guarded": 0}
 

@@ -66,6 +66,15 @@ def run(ns: argparse.Namespace) -> int:
             bench.write_json(r, ns.output_json)
         return 0
     llm = llm_from_cli(ns)
+    try:
+        return _run(llm, ns)
+    finally:
+        llm.close()  # data-parallel rank processes
+
+
+def _run(llm, ns: argparse.Namespace) -> int:
+    from deepinfer_engine import bench
+
     if ns.bench_kind == "throughput":
         r = bench.throughput(llm, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
                              temperature=ns.temperature, seed=ns.bench_seed)

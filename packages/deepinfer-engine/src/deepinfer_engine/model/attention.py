@@ -108,7 +108,8 @@ class Compressor(nn.Module):
         a = self.wkv(x.float())
         z = self.wgate(x.float()) + self.ape[pos % r]
         backs = tuple(c % r + (r if self.overlap else 0) for c in ctx.ctx_lens)
-        ring = ctx.ring_plan(cache.state_rows(layer_id, state), backs, write=True)
+        ring = ctx.ring_plan(cache.state_rows(layer_id, state), backs, write=True,
+                             max_back=r - 1 + (r if self.overlap else 0))
         hist = cache.state_pool(layer_id, state, ring, torch.stack([a, z], dim=1))  # [H + T, 2, C]
         paged = ctx.paged_plan(r)
         if paged.num_new:
@@ -221,7 +222,7 @@ class Attention(nn.Module):
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
         cache = ctx.cache
-        plan = ctx.ring_plan(cache.window_rows(self.layer_id), (0,) * ctx.num_seqs, write=True)
+        plan = ctx.ring_plan(cache.window_rows(self.layer_id), (0,) * ctx.num_seqs, write=True, max_back=0)
         cache.window_pool(self.layer_id, plan, kv)
 
     def _window(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
@@ -233,7 +234,8 @@ class Attention(nn.Module):
         cache = ctx.cache
         W = self.window
         nc = ctx.block_noncausal
-        plan = ctx.ring_plan(cache.window_rows(self.layer_id), ((W if nc else W - 1),) * ctx.num_seqs, write=not nc)
+        back = W if nc else W - 1
+        plan = ctx.ring_plan(cache.window_rows(self.layer_id), (back,) * ctx.num_seqs, write=not nc, max_back=back)
         pool = cache.window_pool(self.layer_id, plan, kv, write=not nc)
         return pool, ctx.window_rows(plan, W, noncausal=nc)
 

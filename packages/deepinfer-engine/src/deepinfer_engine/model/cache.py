@@ -161,6 +161,17 @@ class ModelCache:
     host_pages: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # host tier, per paged store
     copy_stream: object | None = None  # CUDA stream of the host-tier transfers (worker.cache_ops)
 
+    # The device storage holds one slot and one page more than `num_slots` / `num_pages`: the scratch slot and
+    # page that the padded rows of a fixed-shape (CUDA-graph) decode step write into and read from. No request
+    # is ever given them (the scheduler sees num_slots / num_pages), so what lands there is never read as data.
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def scratch_page(self) -> int:
+        return self.num_pages
+
     def __post_init__(self) -> None:
         if not self.high_water:
             self.high_water = [0] * self.num_slots
@@ -340,6 +351,15 @@ class ModelCache:
         k = min(len(ids), R)
         ring[slot, np.arange(position - k, position) % R] = np.asarray(ids[len(ids) - k :], dtype=np.int64)
 
+    def needs_exact_plans(self, slots: Sequence[int], ctx_lens: Sequence[int]) -> bool:
+        """Whether a step over these sequences needs the exact (not fixed-shape) forward: a replay floor still
+        applies to one of them or a state-block capture is armed (prefix cache)."""
+        if self.captures:
+            return True
+        R = max((t.shape[1] for t in self.swa.values()), default=0)
+        return any((0 < self.window_floor[s] and c - self.window_floor[s] < R) or self.write_floor[s] > c
+                   for s, c in zip(slots, ctx_lens))
+
     def set_floors(self, slot: int, window_floor: int, write_floor: int) -> None:
         self.window_floor[slot] = int(window_floor)
         self.write_floor[slot] = int(write_floor)
@@ -400,17 +420,18 @@ class ModelCache:
                 return torch.zeros(*lead, width, dtype=dtype, device=device)
             return torch.zeros(*lead, f.nbytes, dtype=torch.uint8, device=device)
 
+        slot_rows, page_rows = num_slots + 1, num_pages + 1  # + the scratch slot / page (ModelCache.scratch_slot)
         for lid, s in specs.items():
-            swa[lid] = store("window", (num_slots, ring), s.head_dim)
+            swa[lid] = store("window", (slot_rows, ring), s.head_dim)
             for st in s.state_rings:
                 comp_state[(lid, st.name)] = torch.zeros(
-                    num_slots, st.rows + slack, 2, st.width, dtype=torch.float32, device=device
+                    slot_rows, st.rows + slack, 2, st.width, dtype=torch.float32, device=device
                 )
             if s.owns_entries:
                 ratios[lid] = s.ratio
-                compressed_kv[lid] = store("entries", (num_pages, page_size // s.ratio), s.kv_width)
+                compressed_kv[lid] = store("entries", (page_rows, page_size // s.ratio), s.kv_width)
                 if s.owns_index_keys:
-                    index_keys[lid] = store("index_keys", (num_pages, page_size // s.ratio), s.index_width)
+                    index_keys[lid] = store("index_keys", (page_rows, page_size // s.ratio), s.index_width)
         token_ring = None
         if getattr(args, "engram_layer_ids", None):
             token_ring = np.full((num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=np.int64)
@@ -584,6 +605,9 @@ class RingPlan:
     # state-block captures (prefix cache): rows of ring.view(-1, *C) of the state slots <- pool rows
     capture_dst: Tensor | None = None
     capture_src: Tensor | None = None
+    # fixed-shape plans (static_step.py) also serve positions outside the pool (the padded entry of a sequence
+    # that completes none this step): pool_rows clamps to [0, pool_len); None = exact plans, no clamp
+    pool_len: int | None = None
 
     def capture(self, flat: Tensor, pool: Tensor) -> None:
         """Copy the captured pool rows into their state slots' ring rows (flat = ring.view(-1, *C))."""
@@ -612,7 +636,8 @@ class RingPlan:
         c = st.ctx[seq]
         hist = self.hist_off[seq] + pos - self.hist_first[seq]
         fresh = self.num_hist + st.start[seq] + pos - c
-        return torch.where(pos < c, hist, fresh)
+        rows = torch.where(pos < c, hist, fresh)
+        return rows if self.pool_len is None else rows.clamp(0, self.pool_len - 1)
 
 
 def _segments(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -627,12 +652,18 @@ def _split(t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
     return list(torch.split(t, list(sizes))) if sizes else []
 
 
-def build_ring_plan(
-    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, device: torch.device
-) -> RingPlan:
-    """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
+def ring_plan_arrays(
+    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, clip: bool = True
+) -> list[np.ndarray]:
+    """Host arrays of a RingPlan: [hist_src, hist_off, hist_first(, write_dst, write_src(, capture_dst,
+    capture_src))] (captures: the SeqHost's armed state-block captures, written plans only).
+
+    clip=True reads b_i = min(backs[i], ctx_i) history rows (exact); clip=False reads backs[i] rows whatever
+    ctx_i (fixed sizes for a captured step: rows of positions < 0 are stale ring rows that nothing reads)."""
     R = ring_rows
-    b = np.minimum(np.asarray(backs, dtype=np.int64), seqs.ctx)
+    b = np.asarray(backs, dtype=np.int64)
+    if clip:
+        b = np.minimum(b, seqs.ctx)
     over = np.nonzero(b > R)[0]
     if over.size:
         i = int(over[0])
@@ -651,14 +682,7 @@ def build_ring_plan(
         parts += [seqs.slot[kseg] * R + (seqs.ctx[kseg] + skip[kseg] + kj) % R, seqs.start[kseg] + skip[kseg] + kj]
         if seqs.captures:
             parts += _capture_rows(R, first, hist_off, int(b.sum()), seqs)
-    sizes = [p.shape[0] for p in parts]
-    out = _split(upload(np.concatenate(parts), device), sizes)  # one copy for the whole plan
-    cap = write and bool(seqs.captures)
-    return RingPlan(
-        ring_rows=R, num_hist=int(sizes[0]), hist_src=out[0], hist_off=out[1], hist_first=out[2],
-        write_dst=out[3] if write else None, write_src=out[4] if write else None,
-        capture_dst=out[5] if cap else None, capture_src=out[6] if cap else None,
-    )  # fmt: skip
+    return parts
 
 
 def _capture_rows(R: int, first: np.ndarray, hist_off: np.ndarray, num_hist: int, seqs: SeqHost
@@ -674,6 +698,25 @@ def _capture_rows(R: int, first: np.ndarray, hist_off: np.ndarray, num_hist: int
         dst.append(dest * R + q % R)
         src.append(rows)
     return [np.concatenate(dst), np.concatenate(src)]
+
+
+def ring_plan_from(ring_rows: int, parts: Sequence[Tensor], *, pool_len: int | None = None) -> RingPlan:
+    """RingPlan over device tensors laid out as ring_plan_arrays returns them."""
+    write, cap = len(parts) >= 5, len(parts) == 7  # 7: with state-block captures (prefix cache)
+    return RingPlan(
+        ring_rows=ring_rows, num_hist=int(parts[0].shape[0]), hist_src=parts[0], hist_off=parts[1],
+        hist_first=parts[2], write_dst=parts[3] if write else None, write_src=parts[4] if write else None,
+        capture_dst=parts[5] if cap else None, capture_src=parts[6] if cap else None, pool_len=pool_len,
+    )  # fmt: skip
+
+
+def build_ring_plan(
+    ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, device: torch.device
+) -> RingPlan:
+    """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
+    parts = ring_plan_arrays(ring_rows, backs, seqs, write=write)
+    sizes = [p.shape[0] for p in parts]
+    return ring_plan_from(ring_rows, _split(upload(np.concatenate(parts), device), sizes))  # one copy
 
 
 @dataclass(frozen=True, kw_only=True)

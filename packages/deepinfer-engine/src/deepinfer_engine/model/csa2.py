@@ -248,7 +248,9 @@ def csa2_update_source(
     if r == 2:
         # rows of positions [p0 - back, p0 + n): back = 1 when a chunk starts inside a group; this step's rows
         # are stored in the ring for the next chunk
-        ring_plan = ctx.ring_plan(cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True)
+        ring_plan = ctx.ring_plan(
+            cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True, max_back=1
+        )
         both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
     if paged.num_new:
         if r == 1:
@@ -297,6 +299,8 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
         return index_scores(q, w, keys)
+    if ctx.static is not None:  # fixed-shape decode: one query per sequence, cmax entry slots per sequence
+        return _per_sequence_scores(q, w, keys.view(ctx.num_seqs, cmax, -1))
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
@@ -308,6 +312,13 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
         off, count = view.seq_offsets[i], view.seq_counts[i]
         out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count])
     return out
+
+
+def _per_sequence_scores(q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
+    """index_scores of query i against its own sequence's keys only: q [S, H, D], w [S, H], keys [S, E, D] ->
+    [S, E] float32 (the same sums as index_scores, batched over sequences)."""
+    logits = torch.einsum("shd,sed->she", q.float(), keys.float())
+    return torch.einsum("she,sh->se", torch.relu(logits), w.float())
 
 
 def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:

@@ -253,6 +253,8 @@ class ForwardContext:
     # per-sequence [S] tensors and the per-forward gather plans (built on first use, shared by all layers)
     seq_t: SeqTensors | None = None
     plans: dict[tuple, object] = field(default_factory=dict)
+    # a fixed-shape step (static_step.StaticDecodeStep, CUDA graphs): every plan comes from its static buffers
+    static: object | None = None
     # [S] int64: positions below it are outside the sliding window of the sequence (approximate prefix replay:
     # the window rows before the replay start were never cached); None = no floor in this forward
     window_floor: Tensor | None = None
@@ -314,8 +316,17 @@ class ForwardContext:
         )
 
     # ---------------------------------------------------------------------------------------------- plans
-    def ring_plan(self, ring_rows: int, backs: tuple[int, ...], *, write: bool) -> RingPlan:
-        """Cached RingPlan for a ring of `ring_rows` rows read with backs[i] history rows per sequence."""
+    def ring_plan(
+        self, ring_rows: int, backs: tuple[int, ...], *, write: bool, max_back: int | None = None
+    ) -> RingPlan:
+        """Cached RingPlan for a ring of `ring_rows` rows read with backs[i] history rows per sequence.
+
+        max_back: the most history rows this call site can ask for at any position (a fixed-shape step reads
+        that many for every sequence instead of backs)."""
+        if self.static is not None:
+            if max_back is None:
+                raise InputError("ring_plan: a fixed-shape (static) forward needs the call site's max_back")
+            return self.static.ring_plan(ring_rows, max_back, write=write)
         key = ("ring", ring_rows, backs, write)
         plan = self.plans.get(key)
         if plan is None:
@@ -325,6 +336,8 @@ class ForwardContext:
 
     def paged_plan(self, ratio: int) -> PagedPlan:
         """Cached PagedPlan of the ratio-`ratio` paged families (entries and this step's new entries)."""
+        if self.static is not None:  # block tables checked by the static step's caller, on the host
+            return self.static.paged_plan(ratio)
         key = ("paged", ratio)
         plan = self.plans.get(key)
         if plan is None:

@@ -11,6 +11,8 @@ dtype where the model computes in it). `quantized=False` decodes everything at l
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 DRAFT_PREFIX = "mtp."
+_STACKED_EXPERT = re.compile(r"\.ffn\.experts\.w[123]\.(weight|scale)$")
 
 
 def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -45,12 +48,46 @@ def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return named
 
 
-def expected_checkpoint_tensors(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
-    """checkpoint tensor name -> (parameter / buffer name, expert slot) for every tensor the model holds."""
-    out: dict[str, tuple[str, int | None]] = {}
+def _held_experts(model: torch.nn.Module, pname: str) -> tuple[int, ...] | None:
+    """Checkpoint expert of each slot of a stacked expert parameter whose module holds a subset of the layer's
+    experts (`Experts.hold_experts`, expert parallelism); None for every other parameter."""
+    if _STACKED_EXPERT.search(pname) is None:
+        return None
+    mod = model.get_submodule(pname.rsplit(".", 2)[0])
+    return getattr(mod, "held_experts", None)
+
+
+def _checkpoint_targets(model: torch.nn.Module) -> dict[str, list[tuple[str, int | None]]]:
+    """checkpoint tensor name -> every (parameter / buffer name, expert slot) it fills: one target, except an
+    expert a rank holds in several slots (EPLB replicas)."""
+    out: dict[str, list[tuple[str, int | None]]] = {}
     for pname, t in _named_tensors(model).items():
-        for ck, slot in param_to_checkpoint(pname, t.shape[0] if t.dim() else 0):
-            out[ck] = (pname, slot)
+        held = _held_experts(model, pname)
+        if held is None:
+            for ck, slot in param_to_checkpoint(pname, t.shape[0] if t.dim() else 0):
+                out.setdefault(ck, []).append((pname, slot))
+            continue
+        names = param_to_checkpoint(pname, max(held) + 1)  # entry e names expert e's tensor
+        for slot, e in enumerate(held):
+            out.setdefault(names[e][0], []).append((pname, slot))
+    return out
+
+
+def expected_checkpoint_tensors(model: torch.nn.Module) -> dict[str, tuple[str, int | None]]:
+    """checkpoint tensor name -> (parameter / buffer name, expert slot) for every tensor the model holds (the
+    first slot when a rank holds an expert in several)."""
+    return {ck: targets[0] for ck, targets in _checkpoint_targets(model).items()}
+
+
+def _skipped_experts(model: torch.nn.Module, stored: set[str]) -> set[str]:
+    """Stored expert tensors of layers whose module holds a subset of the experts: the ones not held are left
+    in the checkpoint (another rank loads them), not reported as unexpected."""
+    partial = {pname.rsplit(".", 2)[0] for pname in _named_tensors(model) if _held_experts(model, pname)}
+    out = set()
+    for ck in stored:
+        pname, slot = checkpoint_to_param(ck)
+        if slot is not None and pname.rsplit(".", 2)[0] in partial:
+            out.add(ck)
     return out
 
 
@@ -108,10 +145,12 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
     stored = set(reader.tensor_names())
     if not model.with_draft:
         stored = {n for n in stored if not n.startswith(DRAFT_PREFIX)}
-    expected = expected_checkpoint_tensors(model)
-    missing = sorted(set(expected) - stored)
-    # tensors the inventory declares optional (present or not in a release, never read) are dropped here
-    optional = optional_tensor_names(model.args)
+    targets = _checkpoint_targets(model)
+    expected = set(targets)
+    missing = sorted(expected - stored)
+    # tensors the inventory declares optional (present or not in a release, never read) are dropped here, and
+    # so are the experts another rank holds
+    optional = optional_tensor_names(model.args) | _skipped_experts(model, stored)
     unexpected = sorted(n for n in stored - set(expected) - optional if not _is_scale_companion(n, stored))
     if missing or unexpected:
         raise CheckpointError(
@@ -120,15 +159,16 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
         )
     _materialize(model, device)
     named = _named_tensors(model)
-    for ck, (pname, slot) in expected.items():
-        target = named[pname]
+    for ck, places in targets.items():
+        target = named[places[0][0]]
         if target.dtype in QUANTIZED_DTYPES or ck.endswith(".scale"):
             t = reader.load_raw(ck)
         else:
             t = reader.load(
                 ck, dtype=target.dtype if target.is_floating_point() else torch.float32, device=device
             )
-        _load_one(target, t, slot, ck)
+        for pname, slot in places:
+            _load_one(named[pname], t, slot, ck)
 
 
 def load_model(
@@ -140,12 +180,14 @@ def load_model(
     token_map: object | None = None,
     quantized: bool = True,
     quantize_activations: bool = False,
+    expert_slots: Callable[[int], Sequence[int]] | None = None,
 ) -> Transformer:
     """Transformer holding the weights of `ckpt_dir` on `device`: in their checkpoint formats (quantized=True,
     the default) or decoded to `dtype`; float parameters in `dtype`, fp32 where the spec keeps fp32 (mHC,
     sinks, ape, gate bias, compressor projections). quantize_activations: FP8 activation quantization before
     every FP8 GEMM (deployed numerics). Engram models get their hasher from `token_map` or the directory's
-    tokenizer.json (docs/model.md §C.6 token map)."""
+    tokenizer.json (docs/model.md §C.6 token map). expert_slots: expert parallelism, `layer id -> the checkpoint
+    experts of this rank's slots` for every backbone MoE layer; only those are read (draft layers keep all)."""
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
     reader = CheckpointReader(ckpt_dir)
@@ -157,6 +199,10 @@ def load_model(
                 reader.args, dtype, with_draft=with_draft, quantized=quantized,
                 quantize_activations=quantize_activations,
             )  # fmt: skip
+        if expert_slots is not None:
+            for layer in model.layers:
+                experts = layer.ffn.experts
+                experts.hold_experts(expert_slots(layer.layer_id), len(experts))
         load_state_into(model, reader, device=device)
     finally:
         reader.close()

@@ -25,6 +25,7 @@ from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, S
 from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
+from deepinfer_engine.model.static_step import StaticDecodeStep
 
 __all__ = ["ModelOutput", "Transformer"]
 
@@ -159,29 +160,61 @@ class Transformer(nn.Module):
                 cache.check_resume(slot, c)
         return host
 
-    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
+    def _engram_rows_host(
+        self, cache: ModelCache, slots: tuple[int, ...], ctx_lens: tuple[int, ...], query_lens: tuple[int, ...],
+        ids: np.ndarray,
+    ) -> np.ndarray | None:
         """Store this step's ids in the cache's host token ring and, when the model has an Engram hasher, hash
-        every engram layer's row ids on the host: [T, num_engram_layers, lookups] int64 on the batch's device."""
-        cache = ctx.cache
+        every engram layer's row ids on the host: [T, num_engram_layers, lookups] int64 (None: no Engram)."""
         if cache.token_ring is None:
             return None
         k = self.args.engram_max_ngram_size
-        ids = ctx.host.input_ids
-        hist = cache.token_histories(ctx.batch.slots, ctx.ctx_lens, ctx.query_lens, ids, k - 1)
+        hist = cache.token_histories(slots, ctx_lens, query_lens, ids, k - 1)
         if self.engram_hasher is None:
             return None
-        rows = self.engram_hasher.hash_batch(ids.astype(np.int64, copy=False), ctx.query_lens, hist)
-        return upload(np.asarray(rows, dtype=np.int64), ctx.batch.input_ids.device)
+        rows = self.engram_hasher.hash_batch(ids.astype(np.int64, copy=False), query_lens, hist)
+        return np.asarray(rows, dtype=np.int64)
+
+    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
+        """The step's Engram row ids on the batch's device (hashed on the host, one copy)."""
+        rows = self._engram_rows_host(ctx.cache, ctx.batch.slots, ctx.ctx_lens, ctx.query_lens, ctx.host.input_ids)
+        return None if rows is None else upload(rows, ctx.batch.input_ids.device)
+
+    def engram_row_shape(self, cache: ModelCache) -> tuple[int, ...] | None:
+        """Per-token shape (num_engram_layers, lookups) of the Engram row ids, None without Engram (pure: hashes
+        one dummy token, touches no cache)."""
+        if cache.token_ring is None or self.engram_hasher is None:
+            return None
+        rows = self.engram_hasher.hash_batch(np.zeros(1, dtype=np.int64), (1,), [np.zeros(0, dtype=np.int64)])
+        return tuple(np.asarray(rows).shape[1:])
+
+    def host_step(self, batch: ForwardBatch, cache: ModelCache) -> np.ndarray | None:
+        """The host half of a forward, for a caller that replays the device half (a captured fixed-shape step):
+        the input checks, the Engram token ring update + row ids (returned, [T, layers, lookups] int64 or None)
+        and the rollback marks. Exactly what forward_features does on the host for the same batch."""
+        host = self.check_inputs(batch, cache)
+        rows = self._engram_rows_host(cache, batch.slots, tuple(host.ctx_lens), batch.query_lens, host.input_ids)
+        for slot, c, n in zip(batch.slots, host.ctx_lens, batch.query_lens):
+            cache.high_water[slot] = c + n
+        return rows
 
     # ---------------------------------------------------------------------------------------------- forward
     @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
     def forward_features(
-        self, batch: ForwardBatch, cache: ModelCache, *, capture: tuple[int, ...] = ()
+        self, batch: ForwardBatch | None, cache: ModelCache, *, capture: tuple[int, ...] = (),
+        static: StaticDecodeStep | None = None,
     ) -> ModelOutput:
-        host = self.check_inputs(batch, cache)
-        ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture), state_captures=True)
+        """static: run the fixed-shape step held there (its batch, plans and Engram rows; `batch` is ignored and
+        the host half, `host_step`, is the caller's) -- the form a CUDA graph captures."""
+        if static is None:
+            host = self.check_inputs(batch, cache)
+            ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture), state_captures=True)
+            ctx.engram_rows = self._engram_rows(ctx)
+        else:
+            ctx = static.context(cache, capture_layers=tuple(capture))
+            ctx.engram_rows = static.engram_rows
+            batch = ctx.batch
         a = self.args
-        ctx.engram_rows = self._engram_rows(ctx)
         img = image_positions(batch.input_ids, a.vocab_size)
         if ctx.engram_rows is not None:
             ctx.image_mask = img
@@ -196,8 +229,9 @@ class Transformer(nn.Module):
             r, pre = layer(r, ctx, pre)
             if a.arch == "v4" and lid in ctx.capture_layers:
                 ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
-        for i, slot in enumerate(batch.slots):
-            cache.high_water[slot] = ctx.end_len(i)
+        if static is None:
+            for i, slot in enumerate(batch.slots):
+                cache.high_water[slot] = ctx.end_len(i)
         rows = r[batch.logits_indices]
         if a.has_hc_head:
             h = apply_hc_head(self, rows, a)

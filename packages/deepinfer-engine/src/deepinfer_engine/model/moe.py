@@ -109,6 +109,16 @@ class ExpertWeight(nn.Module):
         self.scale = new_param(scale_shape, stored_torch_dtype(scale_dtype), self.weight, stacked_weight_loader)
         self.block = (b0, b1)
 
+    def resize_slots(self, num_slots: int) -> None:
+        """Hold `num_slots` stacked experts instead of all (expert parallelism: this rank's slots only), in the
+        current format; call before the weights are loaded (the storage is replaced, uninitialized)."""
+        self.shape = (num_slots, *self.shape[1:])
+        self.weight = new_param((num_slots, *self.weight.shape[1:]), self.weight.dtype, self.weight,
+                                stacked_weight_loader)
+        if self.scale is not None:
+            self.scale = new_param((num_slots, *self.scale.shape[1:]), self.scale.dtype, self.weight,
+                                   stacked_weight_loader)
+
 
 class Experts(nn.Module):
     """`ffn.experts.*`: the routed experts of one layer, stacked; no per-expert module, no loop in the forward
@@ -125,6 +135,30 @@ class Experts(nn.Module):
 
     def __len__(self) -> int:
         return self.w1.shape[0]
+
+    @property
+    def held_experts(self) -> tuple[int, ...] | None:
+        """Checkpoint (logical) expert of each stacked slot when this rank holds a subset of the layer's experts
+        (`hold_experts`, expert parallelism); None when slot e holds expert e for every expert."""
+        return getattr(self, "_held", None)
+
+    def hold_experts(self, experts: list[int] | tuple[int, ...], num_experts: int) -> None:
+        """Keep only these of the layer's `num_experts` checkpoint experts, slot j = experts[j] (an expert may
+        fill several slots: EPLB replicas); call before loading, the loader fills each slot from its expert's
+        checkpoint tensors. Slots hold whatever later expert moves put there: update with `set_held`."""
+        self.set_held(experts, num_experts)
+        for w in (self.w1, self.w2, self.w3):
+            w.resize_slots(len(self._held))
+
+    def set_held(self, experts: list[int] | tuple[int, ...], num_experts: int) -> None:
+        experts = tuple(int(e) for e in experts)
+        if not experts or any(not 0 <= e < num_experts for e in experts):
+            raise ModelConfigError(f"hold_experts: expected expert ids in [0, {num_experts}), found {list(experts)}")
+        self._held = experts
+
+    def tensors(self) -> list[Tensor]:
+        """Every per-slot tensor (weights and scales), each `[slots, ...]`: what an expert move rewrites."""
+        return [t for w in (self.w1, self.w2, self.w3) for t in (w.weight, w.scale) if t is not None]
 
     def stacked(self) -> StackedExperts:
         w1, w2, w3 = self.w1, self.w2, self.w3

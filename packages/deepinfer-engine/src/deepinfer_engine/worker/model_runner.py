@@ -51,6 +51,7 @@ class ModelRunner:
         device: torch.device | str,
         eos_token_ids: Sequence[int] = (),
         batch_cls: type | None = None,
+        cuda_graphs: Any = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -60,6 +61,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.input_batch = InputBatch(self.device)
+        self.cuda_graphs = cuda_graphs  # worker.cuda_graph.CudaGraphRunner (decode steps replayed) or None
 
     def _banned(self, st: _RequestState) -> tuple[int, ...]:
         p = st.params
@@ -105,7 +107,11 @@ class ModelRunner:
             block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
             seq_of_token=inp.seq_of_token,
         )  # fmt: skip
-        logits = self.model(batch, self.cache)  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+        graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
+        # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
+        logits = self.cuda_graphs.run(batch, graph) if graph is not None else None
+        if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
+            logits = self.model(batch, self.cache)
         if not logit_rows:
             return ModelRunnerOutput()
         logits = logits.float()

@@ -1,7 +1,7 @@
 """`MoEDispatch`: how a MoE layer reaches its routed experts. The engine's MoE calls `run` and does not know
 whether the experts live on this rank (`LocalDispatch`, one process) or are spread over an EP group
-(`EPDispatch`: dispatch -> this rank's experts on the rows it received -> combine, docs/parallel.md "The engine
-seam").
+(`EPDispatch`: dispatch -> this rank's experts on the rows it received -> combine, docs/parallel.md "Engine
+integration").
 
 `LocalExperts` is the expert computation of one rank: `(x [R, hidden], weights [R, k] float32, ids [R, k]
 int64 local expert / slot ids) -> [R, hidden] float32 = sum_k weights[r, k] * Expert_{ids[r, k]}(x[r])`

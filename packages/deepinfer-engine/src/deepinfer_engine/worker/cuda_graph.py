@@ -1,0 +1,184 @@
+"""CUDA graphs for decode steps (docs/cuda_graphs.md).
+
+A decode step (every sequence feeds one token, logits of every sequence, nothing else asked) runs as the replay
+of a graph captured for a padded shape (B, L): B = the smallest batch bucket >= the step's sequences, L = the
+smallest length bucket >= every sequence's length after the step. Each graph owns a `StaticDecodeStep` (static
+inputs and gather plans, model/static_step.py); before a replay the runner runs the forward's host half
+(`Transformer.host_step`: input checks, Engram ids, rollback marks) and `fill`s the step's buffers. Graphs are
+captured lazily, on the first step that needs a shape (warm-up run on a side stream, then capture), into one
+memory pool shared by all graphs. Everything else (prefill, mixed steps, prompt logprobs, shapes past the
+largest bucket) runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from deepinfer_engine.errors import ConfigError
+from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
+
+__all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket"]
+
+logger = logging.getLogger(__name__)
+
+MIN_LEN_BUCKET = 256  # shortest length bucket: fewer graphs for short sequences, little padding cost
+
+
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch buckets: powers of two below max_num_seqs, then max_num_seqs itself."""
+    if max_num_seqs < 1:
+        raise ConfigError(f"cuda graphs: max_num_seqs {max_num_seqs}, expected >= 1")
+    sizes, b = [], 1
+    while b < max_num_seqs:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, max_num_seqs)
+
+
+def pick_bucket(n: int, sizes: Sequence[int]) -> int | None:
+    """Smallest size >= n (sizes ascending), None when n exceeds them all."""
+    for s in sizes:
+        if s >= n:
+            return s
+    return None
+
+
+def length_bucket(need: int, max_model_len: int) -> int | None:
+    """Smallest power of two >= need (at least MIN_LEN_BUCKET), capped to max_model_len; None when need
+    exceeds max_model_len."""
+    if need > max_model_len:
+        return None
+    b = MIN_LEN_BUCKET
+    while b < need:
+        b *= 2
+    return min(b, max_model_len)
+
+
+def decode_shape(
+    query_lens: Sequence[int], ctx_lens: Sequence[int], logit_rows: Sequence[int], batch_sizes: Sequence[int],
+    max_model_len: int,
+) -> tuple[int, int] | None:
+    """(B, L) of the graph that runs a step, None when it must run eagerly: a step qualifies when every sequence
+    feeds one token and the logits are exactly one row per sequence in batch order (no prompt logprobs)."""
+    S = len(query_lens)
+    if S == 0 or any(n != 1 for n in query_lens) or list(logit_rows) != list(range(S)):
+        return None
+    B = pick_bucket(S, batch_sizes)
+    L = length_bucket(max(ctx_lens) + 1, max_model_len)
+    return None if B is None or L is None else (B, L)
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    eager_steps: int = 0
+    capture_s: float = 0.0
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _Graph:
+    step: StaticDecodeStep
+    graph: torch.cuda.CUDAGraph
+    logits: Tensor  # [B, V] float32, written by every replay
+
+
+class CudaGraphRunner:
+    """Captures and replays the decode forward of `model` over `cache` per (batch bucket, length bucket)."""
+
+    def __init__(
+        self, model: object, cache: object, *, device: torch.device | str, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        self.model, self.cache = model, cache
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ConfigError(f"cuda graphs need a CUDA device, found {self.device}")
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        self.max_model_len = int(max_model_len)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.stats = GraphStats()
+        self._pool = None
+        self._stream: torch.cuda.Stream | None = None
+        self._engram_shape = model.engram_row_shape(cache)
+        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
+
+    def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
+        """(B, L) of a graph that can run this step, None when it must run eagerly."""
+        if batch.host is None or self.cache.needs_exact_plans(batch.slots, batch.host.ctx_lens):  # prefix replay
+            return None
+        shape = decode_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, self.batch_sizes,
+                             self.max_model_len)  # fmt: skip
+        if shape is None or shape in self.failed:
+            self.stats.eager_steps += 1
+            return None
+        return shape
+
+    def run(self, batch: object, shape: tuple[int, int]) -> Tensor | None:
+        """[S, V] float32 logits of a decode step (shape from shape_of), valid until the next replay; None when
+        the shape cannot be captured (the forward holds something a graph cannot record, e.g. a host read in an
+        expert-parallel dispatch): logged once, and that shape runs eagerly from then on."""
+        g = self.graphs.get(shape)
+        if g is None:
+            try:
+                g = self._capture(*shape)
+            except RuntimeError as exc:  # torch reports capture violations as RuntimeError
+                torch.cuda.synchronize(self.device)
+                self.failed[shape] = f"{type(exc).__name__}: {exc}"
+                logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
+                return None
+        rows = self.model.host_step(batch, self.cache)
+        facts = DecodeFacts.of(batch, rows)
+        g.step.check_tables(facts)
+        g.step.fill(facts)
+        g.graph.replay()
+        self.stats.replays += 1
+        return g.logits[: batch.num_seqs]
+
+    def pool_bytes(self) -> int:
+        """Device memory reserved by the graphs' shared pool (allocator segments of that pool), -1 when this
+        torch's memory snapshot does not name segment pools. Reads the allocator state: not for a hot path."""
+        if self._pool is None:
+            return 0
+        segs = torch.cuda.memory_snapshot()
+        if segs and "segment_pool_id" not in segs[0]:
+            return -1
+        pool = tuple(self._pool)
+        return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) == pool)
+
+    def _forward(self, step: StaticDecodeStep) -> Tensor:
+        return self.model.forward_features(None, self.cache, static=step).logits
+
+    def _capture(self, B: int, L: int) -> _Graph:
+        t0 = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        # all rows padding while warming up and capturing: only the scratch slot / page are written
+        step = StaticDecodeStep(self.cache, B, L, self.device, engram_shape=self._engram_shape)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):  # warm-up: Triton compiles / autotunes, plans register, lazies
+            for _ in range(2):
+                self._forward(step)
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+            logits = self._forward(step)
+        torch.cuda.synchronize(self.device)
+        g = _Graph(step=step, graph=graph, logits=logits)
+        self.graphs[(B, L)] = g
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.captures += 1
+        st.capture_s += dt
+        st.shapes.append((B, L))
+        logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
+        return g

@@ -1,0 +1,123 @@
+"""Fixed-shape decode steps (static_step.py) give the logits of the exact forward (CPU, fp32, no graph).
+
+The same decode steps run twice on two identically filled caches: the exact forward, and the host half
+(`Transformer.host_step`) + the fixed-shape forward over a padded StaticDecodeStep. Sequences of mixed lengths
+(past the window, across compressed-entry boundaries) join and leave between steps; the padded rows write only
+the scratch slot / page. Tolerance: max|Δ| / max|ref| <= 1e-5 (different reduction shapes, fp32).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_engine.errors import CapacityError
+from deepinfer_engine.model.args import ModelArgs
+from deepinfer_engine.model.cache import ModelCache
+from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
+from deepinfer_engine.model.model import Transformer
+from deepinfer_engine.model.presets import tiny_v4_config
+from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep, static_paged_arrays
+from equality import init_random_, max_rel_err
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOL = 1e-5
+PAGE = 16
+
+
+def _batch(ids: list[int], ctx: list[int], slots: list[int], tables: np.ndarray) -> ForwardBatch:
+    n = len(ids)
+    bt = tables[slots]
+    return ForwardBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64), positions=torch.tensor(ctx, dtype=torch.int64),
+        query_lens=(1,) * n, slots=tuple(slots), block_tables=torch.from_numpy(bt),
+        logits_indices=torch.arange(n, dtype=torch.int64),
+        host=StepHost(ctx_lens=tuple(ctx), input_ids=np.asarray(ids, dtype=np.int64), block_tables=bt),
+    )  # fmt: skip
+
+
+def _prefill(model: Transformer, cache: ModelCache, ids: torch.Tensor, slot: int, tables: np.ndarray) -> None:
+    bt = tables[[slot]]
+    n = int(ids.numel())
+    model(ForwardBatch(
+        input_ids=ids, positions=torch.arange(n), query_lens=(n,), slots=(slot,),
+        block_tables=torch.from_numpy(bt), logits_indices=torch.tensor([n - 1]),
+        host=StepHost(ctx_lens=(0,), input_ids=ids.numpy(), block_tables=bt),
+    ), cache)  # fmt: skip
+
+
+def _run(model: Transformer, *, batch_size: int, max_len: int) -> int:
+    """Exact vs fixed-shape decode over a schedule with joins and leaves; returns the steps compared."""
+    a = model.args
+    slots, pages_per_slot = 4, -(-max_len // PAGE)
+    tables = np.arange(slots * pages_per_slot, dtype=np.int32).reshape(slots, pages_per_slot)
+    caches = [ModelCache.allocate(a, num_slots=slots, num_pages=slots * pages_per_slot, page_size=PAGE,
+                                  dtype=torch.float32) for _ in range(2)]  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    lens = {0: 21, 1: 6, 2: 13}  # prompt lengths: past the window, across entry boundaries
+    for slot, n in lens.items():
+        ids = torch.randint(0, a.vocab_size, (n,), generator=gen)
+        for c in caches:
+            _prefill(model, c, ids, slot, tables)
+    nxt = {s: int(torch.randint(0, a.vocab_size, (1,), generator=gen)) for s in lens}
+    step = StaticDecodeStep(caches[1], batch_size, max_len, "cpu", engram_shape=model.engram_row_shape(caches[1]))
+    compared = 0
+    for k in range(12):
+        if k == 4:
+            lens.pop(1)  # a request finishes ...
+        if k == 6:
+            lens[3] = 0  # ... and a new one joins (its prompt first, eagerly)
+            ids = torch.randint(0, a.vocab_size, (5,), generator=gen)
+            for c in caches:
+                _prefill(model, c, ids, 3, tables)
+            lens[3], nxt[3] = 5, int(ids[-1])
+        order = sorted(lens)[::-1] if k % 2 else sorted(lens)
+        batch = _batch([nxt[s] for s in order], [lens[s] for s in order], order, tables)
+        ref = model(batch, caches[0])
+        rows = model.host_step(batch, caches[1])
+        step.fill(DecodeFacts.of(batch, rows))
+        out = model.forward_features(None, caches[1], static=step).logits[: len(order)]
+        assert max_rel_err(out, ref) <= TOL, (k, order)
+        compared += 1
+        for i, s in enumerate(order):
+            nxt[s] = int(ref[i].argmax())
+            lens[s] += 1
+    return compared
+
+
+def test_static_decode_equals_exact_v41(make_tiny_v41_model):
+    assert _run(make_tiny_v41_model(0), batch_size=4, max_len=64) == 12
+
+
+def test_static_decode_equals_exact_v4():
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    model = init_random_(Transformer(args, torch.float32), seed=0).eval()
+    assert _run(model, batch_size=4, max_len=64) == 12
+
+
+def test_static_paged_rows_scratch_and_completion():
+    from deepinfer_engine.model.cache import SeqHost
+
+    # ratio 2, page 8 (4 entries / page), 6 entry slots per sequence (2 pages); scratch row 99.
+    # seq 0 at ctx 9: completes entry 4 (page 7, row 0 = store row 28), 5 entries; seq 1 at ctx 2: entry 1 in
+    # progress (scratch), 1 entry; row 2 is padding
+    bt = np.array([[3, 7], [5, -1], [-1, -1]])
+    seqs = SeqHost(ctx=np.array([9, 2, 0]), qlen=np.ones(3, np.int64), start=np.arange(3), slot=np.array([0, 1, 9]))
+    real = np.array([True, True, False])
+    read, write, new_w, new_seq, offs = static_paged_arrays(2, 8, bt, seqs, real, 6, 99)
+    assert read.reshape(3, 6).tolist() == [[12, 13, 14, 15, 28, 99], [20, 99, 99, 99, 99, 99], [99] * 6]
+    assert write.tolist() == [28, 99, 99] and new_w.tolist() == [4, 1, 0]
+    assert new_seq.tolist() == [0, 1, 2] and offs.tolist() == [0, 6, 12]
+
+
+def test_static_step_refuses_too_long_or_too_many():
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=2, num_pages=4, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 1, 32, "cpu")
+    one = np.zeros(1, np.int64)
+    with pytest.raises(CapacityError, match="up to length 32"):
+        step.fill(DecodeFacts(ctx=np.array([32]), slots=one, input_ids=one, block_tables=np.zeros((1, 2))))
+    with pytest.raises(CapacityError, match="of 1 rows"):
+        step.fill(DecodeFacts(ctx=np.zeros(2, np.int64), slots=np.arange(2), input_ids=np.zeros(2, np.int64),
+                              block_tables=np.zeros((2, 2))))  # fmt: skip
