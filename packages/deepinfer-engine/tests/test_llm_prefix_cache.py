@@ -112,3 +112,18 @@ def test_prompt_logprobs_are_computed_not_served_from_the_cache(llms) -> None:
     got = [(x.token_id, round(x.logprob, 4)) for x in on.prompt_logprobs if x is not None]
     want = [(x.token_id, round(x.logprob, 4)) for x in off.prompt_logprobs if x is not None]
     assert got == want and len(got) == len(prompt) - 1
+
+
+def test_a_batch_mixing_hits_and_forks_equals_no_cache(llms) -> None:
+    """Prompts that share only their BOS with requests admitted in the same step (whose slots are restored in
+    that step) must not fork from them; every first-token distribution equals the uncached one."""
+    prompts = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
+    sp = SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True)
+    got = {}
+    for name, llm in (("on", llms("v41")), ("off", llms("v41", enable_prefix_caching=False))):
+        llm.generate(prompts, GREEDY, use_tqdm=False)  # cache them (on)
+        got[name] = [[(lp.token_id, lp.logprob) for lp in o.outputs[0].logprobs]
+                     for o in llm.generate(prompts, sp, use_tqdm=False)]
+    for on, off in zip(got["on"], got["off"]):
+        assert [t for t, _ in on] == [t for t, _ in off]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(on, off)) < 1e-4

@@ -290,6 +290,7 @@ class KVCacheManager:
 
     def fork_point(self, req: Request, running: Sequence[Request], *, after: int = 0) -> tuple[Request, int] | None:
         """A running request whose live state `req` can start from, and the position F to resume at (> after).
+        `running` must only hold requests whose slot holds what they computed (not ones placed this step).
 
         The source must have computed at least F tokens that equal req's first F, with F at most
         `max_fork_rollback` behind its progress (its rings still hold every row a step at F reads) and at most

@@ -189,12 +189,13 @@ class Scheduler:
 
         if not preempted:
             w = 0
+            prior = list(self.running)  # fork sources: their slots hold what they computed (admitted ones' do not yet)
             while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[w]
                 if self.kv.waits_for_inflight(req):  # its next page is computed this step: share it next step
                     w += 1
                     continue
-                n = self.kv.admit(req, self.running, functools.partial(self._admit_len, budget=budget))
+                n = self.kv.admit(req, prior, functools.partial(self._admit_len, budget=budget))
                 if n is None:
                     break
                 del self.waiting[w]
