@@ -54,8 +54,17 @@ class ModelConfig:
     enforce_eager: bool = _opt(
         False, "run every step eagerly; otherwise decode steps on CUDA replay CUDA graphs captured per padded "
         "batch size and length (docs/cuda_graphs.md)")
+    prefill_truncation: Literal["off", "compact"] = _opt(
+        "off", "decoder truncation in prefill (V4.1): compact runs the layers from the first ratio-1 layer on only "
+        "the last prefill_truncation_keep rows of each prompt (fewer FLOPs; an approximation unless keep covers "
+        "the bound in docs/prefill_truncation.md); off runs every row through every layer")
+    prefill_truncation_keep: int = _opt(
+        140, "rows per prompt the decoder layers run on under prefill_truncation=compact (>= sliding window + 6)")
 
     def __post_init__(self) -> None:
+        if self.prefill_truncation not in ("off", "compact"):
+            raise ConfigError(f"prefill_truncation: found {self.prefill_truncation!r}, expected off or compact")
+        _int_at_least("prefill_truncation_keep", self.prefill_truncation_keep, 1)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: found {self.dtype!r}, expected auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:

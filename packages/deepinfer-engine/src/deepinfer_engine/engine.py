@@ -164,6 +164,10 @@ class EngineCore:
         device = device if device is not None else resolve_device(mc.device)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
+        if mc.prefill_truncation == "compact":  # the model's split is checked before any weight loads
+            from deepinfer_engine.model.truncation import decoder_split
+
+            decoder_split(args, mc.prefill_truncation_keep)
         # the small files first: a malformed one fails in a second, not after the weights have loaded
         eos = read_eos_ids(model_dir, args)
         if device.type == "cpu":
@@ -176,6 +180,7 @@ class EngineCore:
         storage = "auto" if kv_dtype == "auto" and stores_records(args) else "bfloat16"
         model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto",
                             expert_slots=expert_slots, token_map=token_map)
+        model.set_prefill_truncation(mc.prefill_truncation, mc.prefill_truncation_keep)
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))
         bad = [r for r in ratios if r > 0 and page_size % r]

@@ -7,7 +7,9 @@ without either it inspects the embedded default checkpoint. `--forward` runs the
 (non-finite values, invalid scale codes) besides every structural problem; exit status 1 on findings.
 `--load` loads the model (weights in their checkpoint formats) on `--device` with `--dtype` and reports the bytes
 it holds against the checkpoint's; `--json` prints that report as one JSON object. `--config` reports the
-resident bytes of the model a load would build (meta device: no weights needed).
+resident bytes of the model a load would build (meta device: no weights needed). `--prefill-flops` (with DIR or
+--config) prints the matrix-product FLOPs of one prompt's prefill with and without decoder truncation
+(prefill_flops.py) at prompt lengths 1K .. 128K.
 """
 
 from __future__ import annotations
@@ -48,6 +50,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load the model and report resident weight bytes (parameters + buffers) vs the checkpoint's",
     )
+    parser.add_argument("--prefill-flops", action="store_true",
+                        help="prefill FLOPs per prompt length, full vs prefill_truncation=compact (V4.1)")
+    parser.add_argument("--keep", type=int, default=140,
+                        help="kept rows for --prefill-flops (prefill_truncation_keep, default 140)")
+
+
+def prefill_flops_lines(args: ModelArgs, keep: int) -> list[str]:
+    from deepinfer_engine.prefill_flops import prefill_flops_table
+
+    rows = prefill_flops_table(args, [1024 << i for i in range(8)], keep)
+    out = [f"prefill FLOPs of one prompt (matrix products, first token only), compact keep = {keep}:",
+           f"  {'prompt':>7}  {'full TFLOP':>11}  {'compact TFLOP':>13}  {'saved':>6}  {'GFLOP/token full':>16}  "
+           f"{'compact':>7}"]
+    for r in rows:
+        P = r["prompt_len"]
+        out.append(f"  {P:>7}  {r['full'] / 1e12:>11.2f}  {r['compact'] / 1e12:>13.2f}  {r['saved_frac']:>6.1%}  "
+                   f"{r['full'] / P / 1e9:>16.1f}  {r['compact'] / P / 1e9:>7.1f}")
+    return out
 
 
 def _arch_lines(a: ModelArgs) -> list[str]:
@@ -257,9 +277,13 @@ def _load_lines(report: dict[str, object]) -> list[str]:
 def run(ns: argparse.Namespace) -> int:
     if ns.json and not (ns.verify or ns.load):
         raise DeepInferError("--json goes with --verify or --load (the plain report is text only)")
+    if ns.config is not None and ns.dir is not None:
+        raise DeepInferError("give either a checkpoint DIR or --config FILE, not both")
+    if ns.prefill_flops:
+        path = ns.config if ns.config is not None else Path(ns.dir or _default_dir()) / "config.json"
+        print("\n".join(prefill_flops_lines(ModelArgs.from_file(path), ns.keep)))
+        return 0
     if ns.config is not None:
-        if ns.dir is not None:
-            raise DeepInferError("give either a checkpoint DIR or --config FILE, not both")
         if ns.forward or ns.verify:
             raise DeepInferError("--forward and --verify need weights: give a checkpoint DIR, not --config")
         args = ModelArgs.from_file(ns.config)
@@ -267,11 +291,7 @@ def run(ns: argparse.Namespace) -> int:
         print("\n".join(format_report(args, plan=not ns.no_plan)))
         print("\n".join(_resident_lines(args, ns.dtype)))
         return 0
-    directory = ns.dir
-    if directory is None:
-        from deepinfer_engine.default_model import default_model_dir
-
-        directory = default_model_dir()
+    directory = ns.dir if ns.dir is not None else _default_dir()
     if ns.verify:
         return run_verify(Path(directory), as_json=ns.json, progress=ns.progress)
     from deepinfer_engine.model.checkpoint import CheckpointReader
@@ -298,6 +318,12 @@ def run(ns: argparse.Namespace) -> int:
     if ns.forward:
         print("\n".join(_forward_lines(Path(directory), ns.prompt, ns.device, ns.dtype)))
     return 0
+
+
+def _default_dir() -> Path:
+    from deepinfer_engine.default_model import default_model_dir
+
+    return Path(default_model_dir())
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -251,7 +251,8 @@ class Attention(nn.Module):
             from deepinfer_engine.model import csa2
 
             plan = self._csa2_plan
-            if plan.has_compressor:
+            # a source already published in this forward (prefill truncation wrote it for every row) is kept
+            if plan.has_compressor and plan.layer_id not in ctx.compressed:
                 csa2.csa2_update_source(
                     plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope,
                     numerics=self.numerics,

@@ -62,26 +62,42 @@ class Block(nn.Module):
         self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """r [T, n, d] -> (r' [T, n, d], pre of the FFN mixes [T, n] f32)."""
-        if self.engram is not None:
-            if ctx.engram_rows is None:
-                raise ModelConfigError(
-                    f"layer {self.layer_id} has Engram but the forward has no Engram row ids "
-                    "(set Transformer.engram_hasher, e.g. via load_model or set_engram_token_map)"
-                )
-            r = self.engram(r, ctx.engram_rows[:, self.engram_col], ctx.image_mask)
+        r = self._engram(r, ctx)
         pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
-        if not self.delayed:
-            x = hc_pre(r, pre_a, backend=self.kernel_backend)
-        elif pre_prev is None:
-            x = r[:, 0]  # delayed mHC starts from stream 0 (= the embedding)
-        else:
-            x = hc_pre(r, pre_prev, backend=self.kernel_backend)
+        x = self._collapse(r, pre_a, pre_prev)
         r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a, backend=self.kernel_backend)
         pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
         x = hc_pre(r, pre_a if self.delayed else pre_f, backend=self.kernel_backend)
         r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f,
                     backend=self.kernel_backend)
         return r, pre_f
+
+
+    def attn_input(self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None) -> Tensor:
+        """[T, d] the attention sub-layer's input (after attn_norm) for streams r [T, n, d], as forward computes
+        it (prefill truncation runs the boundary layer's compressor on every row from it)."""
+        r = self._engram(r, ctx)
+        pre_a = None if self.delayed else apply_hc_mix(self, "hc_attn", r, self.args)[0]
+        return self.attn_norm(self._collapse(r, pre_a, pre_prev))
+
+    def _engram(self, r: Tensor, ctx: ForwardContext) -> Tensor:
+        if self.engram is None:
+            return r
+        if ctx.engram_rows is None:
+            raise ModelConfigError(
+                f"layer {self.layer_id} has Engram but the forward has no Engram row ids "
+                "(set Transformer.engram_hasher, e.g. via load_model or set_engram_token_map)"
+            )
+        return self.engram(r, ctx.engram_rows[:, self.engram_col], ctx.image_mask)
+
+    def _collapse(self, r: Tensor, pre_a: Tensor | None, pre_prev: Tensor | None) -> Tensor:
+        """The attention input before its norm: V4 collapses with its own pre, V4.1 (delayed) with the previous
+        sub-layer's (layer 0: stream 0 = the embedding)."""
+        if not self.delayed:
+            return hc_pre(r, pre_a, backend=self.kernel_backend)
+        if pre_prev is None:
+            return r[:, 0]
+        return hc_pre(r, pre_prev, backend=self.kernel_backend)
 
 
 class MTPBlock(Block):

@@ -269,17 +269,25 @@ def csa2_update_source(
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
         cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))
         cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
-    store, rows = cache.entry_source(lid, paged)
-    view = CompressedView(
-        store=store,
-        rows=rows,
-        index_keys=cache.read_index_keys(lid, paged),
-        seq_offsets=paged.offsets,
-        seq_counts=paged.counts,
-        ratio=r,
-    )
+    view = source_view(lid, r, ctx)
     ctx.compressed[lid] = view
     return view
+
+
+def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedView:
+    """The compressed entries and index keys of kv source `layer_id` for every sequence of `ctx`, as they stand
+    in the cache (each sequence's entries ``0 .. floor((ctx+n)/ratio)-1``)."""
+    cache = ctx.cache
+    paged = ctx.paged_plan(ratio)
+    store, rows = cache.entry_source(layer_id, paged)
+    return CompressedView(
+        store=store,
+        rows=rows,
+        index_keys=cache.read_index_keys(layer_id, paged),
+        seq_offsets=paged.offsets,
+        seq_counts=paged.counts,
+        ratio=ratio,
+    )
 
 
 # Batched scoring scores every query against every sequence's entries ([T, E] cells, of which only

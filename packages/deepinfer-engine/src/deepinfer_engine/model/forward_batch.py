@@ -79,6 +79,10 @@ class ForwardBatch:
     slots:          per-sequence slot index into the "slot" cache families (SWA rings, compressor state, history)
     block_tables:   [S, max_pages] int32 page ids for the paged families; -1 = unused
     logits_indices: [N] int64 rows of T whose logits are returned
+    known_lens:     per sequence, the tokens its request knows (prompt + tokens generated so far), or None. Read
+                    only by prefill truncation (docs/prefill_truncation.md): rows at positions < known_len - KEEP
+                    skip the decoder layers; 0 keeps every row of that sequence (prompt logprobs), None every
+                    row of the batch. The rows of logits_indices must be kept rows.
     """
 
     input_ids: Tensor
@@ -92,6 +96,7 @@ class ForwardBatch:
     # (the runner's input batch, in its one copy); None: ForwardContext.build uploads them from `host`
     seq: SeqTensors | None = None
     seq_of_token: Tensor | None = None
+    known_lens: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 1 or self.input_ids.dtype != torch.int64:
@@ -228,6 +233,9 @@ class ForwardContext:
     engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (hashed on the host from
                       host.input_ids and the cache's host token ring, once per forward, one copy to the device)
     image_mask:       [T] bool positions carrying image-sentinel ids
+    window_floor:     per sequence, the lowest position a ring may be read at (prefill truncation: the decoder
+                      rings hold nothing below a request's first kept position), or None: ring plans read no
+                      history row below it and windows mask it
     block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
                       window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
                       tokens' window kv is NOT written into the ring.
@@ -242,6 +250,7 @@ class ForwardContext:
     ctx_lens: tuple[int, ...]
     seq_of_token: Tensor
     block_noncausal: bool = False
+    window_floor: tuple[int, ...] | None = None
     engram_rows: Tensor | None = None  # [T, num_engram_layers, lookups] int64 rows into each engram.embed
     image_mask: Tensor | None = None  # [T] bool image-sentinel positions (Engram gate 0)
     compressed: dict[int, CompressedView] = field(default_factory=dict)
@@ -327,6 +336,8 @@ class ForwardContext:
             if max_back is None:
                 raise InputError("ring_plan: a fixed-shape (static) forward needs the call site's max_back")
             return self.static.ring_plan(ring_rows, max_back, write=write)
+        if self.window_floor is not None:  # rows below the floor were never written: not even read
+            backs = tuple(min(b, max(c - f, 0)) for b, c, f in zip(backs, self.ctx_lens, self.window_floor))
         key = ("ring", ring_rows, backs, write)
         plan = self.plans.get(key)
         if plan is None:
@@ -376,6 +387,11 @@ class ForwardContext:
             hi = pos
         q = lo[:, None] + torch.arange(k, device=pos.device)[None, :]  # [T, K] positions
         valid = (q >= 0) & (q <= hi[:, None])
+        if self.window_floor is not None:
+            floor = self.plans.get("floor")
+            if floor is None:
+                floor = self.plans["floor"] = upload(np.asarray(self.window_floor, dtype=np.int64), pos.device)
+            valid &= q >= floor[seq][:, None]
         rows = plan.pool_rows(seq[:, None].expand_as(q), q, st)
         idx = torch.where(valid, rows, torch.full_like(rows, -1))
         self.plans[key] = idx

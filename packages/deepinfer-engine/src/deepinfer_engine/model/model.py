@@ -26,6 +26,7 @@ from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
 from deepinfer_engine.model.static_step import StaticDecodeStep
+from deepinfer_engine.model.truncation import plan_truncation
 
 __all__ = ["ModelOutput", "Transformer"]
 
@@ -33,12 +34,15 @@ __all__ = ["ModelOutput", "Transformer"]
 @dataclass(kw_only=True)
 class ModelOutput:
     """logits [N, V] f32 (rows batch.logits_indices); hidden: final streams [T, n, d] before the head collapse;
-    pre_last: V4.1 pre of the last FFN mixes [T, n] (None for V4); features: captured [T, d] per layer id."""
+    pre_last: V4.1 pre of the last FFN mixes [T, n] (None for V4); features: captured [T, d] per layer id.
+    kept_batch: under prefill truncation, the sub-batch of the rows hidden / pre_last / features cover (each
+    sequence's last rows; truncation.py); None: they cover every row of the step's batch."""
 
     logits: Tensor
     hidden: Tensor
     pre_last: Tensor | None
     features: dict[int, Tensor] = field(default_factory=dict)
+    kept_batch: ForwardBatch | None = None
 
 
 class Transformer(nn.Module):
@@ -97,6 +101,18 @@ class Transformer(nn.Module):
         from deepinfer_kernels import backend_from_env
 
         self.set_kernel_backend(backend_from_env())
+        self.decoder_split = None  # prefill truncation off (set_prefill_truncation)
+
+    def set_prefill_truncation(self, mode: str, keep: int = 140) -> None:
+        """Decoder truncation in prefill (truncation.py): "off" runs every row through every layer; "compact"
+        runs the decoder layers on the last `keep` rows of each request (ConfigError on a model without an
+        encoder/decoder split or a keep below window + 6)."""
+        from deepinfer_engine.errors import ConfigError
+        from deepinfer_engine.model.truncation import PREFILL_TRUNCATION_MODES, decoder_split
+
+        if mode not in PREFILL_TRUNCATION_MODES:
+            raise ConfigError(f"prefill_truncation: found {mode!r}, expected one of {', '.join(PREFILL_TRUNCATION_MODES)}")
+        self.decoder_split = decoder_split(self.args, keep) if mode == "compact" else None
 
     def set_kernel_backend(self, backend: str) -> None:
         """Give every module the kernel backend its ops run with: "device" (Triton where the op supports the
@@ -222,26 +238,34 @@ class Transformer(nn.Module):
         e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
         r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
         pre: Tensor | None = None
+        # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
+        cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
+        c = ctx  # the context of the rows still running (the decoder's kept rows after the boundary)
         for layer in self.layers:
             lid = layer.layer_id
-            if a.arch == "v41" and lid in ctx.capture_layers:
-                ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
-            r, pre = layer(r, ctx, pre)
-            if a.arch == "v4" and lid in ctx.capture_layers:
-                ctx.features[lid] = r.float().mean(dim=1).to(r.dtype)
+            if cut is not None and lid == cut.split.boundary:
+                r, pre, c = cut.enter(layer, r, pre, ctx)
+                if not c.num_seqs:
+                    break  # no decoder row in this step (early prefill chunks only)
+            if a.arch == "v41" and lid in c.capture_layers:
+                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+            r, pre = layer(r, c, pre)
+            if a.arch == "v4" and lid in c.capture_layers:
+                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
         if static is None:
             for i, slot in enumerate(batch.slots):
                 cache.high_water[slot] = ctx.end_len(i)
-        rows = r[batch.logits_indices]
+        rows = r[c.batch.logits_indices]
         if a.has_hc_head:
             h = apply_hc_head(self, rows, a)
             pre_last = None
         else:
             pre_last = pre
-            h = hc_pre(rows, pre[batch.logits_indices], backend=self.kernel_backend)
+            h = hc_pre(rows, pre[c.batch.logits_indices], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
         logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
-        return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(ctx.features))
+        return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
+                           kept_batch=None if c is ctx else c.batch)
 
     def forward(self, batch: ForwardBatch, cache: ModelCache) -> Tensor:
         """[N, V] float32 logits of the rows batch.logits_indices (contracts §3)."""

@@ -87,9 +87,11 @@ class ModelRunner:
         sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
         plp_at: list[tuple[str, int, int]] = []  # (req_id, index into logit_rows, target prompt index j)
         row = 0
+        known: list[int] = []  # per chunk, its request's known tokens (prefill truncation; 0 = every row needed)
         for c in sched.chunks:
             st = self.states[c.req_id]
             n = c.num_tokens
+            known.append(0 if st.params.prompt_logprobs is not None else c.num_prompt_tokens + c.output_index)
             if st.params.prompt_logprobs is not None:
                 for p in range(c.start_position, c.start_position + n):
                     j = p + 1
@@ -105,7 +107,7 @@ class ModelRunner:
         batch = self.batch_cls(
             input_ids=inp.input_ids, positions=inp.positions, query_lens=inp.query_lens, slots=inp.slots,
             block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
-            seq_of_token=inp.seq_of_token,
+            seq_of_token=inp.seq_of_token, known_lens=tuple(known),
         )  # fmt: skip
         graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
         # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
