@@ -127,3 +127,15 @@ def test_a_batch_mixing_hits_and_forks_equals_no_cache(llms) -> None:
     for on, off in zip(got["on"], got["off"]):
         assert [t for t, _ in on] == [t for t, _ in off]
         assert max(abs(a - b) for (_, a), (_, b) in zip(on, off)) < 1e-4
+
+
+def test_exact_replay_under_prefill_truncation_equals_no_cache(llms) -> None:
+    """With decoder truncation a prefill leaves decoder window rows only for its last KEEP positions: state blocks
+    are then taken only where a chunk stops inside that tail (every decode boundary), never inside a truncated
+    forward, and forks only from requests past their prompt; outputs still equal the uncached engine's."""
+    trunc = {"prefill_truncation": "compact", "prefill_truncation_keep": 16}
+    ref = [o.outputs[0].token_ids for o in _conversation(llms("v41", enable_prefix_caching=False, **trunc))]
+    llm = llms("v41", **trunc)
+    outs = _conversation(llm)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[4].num_cached_tokens > 0  # the multi-turn continuation resumes at a boundary its decode reached

@@ -219,7 +219,9 @@ class EngineCore:
                 cache.allocate_host_pages(host_pages)
             prefix = PrefixCaching(mode=cc.prefix_replay, window=int(args.sliding_window), num_host_pages=host_pages,
                                    state_slots=tuple(range(plan.num_slots, plan.num_slots + plan.num_state_slots)),
-                                   max_fork_rollback=cache.slack + 1)
+                                   max_fork_rollback=cache.slack + 1,
+                                   capture_tail=(mc.prefill_truncation_keep - int(args.sliding_window) + 1
+                                                 if mc.prefill_truncation == "compact" else None))
             logger.info("prefix caching: %s replay, %d state slots, %d host pages", cc.prefix_replay,
                         plan.num_state_slots, host_pages)
         graphs = None

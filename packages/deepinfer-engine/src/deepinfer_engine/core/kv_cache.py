@@ -132,6 +132,10 @@ class PrefixCaching:
     # forks (a request sharing a running request's computed prefix): the deepest rollback the slot rings
     # allow (the cache's slack + 1); 0 = no forks
     max_fork_rollback: int = 0
+    # prefill truncation: the decoder rings of a prefill hold only its last rows, so state blocks are taken only
+    # where a chunk stops (never inside a truncated forward) at boundaries at least window - 1 rows into the
+    # kept tail: b >= known tokens - capture_tail; None = everywhere
+    capture_tail: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in ("exact", "approximate"):
@@ -305,6 +309,8 @@ class KVCacheManager:
             c = src.num_computed_tokens
             if src.request_id not in self._slots or c == 0:
                 continue
+            if self.prefix.capture_tail is not None and c < src.num_prompt_tokens:
+                continue  # mid-prefill under truncation: its decoder rings hold nothing yet
             lo = max(after + 1, c - self.prefix.max_fork_rollback, best[1] + 1 if best else 0)
             hi = min(c, req.num_tokens - 1)
             if hi < lo:
@@ -445,9 +451,13 @@ class KVCacheManager:
             return
         pending = self._pending.setdefault(req.request_id, [])
         slot = self._slots[req.request_id]
+        tail = self.prefix.capture_tail
         for k in range(end // P - 1, start // P - 1, -1):  # page k ends at boundary (k + 1) * P
-            if (k + 1) * P <= start or self._states.has(hashes[k]):
+            b = (k + 1) * P
+            if b <= start or self._states.has(hashes[k]):
                 continue
+            if tail is not None and (b != end or b < req.num_tokens - tail):
+                continue  # a truncated prefill computed no decoder rows there
             dest = self._states.reserve()
             if dest is None:
                 break

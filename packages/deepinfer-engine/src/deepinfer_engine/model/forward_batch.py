@@ -234,8 +234,9 @@ class ForwardContext:
                       host.input_ids and the cache's host token ring, once per forward, one copy to the device)
     image_mask:       [T] bool positions carrying image-sentinel ids
     window_floor:     per sequence, the lowest position a ring may be read at (prefill truncation: the decoder
-                      rings hold nothing below a request's first kept position), or None: ring plans read no
-                      history row below it and windows mask it
+                      rings hold nothing below a request's first kept position; approximate prefix replay: nothing
+                      below the replay start was cached), or None: ring plans read no history row below it and
+                      windows mask it
     block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
                       window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
                       tokens' window kv is NOT written into the ring.
@@ -264,9 +265,6 @@ class ForwardContext:
     plans: dict[tuple, object] = field(default_factory=dict)
     # a fixed-shape step (static_step.StaticDecodeStep, CUDA graphs): every plan comes from its static buffers
     static: object | None = None
-    # [S] int64: positions below it are outside the sliding window of the sequence (approximate prefix replay:
-    # the window rows before the replay start were never cached); None = no floor in this forward
-    window_floor: Tensor | None = None
 
     @classmethod
     def build(
@@ -306,10 +304,10 @@ class ForwardContext:
             )
             ctx_t, qlen_t, start_t, slot_t, seq_of_token = torch.split(packed, [S, S, S, S, T])
             seq_t = SeqTensors(ctx=ctx_t, qlen=qlen_t, start=start_t, slot=slot_t)
-        floors = None
+        # approximate prefix replay: the window rows before the replay start were never cached (window_floor)
         ring = max((t.shape[1] for t in getattr(cache, "swa", {}).values()), default=0)
-        if any(f > 0 and c - f < ring for f, c in zip(window_floor, host.ctx_lens)):  # a window still reaches it
-            floors = upload(np.asarray(window_floor, dtype=np.int64), batch.input_ids.device)
+        floors = tuple(window_floor) if any(f > 0 and c - f < ring for f, c in zip(window_floor, host.ctx_lens)) \
+            else None
         return cls(
             batch=batch,
             cache=cache,
@@ -382,8 +380,6 @@ class ForwardContext:
         else:
             k = window
             lo = pos - window + 1
-            if self.window_floor is not None:
-                lo = torch.maximum(lo, self.window_floor[seq])
             hi = pos
         q = lo[:, None] + torch.arange(k, device=pos.device)[None, :]  # [T, K] positions
         valid = (q >= 0) & (q <= hi[:, None])
