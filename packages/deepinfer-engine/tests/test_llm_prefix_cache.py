@@ -139,3 +139,18 @@ def test_exact_replay_under_prefill_truncation_equals_no_cache(llms) -> None:
     outs = _conversation(llm)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert outs[4].num_cached_tokens > 0  # the multi-turn continuation resumes at a boundary its decode reached
+
+
+def test_exact_replay_with_async_scheduling_equals_no_cache(llms) -> None:
+    """Asynchronous scheduling advances a request's progress when a step is planned and lands its sample one
+    step late; hits, forks and state blocks still give the uncached outputs."""
+    ref = [o.outputs[0].token_ids for o in _conversation(llms("v41", enable_prefix_caching=False))]
+    llm = llms("v41", async_scheduling=True)
+    outs = _conversation(llm)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert outs[2].num_cached_tokens > 0 and outs[4].num_cached_tokens > 0
+    sp = SamplingParams(n=3, temperature=1.0, max_tokens=4, seed=5, ignore_eos=True)
+    prompt = [0] + list(range(700, 718))
+    (off,) = llms("v41", enable_prefix_caching=False).generate([prompt], sp, use_tqdm=False)
+    (on,) = llm.generate([prompt], sp, use_tqdm=False)
+    assert [c.token_ids for c in on.outputs] == [c.token_ids for c in off.outputs]

@@ -21,13 +21,16 @@ from typing import Any
 
 import torch
 
+from deepinfer_engine.async_step import AsyncStepLoop
 from deepinfer_engine.config import EngineConfig
+from deepinfer_engine.core.async_scheduler import AsyncScheduler
 from deepinfer_engine.core.kv_cache import CachePlan, KVCacheManager, PrefixCaching, plan_cache
 from deepinfer_engine.core.request import EngineCoreRequest, Request
-from deepinfer_engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput
+from deepinfer_engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from deepinfer_engine.core.scheduler import Scheduler
 from deepinfer_engine.errors import ConfigError, InputError
 from deepinfer_engine.model.checkpoint_files import read_eos_ids
+from deepinfer_engine.worker.async_runner import AsyncModelRunner
 from deepinfer_engine.worker.model_runner import ModelRunner
 
 _EMPTY_RESULT = ModelRunnerOutput()
@@ -135,13 +138,29 @@ class EngineCore:
         self.model_dir = model_dir
         self.eos_token_ids = tuple(eos_token_ids)
         sc = config.scheduler
-        self.scheduler = Scheduler(
+        self._async: AsyncStepLoop | None = None
+        if sc.async_scheduling and config.speculative.speculative_method is not None:
+            # the placeholders count one output per step; drafts need 1 + k and a rollback of rejected positions
+            raise ConfigError(f"async_scheduling: found True with speculative_method="
+                              f"{config.speculative.speculative_method!r}; asynchronous scheduling does not run "
+                              "speculative decoding yet. Fix: async_scheduling=False")
+        if sc.async_scheduling and config.parallel.data_parallel_size > 1:
+            # a data-parallel rank steps in lock-step with its peers through its own synchronous loop (dp/)
+            raise ConfigError(f"async_scheduling: found True with data_parallel_size="
+                              f"{config.parallel.data_parallel_size}; the data-parallel ranks step synchronously "
+                              "(no overlap yet). Fix: async_scheduling=False")
+        if sc.async_scheduling and not hasattr(runner, "execute_async"):
+            raise ConfigError(f"async_scheduling: found True with a {type(runner).__name__}, expected a runner with "
+                              "execute_async (worker.async_runner.AsyncModelRunner)")
+        self.scheduler = (AsyncScheduler if sc.async_scheduling else Scheduler)(
             kv=KVCacheManager.from_plan(plan, prefix), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             long_prefill_token_threshold=sc.long_prefill_token_threshold,
         )
         self.total = StepStats()
+        if sc.async_scheduling:
+            self._async = AsyncStepLoop(self)
         for line in plan.describe():
             logger.info(line)
 
@@ -230,7 +249,8 @@ class EngineCore:
 
             graphs = CudaGraphRunner(model, cache, device=device, max_num_seqs=min(config.scheduler.max_num_seqs,
                                      plan.num_slots), max_model_len=max_model_len)  # fmt: skip
-        runner = ModelRunner(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs)
+        runner_cls = AsyncModelRunner if config.scheduler.async_scheduling else ModelRunner
+        runner = runner_cls(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
                    model_dir=model_dir, eos_token_ids=eos, prefix=prefix)
 
@@ -252,22 +272,36 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_updates()
+        return (self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_updates()
+                or (self._async is not None and self._async.busy))
 
     def step(self) -> list[EngineCoreOutput]:
+        """With async_scheduling the deltas are those of the step launched by the previous call (async_step.py)."""
+        if self._async is not None:
+            return self._async.step()
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # noqa: BLE001 - a failing step must fail its requests, never the engine
-            logger.exception("engine step failed; finishing its %d request(s) with an error", len(sched.chunks))
-            # their pages and slots return to the pools; the runner drops their state with the next step
-            ids = [c.req_id for c in sched.chunks]
-            self.scheduler.fail_requests(ids, f"internal error while running this request's step: "
-                                              f"{type(exc).__name__}: {exc}")
-            outputs = self.scheduler.update_from_output(sched, _EMPTY_RESULT)
-        else:
-            outputs = self.scheduler.update_from_output(sched, result)
+            self.fail_step(sched, exc)
+            result = _EMPTY_RESULT
+        outputs = self.scheduler.update_from_output(sched, result)
+        self.account(sched, outputs, t0)
+        return outputs
+
+    def fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
+        """Finish the requests of a step whose execution raised with finish_reason "error" (reported by the next
+        `update_from_output`); their pages and slots return to the pools, the runner drops their state with the
+        next step."""
+        logger.error("engine step failed; finishing its %d request(s) with an error", len(sched.chunks),
+                     exc_info=exc)
+        ids = [c.req_id for c in sched.chunks]
+        self.scheduler.fail_requests(ids, f"internal error while running this request's step: "
+                                          f"{type(exc).__name__}: {exc}")
+
+    def account(self, sched: SchedulerOutput, outputs: list[EngineCoreOutput], t0: float) -> None:
+        """Step statistics, and forget the requests `outputs` finished."""
         for c in sched.chunks:
             if c.sample and c.num_tokens == 1 and c.start_position >= c.num_prompt_tokens:
                 self.total.decode_tokens += 1
@@ -283,7 +317,6 @@ class EngineCore:
             logger.info("prefix cache: hit rate %.3f (%d of %d prompt tokens cached, %d hits, %d replayed tokens, "
                         "%d pages loaded from host)", st.hit_rate, st.cached_tokens, st.query_tokens, st.hits,
                         st.replayed_tokens, st.host_loaded_pages)
-        return outputs
 
 
 def _log_record_formats(args: Any) -> None:

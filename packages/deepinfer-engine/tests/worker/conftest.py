@@ -15,6 +15,7 @@ from deepinfer_engine.core.kv_cache_spec import CacheFamily
 from deepinfer_engine.engine import EngineCore
 from deepinfer_engine.llm_engine import LLMEngine
 from deepinfer_engine.model.forward_batch import ForwardBatch
+from deepinfer_engine.worker.async_runner import AsyncModelRunner
 from deepinfer_engine.worker.model_runner import ModelRunner
 
 RING = 3
@@ -77,16 +78,16 @@ class FakeTokenizer:
 
 def make_engine(model: FakeModel, *, num_pages: int = 200, page_size: int = 4, max_num_seqs: int = 8,
                 max_num_batched_tokens: int = 64, max_model_len: int = 60, seed: int = 0,
-                tokenizer=None, eos=(1,)) -> LLMEngine:
+                tokenizer=None, eos=(1,), async_scheduling: bool = False) -> LLMEngine:
     config = EngineConfig.from_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len, seed=seed, page_size=page_size,
-                                       num_kv_pages=num_pages)
+                                       num_kv_pages=num_pages, async_scheduling=async_scheduling)
     families = [CacheFamily(name="fake_paged", kind="paged", num_layers=1, bytes_per_token=DIM * 4),
                 CacheFamily(name="fake_ring", kind="slot", num_layers=1, bytes_per_slot=RING * DIM * 4)]
     plan = plan_cache(families, page_size=page_size, memory_bytes=None, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, num_pages=num_pages)
     cache = FakeCache(plan.num_slots, plan.num_pages, page_size)
-    runner = ModelRunner(model, cache, device="cpu", eos_token_ids=eos)
+    runner = (AsyncModelRunner if async_scheduling else ModelRunner)(model, cache, device="cpu", eos_token_ids=eos)
     vocab = getattr(model, "vocab", None)
     core = EngineCore(config=config, runner=runner, plan=plan, max_model_len=max_model_len, eos_token_ids=eos,
                       args=SimpleNamespace(vocab_size=vocab) if vocab is not None else None)

@@ -312,7 +312,7 @@ class KVCacheManager:
             if self.prefix.capture_tail is not None and c < src.num_prompt_tokens:
                 continue  # mid-prefill under truncation: its decoder rings hold nothing yet
             lo = max(after + 1, c - self.prefix.max_fork_rollback, best[1] + 1 if best else 0)
-            hi = min(c, req.num_tokens - 1)
+            hi = min(c, req.num_tokens - 1, src.num_tokens)  # async scheduling: c may count an unreturned sample
             if hi < lo:
                 continue
             theirs = src.token_slice(0, hi)

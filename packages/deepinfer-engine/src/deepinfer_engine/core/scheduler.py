@@ -138,8 +138,28 @@ class Scheduler:
         self.waiting.appendleft(req)
         logger.debug("preempted %s (recompute %d tokens)", req.request_id, req.num_tokens)
 
+    # Hook points (overridden by the asynchronous scheduler, core/async_scheduler.py): the synchronous scheduler
+    # knows every token of a running request when it schedules the next step.
+    def _num_tokens(self, req: Request) -> int:
+        """Tokens the request will hold once its outputs in flight have landed (prompt + outputs)."""
+        return req.num_tokens
+
+    def _token_ids(self, req: Request, start: int, stop: int) -> list[int]:
+        """Ids fed at positions [start, stop)."""
+        return req.token_slice(start, stop)
+
+    def _scheduled(self, chunks: list[ScheduledChunk]) -> None:
+        """Called once the step's chunks are fixed (before the step runs)."""
+
+    def _accept_output(self, req: Request, chunk: ScheduledChunk) -> bool:
+        """Whether this chunk's result still applies to `req`; records the chunk as computed when it does."""
+        if req.status is not RequestStatus.RUNNING:
+            return False  # aborted while the step ran
+        req.num_computed_tokens += chunk.num_tokens
+        return True
+
     def _chunk_len(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(self._num_tokens(req) - req.num_computed_tokens, budget)
         if self.long_prefill_token_threshold > 0:
             n = min(n, self.long_prefill_token_threshold)
         return n
@@ -213,12 +233,12 @@ class Scheduler:
             self._pages_sent[req.request_id] = len(pages)
             chunks.append(ScheduledChunk(
                 req_id=req.request_id,
-                token_ids=tuple(req.token_slice(req.num_computed_tokens, req.num_computed_tokens + n)),
+                token_ids=tuple(self._token_ids(req, req.num_computed_tokens, req.num_computed_tokens + n)),
                 start_position=req.num_computed_tokens,
                 slot=self.kv.slot(req.request_id),
                 new_page_ids=tuple(pages[sent:]),  # a diff: the runner keeps the table it was sent so far
-                sample=req.num_computed_tokens + n == req.num_tokens,
-                output_index=req.num_output_tokens,
+                sample=req.num_computed_tokens + n == self._num_tokens(req),
+                output_index=self._num_tokens(req) - req.num_prompt_tokens,
                 num_prompt_tokens=req.num_prompt_tokens,
             ))
         new_data = tuple(
@@ -227,6 +247,7 @@ class Scheduler:
                            seed=self._seeds.get(r.request_id, 0))
             for r in new_reqs
         )
+        self._scheduled(chunks)
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(chunks=tuple(chunks), new_requests=new_data, finished_req_ids=finished,
@@ -237,9 +258,8 @@ class Scheduler:
         self._pending_updates = []
         for chunk in sched.chunks:
             req = self.requests.get(chunk.req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += chunk.num_tokens
+            if req is None or not self._accept_output(req, chunk):
+                continue
             self.kv.commit(req)  # its newly full pages become shareable
             plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
             error = out.errors.get(chunk.req_id)

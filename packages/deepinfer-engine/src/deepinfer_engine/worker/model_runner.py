@@ -5,20 +5,34 @@ Keeps per-request sampling state (params, seed, and the scheduler's token lists 
 min_tokens: sampled ids are stored once, by the scheduler) and, in the input batch, each request's block table,
 built from the scheduler's page diffs; a preemption drops the table (the resumed request is sent again as new),
 so recompute needs nothing special here.
+
+`execute` = `collect(launch(sched))`: `launch` enqueues the step and reads nothing back, `collect` does the step's
+one host read. Asynchronous scheduling (worker/async_runner.py) collects a step after launching the next one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from deepinfer_engine.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from deepinfer_engine.core.sched_output import (
+    ModelRunnerOutput,
+    ScheduledChunk,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from deepinfer_engine.worker.cache_ops import apply_cache_ops
-from deepinfer_engine.worker.input_batch import InputBatch
-from deepinfer_engine.worker.sampler import INVALID_TOKEN, Sampler, build_sampling_batch, to_device
+from deepinfer_engine.worker.input_batch import InputBatch, StepInputs
+from deepinfer_engine.worker.sampler import (
+    INVALID_TOKEN,
+    Sampler,
+    SamplingBatch,
+    build_sampling_batch,
+    to_device,
+)
 
 
 @dataclass
@@ -28,6 +42,23 @@ class _RequestState:
     prompt_ids: Sequence[int]  # the scheduler's Request lists, by reference (read-only here)
     output_ids: Sequence[int]
     next_prompt_logprob: int = 1  # next prompt index j whose logprob (given ids < j) is still to be returned
+
+
+@dataclass
+class LaunchedStep:
+    """One enqueued step: its device results and what `collect` needs to package them (no runner state, so a
+    step can be collected after the next one was launched).
+
+    sampled: (req_id, output index, logprobs wanted) per sampled row; token_ids [len(sampled)] int64
+    (INVALID_TOKEN where the logits were not finite); logprobs: (chosen [N], top ids [N, k], top values [N, k],
+    rank [N]); prompt_targets: (req_id, target id, top wanted) per prompt-logprob row, prompt_logprobs its tensors.
+    """
+
+    sampled: list[tuple[str, int, int | None]] = field(default_factory=list)
+    token_ids: torch.Tensor | None = None
+    logprobs: tuple[torch.Tensor, ...] | None = None
+    prompt_targets: list[tuple[str, int, int]] = field(default_factory=list)
+    prompt_logprobs: tuple[torch.Tensor, ...] | None = None
 
 
 def _default_batch_cls() -> type:
@@ -63,14 +94,31 @@ class ModelRunner:
         self.input_batch = InputBatch(self.device)
         self.cuda_graphs = cuda_graphs  # worker.cuda_graph.CudaGraphRunner (decode steps replayed) or None
 
-    def _banned(self, st: _RequestState) -> tuple[int, ...]:
+    def _banned(self, st: _RequestState, output_index: int) -> tuple[int, ...]:
+        # output_index, not len(output_ids): with asynchronous scheduling the list lags the step by one token
         p = st.params
-        if len(st.output_ids) >= p.min_tokens:
+        if output_index >= p.min_tokens:
             return ()
         return tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(sched))
+
+    # Hook points of asynchronous scheduling (worker/async_runner.py); the synchronous runner has no placeholders.
+    def _resolve_placeholders(self, sched: SchedulerOutput, inp: StepInputs) -> None:
+        """Fill the input rows whose id is the previous step's sample (device and host copies of the inputs)."""
+
+    def _complete_sampling(self, sbatch: SamplingBatch, chunks: list[ScheduledChunk]) -> SamplingBatch:
+        """The sampling batch of rows `chunks` with what the host lists do not hold yet."""
+        return sbatch
+
+    def _sampled(self, req_ids: list[str], token_ids: torch.Tensor | None) -> None:
+        """The step's sampled ids on the device ([len(req_ids)] int64), before any host read."""
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Enqueue the step (forward, sampler, prompt logprobs) without reading anything back to the host."""
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
         for nr in sched.new_requests:
@@ -81,7 +129,8 @@ class ModelRunner:
         if sched.cache_ops is not None:  # prefix cache copies, before the forward reads the cache
             apply_cache_ops(self.cache, sched.cache_ops)
         if sched.is_empty:
-            return ModelRunnerOutput()
+            self._sampled([], None)
+            return LaunchedStep()
 
         logit_rows: list[int] = []
         sample_at: list[tuple[str, int]] = []  # (req_id, index into logit_rows)
@@ -104,6 +153,7 @@ class ModelRunner:
             row += n
 
         inp = self.input_batch.prepare(sched.chunks, logit_rows)
+        self._resolve_placeholders(sched, inp)
         batch = self.batch_cls(
             input_ids=inp.input_ids, positions=inp.positions, query_lens=inp.query_lens, slots=inp.slots,
             block_tables=inp.block_tables, logits_indices=inp.logits_indices, host=inp.host, seq=inp.seq,
@@ -115,54 +165,71 @@ class ModelRunner:
         if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
             logits = self.model(batch, self.cache)
         if not logit_rows:
-            return ModelRunnerOutput()
+            self._sampled([], None)
+            return LaunchedStep()
         logits = logits.float()
 
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
-        errors: dict[str, str] = {}
+        step = LaunchedStep()
         if sample_at:
             chunk_by_id = {c.req_id: c for c in sched.chunks}
+            chunks = [chunk_by_id[rid] for rid, _ in sample_at]
             states = [self.states[rid] for rid, _ in sample_at]
             sbatch = build_sampling_batch(
                 [s.params for s in states],
                 [s.seed for s in states],
-                [chunk_by_id[rid].output_index for rid, _ in sample_at],
+                [c.output_index for c in chunks],
                 [s.prompt_ids for s in states],
                 [s.output_ids for s in states],
-                [self._banned(s) for s in states],
+                [self._banned(s, c.output_index) for s, c in zip(states, chunks)],
                 logits.device,
             )
+            sbatch = self._complete_sampling(sbatch, chunks)
             rows = to_device([i for _, i in sample_at], torch.int64, logits.device)
             out = self.sampler(logits.index_select(0, rows), sbatch)
-            tokens = out.token_ids.tolist()  # the one sync of the step (plus logprobs when asked for)
-            lp = [t.tolist() for t in out.logprobs] if out.logprobs is not None else None
-            for k, ((rid, _), st, tok) in enumerate(zip(sample_at, states, tokens)):
-                if tok == INVALID_TOKEN:
-                    errors[rid] = (f"the model's logits are not finite (NaN or Inf) at output position "
-                                   f"{len(st.output_ids)}: the checkpoint or a kernel produced invalid values")
-                    continue
-                sampled[rid] = tok
-                if lp is not None and st.params.logprobs is not None:
-                    want = st.params.logprobs
-                    logprobs[rid] = TokenLogprobs(token_id=tok, logprob=lp[0][k], rank=lp[3][k],
-                                                  top=tuple(zip(lp[1][k][:want], lp[2][k][:want])))
+            step.sampled = [(rid, c.output_index, s.params.logprobs) for (rid, _), s, c in zip(sample_at, states, chunks)]
+            step.token_ids, step.logprobs = out.token_ids, out.logprobs
+            self._sampled([rid for rid, _ in sample_at], out.token_ids)
+        else:
+            self._sampled([], None)
 
-        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if plp_at:
             from deepinfer_kernels.sampling import logprobs_topk
 
             k_max = max(self.states[rid].params.prompt_logprobs for rid, _, _ in plp_at)
             rows = to_device([i for _, i, _ in plp_at], torch.int64, logits.device)
             targets = to_device([self.states[rid].prompt_ids[j] for rid, _, j in plp_at], torch.int64, logits.device)
-            chosen, top_ids, top_vals, rank = (t.tolist() for t in
-                                               logprobs_topk(logits.index_select(0, rows), targets, k_max))
-            for k, (rid, _, j) in enumerate(plp_at):
+            step.prompt_logprobs = logprobs_topk(logits.index_select(0, rows), targets, k_max)
+            for rid, _, j in plp_at:
                 st = self.states[rid]
-                want = st.params.prompt_logprobs
-                prompt_logprobs.setdefault(rid, []).append(TokenLogprobs(
-                    token_id=st.prompt_ids[j], logprob=chosen[k], rank=rank[k],
-                    top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
+                step.prompt_targets.append((rid, st.prompt_ids[j], st.params.prompt_logprobs))
                 st.next_prompt_logprob = j + 1
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """The step's `ModelRunnerOutput`: reads its ids (and logprobs) back, the one host sync of the step.
+        `step`'s tensors may already be host copies (asynchronous scheduling: worker/async_output.py)."""
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        errors: dict[str, str] = {}
+        if step.sampled:
+            tokens = step.token_ids.tolist()
+            lp = [t.tolist() for t in step.logprobs] if step.logprobs is not None else None
+            for k, ((rid, out_index, want), tok) in enumerate(zip(step.sampled, tokens)):
+                if tok == INVALID_TOKEN:
+                    errors[rid] = (f"the model's logits are not finite (NaN or Inf) at output position "
+                                   f"{out_index}: the checkpoint or a kernel produced invalid values")
+                    continue
+                sampled[rid] = tok
+                if lp is not None and want is not None:
+                    logprobs[rid] = TokenLogprobs(token_id=tok, logprob=lp[0][k], rank=lp[3][k],
+                                                  top=tuple(zip(lp[1][k][:want], lp[2][k][:want])))
+
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if step.prompt_targets:
+            chosen, top_ids, top_vals, rank = (t.tolist() for t in step.prompt_logprobs)
+            for k, (rid, token_id, want) in enumerate(step.prompt_targets):
+                prompt_logprobs.setdefault(rid, []).append(TokenLogprobs(
+                    token_id=token_id, logprob=chosen[k], rank=rank[k],
+                    top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  errors=errors)
