@@ -467,22 +467,26 @@ class KVCacheManager:
             else:  # inside the chunk: the forward copies the rows as it computes them
                 self._ops["captures"].append(Capture(slot=slot, position=(k + 1) * P, dest=dest))
 
-    def commit(self, req: Request) -> None:
-        """After a step computed a request's chunk: register its newly full pages and captured state blocks."""
+    def commit(self, req: Request, upto: int | None = None) -> None:
+        """After a step computed a request's chunk ending at `upto` (default: its progress): register its newly
+        full pages and the state blocks captured up to there. With asynchronous scheduling the progress already
+        counts the step in flight; `upto` keeps its pages out until its own output is accepted."""
         if self.prefix is None:
             return
         rid = req.request_id
-        full = min(req.num_computed_tokens, req.num_tokens) // self.page_size
+        done = req.num_computed_tokens if upto is None else min(upto, req.num_computed_tokens)
+        full = min(done, req.num_tokens) // self.page_size
         pages = self._pages.get(rid, [])
         hashes = self._hashes_upto(req, full)
         for k in range(self._registered.get(rid, 0), min(full, len(pages))):
             self._pool.register(pages[k], hashes[k])
         self._registered[rid] = max(self._registered.get(rid, 0), min(full, len(pages)))
-        for k, dest in sorted(self._pending.pop(rid, ())):  # the deepest boundary ends most recently used
-            if k < full:
-                self._states.commit(hashes[k], dest)
-            else:
-                self._states.cancel(dest)
+        pending = self._pending.pop(rid, [])
+        for k, dest in sorted(p for p in pending if p[0] < full):  # the deepest boundary ends most recently used
+            self._states.commit(hashes[k], dest)
+        later = [p for p in pending if p[0] >= full]  # captured by a step still in flight
+        if later:
+            self._pending[rid] = later
 
     def take_ops(self) -> CacheOps | None:
         """The cache ops of the step just scheduled (None when there are none); clears the in-flight set."""

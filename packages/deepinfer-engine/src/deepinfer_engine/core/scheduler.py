@@ -260,7 +260,7 @@ class Scheduler:
             req = self.requests.get(chunk.req_id)
             if req is None or not self._accept_output(req, chunk):
                 continue
-            self.kv.commit(req)  # its newly full pages become shareable
+            self.kv.commit(req, upto=chunk.start_position + chunk.num_tokens)  # its full pages become shareable
             plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
             error = out.errors.get(chunk.req_id)
             if error is not None:
