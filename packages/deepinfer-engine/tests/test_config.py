@@ -135,3 +135,21 @@ def test_engine_loop_refuses_what_it_does_not_run(opts, needle, why, monkeypatch
     with pytest.raises(ConfigError, match=needle) as info:
         EngineCore.from_config(EngineConfig.from_options(**opts))
     assert why in str(info.value)
+
+
+def test_prefix_cache_options_defaults_flags_and_errors() -> None:
+    c = EngineConfig.from_options().cache
+    assert (c.enable_prefix_caching, c.prefix_replay, c.prefix_cache_host_bytes, c.num_prefix_state_slots) == (
+        True, "exact", 0, None)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    ns = p.parse_args(["--no-enable-prefix-caching", "--prefix-replay", "approximate", "--prefix-cache-host-bytes",
+                       "2GiB"])
+    c = EngineConfig.from_cli(ns).cache
+    assert (c.enable_prefix_caching, c.prefix_replay, c.prefix_cache_host_bytes) == (False, "approximate", 2**31)
+    with pytest.raises(ConfigError, match="prefix_replay: found 'fuzzy'"):
+        EngineConfig.from_options(prefix_replay="fuzzy")
+    with pytest.raises(ConfigError, match="prefix_cache_host_bytes"):
+        EngineConfig.from_options(prefix_cache_host_bytes=-1)
+    with pytest.raises(ConfigError, match="num_prefix_state_slots"):
+        EngineConfig.from_options(num_prefix_state_slots=-2)

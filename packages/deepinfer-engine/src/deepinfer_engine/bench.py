@@ -6,11 +6,13 @@ Random token prompts (seeded), `ignore_eos`, so every request generates exactly 
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +81,86 @@ def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, t
         "temperature": temperature, "elapsed_s": elapsed, "input_tokens": n_in, "output_tokens": n_out,
         "requests_per_s": num_prompts / elapsed, "total_tokens_per_s": (n_in + n_out) / elapsed,
         "output_tokens_per_s": n_out / elapsed, "errors": sum(o.error is not None for o in outs),
-        **({"speculative": spec} if spec is not None else {}), **_device_info(llm), "settings": _settings(llm),
-        **_data_parallel(llm),
+        **({"speculative": spec} if spec is not None else {}), **_prefix_stats(llm),
+        **_device_info(llm), "settings": _settings(llm), **_data_parallel(llm),
+    }
+
+
+def _shared_prefix_prompts(n: int, length: int, shared: int, vocab: int, seed: int, bos: int | None
+                           ) -> list[list[int]]:
+    """n prompts of `length` ids: the same first `shared` ids, then a random suffix each."""
+    common = _random_prompts(1, length, vocab, seed, bos)[0][:shared]
+    tails = _random_prompts(n, length - shared, vocab, seed + 1, None)
+    return [common + t for t in tails]
+
+
+def _prefix_stats(llm: LLM) -> dict[str, float]:
+    sched = llm.engine.scheduler  # None for a data-parallel engine: each rank keeps its own prefix cache
+    kv = sched.kv if sched is not None else None
+    return kv.stats.as_dict() if kv is not None and kv.prefix is not None else {}
+
+
+def _timed_batch(llm: LLM, prompts: list[list[int]], sp: SamplingParams) -> dict[str, Any]:
+    """One generate call over all prompts on a cold prefix cache: elapsed, time to first token, throughput and
+    the prefix-cache counters of this call."""
+    kv = llm.engine.scheduler.kv
+    if kv.prefix is not None:
+        kv.reset_prefix_cache()  # cold: what the batch shares it must compute once itself
+    before = _prefix_stats(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    after = _prefix_stats(llm)
+    ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs
+                  if o.metrics.first_token_time is not None)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    stats = {k: after[k] - before[k] for k in after if k != "prefix_hit_rate"}
+    if stats:
+        q = stats["prefix_query_tokens"]
+        stats["prefix_hit_rate"] = stats["prefix_cached_tokens"] / q if q else 0.0
+    return {
+        "elapsed_s": elapsed, "input_tokens": n_in, "output_tokens": n_out,
+        "total_tokens_per_s": (n_in + n_out) / elapsed, "output_tokens_per_s": n_out / elapsed,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+        "ttft_p50_s": ttft[len(ttft) // 2] if ttft else None, "ttft_max_s": ttft[-1] if ttft else None,
+        "errors": sum(o.error is not None for o in outs), **stats,
+        "outputs": [[c.token_ids for c in o.outputs] for o in outs],
+    }
+
+
+def shared_prefix(make_llm: Callable[[bool], LLM], *, num_prompts: int, input_len: int, output_len: int,
+                  shared_fraction: float, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """The shared-prefix workload: `num_prompts` prompts whose first round(shared_fraction * input_len) ids are
+    equal, generated in one batch with the prefix cache on (`make_llm(True)`) and off (`make_llm(False)`); one
+    engine at a time (the first is released before the second loads)."""
+    if not 0.0 <= shared_fraction <= 1.0:
+        raise ValueError(f"shared_fraction: found {shared_fraction}, expected in [0, 1]")
+    shared = min(input_len - 1, round(shared_fraction * input_len))
+    runs: dict[str, dict[str, Any]] = {}
+    meta: dict[str, Any] = {}
+    for label, on in (("cache_on", True), ("cache_off", False)):
+        llm = make_llm(on)
+        vocab = int(getattr(llm.engine.args, "vocab_size", 129280))
+        prompts = _shared_prefix_prompts(num_prompts, input_len, shared, vocab, seed, llm.engine.bos_token_id)
+        sp = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True, seed=seed)
+        warm = _random_prompts(1, input_len, vocab, seed + 7, llm.engine.bos_token_id)
+        llm.generate(warm, sp.replace(max_tokens=2), use_tqdm=False)  # warm-up (shares nothing)
+        runs[label] = _timed_batch(llm, prompts, sp)
+        if on:
+            meta = {**_device_info(llm), "settings": _settings(llm)}
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    on_, off = runs["cache_on"], runs["cache_off"]
+    same = on_.pop("outputs") == off.pop("outputs")
+    return {
+        "benchmark": "shared_prefix", "num_prompts": num_prompts, "input_len": input_len,
+        "output_len": output_len, "shared_fraction": shared_fraction, "shared_tokens": shared,
+        "temperature": temperature, "cache_on": on_, "cache_off": off,
+        "speedup_elapsed": off["elapsed_s"] / on_["elapsed_s"],
+        "outputs_equal": same, **meta,
     }
 
 
@@ -248,8 +328,9 @@ def plot_roofline(r: dict[str, Any], path: str | Path) -> None:
 
 def format_result(r: dict[str, Any]) -> str:
     """The fixed-width result block (labels are stable: scripts may grep them)."""
-    w = 28
-    lines = [f"{' ' + r['benchmark'].capitalize() + ' Benchmark Result ':=^60}"]
+    w = 30
+    title = r["benchmark"].replace("_", "-").capitalize()
+    lines = [f"{' ' + title + ' Benchmark Result ':=^60}"]
 
     def row(label: str, value: str) -> None:
         lines.append(f"{label + ':':<{w}}{value}")
@@ -263,6 +344,22 @@ def format_result(r: dict[str, Any]) -> str:
         row("Elapsed (s)", f"{r['elapsed_s']:.3f}")
         row("Throughput", f"{r['requests_per_s']:.2f} requests/s, {r['total_tokens_per_s']:.1f} total tokens/s, "
                           f"{r['output_tokens_per_s']:.1f} output tokens/s")
+    elif r["benchmark"] == "shared_prefix":
+        row("Requests", str(r["num_prompts"]))
+        row("Input / output len", f"{r['input_len']} / {r['output_len']} ({r['shared_tokens']} shared)")
+        for label in ("cache_on", "cache_off"):
+            x = r[label]
+            tag = "cache on" if label == "cache_on" else "cache off"
+            row(f"Elapsed, {tag} (s)", f"{x['elapsed_s']:.3f}")
+            row(f"TTFT mean/p50, {tag} (s)", f"{x['ttft_mean_s']:.4f} / {x['ttft_p50_s']:.4f}")
+            row(f"Throughput, {tag}", f"{x['total_tokens_per_s']:.1f} total tokens/s, "
+                                      f"{x['output_tokens_per_s']:.1f} output tokens/s")
+        on_ = r["cache_on"]
+        row("Prefix hit rate", f"{on_.get('prefix_hit_rate', 0.0):.3f} ({on_.get('prefix_cached_tokens', 0)} of "
+                               f"{on_.get('prefix_query_tokens', 0)} prompt tokens)")
+        row("Hits / forks / replayed", f"{on_.get('prefix_hits', 0)} / {on_.get('prefix_forks', 0)} / "
+                                       f"{on_.get('prefix_replayed_tokens', 0)} tokens")
+        row("Speedup (elapsed)", f"{r['speedup_elapsed']:.2f}x, outputs equal: {r['outputs_equal']}")
     else:
         row("Batch size", str(r["batch_size"]))
         row("Input / output len", f"{r['input_len']} / {r['output_len']}")

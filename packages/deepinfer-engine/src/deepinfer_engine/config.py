@@ -90,7 +90,25 @@ class CacheConfig:
         "bfloat16", "KV numerics: auto = the checkpoint's deployment record formats (V4.1: FP8 window KV, FP4 "
         "compressed KV and indexer), bfloat16 = full-precision KV in the compute dtype")
 
+    enable_prefix_caching: bool = _opt(
+        True, "share full cache pages between requests with a common prefix (content-hashed, LRU; "
+        "docs/prefix_cache.md)")
+    prefix_replay: Literal["exact", "approximate"] = _opt(
+        "exact", "prefix hit resume: exact = at a page boundary with a saved ring state block (outputs equal a "
+        "recompute), approximate = replay min(hit, window) tokens with a floored window")
+    prefix_cache_host_bytes: int = _opt(
+        0, "pinned host memory for evicted cached pages (e.g. 8GiB; 0 = off)", parse=lambda s: parse_bytes(s))
+    num_prefix_state_slots: int | None = _opt(
+        None, "exact replay: slots holding ring state blocks, charged against the cache budget (default: "
+        "max_num_seqs, at most a quarter of kv_cache_memory_bytes)")
+
     def __post_init__(self) -> None:
+        if self.prefix_replay not in ("exact", "approximate"):
+            raise ConfigError(f"prefix_replay: found {self.prefix_replay!r}, expected exact or approximate")
+        if not isinstance(self.prefix_cache_host_bytes, int) or self.prefix_cache_host_bytes < 0:
+            raise ConfigError(f"prefix_cache_host_bytes: found {self.prefix_cache_host_bytes!r}, expected >= 0")
+        if self.num_prefix_state_slots is not None and self.num_prefix_state_slots < 0:
+            raise ConfigError(f"num_prefix_state_slots: found {self.num_prefix_state_slots}, expected >= 0")
         if self.kv_cache_dtype not in ("auto", "bfloat16"):
             raise ConfigError(f"kv_cache_dtype: found {self.kv_cache_dtype!r}, expected auto or bfloat16")
         if self.page_size is not None and self.page_size < 1:

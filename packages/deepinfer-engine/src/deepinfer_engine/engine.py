@@ -24,7 +24,7 @@ import torch
 from deepinfer_engine.async_step import AsyncStepLoop
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.async_scheduler import AsyncScheduler
-from deepinfer_engine.core.kv_cache import CachePlan, KVCacheManager, plan_cache
+from deepinfer_engine.core.kv_cache import CachePlan, KVCacheManager, PrefixCaching, plan_cache
 from deepinfer_engine.core.request import EngineCoreRequest, Request
 from deepinfer_engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from deepinfer_engine.core.scheduler import Scheduler
@@ -129,6 +129,7 @@ class EngineCore:
         model_dir: Path | None = None,
         eos_token_ids: Sequence[int] = (1,),
         num_spec_tokens: int = 0,
+        prefix: PrefixCaching | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -153,7 +154,7 @@ class EngineCore:
             raise ConfigError(f"async_scheduling: found True with a {type(runner).__name__}, expected a runner with "
                               "execute_async (worker.async_runner.AsyncModelRunner)")
         self.scheduler = (AsyncScheduler if sc.async_scheduling else Scheduler)(
-            kv=KVCacheManager.from_plan(plan), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
+            kv=KVCacheManager.from_plan(plan, prefix), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             long_prefill_token_threshold=sc.long_prefill_token_threshold, num_spec_tokens=num_spec_tokens,
@@ -214,12 +215,35 @@ class EngineCore:
                 budget = int(free * config.cache.gpu_memory_utilization)
             else:
                 budget = DEFAULT_CPU_CACHE_BYTES
+        cc = config.cache
+        exact = cc.enable_prefix_caching and cc.prefix_replay == "exact"
+        states = 0
+        if exact:
+            states = cc.num_prefix_state_slots
+            if states is None:  # default: max_num_seqs blocks, at most a quarter of the budget
+                per_slot = sum(f.bytes_per_slot for f in families if f.kind == "slot")
+                states = config.scheduler.max_num_seqs
+                if budget is not None and per_slot:
+                    states = min(states, budget // 4 // per_slot)
         plan = plan_cache(families, page_size=page_size, memory_bytes=budget,
                           max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
-                          num_pages=config.cache.num_kv_pages)
+                          num_pages=cc.num_kv_pages, num_state_slots=states)
         _log_record_formats(args)
-        cache = ModelCache.allocate(args, num_slots=plan.num_slots, num_pages=plan.num_pages, page_size=page_size,
-                                    dtype=dtype, device=device, kv_cache_dtype=storage)
+        cache = ModelCache.allocate(args, num_slots=plan.num_slots + plan.num_state_slots, num_pages=plan.num_pages,
+                                    page_size=page_size, dtype=dtype, device=device, kv_cache_dtype=storage)
+        prefix = None
+        if cc.enable_prefix_caching:
+            host_pages = 0
+            if cc.prefix_cache_host_bytes:
+                host_pages = cc.prefix_cache_host_bytes // max(1, cache.host_tier_bytes_per_page())
+                cache.allocate_host_pages(host_pages)
+            prefix = PrefixCaching(mode=cc.prefix_replay, window=int(args.sliding_window), num_host_pages=host_pages,
+                                   state_slots=tuple(range(plan.num_slots, plan.num_slots + plan.num_state_slots)),
+                                   max_fork_rollback=cache.slack + 1,
+                                   capture_tail=(mc.prefill_truncation_keep - int(args.sliding_window) + 1
+                                                 if mc.prefill_truncation == "compact" else None))
+            logger.info("prefix caching: %s replay, %d state slots, %d host pages", cc.prefix_replay,
+                        plan.num_state_slots, host_pages)
         graphs = None
         if device.type == "cuda" and not mc.enforce_eager:
             from deepinfer_engine.worker.cuda_graph import CudaGraphRunner
@@ -235,7 +259,8 @@ class EngineCore:
         runner_cls = AsyncModelRunner if config.scheduler.async_scheduling else ModelRunner
         runner = runner_cls(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs, spec=spec)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,
-                   model_dir=model_dir, eos_token_ids=eos, num_spec_tokens=num_spec)
+                   model_dir=model_dir, eos_token_ids=eos, num_spec_tokens=num_spec,
+                   prefix=prefix)
 
     def spec_stats(self) -> Any:
         """The run's speculative-decoding `deepinfer_dspark.AcceptanceStats` (None without speculation)."""
@@ -300,6 +325,12 @@ class EngineCore:
             if o.finished:
                 self.scheduler.release(o.req_id)
         self.total.seconds += time.perf_counter() - t0
+        kv = self.scheduler.kv
+        if kv.prefix is not None and outputs and not self.scheduler.has_unfinished_requests():
+            st = kv.stats
+            logger.info("prefix cache: hit rate %.3f (%d of %d prompt tokens cached, %d hits, %d replayed tokens, "
+                        "%d pages loaded from host)", st.hit_rate, st.cached_tokens, st.query_tokens, st.hits,
+                        st.replayed_tokens, st.host_loaded_pages)
 
 
 def _log_record_formats(args: Any) -> None:

@@ -83,7 +83,8 @@ class LLMEngine:
                     request_id=cid, prompt_token_ids=req.prompt_token_ids, sampling=params,
                     seed=base_seed if n == 1 else mix_seed(base_seed, i), max_tokens=params.max_tokens,
                     eos_token_ids=self.core.eos_token_ids, stop_token_ids=tuple(params.stop_token_ids),
-                    ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, arrival_index=arrival))
+                    ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, arrival_index=arrival,
+                    use_prefix_cache=params.prompt_logprobs is None))  # every prompt position must be computed
                 added.append(cid)
         except BaseException:  # e.g. a sample id already used by another request: add all samples or none
             self.output_processor.drop([request_id])

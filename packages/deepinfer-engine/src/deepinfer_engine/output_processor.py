@@ -154,6 +154,9 @@ class OutputProcessor:
             m.num_verified_tokens += d.num_verified_tokens
             m.num_accepted_tokens += d.num_accepted_tokens
             m.num_spec_steps += 1
+        if d.num_cached_tokens > out.num_cached_tokens:  # n > 1: the sample that got most from the prefix cache
+            out.num_cached_tokens = d.num_cached_tokens
+            out.metrics.num_replayed_tokens = d.num_replayed_tokens
         finish, stop_reason = d.finish_reason, d.stop_reason
         # a core "stop" with new ids was ended by its last id (EOS or a stop token id): kept in token_ids, not text
         stopped_by_token = finish == "stop" and bool(d.new_token_ids)

@@ -44,6 +44,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    num_replayed_tokens: int = 0  # of num_cached_tokens, recomputed by the bounded replay (docs/prefix_cache.md)
     # speculative decoding (all samples of the request together; 0 without speculation): drafts proposed,
     # drafts the target verified, drafts accepted, and the speculative rounds (verify steps) they came from
     num_draft_tokens: int = 0
@@ -75,3 +76,4 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's name; docs/prefix_cache.md)

@@ -13,6 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--num-prompts", type=int, default=16)
     t.add_argument("--input-len", type=int, default=32)
     t.add_argument("--output-len", type=int, default=32)
+    t.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                   help="random prompts, or prompts sharing their first --shared-fraction (run with the prefix "
+                        "cache on and off, TTFT / throughput / hit rate of each)")
+    t.add_argument("--shared-fraction", type=float, default=0.9, help="shared-prefix: fraction of --input-len shared")
     lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles",
                          allow_abbrev=False)
     lat.add_argument("--batch-size", type=_int_list, default=[4],
@@ -44,12 +48,23 @@ def _int_list(text: str) -> list[int]:
 def run(ns: argparse.Namespace) -> int:
     from deepinfer_engine import bench
     from deepinfer_engine.commands.output_file import check_output_path
+    from deepinfer_engine.errors import ConfigError
     from deepinfer_engine.llm import llm_from_cli
 
     if getattr(ns, "plot", None):
         bench.check_plot_target(ns.plot)
     if ns.output_json:
         check_output_path(ns.output_json, option="output_json")  # before the run, not after it
+    if ns.bench_kind == "throughput" and ns.workload == "shared-prefix":
+        if not 0.0 <= ns.shared_fraction <= 1.0:
+            raise ConfigError(f"shared_fraction: found {ns.shared_fraction}, expected a number in [0, 1]")
+        r = bench.shared_prefix(lambda on: llm_from_cli(ns, enable_prefix_caching=on), num_prompts=ns.num_prompts,
+                                input_len=ns.input_len, output_len=ns.output_len, shared_fraction=ns.shared_fraction,
+                                temperature=ns.temperature, seed=ns.bench_seed)
+        print(bench.format_result(r))
+        if ns.output_json:
+            bench.write_json(r, ns.output_json)
+        return 0
     llm = llm_from_cli(ns)
     try:
         return _run(llm, ns)

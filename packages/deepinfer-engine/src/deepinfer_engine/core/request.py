@@ -55,6 +55,7 @@ class EngineCoreRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     arrival_index: int = 0
+    use_prefix_cache: bool = True  # False: compute every prompt position (e.g. prompt logprobs are wanted)
 
 
 class Request:
@@ -81,6 +82,7 @@ class Request:
         min_tokens: int = 0,
         arrival_index: int = 0,
         payload: Any = None,
+        use_prefix_cache: bool = True,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
@@ -92,9 +94,14 @@ class Request:
         self.min_tokens = min_tokens
         self.arrival_index = arrival_index
         self.payload = payload
+        self.use_prefix_cache = use_prefix_cache
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # prefix cache (docs/prefix_cache.md): tokens of the first admission served from the cache, of which
+        # `num_replayed_tokens` were recomputed (bounded replay)
+        self.num_cached_tokens = 0
+        self.num_replayed_tokens = 0
         self.error: str | None = None
         self.stop_reason: int | str | None = None
 
@@ -102,7 +109,7 @@ class Request:
     def from_core_request(cls, r: EngineCoreRequest) -> Request:
         return cls(r.request_id, r.prompt_token_ids, max_tokens=r.max_tokens, eos_token_ids=r.eos_token_ids,
                    stop_token_ids=r.stop_token_ids, ignore_eos=r.ignore_eos, min_tokens=r.min_tokens,
-                   arrival_index=r.arrival_index, payload=r.sampling)
+                   arrival_index=r.arrival_index, payload=r.sampling, use_prefix_cache=r.use_prefix_cache)
 
     @property
     def num_prompt_tokens(self) -> int:

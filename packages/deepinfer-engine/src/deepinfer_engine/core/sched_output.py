@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_engine.core.cache_ops import CacheOps
+
 
 @dataclass(frozen=True, kw_only=True)
 class NewRequestData:
@@ -67,6 +69,7 @@ class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...] = ()
     finished_req_ids: frozenset[str] = frozenset()  # runner may drop their state
     preempted_req_ids: frozenset[str] = frozenset()
+    cache_ops: CacheOps | None = None  # prefix cache copies to apply before the forward (docs/prefix_cache.md)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
@@ -136,6 +139,8 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     num_verified_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_replayed_tokens: int = 0  # of those, recomputed by the bounded replay
 
     @property
     def finished(self) -> bool:

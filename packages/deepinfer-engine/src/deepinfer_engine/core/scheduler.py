@@ -7,6 +7,7 @@ count, slots and pages allow.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -177,6 +178,14 @@ class Scheduler:
             k = min(k, req.max_tokens - req.num_output_tokens - 1)
         return max(k, 0)
 
+    def _admit_len(self, req: Request, budget: int) -> int | None:
+        """Tokens of a waiting request's first chunk from its (possibly prefix-cached) start; None when the prompt
+        does not fit the budget and chunked prefill is off."""
+        n = self._chunk_len(req, budget)
+        if n < req.num_tokens - req.num_computed_tokens and not self.enable_chunked_prefill:
+            return None
+        return n
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         planned: list[tuple[Request, int]] = []
@@ -213,23 +222,27 @@ class Scheduler:
             if not ok:
                 break
             planned.append((req, n))
+            self.kv.plan_step(req, req.num_computed_tokens, req.num_computed_tokens + n)  # prefix cache
             budget -= n
             i += 1
 
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                remaining = req.num_tokens - req.num_computed_tokens
-                n = self._chunk_len(req, budget)
-                if n < remaining and not self.enable_chunked_prefill:
+            w = 0
+            prior = list(self.running)  # fork sources: their slots hold what they computed (admitted ones' do not yet)
+            while w < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[w]
+                if self.kv.waits_for_inflight(req):  # its next page is computed this step: share it next step
+                    w += 1
+                    continue
+                n = self.kv.admit(req, prior, functools.partial(self._admit_len, budget=budget))
+                if n is None:
                     break
-                if not self.kv.allocate(req, n):
-                    break
-                self.waiting.popleft()
+                del self.waiting[w]
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 new_reqs.append(req)
                 planned.append((req, n))
+                self.kv.plan_step(req, req.num_computed_tokens, req.num_computed_tokens + n)
                 budget -= n
 
         chunks = []
@@ -258,7 +271,7 @@ class Scheduler:
         finished = frozenset(self._finished_ids)
         self._finished_ids.clear()
         return SchedulerOutput(chunks=tuple(chunks), new_requests=new_data, finished_req_ids=finished,
-                               preempted_req_ids=frozenset(preempted))
+                               preempted_req_ids=frozenset(preempted), cache_ops=self.kv.take_ops())
 
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updates = self._pending_updates
@@ -267,6 +280,7 @@ class Scheduler:
             req = self.requests.get(chunk.req_id)
             if req is None or not self._accept_output(req, chunk):
                 continue
+            self.kv.commit(req, upto=chunk.start_position + chunk.num_tokens)  # its full pages become shareable
             plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
             error = out.errors.get(chunk.req_id)
             if error is not None:
@@ -300,7 +314,8 @@ class Scheduler:
                 stop_reason=req.stop_reason, num_preemptions=req.num_preemptions,
                 num_draft_tokens=sr.num_draft_tokens if sr else 0,
                 num_verified_tokens=sr.num_verified_tokens if sr else 0,
-                num_accepted_tokens=sr.num_accepted_tokens if sr else 0))
+                num_accepted_tokens=sr.num_accepted_tokens if sr else 0,
+                num_cached_tokens=req.num_cached_tokens, num_replayed_tokens=req.num_replayed_tokens))
         return updates
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:

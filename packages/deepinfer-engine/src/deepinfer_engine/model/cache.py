@@ -152,6 +152,14 @@ class ModelCache:
     formats: dict[str, RecordFormat] = field(default_factory=dict)  # family -> record format ({}: plain)
     # per slot: end position (exclusive) of the last backbone forward; host ints, for the rollback guard
     high_water: list[int] = field(default_factory=list)
+    # prefix cache (docs/prefix_cache.md), per slot, host ints: window rows below window_floor are invisible
+    # (approximate replay), compressed entries of tokens below write_floor are not written (shared pages);
+    # captures armed for the next forward: slot -> [(position, state slot)]
+    window_floor: list[int] = field(default_factory=list)
+    write_floor: list[int] = field(default_factory=list)
+    captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    host_pages: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # host tier, per paged store
+    copy_stream: object | None = None  # CUDA stream of the host-tier transfers (worker.cache_ops)
 
     # The device storage holds one slot and one page more than `num_slots` / `num_pages`: the scratch slot and
     # page that the padded rows of a fixed-shape (CUDA-graph) decode step write into and read from. No request
@@ -167,6 +175,10 @@ class ModelCache:
     def __post_init__(self) -> None:
         if not self.high_water:
             self.high_water = [0] * self.num_slots
+        if not self.window_floor:
+            self.window_floor = [0] * self.num_slots
+        if not self.write_floor:
+            self.write_floor = [0] * self.num_slots
 
     def check_resume(self, slot: int, ctx_len: int) -> None:
         """Raise CapacityError if resuming `slot` at `ctx_len` rolls back more tokens than the rings can undo.
@@ -201,7 +213,10 @@ class ModelCache:
         rec = f.encode(kv)
         fresh = f.decode(rec, kv.dtype)
         flat = ring.view(-1, ring.shape[-1])
-        pool = torch.cat([f.decode(flat.index_select(0, plan.hist_src), kv.dtype), fresh]) if plan.num_hist else fresh
+        hist = flat.index_select(0, plan.hist_src) if plan.num_hist else None
+        pool = torch.cat([f.decode(hist, kv.dtype), fresh]) if hist is not None else fresh
+        if write and plan.capture_dst is not None:  # state blocks store the records themselves
+            plan.capture(flat, torch.cat([hist, rec]) if hist is not None else rec)
         if write and plan.write_dst is not None:
             flat.index_copy_(0, plan.write_dst, rec.index_select(0, plan.write_src))
         return pool
@@ -270,6 +285,100 @@ class ModelCache:
             k = min(n, R)
             ring[slot, np.arange(c + n - k, c + n) % R] = ids[start + n - k : start + n]
             start += n
+        return out
+
+    # ------------------------------------------------------------------------------------- prefix cache ops
+    # The copies the cache manager's CacheOps ask for (docs/prefix_cache.md); worker.cache_ops applies them.
+    def _paged_stores(self) -> list[tuple[tuple[str, int], Tensor]]:
+        return [(("kv", l), t) for l, t in self.compressed_kv.items()] + [
+            (("ik", l), t) for l, t in self.index_keys.items()]
+
+    def _slot_stores(self) -> list[Tensor]:
+        return list(self.swa.values()) + list(self.comp_state.values())
+
+    def allocate_host_pages(self, num_host_pages: int) -> None:
+        """The host tier: `num_host_pages` pages of every paged store in (pinned, on CUDA) host memory."""
+        pin = any(t.is_cuda for _, t in self._paged_stores())
+        if pin:
+            self.copy_stream = torch.cuda.Stream(next(t for _, t in self._paged_stores()).device)
+        self.host_pages = {k: torch.zeros((num_host_pages, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                           for k, t in self._paged_stores()}
+
+    def host_tier_bytes_per_page(self) -> int:
+        return sum(t[0].numel() * t.element_size() for _, t in self._paged_stores())
+
+    def offload_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(device page, host page): copy evicted cached pages to the host tier (non-blocking into pinned memory
+        on CUDA: ordered on the stream before any later write of the page)."""
+        for key, store in self._paged_stores():
+            host = self.host_pages[key]
+            for page, hp in pairs:
+                host[hp].copy_(store[page], non_blocking=True)
+
+    def load_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(host page, device page): bring cached pages back from the host tier (non-blocking from pinned)."""
+        for key, store in self._paged_stores():
+            host = self.host_pages[key]
+            for hp, page in pairs:
+                store[page].copy_(host[hp], non_blocking=True)
+
+    def copy_pages(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """(src page, dst page) of every paged store."""
+        for _, store in self._paged_stores():
+            for src, dst in pairs:
+                store[dst].copy_(store[src])
+
+    def clone_slot(self, src: int, dst: int, position: int) -> None:
+        """Copy every slot family (window rings, compressor state, token ring) of `src` into `dst`, valid for a
+        sequence resuming at `position` (restores a state block, or forks a running sequence)."""
+        for t in self._slot_stores():
+            t[dst].copy_(t[src])
+        if self.token_ring is not None:
+            self.token_ring[dst] = self.token_ring[src]
+        self.high_water[dst] = position
+
+    def set_token_history(self, slot: int, position: int, ids: Sequence[int]) -> None:
+        """The ids before `position` of the sequence in `slot` (it resumes there without having computed them
+        in this slot); marks the slot's state valid up to `position`."""
+        self.high_water[slot] = position
+        ring = self.token_ring
+        if ring is None:
+            return
+        R = ring.shape[1]
+        need = min(position, R - self.slack)  # the n-gram history the next step reads
+        if len(ids) < need:
+            raise CapacityError(f"token history: {len(ids)} ids given, the Engram ring of slot {slot} needs {need}")
+        k = min(len(ids), R)
+        ring[slot, np.arange(position - k, position) % R] = np.asarray(ids[len(ids) - k :], dtype=np.int64)
+
+    def needs_exact_plans(self, slots: Sequence[int], ctx_lens: Sequence[int]) -> bool:
+        """Whether a step over these sequences needs the exact (not fixed-shape) forward: a replay floor still
+        applies to one of them or a state-block capture is armed (prefix cache)."""
+        if self.captures:
+            return True
+        R = max((t.shape[1] for t in self.swa.values()), default=0)
+        return any((0 < self.window_floor[s] and c - self.window_floor[s] < R) or self.write_floor[s] > c
+                   for s, c in zip(slots, ctx_lens))
+
+    def set_floors(self, slot: int, window_floor: int, write_floor: int) -> None:
+        self.window_floor[slot] = int(window_floor)
+        self.write_floor[slot] = int(write_floor)
+
+    def arm_capture(self, slot: int, position: int, dest: int) -> None:
+        """Copy the rows a step starting at `position` reads from slot `slot`'s rings into `dest` during the
+        next forward that computes `position - 1` for that slot."""
+        self.captures.setdefault(slot, []).append((int(position), int(dest)))
+
+    def take_captures(self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int]
+                      ) -> list[tuple[int, int, int]]:
+        """(sequence index, position, dest slot) of the armed captures this forward can serve (position in
+        (ctx, ctx + n]). Captures are armed for the next backbone forward only: all are disarmed here."""
+        out: list[tuple[int, int, int]] = []
+        if not self.captures:
+            return out
+        for i, (slot, c, n) in enumerate(zip(slots, ctx_lens, query_lens)):
+            out.extend((i, pos, dest) for pos, dest in self.captures.get(slot, ()) if c < pos <= c + n)
+        self.captures.clear()
         return out
 
     @classmethod
@@ -463,6 +572,8 @@ class SeqHost:
     qlen: np.ndarray  # new tokens
     start: np.ndarray  # first row in T
     slot: np.ndarray  # cache slot
+    write_floor: np.ndarray | None = None  # compressed entries of tokens below it are not written (prefix cache)
+    captures: tuple[tuple[int, int, int], ...] = ()  # (sequence, position, dest slot): state blocks to capture
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -491,9 +602,17 @@ class RingPlan:
     hist_first: Tensor  # [S] int64 position of that row (c_i - b_i)
     write_dst: Tensor | None  # [m] int64 rows of ring.view(-1, *C) receiving fresh rows (None: no write)
     write_src: Tensor | None  # [m] int64 rows of fresh
+    # state-block captures (prefix cache): rows of ring.view(-1, *C) of the state slots <- pool rows
+    capture_dst: Tensor | None = None
+    capture_src: Tensor | None = None
     # fixed-shape plans (static_step.py) also serve positions outside the pool (the padded entry of a sequence
     # that completes none this step): pool_rows clamps to [0, pool_len); None = exact plans, no clamp
     pool_len: int | None = None
+
+    def capture(self, flat: Tensor, pool: Tensor) -> None:
+        """Copy the captured pool rows into their state slots' ring rows (flat = ring.view(-1, *C))."""
+        if self.capture_dst is not None:
+            flat.index_copy_(0, self.capture_dst, pool.index_select(0, self.capture_src).to(flat.dtype))
 
     def gather(self, ring: Tensor, fresh: Tensor, *, write: bool = True) -> Tensor:
         """Pool [num_hist + T, *C] in fresh's dtype; then (if planned and write) stores this step's rows."""
@@ -505,6 +624,8 @@ class RingPlan:
             pool = torch.cat([hist, fresh], 0)
         else:
             pool = fresh
+        if write and self.capture_dst is not None:
+            self.capture(flat, pool)
         if write and self.write_dst is not None:
             # the history was copied above, so chunks longer than the ring overwrite rows only after the read
             flat.index_copy_(0, self.write_dst, fresh.index_select(0, self.write_src).to(flat.dtype))
@@ -534,7 +655,8 @@ def _split(t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
 def ring_plan_arrays(
     ring_rows: int, backs: Sequence[int], seqs: SeqHost, *, write: bool, clip: bool = True
 ) -> list[np.ndarray]:
-    """Host arrays of a RingPlan: [hist_src, hist_off, hist_first(, write_dst, write_src)].
+    """Host arrays of a RingPlan: [hist_src, hist_off, hist_first(, write_dst, write_src(, capture_dst,
+    capture_src))] (captures: the SeqHost's armed state-block captures, written plans only).
 
     clip=True reads b_i = min(backs[i], ctx_i) history rows (exact); clip=False reads backs[i] rows whatever
     ctx_i (fixed sizes for a captured step: rows of positions < 0 are stale ring rows that nothing reads)."""
@@ -558,16 +680,33 @@ def ring_plan_arrays(
         kseg, kj = _segments(k)
         skip = seqs.qlen - k  # only the last min(n, R) rows land (distinct ring rows, no duplicate writes)
         parts += [seqs.slot[kseg] * R + (seqs.ctx[kseg] + skip[kseg] + kj) % R, seqs.start[kseg] + skip[kseg] + kj]
+        if seqs.captures:
+            parts += _capture_rows(R, first, hist_off, int(b.sum()), seqs)
     return parts
+
+
+def _capture_rows(R: int, first: np.ndarray, hist_off: np.ndarray, num_hist: int, seqs: SeqHost
+                  ) -> list[np.ndarray]:
+    """(dst rows in the state slots, pool rows) of every capture: the up-to-R positions before the capture
+    point that this step's pool holds (history + fresh rows). They cover what a step starting there reads:
+    the window (W - 1 rows) and the compressor's open (and, overlapping, previous) group."""
+    dst, src = [], []
+    for i, pos, dest in seqs.captures:
+        q = np.arange(max(int(first[i]), pos - R), pos, dtype=np.int64)
+        c = int(seqs.ctx[i])
+        rows = np.where(q < c, hist_off[i] + q - first[i], num_hist + seqs.start[i] + q - c)
+        dst.append(dest * R + q % R)
+        src.append(rows)
+    return [np.concatenate(dst), np.concatenate(src)]
 
 
 def ring_plan_from(ring_rows: int, parts: Sequence[Tensor], *, pool_len: int | None = None) -> RingPlan:
     """RingPlan over device tensors laid out as ring_plan_arrays returns them."""
-    write = len(parts) == 5
+    write, cap = len(parts) >= 5, len(parts) == 7  # 7: with state-block captures (prefix cache)
     return RingPlan(
         ring_rows=ring_rows, num_hist=int(parts[0].shape[0]), hist_src=parts[0], hist_off=parts[1],
         hist_first=parts[2], write_dst=parts[3] if write else None, write_src=parts[4] if write else None,
-        pool_len=pool_len,
+        capture_dst=parts[5] if cap else None, capture_src=parts[6] if cap else None, pool_len=pool_len,
     )  # fmt: skip
 
 
@@ -625,6 +764,8 @@ def build_paged_plan(
     counts = (seqs.ctx + seqs.qlen) // r
     seg, w = _segments(counts)
     lo = seqs.ctx // r
+    if seqs.write_floor is not None:  # entries of tokens below the floor live in shared pages: not written
+        lo = np.minimum(np.maximum(lo, -(-seqs.write_floor // r)), counts)
     nseg, nj = _segments(counts - lo)
     new_w = lo[nseg] + nj
     offsets = np.cumsum(counts) - counts

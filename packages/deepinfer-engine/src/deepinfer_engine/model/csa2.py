@@ -255,6 +255,9 @@ def csa2_update_source(
     if paged.num_new:
         if r == 1:
             pooled = a_all  # entry w = position w: every new token completes one entry, in batch order
+            if paged.num_new != x.shape[0]:  # a write floor (prefix replay) skipped some: their token rows
+                st = ctx.seq_t
+                pooled = a_all.index_select(0, paged.new_w - st.ctx[paged.new_seq] + st.start[paged.new_seq])
         else:
             seq = paged.new_seq[:, None].expand(-1, 2)
             pos = paged.new_w[:, None] * 2 + torch.arange(2, device=x.device)[None, :]  # [M, 2] group tokens

@@ -234,8 +234,9 @@ class ForwardContext:
                       host.input_ids and the cache's host token ring, once per forward, one copy to the device)
     image_mask:       [T] bool positions carrying image-sentinel ids
     window_floor:     per sequence, the lowest position a ring may be read at (prefill truncation: the decoder
-                      rings hold nothing below a request's first kept position), or None: ring plans read no
-                      history row below it and windows mask it
+                      rings hold nothing below a request's first kept position; approximate prefix replay: nothing
+                      below the replay start was cached), or None: ring plans read no history row below it and
+                      windows mask it
     block_noncausal:  DSpark draft mode: new tokens of a sequence see each other non-causally, and the context
                       window is positions [max(0, p0-W), p0) with p0 the sequence's first new position; the new
                       tokens' window kv is NOT written into the ring.
@@ -267,17 +268,30 @@ class ForwardContext:
 
     @classmethod
     def build(
-        cls, batch: ForwardBatch, cache: object, *, host: StepHost | None = None, **kw: object
+        cls, batch: ForwardBatch, cache: object, *, host: StepHost | None = None, state_captures: bool = False,
+        **kw: object,
     ) -> ForwardContext:
-        """host: the step's host facts (default batch.host, else read back once from the batch)."""
+        """host: the step's host facts (default batch.host, else read back once from the batch).
+        state_captures: this is the backbone forward that serves the cache's armed state-block captures
+        (prefix cache); other forwards (drafts) leave them alone."""
         if host is None:
             host = batch.host if batch.host is not None else StepHost.read(batch)
         S, T = batch.num_seqs, batch.num_tokens
         qlen = np.asarray(batch.query_lens, dtype=np.int64)
         starts = np.cumsum(qlen) - qlen
+        slot = np.asarray(batch.slots, dtype=np.int64)
+        ctx_np = np.asarray(host.ctx_lens, dtype=np.int64).reshape(S)
+        # prefix cache state of the slots (docs/prefix_cache.md): floors of replayed hits, armed captures
+        wf = getattr(cache, "write_floor", None)
+        write_floor = np.asarray([wf[s] for s in batch.slots], dtype=np.int64) if wf else None
+        win = getattr(cache, "window_floor", None)
+        window_floor = [win[s] for s in batch.slots] if win else []
+        take = getattr(cache, "take_captures", None) if state_captures else None
+        captures = tuple(take(batch.slots, host.ctx_lens, batch.query_lens)) if take is not None else ()
         seq_host = SeqHost(
-            ctx=np.asarray(host.ctx_lens, dtype=np.int64).reshape(S), qlen=qlen, start=starts,
-            slot=np.asarray(batch.slots, dtype=np.int64),
+            ctx=ctx_np, qlen=qlen, start=starts, slot=slot,
+            write_floor=write_floor if write_floor is not None and (write_floor > ctx_np).any() else None,
+            captures=captures,
         )  # fmt: skip
         if batch.seq is not None and batch.seq_of_token is not None:
             seq_t, seq_of_token = batch.seq, batch.seq_of_token
@@ -290,11 +304,16 @@ class ForwardContext:
             )
             ctx_t, qlen_t, start_t, slot_t, seq_of_token = torch.split(packed, [S, S, S, S, T])
             seq_t = SeqTensors(ctx=ctx_t, qlen=qlen_t, start=start_t, slot=slot_t)
+        # approximate prefix replay: the window rows before the replay start were never cached (window_floor)
+        ring = max((t.shape[1] for t in getattr(cache, "swa", {}).values()), default=0)
+        floors = tuple(window_floor) if any(f > 0 and c - f < ring for f, c in zip(window_floor, host.ctx_lens)) \
+            else None
         return cls(
             batch=batch,
             cache=cache,
             host=host,
             seq_host=seq_host,
+            window_floor=floors,
             seq_starts=tuple(int(x) for x in starts),
             query_lens=batch.query_lens,
             ctx_lens=tuple(host.ctx_lens),

@@ -224,7 +224,7 @@ class Transformer(nn.Module):
         the host half, `host_step`, is the caller's) -- the form a CUDA graph captures."""
         if static is None:
             host = self.check_inputs(batch, cache)
-            ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture))
+            ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture), state_captures=True)
             ctx.engram_rows = self._engram_rows(ctx)
         else:
             ctx = static.context(cache, capture_layers=tuple(capture))

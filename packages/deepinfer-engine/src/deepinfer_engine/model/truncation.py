@@ -143,7 +143,8 @@ class TruncationPlan:
             self.batch, ctx.cache, host=self.host, capture_layers=ctx.capture_layers,
             engram_rows=take(ctx.engram_rows), image_mask=take(ctx.image_mask),
         )  # fmt: skip
-        sub.window_floor = self.floor
+        # the deeper of the kept rows' floor and a prefix replay's floor (build read it from the cache)
+        sub.window_floor = self.floor if sub.window_floor is None else tuple(map(max, self.floor, sub.window_floor))
         sub.features = {lid: take(f) for lid, f in ctx.features.items()}
         for lid in self.split.borrowed_topk:
             if lid in ctx.topk:

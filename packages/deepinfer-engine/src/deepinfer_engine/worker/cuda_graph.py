@@ -111,7 +111,7 @@ class CudaGraphRunner:
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
         """(B, L) of a graph that can run this step, None when it must run eagerly."""
-        if batch.host is None:
+        if batch.host is None or self.cache.needs_exact_plans(batch.slots, batch.host.ctx_lens):  # prefix replay
             return None
         shape = decode_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, self.batch_sizes,
                              self.max_model_len)  # fmt: skip

@@ -24,6 +24,7 @@ from deepinfer_engine.core.sched_output import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from deepinfer_engine.worker.cache_ops import apply_cache_ops
 from deepinfer_engine.worker.input_batch import InputBatch, StepInputs
 from deepinfer_engine.worker.sampler import (
     INVALID_TOKEN,
@@ -130,6 +131,8 @@ class ModelRunner:
                 self.states[nr.req_id] = _RequestState(params=nr.sampling, seed=nr.seed,
                                                        prompt_ids=nr.prompt_token_ids, output_ids=nr.output_token_ids)
         self.input_batch.update(sched)
+        if sched.cache_ops is not None:  # prefix cache copies, before the forward reads the cache
+            apply_cache_ops(self.cache, sched.cache_ops)
         if sched.is_empty:
             self._sampled([], None)
             return LaunchedStep()
