@@ -9,6 +9,10 @@
 #            given, for that tree too; `deepinfer bench latency` table against the bytes bound
 #     full   the same slices with all experts: bench latency + plot (V4.1), ours vs HF eager (V4)
 #     graphs V4.1 layers-4 with all experts: decode step with CUDA graphs vs eager in one process (bench_graphs.py)
+#     runtime the runtime features on CUDA (prefix cache + host tier, async scheduling, speculation, prefill
+#            truncation, a data-parallel world of 1 on NCCL, all with CUDA graphs), then on V4.1 layers-4 with 32
+#            experts: device idle between decode steps with async scheduling off / on, and the shared-prefix
+#            workload with the prefix cache on / off
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -66,5 +70,16 @@ graphs)
     step make_v41_full 120 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
     step graphs_v41 300 python3 scripts/bench_graphs.py --model $CK/v41-l4 --batch 1,8,32,64 --profile-batch 1,64 \
         --input-len 1024 --steps 8 --top-kernels 14 --output-json "$OUT/graphs_v41.json"
+    ;;
+runtime)
+    step runtime_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+        packages/deepinfer-engine/tests/test_runtime_cuda.py packages/deepinfer-engine/tests/dp/test_front_end_cuda.py \
+        packages/deepinfer-engine/tests/worker/test_async_runner_cuda.py packages/deepinfer-engine/tests/test_async_step.py \
+        packages/deepinfer-engine/tests/model/test_truncation.py packages/deepinfer-engine/tests/test_llm_cuda.py
+    step async_idle 150 python3 scripts/bench_async_idle.py --make v41:layers-4:32 --make-dir $CK/v41-l4-e32 --device cuda \
+        --dtype bfloat16 --batch 1,32 --input-len 1024 --steps 16 --output-json "$OUT/async_idle_v41.json"
+    step shared_prefix 120 python3 -m deepinfer_engine bench throughput --workload shared-prefix --shared-fraction 0.9 \
+        --num-prompts 64 --input-len 2048 --output-len 64 --model $CK/v41-l4-e32 --device cuda \
+        --output-json "$OUT/shared_prefix_v41.json"
     ;;
 esac
