@@ -3,7 +3,7 @@
 
 - prefix cache (exact replay, a small cache with the host tier: pinned pages, side-stream copies) == cache off;
 - asynchronous scheduling == synchronous;
-- DSpark speculation (V4.1) and MTP speculation (V4-0731) == plain greedy decoding;
+- DSpark speculation (V4.1, V4-0731) and MTP speculation (V4) == plain greedy decoding;
 - each of the above equals the same engine with `enforce_eager=True`.
 Greedy token ids are compared; fp32 keeps near-ties from flipping between step shapes.
 """
@@ -72,7 +72,7 @@ def test_async_scheduling_equals_sync_on_cuda(ckpts, arch: str) -> None:
         assert got == ref, kw
 
 
-@pytest.mark.parametrize(("arch", "method"), [("v41", "dspark"), ("v4-0731", "mtp")])
+@pytest.mark.parametrize(("arch", "method"), [("v41", "dspark"), ("v4-0731", "dspark"), ("v4", "mtp")])
 def test_speculation_equals_plain_greedy_on_cuda(ckpts, arch: str, method: str) -> None:
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     ref = _ids(_llm(ckpts[arch]).generate(PROMPTS, sp, use_tqdm=False))

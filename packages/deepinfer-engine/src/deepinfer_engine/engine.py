@@ -239,7 +239,11 @@ class EngineCore:
                 cache.allocate_host_pages(host_pages)
             prefix = PrefixCaching(mode=cc.prefix_replay, window=int(args.sliding_window), num_host_pages=host_pages,
                                    state_slots=tuple(range(plan.num_slots, plan.num_slots + plan.num_state_slots)),
-                                   max_fork_rollback=cache.slack + 1,
+                                   # a fork resumes at most one token behind its source's progress: longer
+                                   # rollbacks (allowed by the ring slack) gave wrong logits in a preempting
+                                   # n > 1 run (test_llm_prefix_cache.py::test_forks_under_preemption...);
+                                   # the cause is not pinned down yet (docs/prefix_cache.md "Interplay and limits")
+                                   max_fork_rollback=1,
                                    capture_tail=(mc.prefill_truncation_keep - int(args.sliding_window) + 1
                                                  if mc.prefill_truncation == "compact" else None))
             logger.info("prefix caching: %s replay, %d state slots, %d host pages", cc.prefix_replay,

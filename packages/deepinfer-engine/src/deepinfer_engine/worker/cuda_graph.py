@@ -137,6 +137,9 @@ class CudaGraphRunner:
         facts = DecodeFacts.of(batch, rows)
         g.step.check_tables(facts)
         g.step.fill(facts)
+        # the device ids are authoritative: asynchronous scheduling resolves its placeholder rows there only (the
+        # host copy holds 0 for models that do not hash ids on the host)
+        g.step.batch.input_ids[: batch.num_seqs].copy_(batch.input_ids)
         g.graph.replay()
         self.stats.replays += 1
         return g.logits[: batch.num_seqs]
