@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from profile_step import engine_options  # scripts/ is on sys.path when a script runs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,17 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-json")
     p.add_argument("--engine-option", action="append", default=[], help="extra LLM option key=value (JSON value)")
     return p.parse_args(argv)
-
-
-def _options(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kv in pairs:
-        k, _, v = kv.partition("=")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 def _checkpoint(ns: argparse.Namespace) -> str:
@@ -176,7 +166,7 @@ def run_mode(model: str, opts: dict[str, Any], on: bool, ns: argparse.Namespace)
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     model = _checkpoint(ns)
-    opts = {"device": ns.device, "dtype": ns.dtype, **_options(ns.engine_option)}
+    opts = {"device": ns.device, "dtype": ns.dtype, **engine_options(ns.engine_option)}
     results = [(mode, run_mode(model, opts, mode == "on", ns)) for mode in ns.modes.split(",") if mode]
     device = "cuda" if (ns.device == "auto" and torch.cuda.is_available()) or ns.device.startswith("cuda") else "cpu"
     print(f"async scheduling idle between decode steps: {model}, input {ns.input_len}, {device}")

@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _options(pairs: list[str]) -> dict[str, Any]:
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """`--engine-option key=value` pairs -> LLM options (values parsed as JSON where they are JSON)."""
     out: dict[str, Any] = {}
     for kv in pairs:
         k, _, v = kv.partition("=")
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from deepinfer_engine import LLM
 
-    opts = {"device": "cuda", "dtype": "bfloat16", **_options(ns.engine_option)}
+    opts = {"device": "cuda", "dtype": "bfloat16", **engine_options(ns.engine_option)}
     llm = LLM(ns.model, **opts)
     rows = [profile_batch(llm, int(b), ns.input_len, ns.steps) for b in ns.batch.split(",") if b]
     print(f"{ns.label or 'engine'}: {ns.model}, input {ns.input_len}")

@@ -254,6 +254,22 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`arch -> directory` of the tiny random checkpoint of that architecture (seed 0), written once per session
+    (tests only read it)."""
+    from deepinfer_engine.model.writer import make_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = make_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}") / "ckpt", arch, "tiny", 0)
+        return made[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def damage_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from deepinfer_engine.model.writer import make_checkpoint
 

@@ -7,22 +7,9 @@ from __future__ import annotations
 
 import pytest
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model.writer import make_checkpoint
 from deepinfer_engine.worker.async_runner import AsyncModelRunner
 
 PROMPTS = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
-
-
-@pytest.fixture(scope="module")
-def ckpt_dirs(tmp_path_factory):
-    made: dict[str, object] = {}
-
-    def get(arch: str):
-        if arch not in made:
-            made[arch] = make_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}") / "ckpt", arch, "tiny", 0)
-        return made[arch]
-
-    return get
 
 
 def _llm(ckpt, arch: str, async_scheduling: bool, device: str = "cpu") -> LLM:
@@ -81,8 +68,8 @@ def _params(ref) -> list[SamplingParams]:
 
 @pytest.mark.slow  # ~10 s per arch on 2 busy CPU cores: three generate calls on a tiny model
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-def test_async_equals_sync_on_tiny_checkpoints(ckpt_dirs, arch: str) -> None:
-    ckpt = ckpt_dirs(arch)
+def test_async_equals_sync_on_tiny_checkpoints(tiny_ckpt, arch: str) -> None:
+    ckpt = tiny_ckpt(arch)
     sync = _llm(ckpt, arch, False)
     ref = sync.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     sps = _params(ref)
@@ -109,8 +96,8 @@ def test_async_equals_sync_on_tiny_checkpoints(ckpt_dirs, arch: str) -> None:
 
 
 @pytest.mark.gpu
-def test_async_equals_sync_on_cuda(ckpt_dirs) -> None:
-    ckpt = ckpt_dirs("v41")
+def test_async_equals_sync_on_cuda(tiny_ckpt) -> None:
+    ckpt = tiny_ckpt("v41")
     sps = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=3, n=2, repetition_penalty=1.3,
                          ignore_eos=True, logprobs=1)
     a = _llm(ckpt, "v41", False, "cuda").generate(PROMPTS, sps, use_tqdm=False)

@@ -10,27 +10,14 @@ from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.errors import ConfigError
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch
-from deepinfer_engine.model.writer import make_checkpoint
 
 PROMPTS = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
 MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def ckpt_dirs(tmp_path_factory):
-    made: dict[str, object] = {}
-
-    def get(arch: str):
-        if arch not in made:
-            made[arch] = make_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}") / "ckpt", arch, "tiny", 0)
-        return made[arch]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def v41_llm(ckpt_dirs) -> LLM:
-    return LLM(str(ckpt_dirs("v41")), device="cpu", dtype="float32", page_size=4, max_model_len=24)
+def v41_llm(tiny_ckpt) -> LLM:
+    return LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", page_size=4, max_model_len=24)
 
 
 def _dense_greedy(model, prompt: list[int], n: int, eos: int) -> list[int]:
@@ -50,8 +37,8 @@ def _dense_greedy(model, prompt: list[int], n: int, eos: int) -> list[int]:
 
 @pytest.mark.slow  # ~5-8 s each on 2 busy CPU cores: 25 dense recomputes; the main end-to-end proof
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-def test_greedy_mixed_batch_with_chunking_and_preemption_equals_dense(ckpt_dirs, arch: str) -> None:
-    ckpt = ckpt_dirs(arch)
+def test_greedy_mixed_batch_with_chunking_and_preemption_equals_dense(tiny_ckpt, arch: str) -> None:
+    ckpt = tiny_ckpt(arch)
     page = 4 if arch == "v41" else 8
     # 5 pages x 4 (3 x 8) tokens hold the longest sequence (19 tokens) but not two at once: preemption is forced;
     # a budget of 7 tokens splits the long prompts over several steps
@@ -78,7 +65,7 @@ def test_seeded_sampling_is_batch_independent(v41_llm: LLM) -> None:
     assert other.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
-def test_text_prompt_order_and_errors(v41_llm: LLM, ckpt_dirs) -> None:
+def test_text_prompt_order_and_errors(v41_llm: LLM, tiny_ckpt) -> None:
     llm = v41_llm
     outs = llm.generate(["Hello", [0] * 30, "The capital of France is"], SamplingParams(temperature=0, max_tokens=2),
                         use_tqdm=False)
@@ -87,7 +74,7 @@ def test_text_prompt_order_and_errors(v41_llm: LLM, ckpt_dirs) -> None:
     assert outs[1].outputs[0].finish_reason == "error" and "max_model_len is 24" in outs[1].error
     assert outs[2].error is None and isinstance(outs[2].outputs[0].text, str)
     with pytest.raises(ConfigError, match="max_num_seqs"):
-        LLM(str(ckpt_dirs("v41")), max_num_seq=4)
+        LLM(str(tiny_ckpt("v41")), max_num_seq=4)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="sampling_params"):
@@ -103,8 +90,8 @@ def test_invalid_sampling_params_name_the_field(field: str, value) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_mixed_batch_equals_dense_and_sampling_is_batch_independent(ckpt_dirs) -> None:
-    llm = LLM(str(ckpt_dirs("v41")), device="cuda", dtype="float32", page_size=4, num_kv_pages=5,
+def test_cuda_mixed_batch_equals_dense_and_sampling_is_batch_independent(tiny_ckpt) -> None:
+    llm = LLM(str(tiny_ckpt("v41")), device="cuda", dtype="float32", page_size=4, num_kv_pages=5,
               max_num_batched_tokens=7, max_num_seqs=4)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -14,7 +14,6 @@ import time
 import pytest
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.dp import DPRankCore
-from deepinfer_engine.model.writer import make_checkpoint
 from deepinfer_parallel import RankFailedError
 
 pytestmark = pytest.mark.distributed
@@ -31,25 +30,13 @@ def _opts(arch: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    made: dict[str, object] = {}
-
-    def get(arch: str):
-        if arch not in made:
-            made[arch] = make_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}") / "ckpt", arch, "tiny", 0)
-        return made[arch]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def reference(ckpt):
+def reference(tiny_ckpt):
     """Token ids of the single-process engine: {arch: (PROMPTS greedy, ONE greedy, PROMPTS seeded sampling)}."""
     made: dict[str, tuple] = {}
 
     def get(arch: str):
         if arch not in made:
-            llm = LLM(str(ckpt(arch)), **_opts(arch))
+            llm = LLM(str(tiny_ckpt(arch)), **_opts(arch))
             made[arch] = tuple(_ids(llm.generate(p, sp, use_tqdm=False))
                                for p, sp in ((PROMPTS, GREEDY), (ONE, GREEDY), (PROMPTS, SEEDED)))
         return made[arch]
@@ -87,10 +74,10 @@ EPLB = {"enable_eplb": True, "eplb_window_size": 2, "eplb_step_interval": 2}
     ("v4", 2, {**EPLB, "num_redundant_experts": 2}),
     ("v4", 4, {}),
 ])  # fmt: skip
-def test_expert_parallel_greedy_equals_single_process(ckpt, reference, arch, world, extra) -> None:
+def test_expert_parallel_greedy_equals_single_process(tiny_ckpt, reference, arch, world, extra) -> None:
     want_batch, want_one, _ = reference(arch)
     slots = (NUM_EXPERTS + extra.get("num_redundant_experts", 0)) // world
-    with LLM(str(ckpt(arch)), data_parallel_size=world, enable_expert_parallel=True, **_opts(arch), **extra) as llm:
+    with LLM(str(tiny_ckpt(arch)), data_parallel_size=world, enable_expert_parallel=True, **_opts(arch), **extra) as llm:
         core = llm.engine.core
         pids = core.pids
         # every rank loaded only the experts of its slots (redundant slots included)
@@ -133,9 +120,9 @@ def _interrupt_one_step(llm: LLM, monkeypatch) -> None:
     monkeypatch.undo()
 
 
-def test_pure_data_parallel_holds_every_expert_and_is_reaped_when_dropped(ckpt, reference, monkeypatch) -> None:
+def test_pure_data_parallel_holds_every_expert_and_is_reaped_when_dropped(tiny_ckpt, reference, monkeypatch) -> None:
     want_batch, _, want_seeded = reference("v41")
-    llm = LLM(str(ckpt("v41")), data_parallel_size=2, **_opts("v41"))
+    llm = LLM(str(tiny_ckpt("v41")), data_parallel_size=2, **_opts("v41"))
     core = llm.engine.core
     assert [list(info.held_experts[0]) for info in core.infos] == [list(range(NUM_EXPERTS))] * 2
     assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want_batch
@@ -177,9 +164,9 @@ def _kill_self() -> None:
 
 
 @pytest.mark.parametrize(("action", "needle"), [(_raise, "injected fault in rank 1"), (_kill_self, "signal 9")])
-def test_a_failing_rank_fails_the_call_naming_it_and_leaves_no_process(ckpt, monkeypatch, action, needle) -> None:
+def test_a_failing_rank_fails_the_call_naming_it_and_leaves_no_process(tiny_ckpt, monkeypatch, action, needle) -> None:
     _fail_on_rank1(monkeypatch, action)
-    llm = LLM(str(ckpt("v41")), data_parallel_size=2, enable_expert_parallel=True, **_opts("v41"))
+    llm = LLM(str(tiny_ckpt("v41")), data_parallel_size=2, enable_expert_parallel=True, **_opts("v41"))
     pids = llm.engine.core.pids
     t0 = time.monotonic()
     with pytest.raises(RankFailedError) as info:
@@ -196,7 +183,7 @@ def test_a_failing_rank_fails_the_call_naming_it_and_leaves_no_process(ckpt, mon
     ({"data_parallel_size": 3, "enable_expert_parallel": True}, {}, "num_redundant_experts=1"),
     ({"data_parallel_size": 4, "enable_expert_parallel": True}, {"RANK": "0", "WORLD_SIZE": "2"}, "WORLD_SIZE=2"),
 ])  # fmt: skip
-def test_layouts_that_cannot_run_are_refused_before_any_rank_starts(ckpt, monkeypatch, opts, env, needle) -> None:
+def test_layouts_that_cannot_run_are_refused_before_any_rank_starts(tiny_ckpt, monkeypatch, opts, env, needle) -> None:
     from deepinfer_engine.errors import ConfigError
     from deepinfer_parallel import SpawnedRanks
 
@@ -208,4 +195,4 @@ def test_layouts_that_cannot_run_are_refused_before_any_rank_starts(ckpt, monkey
 
     monkeypatch.setattr(SpawnedRanks, "__init__", no_spawn)
     with pytest.raises(ConfigError, match=needle):
-        LLM(str(ckpt("v41")), **_opts("v41"), **opts)
+        LLM(str(tiny_ckpt("v41")), **_opts("v41"), **opts)
