@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model import moe
-from engine_testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint, unguard_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -45,17 +44,7 @@ def test_async_decode_launch_makes_no_host_sync(tmp_path, monkeypatch, arch: str
             torch.cuda.set_sync_debug_mode(0)
 
     monkeypatch.setattr(runner, "execute_async", guarded)
-    moe_forward = moe.MoE.forward
-
-    def moe_unguarded(self, *args, **kw):
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return moe_forward(self, *args, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    monkeypatch.setattr(moe.MoE, "forward", moe_unguarded)
+    unguard_moe(monkeypatch)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     assert counts["guarded"] >= 3, counts
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]

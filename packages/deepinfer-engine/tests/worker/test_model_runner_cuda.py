@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model import moe
-from engine_testing import make_tiny_checkpoint
+from engine_testing import make_tiny_checkpoint, unguard_moe
 
 pytestmark = pytest.mark.gpu
 
@@ -57,17 +56,7 @@ def test_decode_forward_and_batch_building_make_no_host_sync(tmp_path, monkeypat
         return out
 
     monkeypatch.setattr(runner, "model", model)
-    moe_forward = moe.MoE.forward
-
-    def moe_unguarded(self, *args, **kw):
-        mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode(0)
-        try:
-            return moe_forward(self, *args, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(mode)
-
-    monkeypatch.setattr(moe.MoE, "forward", moe_unguarded)
+    unguard_moe(monkeypatch)
     prompts = [[5 + i for i in range(n)] for n in (7, 12, 3)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
