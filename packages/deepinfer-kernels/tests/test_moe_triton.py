@@ -112,3 +112,33 @@ def test_fp4_grouped_gpu_v41_widths(t):
     assert _rel(got, want) <= 1e-5
     gotb = moe_experts(x.bfloat16(), w, ids, st, 10.0, backend="triton")
     assert _rel(gotb, reference.moe_experts(x.bfloat16(), w, ids, st, 10.0)) <= 2e-2
+
+
+@pytest.mark.gpu
+def test_fp4_asm_decode_is_exact_for_every_code():
+    """The PTX decode ("asm") reproduces the exact dequantized weight for all 16 codes and scale codes up to 250:
+    one-hot activations with routing weight 1 make each down-projection output row one weight column."""
+    from deepinfer_kernels.moe import triton as mt
+    from deepinfer_kernels.quant.reference import dequant_fp4
+
+    g = torch.Generator().manual_seed(7)
+    e, d, inter = 2, 64, 256
+    w2 = torch.randint(-128, 128, (e, d, inter // 2), generator=g, dtype=torch.int8).cuda()
+    codes = torch.tensor([20, 100, 118, 127, 128, 129, 200, 250], dtype=torch.uint8)
+    s2 = (
+        codes[torch.randint(0, len(codes), (e, d, inter // 32), generator=g)]
+        .view(torch.float8_e8m0fnu)
+        .cuda()
+    )
+    t = 2 * inter  # token t reads column t % inter of expert t % 2
+    ids = (torch.arange(t) % e).view(t, 1).cuda()
+    pairs, bexp = mt.align_pairs(ids, e, 16)
+    h = torch.zeros((bexp.numel() * 16, inter), dtype=torch.bfloat16, device="cuda")
+    valid = pairs < t
+    h[valid.nonzero().squeeze(1), (pairs[valid] // e).long() % inter] = 1.0
+    rows = torch.empty((t, d), dtype=torch.float32, device="cuda")
+    ones = torch.ones(t, device="cuda")
+    mt.launch_down(h, w2, s2, pairs, bexp, ones, rows, 16, mt.GemmConfig(64, 128, 4, 3, "asm"), False)
+    want = torch.stack([dequant_fp4(w2[i].cpu(), s2[i].cpu(), block=32) for i in range(e)])  # [e, d, inter]
+    tok = torch.arange(t)
+    assert torch.equal(rows.cpu(), want[tok % e, :, (tok // e) % inter])

@@ -9,9 +9,22 @@ Steps (all on the device):
    the epilogue and h is stored once (x's dtype).
 3. down grouped GEMM over h with w2 decoded the same way; the epilogue multiplies by the pair's routing weight
    and stores fp32 rows per pair; the k rows of a token are summed by one torch reduction (deterministic).
+
+Both GEMMs compute the transposed product ``W_tile [BLOCK_N, K] @ A^T [K, BLOCK_M]`` ("swap AB"): at decode an
+expert sees a handful of rows, so the weight rows fill the MMA's M side and the token rows its narrow N side.
+
+The decode is where the time goes: the kernels are bandwidth-bound only if decoding a weight costs a few
+instructions. On the GPU (variant "asm", bf16 / fp16 activations) 8 codes = one 32-bit word are decoded by a few
+lines of inline PTX, two bf16 lanes per instruction, exact for every scale code (the comment at the PTX). The
+portable variant "bits" (the CPU interpreter, fp32 activations with exact fp32 dots) moves a nibble ``s e1 e0 m`` to
+bits 15 and 11..9 of a half word, which is the fp16 number ``value * 2^-14`` exactly (fp16 subnormals for e = 0),
+converts it and puts the ``2^14`` back on the fp32 accumulator. The launch configs come from an H200 sweep
+(``benchmarks/sweep_moe_fp4.py``, docs/perf.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,64 +33,151 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable
 
-__all__ = ["align_pairs", "moe_experts_fp4"]
+__all__ = ["GemmConfig", "align_pairs", "default_configs", "moe_experts_fp4"]
 
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
+_TWO_POW_14 = tl.constexpr(16384.0)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch config of one grouped GEMM. ``variant``: "asm" (PTX decode; GPU, bf16 / fp16 activations) or
+    "bits" (portable integer decode; the CPU interpreter and fp32 activations)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    variant: str = "bits"
 
 
 @triton.jit
-def _fp4_tile(w_ptrs, s_ptrs, mask, s_mask, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed [BLOCK_N, BLOCK_K/2] uint8 + scales [BLOCK_N, BLOCK_K/32] e8m0 -> [BLOCK_N, BLOCK_K] fp32 values."""
-    p = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    lo = p & 0xF
-    hi = (p >> 4) & 0xF
-    c = tl.join(lo, hi)  # [BLOCK_N, BLOCK_K/2, 2]: low nibble = even column
-    mag = c & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    pw = ((e + 126) << 23).to(tl.float32, bitcast=True)  # 2^(e-1)
-    v = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pw)
-    v = tl.where((c & 8) != 0, -v, v)
-    v = tl.reshape(v, [BLOCK_N, BLOCK_K])
-    b = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.int32)
-    s = tl.where(b == 0, _E8M0_ZERO, (b << 23).to(tl.float32, bitcast=True))
-    return tl.reshape(tl.reshape(v, [BLOCK_N, BLOCK_K // 32, 32]) * s[:, :, None], [BLOCK_N, BLOCK_K])
+def _e2m1_x2pow14(p, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed [BLOCK_N, BLOCK_K/2] uint8 (low nibble = even column) -> [BLOCK_N, BLOCK_K] fp32 = value * 2^-14."""
+    pi = p.to(tl.int32)
+    lo = ((pi & 7) << 9) | ((pi & 8) << 12)
+    hi = ((pi & 0x70) << 5) | ((pi & 0x80) << 8)
+    bits = tl.reshape(tl.join(lo, hi), [BLOCK_N, BLOCK_K]).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _dot(a, w, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        return tl.dot(a, tl.trans(w), input_precision="ieee")
-    return tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+def _e8m0(b):
+    b = b.to(tl.int32)
+    return tl.where(b == 0, _E8M0_ZERO, (b << 23).to(tl.float32, bitcast=True))
+
+
+# One 32-bit word of packed codes (8 nibbles, K order n0..n7 from the low bits) -> 8 bf16 weights. Each pair of
+# nibbles 16 bits apart is moved as one bf16x2 word: magnitude bits to 6..8 and sign to 15 of each lane make
+# value * 2^-126 (e = 0 lands on bf16 subnormals, which bf16 fma keeps), then two bf16x2 multiplies (fma adding -0,
+# which sm_80 has) by 2^(min(b, 128) - 1) and 2^(max(b, 128) - 128) apply the UE8M0 scale 2^(b - 127) and the
+# 2^126 exactly for every code b (one multiplier alone would overflow bf16 for b > 128).
+_E2M1X8_TO_BF16 = tl.constexpr("""
+{
+.reg .b32 a, b, t, z;
+mov.b32 z, 0x80008000;
+shl.b32 a, $8, 6;
+shl.b32 b, $8, 12;
+lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
+lop3.b32 t, b, 0x80008000, t, 0xEA;
+fma.rn.bf16x2 t, t, $9, z;
+fma.rn.bf16x2 t, t, $10, z;
+mov.b32 {$0, $1}, t;
+shl.b32 a, $8, 2;
+shl.b32 b, $8, 8;
+lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
+lop3.b32 t, b, 0x80008000, t, 0xEA;
+fma.rn.bf16x2 t, t, $9, z;
+fma.rn.bf16x2 t, t, $10, z;
+mov.b32 {$2, $3}, t;
+shr.b32 a, $8, 2;
+shl.b32 b, $8, 4;
+lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
+lop3.b32 t, b, 0x80008000, t, 0xEA;
+fma.rn.bf16x2 t, t, $9, z;
+fma.rn.bf16x2 t, t, $10, z;
+mov.b32 {$4, $5}, t;
+shr.b32 a, $8, 6;
+lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
+lop3.b32 t, $8, 0x80008000, t, 0xEA;
+fma.rn.bf16x2 t, t, $9, z;
+fma.rn.bf16x2 t, t, $10, z;
+mov.b32 {$6, $7}, t;
+}
+""")
+
+
+@triton.jit
+def _e2m1_words_bf16(w, sb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 ->
+    [BLOCK_N, BLOCK_K] bf16 exact weights (GPU only: inline PTX)."""
+    b = sb.to(tl.int32)
+    m1 = (tl.minimum(b, 128) + 126) << 7
+    m2 = (tl.maximum(b, 128) - 1) << 7
+    m1 = tl.reshape(
+        tl.broadcast_to((m1 | (m1 << 16))[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8]
+    )
+    m2 = tl.reshape(
+        tl.broadcast_to((m2 | (m2 << 16))[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8]
+    )
+    n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
+        _E2M1X8_TO_BF16,
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+        [w, m1, m2],
+        dtype=(tl.bfloat16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _fp4_dot(
+    acc,
+    a,
+    w_ptrs,
+    s_ptrs,
+    mask,
+    s_mask,
+    VARIANT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ a^T, a [BLOCK_M, BLOCK_K]. "bits" leaves the result
+    scaled by 2^-14 (the caller multiplies once at the end); "asm" is exact. w_ptrs address bytes
+    [BLOCK_N, BLOCK_K/2], or int32 words [BLOCK_N, BLOCK_K/8] for "asm"."""
+    if EVEN:  # the tile lies inside the weight: unmasked loads save the per-element predicates
+        p = tl.load(w_ptrs)
+        sb = tl.load(s_ptrs)
+    else:
+        p = tl.load(w_ptrs, mask=mask, other=0)
+        sb = tl.load(s_ptrs, mask=s_mask, other=127)
+    if VARIANT == "asm":
+        acc = tl.dot(_e2m1_words_bf16(p, sb, BLOCK_N, BLOCK_K), tl.trans(a.to(tl.bfloat16)), acc)
+    else:
+        v = _e2m1_x2pow14(p, BLOCK_N, BLOCK_K)
+        w = tl.reshape(
+            tl.reshape(v, [BLOCK_N, BLOCK_K // 32, 32]) * _e8m0(sb)[:, :, None], [BLOCK_N, BLOCK_K]
+        )
+        if DOT_F32:
+            acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+    return acc
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,
-    w1_ptr,
-    w3_ptr,
-    s1_ptr,
-    s3_ptr,
-    pairs_ptr,
-    bexp_ptr,
-    h_ptr,
-    P,
-    N,
-    K,
-    stride_x,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_h,
-    limit,
-    TOPK: tl.constexpr,
-    CLAMP: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pairs_ptr, bexp_ptr, h_ptr,
+    P, N, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
+    TOPK: tl.constexpr, CLAMP: tl.constexpr, DOT_F32: tl.constexpr, VARIANT: tl.constexpr, PACK: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_b)
@@ -89,62 +189,42 @@ def _gate_up_kernel(
         n_mask = offs_n < N
         w_off = e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         s_off = e.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(
                 x_ptr + tok[:, None] * stride_x + offs_k[None, :],
                 mask=r_mask[:, None] & (offs_k[None, :] < K),
                 other=0.0,
-            ).to(tl.float32)
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            )
+            kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
             ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            wm = n_mask[:, None] & (kb[None, :] * 2 < K)
+            wm = n_mask[:, None] & (kb[None, :] * PACK < K)
             sm = n_mask[:, None] & (ks[None, :] * 32 < K)
-            w1 = _fp4_tile(
-                w1_ptr + w_off + kb[None, :], s1_ptr + s_off + ks[None, :], wm, sm, BLOCK_N, BLOCK_K
-            )
-            g += _dot(a, w1, DOT_F32)
-            w3 = _fp4_tile(
-                w3_ptr + w_off + kb[None, :], s3_ptr + s_off + ks[None, :], wm, sm, BLOCK_N, BLOCK_K
-            )
-            u += _dot(a, w3, DOT_F32)
+            g = _fp4_dot(g, a, w1_ptr + w_off + kb[None, :], s1_ptr + s_off + ks[None, :], wm, sm,
+                         VARIANT, DOT_F32, EVEN, BLOCK_N, BLOCK_K)  # fmt: skip
+            u = _fp4_dot(u, a, w3_ptr + w_off + kb[None, :], s3_ptr + s_off + ks[None, :], wm, sm,
+                         VARIANT, DOT_F32, EVEN, BLOCK_N, BLOCK_K)  # fmt: skip
+        if VARIANT == "bits":
+            g = g * _TWO_POW_14
+            u = u * _TWO_POW_14
         if CLAMP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
         h = g / (1.0 + tl.exp(-g)) * u
-        hp = (
-            h_ptr
-            + (pid_b * BLOCK_M + tl.arange(0, BLOCK_M))[:, None].to(tl.int64) * stride_h
-            + offs_n[None, :]
-        )
-        tl.store(hp, h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
+        hrow = (pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        hp = h_ptr + hrow[None, :] * stride_h + offs_n[:, None]
+        tl.store(hp, h.to(h_ptr.dtype.element_ty), mask=n_mask[:, None])
 
 
 @triton.jit
 def _down_kernel(
-    h_ptr,
-    w2_ptr,
-    s2_ptr,
-    pairs_ptr,
-    bexp_ptr,
-    rw_ptr,
-    out_ptr,
-    P,
-    N,
-    K,
-    stride_h,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_o,
-    DOT_F32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    h_ptr, w2_ptr, s2_ptr, pairs_ptr, bexp_ptr, rw_ptr, out_ptr,
+    P, N, K, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
+    DOT_F32: tl.constexpr, VARIANT: tl.constexpr, PACK: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_b)
@@ -156,28 +236,24 @@ def _down_kernel(
         n_mask = offs_n < N
         w_off = e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
         s_off = e.to(tl.int64) * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(
                 h_ptr + hrow[:, None] * stride_h + offs_k[None, :],
                 mask=r_mask[:, None] & (offs_k[None, :] < K),
                 other=0.0,
-            ).to(tl.float32)
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            w2 = _fp4_tile(
-                w2_ptr + w_off + kb[None, :],
-                s2_ptr + s_off + ks[None, :],
-                n_mask[:, None] & (kb[None, :] * 2 < K),
-                n_mask[:, None] & (ks[None, :] * 32 < K),
-                BLOCK_N,
-                BLOCK_K,
             )
-            acc += _dot(a, w2, DOT_F32)
+            kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
+            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            acc = _fp4_dot(acc, a, w2_ptr + w_off + kb[None, :], s2_ptr + s_off + ks[None, :],
+                           n_mask[:, None] & (kb[None, :] * PACK < K), n_mask[:, None] & (ks[None, :] * 32 < K),
+                           VARIANT, DOT_F32, EVEN, BLOCK_N, BLOCK_K)  # fmt: skip
+        if VARIANT == "bits":
+            acc = acc * _TWO_POW_14
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
-        op = out_ptr + tl.where(r_mask, rows, 0)[:, None].to(tl.int64) * stride_o + offs_n[None, :]
-        tl.store(op, acc * wt[:, None], mask=r_mask[:, None] & n_mask[None, :])
+        op = out_ptr + tl.where(r_mask, rows, 0)[None, :].to(tl.int64) * stride_o + offs_n[:, None]
+        tl.store(op, acc * wt[None, :], mask=r_mask[None, :] & n_mask[:, None])
 
 
 def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
@@ -206,6 +282,80 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     return pairs, block_expert
 
 
+def default_configs(pairs: int, interpreted: bool, fp32: bool) -> tuple[int, GemmConfig, GemmConfig]:
+    """(BLOCK_M, gate/up config, down config) for P = T * k routed pairs. GPU configs: the best of the H200 sweep
+    at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path."""
+    if interpreted:
+        return 16, GemmConfig(16, 32, 4, 1, "bits"), GemmConfig(16, 32, 4, 1, "bits")
+    block_m = 16 if pairs < 4096 else 64
+    variant = "bits" if fp32 else "asm"
+    up = GemmConfig(64, 128, 4, 3, variant)
+    down = GemmConfig(64, 128, 4, 3, variant) if pairs >= 64 else GemmConfig(128, 256, 8, 3, variant)
+    return block_m, up, down
+
+
+def _packed(cfg: GemmConfig, *ws: Tensor) -> tuple:
+    """(K elements per addressed unit, the packed weights viewed as bytes or, for "asm", as int32 words)."""
+    if cfg.variant == "asm":
+        return (8, *(w.view(torch.int32) for w in ws))
+    return (2, *(w.view(torch.uint8) for w in ws))
+
+
+def launch_gate_up(
+    x: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    s1: Tensor,
+    s3: Tensor,
+    pairs: Tensor,
+    bexp: Tensor,
+    h: Tensor,
+    topk: int,
+    limit: float,
+    block_m: int,
+    cfg: GemmConfig,
+    dot_f32: bool,
+) -> None:
+    """h [B * block_m, I] (x's dtype) = clamped SwiGLU of the gate / up projections of every padded row."""  # fmt: skip
+    p = x.shape[0] * topk
+    inter, d = w1.shape[1], x.shape[1]
+    pack, u1, u3 = _packed(cfg, w1, w3)
+    _gate_up_kernel[(bexp.shape[0], cdiv(inter, cfg.block_n))](
+        x, u1, u3, s1.view(torch.uint8), s3.view(torch.uint8), pairs, bexp, h,
+        p, inter, d, x.stride(0), u1.stride(0), u1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        float(limit),
+        TOPK=topk, CLAMP=limit > 0, DOT_F32=dot_f32, VARIANT=cfg.variant, PACK=pack,
+        EVEN=inter % cfg.block_n == 0 and d % cfg.block_k == 0, BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def launch_down(
+    h: Tensor,
+    w2: Tensor,
+    s2: Tensor,
+    pairs: Tensor,
+    bexp: Tensor,
+    rw: Tensor,
+    rows: Tensor,
+    block_m: int,
+    cfg: GemmConfig,
+    dot_f32: bool,
+) -> None:
+    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair."""  # fmt: skip
+    p, d = rows.shape
+    inter = h.shape[1]
+    pack, u2 = _packed(cfg, w2)
+    _down_kernel[(bexp.shape[0], cdiv(d, cfg.block_n))](
+        h, u2, s2.view(torch.uint8), pairs, bexp, rw, rows,
+        p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), s2.stride(0), s2.stride(1), rows.stride(0),
+        DOT_F32=dot_f32, VARIANT=cfg.variant, PACK=pack, EVEN=d % cfg.block_n == 0 and inter % cfg.block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
 def moe_experts_fp4(
     x: Tensor,
     weights: Tensor,
@@ -230,26 +380,12 @@ def moe_experts_fp4(
     if x.stride(1) != 1:
         x = x.contiguous()
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
-    block_m = 16
-    block_n, block_k = (16, 32) if interp else (64, 128)
-    pairs, bexp = align_pairs(ids, e_count, block_m)
-    nb = bexp.shape[0]
-    h = torch.empty((nb * block_m, inter), dtype=x.dtype, device=x.device)
-    u8 = [t_.view(torch.uint8) for t_ in (w1, w3, w2, s1, s3, s2)]
     dot_f32 = interp or x.dtype == torch.float32
-    _gate_up_kernel[(nb, cdiv(inter, block_n))](
-        x, u8[0], u8[1], u8[3], u8[4], pairs, bexp, h,
-        p, inter, d, x.stride(0), w1.stride(0), w1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
-        float(limit),
-        TOPK=k, CLAMP=limit > 0, DOT_F32=dot_f32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=1 if interp else 3,
-    )  # fmt: skip
+    block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32)
+    pairs, bexp = align_pairs(ids, e_count, block_m)
+    h = torch.empty((bexp.shape[0] * block_m, inter), dtype=x.dtype, device=x.device)
+    launch_gate_up(x, w1, w3, s1, s3, pairs, bexp, h, k, limit, block_m, cfg_up, dot_f32)
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
-    _down_kernel[(nb, cdiv(d, block_n))](
-        h, u8[2], u8[5], pairs, bexp, rw, rows,
-        p, d, inter, h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), rows.stride(0),
-        DOT_F32=dot_f32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4, num_stages=1 if interp else 3,
-    )  # fmt: skip
+    launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32)
     return torch.sum(rows.view(t, k, d), dim=1, out=out)

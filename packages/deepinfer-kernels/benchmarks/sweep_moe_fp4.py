@@ -1,0 +1,136 @@
+"""Launch-config sweep of the FP4 grouped expert GEMMs (gate/up and down) on one CUDA GPU, V4.1-Flash widths.
+
+For T tokens (top-6 of 384 experts, random routing, d 5120, I 2304) every candidate config of each kernel is
+timed alone (triton.testing.do_bench median, L2 flushed), checked against the torch reference through the whole
+expert path (the other kernel at its default), and set beside its bytes bound (weights + scales of the experts
+hit / copy bandwidth measured in the same run). Prints a table of the best configs per T and writes JSON.
+
+    PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_moe_fp4.py \
+        [--tokens 1,8,64,256] [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+from functools import partial
+
+import torch
+import triton
+from deepinfer_kernels.moe import StackedExperts, reference
+from deepinfer_kernels.moe import triton as mt
+from triton.testing import do_bench
+
+E, D, INTER, TOPK = 384, 5120, 2304, 6
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = do_bench(partial(b.copy_, a), warmup=5, rep=50)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def experts() -> StackedExperts:
+    def packed(o, i):
+        return torch.randint(-128, 128, (E, o, i // 2), dtype=torch.int8, device="cuda")
+
+    def scale(o, i):
+        return torch.randint(122, 126, (E, o, i // 32), dtype=torch.uint8, device="cuda").view(
+            torch.float8_e8m0fnu
+        )
+
+    return StackedExperts(packed(INTER, D), packed(INTER, D), packed(D, INTER), scale(INTER, D), scale(INTER, D),
+                          scale(D, INTER), fmt="fp4")  # fmt: skip
+
+
+def candidates(quick: bool) -> list[mt.GemmConfig]:
+    if quick:
+        return [mt.GemmConfig(64, 256, 4, 3, "asm"), mt.GemmConfig(64, 256, 4, 3, "bits")]
+    grid = itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3))
+    asm = [mt.GemmConfig(n, k, w, s, "asm") for n, k, w, s in grid]
+    return asm + [mt.GemmConfig(64, 256, 4, 3, "bits")]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, limit: float) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = (torch.randn(t, D, device="cuda", generator=g) / 8).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:TOPK] for _ in range(t)])
+    w = torch.rand(t, TOPK, device="cuda", generator=g)
+    hit = int(torch.unique(ids).numel())
+    want = reference.moe_experts(x, w, ids, st, limit)
+    block_m, d_up, d_down = mt.default_configs(t * TOPK, False, False)
+    pairs, bexp = mt.align_pairs(ids, E, block_m)
+    h = torch.empty((bexp.shape[0] * block_m, INTER), dtype=x.dtype, device="cuda")
+    rows = torch.empty((t * TOPK, D), dtype=torch.float32, device="cuda")
+    rw = w.reshape(-1).float().contiguous()
+    up_bytes = hit * 2 * (INTER * D // 2 + INTER * D // 32)
+    down_bytes = hit * (INTER * D // 2 + INTER * D // 32)
+
+    def up(cfg):
+        mt.launch_gate_up(x, st.w1, st.w3, st.s1, st.s3, pairs, bexp, h, TOPK, limit, block_m, cfg, False)
+
+    def down(cfg):
+        mt.launch_down(h, st.w2, st.s2, pairs, bexp, rw, rows, block_m, cfg, False)
+
+    res = {"T": t, "experts_hit": hit, "block_m": block_m, "gate_up": [], "down": []}
+    for kind, fn, nbytes in (("gate_up", up, up_bytes), ("down", down, down_bytes)):
+        for cfg in cands:
+            row = {"config": cfg.__dict__, "bound_ms": nbytes / bw * 1e3}
+            try:
+                up(cfg if kind == "gate_up" else d_up)
+                down(cfg if kind == "down" else d_down)
+                row["rel_err"] = rel(rows.view(t, TOPK, D).sum(1), want)
+                row["ms"] = do_bench(partial(fn, cfg), warmup=5, rep=25)
+                row["of_bound"] = row["bound_ms"] / row["ms"]
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile / fit is a sweep result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            res[kind].append(row)
+    full = partial(mt.moe_experts_fp4, x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit)
+    res["default_total_ms"] = do_bench(full, warmup=5, rep=25)
+    res["total_bound_ms"] = (up_bytes + down_bytes) / bw * 1e3
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", default="64,1,256,8")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    st = experts()
+    cands = candidates(args.quick)
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "copy_bandwidth_GBps": bw / 1e9, "cases": []}  # fmt: skip
+    for t in (int(v) for v in args.tokens.split(",")):
+        case = run_case(st, t, cands, bw, 10.0)
+        out["cases"].append(case)
+        print(f"T={t} hit={case['experts_hit']} default total {case['default_total_ms']:.3f} ms "
+              f"(bound {case['total_bound_ms']:.3f} ms)", flush=True)  # fmt: skip
+        for kind in ("gate_up", "down"):
+            ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
+            bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
+            for r in ok[:5]:
+                c = r["config"]
+                print(f"  {kind:7s} {c['variant']:6s} n{c['block_n']:<3d} k{c['block_k']:<3d} w{c['num_warps']} "
+                      f"s{c['num_stages']}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
+                      f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
+            for r in bad[:3]:
+                print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
+        out["wall_s"] = time.time() - t0
+        print(f"wall {out['wall_s']:.0f} s", flush=True)
+        if args.json:  # after every case: a run cut by a time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
