@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--top-kernels", type=int, default=0, help="print the N kernels with the most device time")
+    p.add_argument("--modes", default="graphs,eager", help="which of graphs / eager to run, in order")
     p.add_argument("--output-json")
     ns = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     graphs = runner.cuda_graphs
     batches = [int(b) for b in ns.batch.split(",") if b]
     out: dict = {"model": ns.model, "options": opts}
-    for mode in ("graphs", "eager"):
+    for mode in ns.modes.split(","):
         runner.cuda_graphs = graphs if mode == "graphs" else None
         r = decode_roofline(llm, batch_sizes=batches, input_len=ns.input_len, steps=ns.steps)
         print(f"--- {mode}")

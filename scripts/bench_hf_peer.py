@@ -1,5 +1,6 @@
 """Decode step of our V4 model beside HF transformers' eager `DeepseekV4ForCausalLM` on the same checkpoint, in
-the same run, beside the bytes bound measured on the same device.
+the same run, beside the bytes bound measured on the same device; on CUDA also the whole engine decode step
+(scheduler + CUDA-graph replay + sampler, as `deepinfer bench latency` times it).
 
     python scripts/bench_hf_peer.py --model DIR [--device cuda] [--batch 1,32] [--prefill-len 1024]
         [--decode-steps 16] [--iters 3] [--output-json FILE]
@@ -97,6 +98,23 @@ def load_hf(model_dir: Path, device: torch.device) -> tuple[Any, str | None]:
     return model, f"transformers {transformers.__version__}"
 
 
+def engine_decode_steps(model_dir: Path, rows: list[dict[str, Any]], ns: argparse.Namespace) -> None:
+    """Add "engine_step_ms": the whole engine decode step (schedule, CUDA-graph replay, sampling, the host read)
+    from `deepinfer_engine.bench.decode_roofline`, i.e. what `deepinfer bench latency` reports."""
+    from deepinfer_engine import LLM
+    from deepinfer_engine.bench import decode_roofline
+
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=max(r["batch"] for r in rows))
+    rep = decode_roofline(llm, batch_sizes=[r["batch"] for r in rows], input_len=ns.prefill_len,
+                          steps=ns.decode_steps)
+    for row, er in zip(rows, rep["rows"], strict=True):
+        row["engine_step_ms"] = er["step_s"] * 1e3
+        print(f"  engine B={row['batch']}: {row['engine_step_ms']:.2f} ms/step", file=sys.stderr, flush=True)
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from bench_model import bench_one, env_info
@@ -124,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     del ours
     if device.type == "cuda":
         torch.cuda.empty_cache()
+        engine_decode_steps(model_dir, rows, ns)
     hf, hf_note = load_hf(model_dir, device)
     for row in rows:
         if hf is not None:
@@ -131,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        decode_steps=ns.decode_steps, iters=ns.iters,
                                                        device=device, vocab=args.vocab_size)
             print(f"  HF B={row['batch']}: {row['hf_step_ms']:.2f} ms/step", file=sys.stderr, flush=True)
-    head = f"{'B':>4} {'ours ms':>9} {'HF ms':>9} {'speedup':>8} {'bound ms':>9} {'ours/bound':>11}"
+    head = (f"{'B':>4} {'ours ms':>9} {'HF ms':>9} {'speedup':>8} {'bound ms':>9} {'ours/bound':>11} "
+            f"{'engine ms':>10} {'HF/engine':>10}")
     print(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write), bf16 matmul {mm / 1e12:.1f} TFLOP/s; "
           f"HF: {hf_note}; context {ns.prefill_len}")
     print(head)
@@ -139,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_ms = row.get("hf_step_ms")
         print(f"{row['batch']:>4} {row['ours_step_ms']:>9.2f} {hf_ms if hf_ms is not None else float('nan'):>9.2f} "
               f"{(hf_ms / row['ours_step_ms']) if hf_ms else float('nan'):>7.2f}x {row['bound_ms']:>9.3f} "
-              f"{row['bound_ms'] / row['ours_step_ms'] * 100:>10.1f}%")
+              f"{row['bound_ms'] / row['ours_step_ms'] * 100:>10.1f}% {row.get('engine_step_ms', float('nan')):>10.2f} "
+              f"{(hf_ms / row['engine_step_ms']) if hf_ms and 'engine_step_ms' in row else float('nan'):>9.2f}x")
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps(
             {"env": env_info(device), "model": str(model_dir), "hf": hf_note, "copy_bandwidth_Bps": copy_bw,
