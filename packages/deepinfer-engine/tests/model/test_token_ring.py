@@ -1,4 +1,4 @@
-"""The device token ring (token_ring.py) through a cache's life: every step's predecessors equal the ids of the
+"""The device token ring (token_ring.ring_step) through a cache's life: every step's predecessors equal the ids of the
 sequence's true history, and the row ids hashed from them equal `EngramHasher.hash_batch` given that history.
 
 Steps mix chunked prefill (chunks longer than the ring), decode, speculative tails rolled back by up to
@@ -14,7 +14,7 @@ from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.engram_hash import EngramHasher, synthetic_token_map
 from deepinfer_engine.model.engram_hash_device import DeviceEngramHasher
 from deepinfer_engine.model.presets import tiny_v41_config
-from deepinfer_engine.model.token_ring import ring_predecessors, ring_store
+from deepinfer_engine.model.token_ring import ring_step
 
 SLACK = 2
 
@@ -52,8 +52,7 @@ class _Sim:
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         ctx_t, qlen_t, slot_t = t([c for _, c, _ in parts]), t([len(n) for *_, n in parts]), t([s for s, *_ in parts])
         ring = self.cache.token_ring
-        prev = ring_predecessors(ring, t(ids), t(pos), t(seq), ctx_t, slot_t, 3)
-        ring_store(ring, t(ids), t(pos), t(seq), qlen_t, ctx_t, slot_t, self.cache.scratch_slot)
+        prev = ring_step(ring, t(ids), t(pos), t(seq), ctx_t, qlen_t, slot_t, back=3, dump_slot=self.cache.scratch_slot)
         want = [[self.seqs[parts[i][0]][p - s] if p - s >= 0 else -1 for s in (1, 2, 3)] for p, i in zip(pos, seq)]
         assert prev.tolist() == want, self.steps
         ref = self.hasher.hash_batch(np.asarray(ids), [len(n) for *_, n in parts], hists)

@@ -3,7 +3,7 @@ attention mixes.
 
 Row ids depend only on token ids, so one computation per forward serves every engram layer: the model computes
 ``ctx.engram_rows`` on the device (engram_hash_device.py, from the step's ids and the cache's device token ring,
-docs/engram_device_hashing.md) and hands each layer its column. ``engram_row_ids`` is the host form of the same
+docs/async_scheduling.md) and hands each layer its column. ``engram_row_ids`` is the host form of the same
 ids through ``EngramHasher`` (numpy, the reference).
 """
 

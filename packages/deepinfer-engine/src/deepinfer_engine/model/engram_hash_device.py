@@ -1,21 +1,23 @@
-"""Engram row ids on the device (docs/engram_device_hashing.md): the same int64 values as
-`EngramHasher.hash_batch` (engram_hash.py, numpy, the reference), from device tensors and in pure torch integer
-ops: no host read, no data-dependent shape, so a CUDA graph can capture it and an asynchronous step can hash ids
-that only exist on the device (placeholders resolved from the previous step's samples).
+"""Engram row ids on the device (docs/async_scheduling.md): the same int64 values as `EngramHasher.hash_batch`
+(engram_hash.py, numpy, the reference), from device tensors and in pure torch integer ops: no host read, no
+data-dependent shape, so a CUDA graph can capture it and an asynchronous step can hash ids that only exist on the
+device (placeholders resolved from the previous step's samples).
 
 The caller hands each token's predecessors explicitly (``prev [T, max_ngram-1]``: the ids at positions p-1, p-2, ..
-or -1 where the sequence has no such position); token_ring.py gathers them from the step's ids and the cache's
+or -1 where the sequence has no such position); token_ring.ring_step gathers them from the step's ids and the cache's
 device token ring. Arithmetic is the reference's: ``val * M`` stays below 2**63 by the multipliers' bound
 (engram_multipliers), XOR keeps values non-negative, so ``r % prime`` is the same floor remainder in numpy and torch.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from deepinfer_engine.errors import InputError
 from deepinfer_engine.model.engram_hash import DEAD, EngramHasher
+from deepinfer_engine.model.image_ids import IMAGE_ID_SPAN
 
 __all__ = ["DeviceEngramHasher"]
 
@@ -36,7 +38,11 @@ class DeviceEngramHasher:
         def dev(a: object) -> Tensor:
             return torch.as_tensor(a, dtype=torch.int64).to(self.device)
 
-        self.token_map = dev(hasher.token_map)  # [vocab]
+        # compressed id of id + 1 for ids -1 .. vocab + IMAGE_ID_SPAN - 1: DEAD for -1 (no such position) and for
+        # image ids, the token map in between -- one gather per lookup instead of range tests
+        table = np.full(self.vocab + IMAGE_ID_SPAN + 1, DEAD, dtype=np.int64)
+        table[1 : self.vocab + 1] = hasher.token_map
+        self.cid_table = dev(table)
         self.multipliers = dev(hasher.multipliers)  # [layers, max_ngram]
         # [layers, max_ngram-1, heads]: block (n = s+1, h) of every layer
         shape = (self.num_layers, self.history_len, self.n_heads)
@@ -44,12 +50,10 @@ class DeviceEngramHasher:
         self.offsets = dev(hasher.offsets).reshape(shape)
 
     def compressed_ids(self, token_ids: Tensor) -> Tensor:
-        """Compressed id of every entry (any shape, int64); ``DEAD`` for -1 (no such position) and for every id
-        at or past the token map (image ids; ids past the image span cannot reach here: the host checks the
-        step's ids and sampled ids lie in the vocabulary)."""
-        text = (token_ids >= 0) & (token_ids < self.vocab)
-        cid = self.token_map[token_ids.clamp(0, self.vocab - 1)]
-        return torch.where(text, cid, torch.full_like(cid, DEAD))
+        """Compressed id of every entry (any shape, int64); ``DEAD`` for -1 (no such position) and for image ids
+        ``[vocab, vocab + IMAGE_ID_SPAN)``. Ids outside that range cannot reach here (the host checks the step's
+        ids; sampled ids lie in the vocabulary); the clamp only keeps the gather in bounds."""
+        return self.cid_table[(token_ids + 1).clamp_(0, self.cid_table.shape[0] - 1)]
 
     def rows(self, token_ids: Tensor, prev: Tensor) -> Tensor:
         """Row ids ``[T, num_layers, (max_ngram-1)*n_heads] int64`` of ``token_ids [T] int64``.
@@ -62,12 +66,13 @@ class DeviceEngramHasher:
             raise InputError(f"engram device hash: found ids {tuple(token_ids.shape)} and predecessors "
                              f"{tuple(prev.shape)}, expected [T] and [T, {K}]")  # fmt: skip
         cid = self.compressed_ids(torch.cat([token_ids[:, None], prev], dim=1))  # [T, max_ngram], s = 0..K
-        blocked = (cid == DEAD).to(torch.int64).cummax(dim=1).values.bool()
-        val = torch.where(blocked, torch.full_like(cid, self.pad_cid), cid)
+        # DEAD (-1) at s blocks s and every older shift: a running minimum stays -1 from the first DEAD on
+        blocked = cid.cummin(dim=1).values < 0
+        val = cid.masked_fill(blocked, self.pad_cid)
         terms = val[:, None, :] * self.multipliers[None]  # [T, layers, max_ngram]: no overflow (M's bound)
-        r = terms[:, :, 0]
-        cols = []
+        r = [terms[:, :, 0]]
         for s in range(1, K + 1):  # max_ngram is a config constant: a fixed unrolled loop
-            r = r ^ terms[:, :, s]
-            cols.append(r[:, :, None] % self.primes[None, :, s - 1] + self.offsets[None, :, s - 1])
-        return torch.stack(cols, dim=2).reshape(T, self.num_layers, self.num_rows_per_layer)
+            r.append(r[-1] ^ terms[:, :, s])
+        acc = torch.stack(r[1:], dim=2)  # [T, layers, K]: the n-gram hash of n = s + 1
+        out = acc[..., None] % self.primes[None] + self.offsets[None]  # [T, layers, K, heads]
+        return out.reshape(T, self.num_layers, self.num_rows_per_layer)

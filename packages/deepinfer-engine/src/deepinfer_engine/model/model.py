@@ -26,7 +26,7 @@ from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
 from deepinfer_engine.model.static_step import StaticDecodeStep
-from deepinfer_engine.model.token_ring import ring_predecessors, ring_store
+from deepinfer_engine.model.token_ring import ring_step
 from deepinfer_engine.model.truncation import plan_truncation
 
 __all__ = ["ModelOutput", "Transformer"]
@@ -183,15 +183,15 @@ class Transformer(nn.Module):
     def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
         """The step's Engram row ids [T, num_engram_layers, lookups] int64, computed on the batch's device from its
         device ids and the cache's device token ring, which gets this step's ids (None: no Engram). Device ops
-        only (docs/engram_device_hashing.md): the ids may be asynchronous placeholders resolved on the device, and
+        only (docs/async_scheduling.md): the ids may be asynchronous placeholders resolved on the device, and
         a fixed-shape step runs it inside its CUDA graph from the static buffers."""
         ring = getattr(ctx.cache, "token_ring", None)
         if ring is None:
             return None
         batch, st = ctx.batch, ctx.seq_t
         ids, pos, seq = batch.input_ids, batch.positions, ctx.seq_of_token
-        prev = ring_predecessors(ring, ids, pos, seq, st.ctx, st.slot, self.args.engram_max_ngram_size - 1)
-        ring_store(ring, ids, pos, seq, st.qlen, st.ctx, st.slot, ctx.cache.scratch_slot)
+        prev = ring_step(ring, ids, pos, seq, st.ctx, st.qlen, st.slot, back=self.args.engram_max_ngram_size - 1,
+                         dump_slot=ctx.cache.scratch_slot)
         if self.engram_hasher is None:
             return None
         dev = self._engram_device

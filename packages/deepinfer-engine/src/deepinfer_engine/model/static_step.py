@@ -4,9 +4,9 @@ replayed for any batch of at most B decoding sequences whose lengths stay below 
 
 `StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints and every gather plan a
 forward asks for) and a pinned host twin of each; Engram row ids are computed inside the step from the token ids
-and the cache's device token ring (docs/engram_device_hashing.md). `fill(...)` writes one step's facts into
-the host twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels
-read the device buffers in place. Rows past the real sequences are padding: slot = the cache's scratch slot,
+and the cache's device token ring (docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
+twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels read the
+device buffers in place. Rows past the real sequences are padding: slot = the cache's scratch slot,
 position 0, token 0; their ring writes land in the scratch slot and their compressed entries in the scratch
 page, which no request owns.
 

@@ -4,9 +4,9 @@ Rows whose input id is `PLACEHOLDER_TOKEN` (the async scheduler's decode rows) t
 sampled ids, which stay on the device: one index_copy of a gather into the step's input ids, no device -> host ->
 device round trip (docs/async_scheduling.md). The host copy of the inputs (`StepHost.input_ids`) gets 0 there:
 no model reads input ids on the host (V4.1's Engram row ids are hashed on the device from these ids and the
-cache's device token ring, docs/engram_device_hashing.md), so no launch waits for the previous step's ids; the
-host ids are only range-checked, and sampled ids are in range by construction. A row whose previous sample was invalid (NaN
-logits: its request fails when that output lands) is fed id 0 and dropped.
+cache's device token ring), so no launch waits for the previous step's ids; the host ids are only
+range-checked, and sampled ids are in range by construction. A row whose previous sample was invalid (NaN logits:
+its request fails when that output lands) is fed id 0 and dropped.
 
 Penalties count the output ids; the host lists lag by the in-flight token, so rows with penalties get it
 appended on the device.
