@@ -17,7 +17,7 @@ TINY_VOCAB = 512
 
 def _predecessors(toks: np.ndarray, qlens: list[int], hists: list[np.ndarray], back: int) -> torch.Tensor:
     """[T, back]: the id at position p-s of each token's sequence (its history, then its own tokens), -1 before
-    the sequence's first known id -- what token_ring.ring_predecessors hands the device hasher."""
+    the sequence's first known id -- what token_ring.ring_step hands the device hasher."""
     out, start = [], 0
     for n, h in zip(qlens, hists):
         ext = np.concatenate([np.asarray(h, dtype=np.int64), toks[start : start + n]])
@@ -114,3 +114,32 @@ def test_cuda_equals_reference_inside_a_graph():
     prev.copy_(_predecessors(toks2, [1] * 8, hists2, 3))
     graph.replay()
     np.testing.assert_array_equal(out.cpu().numpy(), hasher.hash_batch(toks2, [1] * 8, hists2))
+
+
+def test_model_rows_equal_reference_through_steps(make_tiny_v41_model):
+    """The model's wiring (Transformer._engram_rows: batch ids / positions, sequence tensors, the cache's device
+    token ring) over a prefill chunk, a mixed step and a decode step equals hash_batch over the true histories."""
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
+
+    model = make_tiny_v41_model(0)
+    a = model.args
+    cache, tables = ModelCache.allocate_dense(a, [64, 64, 64], dtype=torch.float32)
+    rng = np.random.default_rng(4)
+    seqs = {s: [int(x) for x in rng.integers(0, a.vocab_size, size=40)] for s in range(3)}
+    seqs[1][5:8] = [a.vocab_size, a.vocab_size + 2, a.vocab_size + 4]  # image positions
+    done = {0: 0, 1: 0, 2: 0}
+    for step in ([(0, 13), (1, 9)], [(2, 4), (0, 1), (1, 6)], [(1, 1), (2, 1), (0, 1)]):
+        slots = [s for s, _ in step]
+        ids = [t for s, n in step for t in seqs[s][done[s] : done[s] + n]]
+        pos = [p for s, n in step for p in range(done[s], done[s] + n)]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids), positions=torch.tensor(pos), query_lens=tuple(n for _, n in step),
+            slots=tuple(slots), block_tables=tables[slots], logits_indices=torch.tensor([len(ids) - 1]),
+        )  # fmt: skip
+        got = model._engram_rows(ForwardContext.build(batch, cache))
+        hists = [seqs[s][max(0, done[s] - 3) : done[s]] for s in slots]
+        want = model.engram_hasher.hash_batch(np.asarray(ids), batch.query_lens, hists)
+        np.testing.assert_array_equal(got.numpy(), want)
+        for s, n in step:
+            done[s] += n
