@@ -1,5 +1,5 @@
-"""Asynchronous scheduling on real tiny checkpoints (V4.1 with Engram: placeholder ids also resolved on the host;
-V4: device-only), CPU float32: every output equals the synchronous engine's over a mixed batch with chunked
+"""Asynchronous scheduling on real tiny checkpoints (V4.1 with Engram, hashed on the device from the placeholder ids
+resolved there: no launch waits for the previous step's ids; V4), CPU float32: every output equals the synchronous engine's over a mixed batch with chunked
 prefill and forced preemption, late stops by stop id and stop string, max_tokens, n > 1 seeded sampling with
 penalties, logprobs; an abort in flight leaves the engine clean. GPU: the same equality on CUDA."""
 
@@ -31,6 +31,16 @@ def _count_placeholders(llm: LLM) -> list[int]:
 
     runner._placeholder_rows = counted
     return seen
+
+
+def _forbid_early_ids(monkeypatch) -> None:
+    """No launch may wait for the previous step's host ids (V4.1 included: Engram hashes on the device)."""
+    from deepinfer_engine.worker.async_output import AsyncOutput
+
+    def no_early_ids(self):
+        raise AssertionError("a launch waited for the previous step's host ids")
+
+    monkeypatch.setattr(AsyncOutput, "token_ids", no_early_ids)
 
 
 def _view(outs) -> list:
@@ -68,7 +78,7 @@ def _params(ref) -> list[SamplingParams]:
 
 @pytest.mark.slow  # ~10 s per arch on 2 busy CPU cores: three generate calls on a tiny model
 @pytest.mark.parametrize("arch", ["v41", "v4"])
-def test_async_equals_sync_on_tiny_checkpoints(tiny_ckpt, arch: str) -> None:
+def test_async_equals_sync_on_tiny_checkpoints(tiny_ckpt, arch: str, monkeypatch) -> None:
     ckpt = tiny_ckpt(arch)
     sync = _llm(ckpt, arch, False)
     ref = sync.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -76,6 +86,7 @@ def test_async_equals_sync_on_tiny_checkpoints(tiny_ckpt, arch: str) -> None:
     a = sync.generate(PROMPTS, sps, use_tqdm=False)
     asy = _llm(ckpt, arch, True)
     seen = _count_placeholders(asy)
+    _forbid_early_ids(monkeypatch)
     b = asy.generate(PROMPTS, sps, use_tqdm=False)
     _assert_same(a, b)
     assert seen[0] > 0 and asy.engine.scheduler.num_preemptions > 0
@@ -96,13 +107,14 @@ def test_async_equals_sync_on_tiny_checkpoints(tiny_ckpt, arch: str) -> None:
 
 
 @pytest.mark.gpu
-def test_async_equals_sync_on_cuda(tiny_ckpt) -> None:
+def test_async_equals_sync_on_cuda(tiny_ckpt, monkeypatch) -> None:
     ckpt = tiny_ckpt("v41")
     sps = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=3, n=2, repetition_penalty=1.3,
                          ignore_eos=True, logprobs=1)
     a = _llm(ckpt, "v41", False, "cuda").generate(PROMPTS, sps, use_tqdm=False)
     asy = _llm(ckpt, "v41", True, "cuda")
     seen = _count_placeholders(asy)
+    _forbid_early_ids(monkeypatch)
     b = asy.generate(PROMPTS, sps, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
     assert seen[0] > 0

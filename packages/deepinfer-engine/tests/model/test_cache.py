@@ -33,7 +33,9 @@ def test_families_v41():
     assert c.compressed_kv[5].shape == (4 + 1, 8, a.head_dim)  # ratio 1 (+ the scratch page)
     assert set(c.index_keys) == {2, 4, 5}
     assert set(k for k, _ in c.comp_state) == {2, 4}  # ratio-2 sources keep (A, Z) rows; ratio 1 needs none
-    assert c.token_ring.shape == (2, a.engram_max_ngram_size - 1 + DEFAULT_SLACK)
+    # device token ring (+ the scratch slot), -1 = never written
+    assert c.token_ring.shape == (2 + 1, a.engram_max_ngram_size + DEFAULT_SLACK)
+    assert c.token_ring.dtype == torch.int64 and bool((c.token_ring == -1).all())
 
 
 def test_page_size_must_be_multiple_of_ratios():

@@ -1,7 +1,8 @@
 """Fixed-shape decode steps (static_step.py) give the logits of the exact forward (CPU, fp32, no graph).
 
 The same decode steps run twice on two identically filled caches: the exact forward, and the host half
-(`Transformer.host_step`) + the fixed-shape forward over a padded StaticDecodeStep. Sequences of mixed lengths
+(`Transformer.host_step`) + the fixed-shape forward over a padded StaticDecodeStep (V4.1: its Engram row ids
+computed inside the step from the static ids and the device token ring). Sequences of mixed lengths
 (past the window, across compressed-entry boundaries) join and leave between steps; the padded rows write only
 the scratch slot / page. Tolerance: max|Δ| / max|ref| <= 1e-5 (different reduction shapes, fp32).
 """
@@ -61,7 +62,7 @@ def _run(model: Transformer, *, batch_size: int, max_len: int) -> int:
         for c in caches:
             _prefill(model, c, ids, slot, tables)
     nxt = {s: int(torch.randint(0, a.vocab_size, (1,), generator=gen)) for s in lens}
-    step = StaticDecodeStep(caches[1], batch_size, max_len, "cpu", engram_shape=model.engram_row_shape(caches[1]))
+    step = StaticDecodeStep(caches[1], batch_size, max_len, "cpu")
     compared = 0
     for k in range(12):
         if k == 4:
@@ -75,10 +76,12 @@ def _run(model: Transformer, *, batch_size: int, max_len: int) -> int:
         order = sorted(lens)[::-1] if k % 2 else sorted(lens)
         batch = _batch([nxt[s] for s in order], [lens[s] for s in order], order, tables)
         ref = model(batch, caches[0])
-        rows = model.host_step(batch, caches[1])
-        step.fill(DecodeFacts.of(batch, rows))
+        model.host_step(batch, caches[1])
+        step.fill(DecodeFacts.of(batch))
         out = model.forward_features(None, caches[1], static=step).logits[: len(order)]
         assert max_rel_err(out, ref) <= TOL, (k, order)
+        if caches[0].token_ring is not None:  # Engram: the fixed-shape step kept the same n-gram history
+            assert torch.equal(caches[1].token_ring[:slots], caches[0].token_ring[:slots]), k
         compared += 1
         for i, s in enumerate(order):
             nxt[s] = int(ref[i].argmax())

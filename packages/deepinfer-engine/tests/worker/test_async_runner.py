@@ -114,7 +114,8 @@ def test_late_stops_discard_the_extra_row(make_fake_engine, fake_model, fake_tok
 
 def test_step_n_plus_1_is_launched_before_step_n_is_read(make_fake_engine, fake_model, monkeypatch) -> None:
     """The order that makes the overlap: every launch after the first comes before the host read of the step
-    before it, and nothing reads a step's ids before that (a model without Engram never waits for them)."""
+    before it, and nothing reads a step's ids before that (no model waits for them: tests/test_async_step.py checks
+    the same on V4.1, whose Engram row ids are computed on the device)."""
     from deepinfer_engine.worker.async_output import AsyncOutput
 
     llm = LLM.from_engine(make_fake_engine(fake_model, async_scheduling=True))
@@ -133,7 +134,7 @@ def test_step_n_plus_1_is_launched_before_step_n_is_read(make_fake_engine, fake_
         return _inner(self)
 
     def no_early_ids(self):
-        raise AssertionError("a model without Engram must not wait for the previous step's ids")
+        raise AssertionError("a launch must not wait for the previous step's ids")
 
     monkeypatch.setattr(runner, "execute_async", logged_launch)
     monkeypatch.setattr(AsyncOutput, "result", logged_read)

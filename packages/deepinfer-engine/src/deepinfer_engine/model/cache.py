@@ -8,8 +8,8 @@ Slot families (one row block per running sequence, `slot` index from the Forward
   swa[l]           [num_slots, ring, head_dim]            window K=V ring, row = position mod ring (ring = W + slack)
   comp_state[l,n]  [num_slots, state_ring, 2, width] f32  raw compressor rows (A, Z incl. ape) per position,
                                                           row = position mod state_ring; n = "main" | "indexer"
-  token_ring       [num_slots, hist_ring] int64, HOST     input token ids by position (Engram n-gram history: the
-                                                          row ids are hashed on the host, so the ids stay there)
+  token_ring       [num_slots, hist_ring] int64            input token ids by position (Engram n-gram history, read
+                                                          and written on the device: token_ring.py)
 Paged families (grow with the sequence; block table per sequence in units of page_size tokens):
   compressed_kv[l] [num_pages, page_size // ratio, head_dim]        rotated compressed entries C_w
   index_keys[l]    [num_pages, page_size // ratio, index_head_dim]  indexer keys KI_w
@@ -146,7 +146,7 @@ class ModelCache:
     compressed_kv: dict[int, Tensor]
     index_keys: dict[int, Tensor]
     ratios: dict[int, int]
-    token_ring: np.ndarray | None
+    token_ring: Tensor | None  # [num_slots + 1, R] int64 (token_ring.py); None: model without Engram
     specs: dict[int, LayerCacheSpec] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # values handed back to layers (decoded records)
     formats: dict[str, RecordFormat] = field(default_factory=dict)  # family -> record format ({}: plain)
@@ -266,27 +266,6 @@ class ModelCache:
     def read_index_keys(self, layer_id: int, plan: PagedPlan) -> Tensor:
         return self._read("index_keys", self.index_keys[layer_id], plan)
 
-    def token_histories(
-        self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int], ids: np.ndarray, back: int
-    ) -> list[np.ndarray]:
-        """Per sequence the ids of its `back` positions before ctx (fewer at the start), read from the host
-        token ring BEFORE this step's ids `ids` [T] (sequence-major) are stored into it."""
-        ring = self.token_ring
-        if ring is None:
-            raise ConfigError("token_histories: this cache has no token ring (model without Engram)")
-        R = ring.shape[1]
-        out, start = [], 0
-        for slot, c, n in zip(slots, ctx_lens, query_lens):
-            b = min(back, c)
-            if b > R:
-                raise CapacityError(f"token ring of {R} rows cannot hold {b} history positions; raise the slack")
-            h = ring[slot, np.arange(c - b, c) % R]
-            out.append(h[h >= 0])  # -1: never written (a fresh slot)
-            k = min(n, R)
-            ring[slot, np.arange(c + n - k, c + n) % R] = ids[start + n - k : start + n]
-            start += n
-        return out
-
     # ------------------------------------------------------------------------------------- prefix cache ops
     # The copies the cache manager's CacheOps ask for (docs/prefix_cache.md); worker.cache_ops applies them.
     def _paged_stores(self) -> list[tuple[tuple[str, int], Tensor]]:
@@ -334,7 +313,7 @@ class ModelCache:
         for t in self._slot_stores():
             t[dst].copy_(t[src])
         if self.token_ring is not None:
-            self.token_ring[dst] = self.token_ring[src]
+            self.token_ring[dst].copy_(self.token_ring[src])
         self.high_water[dst] = position
 
     def set_token_history(self, slot: int, position: int, ids: Sequence[int]) -> None:
@@ -345,11 +324,16 @@ class ModelCache:
         if ring is None:
             return
         R = ring.shape[1]
-        need = min(position, R - self.slack)  # the n-gram history the next step reads
+        need = min(position, R - self.slack - 1)  # the n-gram history the next step reads (max_ngram - 1)
         if len(ids) < need:
             raise CapacityError(f"token history: {len(ids)} ids given, the Engram ring of slot {slot} needs {need}")
         k = min(len(ids), R)
-        ring[slot, np.arange(position - k, position) % R] = np.asarray(ids[len(ids) - k :], dtype=np.int64)
+        if k == 0:
+            return
+        # one small upload: ring rows, then the ids (the ring lives on the device: token_ring.py)
+        rows_ids = np.concatenate([np.arange(position - k, position) % R, np.asarray(ids[len(ids) - k :], np.int64)])
+        rows, vals = upload(rows_ids, ring.device).split(k)
+        ring[slot].index_copy_(0, rows, vals)
 
     def needs_exact_plans(self, slots: Sequence[int], ctx_lens: Sequence[int]) -> bool:
         """Whether a step over these sequences needs the exact (not fixed-shape) forward: a replay floor still
@@ -434,7 +418,10 @@ class ModelCache:
                     index_keys[lid] = store("index_keys", (page_rows, page_size // s.ratio), s.index_width)
         token_ring = None
         if getattr(args, "engram_layer_ids", None):
-            token_ring = np.full((num_slots, args.engram_max_ngram_size - 1 + slack), -1, dtype=np.int64)
+            # max_ngram - 1 history rows + slack + 1: a rolled-back tail of slack + 1 tokens (check_resume) may
+            # overwrite slack + 1 rows, and the n-gram reads max_ngram - 1 rows before the resume position
+            token_ring = torch.full((slot_rows, args.engram_max_ngram_size + slack), -1, dtype=torch.int64,
+                                    device=device)
         return cls(
             page_size=page_size,
             num_slots=num_slots,
@@ -490,7 +477,7 @@ class ModelCache:
         for t in self.comp_state.values():
             t[slot].zero_()
         if self.token_ring is not None:
-            self.token_ring[slot] = -1
+            self.token_ring[slot].fill_(-1)
 
 
 def _gcd(a: int, b: int) -> int:

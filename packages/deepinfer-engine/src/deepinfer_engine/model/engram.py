@@ -1,10 +1,10 @@
 """V4.1 Engram n-gram memory injection (docs/model.md §C.6), applied to the hc streams before a layer's
 attention mixes.
 
-Row ids come from ``EngramHasher`` (host, numpy): they depend only on token ids, so one call per forward
-serves every engram layer. The history of the last ``max_ngram-1`` ids of each sequence comes from
-``ForwardContext.token_history`` (the model fills it from the cache's per-slot token ring); the model computes
-``ctx.engram_rows`` once per forward with ``engram_row_ids`` and hands each layer its column.
+Row ids depend only on token ids, so one computation per forward serves every engram layer: the model computes
+``ctx.engram_rows`` on the device (engram_hash_device.py, from the step's ids and the cache's device token ring,
+docs/async_scheduling.md) and hands each layer its column. ``engram_row_ids`` is the host form of the same
+ids through ``EngramHasher`` (numpy, the reference).
 """
 
 from __future__ import annotations

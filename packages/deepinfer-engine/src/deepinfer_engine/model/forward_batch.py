@@ -230,8 +230,8 @@ class ForwardContext:
       topk[l]:        [T, K] int64 selected entry ids w (per-sequence local, -1 = none) of index-source layer l
       candidates[l]:  [T, num_blocks] bool candidate-block mask published by the candidate source layer l
       features[l]:    [T, d] captured hc-stream means for DSpark (input of l for V4.1, output of l for V4)
-    engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (hashed on the host from
-                      host.input_ids and the cache's host token ring, once per forward, one copy to the device)
+    engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (computed on the device from
+                      batch.input_ids and the cache's device token ring, once per forward: engram_hash_device.py)
     image_mask:       [T] bool positions carrying image-sentinel ids
     window_floor:     per sequence, the lowest position a ring may be read at (prefill truncation: the decoder
                       rings hold nothing below a request's first kept position; approximate prefix replay: nothing

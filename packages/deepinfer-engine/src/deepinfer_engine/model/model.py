@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from deepinfer_kernels.linear import linear_f32_out
 from torch import Tensor, nn
@@ -20,12 +19,14 @@ from torch import Tensor, nn
 from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.attention import Attention, RMSNorm
 from deepinfer_engine.model.block import Block, MTPBlock
-from deepinfer_engine.model.cache import ModelCache, upload
+from deepinfer_engine.model.cache import ModelCache
+from deepinfer_engine.model.engram_hash_device import DeviceEngramHasher
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
 from deepinfer_engine.model.static_step import StaticDecodeStep
+from deepinfer_engine.model.token_ring import ring_step
 from deepinfer_engine.model.truncation import plan_truncation
 
 __all__ = ["ModelOutput", "Transformer"]
@@ -80,8 +81,10 @@ class Transformer(nn.Module):
         self.head = Linear(d, V, dtype)
         if args.has_hc_head:
             add_hc_head_params(self, args)
-        # Engram row ids depend only on token ids: one host-side hasher per model (needs the token map).
+        # Engram row ids depend only on token ids: the hasher's constants (needs the token map; engram_hash.py) and
+        # their device copy, made on first use on the batch's device (engram_hash_device.py)
         self.engram_hasher: object | None = None
+        self._engram_device: DeviceEngramHasher | None = None
         drafts = [p for p in args.layer_plans if p.is_draft]
         self.mtp: nn.ModuleList | None = None
         if drafts and with_draft:
@@ -137,6 +140,7 @@ class Transformer(nn.Module):
         from deepinfer_engine.model.engram_hash import EngramHasher
 
         self.engram_hasher = EngramHasher.from_args(self.args, token_map)
+        self._engram_device = None
 
     # ---------------------------------------------------------------------------------------------- checks
     def check_inputs(self, batch: ForwardBatch, cache: ModelCache, *, backbone: bool = True) -> StepHost:
@@ -176,43 +180,32 @@ class Transformer(nn.Module):
                 cache.check_resume(slot, c)
         return host
 
-    def _engram_rows_host(
-        self, cache: ModelCache, slots: tuple[int, ...], ctx_lens: tuple[int, ...], query_lens: tuple[int, ...],
-        ids: np.ndarray,
-    ) -> np.ndarray | None:
-        """Store this step's ids in the cache's host token ring and, when the model has an Engram hasher, hash
-        every engram layer's row ids on the host: [T, num_engram_layers, lookups] int64 (None: no Engram)."""
-        if cache.token_ring is None:
+    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
+        """The step's Engram row ids [T, num_engram_layers, lookups] int64, computed on the batch's device from its
+        device ids and the cache's device token ring, which gets this step's ids (None: no Engram). Device ops
+        only (docs/async_scheduling.md): the ids may be asynchronous placeholders resolved on the device, and
+        a fixed-shape step runs it inside its CUDA graph from the static buffers."""
+        ring = getattr(ctx.cache, "token_ring", None)
+        if ring is None:
             return None
-        k = self.args.engram_max_ngram_size
-        hist = cache.token_histories(slots, ctx_lens, query_lens, ids, k - 1)
+        batch, st = ctx.batch, ctx.seq_t
+        ids, pos, seq = batch.input_ids, batch.positions, ctx.seq_of_token
+        prev = ring_step(ring, ids, pos, seq, st.ctx, st.qlen, st.slot, back=self.args.engram_max_ngram_size - 1,
+                         dump_slot=ctx.cache.scratch_slot)
         if self.engram_hasher is None:
             return None
-        rows = self.engram_hasher.hash_batch(ids.astype(np.int64, copy=False), query_lens, hist)
-        return np.asarray(rows, dtype=np.int64)
+        dev = self._engram_device
+        if dev is None or dev.device != ids.device or dev.source is not self.engram_hasher:
+            dev = self._engram_device = DeviceEngramHasher(self.engram_hasher, ids.device)
+        return dev.rows(ids, prev)
 
-    def _engram_rows(self, ctx: ForwardContext) -> Tensor | None:
-        """The step's Engram row ids on the batch's device (hashed on the host, one copy)."""
-        rows = self._engram_rows_host(ctx.cache, ctx.batch.slots, ctx.ctx_lens, ctx.query_lens, ctx.host.input_ids)
-        return None if rows is None else upload(rows, ctx.batch.input_ids.device)
-
-    def engram_row_shape(self, cache: ModelCache) -> tuple[int, ...] | None:
-        """Per-token shape (num_engram_layers, lookups) of the Engram row ids, None without Engram (pure: hashes
-        one dummy token, touches no cache)."""
-        if cache.token_ring is None or self.engram_hasher is None:
-            return None
-        rows = self.engram_hasher.hash_batch(np.zeros(1, dtype=np.int64), (1,), [np.zeros(0, dtype=np.int64)])
-        return tuple(np.asarray(rows).shape[1:])
-
-    def host_step(self, batch: ForwardBatch, cache: ModelCache) -> np.ndarray | None:
+    def host_step(self, batch: ForwardBatch, cache: ModelCache) -> None:
         """The host half of a forward, for a caller that replays the device half (a captured fixed-shape step):
-        the input checks, the Engram token ring update + row ids (returned, [T, layers, lookups] int64 or None)
-        and the rollback marks. Exactly what forward_features does on the host for the same batch."""
+        the input checks and the rollback marks. Exactly what forward_features does on the host for the same
+        batch (Engram row ids are computed inside the device half)."""
         host = self.check_inputs(batch, cache)
-        rows = self._engram_rows_host(cache, batch.slots, tuple(host.ctx_lens), batch.query_lens, host.input_ids)
         for slot, c, n in zip(batch.slots, host.ctx_lens, batch.query_lens):
             cache.high_water[slot] = c + n
-        return rows
 
     # ---------------------------------------------------------------------------------------------- forward
     @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
@@ -220,7 +213,7 @@ class Transformer(nn.Module):
         self, batch: ForwardBatch | None, cache: ModelCache, *, capture: tuple[int, ...] = (),
         static: StaticDecodeStep | None = None,
     ) -> ModelOutput:
-        """static: run the fixed-shape step held there (its batch, plans and Engram rows; `batch` is ignored and
+        """static: run the fixed-shape step held there (its batch and plans; `batch` is ignored and
         the host half, `host_step`, is the caller's) -- the form a CUDA graph captures."""
         if static is None:
             host = self.check_inputs(batch, cache)
@@ -228,7 +221,7 @@ class Transformer(nn.Module):
             ctx.engram_rows = self._engram_rows(ctx)
         else:
             ctx = static.context(cache, capture_layers=tuple(capture))
-            ctx.engram_rows = static.engram_rows
+            ctx.engram_rows = self._engram_rows(ctx)
             batch = ctx.batch
         a = self.args
         img = image_positions(batch.input_ids, a.vocab_size)

@@ -2,10 +2,11 @@
 tensor at a size that depends only on (B, L), so that the forward can be captured once in a CUDA graph and
 replayed for any batch of at most B decoding sequences whose lengths stay below L (docs/cuda_graphs.md).
 
-`StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints, the engram row ids and
-every gather plan a forward asks for) and a pinned host twin of each. `fill(...)` writes one step's facts into
-the host twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels
-read the device buffers in place. Rows past the real sequences are padding: slot = the cache's scratch slot,
+`StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints and every gather plan a
+forward asks for) and a pinned host twin of each; Engram row ids are computed inside the step from the token ids
+and the cache's device token ring (docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
+twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels read the
+device buffers in place. Rows past the real sequences are padding: slot = the cache's scratch slot,
 position 0, token 0; their ring writes land in the scratch slot and their compressed entries in the scratch
 page, which no request owns.
 
@@ -47,18 +48,16 @@ class DecodeFacts:
     """Host facts of the real sequences of one decode step (S <= B, one new token each).
 
     ctx: [S] int64 first position (= the position of the new token); slots: [S] int64 cache slots;
-    input_ids: [S] int64; block_tables: [S, P] int32/int64 page ids (-1 = unused); engram_rows: the host row ids
-    [S, layers, lookups] int64 (None: model without Engram).
+    input_ids: [S] int64; block_tables: [S, P] int32/int64 page ids (-1 = unused).
     """
 
     ctx: np.ndarray
     slots: np.ndarray
     input_ids: np.ndarray
     block_tables: np.ndarray
-    engram_rows: np.ndarray | None = None
 
     @classmethod
-    def of(cls, batch: ForwardBatch, engram_rows: np.ndarray | None = None) -> DecodeFacts:
+    def of(cls, batch: ForwardBatch) -> DecodeFacts:
         """From a one-token-per-sequence batch carrying its host facts (the runner's batches do)."""
         host = batch.host if batch.host is not None else StepHost.read(batch)
         if batch.num_tokens != batch.num_seqs:
@@ -67,7 +66,6 @@ class DecodeFacts:
         return cls(
             ctx=np.asarray(host.ctx_lens, dtype=np.int64), slots=np.asarray(batch.slots, dtype=np.int64),
             input_ids=np.asarray(host.input_ids, dtype=np.int64), block_tables=np.asarray(host.block_tables),
-            engram_rows=engram_rows,
         )  # fmt: skip
 
 
@@ -133,10 +131,7 @@ class StaticDecodeStep:
     registered on first request (the warm-up run before capture) and rebuilt by every later `fill`.
     """
 
-    def __init__(
-        self, cache: object, batch_size: int, max_len: int, device: torch.device | str,
-        engram_shape: tuple[int, ...] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, cache: object, batch_size: int, max_len: int, device: torch.device | str) -> None:
         if batch_size < 1 or max_len < 1:
             raise InputError(f"static decode step: batch_size {batch_size}, max_len {max_len}; expected >= 1")
         self.cache = cache
@@ -144,7 +139,6 @@ class StaticDecodeStep:
         self.device = torch.device(device)
         B = self.batch_size
         self._seq = _Buffer((5, B), self.device)  # input ids | ctx (= positions) | qlen | start | slot
-        self._engram = _Buffer((B, *engram_shape), self.device) if engram_shape is not None else None
         self._plans: dict[tuple, tuple[_Buffer, list[int], Callable[[], list[np.ndarray]], object]] = {}
         self._copied: torch.cuda.Event | None = None
         self._bt = np.full((B, 1), -1, dtype=np.int64)
@@ -166,10 +160,6 @@ class StaticDecodeStep:
     def seq_host(self) -> SeqHost:
         s = self._seq.np
         return SeqHost(ctx=s[1], qlen=s[2], start=s[3], slot=s[4])
-
-    @property
-    def engram_rows(self) -> Tensor | None:
-        return None if self._engram is None else self._engram.dev
 
     def fill(self, facts: DecodeFacts) -> None:
         """Write one step's facts (S <= batch_size real sequences, the rest padding) and rebuild every plan.
@@ -196,15 +186,6 @@ class StaticDecodeStep:
         bt = np.asarray(facts.block_tables, dtype=np.int64)
         self._bt = np.full((B, max(1, bt.shape[1])), -1, dtype=np.int64)
         self._bt[:S, : bt.shape[1]] = bt
-        if self._engram is not None:
-            e = self._engram.np
-            e[S:] = 0
-            if S:
-                if facts.engram_rows is None or facts.engram_rows.shape[1:] != e.shape[1:]:
-                    raise InputError(f"engram rows: found {None if facts.engram_rows is None else facts.engram_rows.shape}, "
-                                     f"expected [{S}, {', '.join(map(str, e.shape[1:]))}]")  # fmt: skip
-                e[:S] = facts.engram_rows
-            self._engram.send()
         self._seq.send()
         for buf, sizes, build, _ in self._plans.values():
             self._write(buf, sizes, build())

@@ -3,8 +3,8 @@
 `AsyncOutput(step, collect)` enqueues non-blocking copies of the step's sampled ids and logprobs into pinned host
 memory on a side stream that first waits for the compute stream, then records an event; nothing waits. Its
 `result()` (called one engine iteration later, while the next step runs) waits for that event only and packages
-the host copies with the runner's `collect`. `token_ids()` gives the host ids alone (the runner needs them early
-for models that hash input ids on the host). On CPU the copies are plain tensors and nothing is asynchronous.
+the host copies with the runner's `collect`. `token_ids()` gives the host ids alone (waits for the copy; the
+runner's launches never call it). On CPU the copies are plain tensors and nothing is asynchronous.
 """
 
 from __future__ import annotations

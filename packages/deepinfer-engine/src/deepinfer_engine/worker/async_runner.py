@@ -2,11 +2,11 @@
 
 Rows whose input id is `PLACEHOLDER_TOKEN` (the async scheduler's decode rows) take it from the previous step's
 sampled ids, which stay on the device: one index_copy of a gather into the step's input ids, no device -> host ->
-device round trip (docs/async_scheduling.md). The host copy of the inputs (`StepHost.input_ids`) gets the real id
-only for models that read ids on the host (Engram hashing: a cache with a token ring), which therefore wait for
-the previous step's small id copy before they launch; other models get 0 there (the host ids are then only
-range-checked, and sampled ids are in range by construction). A row whose previous sample was invalid (NaN
-logits: its request fails when that output lands) is fed id 0 and dropped.
+device round trip (docs/async_scheduling.md). The host copy of the inputs (`StepHost.input_ids`) gets 0 there:
+no model reads input ids on the host (V4.1's Engram row ids are hashed on the device from these ids and the
+cache's device token ring), so no launch waits for the previous step's ids; the host ids are only
+range-checked, and sampled ids are in range by construction. A row whose previous sample was invalid (NaN logits:
+its request fails when that output lands) is fed id 0 and dropped.
 
 Penalties count the output ids; the host lists lag by the in-flight token, so rows with penalties get it
 appended on the device.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 
 from deepinfer_engine.core.async_scheduler import PLACEHOLDER_TOKEN
@@ -49,10 +48,6 @@ class AsyncModelRunner(ModelRunner):
         self._prev: _Feed | None = None  # during a launch: the step before it
         self._launched: tuple[list[str], torch.Tensor] | None = None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-
-    @property
-    def needs_host_ids(self) -> bool:
-        return getattr(self.cache, "token_ring", None) is not None
 
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> AsyncOutput:
@@ -103,12 +98,7 @@ class AsyncModelRunner(ModelRunner):
         src_dst = to_device([src, rows], torch.int64, dev)  # one small copy for both index vectors
         ids = self._prev.token_ids.index_select(0, src_dst[0]).clamp_(min=0)
         inp.input_ids.index_copy_(0, src_dst[1], ids)
-        host = inp.host.input_ids
-        if self.needs_host_ids:
-            known = self._prev.output.token_ids()  # waits for the previous step's ids (Engram hashes on the host)
-            host[rows] = np.maximum(np.asarray([known[i] for i in src], dtype=np.int64), 0)
-        else:
-            host[rows] = 0
+        inp.host.input_ids[rows] = 0  # the real ids exist on the device only (nothing reads them on the host)
 
     def _complete_sampling(self, sbatch: SamplingBatch, chunks: list[ScheduledChunk]) -> SamplingBatch:
         if sbatch.penalties is None:

@@ -4,7 +4,8 @@ A decode step (every sequence feeds one token, logits of every sequence, nothing
 of a graph captured for a padded shape (B, L): B = the smallest batch bucket >= the step's sequences, L = the
 smallest length bucket >= every sequence's length after the step. Each graph owns a `StaticDecodeStep` (static
 inputs and gather plans, model/static_step.py); before a replay the runner runs the forward's host half
-(`Transformer.host_step`: input checks, Engram ids, rollback marks) and `fill`s the step's buffers. Graphs are
+(`Transformer.host_step`: input checks, rollback marks) and `fill`s the step's buffers (Engram row ids are
+computed inside the graph from the step's token ids and the device token ring). Graphs are
 captured lazily, on the first step that needs a shape (warm-up run on a side stream, then capture), into one
 memory pool shared by all graphs. Everything else (prefill, mixed steps, prompt logprobs, shapes past the
 largest bucket) runs eagerly.
@@ -106,7 +107,6 @@ class CudaGraphRunner:
         self.stats = GraphStats()
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
-        self._engram_shape = model.engram_row_shape(cache)
         self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
@@ -133,12 +133,12 @@ class CudaGraphRunner:
                 self.failed[shape] = f"{type(exc).__name__}: {exc}"
                 logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
                 return None
-        rows = self.model.host_step(batch, self.cache)
-        facts = DecodeFacts.of(batch, rows)
+        self.model.host_step(batch, self.cache)
+        facts = DecodeFacts.of(batch)
         g.step.check_tables(facts)
         g.step.fill(facts)
         # the device ids are authoritative: asynchronous scheduling resolves its placeholder rows there only (the
-        # host copy holds 0 for models that do not hash ids on the host)
+        # host copy holds 0); the captured Engram hashing reads them from here
         g.step.batch.input_ids[: batch.num_seqs].copy_(batch.input_ids)
         g.graph.replay()
         self.stats.replays += 1
@@ -165,7 +165,7 @@ class CudaGraphRunner:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         # all rows padding while warming up and capturing: only the scratch slot / page are written
-        step = StaticDecodeStep(self.cache, B, L, self.device, engram_shape=self._engram_shape)
+        step = StaticDecodeStep(self.cache, B, L, self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):  # warm-up: Triton compiles / autotunes, plans register, lazies
             for _ in range(2):
