@@ -163,8 +163,9 @@ def test_exact_replay_with_async_scheduling_equals_no_cache(llms, monkeypatch) -
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_forks_under_preemption_equal_no_cache(tmp_path, async_scheduling: bool) -> None:
     """n = 2 seeded sampling with penalties in a 5-page cache (preemption, forks from running requests, state
-    blocks) gives the ids of the uncached engine. Forking an unrelated request 8 tokens behind its progress once
-    gave a different first token here (the reason forks now resume at most one token behind their source)."""
+    blocks) gives the ids of the uncached engine. Here a request once forked 8 tokens behind an unrelated source
+    that had been resumed from a state block at position 8 (its rings held nothing a step at 1 reads) and got a
+    different first token: forks now respect the source's resume floor."""
     ckpt = make_checkpoint(tmp_path / "ckpt", "v41", "tiny", 0)
     prompts = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
     sp = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=3, n=2, repetition_penalty=1.3,

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -239,11 +239,8 @@ class EngineCore:
                 cache.allocate_host_pages(host_pages)
             prefix = PrefixCaching(mode=cc.prefix_replay, window=int(args.sliding_window), num_host_pages=host_pages,
                                    state_slots=tuple(range(plan.num_slots, plan.num_slots + plan.num_state_slots)),
-                                   # a fork resumes at most one token behind its source's progress: longer
-                                   # rollbacks (allowed by the ring slack) gave wrong logits in a preempting
-                                   # n > 1 run (test_llm_prefix_cache.py::test_forks_under_preemption...);
-                                   # the cause is not pinned down yet (docs/prefix_cache.md "Interplay and limits")
-                                   max_fork_rollback=1,
+                                   # as deep as the rings' slack allows (a rollback of <= slack + 1 rows)
+                                   max_fork_rollback=cache.slack + 1,
                                    capture_tail=(mc.prefill_truncation_keep - int(args.sliding_window) + 1
                                                  if mc.prefill_truncation == "compact" else None))
             logger.info("prefix caching: %s replay, %d state slots, %d host pages", cc.prefix_replay,
@@ -260,6 +257,8 @@ class EngineCore:
 
             spec, num_spec = build_spec_decoder(config, model, cache, model_dir=model_dir, num_pages=plan.num_pages,
                                                 device=device)
+            if prefix is not None:  # a verify step writes up to num_spec rows past what it keeps: less to roll back
+                prefix = replace(prefix, max_fork_rollback=max(0, cache.slack + 1 - num_spec))
         runner_cls = AsyncModelRunner if config.scheduler.async_scheduling else ModelRunner
         runner = runner_cls(model, cache, device=device, eos_token_ids=eos, cuda_graphs=graphs, spec=spec)
         return cls(config=config, runner=runner, plan=plan, max_model_len=max_model_len, args=args,

@@ -246,3 +246,26 @@ def test_fork_clones_the_live_slot_shares_full_pages_and_copies_the_partial_one(
     ops = kv.take_ops()
     assert ops.clone_slots == ((kv.slot("a"), kv.slot("b"), 10),) and ops.copy_pages == ((pa[2], pb[2]),)
     assert kv.stats.forks == 1 and kv.stats.cached_tokens == 9
+
+
+def test_fork_never_resumes_below_the_sources_resume_floor() -> None:
+    """A source whose slot was placed at position 8 (a resumed hit) holds nothing a step at F < 8 reads: a
+    request sharing only its first token must not fork from it however large the rollback budget; a fork of
+    that source inherits its floor. (A preempting n = 2 run gave a wrong first token before floors existed.)"""
+    kv = KVCacheManager(page_size=4, num_pages=16, num_slots=3, prefix=PrefixCaching(
+        mode="exact", window=4, max_fork_rollback=9))
+    a = _req("a", [0] + list(range(40, 48)))
+    a.num_computed_tokens = 8  # placed at 8, as after a state-block restore
+    _compute(kv, a, 1)
+    kv.take_ops()
+    assert kv.fork_point(_req("x", [0, 300, 301]), [a]) is None  # F = 1 < floor 8
+    b = _req("b", [0] + list(range(40, 48)) + [7])
+    src, f = kv.fork_point(b, [a])
+    assert src is a and f == 9
+    b.num_computed_tokens = f
+    assert kv.allocate_fork(b, a, f, 1)
+    b.num_computed_tokens += 1
+    c = _req("c", [0] + list(range(40, 47)) + [5, 6])
+    assert kv.fork_point(c, [b]) == (b, 8)  # shares 8 tokens: F = 8 is b's inherited floor, allowed
+    d = _req("d", [0] + list(range(40, 46)) + [5, 6])
+    assert kv.fork_point(d, [b]) is None  # shares 7: F = 7 is below it

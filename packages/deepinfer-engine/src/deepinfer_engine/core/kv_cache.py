@@ -209,6 +209,10 @@ class KVCacheManager:
         self._slots: dict[str, int] = {}
         self._hashes: dict[str, list[bytes]] = {}  # full-page hashes of each request's tokens (grown lazily)
         self._registered: dict[str, int] = {}  # leading pages of the table known to the cache
+        # per request with a slot: the lowest position its slot state can resume at. A slot filled from a state
+        # block or a token history at s holds only what a step at s reads, not the rows a rollback below s
+        # would; a fork inherits its source's floor (its rows below F are the source's)
+        self._resume_floor: dict[str, int] = {}
         self._pending: dict[str, list[tuple[int, int]]] = {}  # (page index, state slot) captured this step
         self._inflight: set[bytes] = set()  # hashes of pages being computed in the step being scheduled
         self._ops: dict[str, list] = {k: [] for k in ("restore", "history", "floors", "captures", "clone", "copy")}
@@ -297,8 +301,9 @@ class KVCacheManager:
         `running` must only hold requests whose slot holds what they computed (not ones placed this step).
 
         The source must have computed at least F tokens that equal req's first F, with F at most
-        `max_fork_rollback` behind its progress (its rings still hold every row a step at F reads) and at most
-        req.num_tokens - 1. The fork clones the source's slot, shares its full pages below F and copies the
+        `max_fork_rollback` behind its progress (its rings still hold every row a step at F reads), not below
+        the position its slot state was placed at (a state block or token history holds nothing older) and at
+        most req.num_tokens - 1. The fork clones the source's slot, shares its full pages below F and copies the
         page F falls in."""
         if (self.prefix is None or not self.prefix.max_fork_rollback or req.request_id in self._pages
                 or not req.use_prefix_cache):
@@ -311,7 +316,8 @@ class KVCacheManager:
                 continue
             if self.prefix.capture_tail is not None and c < src.num_prompt_tokens:
                 continue  # mid-prefill under truncation: its decoder rings hold nothing yet
-            lo = max(after + 1, c - self.prefix.max_fork_rollback, best[1] + 1 if best else 0)
+            lo = max(after + 1, c - self.prefix.max_fork_rollback, self._resume_floor.get(src.request_id, 0),
+                     best[1] + 1 if best else 0)
             hi = min(c, req.num_tokens - 1, src.num_tokens)  # async scheduling: c may count an unreturned sample
             if hi < lo:
                 continue
@@ -339,6 +345,7 @@ class KVCacheManager:
         self._pages[rid] = list(shared) + new
         self._registered[rid] = len(shared)
         slot = self._slots[rid] = self._free_slots.pop()
+        self._resume_floor[rid] = self._resume_floor.get(src.request_id, 0)
         src_slot = self._slots[src.request_id]
         self._ops["clone"].append((src_slot, slot, src.num_computed_tokens))
         if partial:
@@ -386,6 +393,7 @@ class KVCacheManager:
             self._pages[rid] = have + new
         if need_slot:
             slot = self._slots[rid] = self._free_slots.pop()
+            self._resume_floor[rid] = request.num_computed_tokens
             if self.prefix is not None:
                 self.stats.queries += 1
                 self.stats.query_tokens += request.num_prompt_tokens
@@ -511,6 +519,7 @@ class KVCacheManager:
             self._states.cancel(dest)
         self._registered.pop(rid, None)
         self._hashes.pop(rid, None)
+        self._resume_floor.pop(rid, None)
         slot = self._slots.pop(rid, None)
         if slot is not None:
             self._free_slots.append(slot)
