@@ -35,28 +35,28 @@ L2_BYTES = 60 * 2**20
 POOL_ROWS = 262144  # 256 MiB of bf16 rows: random compressed rows miss L2
 
 # (label, kwargs of triton.sparse_attn without num_splits); the kernel's DEFAULT_CONFIG is always added first.
-CANDIDATES: list[tuple[str, dict[str, int]]] = [
-    (f"o{o} h{bh} n{bn} w{w} s{s} dv{dv}", dict(qk_t=o, block_h=bh, block_n=bn, num_warps=w, num_stages=s, dv_split=dv))
+CANDIDATES: list[tuple[str, dict[str, Any]]] = [
+    (
+        f"o{o} h{bh} n{bn} w{w} s{s} dv{dv}",
+        dict(qk_t=o, block_h=bh, block_n=bn, num_warps=w, num_stages=s, dv_split=dv),
+    )
     for o, bh, bn, w, s, dv in [
-        (0, 64, 32, 8, 2, 1),
-        (0, 64, 32, 8, 3, 1),
         (0, 64, 64, 8, 2, 1),
-        (0, 64, 16, 8, 3, 1),
-        (0, 64, 32, 8, 2, 2),
-        (0, 64, 64, 8, 2, 2),
-        (0, 64, 32, 4, 2, 2),
-        (0, 64, 32, 4, 3, 2),
-        (0, 32, 32, 4, 2, 1),
-        (0, 32, 64, 8, 2, 1),
-        (1, 64, 32, 8, 2, 1),
         (1, 64, 64, 8, 2, 1),
-        (1, 64, 32, 8, 2, 2),
-        (1, 64, 64, 8, 2, 2),
+        (0, 64, 32, 8, 3, 1),
+        (1, 64, 32, 8, 2, 1),
+        (0, 64, 64, 16, 2, 1),
+        (1, 64, 64, 16, 2, 1),
+        (0, 64, 32, 16, 3, 1),
+        (0, 64, 64, 8, 1, 1),
+        (0, 64, 128, 8, 1, 1),
+        (0, 64, 32, 4, 3, 2),
         (1, 64, 32, 4, 2, 2),
-        (1, 64, 64, 4, 2, 2),
-        (1, 64, 32, 8, 3, 2),
+        (0, 32, 32, 4, 2, 1),
     ]
 ]
+# the default configuration with the two sources as two loops (no per-tile source choice)
+CANDIDATES.append(("o0 h64 n64 w8 s2 dv1 two-loop", dict(CANDIDATES[0][1], tile_src=False)))
 
 
 def _load_module(path: str, name: str):
@@ -133,7 +133,7 @@ def _warm(job: tuple[str | None, dict[str, Any]]) -> str:
 
 def _split_choices(t: int) -> list[int | None]:
     """None = the kernel's own choice; explicit counts where the programs alone cannot fill the GPU."""
-    return {1: [None, 16], 8: [None, 4], 64: [None, 1, 2, 4], 256: [None, 1]}.get(t, [None])
+    return {1: [None, 5], 8: [None, 4, 8], 64: [None, 1, 3], 256: [None, 2]}.get(t, [None])
 
 
 def main() -> None:

@@ -42,8 +42,9 @@ for split in (False, True):
         out[f"sparse_attn split={split} two={two}"] = rep(
             sa._sparse_attn_kernel, sa_sig,
             dict(TWO=two, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
-                 BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False),
-            num_warps=sa.TWO_SOURCE_NUM_WARPS if two else cfg["num_warps"], num_stages=cfg["num_stages"])
+                 BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False, QK_T=bool(cfg["qk_t"]),
+                 DV_SPLIT=cfg["dv_split"]),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 out["sparse_attn combine"] = rep(
     sa._sparse_attn_combine_kernel,
     {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32", "D": "i32",

@@ -34,12 +34,12 @@ __all__ = ["DEFAULT_CONFIG", "sparse_attn"]
 _LOG2E = 1.4426950408889634
 DEFAULT_CONFIG: dict[str, int] = {
     "block_h": 64,
-    "block_n": 32,
+    "block_n": 64,
     "num_warps": 8,
     "num_stages": 2,
     "qk_t": 0,
-    "dv_split": 2,
-    "fill": 2,
+    "dv_split": 1,
+    "fill": 1,
 }
 
 
@@ -55,6 +55,11 @@ def _attend(
     s_rows,
     idx_row_ptr,
     col0,
+    kv2_ptr,
+    stride_kv2,
+    s_rows2,
+    idx2_row_ptr,
+    K1,
     lo,
     hi,
     own,
@@ -67,14 +72,26 @@ def _attend(
     EXACT_F32: tl.constexpr,
     QK_T: tl.constexpr,
     DV_SPLIT: tl.constexpr,
+    TILE_SRC: tl.constexpr,
 ):
-    """Online softmax over the index columns [lo, hi) of one source (column j reads idx_row_ptr[j - col0])."""
+    """Online softmax over the index columns [lo, hi): column j reads idx_row_ptr[j - col0] over kv_ptr, or with
+    TILE_SRC (K1 a multiple of BLOCK_N: no tile straddles the sources) columns j >= K1 read idx2_row_ptr[j - K1]
+    over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined)."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
+        if TILE_SRC:
+            in_b = start >= K1
+            src = tl.where(in_b, kv2_ptr, kv_ptr)
+            stride = tl.where(in_b, stride_kv2, stride_kv)
+            limit = tl.where(in_b, s_rows2, s_rows)
+            ip = tl.where(in_b, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
+            idx = tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
+        else:
+            src, stride, limit = kv_ptr, stride_kv, s_rows
+            idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
         # Out-of-range rows are treated as invalid so a bad index can never read outside its source.
-        valid = (idx >= 0) & (idx < s_rows)
-        rows = kv_ptr + tl.where(valid, idx, 0) * stride_kv
+        valid = (idx >= 0) & (idx < limit)
+        rows = src + tl.where(valid, idx, 0) * stride
         kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
@@ -161,6 +178,7 @@ def _sparse_attn_kernel(
     EXACT_F32: tl.constexpr,
     QK_T: tl.constexpr = False,
     DV_SPLIT: tl.constexpr = 1,
+    TILE_SRC: tl.constexpr = False,
 ):
     # Axis 0 enumerates (token, head block, column half) with the programs of one token adjacent, so the
     # programs that gather the same kv rows run together and all but the first read them from L2.
@@ -219,19 +237,28 @@ def _sparse_attn_kernel(
 
     n_lo = s * blocks_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + blocks_per_split * BLOCK_N, K)
-    # Two sources = two loops (columns [0, K1) over kv, [K1, K) over kv2), each a plain gather that triton's
-    # software pipeliner turns into asynchronous copies (one loop selecting the source per row is not pipelined).
-    m_i, l_i, acc = _attend(
-        q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_ptr + t * stride_it, 0, n_lo,
-        tl.minimum(n_hi, K1) if TWO else n_hi, own, own_mask, oth, oth_mask, qk_scale,
-        BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT,
-    )  # fmt: skip
-    if TWO:
+    # Two sources: columns [0, K1) over kv, [K1, K) over kv2. With K1 a multiple of BLOCK_N one loop picks the
+    # source per tile; otherwise two loops. Either way each tile is one plain gather that triton's software
+    # pipeliner turns into asynchronous copies (a per-row select between the sources it does not pipeline).
+    idx_row = idx_ptr + t * stride_it
+    idx2_row = idx2_ptr + t * stride_it2
+    if TILE_SRC:
         m_i, l_i, acc = _attend(
-            q, q2, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_ptr + t * stride_it2, K1,
-            tl.maximum(n_lo, K1), n_hi, own, own_mask, oth, oth_mask, qk_scale,
-            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT,
+            q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row,
+            K1, n_lo, n_hi, own, own_mask, oth, oth_mask, qk_scale, BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, True,
         )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend(
+            q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
+            n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, own_mask, oth, oth_mask, qk_scale,
+            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+        )  # fmt: skip
+        if TWO:
+            m_i, l_i, acc = _attend(
+                q, q2, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
+                idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, own_mask, oth, oth_mask, qk_scale,
+                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+            )  # fmt: skip
 
     if QK_T:
         acc = tl.trans(acc)  # [BLOCK_H, DC]
@@ -300,6 +327,7 @@ def sparse_attn(
     qk_t: bool | None = None,
     dv_split: int | None = None,
     fill: float | None = None,
+    tile_src: bool = True,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
@@ -346,9 +374,10 @@ def sparse_attn(
     n_blocks = max(1, cdiv(k, block_n))
     if num_splits is None:
         progs = t * head_blocks * dv_split
-        # target_programs is 2 programs per SM (a small constant on the interpreter)
+        # fill programs per SM (target_programs is 2 per SM; a small constant on the interpreter); rounding the
+        # split count down keeps every program in one wave
         want = max(1, round(target_programs(q.device) * fill / 2))
-        num_splits = 1 if progs >= want else min(n_blocks, cdiv(want, progs), 32)
+        num_splits = 1 if progs >= want else min(n_blocks, max(1, want // progs), 32)
     num_splits = max(1, min(int(num_splits), n_blocks))
     blocks_per_split = cdiv(n_blocks, num_splits)
     num_splits = cdiv(n_blocks, blocks_per_split)  # no empty trailing split
@@ -397,6 +426,7 @@ def sparse_attn(
         EXACT_F32=exact or interp,
         QK_T=qk_t,
         DV_SPLIT=dv_split,
+        TILE_SRC=two and tile_src and k1 % block_n == 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
