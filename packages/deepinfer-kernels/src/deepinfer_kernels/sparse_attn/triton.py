@@ -5,16 +5,16 @@ list. K = V = the gathered kv row and every head of a token reads the same rows,
 V4.1 heads in one program: each gathered [BLOCK_N, D] tile is read once and feeds tensor-core dots whose M is
 the head count (docs/perf.md "Sparse decode attention" has the measured configurations).
 Two dot orientations (constexpr QK_T):
-- False: S = Q K^T [heads, BLOCK_N], O += P V; Q is the register operand of the first dot.
-- True: S^T = K Q^T [BLOCK_N, heads], O^T += V^T P^T; Q^T and P^T are the B operands of the dots, which sit in
-  shared memory on sm_90, so Q does not hold registers beside the [D, heads] fp32 accumulator.
+- False (default): S = Q K^T [heads, BLOCK_N], O += P V; on sm_90 Q stays in shared memory as the A operand.
+- True: S^T = K Q^T [BLOCK_N, heads], O^T += V^T P^T; Q^T and P^T are the B operands of the dots (Q^T is loaded
+  transposed: a B operand straight from a load is allocated in shared memory once, outside the loop).
 DV_SPLIT = 2 gives each program half the output columns (QK^T still runs over all of D, from both halves of the
 tile): half the accumulator registers, twice the programs, no merge, at the price of gathering each row twice
 (the second read mostly hits L2) and computing its scores twice.
 Scores and the online softmax run in fp32 in the log2 domain, and the sink enters as the initial running max /
 denominator of split 0 (so an all-invalid row gives exactly 0, as the reference). When the programs cannot fill
 the GPU (decode), the index list is split over programs (flash-decoding) and a second kernel merges the partial
-(max, denominator, accumulator) triples.
+(max, denominator, normalised output) triples.
 Precision: QK^T and P@V use bf16/fp16 tensor-core dots with fp32 accumulation (P is rounded to the input dtype
 for the second dot, as in FlashAttention); fp32 inputs use exact fp32 dots. In the CPU interpreter bf16 dots are
 wrong (triton#11584), so there every dot runs on fp32 upcasts.
@@ -29,9 +29,12 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["DEFAULT_CONFIG", "sparse_attn"]
+__all__ = ["DEFAULT_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
 
 _LOG2E = 1.4426950408889634
+# Launch configurations from the H200 sweep (packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py; numbers in
+# docs/perf.md "Sparse decode attention"). fill = programs per SM below which the index list is split.
+# Batches of more than SMALL_BATCH_CONFIG["max_tokens"] tokens: all 64 heads x 64 rows per tile, 8 warps.
 DEFAULT_CONFIG: dict[str, int] = {
     "block_h": 64,
     "block_n": 64,
@@ -39,6 +42,17 @@ DEFAULT_CONFIG: dict[str, int] = {
     "num_stages": 2,
     "qk_t": 0,
     "dv_split": 1,
+    "fill": 1,
+}
+# Up to max_tokens tokens (the GPU is filled by splits anyway): half the output columns per program, 4 warps.
+SMALL_BATCH_CONFIG: dict[str, int] = {
+    "max_tokens": 16,
+    "block_h": 64,
+    "block_n": 32,
+    "num_warps": 4,
+    "num_stages": 3,
+    "qk_t": 0,
+    "dv_split": 2,
     "fill": 1,
 }
 
@@ -267,7 +281,14 @@ def _sparse_attn_kernel(
         first_half = h_mask & ((offs_h * 0 + dh) == 0)  # both column halves hold the same (m, l)
         tl.store(m_ptr + row, m_i, mask=first_half)
         tl.store(l_ptr + row, l_i, mask=first_half)
-        tl.store(acc_ptr + row[:, None] * D + own[None, :], acc, mask=h_mask[:, None] & own_mask[None, :])
+        # the partial output normalised by its own denominator (a split that saw only invalid rows has
+        # acc = l = 0 -> 0), in the workspace dtype
+        part = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        tl.store(
+            acc_ptr + row[:, None] * D + own[None, :],
+            part.to(acc_ptr.dtype.element_ty),
+            mask=h_mask[:, None] & own_mask[None, :],
+        )
     else:
         o = acc / l_i[:, None]  # l_i >= 1: the sink term is always in the denominator
         tl.store(
@@ -301,12 +322,11 @@ def _sparse_attn_combine_kernel(
     m = tl.load(m_ptr + row, mask=s_mask, other=float("-inf"))
     l = tl.load(l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)  # finite: split 0 always starts from the sink
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, 0)
-    acc = tl.load(
+    w = tl.exp2(m - m_max) * l  # weight of each split's normalised partial output
+    part = tl.load(
         acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
-    )
-    o = tl.sum(acc * w[:, None], 0) / denom
+    ).to(tl.float32)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -328,13 +348,17 @@ def sparse_attn(
     dv_split: int | None = None,
     fill: float | None = None,
     tile_src: bool = True,
+    partial_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
     index lists extend each token's list (one softmax over both). Inputs are validated by the package
     dispatcher; the keyword arguments override the launch configuration (benchmark sweeps, tests of the split
     path): qk_t picks the dot orientation, dv_split in {1, 2} the output columns per program, fill the
-    programs per SM below which the index list is split (flash-decoding) when num_splits is not given."""
+    programs per SM below which the index list is split (flash-decoding) when num_splits is not given,
+    tile_src=False forces the two-loop form of two sources, partial_dtype the dtype of the split workspace
+    (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more).
+    Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens) or DEFAULT_CONFIG."""
     t, h, d = q.shape
     # an empty second source (no rows or no columns) adds only invalid entries: one source does the same
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
@@ -343,7 +367,7 @@ def sparse_attn(
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    cfg = DEFAULT_CONFIG
+    cfg = SMALL_BATCH_CONFIG if t <= SMALL_BATCH_CONFIG["max_tokens"] else DEFAULT_CONFIG
     # heads per program: never wider than the (power-of-two padded) head count, >= 16 for the dots
     block_h = block_h or min(cfg["block_h"], max(16, next_pow2(h)))
     block_n = block_n or cfg["block_n"]
@@ -385,7 +409,7 @@ def sparse_attn(
     if split:
         m_ws = torch.empty((t, num_splits, h), dtype=torch.float32, device=q.device)
         l_ws = torch.empty_like(m_ws)
-        acc_ws = torch.empty((t, num_splits, h, d), dtype=torch.float32, device=q.device)
+        acc_ws = torch.empty((t, num_splits, h, d), dtype=partial_dtype or torch.float32, device=q.device)
     else:  # unused pointers (the SPLIT=False specialisation never touches them)
         m_ws = l_ws = acc_ws = sink
     exact = q.dtype == torch.float32
