@@ -49,7 +49,7 @@ def _check(out, ref, device, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
-# (T, H, D, S, K): irregular heads (not a multiple of BLOCK_H=16), D not a power of two, K not a multiple of
+# (T, H, D, S, K): irregular heads (not a multiple of the head block), D not a power of two, K not a multiple of
 # BLOCK_N=32, K shorter than one block, one decode token (split path chosen automatically).
 _SHAPES = [(1, 4, 64, 50, 37), (3, 20, 40, 23, 70), (2, 16, 32, 9, 5), (5, 3, 24, 64, 33)]
 
@@ -76,6 +76,36 @@ def test_interpreter_two_sources(interp, dtype, num_splits):
     idx2[1] = -1
     out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, num_splits=num_splits, block_n=16)
     _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("qk_t,dv_split", [(False, 1), (False, 2), (True, 1), (True, 2)], ids=str)
+def test_interpreter_launch_variants(interp, qk_t, dv_split, num_splits):
+    """Both dot orientations x whole / half output columns per program: fp32 one source, bf16 two sources with the
+    per-tile source choice (K1 = 32, a multiple of BLOCK_N 16) and with two loops (K1 = 37 and tile_src=False)."""
+    kw = dict(num_splits=num_splits, block_n=16, qk_t=qk_t, dv_split=dv_split)
+    q, kv, idx, sink = _case(3, 8, 32, 23, 37, torch.float32, seed=11)
+    _check(interp.sparse_attn(q, kv, idx, sink, 0.2, **kw), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu",
+           torch.float32)  # fmt: skip
+    for k1, tile_src in ((32, True), (37, True), (32, False)):
+        q, kv, idx, sink = _case(2, 8, 32, 23, k1, torch.bfloat16, seed=12)
+        _, kv2, idx2, _ = _case(2, 8, 32, 50, 40, torch.bfloat16, seed=13)
+        idx2[1] = -1
+        out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, tile_src=tile_src, **kw)
+        _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", torch.bfloat16)
+
+
+def test_interpreter_large_batch_config_and_bf16_partials(interp):
+    """More than SMALL_BATCH_CONFIG['max_tokens'] tokens take DEFAULT_CONFIG; a bf16 split workspace rounds each
+    partial output once more (tolerance: 2 bf16 ULPs of outputs of magnitude <= 2 on top of the usual)."""
+    t = interp.SMALL_BATCH_CONFIG["max_tokens"] + 1
+    q, kv, idx, sink = _case(t, 4, 16, 30, 50, torch.float32, seed=14)
+    _check(interp.sparse_attn(q, kv, idx, sink, 0.3), reference.sparse_attn(q, kv, idx, sink, 0.3), "cpu",
+           torch.float32)  # fmt: skip
+    q, kv, idx, sink = _case(3, 4, 16, 30, 50, torch.bfloat16, seed=15)
+    out = interp.sparse_attn(q, kv, idx, sink, 0.3, num_splits=3, block_n=16, partial_dtype=torch.bfloat16)
+    ref = reference.sparse_attn(q, kv, idx, sink, 0.3)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2.0**-7)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 100])

@@ -2,7 +2,8 @@
 
 Runs in a subprocess: the CPU test session imports triton in interpreter mode (conftest.py), and ahead-of-time
 compilation needs the compiled (JITFunction) objects. Checks: it compiles for Hopper, the bf16 attention dots
-use tensor cores (mma / wgmma in the PTX), nothing spills to local memory, shared memory fits an H200 SM.
+use wgmma and its kv gathers become asynchronous copies, nothing spills to local memory (one measured exception),
+shared memory fits an H200 SM.
 """
 
 from __future__ import annotations
@@ -29,21 +30,25 @@ from deepinfer_kernels.hyper_conn import triton as hc
 from deepinfer_kernels.norm_rope import triton as rn
 from deepinfer_kernels.routing import triton as rt
 
-cfg = sa.DEFAULT_CONFIG
 sa_sig = {n: t for n, t in zip(
     ["q_ptr", "kv_ptr", "idx_ptr", "kv2_ptr", "idx2_ptr", "sink_ptr", "out_ptr", "m_ptr", "l_ptr", "acc_ptr",
      "H", "D", "K", "S_ROWS", "blocks_per_split", "stride_qt", "stride_qh", "stride_kv", "stride_it", "stride_ot",
      "stride_oh", "K1", "S_ROWS2", "stride_kv2", "stride_it2", "qk_scale"],
     ["*bf16", "*bf16", "*i64", "*bf16", "*i64", "*fp32", "*bf16", "*fp32", "*fp32", "*fp32"] + ["i32"] * 15
     + ["fp32"])}
+# what the JIT sees at the V4.1 shapes: 16-aligned tensors, D = 512 and row strides multiples of 16
+sa_div = tuple(n for n in sa_sig if n.endswith("_ptr")) + (
+    "H", "D", "stride_qt", "stride_qh", "stride_kv", "stride_ot", "stride_oh", "stride_kv2")
 out = {}
-for split in (False, True):
-    for two in (False, True):  # one source (window pool) / two sources (window + paged compressed entries)
-        out[f"sparse_attn split={split} two={two}"] = rep(
-            sa._sparse_attn_kernel, sa_sig,
-            dict(TWO=two, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
-                 BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False),
-            num_warps=sa.TWO_SOURCE_NUM_WARPS if two else cfg["num_warps"], num_stages=cfg["num_stages"])
+for tier, cfg in (("large", sa.DEFAULT_CONFIG), ("small", sa.SMALL_BATCH_CONFIG)):
+    for split in (False, True):
+        for two in (False, True):  # one source (window pool) / two sources (window + paged compressed entries)
+            out[f"sparse_attn {tier} split={split} two={two}"] = rep(
+                sa._sparse_attn_kernel, sa_sig,
+                dict(TWO=two, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
+                     BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False, QK_T=bool(cfg["qk_t"]),
+                     DV_SPLIT=cfg["dv_split"], TILE_SRC=two),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=sa_div)
 out["sparse_attn combine"] = rep(
     sa._sparse_attn_combine_kernel,
     {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32", "D": "i32",
@@ -92,9 +97,12 @@ def test_default_configs_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 11
+    assert len(report) == 15
     for name, r in report.items():
-        assert r["stack"] == 0, (name, r)  # spill bytes
+        # spill bytes: none, except the large-batch sparse attention (a [64, 512] fp32 accumulator in 8 warps):
+        # the H200 sweep measured it faster than every spill-free configuration (docs/perf.md)
+        assert r["stack"] <= (512 if name.startswith("sparse_attn large") else 0), (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)  # H200: 227 KiB of shared memory per block
-    for name in (f"sparse_attn split={split} two={two}" for split in (False, True) for two in (False, True)):
-        assert report[name]["mma"] or report[name]["wgmma"], report[name]
+    for name in (n for n in report if n.startswith("sparse_attn") and "combine" not in n):
+        assert report[name]["wgmma"], report[name]  # tensor-core dots, M = 64 heads
+        assert report[name]["cp_async"], report[name]  # the kv gather is software-pipelined

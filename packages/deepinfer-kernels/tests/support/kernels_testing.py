@@ -81,13 +81,17 @@ def sm90_compile_report(
     *,
     num_warps: int,
     num_stages: int = 2,
+    divisible_by_16: tuple[str, ...] = (),
 ) -> dict[str, object]:
     """Compile a (non-interpreted) @triton.jit kernel ahead of time for sm_90a on a machine without a GPU and
     return its resource use read back from the cubin with the cuobjdump that ships in the triton wheel:
-    {"regs", "stack" (spill bytes), "shared_static", "shared" (triton's dynamic smem), "wgmma", "mma"}.
+    {"regs", "stack" (spill bytes), "shared_static", "shared" (triton's dynamic smem), "wgmma", "mma",
+    "cp_async" (some load was pipelined into asynchronous copies)}.
 
     signature: {arg name: triton type string ("*bf16", "i32", "fp32", ...)} for the runtime arguments;
-    constexprs: {name: value}. Works with triton 3.6 .. 3.9 (ASTSource + GPUTarget("cuda", 90, 32)).
+    constexprs: {name: value}; divisible_by_16: runtime arguments to compile as the JIT specialises pointers and
+    integers that are multiples of 16 (it decides the vector width of loads, hence whether a gather becomes
+    asynchronous copies). Works with triton 3.6 .. 3.9 (ASTSource + GPUTarget("cuda", 90, 32)).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -95,7 +99,8 @@ def sm90_compile_report(
 
     arg_names = kernel.arg_names  # type: ignore[attr-defined]
     sig = dict(signature) | {k: "constexpr" for k in constexprs}
-    src = ASTSource(kernel, sig, constexprs={(arg_names.index(k),): v for k, v in constexprs.items()})
+    attrs = {(arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16}
+    src = ASTSource(kernel, sig, constexprs={(arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
@@ -121,4 +126,5 @@ def sm90_compile_report(
         "shared": int(compiled.metadata.shared),
         "wgmma": "wgmma" in ptx,
         "mma": "mma.sync" in ptx,
+        "cp_async": "cp.async" in ptx,
     }

@@ -1,11 +1,20 @@
 """Triton backend of sparse MQA attention with attn_sink (decode and prefill share one kernel).
 
-One program = one token x a block of heads x one split of that token's index list (the head blocks of a token
-are adjacent in launch order, so its gathered kv rows come from HBM about once). The kv rows named by the
-indices are gathered tile by tile ([BLOCK_N, D], K = V = the row), scores and the online softmax run in fp32 in the
-log2 domain, and the sink enters as the initial running max / denominator of split 0 (so an all-invalid row gives
-exactly 0, as the reference). When one token cannot fill the GPU (decode), the index list is split over programs
-(flash-decoding) and a second kernel merges the partial (max, denominator, accumulator) triples.
+One program = one token x a block of heads x one slice of the output columns x one split of that token's index
+list. K = V = the gathered kv row and every head of a token reads the same rows, so the default covers all 64
+V4.1 heads in one program: each gathered [BLOCK_N, D] tile is read once and feeds tensor-core dots whose M is
+the head count (docs/perf.md "Sparse decode attention" has the measured configurations).
+Two dot orientations (constexpr QK_T):
+- False (default): S = Q K^T [heads, BLOCK_N], O += P V; on sm_90 Q stays in shared memory as the A operand.
+- True: S^T = K Q^T [BLOCK_N, heads], O^T += V^T P^T; Q^T and P^T are the B operands of the dots (Q^T is loaded
+  transposed: a B operand straight from a load is allocated in shared memory once, outside the loop).
+DV_SPLIT = 2 gives each program half the output columns (QK^T still runs over all of D, from both halves of the
+tile): half the accumulator registers, twice the programs, no merge, at the price of gathering each row twice
+(the second read mostly hits L2) and computing its scores twice.
+Scores and the online softmax run in fp32 in the log2 domain, and the sink enters as the initial running max /
+denominator of split 0 (so an all-invalid row gives exactly 0, as the reference). When the programs cannot fill
+the GPU (decode), the index list is split over programs (flash-decoding) and a second kernel merges the partial
+(max, denominator, normalised output) triples.
 Precision: QK^T and P@V use bf16/fp16 tensor-core dots with fp32 accumulation (P is rounded to the input dtype
 for the second dot, as in FlashAttention); fp32 inputs use exact fp32 dots. In the CPU interpreter bf16 dots are
 wrong (triton#11584), so there every dot runs on fp32 upcasts.
@@ -20,15 +29,128 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["DEFAULT_CONFIG", "sparse_attn"]
+__all__ = ["DEFAULT_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
 
 _LOG2E = 1.4426950408889634
-# Defaults picked for H=64, D=512 on sm_90 without a tuning run yet: a [16, 512] fp32 accumulator is 64
-# registers per thread at 4 warps; a [32, 512] bf16 kv tile is 32 KiB of shared memory per stage.
-DEFAULT_CONFIG: dict[str, int] = {"block_h": 16, "block_n": 32, "num_warps": 4, "num_stages": 2}
-# Two sources (window + paged compressed entries) hold a second set of row pointers: at 4 warps the sm_90a build
-# spills (255 registers, 440 B of stack, ahead-of-time report); 8 warps compile without spills.
-TWO_SOURCE_NUM_WARPS = 8
+# Launch configurations from the H200 sweep (packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py; numbers in
+# docs/perf.md "Sparse decode attention"). fill = programs per SM below which the index list is split.
+# Batches of more than SMALL_BATCH_CONFIG["max_tokens"] tokens: all 64 heads x 64 rows per tile, 8 warps.
+DEFAULT_CONFIG: dict[str, int] = {
+    "block_h": 64,
+    "block_n": 64,
+    "num_warps": 8,
+    "num_stages": 2,
+    "qk_t": 0,
+    "dv_split": 1,
+    "fill": 1,
+}
+# Up to max_tokens tokens (the GPU is filled by splits anyway): half the output columns per program, 4 warps.
+SMALL_BATCH_CONFIG: dict[str, int] = {
+    "max_tokens": 16,
+    "block_h": 64,
+    "block_n": 32,
+    "num_warps": 4,
+    "num_stages": 3,
+    "qk_t": 0,
+    "dv_split": 2,
+    "fill": 1,
+}
+
+
+@triton.jit
+def _attend(
+    q,
+    q2,
+    m_i,
+    l_i,
+    acc,
+    kv_ptr,
+    stride_kv,
+    s_rows,
+    idx_row_ptr,
+    col0,
+    kv2_ptr,
+    stride_kv2,
+    s_rows2,
+    idx2_row_ptr,
+    K1,
+    lo,
+    hi,
+    own,
+    own_mask,
+    oth,
+    oth_mask,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    EXACT_F32: tl.constexpr,
+    QK_T: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
+    TILE_SRC: tl.constexpr,
+):
+    """Online softmax over the index columns [lo, hi): column j reads idx_row_ptr[j - col0] over kv_ptr, or with
+    TILE_SRC (K1 a multiple of BLOCK_N: no tile straddles the sources) columns j >= K1 read idx2_row_ptr[j - K1]
+    over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined)."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if TILE_SRC:
+            in_b = start >= K1
+            src = tl.where(in_b, kv2_ptr, kv_ptr)
+            stride = tl.where(in_b, stride_kv2, stride_kv)
+            limit = tl.where(in_b, s_rows2, s_rows)
+            ip = tl.where(in_b, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
+            idx = tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
+        else:
+            src, stride, limit = kv_ptr, stride_kv, s_rows
+            idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
+        # Out-of-range rows are treated as invalid so a bad index can never read outside its source.
+        valid = (idx >= 0) & (idx < limit)
+        rows = src + tl.where(valid, idx, 0) * stride
+        kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
+        if DV_SPLIT == 2:
+            kt2 = tl.load(rows[:, None] + oth[None, :], mask=valid[:, None] & oth_mask[None, :], other=0.0)
+            if UPCAST:
+                kt2 = kt2.to(tl.float32)
+        if QK_T:
+            if EXACT_F32:
+                st = tl.dot(kt, q, input_precision="ieee")
+                if DV_SPLIT == 2:
+                    st = tl.dot(kt2, q2, st, input_precision="ieee")
+            else:
+                st = tl.dot(kt, q)
+                if DV_SPLIT == 2:
+                    st = tl.dot(kt2, q2, st)
+            st = tl.where(valid[:, None], st * qk_scale, float("-inf"))  # [BLOCK_N, BLOCK_H]
+            m_new = tl.maximum(m_i, tl.max(st, 0))
+            alpha = tl.exp2(m_i - m_new)
+            pt = tl.exp2(st - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(pt, 0)
+            if EXACT_F32:
+                acc = tl.dot(tl.trans(kt), pt.to(kt.dtype), acc * alpha[None, :], input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(kt), pt.to(kt.dtype), acc * alpha[None, :])
+        else:
+            if EXACT_F32:
+                qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
+                if DV_SPLIT == 2:
+                    qk = tl.dot(q2, tl.trans(kt2), qk, input_precision="ieee")
+            else:
+                qk = tl.dot(q, tl.trans(kt))
+                if DV_SPLIT == 2:
+                    qk = tl.dot(q2, tl.trans(kt2), qk)
+            qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if EXACT_F32:
+                acc = tl.dot(p.to(kt.dtype), kt, acc * alpha[:, None], input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(kt.dtype), kt, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 # Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
@@ -68,97 +190,111 @@ def _sparse_attn_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     EXACT_F32: tl.constexpr,
+    QK_T: tl.constexpr = False,
+    DV_SPLIT: tl.constexpr = 1,
+    TILE_SRC: tl.constexpr = False,
 ):
-    # Axis 0 enumerates (token, head block) with the head blocks of one token adjacent, so the programs that
-    # gather the same kv rows run together and all but the first read them from L2. Splits are axis 1 (<= 32).
+    # Axis 0 enumerates (token, head block, column half) with the programs of one token adjacent, so the
+    # programs that gather the same kv rows run together and all but the first read them from L2.
+    # Splits are axis 1 (<= 32).
+    DC: tl.constexpr = BLOCK_D // DV_SPLIT
     pid = tl.program_id(0)
-    hb = pid % HEAD_BLOCKS
-    t = (pid // HEAD_BLOCKS).to(tl.int64)
+    dh = pid % DV_SPLIT
+    hb = (pid // DV_SPLIT) % HEAD_BLOCKS
+    t = (pid // (DV_SPLIT * HEAD_BLOCKS)).to(tl.int64)
     s = tl.program_id(1)
     num_splits = tl.num_programs(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
-    d_mask = offs_d < D
-
-    q = tl.load(
-        q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    own = dh * DC + tl.arange(0, DC)  # the output columns of this program
+    own_mask = own < D
+    q_base = q_ptr + t * stride_qt
+    if QK_T:  # loaded as Q^T [DC, BLOCK_H]: a B operand straight from a load is kept in shared memory
+        q = tl.load(
+            q_base + own[:, None] + offs_h[None, :] * stride_qh, mask=own_mask[:, None] & h_mask[None, :], other=0.0
+        )
+    else:
+        q = tl.load(
+            q_base + offs_h[:, None] * stride_qh + own[None, :], mask=h_mask[:, None] & own_mask[None, :], other=0.0
+        )
     if UPCAST:
         q = q.to(tl.float32)
+    if DV_SPLIT == 2:  # the other half of D, for the scores only
+        oth = (1 - dh) * DC + tl.arange(0, DC)
+        oth_mask = oth < D
+        if QK_T:
+            q2 = tl.load(
+                q_base + oth[:, None] + offs_h[None, :] * stride_qh,
+                mask=oth_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+        else:
+            q2 = tl.load(
+                q_base + offs_h[:, None] * stride_qh + oth[None, :],
+                mask=h_mask[:, None] & oth_mask[None, :],
+                other=0.0,
+            )
+        if UPCAST:
+            q2 = q2.to(tl.float32)
+    else:  # unused placeholders of the helper's arguments
+        oth, oth_mask, q2 = own, own_mask, q
     # The sink logit is one extra softmax column with no value row: start split 0 from it.
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
     first = s == 0
     # Other splits start from a finite -1e30 (not -inf) so exp2(m_old - m_new) never evaluates inf - inf.
     m_i = tl.where(first, sink, -1.0e30)
     l_i = tl.where(first, 1.0, 0.0) + tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    if QK_T:
+        acc = tl.zeros([DC, BLOCK_H], dtype=tl.float32)  # O^T
+    else:
+        acc = tl.zeros([BLOCK_H, DC], dtype=tl.float32)
 
     n_lo = s * blocks_per_split * BLOCK_N
     n_hi = tl.minimum(n_lo + blocks_per_split * BLOCK_N, K)
-    for start in range(n_lo, n_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
+    # Two sources: columns [0, K1) over kv, [K1, K) over kv2. With K1 a multiple of BLOCK_N one loop picks the
+    # source per tile; otherwise two loops. Either way each tile is one plain gather that triton's software
+    # pipeliner turns into asynchronous copies (a per-row select between the sources it does not pipeline).
+    idx_row = idx_ptr + t * stride_it
+    idx2_row = idx2_ptr + t * stride_it2
+    if TILE_SRC:
+        m_i, l_i, acc = _attend(
+            q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row,
+            K1, n_lo, n_hi, own, own_mask, oth, oth_mask, qk_scale, BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, True,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend(
+            q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
+            n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, own_mask, oth, oth_mask, qk_scale,
+            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+        )  # fmt: skip
         if TWO:
-            # columns [0, K1) index kv, columns [K1, K) index kv2; each row is loaded from exactly one source
-            # (the other load is fully masked to 0, so the sum is that row, exactly)
-            in_a = offs_n < K1
-            ia = tl.load(idx_ptr + t * stride_it + offs_n, mask=(offs_n < n_hi) & in_a, other=-1)
-            ib = tl.load(idx2_ptr + t * stride_it2 + (offs_n - K1), mask=(offs_n < n_hi) & ~in_a, other=-1)
-            va = (ia >= 0) & (ia < S_ROWS)
-            vb = (ib >= 0) & (ib < S_ROWS2)
-            ka = tl.load(
-                kv_ptr + tl.where(va, ia, 0)[:, None] * stride_kv + offs_d[None, :],
-                mask=va[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            kb = tl.load(
-                kv2_ptr + tl.where(vb, ib, 0)[:, None] * stride_kv2 + offs_d[None, :],
-                mask=vb[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-            kt = ka + kb
-            valid = va | vb
-        else:
-            idx = tl.load(idx_ptr + t * stride_it + offs_n, mask=offs_n < n_hi, other=-1)
-            # Out-of-range rows are treated as invalid so a bad index can never read outside kv.
-            valid = (idx >= 0) & (idx < S_ROWS)
-            rows = tl.where(valid, idx, 0)
-            kt = tl.load(
-                kv_ptr + rows[:, None] * stride_kv + offs_d[None, :],
-                mask=valid[:, None] & d_mask[None, :],
-                other=0.0,
-            )
-        if UPCAST:
-            kt = kt.to(tl.float32)
-        if EXACT_F32:
-            qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(kt))
-        qk = tl.where(valid[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT_F32:
-            pv = tl.dot(p.to(kt.dtype), kt, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(kt.dtype), kt)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            m_i, l_i, acc = _attend(
+                q, q2, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
+                idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, own_mask, oth, oth_mask, qk_scale,
+                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+            )  # fmt: skip
 
+    if QK_T:
+        acc = tl.trans(acc)  # [BLOCK_H, DC]
     if SPLIT:
         row = (t * num_splits + s) * H + offs_h  # workspace [T, splits, H(, D)]
-        tl.store(m_ptr + row, m_i, mask=h_mask)
-        tl.store(l_ptr + row, l_i, mask=h_mask)
-        tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=h_mask[:, None] & d_mask[None, :])
+        first_half = h_mask & ((offs_h * 0 + dh) == 0)  # both column halves hold the same (m, l)
+        tl.store(m_ptr + row, m_i, mask=first_half)
+        tl.store(l_ptr + row, l_i, mask=first_half)
+        # the partial output normalised by its own denominator (a split that saw only invalid rows has
+        # acc = l = 0 -> 0), in the workspace dtype
+        part = acc / tl.maximum(l_i, 1.0e-30)[:, None]
+        tl.store(
+            acc_ptr + row[:, None] * D + own[None, :],
+            part.to(acc_ptr.dtype.element_ty),
+            mask=h_mask[:, None] & own_mask[None, :],
+        )
     else:
         o = acc / l_i[:, None]  # l_i >= 1: the sink term is always in the denominator
         tl.store(
-            out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :],
+            out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + own[None, :],
             o.to(out_ptr.dtype.element_ty),
-            mask=h_mask[:, None] & d_mask[None, :],
+            mask=h_mask[:, None] & own_mask[None, :],
         )
 
 
@@ -186,12 +322,11 @@ def _sparse_attn_combine_kernel(
     m = tl.load(m_ptr + row, mask=s_mask, other=float("-inf"))
     l = tl.load(l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)  # finite: split 0 always starts from the sink
-    w = tl.exp2(m - m_max)
-    denom = tl.sum(w * l, 0)
-    acc = tl.load(
+    w = tl.exp2(m - m_max) * l  # weight of each split's normalised partial output
+    part = tl.load(
         acc_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
-    )
-    o = tl.sum(acc * w[:, None], 0) / denom
+    ).to(tl.float32)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -209,23 +344,43 @@ def sparse_attn(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    qk_t: bool | None = None,
+    dv_split: int | None = None,
+    fill: float | None = None,
+    tile_src: bool = True,
+    partial_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
     index lists extend each token's list (one softmax over both). Inputs are validated by the package
     dispatcher; the keyword arguments override the launch configuration (benchmark sweeps, tests of the split
-    path)."""
+    path): qk_t picks the dot orientation, dv_split in {1, 2} the output columns per program, fill the
+    programs per SM below which the index list is split (flash-decoding) when num_splits is not given,
+    tile_src=False forces the two-loop form of two sources, partial_dtype the dtype of the split workspace
+    (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more).
+    Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens) or DEFAULT_CONFIG."""
     t, h, d = q.shape
-    two = kv2 is not None
+    # an empty second source (no rows or no columns) adds only invalid entries: one source does the same
+    two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
     k1 = indices.shape[1]
     k = k1 + (indices2.shape[1] if two else 0)
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    block_h = block_h or DEFAULT_CONFIG["block_h"]
-    block_n = block_n or DEFAULT_CONFIG["block_n"]
-    num_warps = num_warps or (TWO_SOURCE_NUM_WARPS if two else DEFAULT_CONFIG["num_warps"])
-    num_stages = num_stages or DEFAULT_CONFIG["num_stages"]
+    cfg = SMALL_BATCH_CONFIG if t <= SMALL_BATCH_CONFIG["max_tokens"] else DEFAULT_CONFIG
+    # heads per program: never wider than the (power-of-two padded) head count, >= 16 for the dots
+    block_h = block_h or min(cfg["block_h"], max(16, next_pow2(h)))
+    block_n = block_n or cfg["block_n"]
+    num_warps = num_warps or cfg["num_warps"]
+    num_stages = num_stages or cfg["num_stages"]
+    qk_t = bool(cfg["qk_t"] if qk_t is None else qk_t)
+    fill = float(cfg["fill"] if fill is None else fill)
+    block_d = max(16, next_pow2(d))
+    dv_split = int(dv_split or cfg["dv_split"])
+    if dv_split not in (1, 2):
+        raise ValueError(f"sparse_attn: dv_split {dv_split}, expected 1 or 2")
+    if block_d < 32:  # each half must stay >= 16 wide for the dots
+        dv_split = 1
     if q.stride(2) != 1:
         q = q.contiguous()
     if kv.stride(1) != 1:
@@ -235,17 +390,18 @@ def sparse_attn(
     if two:
         kv2 = kv2 if kv2.stride(1) == 1 else kv2.contiguous()
         indices2 = indices2 if indices2.stride(1) == 1 else indices2.contiguous()
-    else:  # unused pointers (the TWO=False specialisation never touches them)
+    else:  # unused (the TWO=False specialisation never touches them)
         kv2, indices2 = kv, indices
     sink = attn_sink.float().contiguous()
     interp = check_launchable("sparse_attn", _sparse_attn_kernel, q, kv, indices, kv2, indices2, sink)
-    block_d = max(16, next_pow2(d))
     head_blocks = cdiv(h, block_h)
     n_blocks = max(1, cdiv(k, block_n))
     if num_splits is None:
-        progs = t * head_blocks
-        want = target_programs(q.device)
-        num_splits = 1 if progs >= want else min(n_blocks, cdiv(want, progs), 32)
+        progs = t * head_blocks * dv_split
+        # fill programs per SM (target_programs is 2 per SM; a small constant on the interpreter); rounding the
+        # split count down keeps every program in one wave
+        want = max(1, round(target_programs(q.device) * fill / 2))
+        num_splits = 1 if progs >= want else min(n_blocks, max(1, want // progs), 32)
     num_splits = max(1, min(int(num_splits), n_blocks))
     blocks_per_split = cdiv(n_blocks, num_splits)
     num_splits = cdiv(n_blocks, blocks_per_split)  # no empty trailing split
@@ -253,11 +409,11 @@ def sparse_attn(
     if split:
         m_ws = torch.empty((t, num_splits, h), dtype=torch.float32, device=q.device)
         l_ws = torch.empty_like(m_ws)
-        acc_ws = torch.empty((t, num_splits, h, d), dtype=torch.float32, device=q.device)
+        acc_ws = torch.empty((t, num_splits, h, d), dtype=partial_dtype or torch.float32, device=q.device)
     else:  # unused pointers (the SPLIT=False specialisation never touches them)
         m_ws = l_ws = acc_ws = sink
     exact = q.dtype == torch.float32
-    _sparse_attn_kernel[(t * head_blocks, num_splits)](
+    _sparse_attn_kernel[(t * head_blocks * dv_split, num_splits)](
         q,
         kv,
         indices,
@@ -292,6 +448,9 @@ def sparse_attn(
         SPLIT=split,
         UPCAST=interp and not exact,
         EXACT_F32=exact or interp,
+        QK_T=qk_t,
+        DV_SPLIT=dv_split,
+        TILE_SRC=two and tile_src and k1 % block_n == 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
