@@ -49,6 +49,13 @@ for tier, cfg in (("large", sa.DEFAULT_CONFIG), ("small", sa.SMALL_BATCH_CONFIG)
                      BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False, QK_T=bool(cfg["qk_t"]),
                      DV_SPLIT=cfg["dv_split"], TILE_SRC=two),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=sa_div)
+# fp32 inputs (exact dots) take FP32_CONFIG: the bf16 tiles in fp32 need 279 KiB of shared memory
+cfg = sa.FP32_CONFIG
+out["sparse_attn fp32"] = rep(
+    sa._sparse_attn_kernel, {k: ("*fp32" if v == "*bf16" else v) for k, v in sa_sig.items()},
+    dict(TWO=False, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=512,
+         SPLIT=True, UPCAST=False, EXACT_F32=True, QK_T=False, DV_SPLIT=1, TILE_SRC=False),
+    num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=sa_div)
 out["sparse_attn combine"] = rep(
     sa._sparse_attn_combine_kernel,
     {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32", "D": "i32",
@@ -97,12 +104,14 @@ def test_default_configs_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 15
+    assert len(report) == 16
     for name, r in report.items():
         # spill bytes: none, except the large-batch sparse attention (a [64, 512] fp32 accumulator in 8 warps):
         # the H200 sweep measured it faster than every spill-free configuration (docs/perf.md)
-        assert r["stack"] <= (512 if name.startswith("sparse_attn large") else 0), (name, r)
+        # (the fp32 tier is a correctness path: a few spilled bytes are fine there)
+        allowed = 512 if name.startswith("sparse_attn large") else 64 if name == "sparse_attn fp32" else 0
+        assert r["stack"] <= allowed, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)  # H200: 227 KiB of shared memory per block
-    for name in (n for n in report if n.startswith("sparse_attn") and "combine" not in n):
+    for name in (n for n in report if n.startswith("sparse_attn") and "combine" not in n and "fp32" not in n):
         assert report[name]["wgmma"], report[name]  # tensor-core dots, M = 64 heads
         assert report[name]["cp_async"], report[name]  # the kv gather is software-pipelined

@@ -44,6 +44,17 @@ DEFAULT_CONFIG: dict[str, int] = {
     "dv_split": 1,
     "fill": 1,
 }
+# fp32 inputs (exact dots; tests and fp32 runs): 16 heads x 32 rows per tile keep the fp32 Q and kv stages
+# within an H200 SM's shared memory (the bf16 configs' [64 x 512] fp32 tiles would need over 227 KiB).
+FP32_CONFIG: dict[str, int] = {
+    "block_h": 16,
+    "block_n": 32,
+    "num_warps": 8,
+    "num_stages": 2,
+    "qk_t": 0,
+    "dv_split": 1,
+    "fill": 1,
+}
 # Up to max_tokens tokens (the GPU is filled by splits anyway): half the output columns per program, 4 warps.
 SMALL_BATCH_CONFIG: dict[str, int] = {
     "max_tokens": 16,
@@ -368,6 +379,8 @@ def sparse_attn(
     if t == 0:
         return out
     cfg = SMALL_BATCH_CONFIG if t <= SMALL_BATCH_CONFIG["max_tokens"] else DEFAULT_CONFIG
+    if q.element_size() == 4:  # fp32 tiles are twice the bytes: the bf16 tiles would overflow shared memory
+        cfg = FP32_CONFIG
     # heads per program: never wider than the (power-of-two padded) head count, >= 16 for the dots
     block_h = block_h or min(cfg["block_h"], max(16, next_pow2(h)))
     block_n = block_n or cfg["block_n"]
