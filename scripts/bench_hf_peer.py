@@ -1,6 +1,6 @@
 """Decode step of our V4 model beside HF transformers' eager `DeepseekV4ForCausalLM` on the same checkpoint, in
-the same run, beside the bytes bound measured on the same device; on CUDA also the whole engine decode step
-(scheduler + CUDA-graph replay + sampler, as `deepinfer bench latency` times it).
+the same run, beside the bytes bound measured on the same device, and the whole engine decode step (scheduler +
+CUDA-graph replay on a GPU + sampler, as `deepinfer bench latency` times it).
 
     python scripts/bench_hf_peer.py --model DIR [--device cuda] [--batch 1,32] [--prefill-len 1024]
         [--decode-steps 16] [--iters 3] [--output-json FILE]
@@ -104,7 +104,7 @@ def engine_decode_steps(model_dir: Path, rows: list[dict[str, Any]], ns: argpars
     from deepinfer_engine import LLM
     from deepinfer_engine.bench import decode_roofline
 
-    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", max_num_seqs=max(r["batch"] for r in rows))
+    llm = LLM(str(model_dir), device=ns.device, dtype="bfloat16", max_num_seqs=max(r["batch"] for r in rows))
     rep = decode_roofline(llm, batch_sizes=[r["batch"] for r in rows], input_len=ns.prefill_len,
                           steps=ns.decode_steps)
     for row, er in zip(rows, rep["rows"], strict=True):
@@ -112,7 +112,8 @@ def engine_decode_steps(model_dir: Path, rows: list[dict[str, Any]], ns: argpars
         print(f"  engine B={row['batch']}: {row['engine_step_ms']:.2f} ms/step", file=sys.stderr, flush=True)
     llm.close()
     del llm
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     del ours
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        engine_decode_steps(model_dir, rows, ns)
+    engine_decode_steps(model_dir, rows, ns)
     hf, hf_note = load_hf(model_dir, device)
     for row in rows:
         if hf is not None:
