@@ -14,7 +14,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MINI = {"sentences": 120, "seq_len": 32, "target_steps": 3, "target_batch": 2, "draft_steps": 3, "draft_blocks": 4,
-        "target_qat_fraction": 0.0, "draft_qat_fraction": 0.5}
+        "target_qat_fraction": 0.0, "draft_qat_fraction": 0.5, "calib_prompts": 3,
+        "calib_tokens": 6}
 
 
 @pytest.fixture(scope="module")
