@@ -103,7 +103,8 @@ def test_trained_testbed_accepts_and_stays_lossless(testbed, trained_testbed: Pa
     plain = testbed.generate(model, prompts, 16)
     full = testbed.generate(model, prompts, 16, policy=VerifyPolicy(kind="verify_all"))
     cost = testbed.generate(model, prompts, 16, policy=VerifyPolicy(kind="cost"),
-                            latency=LatencyModel.affine(0.05, 0.001, 64), online=False)
+                            latency=LatencyModel.affine(0.05, 0.001, 64), online=False,
+                            heads=testbed.shipped_heads(trained_testbed))  # the greedy head the build fitted
     assert torch.equal(full["tokens"], plain["tokens"]) and torch.equal(cost["tokens"], plain["tokens"])
     # trained drafter: well above one token per step (random weights give ~1.0)
     assert full["stats"].mean_accepted_length > 2.5

@@ -296,9 +296,8 @@ def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp
     from safetensors.torch import save_file
 
     path = make_checkpoint(tmp_path / "v41", "v41", "tiny", 0)  # the same checkpoint as ckpts["v41"]
-    llm = _llm(path, speculative_config={"method": "dspark", "policy": "threshold", "threshold": 0.3})
-    width = llm.engine.runner.spec.drafter.heads.confidence.numel()
-    del llm
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    width = text["hidden_size"] + text["dspark_markov_rank"]  # the Confidence Head reads [h ; e]
     head = torch.linspace(-1, 1, width).reshape(1, width)
     save_file({"greedy": head, "greedy_sts": torch.tensor([1.0, 2.0])}, str(path / "dspark_confidence.safetensors"))
     (path / "dspark_sts.json").write_text(json.dumps({"sampling": [0.5, 0.75], "greedy": 3.0}))
