@@ -783,6 +783,68 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
     return report
 
 
+def paired(ckpt: Path, *, prompts: int = 64, prompt_len: int = 16, new_tokens: int = 48,
+           seeds: tuple[int, ...] = (1000, 2000), temperatures: tuple[float, ...] = (0.0, 1.0),
+           thresholds: tuple[float, ...] = (0.1, 0.2), affine: tuple[str, ...] = (), heads: str = "shipped",
+           threads: int = 1, log: Callable[[str], None] = print) -> dict:
+    """Every policy decided on the SAME rounds (a paired comparison without trajectory noise): one verify_all run
+    per (temperature, prompt set) records each round's survivals and accepted drafts A; a policy's choice m on that
+    round then accepts min(A, m), because whether draft j is accepted never depends on how many drafts are
+    verified (greedy: argmax agreement; sampling: counter-based uniforms keyed by position). The policies see the
+    batch of each round as it was (cost: T(Q) = BASE + SLOPE * Q of the round's requests). What this does not
+    model: runs with fewer accepted tokens take more rounds, so later batches differ."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy, schedule_verification
+    from deepinfer_engine.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(ckpt, dtype=torch.float32)
+    n = model.args.dspark_block_size
+    drafter_heads = shipped_heads(ckpt, heads)
+    policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
+    policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in thresholds]
+    for spec in affine:
+        base, slope = (float(x) for x in spec.split(","))
+        policies.append((f"cost[{spec}]", VerifyPolicy(kind="cost"), LatencyModel.affine(base, slope, 8 * prompts)))
+    rows = []
+    for temp in temperatures:
+        for seed in seeds:
+            data = sequences(tokenize(corpus_sentences(seed, 30 * prompts), ckpt / "tokenizer.json"), prompt_len)
+            rounds = []
+            generate(model, data[:prompts], new_tokens, policy=policies[0][1], temperature=temp, seed=seed,
+                     heads=drafter_heads, record=lambda b, prop, a, res, out=rounds: out.append(
+                         (prop.survival(), res.num_accepted.clone())))
+            steps = sum(int(s.shape[0]) for s, _ in rounds)
+            for name, pol, lat in policies:
+                verified = accepted = 0
+                for surv, acc in rounds:
+                    m = schedule_verification(pol, torch.full((surv.shape[0],), n), survival=surv, latency=lat,
+                                              deterministic=temp == 0)
+                    verified += int(m.sum())
+                    accepted += int(torch.minimum(acc, m).sum())
+                rows.append({"policy": name, "temperature": temp, "seed": seed, "request_steps": steps,
+                             "mean_accepted_length": 1 + accepted / steps, "verified_per_request_step": verified / steps})
+            base = rows[-len(policies)]
+            for r in rows[-len(policies):]:
+                r["tau_vs_verify_all"] = r["mean_accepted_length"] / base["mean_accepted_length"]
+                r["verified_vs_verify_all"] = r["verified_per_request_step"] / base["verified_per_request_step"] - 1
+                log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
+    summary = []
+    for temp in temperatures:
+        for name, _, _ in policies:
+            rs = [r for r in rows if r["temperature"] == temp and r["policy"] == name]
+            t, v = [r["tau_vs_verify_all"] for r in rs], [r["verified_vs_verify_all"] for r in rs]
+            summary.append({"temperature": temp, "policy": name, "tau_vs_verify_all": (sum(t) / len(t), min(t), max(t)),
+                            "verified_vs_verify_all": (sum(v) / len(v), min(v), max(v)),
+                            "tau": sum(r["mean_accepted_length"] for r in rs) / len(rs)})
+            e = summary[-1]
+            log(f"T={temp:g} {name:<22} tau {e['tau']:.2f}  tau vs all {e['tau_vs_verify_all'][0]:.3f} "
+                f"({e['tau_vs_verify_all'][1]:.3f}..{e['tau_vs_verify_all'][2]:.3f})  verified vs all "
+                f"{e['verified_vs_verify_all'][0] * 100:+.0f}% ({e['verified_vs_verify_all'][1] * 100:+.0f}.."
+                f"{e['verified_vs_verify_all'][2] * 100:+.0f})")
+    return {"settings": {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "seeds": seeds,
+                         "heads": heads, "threads": threads}, "rows": rows, "summary": summary}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -808,7 +870,24 @@ def main(argv: list[str] | None = None) -> int:
                         "with its STS sets, or the raw checkpoint head")
     m.add_argument("--temperature", type=float, action="append", default=None, help="repeatable; default 0 and 1")
     m.add_argument("--json", type=Path, default=None)
+    q = sub.add_parser("paired", help="every policy decided on the rounds of one verify_all run (paired frontier)")
+    q.add_argument("--ckpt", type=Path, required=True)
+    q.add_argument("--prompts", type=int, default=64)
+    q.add_argument("--new-tokens", type=int, default=48)
+    q.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000])
+    q.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    q.add_argument("--threshold", type=float, nargs="+", default=[0.1, 0.2])
+    q.add_argument("--affine", nargs="*", default=[], metavar="BASE,SLOPE")
+    q.add_argument("--heads", choices=("shipped", "checkpoint", "raw"), default="shipped")
+    q.add_argument("--threads", type=int, default=1)
+    q.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.cmd == "paired":
+        rep = paired(args.ckpt, prompts=args.prompts, new_tokens=args.new_tokens, seeds=tuple(args.seeds),
+                     temperatures=tuple(args.temperature), thresholds=tuple(args.threshold), affine=tuple(args.affine),
+                     heads=args.heads, threads=args.threads)
+        if args.json:
+            args.json.write_text(json.dumps(rep, indent=2) + "\n")
     if args.cmd == "measure":
         rep = measure(args.ckpt, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                       thresholds=tuple(args.threshold or [0.5]), latency_specs=tuple(args.latency or ["profile"]), ema=args.ema, threads=args.threads,
