@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
         dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
     profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds))
+    print("profiled T(Q) ms: " + json.dumps(dict(zip(profiled.sizes, [round(t * 1e3, 2) for t in profiled.seconds]))),
+          flush=True)
     policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:

@@ -67,6 +67,12 @@ def test_build_is_deterministic_loads_and_speculation_is_lossless(testbed, tmp_p
                                  temperature=1.0, online=False)
         assert torch.equal(sampled["tokens"], again["tokens"])  # counter-based randomness: reproducible
         assert bool((sampled["tokens"] >= 0).all())
+        # paired frontier: every policy on the verify_all rounds; a pruned policy never accepts more than verify_all
+        rep = testbed.paired(tmp_path / "a", prompts=3, new_tokens=6, seeds=(7,), thresholds=(0.3,),
+                             affine=("0.01,0.002",), log=lambda s: None)
+        for r in rep["rows"]:
+            assert r["tau_vs_verify_all"] <= 1.0 and -1.0 <= r["verified_vs_verify_all"] <= 0.0, r
+        assert {r["policy"] for r in rep["rows"]} == {"verify_all", "threshold[0.3]", "cost[0.01,0.002]"}
     finally:
         torch.set_num_threads(threads)
 
