@@ -48,12 +48,7 @@ class StageDrafter:
         self.model, self.cache, self.block_tables = model, cache, block_tables
         self.slots = torch.arange(block_tables.shape[0], device=block_tables.device)
         self._last = last
-        weight = last.confidence_head.proj.weight
-        self._greedy_confidence = (
-            None if greedy_confidence is None else greedy_confidence.to(weight.device, torch.float32).reshape(1, -1)
-        )
-        self._greedy_sts = greedy_sts
-        self._heads = self._make_heads(sts)
+        self.set_heads(sts=sts, greedy_confidence=greedy_confidence, greedy_sts=greedy_sts)
         # optional host copy of the round (slots, anchor ids, anchor positions) set by the caller with `slots`
         self.round_host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
 

@@ -358,7 +358,13 @@ def confidence_files(model_dir: Any, device: torch.device) -> tuple[dict[str, An
     sts: dict[str, Any] = {}
     sts_file = Path(model_dir) / STS_FILE
     if sts_file.exists():
-        raw = json.loads(sts_file.read_text())
+        try:
+            raw = json.loads(sts_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{sts_file}: found invalid JSON ({err}), expected {{\"greedy\" | \"sampling\": "
+                              "temperatures}; fix: refit it (scripts/dspark_testbed.py) or delete the file") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{sts_file}: found {type(raw).__name__}, expected an object; fix: refit or delete it")
         for mode, v in raw.items():
             if mode not in ("greedy", "sampling"):
                 continue
