@@ -4,8 +4,9 @@ mean accepted length, verified draft tokens per step and tokens/s per policy, ov
     python scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --json policies.json
 
 One engine load with speculation (policy switched between runs) and one without (the plain-decoding baseline).
-The checkpoint is the one `scripts/dspark_testbed.py build` writes; the Confidence Head's STS temperatures are
-fitted once on training-corpus blocks and stored beside the weights as `dspark_sts.json`, which the engine reads.
+The checkpoint is the one `scripts/dspark_testbed.py build` writes, with its Confidence Head calibration beside the
+weights (`dspark_confidence.safetensors`, `dspark_sts.json`; the engine reads both). The prefix cache is off (the
+same prompts run once per policy).
 The cost policy's latency curve is the engine's own: the target forward timed at start-up on this device and
 corrected online. Prints a table (mean and min..max over prompt sets) and, with --json, the per-run rows.
 """
@@ -33,15 +34,13 @@ def _testbed():
     return mod
 
 
-def ensure_sts(ckpt: Path, tb) -> dict:
-    """`<ckpt>/dspark_sts.json` (fitted here when missing): STS temperatures per decoding mode."""
-    path = ckpt / "dspark_sts.json"
-    if not path.exists():
-        from deepinfer_engine.model.loader import load_model
-
-        temps = tb.fit_confidence_sts(load_model(ckpt, dtype=torch.float32), ckpt)
-        path.write_text(json.dumps({k: list(v) for k, v in temps.items()}) + "\n")
-    return json.loads(path.read_text())
+def ensure_calibration(ckpt: Path, tb) -> dict:
+    """The Confidence Head calibration beside the weights (`dspark_confidence.safetensors` + `dspark_sts.json`,
+    written by the testbed build; fitted here for a checkpoint built before it existed)."""
+    if not (ckpt / "dspark_confidence.safetensors").exists() or not (ckpt / "dspark_sts.json").exists():
+        cfg = {**tb.BUILD_DEFAULTS, **json.loads((ckpt / "testbed.json").read_text())["settings"]}
+        tb.calibrate_confidence(ckpt, cfg)
+    return json.loads((ckpt / "dspark_sts.json").read_text())
 
 
 def prompt_sets(ckpt: Path, tb, seeds: list[int], count: int, length: int) -> list[list[list[int]]]:
@@ -84,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra cost-policy runs with a fixed T(Q) = BASE + SLOPE * Q (seconds; no online correction): "
                          "the policy as it would act on a device with that per-token cost")
     ap.add_argument("--no-profile", action="store_true", help="skip the cost run with the profiled curve")
+    ap.add_argument("--heads", choices=("shipped", "checkpoint", "raw"), default="shipped",
+                    help="Confidence Head calibration: shipped greedy head + STS sets (what the engine loads), the "
+                         "checkpoint's head alone with its STS sets, or the raw checkpoint head")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
     ap.add_argument("--json", type=Path, default=None)
@@ -93,15 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     tb = _testbed()
     if not (args.ckpt / "testbed.json").exists():
         raise SystemExit(f"{args.ckpt}: no testbed checkpoint; run scripts/dspark_testbed.py build --out {args.ckpt}")
-    sts = ensure_sts(args.ckpt, tb)
+    sts = ensure_calibration(args.ckpt, tb)
     sets = prompt_sets(args.ckpt, tb, args.seeds, args.prompts, args.prompt_len)
+    # no prefix cache: every policy reruns the same prompts, and a hit skips the prompt rows that fill the draft
+    # rings (docs/prefix_cache.md), which would lower acceptance from the second run on
     common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
-                  max_num_seqs=args.prompts, num_cpu_threads=args.threads)
+                  max_num_seqs=args.prompts, num_cpu_threads=args.threads, enable_prefix_caching=False)
     common = {k: v for k, v in common.items() if v is not None}
     plain = LLM(str(args.ckpt), **common)
     spec_llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **common)
     dec = spec_llm.engine.runner.spec
+    if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
+        dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
     profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds))
+    print("profiled T(Q) ms: " + json.dumps(dict(zip(profiled.sizes, [round(t * 1e3, 2) for t in profiled.seconds]))),
+          flush=True)
     policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:

@@ -383,8 +383,9 @@ def train_draft(model, data: Tensor, feats: Tensor, tlp: Tensor, vocab: Vocab, *
 BUILD_DEFAULTS = {
     "seed": 0, "sentences": 3000, "seq_len": 64,
     "target_steps": 150, "target_batch": 8, "target_lr": 6e-3,
-    "draft_steps": 400, "draft_blocks": 64, "draft_lr": 5e-3,
+    "draft_steps": 150, "draft_blocks": 64, "draft_lr": 5e-3,
     "target_qat_fraction": 0.0, "draft_qat_fraction": 0.2,
+    "calib_prompts": 64, "calib_tokens": 48,
 }
 
 
@@ -476,7 +477,9 @@ def build(out: Path, *, threads: int = 1, force: bool = False, log: Callable[[st
     remove_quantization_aware(model)
     _round_trip_params(model, prefix_draft=True)
     write_trained_checkpoint(model, config, out)
+    calib = calibrate_confidence(out, cfg, log=log)
     summary = {"settings": cfg, "threads": threads, "seconds": round(time.perf_counter() - t0, 1),
+               "confidence_calibration": calib,
                "target_loss_last10": sum(t_losses[-10:]) / 10, "draft_loss_last10": sum(d_losses[-10:]) / 10,
                "corpus_tokens": int(data.numel()), "corpus_vocab": int(vocab.ids.numel())}
     (out / "testbed.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -512,10 +515,20 @@ def _sample_rows(logits: Tensor, temperature: float, seeds: Tensor, positions: T
 
 @torch.no_grad()
 def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=None, temperature: float = 0.0,
-             seed: int = 0, online: bool = True, sts: float | tuple[float, ...] = 1.0) -> dict:
+             seed: int = 0, online: bool = True, heads: dict | None = None,
+             record: Callable[..., None] | None = None) -> dict:
     """Decode `new_tokens` per prompt; `policy` None = plain autoregressive decoding (the reference), else
-    DSpark speculation with that verification policy. Returns tokens [B, new_tokens], stats and timings."""
-    from deepinfer_dspark import AcceptanceStats, probs_from_logits, propose, schedule_verification, verify
+    DSpark speculation with that verification policy. Returns tokens [B, new_tokens], stats and timings.
+
+    heads: StageDrafter keyword arguments (sts, greedy_confidence, greedy_sts; `shipped_heads`), default none.
+    record(block, proposal, anchor_ids, accept_result): called after every verification (calibration data)."""
+    from deepinfer_dspark import (
+        AcceptanceStats,
+        probs_from_logits,
+        sample_block,
+        schedule_verification,
+        verify,
+    )
     from deepinfer_dspark import verify_counter_uniforms as vcu
     from deepinfer_engine.model.dspark import insert_context, target_features
     from deepinfer_engine.model.dspark_drafter import StageDrafter
@@ -537,7 +550,7 @@ def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=No
     result[:, 0] = anchor
     count = torch.ones(B, dtype=torch.int64)
     stats = AcceptanceStats(N)
-    drafter = StageDrafter(model, cache, bt, sts=sts) if policy is not None else None
+    drafter = StageDrafter(model, cache, bt, **(heads or {})) if policy is not None else None
     temp = torch.full((B,), float(temperature))
     target_seconds = 0.0
     steps = 0
@@ -555,8 +568,10 @@ def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=No
             count[act] += 1
             continue
         drafter.slots = act
-        prop = propose(drafter, anchor[act], pos[act], temperature=temp[act], seeds=seeds[act])
-        m = schedule_verification(policy, torch.full((n,), N), survival=prop.survival(), latency=latency)
+        block = drafter.draft_block(anchor[act], pos[act])  # = propose(...), with the block kept for `record`
+        prop = sample_block(block, drafter.heads, anchor[act], pos[act], temperature=temp[act], seeds=seeds[act])
+        m = schedule_verification(policy, torch.full((n,), N), survival=prop.survival(), latency=latency,
+                                  deterministic=temperature == 0)
         seq = torch.cat([anchor[act, None], prop.draft_ids], 1)
         vb = _varlen_batch([seq[b, : int(m[b]) + 1] for b in range(n)], pos[act], bt, act)
         t1 = time.perf_counter()
@@ -569,6 +584,8 @@ def generate(model, prompts: Tensor, new_tokens: int, *, policy=None, latency=No
         res = verify(target, prop, m, greedy=temperature == 0, uniforms=vcu(seeds[act], pos[act], N))
         stats.update(res.num_accepted, m, confidence=prop.confidence if temperature > 0 else None,
                      accept_prob=res.accept_prob if temperature > 0 else None)
+        if record is not None:
+            record(block, prop, anchor[act], res)
         # the drafter's context: target features of the accepted positions pos .. pos + a (rows 0 .. a)
         acc = res.num_accepted
         starts = torch.cumsum(m + 1, 0) - (m + 1)
@@ -605,38 +622,102 @@ def profile_latency(model, batch: int, *, ema: float):
     return LatencyModel.profile(step, [batch * k for k in range(1, N + 2)], warmup=1, repeats=5, ema=ema)
 
 
-@torch.no_grad()
-def fit_confidence_sts(model, ckpt: Path, *, blocks: int = 512, seed: int = 7) -> dict[str, tuple[float, ...]]:
-    """Post-hoc STS temperatures of the Confidence Head on training-corpus blocks (teacher-forced), one set per
-    decoding mode: "sampling" against the analytic acceptance 1 - TV, "greedy" against argmax agreement on the
-    blocks whose earlier positions all agreed (the confidence is conditional)."""
-    from deepinfer_dspark import fit_sts
-    from deepinfer_engine.model import dspark
+def _fit_logistic(x: Tensor, y: Tensor, weight: Tensor, init: Tensor, *, l2: float = 1e-4) -> Tensor:
+    """Weights w of sigmoid(x . w) (no bias, as the Confidence Head) by weighted BCE + l2 * |w|^2: float64 L-BFGS
+    from `init`, deterministic on the CPU."""
+    x64, y64, w8 = x.double(), y.double(), weight.double()
+    w = init.double().reshape(-1).clone().requires_grad_(True)
+    opt = torch.optim.LBFGS([w], max_iter=300, line_search_fn="strong_wolfe", tolerance_grad=1e-10,
+                            tolerance_change=1e-14)
 
-    cfg = json.loads((ckpt / "testbed.json").read_text())["settings"]
-    data = sequences(tokenize(corpus_sentences(int(cfg["seed"]), int(cfg["sentences"])), ckpt / "tokenizer.json"),
-                     int(cfg["seq_len"]))
-    vocab = Vocab(torch.unique(data), model.args.vocab_size)
-    g = torch.Generator().manual_seed(seed)
-    data = data[torch.randperm(data.shape[0], generator=g)[:32]]
-    feats, tlp = target_pass(model, data, vocab)
-    N = model.args.dspark_block_size
-    seqs = torch.randint(data.shape[0], (blocks,), generator=g)
-    anchors = torch.randint(1, data.shape[1] - N, (blocks,), generator=g)
-    ctx, ctx_feat, blk, cache = draft_batches(model, data, feats, seqs, anchors)
-    dspark.insert_context(model, ctx, cache, ctx_feat)
-    out = dspark.draft_block(model, blk, cache)
-    last = model.mtp[-1]
-    cols = anchors[:, None] + torch.arange(N)[None, :]
-    e = last.markov_head.w1[data[seqs[:, None], cols]]  # [B, N, r]
-    u = last.norm(out.hidden).float() @ model.head.weight[vocab.ids].float().T
-    q_log = vocab.log_probs(u.view(blocks, N, -1) + e.float() @ last.markov_head.w2[vocab.ids].float().T)
-    p_log = tlp[seqs[:, None], cols]
-    z = torch.cat([out.hidden.view(blocks, N, -1).float(), e.float()], -1) @ last.confidence_head.proj.weight.float()[0]
-    soft = 1 - 0.5 * (q_log.exp() - p_log.exp()).abs().sum(-1)
-    match = (q_log.argmax(-1) == p_log.argmax(-1)).double()
-    reached = torch.cumprod(torch.cat([torch.ones(blocks, 1, dtype=torch.float64), match[:, :-1]], 1), 1).bool()
-    return {"sampling": fit_sts(z, soft.clamp(0, 1)), "greedy": fit_sts(z, match, reached)}
+    def closure() -> Tensor:
+        opt.zero_grad()
+        bce = F.binary_cross_entropy_with_logits(x64 @ w, y64, reduction="none")
+        loss = (bce * w8).sum() / w8.sum().clamp(min=1) + l2 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    return w.detach().float()
+
+
+def rollout_records(model, prompts: Tensor, new_tokens: int, temperature: float, seed: int) -> dict[str, Tensor]:
+    """verify_all speculation over `prompts`: every round's Confidence Head input x = [h_i ; W1[prev_i]]
+    `[M, N, d + r]`, accepted drafts `[M]` and the analytic acceptance sum_v min(p, q) `[M, N]` (sampling)."""
+    from deepinfer_dspark import VerifyPolicy
+
+    w1 = model.mtp[-1].markov_head.w1
+    xs, accs, aps = [], [], []
+
+    def record(block, prop, anchors, res) -> None:
+        prev = torch.cat([anchors[:, None], prop.draft_ids[:, :-1]], 1)
+        xs.append(torch.cat([block.hidden.float(), w1[prev].float()], -1))
+        accs.append(res.num_accepted.clone())
+        aps.append(res.accept_prob.clone() if res.accept_prob is not None else torch.zeros(prev.shape))
+
+    generate(model, prompts, new_tokens, policy=VerifyPolicy(kind="verify_all"), temperature=temperature, seed=seed,
+             record=record)
+    return {"x": torch.cat(xs), "accepted": torch.cat(accs), "accept_prob": torch.cat(aps)}
+
+
+def calibrate_confidence(ckpt: Path, cfg: dict, log: Callable[[str], None] = print) -> dict:
+    """Fit the Confidence Heads on the regime they serve and write them beside the checkpoint (docs/dspark.md
+    "Confidence heads"): verify_all speculation of the loaded checkpoint on training-corpus prompts, at
+    temperature 0 and 1, gives every round's head input and outcome.
+
+    - greedy head (`dspark_confidence.safetensors`: `greedy [1, d + r]`, `greedy_sts [N]`): logistic regression of
+      the conditional greedy acceptance (draft i == target argmax, on the rounds whose drafts before i were all
+      accepted), so cumprod(c) is the survival the policies rank and sum.
+    - STS sets of the checkpoint's own head (trained on 1 - TV with the drafter; `dspark_sts.json`): `sampling`
+      against the analytic acceptance sum_v min(p, q), `greedy` against greedy acceptance (used only when the
+      greedy head file is absent)."""
+    from deepinfer_dspark import fit_sts
+    from deepinfer_engine.model.loader import load_model
+    from safetensors.torch import save_file
+
+    model = load_model(ckpt, dtype=torch.float32)
+    n = model.args.dspark_block_size
+    prompts = sequences(tokenize(corpus_sentences(int(cfg["seed"]), int(cfg["sentences"])), ckpt / "tokenizer.json"),
+                        16)[: int(cfg["calib_prompts"])]
+    w_ckpt = model.mtp[-1].confidence_head.proj.weight.detach().float().reshape(-1)
+    idx = torch.arange(n)[None, :]
+    out = {}
+    for temp in (0.0, 1.0):
+        r = rollout_records(model, prompts, int(cfg["calib_tokens"]), temp, int(cfg["seed"]))
+        y = (r["accepted"][:, None] > idx).double()
+        reached = r["accepted"][:, None] >= idx
+        out[temp] = (r, y, reached)
+    r0, y0, reached0 = out[0.0]
+    w_greedy = _fit_logistic(r0["x"][reached0], y0[reached0], torch.ones(int(reached0.sum())), w_ckpt)
+    greedy_sts = fit_sts(r0["x"] @ w_greedy, y0, reached0)
+    r1, _, reached1 = out[1.0]
+    sts = {"sampling": list(fit_sts(r1["x"] @ w_ckpt, r1["accept_prob"].clamp(0, 1), reached1)),
+           "greedy": list(fit_sts(r0["x"] @ w_ckpt, y0, reached0))}
+    save_file({"greedy": w_greedy.reshape(1, -1).contiguous(),
+               "greedy_sts": torch.tensor(greedy_sts, dtype=torch.float32)},
+              str(ckpt / "dspark_confidence.safetensors"), metadata={"format": "pt"})
+    (ckpt / "dspark_sts.json").write_text(json.dumps(sts) + "\n")
+    summary = {"rounds_greedy": int(r0["x"].shape[0]), "rounds_sampling": int(r1["x"].shape[0]),
+               "greedy_sts": list(greedy_sts), **{f"sts_{k}": v for k, v in sts.items()}}
+    log(f"confidence calibration: {summary}")
+    return summary
+
+
+def shipped_heads(ckpt: Path, which: str = "shipped") -> dict:
+    """StageDrafter keyword arguments from the calibration files beside `ckpt` (what the engine loads):
+    "shipped" = greedy head + STS sets, "checkpoint" = the checkpoint's head alone with its STS sets, "raw" =
+    the checkpoint's head uncalibrated."""
+    from deepinfer_engine.worker.spec_decode import STS_FILE, confidence_files
+
+    if which == "raw":
+        return {}
+    sts, head = confidence_files(ckpt, torch.device("cpu"))
+    if which == "checkpoint":
+        raw = json.loads((ckpt / STS_FILE).read_text()) if (ckpt / STS_FILE).exists() else {}
+        single = {k: tuple(v) if isinstance(v, list) else float(v) for k, v in raw.items()}
+        return {"sts": single.get("sampling", 1.0), "greedy_sts": single.get("greedy")}
+    return {"sts": sts.get("sampling", 1.0), "greedy_confidence": head, "greedy_sts": sts.get("greedy")}
 
 
 def _latency(spec: str, model, batch: int, ema: float):
@@ -651,7 +732,7 @@ def _latency(spec: str, model, batch: int, ema: float):
 def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: int = 48, seed: int = 1000,
             temperatures: tuple[float, ...] = (0.0, 1.0), thresholds: tuple[float, ...] = (0.5,),
             latency_specs: tuple[str, ...] = ("profile",), ema: float = 0.05, threads: int = 1,
-            sts: bool = True, log: Callable[[str], None] = print) -> dict:
+            heads: str = "shipped", log: Callable[[str], None] = print) -> dict:
     """Per temperature: plain decoding, then verify_all, threshold and cost (once per latency spec): mean accepted
     length, verified draft tokens per step, tokens/s on this machine."""
     from deepinfer_dspark import LatencyModel, VerifyPolicy
@@ -661,13 +742,14 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
     model = load_model(ckpt, dtype=torch.float32)
     data = sequences(tokenize(corpus_sentences(seed, 400), ckpt / "tokenizer.json"), prompt_len)
     prompts = data[:batch]
-    temps = fit_confidence_sts(model, ckpt) if sts else {"sampling": 1.0, "greedy": 1.0}
-    log(f"confidence STS temperatures: {temps}")
+    drafter_heads = shipped_heads(ckpt, heads)
+    log(f"confidence heads ({heads}): " + json.dumps({k: v if not isinstance(v, Tensor) else "greedy head"
+                                                      for k, v in drafter_heads.items()}))
     curves = {spec: _latency(spec, model, batch, ema) for spec in latency_specs}
     for spec, c in curves.items():
         log(f"latency {spec}: {dict(zip(c.sizes, [round(t * 1e3, 2) for t in c.seconds]))} ms")
     report: dict = {"settings": {"batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens, "seed": seed,
-                                 "thresholds": thresholds, "ema": ema, "threads": threads, "sts": temps,
+                                 "thresholds": thresholds, "ema": ema, "threads": threads, "heads": heads,
                                  "latency": {k: {"sizes": c.sizes, "ms": [round(t * 1e3, 3) for t in c.seconds]}
                                              for k, c in curves.items()}}, "runs": []}
     runs = [("verify_all", VerifyPolicy(kind="verify_all"), None, "")]
@@ -682,7 +764,7 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
             lat = None if curve is None else LatencyModel(curve.sizes, curve.seconds, ema=ema)
             # only a measured curve is corrected with this machine's timings; an affine one models another device
             r = generate(model, prompts, new_tokens, policy=pol, latency=lat, temperature=temp, seed=seed,
-                         online=spec == "profile", sts=temps["greedy" if temp == 0 else "sampling"])
+                         online=spec == "profile", heads=drafter_heads)
             st = r["stats"]
             row = {"policy": name, "temperature": temp, "steps": r["steps"],
                    "mean_accepted_length": st.mean_accepted_length,
@@ -699,6 +781,68 @@ def measure(ckpt: Path, *, batch: int = 16, prompt_len: int = 16, new_tokens: in
             log(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                             if k != "acceptance_by_position"}))
     return report
+
+
+def paired(ckpt: Path, *, prompts: int = 64, prompt_len: int = 16, new_tokens: int = 48,
+           seeds: tuple[int, ...] = (1000, 2000), temperatures: tuple[float, ...] = (0.0, 1.0),
+           thresholds: tuple[float, ...] = (0.1, 0.2), affine: tuple[str, ...] = (), heads: str = "shipped",
+           threads: int = 1, log: Callable[[str], None] = print) -> dict:
+    """Every policy decided on the SAME rounds (a paired comparison without trajectory noise): one verify_all run
+    per (temperature, prompt set) records each round's survivals and accepted drafts A; a policy's choice m on that
+    round then accepts min(A, m), because whether draft j is accepted never depends on how many drafts are
+    verified (greedy: argmax agreement; sampling: counter-based uniforms keyed by position). The policies see the
+    batch of each round as it was (cost: T(Q) = BASE + SLOPE * Q of the round's requests). What this does not
+    model: runs with fewer accepted tokens take more rounds, so later batches differ."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy, schedule_verification
+    from deepinfer_engine.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    model = load_model(ckpt, dtype=torch.float32)
+    n = model.args.dspark_block_size
+    drafter_heads = shipped_heads(ckpt, heads)
+    policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
+    policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in thresholds]
+    for spec in affine:
+        base, slope = (float(x) for x in spec.split(","))
+        policies.append((f"cost[{spec}]", VerifyPolicy(kind="cost"), LatencyModel.affine(base, slope, 8 * prompts)))
+    rows = []
+    for temp in temperatures:
+        for seed in seeds:
+            data = sequences(tokenize(corpus_sentences(seed, 30 * prompts), ckpt / "tokenizer.json"), prompt_len)
+            rounds = []
+            generate(model, data[:prompts], new_tokens, policy=policies[0][1], temperature=temp, seed=seed,
+                     heads=drafter_heads, record=lambda b, prop, a, res, out=rounds: out.append(
+                         (prop.survival(), res.num_accepted.clone())))
+            steps = sum(int(s.shape[0]) for s, _ in rounds)
+            for name, pol, lat in policies:
+                verified = accepted = 0
+                for surv, acc in rounds:
+                    m = schedule_verification(pol, torch.full((surv.shape[0],), n), survival=surv, latency=lat,
+                                              deterministic=temp == 0)
+                    verified += int(m.sum())
+                    accepted += int(torch.minimum(acc, m).sum())
+                rows.append({"policy": name, "temperature": temp, "seed": seed, "request_steps": steps,
+                             "mean_accepted_length": 1 + accepted / steps, "verified_per_request_step": verified / steps})
+            base = rows[-len(policies)]
+            for r in rows[-len(policies):]:
+                r["tau_vs_verify_all"] = r["mean_accepted_length"] / base["mean_accepted_length"]
+                r["verified_vs_verify_all"] = r["verified_per_request_step"] / base["verified_per_request_step"] - 1
+                log(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}))
+    summary = []
+    for temp in temperatures:
+        for name, _, _ in policies:
+            rs = [r for r in rows if r["temperature"] == temp and r["policy"] == name]
+            t, v = [r["tau_vs_verify_all"] for r in rs], [r["verified_vs_verify_all"] for r in rs]
+            summary.append({"temperature": temp, "policy": name, "tau_vs_verify_all": (sum(t) / len(t), min(t), max(t)),
+                            "verified_vs_verify_all": (sum(v) / len(v), min(v), max(v)),
+                            "tau": sum(r["mean_accepted_length"] for r in rs) / len(rs)})
+            e = summary[-1]
+            log(f"T={temp:g} {name:<22} tau {e['tau']:.2f}  tau vs all {e['tau_vs_verify_all'][0]:.3f} "
+                f"({e['tau_vs_verify_all'][1]:.3f}..{e['tau_vs_verify_all'][2]:.3f})  verified vs all "
+                f"{e['verified_vs_verify_all'][0] * 100:+.0f}% ({e['verified_vs_verify_all'][1] * 100:+.0f}.."
+                f"{e['verified_vs_verify_all'][2] * 100:+.0f})")
+    return {"settings": {"prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens, "seeds": seeds,
+                         "heads": heads, "threads": threads}, "rows": rows, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -721,14 +865,33 @@ def main(argv: list[str] | None = None) -> int:
                         "query token); repeat for several cost-policy runs")
     m.add_argument("--ema", type=float, default=0.05)
     m.add_argument("--threads", type=int, default=1)
-    m.add_argument("--no-sts", action="store_true", help="use the raw confidences (no post-hoc STS calibration)")
+    m.add_argument("--heads", choices=("shipped", "checkpoint", "raw"), default="shipped",
+                   help="Confidence Head calibration: the shipped greedy head + STS (default), the checkpoint's head "
+                        "with its STS sets, or the raw checkpoint head")
     m.add_argument("--temperature", type=float, action="append", default=None, help="repeatable; default 0 and 1")
     m.add_argument("--json", type=Path, default=None)
+    q = sub.add_parser("paired", help="every policy decided on the rounds of one verify_all run (paired frontier)")
+    q.add_argument("--ckpt", type=Path, required=True)
+    q.add_argument("--prompts", type=int, default=64)
+    q.add_argument("--new-tokens", type=int, default=48)
+    q.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000])
+    q.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    q.add_argument("--threshold", type=float, nargs="+", default=[0.1, 0.2])
+    q.add_argument("--affine", nargs="*", default=[], metavar="BASE,SLOPE")
+    q.add_argument("--heads", choices=("shipped", "checkpoint", "raw"), default="shipped")
+    q.add_argument("--threads", type=int, default=1)
+    q.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.cmd == "paired":
+        rep = paired(args.ckpt, prompts=args.prompts, new_tokens=args.new_tokens, seeds=tuple(args.seeds),
+                     temperatures=tuple(args.temperature), thresholds=tuple(args.threshold), affine=tuple(args.affine),
+                     heads=args.heads, threads=args.threads)
+        if args.json:
+            args.json.write_text(json.dumps(rep, indent=2) + "\n")
     if args.cmd == "measure":
         rep = measure(args.ckpt, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                       thresholds=tuple(args.threshold or [0.5]), latency_specs=tuple(args.latency or ["profile"]), ema=args.ema, threads=args.threads,
-                      sts=not args.no_sts, temperatures=tuple(args.temperature or [0.0, 1.0]))
+                      heads=args.heads, temperatures=tuple(args.temperature or [0.0, 1.0]))
         if args.json:
             args.json.write_text(json.dumps(rep, indent=2) + "\n")
     if args.cmd == "build":

@@ -14,7 +14,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MINI = {"sentences": 120, "seq_len": 32, "target_steps": 3, "target_batch": 2, "draft_steps": 3, "draft_blocks": 4,
-        "target_qat_fraction": 0.0, "draft_qat_fraction": 0.5}
+        "target_qat_fraction": 0.0, "draft_qat_fraction": 0.5, "calib_prompts": 3,
+        "calib_tokens": 6}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,12 @@ def test_build_is_deterministic_loads_and_speculation_is_lossless(testbed, tmp_p
                                  temperature=1.0, online=False)
         assert torch.equal(sampled["tokens"], again["tokens"])  # counter-based randomness: reproducible
         assert bool((sampled["tokens"] >= 0).all())
+        # paired frontier: every policy on the verify_all rounds; a pruned policy never accepts more than verify_all
+        rep = testbed.paired(tmp_path / "a", prompts=3, new_tokens=6, seeds=(7,), thresholds=(0.3,),
+                             affine=("0.01,0.002",), log=lambda s: None)
+        for r in rep["rows"]:
+            assert r["tau_vs_verify_all"] <= 1.0 and -1.0 <= r["verified_vs_verify_all"] <= 0.0, r
+        assert {r["policy"] for r in rep["rows"]} == {"verify_all", "threshold[0.3]", "cost[0.01,0.002]"}
     finally:
         torch.set_num_threads(threads)
 
@@ -102,7 +109,8 @@ def test_trained_testbed_accepts_and_stays_lossless(testbed, trained_testbed: Pa
     plain = testbed.generate(model, prompts, 16)
     full = testbed.generate(model, prompts, 16, policy=VerifyPolicy(kind="verify_all"))
     cost = testbed.generate(model, prompts, 16, policy=VerifyPolicy(kind="cost"),
-                            latency=LatencyModel.affine(0.05, 0.001, 64), online=False)
+                            latency=LatencyModel.affine(0.05, 0.001, 64), online=False,
+                            heads=testbed.shipped_heads(trained_testbed))  # the greedy head the build fitted
     assert torch.equal(full["tokens"], plain["tokens"]) and torch.equal(cost["tokens"], plain["tokens"])
     # trained drafter: well above one token per step (random weights give ~1.0)
     assert full["stats"].mean_accepted_length > 2.5

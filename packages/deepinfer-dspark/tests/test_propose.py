@@ -74,6 +74,32 @@ def test_sampled_block_matches_direct_formula():
             prev = tok
 
 
+
+def test_greedy_rows_read_the_greedy_head_and_sts():
+    """A mixed batch: temperature-0 rows are scored by `greedy_confidence` / `greedy_sts`, sampled rows by the
+    sampling head / `sts`; drafts and draft probabilities do not depend on the heads."""
+    block, heads = _random_case(4, seed=5)
+    g = torch.Generator().manual_seed(9)
+    wg = torch.randn(1, heads.confidence.shape[1], generator=g)
+    both = DraftHeads(markov_embed=heads.markov_embed, markov_head=heads.markov_head, confidence=heads.confidence,
+                      sts=(1.0, 2.0), greedy_confidence=wg, greedy_sts=0.5)
+    anchors, pos = torch.tensor([0, 1, 2, 3]), torch.tensor([4, 8, 15, 16])
+    temp, seeds = torch.tensor([0.0, 1.0, 0.0, 0.8]), torch.arange(4, dtype=torch.int64) + 11
+    prop = sample_block(block, both, anchors, pos, temperature=temp, seeds=seeds)
+    plain = sample_block(block, heads, anchors, pos, temperature=temp, seeds=seeds)
+    assert torch.equal(prop.draft_ids, plain.draft_ids) and torch.equal(prop.draft_probs, plain.draft_probs)
+    for b in range(4):
+        prev = [int(anchors[b])] + prop.draft_ids[b, :-1].tolist()
+        for i in range(block.base_logits.shape[1]):
+            x = torch.cat([block.hidden[b, i], heads.markov_embed[prev[i]]])
+            want = (torch.sigmoid(x @ wg[0] / 0.5) if temp[b] == 0
+                    else torch.sigmoid(x @ heads.confidence[0] / (1.0 if i == 0 else 2.0)))
+            assert torch.allclose(prop.confidence[b, i], want, atol=1e-6)
+    # every request greedy (no draft probabilities): the greedy head throughout
+    greedy = sample_block(block, both, anchors, pos)
+    x0 = torch.cat([block.hidden[:, 0], heads.markov_embed[anchors]], -1)
+    assert torch.allclose(greedy.confidence[:, 0], torch.sigmoid(x0 @ wg[0] / 0.5), atol=1e-6)
+
 def test_temperature_sampling_follows_the_corrected_distribution():
     n = 20000
     block, heads = _random_case(1, width=2, seed=3)

@@ -83,3 +83,16 @@ def test_block_and_heads_validation():
         DraftHeads(markov_embed=torch.zeros(5, 2), markov_head=torch.zeros(5, 2), sts=(1.0, 0.0))
     h = DraftHeads(markov_embed=torch.zeros(5, 2), markov_head=torch.zeros(5, 2), sts=(1.0, 2.0))
     assert [h.sts_temperature(i) for i in range(4)] == [1.0, 2.0, 2.0, 2.0]
+
+
+def test_greedy_head_validation():
+    w1 = w2 = torch.zeros(5, 2)
+    with pytest.raises(DSparkInputError, match="greedy_confidence"):  # needs the (sampling) head beside it
+        DraftHeads(markov_embed=w1, markov_head=w2, greedy_confidence=torch.zeros(1, 5))
+    with pytest.raises(DSparkInputError, match="greedy_confidence"):
+        DraftHeads(markov_embed=w1, markov_head=w2, confidence=torch.zeros(1, 5), greedy_confidence=torch.zeros(1, 6))
+    with pytest.raises(DSparkInputError, match="greedy_sts"):
+        DraftHeads(markov_embed=w1, markov_head=w2, greedy_sts=-1.0)
+    h = DraftHeads(markov_embed=w1, markov_head=w2, sts=2.0, greedy_sts=(1.0, 3.0))
+    assert h.has_greedy_head and h.sts_temperature(4) == 2.0 and h.sts_temperature(4, greedy=True) == 3.0
+    assert not DraftHeads(markov_embed=w1, markov_head=w2, sts=2.0).has_greedy_head

@@ -138,3 +138,18 @@ def test_cost_base_tokens_prices_the_whole_step():
     assert ks == sorted(ks) and ks[-1] > ks[0]
     with pytest.raises(DSparkInputError, match="base_tokens"):
         cost_budget(surv, m, LatencyModel.affine(0.01, 0.002, 4096), base_tokens=-1)
+
+
+def test_cost_exact_ignores_profile_peaks_and_greedy_takes_the_global_argmax():
+    a = torch.tensor([[0.9, 0.9, 0.9]])  # survivals of one request; E(K) = 1, 1.9, 2.8, 3.7
+    # a profiled peak at Q = 2 (noise: more tokens never take less time): raw rates 1.0, 0.95, 2.33, 2.85 would stop
+    # the early-stop search at K = 0; the curve it reads is 1.0, 1.2, 1.2, 1.3 (rates rising to K = 3)
+    peak = LatencyModel([1, 2, 3, 4], [1.0, 2.0, 1.2, 1.3])
+    assert cost_budget(a, [3], peak) == 3 == cost_budget(a, [3], peak, exact=False)
+    # a real step (T jumps and stays): the non-anticipating search stops before it (rates 1.0, 0.76, 1.12, 1.48)
+    step = LatencyModel([1, 2, 3, 4], [1.0, 2.5, 2.5, 2.5])
+    assert cost_budget(a, [3], step) == 0
+    # every request greedy: the global argmax (an output-exact choice for deterministic drafts)
+    assert cost_budget(a, [3], step, deterministic=True) == 3
+    got = schedule_verification(VerifyPolicy(kind="cost"), [3], survival=a, latency=step, deterministic=True)
+    assert got.tolist() == [3]

@@ -11,6 +11,7 @@ turns them into drafts (docs/dspark.md "Proposal"):
         d_i      = argmax(logits_i)                          (temperature 0)
                  | inverse-CDF(softmax(logits_i / T), u_i)   (u_i = counter uniform (seed, p + 1 + i, DRAW_DRAFT))
         c_i      = sigmoid(w . [h_i ; e_i] / T_sts[i])       P(d_i accepted | d_<i accepted)
+                   (w, T_sts: the greedy head / STS set for temperature-0 requests when the heads have one)
         prev     = d_i
 """
 
@@ -32,16 +33,21 @@ def markov_bias(heads: DraftHeads, prev: Tensor) -> tuple[Tensor, Tensor]:
     return e, e.float() @ heads.markov_head.float().T
 
 
-def confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, position: int) -> Tensor | None:
+def confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, position: int, greedy: Tensor | None = None) -> Tensor | None:
     """`[B] float32` c = sigmoid(w . [h ; e] / T_sts[position]); None without a confidence head.
 
     hidden `[B, d]` is the PRE-norm head input of the block position, e `[B, r]` the markov embed of the token
-    before the drafted one."""
+    before the drafted one. greedy `[B] bool`: rows decoded at temperature 0, scored with the greedy head and STS
+    set when the heads have them (`DraftHeads.greedy_confidence` / `greedy_sts`); None = all rows sampled."""
     if heads.confidence is None:
         return None
     x = torch.cat([hidden.float(), e.float()], dim=-1)
-    z = x @ heads.confidence.float().reshape(-1)
-    return torch.sigmoid(z / heads.sts_temperature(position))
+    c = torch.sigmoid((x @ heads.confidence.float().reshape(-1)) / heads.sts_temperature(position))
+    if greedy is None or not heads.has_greedy_head:
+        return c
+    w = heads.confidence if heads.greedy_confidence is None else heads.greedy_confidence
+    cg = torch.sigmoid((x @ w.float().reshape(-1)) / heads.sts_temperature(position, greedy=True))
+    return torch.where(greedy.to(c.device), cg, c)
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -90,6 +96,8 @@ def sample_block(
     prev = anchor_ids.to(device, torch.int64)
     ids, probs, logits_out, conf = [], [], [], []
     safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
+    # greedy requests read the greedy head / STS set (when the heads have one); one host read per round
+    greedy_rows = ~sampled if heads.has_greedy_head and not (any_sampled and bool(sampled.all())) else None
     for i in range(width):
         e, bias = markov_bias(heads, prev)
         logits = base[:, i].float() + bias
@@ -102,7 +110,7 @@ def sample_block(
             probs.append(torch.where(sampled[:, None], p, one_hot))
         else:
             tok = greedy_tok
-        c = confidence(heads, hidden[:, i], e, i)
+        c = confidence(heads, hidden[:, i], e, i, greedy=greedy_rows)
         if c is not None:
             conf.append(c)
         if keep_logits:

@@ -110,12 +110,18 @@ class DraftHeads:
     confidence: `[1, d + r]` or `[d + r]` Confidence Head weight (no bias), None when the checkpoint has none.
     sts: per-position temperature of the confidence logit (post-hoc STS calibration): one float for every
         position or one per block position; 1.0 = uncalibrated.
+    greedy_confidence: `[1, d + r]` or `[d + r]` a second head for requests decoded at temperature 0 (greedy
+        acceptance is argmax agreement, not the sampling acceptance sum_v min(p, q) that `confidence` estimates);
+        None = greedy requests use `confidence`. Requires `confidence`.
+    greedy_sts: the STS temperature(s) of greedy requests (whichever head serves them); None = `sts`.
     """
 
     markov_embed: Tensor
     markov_head: Tensor
     confidence: Tensor | None = None
     sts: float | tuple[float, ...] = 1.0
+    greedy_confidence: Tensor | None = None
+    greedy_sts: float | tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         w1, w2 = self.markov_embed, self.markov_head
@@ -124,19 +130,37 @@ class DraftHeads:
                 f"DraftHeads: markov_embed / markov_head must both be [V, r], found {tuple(w1.shape)} / "
                 f"{tuple(w2.shape)}"
             )
-        c = self.confidence
-        if c is not None and (c.dim() not in (1, 2) or (c.dim() == 2 and c.shape[0] != 1) or c.numel() <= w1.shape[1]):
+        for name in ("confidence", "greedy_confidence"):
+            c = getattr(self, name)
+            if c is not None and (c.dim() not in (1, 2) or (c.dim() == 2 and c.shape[0] != 1) or c.numel() <= w1.shape[1]):
+                raise DSparkInputError(
+                    f"DraftHeads.{name}: expected [1, d + r] or [d + r] with r = {w1.shape[1]}, found {tuple(c.shape)}"
+                )
+        g = self.greedy_confidence
+        if g is not None and (self.confidence is None or g.numel() != self.confidence.numel()):
+            found = None if self.confidence is None else tuple(self.confidence.shape)
             raise DSparkInputError(
-                f"DraftHeads.confidence: expected [1, d + r] or [d + r] with r = {w1.shape[1]}, found {tuple(c.shape)}"
+                f"DraftHeads.greedy_confidence: expected beside a confidence head of the same size {tuple(g.shape)}, "
+                f"found confidence {found}"
             )
-        temps = self.sts if isinstance(self.sts, tuple) else (self.sts,)
-        if not temps or any(not isinstance(t, (int, float)) or not t > 0 for t in temps):
-            raise DSparkInputError(f"DraftHeads.sts: expected temperatures > 0, found {self.sts!r}")
+        for name in ("sts", "greedy_sts"):
+            value = getattr(self, name)
+            if value is None and name == "greedy_sts":
+                continue
+            temps = value if isinstance(value, tuple) else (value,)
+            if not temps or any(not isinstance(t, (int, float)) or not t > 0 for t in temps):
+                raise DSparkInputError(f"DraftHeads.{name}: expected temperatures > 0, found {value!r}")
 
-    def sts_temperature(self, position: int) -> float:
-        if isinstance(self.sts, tuple):
-            return float(self.sts[min(position, len(self.sts) - 1)])
-        return float(self.sts)
+    @property
+    def has_greedy_head(self) -> bool:
+        """Whether greedy requests are scored differently from sampled ones (own head or own STS set)."""
+        return self.greedy_confidence is not None or self.greedy_sts is not None
+
+    def sts_temperature(self, position: int, *, greedy: bool = False) -> float:
+        sts = self.greedy_sts if greedy and self.greedy_sts is not None else self.sts
+        if isinstance(sts, tuple):
+            return float(sts[min(position, len(sts) - 1)])
+        return float(sts)
 
 
 @runtime_checkable

@@ -16,6 +16,11 @@ E(K) = S + (sum of the K largest survivals); its expected time is T(Q) from `Lat
   - exact=False the global argmax of E(K)/T(K) over all K (optimal for any curve, e.g. jagged CUDA-graph buckets)
     but anticipating: with sampling it biases the output unless the survivals that choose K are a round older
     than the drafts (use `cost_budget` on last round's survivals, then `allocate` with this round's).
+  - deterministic=True (every request of the step greedy): the drafts are not random, so no choice of K can bias
+    the output (greedy verification emits the target's argmax whatever is verified); the global argmax is used.
+  The early-stop search reads the largest non-decreasing curve below T (T'(Q) = min over Q' >= Q of T(Q')): a step
+  over more tokens never takes less time, and interference only adds time, so a profiled point above a later one
+  is noise; left in, such a peak makes E/T non-unimodal and stops the search at a false local optimum.
 """
 
 from __future__ import annotations
@@ -184,11 +189,13 @@ def cost_budget(
     *,
     exact: bool = True,
     base_tokens: int = 0,
+    deterministic: bool = False,
 ) -> int:
     """K, the number of drafts to verify in the whole batch (module docstring); 0 <= K <= sum(max_drafts).
 
     base_tokens: query tokens the same step processes besides the S anchors and the K drafts (prefill chunks,
-    requests that do not speculate): the step time is T(base_tokens + S + K)."""
+    requests that do not speculate): the step time is T(base_tokens + S + K).
+    deterministic: every request is greedy (module docstring): the global argmax, as exact=False."""
     m = _check(survival, max_drafts)
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
@@ -200,9 +207,9 @@ def cost_budget(
     expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])  # E(K), K = 0..C
     q0 = base_tokens + batch
     seconds = latency.curve(q0 + vals.numel(), vals.device)[q0 + k]  # T(base + S + K)
-    rate = expected / seconds
-    if not exact:
-        return int(torch.argmax(rate))  # first maximum
+    if not exact or deterministic:
+        return int(torch.argmax(expected / seconds))  # first maximum
+    rate = expected / torch.flip(torch.cummin(torch.flip(seconds, (0,)), 0).values, (0,))
     worse = rate[1:] <= rate[:-1]  # adding candidate K+1 does not improve the rate
     return int(torch.argmax(worse.to(torch.int8))) if bool(worse.any()) else vals.numel()
 
@@ -214,12 +221,14 @@ def schedule_verification(
     survival: Tensor | None = None,
     latency: LatencyModel | None = None,
     base_tokens: int = 0,
+    deterministic: bool = False,
 ) -> Tensor:
     """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]).
 
     max_drafts: `[B]` upper bounds per request (block size, or fewer near max_tokens / the context limit).
     survival: `[B, N]` a = cumprod(confidence) (`DraftProposal.survival()`); required by threshold and cost.
     latency: required by cost. base_tokens: the step's other query tokens (`cost_budget`).
+    deterministic: every request of the step is greedy (`cost_budget`).
     """
     if policy.kind == "verify_all":
         m = torch.as_tensor(max_drafts, dtype=torch.int64)
@@ -235,4 +244,5 @@ def schedule_verification(
         return torch.cumprod(ok.to(torch.int64), dim=1).sum(1)
     if latency is None:
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
-    return allocate(survival, m, cost_budget(survival, m, latency, exact=policy.exact, base_tokens=base_tokens))
+    k = cost_budget(survival, m, latency, exact=policy.exact, base_tokens=base_tokens, deterministic=deterministic)
+    return allocate(survival, m, k)

@@ -285,3 +285,39 @@ def test_non_finite_verify_logits_fail_only_that_request(v41_spec) -> None:
     assert calls[1] != calls[0]  # the poisoned step was a verify step after the prefill
     (again,) = v41_spec.generate([PROMPTS[0]], sp, use_tqdm=False)  # the engine stays usable
     assert again.error is None and len(again.outputs[0].token_ids) == 6
+
+
+def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp_path, v41_reference) -> None:
+    """dspark_confidence.safetensors (a greedy head + its STS set) and dspark_sts.json beside the weights: the drafter
+    scores greedy requests with that head, sampled ones with the checkpoint's head; greedy output is unchanged.
+    A head of the wrong size is a ConfigError."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path = make_checkpoint(tmp_path / "v41", "v41", "tiny", 0)  # the same checkpoint as ckpts["v41"]
+    text = json.loads((path / "config.json").read_text())["text_config"]
+    width = text["hidden_size"] + text["dspark_markov_rank"]  # the Confidence Head reads [h ; e]
+    head = torch.linspace(-1, 1, width).reshape(1, width)
+    save_file({"greedy": head, "greedy_sts": torch.tensor([1.0, 2.0])}, str(path / "dspark_confidence.safetensors"))
+    (path / "dspark_sts.json").write_text(json.dumps({"sampling": [0.5, 0.75], "greedy": 3.0}))
+    llm = _llm(path, speculative_config={"method": "dspark", "policy": "threshold", "threshold": 0.3})
+    heads = llm.engine.runner.spec.drafter.heads
+    assert torch.equal(heads.greedy_confidence.cpu(), head) and heads.greedy_sts == (1.0, 2.0)
+    assert heads.sts == (0.5, 0.75)  # the json's greedy set belongs to the checkpoint's head: replaced here
+    out = _ids(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), use_tqdm=False))
+    assert out == v41_reference
+    assert llm.engine.runner.spec.stats.num_verified_tokens > 0
+    save_file({"greedy": torch.zeros(1, width + 1)}, str(path / "dspark_confidence.safetensors"))
+    with pytest.raises(ConfigError, match="Confidence Head calibration"):
+        _llm(path, speculative_config={"method": "dspark"})
+    from deepinfer_engine.worker.spec_decode import confidence_files
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "dspark_sts.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="invalid JSON"):
+        confidence_files(tmp_path / "bad", torch.device("cpu"))
+    (tmp_path / "bad" / "dspark_sts.json").write_text(json.dumps({"greedy": "hot"}))
+    with pytest.raises(ConfigError, match="expected a temperature"):
+        confidence_files(tmp_path / "bad", torch.device("cpu"))
+    assert confidence_files(tmp_path / "missing", torch.device("cpu")) == ({}, None)

@@ -29,16 +29,26 @@ class StageDrafter:
     block_tables: `[S, blocks] int32` of the S cache slots the drafter may serve; `slots` (`[B] int64`, default
     all S in order) names the slot of each request of the current round, row b of `draft_block`'s anchors.
     sts: the Confidence Head's STS temperature(s) (1.0 = uncalibrated; `DraftHeads.sts`).
+    greedy_confidence: `[1, d + r]` a Confidence Head for temperature-0 requests (shipped beside the checkpoint,
+        docs/dspark.md "Confidence heads"); None = the checkpoint's head serves every request.
+    greedy_sts: STS temperature(s) of temperature-0 requests; None = `sts`.
     """
 
     def __init__(
-        self, model: nn.Module, cache: ModelCache, block_tables: Tensor, *, sts: float | tuple[float, ...] = 1.0
+        self,
+        model: nn.Module,
+        cache: ModelCache,
+        block_tables: Tensor,
+        *,
+        sts: float | tuple[float, ...] = 1.0,
+        greedy_confidence: Tensor | None = None,
+        greedy_sts: float | tuple[float, ...] | None = None,
     ) -> None:
         last = dspark.draft_stages(model)[-1]  # InputError when the model has no DSpark stages
         self.model, self.cache, self.block_tables = model, cache, block_tables
         self.slots = torch.arange(block_tables.shape[0], device=block_tables.device)
         self._last = last
-        self._heads = self._make_heads(sts)
+        self.set_heads(sts=sts, greedy_confidence=greedy_confidence, greedy_sts=greedy_sts)
         # optional host copy of the round (slots, anchor ids, anchor positions) set by the caller with `slots`
         self.round_host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
 
@@ -47,13 +57,24 @@ class StageDrafter:
         return DraftHeads(
             markov_embed=last.markov_head.w1, markov_head=last.markov_head.w2,
             confidence=last.confidence_head.proj.weight, sts=sts,
+            greedy_confidence=self._greedy_confidence, greedy_sts=self._greedy_sts,
         )  # fmt: skip
 
-    def use_sts(self, sts: float | tuple[float, ...]) -> None:
-        """Switch the Confidence Head's STS temperatures (e.g. per decoding mode: greedy and sampled requests
-        accept differently, docs/dspark.md "Proposal")."""
-        if sts != self._heads.sts:
-            self._heads = self._make_heads(sts)
+    def set_heads(
+        self,
+        *,
+        sts: float | tuple[float, ...] = 1.0,
+        greedy_confidence: Tensor | None = None,
+        greedy_sts: float | tuple[float, ...] | None = None,
+    ) -> None:
+        """Replace the confidence calibration (constructor arguments of the same names), e.g. a benchmark that
+        compares the checkpoint's head alone with the shipped greedy head."""
+        weight = self._last.confidence_head.proj.weight
+        self._greedy_confidence = (
+            None if greedy_confidence is None else greedy_confidence.to(weight.device, torch.float32).reshape(1, -1)
+        )
+        self._greedy_sts = greedy_sts
+        self._heads = self._make_heads(sts)
 
     @property
     def block_size(self) -> int:

@@ -36,6 +36,7 @@ import torch
 from deepinfer_dspark import (
     AcceptanceStats,
     DraftProposal,
+    DSparkInputError,
     LatencyModel,
     VerifyPolicy,
     propose,
@@ -79,7 +80,6 @@ class SpecDecoder:
     drafter: the DraftModel, with `slots` (the cache slot of each request of a round) and
         `insert_context(batch, features)` (writes the draft rings for accepted positions).
     capture: target layer ids whose features the drafter reads (the forward captures them).
-    sts: STS temperatures of the Confidence Head per decoding mode ("greedy" / "sampling"), {} = none.
     """
 
     def __init__(
@@ -91,7 +91,6 @@ class SpecDecoder:
         capture: tuple[int, ...],
         max_position: int,
         online_latency: bool = True,
-        sts: Mapping[str, float | tuple[float, ...]] | None = None,
     ) -> None:
         self.drafter = drafter
         self.policy = policy
@@ -101,7 +100,6 @@ class SpecDecoder:
         self.online_latency = online_latency
         self.block_size = int(drafter.block_size)
         self.stats = AcceptanceStats(self.block_size)
-        self.sts = dict(sts or {})
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None) -> None:
@@ -152,9 +150,6 @@ class SpecDecoder:
                              dtype=torch.float32).to(device)
         self.drafter.slots = slots
         self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
-        mode = "greedy" if all(rnd.greedy) else "sampling"
-        if hasattr(self.drafter, "use_sts"):
-            self.drafter.use_sts(self.sts.get(mode, 1.0))
         prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
                        seeds=None if all(rnd.greedy) else rnd.seeds)
         base = sum(c.num_tokens for c in chunks if c.req_id not in rnd.index)
@@ -167,7 +162,7 @@ class SpecDecoder:
         n = self.block_size
         m = schedule_verification(self.policy, torch.from_numpy(host[:, 3].copy()),
                                   survival=None if surv is None else wide[:, n:].to(torch.float32),
-                                  latency=self.latency, base_tokens=base)
+                                  latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy))
         ids = wide[:, :n].to(torch.int64).tolist()
         rnd.drafts_host = [int(k) for k in m.tolist()]
         rnd.proposal, rnd.num_drafts = prop, m.to(device)
@@ -341,13 +336,65 @@ def profile_target_latency(
     return LatencyModel.profile(step, sizes, warmup=1, repeats=repeats, ema=ema)
 
 
+STS_FILE = "dspark_sts.json"
+CONFIDENCE_FILE = "dspark_confidence.safetensors"
+
+
+def confidence_files(model_dir: Any, device: torch.device) -> tuple[dict[str, Any], Tensor | None]:
+    """The Confidence Head calibration shipped beside the weights (docs/dspark.md "Confidence heads"):
+    (`{"greedy" | "sampling": STS temperature(s)}`, the greedy head `[1, d + r] float32` or None).
+
+    `dspark_sts.json` holds the STS sets of the checkpoint's own head (`sampling`; `greedy` = that head serving
+    greedy requests); `dspark_confidence.safetensors` a separate greedy head (`greedy` `[1, d + r]`) and its STS set
+    (`greedy_sts` `[N]`, default 1), which then replaces the json's greedy set. Missing files mean none; a
+    malformed one raises ConfigError."""
+    import json
+    from pathlib import Path
+
+    from deepinfer_engine.errors import ConfigError
+
+    if model_dir is None:
+        return {}, None
+    sts: dict[str, Any] = {}
+    sts_file = Path(model_dir) / STS_FILE
+    if sts_file.exists():
+        try:
+            raw = json.loads(sts_file.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{sts_file}: found invalid JSON ({err}), expected {{\"greedy\" | \"sampling\": "
+                              "temperatures}; fix: refit it (scripts/dspark_testbed.py) or delete the file") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{sts_file}: found {type(raw).__name__}, expected an object; fix: refit or delete it")
+        for mode, v in raw.items():
+            if mode not in ("greedy", "sampling"):
+                continue
+            ok = isinstance(v, (int, float)) or (isinstance(v, list) and v and all(isinstance(t, (int, float)) for t in v))
+            if not ok:
+                raise ConfigError(f"{sts_file}: {mode!r} found {v!r}, expected a temperature or a list of them; "
+                                  "fix: refit it (scripts/dspark_testbed.py) or delete the file")
+            sts[mode] = tuple(float(t) for t in v) if isinstance(v, list) else float(v)
+    head = None
+    head_file = Path(model_dir) / CONFIDENCE_FILE
+    if head_file.exists():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(head_file))
+        head = tensors.get("greedy")
+        if head is None or head.dim() not in (1, 2) or not head.dtype.is_floating_point:
+            found = None if head is None else f"{tuple(head.shape)} {head.dtype}"
+            raise ConfigError(f"{head_file}: tensor 'greedy' found {found}, expected a [1, d + r] float head; "
+                              "fix: rebuild it (scripts/dspark_testbed.py build) or delete the file")
+        head = head.to(device, torch.float32).reshape(1, -1)
+        t = tensors.get("greedy_sts")
+        sts["greedy"] = 1.0 if t is None else tuple(float(x) for x in t.reshape(-1).tolist())
+    return sts, head
+
+
 def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, num_pages: int,
                        device: torch.device) -> tuple[SpecDecoder, int]:
     """The engine's speculative decoder for `config.speculative` (method "dspark": the checkpoint's DSpark
     stages behind `StageDrafter`) and the drafts per step the scheduler reserves. ConfigError when the
     checkpoint cannot serve the method or the cache cannot roll back that many drafts."""
-    import json
-    from pathlib import Path
 
     from deepinfer_engine.config import affine_latency
     from deepinfer_engine.errors import ConfigError
@@ -370,14 +417,15 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         raise ConfigError(f"num_speculative_tokens: found {k}, expected <= the cache rollback slack + 1 "
                           f"({cache.slack + 1}): a rejected tail must not overwrite rows the next step reads")
     policy = VerifyPolicy(kind=spec.speculative_policy, threshold=float(spec.speculative_threshold))
-    sts: dict[str, Any] = {}
-    sts_file = Path(model_dir) / "dspark_sts.json" if model_dir is not None else None
-    if sts_file is not None and sts_file.exists():  # post-hoc Confidence Head calibration shipped with the weights
-        raw = json.loads(sts_file.read_text())
-        sts = {mode: tuple(float(t) for t in v) if isinstance(v, list) else float(v) for mode, v in raw.items()
-               if mode in ("greedy", "sampling")}
+    sts, greedy_head = confidence_files(model_dir, device)
     tables = torch.full((cache.num_slots, 1), -1, dtype=torch.int32, device=device)  # the stages own no pages
-    drafter = StageDrafter(model, cache, tables)
+    # greedy requests read their own head / STS set per row (DraftHeads.greedy_*), so a mixed batch needs no switch
+    try:
+        drafter = StageDrafter(model, cache, tables, sts=sts.get("sampling", 1.0), greedy_confidence=greedy_head,
+                               greedy_sts=sts.get("greedy"))
+    except DSparkInputError as err:
+        raise ConfigError(f"{model_dir}: the shipped Confidence Head calibration does not fit this checkpoint "
+                          f"({err}); fix: rebuild it for this checkpoint or delete {STS_FILE} / {CONFIDENCE_FILE}") from err
     if policy.kind in ("threshold", "cost") and drafter.heads.confidence is None:
         raise ConfigError(f"speculative_policy: found {policy.kind!r}, but the checkpoint has no Confidence Head; "
                           "use verify_all")
@@ -396,7 +444,7 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
                 cache.reset_slot(s)
                 cache.high_water[s] = 0
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
-                          max_position=int(args.max_position_embeddings), online_latency=online, sts=sts)
+                          max_position=int(args.max_position_embeddings), online_latency=online)
     return decoder, k
 
 
