@@ -106,6 +106,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stats = GraphStats()
         self._pool = None
+        self._pools: list = []  # every pool graphs were captured into (a failed capture starts a new one)
         self._stream: torch.cuda.Stream | None = None
         self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
 
@@ -130,6 +131,10 @@ class CudaGraphRunner:
                 g = self._capture(*shape)
             except RuntimeError as exc:  # torch reports capture violations as RuntimeError
                 torch.cuda.synchronize(self.device)
+                # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
+                # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
+                # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
+                self._pool = self._stream = None
                 self.failed[shape] = f"{type(exc).__name__}: {exc}"
                 logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
                 return None
@@ -145,15 +150,15 @@ class CudaGraphRunner:
         return g.logits[: batch.num_seqs]
 
     def pool_bytes(self) -> int:
-        """Device memory reserved by the graphs' shared pool (allocator segments of that pool), -1 when this
+        """Device memory reserved by the graphs' pools (allocator segments of those pools), -1 when this
         torch's memory snapshot does not name segment pools. Reads the allocator state: not for a hot path."""
-        if self._pool is None:
+        if not self._pools:
             return 0
         segs = torch.cuda.memory_snapshot()
         if segs and "segment_pool_id" not in segs[0]:
             return -1
-        pool = tuple(self._pool)
-        return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) == pool)
+        pools = {tuple(p) for p in self._pools}
+        return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) in pools)
 
     def _forward(self, step: StaticDecodeStep) -> Tensor:
         return self.model.forward_features(None, self.cache, static=step).logits
@@ -163,6 +168,7 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+            self._pools.append(self._pool)
             self._stream = torch.cuda.Stream(self.device)
         # all rows padding while warming up and capturing: only the scratch slot / page are written
         step = StaticDecodeStep(self.cache, B, L, self.device)
