@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-HBM_BPS = 4.8e12  # H200 datasheet (copy measured 4.3 TB/s here: KINDS.md)
+HBM_BPS = 4.8e12  # H200 datasheet (the copy bandwidth measured on our H200 is 4.1-4.3 TB/s: docs/perf.md)
 PEAK_FLOPS = 790e12  # H200 dense bf16 measured 769-798 TFLOP/s
 L2_BYTES = 60 * 2**20
 V41 = {"heads": 64, "head_dim": 512, "window": 128, "topk": 512, "hc_mult": 4, "hidden": 5120, "experts": 384}

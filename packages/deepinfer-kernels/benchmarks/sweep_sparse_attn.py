@@ -22,12 +22,12 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
+import bench_kernels  # the sibling script (this directory is on sys.path when run as a script)
 import torch
 
 H, D, WINDOW, TOPK = 64, 512, 128, 512
@@ -87,27 +87,8 @@ def _inputs(t: int, form: str, sets: int, g: torch.Generator, pool: torch.Tensor
 
 
 def _time_graph(calls, reps: int = 3, trials: int = 3) -> float:
-    """Median microseconds per call from replays of one CUDA graph that runs every call once."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / (reps * len(calls)))
-    del graph
-    return statistics.median(samples)
+    """Median microseconds per call from replays of one CUDA graph (bench_kernels' timer, fewer trials)."""
+    return bench_kernels._time_graph(calls, reps=reps, trials=trials)
 
 
 def _warm(job: tuple[str | None, dict[str, Any]]) -> str:
