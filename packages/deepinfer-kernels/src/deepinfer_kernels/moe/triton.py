@@ -108,18 +108,20 @@ mov.b32 {$6, $7}, t;
 
 
 @triton.jit
+def _per_word(m, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """bf16 bits [BLOCK_N, BLOCK_K/32] per 32-code scale group -> the bf16x2 word (both lanes) of every 8-code
+    word of its group, [BLOCK_N, BLOCK_K/8] int32."""
+    m2 = m | (m << 16)
+    return tl.reshape(tl.broadcast_to(m2[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+
+
+@triton.jit
 def _e2m1_words_bf16(w, sb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 ->
     [BLOCK_N, BLOCK_K] bf16 exact weights (GPU only: inline PTX)."""
     b = sb.to(tl.int32)
-    m1 = (tl.minimum(b, 128) + 126) << 7
-    m2 = (tl.maximum(b, 128) - 1) << 7
-    m1 = tl.reshape(
-        tl.broadcast_to((m1 | (m1 << 16))[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8]
-    )
-    m2 = tl.reshape(
-        tl.broadcast_to((m2 | (m2 << 16))[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8]
-    )
+    m1 = _per_word((tl.minimum(b, 128) + 126) << 7, BLOCK_N, BLOCK_K)
+    m2 = _per_word((tl.maximum(b, 128) - 1) << 7, BLOCK_N, BLOCK_K)
     n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
         _E2M1X8_TO_BF16,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
