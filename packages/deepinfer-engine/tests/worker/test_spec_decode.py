@@ -321,3 +321,26 @@ def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp
     with pytest.raises(ConfigError, match="expected a temperature"):
         confidence_files(tmp_path / "bad", torch.device("cpu"))
     assert confidence_files(tmp_path / "missing", torch.device("cpu")) == ({}, None)
+
+
+def test_cost_policy_explores_large_verify_steps(v41_reference, v41_spec) -> None:
+    """A start-up curve that overstates large verify steps (here: 10 s per verified token) makes the cost policy
+    verify almost nothing, and the online correction alone only sees the small steps it picks: every
+    explore_every-th round verifies every draft instead. Outputs stay lossless either way."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+
+    spec = v41_spec.engine.runner.spec
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    verified = {}
+    try:
+        for every in (0, 2):
+            spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 10.0, 64), online_latency=True)
+            spec.explore_every, explored = every, spec.explored
+            spec.reset_stats()
+            assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+            verified[every] = spec.stats.num_verified_tokens
+            assert (spec.explored > explored) == (every > 0)
+    finally:
+        spec.explore_every = 32
+        _use_policy(v41_spec, "verify_all")
+    assert verified[2] > verified[0], verified

@@ -80,6 +80,10 @@ class SpecDecoder:
     drafter: the DraftModel, with `slots` (the cache slot of each request of a round) and
         `insert_context(batch, features)` (writes the draft rings for accepted positions).
     capture: target layer ids whose features the drafter reads (the forward captures them).
+    explore_every: with the cost policy and online latency correction, every explore_every-th round verifies
+        every draft (0 = never). The online correction only moves the curve near the step sizes the policy
+        picks; a start-up profile that overstates the cost of large verify steps would otherwise never be
+        corrected there (seen on the H200: docs/perf.md, DSpark policies on the H200).
     """
 
     def __init__(
@@ -91,13 +95,19 @@ class SpecDecoder:
         capture: tuple[int, ...],
         max_position: int,
         online_latency: bool = True,
+        explore_every: int = 32,
     ) -> None:
+        if explore_every < 0:
+            raise ValueError(f"SpecDecoder.explore_every: expected >= 0, found {explore_every}")
         self.drafter = drafter
         self.policy = policy
         self.latency = latency
         self.capture = tuple(capture)
         self.max_position = int(max_position)
         self.online_latency = online_latency
+        self.explore_every = int(explore_every)
+        self.rounds = 0  # rounds that verified drafts (the exploration schedule counts these)
+        self.explored = 0
         self.block_size = int(drafter.block_size)
         self.stats = AcceptanceStats(self.block_size)
 
@@ -160,7 +170,13 @@ class SpecDecoder:
             [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
         wide = wide.cpu()  # the one host read before the forward
         n = self.block_size
-        m = schedule_verification(self.policy, torch.from_numpy(host[:, 3].copy()),
+        self.rounds += 1
+        policy = self.policy
+        if (policy.kind == "cost" and self.online_latency and self.latency is not None and self.explore_every
+                and self.rounds % self.explore_every == 0):
+            policy = VerifyPolicy(kind="verify_all")  # sample the curve at the large step sizes too
+            self.explored += 1
+        m = schedule_verification(policy, torch.from_numpy(host[:, 3].copy()),
                                   survival=None if surv is None else wide[:, n:].to(torch.float32),
                                   latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy))
         ids = wide[:, :n].to(torch.int64).tolist()
