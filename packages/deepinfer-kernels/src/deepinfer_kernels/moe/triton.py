@@ -72,39 +72,26 @@ def _e8m0(b):
 # value * 2^-126 (e = 0 lands on bf16 subnormals, which bf16 fma keeps), then two bf16x2 multiplies (fma adding -0,
 # which sm_80 has) by 2^(min(b, 128) - 1) and 2^(max(b, 128) - 128) apply the UE8M0 scale 2^(b - 127) and the
 # 2^126 exactly for every code b (one multiplier alone would overflow bf16 for b > 128).
-_E2M1X8_TO_BF16 = tl.constexpr("""
-{
-.reg .b32 a, b, t, z;
-mov.b32 z, 0x80008000;
-shl.b32 a, $8, 6;
-shl.b32 b, $8, 12;
-lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
-lop3.b32 t, b, 0x80008000, t, 0xEA;
-fma.rn.bf16x2 t, t, $9, z;
-fma.rn.bf16x2 t, t, $10, z;
-mov.b32 {$0, $1}, t;
-shl.b32 a, $8, 2;
-shl.b32 b, $8, 8;
-lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
-lop3.b32 t, b, 0x80008000, t, 0xEA;
-fma.rn.bf16x2 t, t, $9, z;
-fma.rn.bf16x2 t, t, $10, z;
-mov.b32 {$2, $3}, t;
-shr.b32 a, $8, 2;
-shl.b32 b, $8, 4;
-lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
-lop3.b32 t, b, 0x80008000, t, 0xEA;
-fma.rn.bf16x2 t, t, $9, z;
-fma.rn.bf16x2 t, t, $10, z;
-mov.b32 {$4, $5}, t;
-shr.b32 a, $8, 6;
-lop3.b32 t, a, 0x01C001C0, 0, 0xC0;
-lop3.b32 t, $8, 0x80008000, t, 0xEA;
-fma.rn.bf16x2 t, t, $9, z;
-fma.rn.bf16x2 t, t, $10, z;
-mov.b32 {$6, $7}, t;
-}
-""")
+def _e2m1x8_ptx() -> str:
+    """The PTX of the comment above: one block per nibble pair (n_k, n_k+4), k = 0..3, whose magnitude bits sit
+    at 4k..4k+2 (and +16) and go to 6..8, and whose sign bit 4k+3 (and +16) goes to 15."""
+    lines = ["{", ".reg .b32 a, b, t, z;", "mov.b32 z, 0x80008000;"]
+    for k in range(4):
+        mag, sign = 6 - 4 * k, 12 - 4 * k  # left shifts (a negative magnitude shift is a right shift)
+        lines.append(f"shl.b32 a, $8, {mag};" if mag > 0 else f"shr.b32 a, $8, {-mag};")
+        if sign:
+            lines.append(f"shl.b32 b, $8, {sign};")
+        lines += [
+            "lop3.b32 t, a, 0x01C001C0, 0, 0xC0;",  # magnitudes: a & mask
+            f"lop3.b32 t, {'b' if sign else '$8'}, 0x80008000, t, 0xEA;",  # | signs & mask
+            "fma.rn.bf16x2 t, t, $9, z;",
+            "fma.rn.bf16x2 t, t, $10, z;",
+            f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;",
+        ]
+    return "\n".join(["", *lines, "}", ""])
+
+
+_E2M1X8_TO_BF16 = tl.constexpr(_e2m1x8_ptx())
 
 
 @triton.jit
