@@ -3,7 +3,7 @@ the same run, beside the bytes bound measured on the same device, and the whole 
 CUDA-graph replay on a GPU + sampler, as `deepinfer bench latency` times it).
 
     python scripts/bench_hf_peer.py --model DIR [--device cuda] [--batch 1,32] [--prefill-len 1024]
-        [--decode-steps 16] [--iters 3] [--output-json FILE]
+        [--decode-steps 16] [--iters 3] [--async-scheduling] [--output-json FILE]
 
 DIR is a V4 checkpoint (e.g. `deepinfer make-checkpoint --arch v4 --preset layers-3 --device cuda --out DIR`).
 Both models run in bf16 from the same weights (HF gets the dequantized checkpoint, as its loader does). Per batch
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="the engine column with asynchronous scheduling (the forward columns are unaffected)")
     p.add_argument("--output-json")
     return p.parse_args(argv)
 
@@ -104,11 +106,14 @@ def engine_decode_steps(model_dir: Path, rows: list[dict[str, Any]], ns: argpars
     from deepinfer_engine import LLM
     from deepinfer_engine.bench import decode_roofline
 
-    llm = LLM(str(model_dir), device=ns.device, dtype="bfloat16", max_num_seqs=max(r["batch"] for r in rows))
+    llm = LLM(str(model_dir), device=ns.device, dtype="bfloat16", max_num_seqs=max(r["batch"] for r in rows),
+              async_scheduling=ns.async_scheduling)
     rep = decode_roofline(llm, batch_sizes=[r["batch"] for r in rows], input_len=ns.prefill_len,
                           steps=ns.decode_steps)
     for row, er in zip(rows, rep["rows"], strict=True):
         row["engine_step_ms"] = er["step_s"] * 1e3
+        if "forward_s" in er:
+            row["engine_forward_ms"] = er["forward_s"] * 1e3
         print(f"  engine B={row['batch']}: {row['engine_step_ms']:.2f} ms/step", file=sys.stderr, flush=True)
     llm.close()
     del llm
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(ns.output_json).write_text(json.dumps(
             {"env": env_info(device), "model": str(model_dir), "hf": hf_note, "copy_bandwidth_Bps": copy_bw,
              "bf16_matmul_flops": mm, "prefill_len": ns.prefill_len, "decode_steps": ns.decode_steps,
+             "engine_async_scheduling": ns.async_scheduling,
              "rows": rows}, indent=2) + "\n")
     return 0
 

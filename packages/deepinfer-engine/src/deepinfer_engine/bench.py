@@ -222,12 +222,16 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
     }
 
 
-def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0) -> list[float]:
+def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0,
+                        forward_only: dict[str, float] | None = None) -> list[float]:
     """Wall time of `steps` pure decode steps of one batch in which all `batch_size` sequences decode, through
     the engine's step loop: schedule + forward + sampling + the step's one host read, i.e. what a user waits per
     token. Chunked prefill lets the first-prefilled sequences decode beside later prompts, so each request gets
     enough tokens to still be running when the last prompt is done; steps with a prompt chunk, or with fewer
-    sequences decoding, are not timed, and the batch is aborted once `steps` were timed."""
+    sequences decoding, are not timed, and the batch is aborted once `steps` were timed.
+
+    `forward_only` (a dict) receives "forward_s": the median device time of the last step's CUDA graph replayed
+    alone (no scheduling, host plan, sampling or host read), when that step ran from a graph."""
     eng = llm.engine
     vocab = int(getattr(eng.args, "vocab_size", 129280))
     prompts = _random_prompts(batch_size, input_len, vocab, seed, eng.bos_token_id)
@@ -245,6 +249,11 @@ def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int
         dt = time.perf_counter() - t0
         if eng.total.prefill_tokens == prefilled and eng.total.decode_tokens - decoded == batch_size:
             times.append(dt)
+    graphs = getattr(eng.runner, "cuda_graphs", None)
+    if forward_only is not None and graphs is not None and times:
+        fwd = graphs.replay_seconds()
+        if fwd is not None and graphs.last_shape is not None and graphs.last_shape[0] >= batch_size:
+            forward_only["forward_s"] = fwd
     eng.abort_request(ids)
     while eng.has_unfinished_requests():
         eng.step()
@@ -263,27 +272,35 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
     rows = []
     for b in batch_sizes:
         decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=2, seed=seed + 1)  # warm-up
-        times = decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=steps, seed=seed)
+        fwd: dict[str, float] = {}
+        times = decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=steps, seed=seed, forward_only=fwd)
         step = statistics.median(times)
         nbytes = decode_step_bytes(llm.engine.args, b, input_len + steps // 2, kv_format)  # type: ignore[arg-type]
         bound = nbytes.total / copy_bw
-        rows.append({"batch_size": b, "step_s": step, "step_s_all": times, "tokens_per_s": b / step,
-                     "bytes": nbytes.as_dict(), "bytes_bound_s": bound, "fraction_of_bound": bound / step})
+        row = {"batch_size": b, "step_s": step, "step_s_all": times, "tokens_per_s": b / step,
+               "bytes": nbytes.as_dict(), "bytes_bound_s": bound, "fraction_of_bound": bound / step}
+        if "forward_s" in fwd:  # engine overhead = the whole step over its graph replayed alone
+            row["forward_s"] = fwd["forward_s"]
+            row["engine_overhead"] = step / fwd["forward_s"] - 1.0
+        rows.append(row)
     return {"benchmark": "decode_roofline", "input_len": input_len, "steps": steps, "kv_format": kv_format,
             "copy_bandwidth_Bps": copy_bw, "bf16_matmul_flops": mm_rate, "rows": rows,
             **_device_info(llm), "settings": _settings(llm)}
 
 
 def format_roofline(r: dict[str, Any]) -> str:
-    lines = [f"{' Decode step vs bytes bound ':=^78}",
+    lines = [f"{' Decode step vs bytes bound ':=^97}",
              f"device {r['device']} {r.get('gpu', r.get('cpu', ''))}: copy {r['copy_bandwidth_Bps'] / 1e9:.1f} GB/s "
              f"(read + write), bf16 matmul {r['bf16_matmul_flops'] / 1e12:.1f} TFLOP/s, context {r['input_len']}",
-             f"{'batch':>6} {'step ms':>10} {'tok/s':>10} {'GB/step':>9} {'bound ms':>9} {'of bound':>9}"]
+             f"{'batch':>6} {'step ms':>10} {'tok/s':>10} {'GB/step':>9} {'bound ms':>9} {'of bound':>9} "
+             f"{'fwd ms':>8} {'overhead':>9}"]
     for row in r["rows"]:
+        fwd = f"{row['forward_s'] * 1e3:>8.3f} {row['engine_overhead'] * 100:>8.1f}%" if "forward_s" in row else (
+            f"{'-':>8} {'-':>9}")
         lines.append(f"{row['batch_size']:>6} {row['step_s'] * 1e3:>10.3f} {row['tokens_per_s']:>10.1f} "
                      f"{row['bytes']['total'] / 1e9:>9.3f} {row['bytes_bound_s'] * 1e3:>9.3f} "
-                     f"{row['fraction_of_bound'] * 100:>8.1f}%")
-    lines.append("=" * 78)
+                     f"{row['fraction_of_bound'] * 100:>8.1f}% {fwd}")
+    lines.append("=" * 97)
     return "\n".join(lines)
 
 

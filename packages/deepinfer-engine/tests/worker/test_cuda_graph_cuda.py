@@ -76,3 +76,15 @@ def test_graph_decode_step_reads_the_host_once(ckpt) -> None:
         # (the first warning of a process is a notice that the mode is a prototype: not a synchronization)
         syncs = [w for w in seen if "called a synchronizing" in str(w.message)]
         assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_roofline_sets_the_engine_step_against_its_graph_replayed_alone(ckpt) -> None:
+    from deepinfer_engine.bench import decode_roofline, format_roofline
+
+    _, path = ckpt
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    r = decode_roofline(llm, batch_sizes=[1, 4], input_len=16, steps=4)
+    for row in r["rows"]:
+        # the replay is the forward alone: never slower than the whole engine step that contains it
+        assert 0 < row["forward_s"] <= row["step_s"] and row["engine_overhead"] >= 0, row
+    assert "overhead" in format_roofline(r)

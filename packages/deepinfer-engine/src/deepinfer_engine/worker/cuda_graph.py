@@ -109,6 +109,7 @@ class CudaGraphRunner:
         self._pools: list = []  # every pool graphs were captured into (a failed capture starts a new one)
         self._stream: torch.cuda.Stream | None = None
         self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
+        self.last_shape: tuple[int, int] | None = None  # the shape of the latest replay (benchmarks replay it)
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
         """(B, L) of a graph that can run this step, None when it must run eagerly."""
@@ -147,7 +148,27 @@ class CudaGraphRunner:
         g.step.batch.input_ids[: batch.num_seqs].copy_(batch.input_ids)
         g.graph.replay()
         self.stats.replays += 1
+        self.last_shape = shape
         return g.logits[: batch.num_seqs]
+
+    def replay_seconds(self, iters: int = 20) -> float | None:
+        """Median device seconds of one replay of the latest replayed graph, as it was last filled: the forward-only
+        decode step a benchmark sets the engine's step against. Each replay recomputes that step in place (the same
+        cache rows written again), so it is for benchmarks whose batch is discarded afterwards; None before any
+        replay."""
+        if self.last_shape is None:
+            return None
+        g = self.graphs[self.last_shape]
+        torch.cuda.synchronize(self.device)
+        g.graph.replay()  # warm: the first replay after host work may see cold caches
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        for i in range(iters):
+            g.graph.replay()
+            events[i + 1].record()
+        torch.cuda.synchronize(self.device)
+        times = sorted(events[i].elapsed_time(events[i + 1]) * 1e-3 for i in range(iters))
+        return times[len(times) // 2]
 
     def pool_bytes(self) -> int:
         """Device memory reserved by the graphs' pools (allocator segments of those pools), -1 when this
