@@ -8,6 +8,8 @@
 #            GPU busy per engine decode step for this tree and, if OLD_TREE (a checkout's packages/ root) is
 #            given, for that tree too; `deepinfer bench latency` table against the bytes bound
 #     full   the same slices with all experts: bench latency + plot (V4.1), ours vs HF eager (V4)
+#     async  the same slices with all experts and asynchronous scheduling: bench latency (engine step beside its graph
+#            replayed alone) for V4.1, ours vs HF eager with the engine column asynchronous for V4
 #     graphs V4.1 layers-4 with all experts: decode step with CUDA graphs vs eager in one process (bench_graphs.py)
 #     runtime the runtime features on CUDA (prefix cache + host tier, async scheduling, speculation, prefill
 #            truncation, a data-parallel world of 1 on NCCL, all with CUDA graphs), then on V4.1 layers-4 with 32
@@ -65,6 +67,17 @@ full)
     step make_v4_full 150 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 300 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
+    ;;
+async)
+    step make_v41_full 240 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step latency_v41_async 240 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda --batch-size 1,8,32,64 \
+        --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --async-scheduling \
+        --plot "$OUT/roofline_v41_async.png" --output-json "$OUT/latency_v41_async.json"
+    rm -rf $CK/v41-l4
+    step make_v4_full 150 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
+    step hf_peer_async 300 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
+        --iters 2 --async-scheduling --output-json "$OUT/hf_peer_async.json"
+    rm -rf $CK/v4-l3
     ;;
 graphs)
     step make_v41_full 120 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
