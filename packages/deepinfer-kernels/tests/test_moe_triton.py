@@ -62,6 +62,23 @@ def test_stacked_experts_validate_shapes():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_align_pairs_kernel_equals_the_torch_permutation():
+    # the single-program kernel (decode sizes) and the torch form (prefill sizes) give identical tensors: pairs
+    # sorted by expert and stable within one, runs padded to block_m with P, every row block's expert or -1
+    g = torch.Generator().manual_seed(3)
+    cases = [(1, 6, 384, 16), (7, 6, 384, 16), (64, 6, 384, 16), (3, 2, 4, 16), (5, 8, 256, 64), (40, 2, 3, 4)]
+    with triton_interpreter("deepinfer_kernels.moe.triton") as (mod,):
+        for t, k, e, bm in cases:
+            ids = torch.randint(0, e, (t, k), generator=g)
+            if t > 4:
+                ids[: t // 2] = ids[0]  # crowd a few experts: runs longer than one block
+            got = mod.align_pairs(ids, e, bm, use_kernel=True)
+            want = mod.align_pairs(ids, e, bm, use_kernel=False)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b), (t, k, e, bm)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 def test_fp4_grouped_interpreter():
     g = torch.Generator().manual_seed(1)
     st, _ = _fp4_experts(4, 32, 64, g)
@@ -142,3 +159,17 @@ def test_fp4_asm_decode_is_exact_for_every_code():
     want = torch.stack([dequant_fp4(w2[i].cpu(), s2[i].cpu(), block=32) for i in range(e)])  # [e, d, inter]
     tok = torch.arange(t)
     assert torch.equal(rows.cpu(), want[tok % e, :, (tok // e) % inter])
+
+
+@pytest.mark.gpu
+def test_align_pairs_kernel_equals_the_torch_permutation_on_gpu():
+    from deepinfer_kernels.moe import triton as mt
+
+    g = torch.Generator().manual_seed(4)
+    for t, bm in ((1, 16), (8, 16), (64, 16), (300, 16), (341, 64)):  # up to P = 2046, the kernel's limit
+        ids = torch.randint(0, 384, (t, 6), generator=g)
+        ids[: t // 3] = ids[0]
+        got = mt.align_pairs(ids.cuda(), 384, bm, use_kernel=True)
+        want = mt.align_pairs(ids.cuda(), 384, bm, use_kernel=False)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (t, bm)

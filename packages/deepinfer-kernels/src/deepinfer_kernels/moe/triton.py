@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from deepinfer_kernels._launch import cdiv, check_launchable
+from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 
 __all__ = ["GemmConfig", "align_pairs", "default_configs", "moe_experts_fp4"]
 
@@ -245,11 +245,50 @@ def _down_kernel(
         tl.store(op, acc * wt[None, :], mask=r_mask[None, :] & n_mask[:, None])
 
 
-def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor]:
-    """ids [T, k] -> (pairs [B * block_m] int32: pair id t*k+j per padded row, P for padding;
-    block_expert [B] int32: expert of each row block, -1 unused), B = ceil(P/block_m) + min(E, P). Device ops
-    only (no host read: torch.bincount would read the max back, so counts come from scatter_add)."""
-    flat = ids.reshape(-1)
+# Decode-size batches (P = T * k pairs up to this) are permuted by one single-program kernel instead of ~20 torch
+# kernels: at B = 1 those launches cost more than the permutation itself. Larger P (prefill) keeps the torch form.
+ALIGN_KERNEL_MAX_PAIRS = 2048
+
+
+@triton.jit(do_not_specialize=["P", "E", "NB"])
+def _align_pairs_kernel(
+    ids_ptr, pairs_ptr, bexp_ptr, scratch_ptr, P, E, NB,
+    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, LOG_E: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """One program: counting sort of the P expert ids (stable), padded per expert to BLOCK_M rows. scratch
+    [2 * BLOCK_E] int32 carries per-expert values between the program's threads (global memory + barrier)."""
+    offs = tl.arange(0, BLOCK_P)
+    valid = offs < P
+    # padding pairs take the last bin (E < BLOCK_E) so they sort behind every real pair and are not counted
+    e = tl.load(ids_ptr + offs, mask=valid, other=BLOCK_E - 1).to(tl.int32)
+    eo = tl.arange(0, BLOCK_E)
+    counts = tl.where(eo < E, tl.histogram(e, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pend = tl.cumsum(padded, 0)
+    # pair of sorted rank j with expert x goes to row pstart[x] + (j - cstart[x])
+    tl.store(scratch_ptr + eo, pend - padded - (tl.cumsum(counts, 0) - counts))
+    tl.store(scratch_ptr + BLOCK_E + eo, tl.where(eo < E, pend, 2147483647))
+    for r0 in range(0, NB * BLOCK_M, BLOCK_P):
+        r = r0 + offs
+        tl.store(pairs_ptr + r, tl.zeros([BLOCK_P], dtype=tl.int32) + P, mask=r < NB * BLOCK_M)
+    tl.debug_barrier()
+    key = tl.sort(e * BLOCK_P + offs)  # unique keys: sorted by expert, then by pair id (stable)
+    se = key // BLOCK_P
+    shift = tl.load(scratch_ptr + se, mask=valid, other=0)
+    tl.store(pairs_ptr + shift + offs, key % BLOCK_P, mask=valid)
+    for b0 in range(0, NB, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        # expert of row block b = number of experts whose padded run ends at or before the block's first row:
+        # a branchless binary search over the non-decreasing run ends (INT_MAX past E)
+        x = tl.zeros([BLOCK_B], dtype=tl.int32)
+        for i in tl.static_range(LOG_E):
+            cand = x + (BLOCK_E >> (i + 1))
+            x = tl.where(tl.load(scratch_ptr + BLOCK_E + cand - 1) <= b * BLOCK_M, cand, x)
+        tl.store(bexp_ptr + b, tl.where(x < E, x, -1), mask=b < NB)
+
+
+def _align_pairs_torch(flat: Tensor, num_experts: int, block_m: int, nblocks: int) -> tuple[Tensor, Tensor]:
     p = flat.numel()
     dev = flat.device
     order = torch.argsort(flat, stable=True)
@@ -262,13 +301,40 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Te
     cstart = torch.cumsum(counts, 0) - counts
     se = flat[order]
     pos = pstart[se] + torch.arange(p, device=dev) - cstart[se]
-    nblocks = cdiv(p, block_m) + min(num_experts, p)
     pairs = torch.full((nblocks * block_m,), p, dtype=torch.int32, device=dev)
     pairs[pos] = order.to(torch.int32)
     starts = torch.arange(nblocks, device=dev) * block_m
     be = torch.searchsorted(pend, starts, right=True)
     block_expert = torch.where(be < num_experts, be, torch.full_like(be, -1)).to(torch.int32)
     return pairs, block_expert
+
+
+def align_pairs(ids: Tensor, num_experts: int, block_m: int, *, use_kernel: bool | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """ids [T, k] -> (pairs [B * block_m] int32: pair id t*k+j per padded row, P for padding;
+    block_expert [B] int32: expert of each row block, -1 unused), B = ceil(P/block_m) + min(E, P). Device ops
+    only (no host read: torch.bincount would read the max back, so counts come from scatter_add).
+    use_kernel: None = the single-program kernel up to ALIGN_KERNEL_MAX_PAIRS pairs, else the torch form (both
+    give identical tensors)."""
+    flat = ids.reshape(-1)
+    p = flat.numel()
+    nblocks = cdiv(p, block_m) + min(num_experts, p)
+    if use_kernel is None:
+        use_kernel = 0 < p <= ALIGN_KERNEL_MAX_PAIRS
+    if not use_kernel:
+        return _align_pairs_torch(flat, num_experts, block_m, nblocks)
+    block_e = next_pow2(num_experts + 1)
+    dev = flat.device
+    pairs = torch.empty(nblocks * block_m, dtype=torch.int32, device=dev)
+    bexp = torch.empty(nblocks, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2 * block_e, dtype=torch.int32, device=dev)
+    _align_pairs_kernel[(1,)](
+        flat, pairs, bexp, scratch, p, num_experts, nblocks,
+        BLOCK_M=block_m, BLOCK_P=max(16, next_pow2(p)), BLOCK_E=block_e, LOG_E=block_e.bit_length() - 1,
+        BLOCK_B=256,
+        num_warps=4,
+    )  # fmt: skip
+    return pairs, bexp
 
 
 def default_configs(pairs: int, interpreted: bool, fp32: bool) -> tuple[int, GemmConfig, GemmConfig]:
@@ -362,10 +428,9 @@ def moe_experts_fp4(
     t, d = x.shape
     k = ids.shape[1]
     e_count, inter = w1.shape[0], w1.shape[1]
-    out = torch.zeros((t, d), dtype=torch.float32, device=x.device)
     p = t * k
     if p == 0:
-        return out
+        return torch.zeros((t, d), dtype=torch.float32, device=x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
@@ -377,4 +442,4 @@ def moe_experts_fp4(
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
     launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32)
-    return torch.sum(rows.view(t, k, d), dim=1, out=out)
+    return torch.sum(rows.view(t, k, d), dim=1)
