@@ -66,17 +66,21 @@ def test_fp8_linear_interpreter_float32_scales(interp):
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "block", "block_k", "split"),
-    [(3, 40, 200, (32, 32), 32, 3), (17, 33, 70, (32, 32), 64, 2), (2, 20, 384, (128, 128), 128, 3)],
+    ("m", "n", "k", "block", "block_k", "split", "swap"),
+    [
+        (3, 40, 200, (32, 32), 32, 3, False),
+        (17, 33, 70, (32, 32), 64, 2, True),
+        (2, 20, 384, (128, 128), 128, 3, True),
+    ],
 )
-def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split):
+def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, swap):
     """In-kernel split-K reduction (several M and N tiles, so several arrival counters; a ragged last split and a
-    K tail) and several scale groups per K tile: equal to the reference and to the unsplit kernel up to fp32
+    K tail), several scale groups per K tile, and the swapped (yᵀ = W xᵀ) orientation: equal to the reference and to the unsplit kernel up to fp32
     summation order, and bit-identical across calls."""
     g = torch.Generator().manual_seed(k)
     q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, block)
     x = torch.randn(m, k, generator=g)
-    cfg = interp.LinearConfig(16, 16, block_k, 4, 1, split)
+    cfg = interp.LinearConfig(16, 16, block_k, 4, 1, split, swap)
     one = interp.LinearConfig(16, 16, block_k, 4, 1, 1)
     for aq in (False, True):
         got = interp.fp8_linear(x, q, s, block, act_quant=aq, config=cfg)
@@ -165,7 +169,7 @@ def test_fp8_linear_gpu_split_k_is_deterministic(m):
         q, s = _random_fp8(n, k, (32, 32), g, "cuda")
         x = torch.randn(m, k, generator=g).cuda()
         bm = 16 if m <= 16 else 64
-        split, one = lt.LinearConfig(bm, 64, 128, 4, 4, 8), lt.LinearConfig(bm, 64, 128, 4, 4, 1)
+        split, one = lt.LinearConfig(bm, 64, 128, 4, 4, 8, m <= 16), lt.LinearConfig(bm, 64, 128, 4, 4, 1)
         for xx in (x.bfloat16(), x):
             first = lt.fp8_linear(xx, q, s, (32, 32), act_quant=False, config=split)
             for _ in range(19):

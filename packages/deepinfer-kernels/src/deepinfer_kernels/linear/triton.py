@@ -42,7 +42,9 @@ _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 @dataclass(frozen=True)
 class LinearConfig:
     """Launch config of `_linear_kernel`. ``split``: programs per output tile along K (0: the occupancy policy of
-    `default_config`; the last split may get fewer K tiles, and S is cut so that none gets zero)."""
+    `default_config`; the last split may get fewer K tiles, and S is cut so that none gets zero). ``swap_ab``:
+    compute yᵀ = W xᵀ, so a weight tile is the MMA's A operand (Hopper's wgmma needs 64 rows there; at decode the
+    tokens are fewer)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -50,6 +52,7 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 4
     split: int = 0
+    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -98,7 +101,9 @@ def _act_quant_group(a):
     return _round_e4m3(tl.clamp(a / s[:, None], -448.0, 448.0)), s
 
 
-@triton.jit
+# the loop count and the scale row stride gain nothing from Triton's ==1 / %16 specialisation: not specialised, so
+# one compiled kernel serves every split count and every K of a tile config
+@triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -123,6 +128,7 @@ def _linear_kernel(
     DOT: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -142,7 +148,10 @@ def _linear_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t0 = pid_s * k_tiles_per_split
     n_tiles = tl.minimum(k_tiles_per_split, k_tiles - t0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:  # acc holds yᵀ: the weight rows fill the MMA's M side, the few tokens its N side
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(0, n_tiles):
         for g in tl.static_range(BLOCK_K // KG):
             k = (t0 + t) * BLOCK_K + g * KG
@@ -158,13 +167,19 @@ def _linear_kernel(
             if ACT_QUANT:
                 a, sa = _act_quant_group(a.to(tl.float32))
             if DOT == 2:
-                part = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                a, w = a.to(tl.float32), w.to(tl.float32)
             elif DOT == 1:
-                part = tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
+                a, w = a.to(tl.float16), w.to(tl.float16)
             else:
-                part = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-            if ACT_QUANT:
-                part = part * sa[:, None]
+                a, w = a.to(tl.bfloat16), w.to(tl.bfloat16)
+            if SWAP_AB:
+                part = tl.dot(w, tl.trans(a), input_precision="ieee" if DOT == 2 else None)
+                if ACT_QUANT:
+                    part = part * sa[None, :]
+            else:
+                part = tl.dot(a, tl.trans(w), input_precision="ieee" if DOT == 2 else None)
+                if ACT_QUANT:
+                    part = part * sa[:, None]
             if W_FP8:
                 if EVEN_K:
                     sw = tl.load(s_rows + k // B1, mask=n_mask, other=0)
@@ -172,9 +187,14 @@ def _linear_kernel(
                     sw = tl.load(s_rows + k // B1, mask=n_mask & ((offs_n * 0 + k) < K), other=0)
                 if SCALE_E8M0:
                     sw = _e8m0_decode(sw)
-                acc += part * sw[None, :]
+                if SWAP_AB:
+                    acc += part * sw[:, None]
+                else:
+                    acc += part * sw[None, :]
             else:
                 acc += part
+    if SWAP_AB:
+        acc = tl.trans(acc)
     y_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if SPLIT_K:
@@ -291,6 +311,7 @@ def launch(
         DOT=_dot_kind(x, w.dtype if s is None else x.dtype, interp),
         EVEN_K=k % cfg.block_k == 0,
         SPLIT_K=split > 1,
+        SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
