@@ -32,6 +32,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import torch
+from deepinfer_kernels._launch import next_pow2
 
 L2_BYTES = 60 * 2**20
 BLOCK = (32, 32)
@@ -50,18 +51,44 @@ SHAPES = [
 SPLITS = (1, 2, 4, 8, 16)
 
 
-def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool]]:
-    """(block_m, block_n, block_k, num_warps, num_stages, swap_ab) tried at M = m."""
+def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str]]:
+    """(block_m, block_n, block_k, num_warps, num_stages, swap_ab, mode) tried at M = m (a first run over many
+    "group" tiles, docs/perf.md, narrowed the MMA tiles to these)."""
     if m <= 16:
-        plain = [(16, bn, bk, 4, 4, False) for bn, bk in itertools.product((32, 64, 128), (128, 256))]
-        swap = [(16, bn, bk, 4, st, True) for bn, bk, st in itertools.product((64, 128), (128, 256), (3, 4))]
-        return [*plain, (16, 128, 128, 8, 4, False), *swap, (16, 128, 128, 8, 4, True)]
+        bm = next_pow2(m)
+        return [
+            (16, 64, 128, 4, 4, False, "group"),
+            (16, 32, 256, 4, 4, False, "group"),
+            (16, 64, 128, 4, 4, False, "weight"),
+            (16, 32, 128, 4, 4, False, "weight"),
+            (16, 128, 128, 8, 4, False, "weight"),
+            (16, 64, 256, 4, 3, False, "weight"),
+            (16, 64, 128, 4, 4, True, "weight"),
+            (bm, 32, 128, 4, 3, False, "fma"),
+            (bm, 16, 128, 4, 3, False, "fma"),
+            (bm, 32, 64, 4, 3, False, "fma"),
+            (bm, 64, 64, 4, 3, False, "fma"),
+            (bm, 16, 256, 4, 3, False, "fma"),
+        ]
     if m <= 64:
-        plain = [(bm, bn, 128, 4, 3, False) for bm, bn in itertools.product((16, 32, 64), (32, 64, 128))]
-        swap = [(bm, bn, 128, 4, 3, True) for bm, bn in itertools.product((16, 32, 64), (64, 128))]
-        return [*plain, (64, 64, 128, 8, 3, False), (64, 128, 128, 8, 3, False), *swap]
-    plain = [(bm, bn, 128, w, 3, False) for bm, bn, w in itertools.product((64, 128), (64, 128), (4, 8))]
-    return [*plain, (32, 64, 128, 4, 3, False), (64, 128, 128, 4, 3, True), (128, 128, 128, 8, 3, True)]
+        return [
+            (32, 64, 128, 4, 3, True, "group"),
+            (64, 128, 128, 4, 3, False, "group"),
+            (32, 64, 128, 4, 3, True, "weight"),
+            (64, 64, 128, 4, 3, True, "weight"),
+            (64, 128, 128, 4, 3, True, "weight"),
+            (64, 128, 128, 4, 3, False, "weight"),
+            (32, 64, 128, 4, 3, False, "weight"),
+        ]
+    return [
+        (128, 128, 128, 8, 3, True, "group"),
+        (64, 128, 128, 4, 3, False, "group"),
+        (128, 128, 128, 8, 3, True, "weight"),
+        (64, 128, 128, 4, 3, True, "weight"),
+        (64, 128, 128, 4, 3, False, "weight"),
+        (128, 128, 128, 8, 3, False, "weight"),
+        (128, 64, 128, 4, 3, True, "weight"),
+    ]
 
 
 def load_module(path: str, name: str):
@@ -102,11 +129,13 @@ def _warm(job: tuple[str, Any]) -> str:
             from deepinfer_kernels.linear import triton as lt
 
             *tile, ms = arg
-            bm, bn, bk, w, st, swap = tile
-            for m, split in itertools.product(ms, (1, 4)):
-                x = torch.randn(m, 5120, device=dev, generator=g).bfloat16()
-                cfg = lt.LinearConfig(bm, bn, bk, w, st, split, swap)
-                lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg)
+            bm, bn, bk, w, st, swap, mode = tile
+            for m, split, aq in itertools.product(ms, (1, 4), (False, True)):
+                x = torch.randn(m, 5120, device=dev, generator=g)
+                cfg = lt.LinearConfig(bm, bn, bk, w, st, split, swap, mode)
+                lt.fp8_linear(x.bfloat16(), q, s, BLOCK, act_quant=aq, config=cfg)
+                if mode == "fma" and not aq:
+                    lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg)
         else:  # "defaults": (baseline module path or None = ours, M): every shape, act_quant, fp32 rows
             path, m = arg
             mod = load_module(path, "sweep_baseline_linear") if path else None
@@ -242,7 +271,9 @@ def main() -> None:
         case = Case(shape, m, bw, g, dev, ns.smoke_cpu)
         res: dict[str, Any] = dict(shape=case.name, N=case.n, K=case.k, M=m, calls_per_step=case.calls,
                                    bound_us=case.bound_us, candidates=[])  # fmt: skip
-        res["default_config"] = lt.default_config(m, case.n, case.k, BLOCK[1], dev, ns.smoke_cpu).__dict__
+        res["default_config"] = lt.default_config(
+            m, case.n, case.k, BLOCK[1], torch.bfloat16, ns.smoke_cpu
+        ).__dict__
         res["default"] = case.measure(
             lambda x, q, s: lt.fp8_linear(x, q, s, BLOCK, act_quant=False), case.x, case.want, ns.smoke_cpu
         )
@@ -271,11 +302,12 @@ def main() -> None:
                     ns.smoke_cpu,
                 )
         if not ns.defaults_only and time.time() - t_start < ns.budget_s:
-            tiles = (
-                [(16, 16, 128, 4, 1, False), (16, 16, 64, 4, 1, True)] if ns.smoke_cpu else tile_candidates(m)
-            )
-            for bm, bn, bk, w, st, swap in tiles:
-                cfg = lt.LinearConfig(bm, bn, bk, w, st, 0, swap)
+            tiles = tile_candidates(m)
+            if ns.smoke_cpu:
+                tiles = [(16, 16, 128, 4, 1, False, "group"), (16, 16, 64, 4, 1, True, "weight")]
+                tiles.append((next_pow2(m), 16, 64, 4, 1, False, "fma"))
+            for bm, bn, bk, w, st, swap, mode in tiles:
+                cfg = lt.LinearConfig(bm, bn, bk, w, st, 0, swap, mode)
                 row = case.measure(
                     lambda x, q, s, cfg=cfg: lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg),
                     case.x, case.want, ns.smoke_cpu,
@@ -290,9 +322,32 @@ def main() -> None:
                     case.x, case.want, ns.smoke_cpu,
                 )  # fmt: skip
                 res["candidates"].append(dict(config=cfg.__dict__, **row))
-        timed = [c for c in res["candidates"] if "us" in c]
+        timed = sorted((c for c in res["candidates"] if "us" in c), key=lambda c: c["us"])
         if timed:
-            res["best"] = min(timed, key=lambda c: c["us"])
+            res["best"] = timed[0]
+        # act_quant and (fp32 shapes) fp32 activations at the best few configs, and fp32 at the "fma" tiles
+        res["act_quant"], res["fp32"] = [], []
+        top = list({json.dumps(c["config"]): c["config"] for c in timed}.values())[:3]
+        for conf in top:
+            cfg = lt.LinearConfig(**conf)
+            row = case.measure(
+                lambda x, q, s, cfg=cfg: lt.fp8_linear(x, q, s, BLOCK, act_quant=True, config=cfg),
+                case.x, case.want_aq, ns.smoke_cpu,
+            )  # fmt: skip
+            res["act_quant"].append(dict(config=conf, **row))
+        if case.dtype == "fp32" and not ns.defaults_only:
+            fma = [
+                c["config"]
+                for c in res["candidates"]
+                if c["config"]["mode"] == "fma" and c["config"]["split"] == 0
+            ]
+            for conf in fma + top[:1]:
+                cfg = lt.LinearConfig(**conf)
+                row = case.measure(
+                    lambda x, q, s, cfg=cfg: lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg),
+                    case.x32, case.want32, ns.smoke_cpu,
+                )  # fmt: skip
+                res["fp32"].append(dict(config=conf, **row))
         out["cases"].append(res)
 
         def us(row: dict | None) -> str:

@@ -66,21 +66,26 @@ def test_fp8_linear_interpreter_float32_scales(interp):
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "block", "block_k", "split", "swap"),
+    ("m", "n", "k", "block", "block_k", "split", "swap", "mode"),
     [
-        (3, 40, 200, (32, 32), 32, 3, False),
-        (17, 33, 70, (32, 32), 64, 2, True),
-        (2, 20, 384, (128, 128), 128, 3, True),
+        (3, 40, 200, (32, 32), 32, 3, False, "group"),
+        (17, 33, 70, (32, 32), 64, 2, True, "group"),
+        (2, 20, 384, (128, 128), 128, 3, True, "group"),
+        (3, 40, 200, (32, 32), 64, 3, False, "weight"),
+        (17, 33, 70, (32, 32), 64, 2, True, "weight"),
+        (3, 40, 200, (32, 32), 64, 2, False, "fma"),
     ],
 )
-def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, swap):
+def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, swap, mode):
     """In-kernel split-K reduction (several M and N tiles, so several arrival counters; a ragged last split and a
-    K tail), several scale groups per K tile, and the swapped (yᵀ = W xᵀ) orientation: equal to the reference and to the unsplit kernel up to fp32
+    K tail), several scale groups per K tile, the swapped (yᵀ = W xᵀ) orientation and the three decode modes
+    ("fma" with 2-row M tiles): equal to the reference and to the unsplit kernel up to fp32
     summation order, and bit-identical across calls."""
     g = torch.Generator().manual_seed(k)
     q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, block)
     x = torch.randn(m, k, generator=g)
-    cfg = interp.LinearConfig(16, 16, block_k, 4, 1, split, swap)
+    bm = 2 if mode == "fma" else 16
+    cfg = interp.LinearConfig(bm, 16, block_k, 4, 1, split, swap, mode)
     one = interp.LinearConfig(16, 16, block_k, 4, 1, 1)
     for aq in (False, True):
         got = interp.fp8_linear(x, q, s, block, act_quant=aq, config=cfg)
@@ -98,6 +103,11 @@ def test_linear_config_validation(interp):
         interp.LinearConfig(block_n=48)
     with pytest.raises(ValueError, match="below 16"):
         interp.LinearConfig(block_k=8)
+    with pytest.raises(ValueError, match="below 16"):
+        interp.LinearConfig(block_m=4)
+    with pytest.raises(ValueError, match="mode"):
+        interp.LinearConfig(mode="tf32")
+    assert interp.LinearConfig(block_m=4, mode="fma").block_m == 4
     q, s = quant_fp8_block(torch.randn(16, 256), (128, 128))
     with pytest.raises(ValueError, match="not a multiple of the scale block"):
         interp.fp8_linear(

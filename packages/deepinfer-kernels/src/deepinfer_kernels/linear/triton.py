@@ -5,12 +5,16 @@ optional FP8 activation quantization applied to each activation tile as it is lo
 Why one kernel: at decode sizes (M <= 256) the step is bound by reading the weight once; the kernel streams each
 weight byte once per M tile and multiplies with tensor-core dots in bf16 (fp32 accumulation).
 
-Weight decode: an e4m3 code converts to bf16 (or fp16) exactly, and its block scale is constant over one scale
-group of b1 columns, so each group's dot is taken over the raw codes and the fp32 result is multiplied by the
-scale of its output rows: ``acc += dot(a_g, q_g) * s[n, g]``. That is one multiply per output element and group
-instead of one per weight element; with power-of-two (UE8M0) scales every product is the reference's product
-exactly, only the fp32 summation order differs. With activation quantization the activation's per-(row, group)
-power-of-two scale is factored out of the dot the same way (the dot runs on the e4m3 values themselves).
+Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
+- "weight": the e4m3 tile is converted to the dot dtype and multiplied by its block scales (exact in bf16 for
+  UE8M0 scales; fp32 scales multiply in fp32 and round once, as the reference's decode does), then one
+  BLOCK_K-wide dot. The measured default for bf16 / fp16 activations.
+- "group": one dot per scale group of b1 columns over the raw codes, the scales applied to its fp32 result
+  (``acc += dot(a_g, q_g) * s[n, g]``, one multiply per output element instead of per weight); with activation
+  quantization the activation's power-of-two scale is factored out the same way. At b1 = 32 the narrow dots
+  measured slower than "weight" on the H200 (docs/perf.md "FP8 linear at decode sizes").
+- "fma": no MMA; products accumulated per K lane on the CUDA cores and summed once (any BLOCK_M). The default for
+  fp32 activations at M <= 8, where exact fp32 MMA emulation is slow.
 
 Split-K: when N x M tiles alone cannot fill the GPU, K is split over S programs per output tile. Each writes its
 fp32 partial tile to a workspace and increments the tile's arrival counter (acq_rel atomic); the program that
@@ -35,6 +39,8 @@ __all__ = ["LinearConfig", "default_config", "fp8_linear", "launch", "linear_f32
 # dot operand precision: bf16 tensor cores, or exact fp32 (fp32 activations, and always under the interpreter,
 # whose bf16 dot is wrong)
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
+# weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
+_MODES = {"group": 0, "weight": 1, "fma": 2}
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
@@ -53,14 +59,22 @@ class LinearConfig:
     num_stages: int = 4
     split: int = 0
     swap_ab: bool = False
+    mode: str = "group"
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v != next_pow2(v):
                 raise ValueError(f"LinearConfig.{name}: found {v}; expected a power of two")
-        if self.block_m < 16 or self.block_n < 16 or self.block_k < 16:
-            raise ValueError(f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum)")
+        if self.mode not in _MODES:
+            raise ValueError(f"LinearConfig.mode: found {self.mode!r}; expected one of {tuple(_MODES)}")
+        small = self.block_n < 16 or self.block_k < 16 or (self.block_m < 16 and self.mode != "fma")
+        if small:
+            raise ValueError(
+                f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum; fma: block_m any)"
+            )
+        if self.swap_ab and self.mode == "fma":
+            raise ValueError("LinearConfig: swap_ab is an MMA operand order; mode 'fma' has none")
         if self.num_stages < 1 or self.split < 0:
             raise ValueError(
                 f"LinearConfig: num_stages {self.num_stages} / split {self.split}; expected >= 1 / >= 0"
@@ -87,6 +101,30 @@ def _round_e4m3(y):
     frac = r - n.to(tl.float32)
     n = n + ((frac > 0.5) | ((frac == 0.5) & ((n & 1) == 1))).to(tl.int32)
     return tl.where(y < 0, -1.0, 1.0) * n.to(tl.float32) * ulp
+
+
+@triton.jit
+def _act_fake_quant(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """[BLOCK_M, BLOCK_K] fp32 -> the fake-quantized values q * s per 1 x GROUP (`_act_quant_group`), fp32."""
+    q, s = _act_quant_group(tl.reshape(a, [BLOCK_M * (BLOCK_K // GROUP), GROUP]))
+    return tl.reshape(q * s[:, None], [BLOCK_M, BLOCK_K])
+
+
+@triton.jit
+def _scaled_weight(w, s_rows, k, K, n_mask, B1: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """e4m3 tile [BLOCK_N, BLOCK_K] at column k times its block scales, in OUT (bf16 / fp16 / fp32). Equal to the
+    reference's fp32 decode rounded to OUT: with UE8M0 scales a bf16 product of the exact bf16 code and the
+    power-of-two scale is exact; fp32 scales (and fp16) multiply in fp32 and round once, as the reference does."""
+    g = k // B1 + tl.arange(0, BLOCK_K // B1)
+    sc = tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & (g[None, :] * B1 < K), other=0)
+    if SCALE_E8M0:
+        sc = _e8m0_decode(sc)
+    if SCALE_E8M0 and OUT == tl.bfloat16:
+        w3 = tl.reshape(w.to(tl.bfloat16), [BLOCK_N, BLOCK_K // B1, B1]) * sc.to(tl.bfloat16)[:, :, None]
+    else:
+        w3 = (tl.reshape(w.to(tl.float32), [BLOCK_N, BLOCK_K // B1, B1]) * sc[:, :, None]).to(OUT)
+    return tl.reshape(w3, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
@@ -129,6 +167,7 @@ def _linear_kernel(
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    MODE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -148,14 +187,61 @@ def _linear_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     t0 = pid_s * k_tiles_per_split
     n_tiles = tl.minimum(k_tiles_per_split, k_tiles - t0)
+    if DOT == 2:
+        OPER: tl.constexpr = tl.float32
+    elif DOT == 1:
+        OPER: tl.constexpr = tl.float16
+    else:
+        OPER: tl.constexpr = tl.bfloat16
     if SWAP_AB:  # acc holds yᵀ: the weight rows fill the MMA's M side, the few tokens its N side
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for t in range(0, n_tiles):
-        for g in tl.static_range(BLOCK_K // KG):
-            k = (t0 + t) * BLOCK_K + g * KG
-            offs_k = k + tl.arange(0, KG)
+    if (
+        MODE == 0
+    ):  # "group": one dot per scale group over the raw codes, the scales applied to its fp32 result
+        for t in range(0, n_tiles):
+            for g in tl.static_range(BLOCK_K // KG):
+                k = (t0 + t) * BLOCK_K + g * KG
+                offs_k = k + tl.arange(0, KG)
+                if EVEN_K:
+                    a_mask = m_mask[:, None]
+                    w_mask = n_mask[:, None]
+                else:
+                    a_mask = m_mask[:, None] & (offs_k[None, :] < K)
+                    w_mask = n_mask[:, None] & (offs_k[None, :] < K)
+                a = tl.load(x_rows + offs_k[None, :], mask=a_mask, other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+                if ACT_QUANT:
+                    a, sa = _act_quant_group(a.to(tl.float32))
+                a, w = a.to(OPER), w.to(OPER)
+                if SWAP_AB:
+                    part = tl.dot(w, tl.trans(a), input_precision="ieee" if DOT == 2 else None)
+                    if ACT_QUANT:
+                        part = part * sa[None, :]
+                else:
+                    part = tl.dot(a, tl.trans(w), input_precision="ieee" if DOT == 2 else None)
+                    if ACT_QUANT:
+                        part = part * sa[:, None]
+                if W_FP8:
+                    if EVEN_K:
+                        sw = tl.load(s_rows + k // B1, mask=n_mask, other=0)
+                    else:
+                        sw = tl.load(s_rows + k // B1, mask=n_mask & ((offs_n * 0 + k) < K), other=0)
+                    if SCALE_E8M0:
+                        sw = _e8m0_decode(sw)
+                    if SWAP_AB:
+                        acc += part * sw[:, None]
+                    else:
+                        acc += part * sw[None, :]
+                else:
+                    acc += part
+    else:  # "weight" (1): scaled weight tile, one BLOCK_K-wide dot; "fma" (2): CUDA-core FMAs, no MMA
+        if MODE == 2:  # products kept per K lane, summed once after the loop
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            k = (t0 + t) * BLOCK_K
+            offs_k = k + tl.arange(0, BLOCK_K)
             if EVEN_K:
                 a_mask = m_mask[:, None]
                 w_mask = n_mask[:, None]
@@ -165,34 +251,24 @@ def _linear_kernel(
             a = tl.load(x_rows + offs_k[None, :], mask=a_mask, other=0.0)
             w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
             if ACT_QUANT:
-                a, sa = _act_quant_group(a.to(tl.float32))
-            if DOT == 2:
-                a, w = a.to(tl.float32), w.to(tl.float32)
-            elif DOT == 1:
-                a, w = a.to(tl.float16), w.to(tl.float16)
+                a = _act_fake_quant(a.to(tl.float32), BLOCK_M, BLOCK_K, B1)
+            if MODE == 2:
+                if W_FP8:
+                    w = _scaled_weight(w, s_rows, k, K, n_mask, B1, SCALE_E8M0, tl.float32, BLOCK_N, BLOCK_K)
+                acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             else:
-                a, w = a.to(tl.bfloat16), w.to(tl.bfloat16)
-            if SWAP_AB:
-                part = tl.dot(w, tl.trans(a), input_precision="ieee" if DOT == 2 else None)
-                if ACT_QUANT:
-                    part = part * sa[None, :]
-            else:
-                part = tl.dot(a, tl.trans(w), input_precision="ieee" if DOT == 2 else None)
-                if ACT_QUANT:
-                    part = part * sa[:, None]
-            if W_FP8:
-                if EVEN_K:
-                    sw = tl.load(s_rows + k // B1, mask=n_mask, other=0)
-                else:
-                    sw = tl.load(s_rows + k // B1, mask=n_mask & ((offs_n * 0 + k) < K), other=0)
-                if SCALE_E8M0:
-                    sw = _e8m0_decode(sw)
+                if W_FP8:
+                    w = _scaled_weight(w, s_rows, k, K, n_mask, B1, SCALE_E8M0, OPER, BLOCK_N, BLOCK_K)
                 if SWAP_AB:
-                    acc += part * sw[:, None]
+                    acc += tl.dot(
+                        w.to(OPER), tl.trans(a.to(OPER)), input_precision="ieee" if DOT == 2 else None
+                    )
                 else:
-                    acc += part * sw[None, :]
-            else:
-                acc += part
+                    acc += tl.dot(
+                        a.to(OPER), tl.trans(w.to(OPER)), input_precision="ieee" if DOT == 2 else None
+                    )
+        if MODE == 2:
+            acc = tl.sum(acc3, axis=2)
     if SWAP_AB:
         acc = tl.trans(acc)
     y_mask = m_mask[:, None] & n_mask[None, :]
@@ -223,15 +299,28 @@ def _dot_kind(x: Tensor, w_dtype: torch.dtype, interp: bool) -> int:
     return _DOT_F16 if x.dtype == torch.float16 or w_dtype == torch.float16 else _DOT_BF16
 
 
-def default_config(
-    m: int, n: int, k: int, b1: int, device: torch.device, interp: bool = False
-) -> LinearConfig:
-    """The launch config for an [M, K] x [N, K]ᵀ product (b1: the K scale group of an FP8 weight, else 1)."""
-    block_k = max(128, b1)
+def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: bool = False) -> LinearConfig:
+    """The launch config for x ``[M, K]`` (dtype) times an ``[N, K]`` weight (b1: the K scale group of an FP8
+    weight; 1 for a plain weight). FP8 choices are the H200 sweep's at the V4.1 shapes
+    (benchmarks/sweep_linear_fp8.py, docs/perf.md "FP8 linear at decode sizes"): "weight" decode everywhere for
+    bf16 / fp16 activations; CUDA-core "fma" for fp32 activations at M <= 8 (exact fp32 without the slow fp32 MMA
+    emulation); split-K by the occupancy policy."""
     if interp:
-        return LinearConfig(16, 16, max(32, b1), 4, 1, 1)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return LinearConfig(block_m, 64, block_k, 4, 4, 0)
+        return LinearConfig(16, 16, max(32, b1), 4, 1, 1, False, "weight" if b1 > 1 else "group")
+    block_k = max(128, b1)
+    if b1 == 1:  # plain bf16 / fp16 weight (LM head): measured at the bytes bound with these tiles
+        return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if dtype == torch.float32:
+        if m <= 8:
+            return LinearConfig(next_pow2(m), 16, max(256 if m <= 2 else 128, b1), 4, 3, 0, False, "fma")
+        return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if m <= 16:
+        return LinearConfig(16, 32 if n <= 2048 else 64, block_k, 4, 4, 0, False, "weight")
+    if m <= 64:
+        if n * k >= 16 * 2**20:  # large weights: wide swapped tiles stream best
+            return LinearConfig(64, 128, block_k, 4, 3, 0, True, "weight")
+        return LinearConfig(32, 64, block_k, 4, 3, 0, False, "weight")
+    return LinearConfig(128, 64, block_k, 4, 3, 0, True, "weight")
 
 
 def _split_count(cfg: LinearConfig, grid_mn: int, k_tiles: int, device: torch.device) -> int:
@@ -269,7 +358,7 @@ def launch(
         w = w.contiguous()
     interp = check_launchable(op, _linear_kernel, x, w)
     b0, b1 = block if s is not None else (1, 1)
-    cfg = config if config is not None else default_config(m, n, k, b1, x.device, interp)
+    cfg = config if config is not None else default_config(m, n, k, b1, x.dtype, interp)
     if s is not None and cfg.block_k % b1:
         raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
     if s is not None and b1 < 16:
@@ -312,6 +401,7 @@ def launch(
         EVEN_K=k % cfg.block_k == 0,
         SPLIT_K=split > 1,
         SWAP_AB=cfg.swap_ab,
+        MODE=_MODES[cfg.mode],
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
