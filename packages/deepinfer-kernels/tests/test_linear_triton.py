@@ -6,9 +6,10 @@ quantized activations, so the same. bf16 interpreter: 1 ULP (it truncates f32 ->
 1e-2 max |ref| (bf16 output rounding + fp32 accumulation order vs cuBLAS). LM head (bf16 in, fp32 out) vs the
 fp32 reference: max |Δ| <= 1e-5 max |ref| (same products, different summation order).
 
-The kernel multiplies each scale group's dot by the group's power-of-two weight (and activation) scale instead of
-scaling every weight: every product is the reference's product exactly, only the fp32 summation order differs, so
-the fp32 tolerance above covers it. Split-K sums the partial tiles inside the kernel in the fixed split order:
+Every decode mode forms the reference's products exactly ("weight": the scaled tile is the reference's decoded
+weight rounded to the dot dtype; "group": each scale group's dot over the raw codes times the group's power-of-two
+weight / activation scales; "fma": fp32 products), only the fp32 summation order differs, so the fp32 tolerance
+above covers all three. Split-K sums the partial tiles inside the kernel in the fixed split order:
 two calls give identical bits, and split vs unsplit results differ only by fp32 summation order (same 1e-5).
 """
 
