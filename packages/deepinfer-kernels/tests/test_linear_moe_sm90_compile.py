@@ -25,15 +25,17 @@ from kernels_testing import sm90_compile_report as rep
 from deepinfer_kernels.linear import triton as lt
 from deepinfer_kernels.moe import triton as mt
 
-sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-       "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "stride_split": "i32",
-       "k_blocks_per_split": "i32"}
+sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+       "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+       "stride_ym": "i32", "stride_split": "i32", "k_tiles_per_split": "i32"}
 out = {}
 for aq in (False, True):
     out[f"fp8_linear act_quant={aq}"] = rep(lt._linear_kernel, sig, dict(B0=32, B1=32, W_FP8=True, SCALE_E8M0=True,
-        ACT_QUANT=aq, DOT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), num_warps=4, num_stages=4)
+        ACT_QUANT=aq, DOT=0, EVEN_K=True, SPLIT_K=True, SWAP_AB=aq, MODE=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), num_warps=4,
+        num_stages=4)
 out["lm_head"] = rep(lt._linear_kernel, dict(sig, w_ptr="*bf16", y_ptr="*fp32"), dict(B0=1, B1=1, W_FP8=False,
-    SCALE_E8M0=False, ACT_QUANT=False, DOT=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), num_warps=4, num_stages=4)
+    SCALE_E8M0=False, ACT_QUANT=False, DOT=0, EVEN_K=True, SPLIT_K=False, SWAP_AB=False, MODE=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128),
+    num_warps=4, num_stages=4)
 g = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8", "pairs_ptr": "*i32",
      "bexp_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_we": "i32",
      "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_h": "i32", "limit": "fp32"}

@@ -5,6 +5,12 @@ Tolerances: fp32 (exact fp32 dots): atol 1e-5 relative to max |ref|; act_quant i
 quantized activations, so the same. bf16 interpreter: 1 ULP (it truncates f32 -> bf16). bf16 GPU: max |Δ| <=
 1e-2 max |ref| (bf16 output rounding + fp32 accumulation order vs cuBLAS). LM head (bf16 in, fp32 out) vs the
 fp32 reference: max |Δ| <= 1e-5 max |ref| (same products, different summation order).
+
+Every decode mode forms the reference's products exactly ("weight": the scaled tile is the reference's decoded
+weight rounded to the dot dtype; "group": each scale group's dot over the raw codes times the group's power-of-two
+weight / activation scales; "fma": fp32 products), only the fp32 summation order differs, so the fp32 tolerance
+above covers all three. Split-K sums the partial tiles inside the kernel in the fixed split order:
+two calls give identical bits, and split vs unsplit results differ only by fp32 summation order (same 1e-5).
 """
 
 from __future__ import annotations
@@ -60,6 +66,56 @@ def test_fp8_linear_interpreter_float32_scales(interp):
     )
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "block_k", "split", "swap", "mode"),
+    [
+        (3, 40, 200, (32, 32), 32, 3, False, "group"),
+        (17, 33, 70, (32, 32), 64, 2, True, "group"),
+        (2, 20, 384, (128, 128), 128, 3, True, "group"),
+        (3, 40, 200, (32, 32), 64, 3, False, "weight"),
+        (17, 33, 70, (32, 32), 64, 2, True, "weight"),
+        (3, 40, 200, (32, 32), 64, 2, False, "fma"),
+    ],
+)
+def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, swap, mode):
+    """In-kernel split-K reduction (several M and N tiles, so several arrival counters; a ragged last split and a
+    K tail), several scale groups per K tile, the swapped (yᵀ = W xᵀ) orientation and the three decode modes
+    ("fma" with 2-row M tiles): equal to the reference and to the unsplit kernel up to fp32
+    summation order, and bit-identical across calls."""
+    g = torch.Generator().manual_seed(k)
+    q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, block)
+    x = torch.randn(m, k, generator=g)
+    bm = 2 if mode == "fma" else 16
+    cfg = interp.LinearConfig(bm, 16, block_k, 4, 1, split, swap, mode)
+    one = interp.LinearConfig(16, 16, block_k, 4, 1, 1)
+    for aq in (False, True):
+        got = interp.fp8_linear(x, q, s, block, act_quant=aq, config=cfg)
+        want = reference.fp8_linear(x, q, s, block, act_quant=aq)
+        assert _rel(got, want) <= 1e-5, aq
+        assert _rel(got, interp.fp8_linear(x, q, s, block, act_quant=aq, config=one)) <= 1e-5, aq
+        assert torch.equal(got, interp.fp8_linear(x, q, s, block, act_quant=aq, config=cfg)), aq
+    yb = interp.fp8_linear(x.bfloat16(), q, s, block, act_quant=False, config=cfg)
+    assert yb.dtype == torch.bfloat16
+    torch.testing.assert_close(yb, reference.fp8_linear(x.bfloat16(), q, s, block), rtol=2**-7, atol=2e-2)
+
+
+def test_linear_config_validation(interp):
+    with pytest.raises(ValueError, match="power of two"):
+        interp.LinearConfig(block_n=48)
+    with pytest.raises(ValueError, match="below 16"):
+        interp.LinearConfig(block_k=8)
+    with pytest.raises(ValueError, match="below 16"):
+        interp.LinearConfig(block_m=4)
+    with pytest.raises(ValueError, match="mode"):
+        interp.LinearConfig(mode="tf32")
+    assert interp.LinearConfig(block_m=4, mode="fma").block_m == 4
+    q, s = quant_fp8_block(torch.randn(16, 256), (128, 128))
+    with pytest.raises(ValueError, match="not a multiple of the scale block"):
+        interp.fp8_linear(
+            torch.randn(1, 256), q, s, (128, 128), act_quant=False, config=interp.LinearConfig(16, 16, 64)
+        )
+
+
 def test_linear_f32_out_interpreter(interp):
     g = torch.Generator().manual_seed(4)
     w = torch.randn(50, 72, generator=g).bfloat16()
@@ -67,6 +123,8 @@ def test_linear_f32_out_interpreter(interp):
     got = interp.linear_f32_out(x, w)
     assert got.dtype == torch.float32 and _rel(got, reference.linear_f32_out(x, w)) <= 1e-6
     assert interp.linear_f32_out(x[:0], w).shape == (0, 50)
+    split = interp.linear_f32_out(x, w, config=interp.LinearConfig(16, 16, 32, 4, 1, 3))
+    assert _rel(split, reference.linear_f32_out(x, w)) <= 1e-6
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real shapes
@@ -109,3 +167,25 @@ def test_lm_head_gpu(m):
     x = torch.randn(m, 5120, generator=g, device="cuda").bfloat16()
     got = linear_f32_out(x, w, backend="triton")
     assert got.dtype == torch.float32 and _rel(got, reference.linear_f32_out(x, w)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_fp8_linear_gpu_split_k_is_deterministic(m):
+    """Forced split-K at real shapes: 20 calls give identical bits; split vs unsplit within fp32 summation order."""
+    from deepinfer_kernels.linear import triton as lt
+
+    g = torch.Generator().manual_seed(11)
+    for n, k in [(1280, 5120), (5120, 8192)]:
+        q, s = _random_fp8(n, k, (32, 32), g, "cuda")
+        x = torch.randn(m, k, generator=g).cuda()
+        bm = 16 if m <= 16 else 64
+        split, one = lt.LinearConfig(bm, 64, 128, 4, 4, 8, m <= 16), lt.LinearConfig(bm, 64, 128, 4, 4, 1)
+        for xx in (x.bfloat16(), x):
+            first = lt.fp8_linear(xx, q, s, (32, 32), act_quant=False, config=split)
+            for _ in range(19):
+                assert torch.equal(first, lt.fp8_linear(xx, q, s, (32, 32), act_quant=False, config=split))
+            want = reference.fp8_linear(x, q, s, (32, 32))
+            tol = 1e-2 if xx.dtype == torch.bfloat16 else 1e-5
+            assert _rel(first, want) <= tol, (n, k, xx.dtype)
+            assert _rel(first, lt.fp8_linear(xx, q, s, (32, 32), act_quant=False, config=one)) <= tol

@@ -54,10 +54,9 @@ def fp8_linear(
     _check_block("fp8_linear", weight, scale, block)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and (
-        not act_quant or block[1] in (16, 32, 64, 128)
-    )
-    why = f"scale {scale.dtype}, act_quant group {block[1]}; needs e8m0/f32 scales and a power-of-two group"
+    # the kernel takes one dot per K scale group: a power of two of at least the 16-column dot minimum
+    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and block[1] in (16, 32, 64, 128, 256)
+    why = f"scale {scale.dtype}, K block {block[1]}; needs e8m0/f32 scales and a K block in 16..256 (power of two)"
     if resolve_backend("fp8_linear", backend, x2, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 

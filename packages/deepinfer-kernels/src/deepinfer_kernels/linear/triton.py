@@ -1,29 +1,84 @@
 """Triton backend of `linear`: one tiled GEMM kernel for decode and prefill sizes whose weight tiles are decoded
-in registers (FP8 e4m3 x per-block UE8M0 / fp32 scale, or a plain bf16 / fp16 weight for the LM head), with the
+in registers (FP8 e4m3 with per-block UE8M0 / fp32 scales, or a plain bf16 / fp16 weight for the LM head), with the
 optional FP8 activation quantization applied to each activation tile as it is loaded.
 
 Why one kernel: at decode sizes (M <= 256) the step is bound by reading the weight once; the kernel streams each
-weight byte once per M tile, multiplies with tensor-core dots in bf16 (values e4m3 x 2^k are exact in bf16; fp32
-accumulation) and splits K over programs when N alone cannot fill the GPU (the partial sums are added by a
-deterministic torch sum, never atomics, so results do not depend on scheduling).
+weight byte once per M tile and multiplies with tensor-core dots in bf16 (fp32 accumulation).
+
+Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
+- "weight": the e4m3 tile is converted to the dot dtype and multiplied by its block scales (exact in bf16 for
+  UE8M0 scales; fp32 scales multiply in fp32 and round once, as the reference's decode does), then one
+  BLOCK_K-wide dot. The measured default for bf16 / fp16 activations.
+- "group": one dot per scale group of b1 columns over the raw codes, the scales applied to its fp32 result
+  (``acc += dot(a_g, q_g) * s[n, g]``, one multiply per output element instead of per weight); with activation
+  quantization the activation's power-of-two scale is factored out the same way. At b1 = 32 the narrow dots
+  measured slower than "weight" on the H200 (docs/perf.md "FP8 linear at decode sizes").
+- "fma": no MMA; products accumulated per K lane on the CUDA cores and summed once (any BLOCK_M). The default for
+  fp32 activations at M <= 8, where exact fp32 MMA emulation is slow.
+
+Split-K: when N x M tiles alone cannot fill the GPU, K is split over S programs per output tile. Each writes its
+fp32 partial tile to a workspace and increments the tile's arrival counter (acq_rel atomic); the program that
+arrives last adds the S partials in the fixed order 0..S-1, so the result does not depend on which program
+finished when (bit-identical across runs), writes y in the output dtype and resets the counter. One launch, plus
+the memset of the per-call counters (CUDA-graph capturable, no cached buffers).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from deepinfer_kernels._launch import cdiv, check_launchable, target_programs
+from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["fp8_linear", "linear_f32_out"]
+__all__ = ["LinearConfig", "default_config", "fp8_linear", "launch", "linear_f32_out"]
 
 # dot operand precision: bf16 tensor cores, or exact fp32 (fp32 activations, and always under the interpreter,
 # whose bf16 dot is wrong)
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
+# weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
+_MODES = {"group": 0, "weight": 1, "fma": 2}
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Launch config of `_linear_kernel`. ``split``: programs per output tile along K (0: the occupancy policy of
+    `default_config`; the last split may get fewer K tiles, and S is cut so that none gets zero). ``swap_ab``:
+    compute yᵀ = W xᵀ, so a weight tile is the MMA's A operand (Hopper's wgmma needs 64 rows there; at decode the
+    tokens are fewer)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split: int = 0
+    swap_ab: bool = False
+    mode: str = "group"
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            v = getattr(self, name)
+            if v < 1 or v != next_pow2(v):
+                raise ValueError(f"LinearConfig.{name}: found {v}; expected a power of two")
+        if self.mode not in _MODES:
+            raise ValueError(f"LinearConfig.mode: found {self.mode!r}; expected one of {tuple(_MODES)}")
+        small = self.block_n < 16 or self.block_k < 16 or (self.block_m < 16 and self.mode != "fma")
+        if small:
+            raise ValueError(
+                f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum; fma: block_m any)"
+            )
+        if self.swap_ab and self.mode == "fma":
+            raise ValueError("LinearConfig: swap_ab is an MMA operand order; mode 'fma' has none")
+        if self.num_stages < 1 or self.split < 0:
+            raise ValueError(
+                f"LinearConfig: num_stages {self.num_stages} / split {self.split}; expected >= 1 / >= 0"
+            )
 
 
 @triton.jit
@@ -50,24 +105,50 @@ def _round_e4m3(y):
 
 @triton.jit
 def _act_fake_quant(a, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] fp32 -> e4m3 per 1 x GROUP with s = 2^ceil(log2(fp32(max(amax,1e-4) * (1/448)))), back
-    to fp32 values (bit-exact with deepinfer_kernels.quant.act_quant_fp8)."""
-    a3 = tl.reshape(a, [BLOCK_M, BLOCK_K // GROUP, GROUP])
-    amax = tl.maximum(tl.max(tl.abs(a3), axis=2), 1e-4)
-    xs = amax * (1.0 / 448.0)
-    bits = xs.to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    s = (e << 23).to(tl.float32, bitcast=True)
-    q = _round_e4m3(tl.clamp(a3 / s[:, :, None], -448.0, 448.0))
-    return tl.reshape(q * s[:, :, None], [BLOCK_M, BLOCK_K])
+    """[BLOCK_M, BLOCK_K] fp32 -> the fake-quantized values q * s per 1 x GROUP (`_act_quant_group`), fp32."""
+    q, s = _act_quant_group(tl.reshape(a, [BLOCK_M * (BLOCK_K // GROUP), GROUP]))
+    return tl.reshape(q * s[:, None], [BLOCK_M, BLOCK_K])
 
 
 @triton.jit
+def _scaled_weight(w, s_rows, k, K, n_mask, B1: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """e4m3 tile [BLOCK_N, BLOCK_K] at column k times its block scales, in OUT (bf16 / fp16 / fp32). Equal to the
+    reference's fp32 decode rounded to OUT: with UE8M0 scales a bf16 product of the exact bf16 code and the
+    power-of-two scale is exact; fp32 scales (and fp16) multiply in fp32 and round once, as the reference does."""
+    g = k // B1 + tl.arange(0, BLOCK_K // B1)
+    sc = tl.load(s_rows[:, None] + g[None, :], mask=n_mask[:, None] & (g[None, :] * B1 < K), other=0)
+    if SCALE_E8M0:
+        sc = _e8m0_decode(sc)
+    if SCALE_E8M0 and OUT == tl.bfloat16:
+        w3 = tl.reshape(w.to(tl.bfloat16), [BLOCK_N, BLOCK_K // B1, B1]) * sc.to(tl.bfloat16)[:, :, None]
+    else:
+        w3 = (tl.reshape(w.to(tl.float32), [BLOCK_N, BLOCK_K // B1, B1]) * sc[:, :, None]).to(OUT)
+    return tl.reshape(w3, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _act_quant_group(a):
+    """One activation group [BLOCK_M, GROUP] fp32 -> (e4m3 values as fp32, [BLOCK_M] power-of-two scales) with
+    s = 2^ceil(log2(fp32(max(amax, 1e-4) * (1/448)))) and q = e4m3(clamp(a / s)): q * s is bit-exact with
+    deepinfer_kernels.quant.act_quant_fp8."""
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-4)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    return _round_e4m3(tl.clamp(a / s[:, None], -448.0, 448.0)), s
+
+
+# the loop count and the scale row stride gain nothing from Triton's ==1 / %16 specialisation: not specialised, so
+# one compiled kernel serves every split count and every K of a tile config
+@triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
     y_ptr,
+    ws_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -76,17 +157,23 @@ def _linear_kernel(
     stride_sn,
     stride_ym,
     stride_split,
-    k_blocks_per_split,
+    k_tiles_per_split,
     B0: tl.constexpr,
     B1: tl.constexpr,
     W_FP8: tl.constexpr,
     SCALE_E8M0: tl.constexpr,
     ACT_QUANT: tl.constexpr,
     DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    MODE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    # K group with one weight scale (and one activation scale): the scale block b1 for FP8 weights
+    KG: tl.constexpr = B1 if W_FP8 else BLOCK_K
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -94,41 +181,116 @@ def _linear_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    k0 = pid_s * k_blocks_per_split * BLOCK_K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, k_blocks_per_split):
-        offs_k = k0 + kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :],
-            mask=m_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if ACT_QUANT:
-            a = _act_fake_quant(a, BLOCK_M, BLOCK_K, B1)
-        w = tl.load(
-            w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :],
-            mask=n_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if W_FP8:
-            g = (k0 + kb * BLOCK_K) // B1 + tl.arange(0, BLOCK_K // B1)
-            sc = tl.load(
-                s_ptr + (offs_n // B0)[:, None] * stride_sn + g[None, :],
-                mask=n_mask[:, None] & (g[None, :] * B1 < K),
-                other=0,
-            )
-            if SCALE_E8M0:
-                sc = _e8m0_decode(sc)
-            w = tl.reshape(tl.reshape(w, [BLOCK_N, BLOCK_K // B1, B1]) * sc[:, :, None], [BLOCK_N, BLOCK_K])
-        if DOT == 2:
-            acc += tl.dot(a, tl.trans(w), input_precision="ieee")
-        elif DOT == 1:
-            acc += tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
-        else:
-            acc += tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-    y_ptrs = y_ptr + pid_s * stride_split + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = s_ptr + (offs_n // B0).to(tl.int64) * stride_sn
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    t0 = pid_s * k_tiles_per_split
+    n_tiles = tl.minimum(k_tiles_per_split, k_tiles - t0)
+    if DOT == 2:
+        OPER: tl.constexpr = tl.float32
+    elif DOT == 1:
+        OPER: tl.constexpr = tl.float16
+    else:
+        OPER: tl.constexpr = tl.bfloat16
+    if SWAP_AB:  # acc holds yᵀ: the weight rows fill the MMA's M side, the few tokens its N side
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if (
+        MODE == 0
+    ):  # "group": one dot per scale group over the raw codes, the scales applied to its fp32 result
+        for t in range(0, n_tiles):
+            for g in tl.static_range(BLOCK_K // KG):
+                k = (t0 + t) * BLOCK_K + g * KG
+                offs_k = k + tl.arange(0, KG)
+                if EVEN_K:
+                    a_mask = m_mask[:, None]
+                    w_mask = n_mask[:, None]
+                else:
+                    a_mask = m_mask[:, None] & (offs_k[None, :] < K)
+                    w_mask = n_mask[:, None] & (offs_k[None, :] < K)
+                a = tl.load(x_rows + offs_k[None, :], mask=a_mask, other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+                if ACT_QUANT:
+                    a, sa = _act_quant_group(a.to(tl.float32))
+                a, w = a.to(OPER), w.to(OPER)
+                if SWAP_AB:
+                    part = tl.dot(w, tl.trans(a), input_precision="ieee" if DOT == 2 else None)
+                    if ACT_QUANT:
+                        part = part * sa[None, :]
+                else:
+                    part = tl.dot(a, tl.trans(w), input_precision="ieee" if DOT == 2 else None)
+                    if ACT_QUANT:
+                        part = part * sa[:, None]
+                if W_FP8:
+                    if EVEN_K:
+                        sw = tl.load(s_rows + k // B1, mask=n_mask, other=0)
+                    else:
+                        sw = tl.load(s_rows + k // B1, mask=n_mask & ((offs_n * 0 + k) < K), other=0)
+                    if SCALE_E8M0:
+                        sw = _e8m0_decode(sw)
+                    if SWAP_AB:
+                        acc += part * sw[:, None]
+                    else:
+                        acc += part * sw[None, :]
+                else:
+                    acc += part
+    else:  # "weight" (1): scaled weight tile, one BLOCK_K-wide dot; "fma" (2): CUDA-core FMAs, no MMA
+        if MODE == 2:  # products kept per K lane, summed once after the loop
+            acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for t in range(0, n_tiles):
+            k = (t0 + t) * BLOCK_K
+            offs_k = k + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                a_mask = m_mask[:, None]
+                w_mask = n_mask[:, None]
+            else:
+                a_mask = m_mask[:, None] & (offs_k[None, :] < K)
+                w_mask = n_mask[:, None] & (offs_k[None, :] < K)
+            a = tl.load(x_rows + offs_k[None, :], mask=a_mask, other=0.0)
+            w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+            if ACT_QUANT:
+                a = _act_fake_quant(a.to(tl.float32), BLOCK_M, BLOCK_K, B1)
+            if MODE == 2:
+                if W_FP8:
+                    w = _scaled_weight(w, s_rows, k, K, n_mask, B1, SCALE_E8M0, tl.float32, BLOCK_N, BLOCK_K)
+                acc3 += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            else:
+                if W_FP8:
+                    w = _scaled_weight(w, s_rows, k, K, n_mask, B1, SCALE_E8M0, OPER, BLOCK_N, BLOCK_K)
+                if SWAP_AB:
+                    acc += tl.dot(
+                        w.to(OPER), tl.trans(a.to(OPER)), input_precision="ieee" if DOT == 2 else None
+                    )
+                else:
+                    acc += tl.dot(
+                        a.to(OPER), tl.trans(w.to(OPER)), input_precision="ieee" if DOT == 2 else None
+                    )
+        if MODE == 2:
+            acc = tl.sum(acc3, axis=2)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K:
+        splits = tl.num_programs(2)
+        tile = pid_m * tl.num_programs(0) + pid_n
+        part_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_s.to(tl.int64) * stride_split, acc, mask=y_mask)
+        # every thread's partial is stored before the one release below publishes the tile
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for _ in range(0, splits):
+                # .cg: read at L2, where the other programs' stores are, never a stale L1 line
+                tot += tl.load(part_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_split
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def _dot_kind(x: Tensor, w_dtype: torch.dtype, interp: bool) -> int:
@@ -137,7 +299,42 @@ def _dot_kind(x: Tensor, w_dtype: torch.dtype, interp: bool) -> int:
     return _DOT_F16 if x.dtype == torch.float16 or w_dtype == torch.float16 else _DOT_BF16
 
 
-def _launch(
+def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: bool = False) -> LinearConfig:
+    """The launch config for x ``[M, K]`` (dtype) times an ``[N, K]`` weight (b1: the K scale group of an FP8
+    weight; 1 for a plain weight). FP8 choices are the H200 sweep's at the V4.1 shapes
+    (benchmarks/sweep_linear_fp8.py, docs/perf.md "FP8 linear at decode sizes"): "weight" decode everywhere for
+    bf16 / fp16 activations; CUDA-core "fma" for fp32 activations at M <= 8 (exact fp32 without the slow fp32 MMA
+    emulation); split-K by the occupancy policy."""
+    if interp:
+        return LinearConfig(16, 16, max(32, b1), 4, 1, 1, False, "weight" if b1 > 1 else "group")
+    block_k = max(128, b1)
+    if b1 == 1:  # plain bf16 / fp16 weight (LM head): measured at the bytes bound with these tiles
+        return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if dtype == torch.float32:
+        if m <= 8:
+            return LinearConfig(next_pow2(m), 16, max(256 if m <= 2 else 128, b1), 4, 3, 0, False, "fma")
+        return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if m <= 16:
+        return LinearConfig(16, 32 if n <= 2048 else 64, block_k, 4, 4, 0, False, "weight")
+    if m <= 64:
+        if n * k >= 16 * 2**20:  # large weights: wide swapped tiles stream best
+            return LinearConfig(64, 128, block_k, 4, 3, 0, True, "weight")
+        return LinearConfig(32, 64, block_k, 4, 3, 0, False, "weight")
+    return LinearConfig(128, 64, block_k, 4, 3, 0, True, "weight")
+
+
+def _split_count(cfg: LinearConfig, grid_mn: int, k_tiles: int, device: torch.device) -> int:
+    """Split-K programs per output tile: the config's, or enough to fill the GPU about twice, keeping >= 4 K tiles
+    per program and at most 16 partials."""
+    if cfg.split:
+        want = cfg.split
+    else:
+        want = max(1, min(target_programs(device) // max(1, grid_mn), k_tiles // 4, 16))
+    per = cdiv(k_tiles, max(1, min(want, k_tiles)))
+    return cdiv(k_tiles, per)
+
+
+def launch(
     x: Tensor,
     w: Tensor,
     s: Tensor | None,
@@ -146,7 +343,10 @@ def _launch(
     block: tuple[int, int],
     act_quant: bool,
     op: str,
+    config: LinearConfig | None = None,
 ) -> Tensor:
+    """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
+    test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`)."""
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
@@ -157,22 +357,21 @@ def _launch(
     if w.stride(1) != 1:
         w = w.contiguous()
     interp = check_launchable(op, _linear_kernel, x, w)
-    b0, b1 = block
-    block_k = max(128, b1) if s is not None else 128
-    if interp:
-        block_m, block_n, block_k = 16, 16, max(32, b1) if s is not None else 32
+    b0, b1 = block if s is not None else (1, 1)
+    cfg = config if config is not None else default_config(m, n, k, b1, x.dtype, interp)
+    if s is not None and cfg.block_k % b1:
+        raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
+    if s is not None and b1 < 16:
+        raise ValueError(f"{op}: scale block {b1} along K is below the 16-column dot minimum")
+    grid_n, grid_m = cdiv(n, cfg.block_n), cdiv(m, cfg.block_m)
+    k_tiles = cdiv(k, cfg.block_k)
+    split = _split_count(cfg, grid_n * grid_m, k_tiles, x.device)
+    per = cdiv(k_tiles, split)
+    if split > 1:
+        ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = torch.zeros(grid_n * grid_m, dtype=torch.int32, device=x.device)
     else:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n = 64
-    grid_n, grid_m = cdiv(n, block_n), cdiv(m, block_m)
-    k_blocks = cdiv(k, block_k)
-    split = 1
-    if not interp:
-        want = target_programs(x.device) // max(1, grid_n * grid_m)
-        split = max(1, min(want, k_blocks // 4, 16))
-    per = cdiv(k_blocks, split)
-    split = cdiv(k_blocks, per)
-    dst = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        ws, counters = y, y
     if s is not None and s.dtype == torch.float8_e8m0fnu:
         s_arg, e8m0 = s.view(torch.uint8), True
     else:
@@ -181,14 +380,16 @@ def _launch(
         x,
         w,
         s_arg,
-        dst,
+        y,
+        ws,
+        counters,
         m,
         n,
         k,
         x.stride(0),
         w.stride(0),
         s_arg.stride(0) if s is not None else 0,
-        n,
+        y.stride(0),
         m * n,
         per,
         B0=b0,
@@ -197,25 +398,35 @@ def _launch(
         SCALE_E8M0=e8m0,
         ACT_QUANT=act_quant,
         DOT=_dot_kind(x, w.dtype if s is None else x.dtype, interp),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=4,
-        num_stages=1 if interp else 4,
+        EVEN_K=k % cfg.block_k == 0,
+        SPLIT_K=split > 1,
+        SWAP_AB=cfg.swap_ab,
+        MODE=_MODES[cfg.mode],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=1 if interp else cfg.num_stages,
     )
-    if split > 1:
-        torch.sum(dst, dim=0, out=y) if out_dtype == torch.float32 else y.copy_(dst.sum(0))
     return y
 
 
 def fp8_linear(
-    x: Tensor, weight: Tensor, scale: Tensor, block: tuple[int, int], *, act_quant: bool
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    block: tuple[int, int],
+    *,
+    act_quant: bool,
+    config: LinearConfig | None = None,
 ) -> Tensor:
     """x [M, K] (bf16 / fp16 / fp32), weight [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [M, N]
     x's dtype. Validated by the package dispatcher."""
-    return _launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear")
+    return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear", config=config)
 
 
-def linear_f32_out(x: Tensor, weight: Tensor) -> Tensor:
+def linear_f32_out(x: Tensor, weight: Tensor, *, config: LinearConfig | None = None) -> Tensor:
     """x [M, K], weight [N, K] bf16 / fp16 -> [M, N] float32 (fp32 accumulation, W read in its own dtype)."""
-    return _launch(x, weight, None, torch.float32, block=(1, 1), act_quant=False, op="linear_f32_out")
+    return launch(
+        x, weight, None, torch.float32, block=(1, 1), act_quant=False, op="linear_f32_out", config=config
+    )
