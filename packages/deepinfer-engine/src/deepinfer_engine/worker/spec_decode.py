@@ -50,7 +50,7 @@ from torch import Tensor
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 
-__all__ = ["SpecDecoder", "SpecRound", "profile_target_latency"]
+__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "profile_target_latency"]
 
 
 @dataclass(kw_only=True)
@@ -74,6 +74,25 @@ class SpecRound:
     keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
     results: dict[str, SpecResult] = field(default_factory=dict)
     hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
+
+
+@dataclass
+class SpecTiming:
+    """Host wall time of the speculative rounds since the last `reset_stats` (perf_counter sums; the two host reads
+    of a round synchronise the device, so on a GPU these are device-inclusive). draft_s: round start to the end
+    of the draft pass and the policy (its host read); verify_s: from there to the host read of the verification
+    (input preparation, the target forward, verification); finish_s: the bookkeeping after that read (results,
+    statistics, draft-context insertion)."""
+
+    rounds: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    finish_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        n = max(self.rounds, 1)
+        return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
+                "finish_ms": 1e3 * self.finish_s / n}
 
 
 class SpecDecoder:
@@ -112,6 +131,7 @@ class SpecDecoder:
         self.explored = 0
         self.block_size = int(drafter.block_size)
         self.stats = AcceptanceStats(self.block_size)
+        self.timing = SpecTiming()
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None) -> None:
@@ -127,6 +147,7 @@ class SpecDecoder:
     def reset_stats(self) -> AcceptanceStats:
         """Start a new run's statistics; returns the previous accumulator."""
         old, self.stats = self.stats, AcceptanceStats(self.block_size)
+        self.timing = SpecTiming()
         return old
 
     # ------------------------------------------------------------------------------------------ which requests
@@ -255,10 +276,14 @@ class SpecDecoder:
                 0, seg, bad.to(torch.int64))
             packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
             host = packed.tolist()  # the step's one host read of the round
+            read_at = time.perf_counter()
+            self.timing.rounds += 1
+            self.timing.draft_s += rnd.forward_started - rnd.started
+            self.timing.verify_s += read_at - rnd.forward_started
             if self.latency is not None and self.online_latency:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
                 # overhead does not grow with the verified drafts, so it must not read as growth of T(Q)
-                self.latency.observe(num_tokens, max(time.perf_counter() - rnd.forward_started, 1e-9))
+                self.latency.observe(num_tokens, max(read_at - rnd.forward_started, 1e-9))
                 self.latency.observe_overhead(max(rnd.forward_started - rnd.started, 0.0))
             acc = [row[0] for row in host]
             self.stats.update(acc, rnd.drafts_host)
@@ -274,6 +299,8 @@ class SpecDecoder:
                 accepted_rows[rid] = a + 1
         self.insert_context(rnd.chunks, accepted_rows, features)
         rnd.keep, rnd.results = accepted_rows, results
+        if rnd.req_ids:
+            self.timing.finish_s += time.perf_counter() - read_at
         return results, errors
 
     @torch.no_grad()
