@@ -70,6 +70,24 @@ def graph_info(llm) -> dict | None:
             "capture_s": round(st.capture_s, 3), "failed": {str(k): v for k, v in g.failed.items()}}
 
 
+def reprofile(llm):
+    """The engine's start-up latency profile (`build_spec_decoder`), timed again on a warm engine."""
+    from deepinfer_engine.worker.spec_decode import profile_target_latency
+
+    eng = llm.engine
+    model, cache, spec = eng.runner.model, eng.runner.cache, eng.runner.spec
+    sched = eng.config.scheduler
+    k = spec.block_size
+    lat = profile_target_latency(
+        lambda b: model.forward_features(b, cache), block_size=k,
+        max_tokens=min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
+        pages=cache.num_pages, page_size=cache.page_size, device=eng.runner.device)
+    for s in range(cache.num_slots):
+        cache.reset_slot(s)
+        cache.high_water[s] = 0
+    return lat
+
+
 def sync_report(llm, prompts, sp) -> dict:
     """Synchronising CUDA calls of one generation, per source line (torch's sync debug mode warns on each)."""
     import collections
@@ -132,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--reprofile", action="store_true",
+                    help="after the runs, time the start-up latency profile again on the warm engine")
     ap.add_argument("--sync-report", type=int, default=0, metavar="PROMPTS",
                     help="CUDA: count the synchronising calls of a speculative run of this many prompts (0 = off)")
     args = ap.parse_args(argv)
@@ -160,9 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_profile:
         policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
     policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    plain.generate(sets[0][:4], warm, use_tqdm=False)
-    spec_llm.generate(sets[0][:4], warm, use_tqdm=False)
+    # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
+    for temp in args.temperature:
+        warm = SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7)
+        plain.generate(sets[0], warm, use_tqdm=False)
+        spec_llm.generate(sets[0], warm, use_tqdm=False)
     rows = []
     for temp in args.temperature:
         for si, prompts in enumerate(sets):
@@ -192,10 +214,17 @@ def main(argv: list[str] | None = None) -> int:
                              "latency_after": None if lat is None else latency_info(lat)})
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
                       flush=True)
+                if args.json:  # partial results survive a run that is cut short
+                    args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
+                                                     "rows": rows}, default=str) + "\n")
     table = summarize(rows)
     print(format_table(table, spec_llm))
     graphs = {"plain": graph_info(plain), "spec": graph_info(spec_llm)}
     print("cuda graphs: " + json.dumps(graphs), flush=True)
+    reprofiled = None
+    if args.reprofile:  # the same start-up profile on the warm engine (no request holds cache rows now)
+        reprofiled = latency_info(reprofile(spec_llm))
+        print("re-profiled T(Q) after the runs: " + json.dumps(reprofiled), flush=True)
     syncs = None
     if args.sync_report and spec_llm.engine.runner.device.type == "cuda":
         syncs = {}
@@ -223,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       "latency": latency_info(profiled),
                                                       "device": str(spec_llm.engine.runner.device),
                                                       "versions": versions},
-                                         "rows": rows, "summary": table, "cuda_graphs": graphs, "syncs": syncs},
+                                         "rows": rows, "summary": table, "cuda_graphs": graphs, "syncs": syncs,
+                                         "reprofiled": reprofiled},
                                         indent=2, default=str) + "\n")
     return 0
 

@@ -355,7 +355,8 @@ class SpecDecoder:
         tables = np.full((len(lens), 1), -1, dtype=np.int32)
         batch = ForwardBatch(
             input_ids=torch.zeros_like(positions), positions=positions, query_lens=tuple(lens), slots=tuple(slots),
-            block_tables=torch.from_numpy(tables).to(device), logits_indices=positions[:0],
+            block_tables=torch.from_numpy(tables).to(device, non_blocking=device.type == "cuda"),
+            logits_indices=positions[:0],
             host=StepHost(ctx_lens=tuple(starts), input_ids=ids, block_tables=tables),
         )  # fmt: skip
         self.drafter.insert_context(batch, {lid: f.index_select(0, sel) for lid, f in features.items()})
