@@ -8,7 +8,10 @@ The checkpoint is the one `scripts/dspark_testbed.py build` writes, with its Con
 weights (`dspark_confidence.safetensors`, `dspark_sts.json`; the engine reads both). The prefix cache is off (the
 same prompts run once per policy).
 The cost policy's latency curve is the engine's own: the target forward timed at start-up on this device and
-corrected online. Prints a table (mean and min..max over prompt sets) and, with --json, the per-run rows.
+corrected online. Prints a table (mean and min..max over prompt sets) and, with --json, the per-run rows, the
+profiled curve (raw medians, non-decreasing fit, noise, flat), the per-round host timing of the speculative
+steps (draft pass / verify step / bookkeeping) and the CUDA-graph counts of both engines. `--sync-report` (CUDA)
+adds one short speculative run under torch's sync debug mode and counts the synchronising calls per source line.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,6 +55,62 @@ def prompt_sets(ckpt: Path, tb, seeds: list[int], count: int, length: int) -> li
     return out
 
 
+def latency_info(lat) -> dict:
+    return {"sizes": list(lat.sizes), "ms": [round(t * 1e3, 3) for t in lat.seconds],
+            "measured_ms": None if lat.measured is None else [round(t * 1e3, 3) for t in lat.measured],
+            "noise_ms": round(lat.noise * 1e3, 3), "overhead_ms": round(lat.overhead * 1e3, 3), "flat": lat.flat()}
+
+
+def graph_info(llm) -> dict | None:
+    g = llm.engine.runner.cuda_graphs
+    if g is None:
+        return None
+    st = g.stats
+    return {"captures": st.captures, "replays": st.replays, "eager_steps": st.eager_steps,
+            "capture_s": round(st.capture_s, 3), "failed": {str(k): v for k, v in g.failed.items()}}
+
+
+def reprofile(llm):
+    """The engine's start-up latency profile (`build_spec_decoder`), timed again on a warm engine."""
+    from deepinfer_engine.worker.spec_decode import profile_target_latency
+
+    eng = llm.engine
+    model, cache, spec = eng.runner.model, eng.runner.cache, eng.runner.spec
+    sched = eng.config.scheduler
+    k = spec.block_size
+    lat = profile_target_latency(
+        lambda b: model.forward_features(b, cache), block_size=k,
+        max_tokens=min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
+        pages=cache.num_pages, page_size=cache.page_size, device=eng.runner.device)
+    for s in range(cache.num_slots):
+        cache.reset_slot(s)
+        cache.high_water[s] = 0
+    return lat
+
+
+def sync_report(llm, prompts, sp) -> dict:
+    """Synchronising CUDA calls of one generation, per source line (torch's sync debug mode warns on each)."""
+    import collections
+    import warnings
+
+    spec = llm.engine.runner.spec
+    spec.reset_stats()
+    counts: collections.Counter = collections.Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            llm.generate(prompts, sp, use_tqdm=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            counts[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    steps = max(spec.stats.steps, 1)
+    return {"spec_rounds": spec.stats.steps, "total": sum(counts.values()),
+            "per_round": {k: round(v / steps, 2) for k, v in counts.most_common()}}
+
+
 def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
     spec = llm.engine.runner.spec
     if spec is not None:
@@ -63,7 +123,8 @@ def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     n = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return n / dt, (spec.stats.as_dict() if spec is not None else None), [list(o.outputs[0].token_ids) for o in outs]
+    st = None if spec is None else {**spec.stats.as_dict(), "timing": spec.timing.as_dict(), "wall_s": dt}
+    return n / dt, st, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--reprofile", action="store_true",
+                    help="after the runs, time the start-up latency profile again on the warm engine")
+    ap.add_argument("--sync-report", type=int, default=0, metavar="PROMPTS",
+                    help="CUDA: count the synchronising calls of a speculative run of this many prompts (0 = off)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,17 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     dec = spec_llm.engine.runner.spec
     if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
         dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
-    profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds))
-    print("profiled T(Q) ms: " + json.dumps(dict(zip(profiled.sizes, [round(t * 1e3, 2) for t in profiled.seconds]))),
-          flush=True)
+    profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds), noise=dec.latency.noise)
+    profiled.measured = dec.latency.measured
+    print("profiled T(Q): " + json.dumps(latency_info(profiled)), flush=True)
     policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:
         policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
     policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
-    warm = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    plain.generate(sets[0][:4], warm, use_tqdm=False)
-    spec_llm.generate(sets[0][:4], warm, use_tqdm=False)
+    # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
+    for temp in args.temperature:
+        warm = SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7)
+        plain.generate(sets[0], warm, use_tqdm=False)
+        spec_llm.generate(sets[0], warm, use_tqdm=False)
     rows = []
     for temp in args.temperature:
         for si, prompts in enumerate(sets):
@@ -125,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
             tps, _, ref = run(plain, prompts, sp)
             rows.append({"policy": "plain", "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps})
             for name, pol, curve in policies:
+                lat = None
                 if curve == "profile":
-                    dec.set_policy(pol, LatencyModel(list(profiled.sizes), list(profiled.seconds)), online_latency=True)
+                    lat = LatencyModel(list(profiled.sizes), list(profiled.seconds), noise=profiled.noise)
+                    dec.set_policy(pol, lat, online_latency=True)
                 elif curve is not None:
                     base, slope = (float(x) for x in curve.split(","))
                     dec.set_policy(pol, LatencyModel.affine(base, slope, 8192), online_latency=False)
@@ -140,17 +209,52 @@ def main(argv: list[str] | None = None) -> int:
                              "verification_efficiency": st["verification_efficiency"],
                              "num_verified_tokens": st["num_verified_tokens"],
                              "num_accepted_tokens": st["num_accepted_tokens"],
-                             "matches_plain": out == ref if temp == 0 else None})
+                             "matches_plain": out == ref if temp == 0 else None,
+                             "timing": st["timing"], "wall_s": st["wall_s"],
+                             "latency_after": None if lat is None else latency_info(lat)})
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
                       flush=True)
+                if args.json:  # partial results survive a run that is cut short
+                    args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
+                                                     "rows": rows}, default=str) + "\n")
     table = summarize(rows)
     print(format_table(table, spec_llm))
+    graphs = {"plain": graph_info(plain), "spec": graph_info(spec_llm)}
+    print("cuda graphs: " + json.dumps(graphs), flush=True)
+    reprofiled = None
+    if args.reprofile:  # the same start-up profile on the warm engine (no request holds cache rows now)
+        reprofiled = latency_info(reprofile(spec_llm))
+        print("re-profiled T(Q) after the runs: " + json.dumps(reprofiled), flush=True)
+    syncs = None
+    if args.sync_report and spec_llm.engine.runner.device.type == "cuda":
+        syncs = {}
+        for temp in args.temperature:
+            dec.set_policy(VerifyPolicy(kind="verify_all"))
+            sp = SamplingParams(max_tokens=16, temperature=temp, ignore_eos=True, seed=1)
+            syncs[str(temp)] = sync_report(spec_llm, sets[0][: args.sync_report], sp)
+            print(f"syncs T={temp}: " + json.dumps(syncs[str(temp)]), flush=True)
+    import platform
+
+    versions = {"torch": torch.__version__, "python": platform.python_version(),
+                "kernel_backend": os.environ.get("DEEPINFER_KERNEL_BACKEND", "auto")}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        versions["triton"] = None
+    if torch.cuda.is_available():
+        versions["gpu"] = torch.cuda.get_device_name()
     if args.json:
         args.json.write_text(json.dumps({"settings": {**vars(args), "ckpt": str(args.ckpt), "json": None, "sts": sts,
                                                       "latency_ms": [round(t * 1e3, 3) for t in profiled.seconds],
                                                       "latency_sizes": profiled.sizes,
-                                                      "device": str(spec_llm.engine.runner.device)},
-                                         "rows": rows, "summary": table}, indent=2) + "\n")
+                                                      "latency": latency_info(profiled),
+                                                      "device": str(spec_llm.engine.runner.device),
+                                                      "versions": versions},
+                                         "rows": rows, "summary": table, "cuda_graphs": graphs, "syncs": syncs,
+                                         "reprofiled": reprofiled},
+                                        indent=2, default=str) + "\n")
     return 0
 
 
@@ -164,6 +268,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         entry = {"temperature": temp, "policy": pol, "sets": len(rs)}
         for f in ("tokens_per_s", "mean_accepted_length", "verified_per_request_step", "verified_per_step"):
             vals = [r[f] for r in rs if f in r]
+            if vals:
+                entry[f] = (statistics.fmean(vals), min(vals), max(vals))
+        for f in ("draft_ms", "verify_ms", "finish_ms"):
+            vals = [r["timing"][f] for r in rs if "timing" in r]
             if vals:
                 entry[f] = (statistics.fmean(vals), min(vals), max(vals))
         if pol != "plain" and base:
@@ -188,11 +296,13 @@ def format_table(table: list[dict], llm) -> str:
 
     lines = [f"DSpark policies on {llm.engine.runner.device} (mean (min..max) over prompt sets)",
              f"{'T':>3} {'policy':<22} {'tokens/s':>24} {'tau':>20} {'tau vs all':>20} {'verified/req-step':>20} "
-             f"{'verified vs all':>20}"]
+             f"{'verified vs all':>20} {'ms/round draft+verify+rest':>28}"]
     for e in table:
         lines.append(f"{e['temperature']:>3g} {e['policy']:<22} {f(e, 'tokens_per_s', '.1f'):>24} "
                      f"{f(e, 'mean_accepted_length', '.2f'):>20} {f(e, 'tau_vs_verify_all', '.3f'):>20} "
-                     f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20}"
+                     f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20} "
+                     + (f"{e['draft_ms'][0]:>9.1f}+{e['verify_ms'][0]:.1f}+{e['finish_ms'][0]:.1f}" if "draft_ms" in e
+                        else f"{'-':>9}")
                      + ("  GREEDY MISMATCH" if e.get("greedy_mismatch") else ""))
     return "\n".join(lines)
 

@@ -239,6 +239,30 @@ def test_verify_mixed_greedy_and_sampled():
         verify(target, DraftProposal(draft_ids=drafts), m, greedy=False)
 
 
+def test_verify_with_host_inputs_and_given_argmax_matches_the_plain_call():
+    # the engine's form: num_drafts / greedy flags on the host, the target argmax precomputed, no id check
+    target, drafts, q, m = _random_case(6, 3, seed=12)
+    greedy = [True, False, True, False, False, True]
+    proposal = DraftProposal(draft_ids=drafts, draft_probs=q)
+    u = verify_uniforms(m, 3, [torch.Generator().manual_seed(i) for i in range(6)])
+    ref = verify(target, proposal, m.tolist(), greedy=torch.tensor(greedy), uniforms=u)
+    got = verify(target, proposal, m, greedy=greedy, uniforms=u, argmax=target.argmax(-1), check_ids=False)
+    assert torch.equal(ref.output_ids, got.output_ids) and torch.equal(ref.num_accepted, got.num_accepted)
+    assert torch.equal(ref.accept_prob, got.accept_prob)
+    g = greedy_accept(target, drafts, m)
+    assert verify(target, DraftProposal(draft_ids=drafts), m, greedy=True, argmax=target.argmax(-1)).tokens() == g.tokens()
+    # the greedy path (argmax of the varlen rows) equals the argmax of the padded rows, by hand
+    starts = (torch.cumsum(m + 1, 0) - (m + 1)).tolist()
+    for b in range(6):
+        best = [int(target[starts[b] + j].argmax()) for j in range(int(m[b]) + 1)]
+        a = 0
+        while a < int(m[b]) and int(drafts[b, a]) == best[a]:
+            a += 1
+        assert g.tokens()[b] == best[: a + 1]
+    with pytest.raises(DSparkInputError, match="argmax"):
+        verify(target, proposal, m, greedy=True, argmax=target.argmax(-1)[:-1])
+
+
 def test_zero_drafts_samples_from_target_row():
     p = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]])
     r = rejection_accept(p, torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, V), [0],

@@ -15,11 +15,13 @@ from deepinfer_dspark.rng import (
     verify_counter_uniforms,
 )
 from deepinfer_dspark.schedule import (
+    FLAT_SIGMAS,
     POLICIES,
     LatencyModel,
     VerifyPolicy,
     allocate,
     cost_budget,
+    isotonic,
     schedule_verification,
 )
 from deepinfer_dspark.stats import AcceptanceStats
@@ -41,6 +43,7 @@ __all__ = [
     "DRAW_ACCEPT",
     "DRAW_DRAFT",
     "DRAW_FINAL",
+    "FLAT_SIGMAS",
     "POLICIES",
     "AcceptResult",
     "AcceptanceStats",
@@ -60,6 +63,7 @@ __all__ = [
     "counter_uniforms",
     "fit_sts",
     "greedy_accept",
+    "isotonic",
     "markov_bias",
     "probs_from_logits",
     "propose",

@@ -70,7 +70,8 @@ def sample_block(
 
     block: base_logits `[B, N, V] float32`, hidden `[B, N, d]` from `DraftModel.draft_block`.
     anchor_ids / anchor_positions: `[B] int64` the golden token y_p and its position p.
-    temperature: `[B] float32`, 0 = greedy (argmax) for that request; None = all greedy.
+    temperature: `[B] float32`, 0 = greedy (argmax) for that request; None = all greedy. On the host it is read
+        without a device sync.
     seeds: `[B] int64` per-request seeds of the counter-based uniforms (required when any temperature > 0).
     Returns a DraftProposal with draft_ids `[B, N]`, draft_probs `[B, N, V]` (None when every request is greedy;
     one-hot rows for greedy requests in a mixed batch), confidence `[B, N]` (None without a confidence head).
@@ -85,19 +86,23 @@ def sample_block(
     if heads.markov_head.shape[0] != vocab:
         raise DSparkInputError(f"heads.markov_head: expected [{vocab}, r] rows = vocab, found {tuple(heads.markov_head.shape)}")
     device = base.device
-    temp = torch.zeros(batch, device=device) if temperature is None else temperature.to(device, torch.float32)
-    if temp.shape != (batch,) or bool((temp < 0).any()):
+    # the checks and the greedy / sampled split read `temperature` where the caller keeps it: a host tensor (the
+    # engine's) costs no device sync; it is copied to the device once, without blocking
+    given = torch.zeros(batch) if temperature is None else temperature.to(torch.float32)
+    if given.shape != (batch,) or bool((given < 0).any()):
         raise DSparkInputError(f"temperature: expected [{batch}] values >= 0, found {temperature!r}")
-    sampled = temp > 0
-    any_sampled = bool(sampled.any())
+    any_sampled = bool((given > 0).any())
+    all_sampled = any_sampled and bool((given > 0).all())
     if any_sampled and seeds is None:
         raise DSparkInputError("seeds: required when a request samples (temperature > 0), found None")
+    temp = given.to(device, non_blocking=True)
+    sampled = temp > 0
     pos = anchor_positions.to(device, torch.int64)
     prev = anchor_ids.to(device, torch.int64)
     ids, probs, logits_out, conf = [], [], [], []
     safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
-    # greedy requests read the greedy head / STS set (when the heads have one); one host read per round
-    greedy_rows = ~sampled if heads.has_greedy_head and not (any_sampled and bool(sampled.all())) else None
+    # greedy requests read the greedy head / STS set (when the heads have one)
+    greedy_rows = ~sampled if heads.has_greedy_head and not all_sampled else None
     for i in range(width):
         e, bias = markov_bias(heads, prev)
         logits = base[:, i].float() + bias

@@ -21,11 +21,15 @@ E(K) = S + (sum of the K largest survivals); its expected time is T(Q) from `Lat
   The early-stop search reads the largest non-decreasing curve below T (T'(Q) = min over Q' >= Q of T(Q')): a step
   over more tokens never takes less time, and interference only adds time, so a profiled point above a later one
   is noise; left in, such a peak makes E/T non-unimodal and stops the search at a false local optimum.
+  A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
+  the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
+  (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,9 +39,38 @@ from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
 
-__all__ = ["POLICIES", "LatencyModel", "VerifyPolicy", "allocate", "cost_budget", "schedule_verification"]
+__all__ = [
+    "FLAT_SIGMAS",
+    "POLICIES",
+    "LatencyModel",
+    "VerifyPolicy",
+    "allocate",
+    "cost_budget",
+    "isotonic",
+    "schedule_verification",
+]
 
 POLICIES = ("verify_all", "threshold", "cost")
+# A curve is flat when its rise stays within this many standard errors of the difference of two of its points
+# (about a 0.2% one-sided false-growth rate for Gaussian noise).
+FLAT_SIGMAS = 3.0
+
+
+def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators): each run
+    of points that decreases is replaced by its weighted mean. A running max would instead carry one noisy peak
+    into every later point."""
+    w = [1.0] * len(values) if weights is None else [float(x) for x in weights]
+    if len(w) != len(values) or any(not x > 0 for x in w):
+        raise DSparkConfigError(f"isotonic: expected {len(values)} positive weights, found {w}")
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, x in zip(values, w):
+        blocks.append([float(v), x, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [m for m, _, n in blocks for _ in range(int(n))]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,9 +97,14 @@ class LatencyModel:
 
     Mutable runtime state (EMA-corrected points), so a plain class. `observe(q, seconds)` moves the two points
     around q towards the measurement by `ema` times the error, split by the interpolation weights.
+    noise: standard error of one point in seconds (0 = an exact curve, e.g. `affine`); `flat` compares the
+    curve's rise with it. overhead: seconds every step spends outside the profiled forward (the draft pass),
+    added to every Q: it moves the level of T, not its growth (`observe_overhead`).
+    measured: the raw per-size statistics of a profile before the non-decreasing fit (None otherwise).
     """
 
-    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], *, ema: float = 0.05) -> None:
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], *, ema: float = 0.05,
+                 noise: float = 0.0) -> None:
         sizes, seconds = [int(s) for s in sizes], [float(t) for t in seconds]
         if len(sizes) < 2 or len(sizes) != len(seconds):
             raise DSparkConfigError(
@@ -79,10 +117,15 @@ class LatencyModel:
             raise DSparkConfigError(f"LatencyModel.seconds: expected finite times > 0, found {seconds}")
         if not 0.0 <= ema <= 1.0:
             raise DSparkConfigError(f"LatencyModel.ema: expected a float in [0, 1], found {ema!r}")
+        if not (noise >= 0 and math.isfinite(noise)):
+            raise DSparkConfigError(f"LatencyModel.noise: expected finite seconds >= 0, found {noise!r}")
         self.sizes = sizes
         self.seconds = seconds
         self.ema = ema
+        self.noise = float(noise)
+        self.overhead = 0.0
         self.observations = 0
+        self.measured: list[float] | None = None
 
     @classmethod
     def affine(cls, base: float, per_token: float, max_tokens: int, *, ema: float = 0.05) -> LatencyModel:
@@ -100,22 +143,48 @@ class LatencyModel:
         timer: Callable[[], float] = time.perf_counter,
         ema: float = 0.05,
     ) -> LatencyModel:
-        """Time `step(q)` (a target forward over q query tokens, synchronised by the caller) at each size:
-        `warmup` untimed calls, then the median of `repeats` timed calls."""
+        """Time `step(q)` (a target forward over q query tokens, synchronised by the caller) at each size.
+
+        `warmup` untimed calls per size first, then `repeats` rounds that each time every size once (interleaved,
+        so a slow spell of the machine hits all sizes alike instead of one). Per size the median (robust to a
+        stray slow call); the curve is the isotonic (non-decreasing) fit of the medians, since a larger verify
+        step is never cheaper. noise = the larger of the medians' standard error (from the per-size median
+        absolute deviation) and the scatter of the medians around the fit (a curve that goes down and up again is
+        noise too)."""
         if repeats < 1 or warmup < 0:
             raise DSparkConfigError(f"LatencyModel.profile: expected repeats >= 1, warmup >= 0, found {repeats}, {warmup}")
-        times = []
+        sizes = [int(q) for q in sizes]
         for q in sizes:
             for _ in range(warmup):
-                step(int(q))
-            runs = []
-            for _ in range(repeats):
+                step(q)
+        runs: list[list[float]] = [[] for _ in sizes]
+        for _ in range(repeats):
+            for i, q in enumerate(sizes):
                 t0 = timer()
-                step(int(q))
-                runs.append(timer() - t0)
-            runs.sort()
-            times.append(max(runs[len(runs) // 2], 1e-9))
-        return cls(sizes, times, ema=ema)
+                step(q)
+                runs[i].append(timer() - t0)
+        med = [max(statistics.median(r), 1e-9) for r in runs]
+        fit = isotonic(med)
+        # 1.4826 MAD estimates a Gaussian sigma; the median of r samples has about 1.2533 sigma / sqrt(r) error
+        sigma = statistics.median(1.4826 * statistics.median([abs(x - m) for x in r]) for r, m in zip(runs, med))
+        within = 1.2533 * sigma / math.sqrt(repeats)
+        scatter = math.sqrt(statistics.fmean((m - f) ** 2 for m, f in zip(med, fit)))
+        model = cls(sizes, fit, ema=ema, noise=max(within, scatter))
+        model.measured = med
+        return model
+
+    def flat(self) -> bool:
+        """True when the curve's rise over its points (the non-decreasing lower envelope's last minus first
+        point) is within FLAT_SIGMAS standard errors of a difference of two points: no evidence that verifying
+        more drafts costs more time. An exact curve (noise 0) is flat only when it does not rise at all."""
+        rise = self.seconds[-1] - min(self.seconds)
+        return rise <= FLAT_SIGMAS * math.sqrt(2.0) * self.noise
+
+    def observe_overhead(self, seconds: float) -> None:
+        """Online correction of the per-step time spent outside the profiled forward (EMA with `ema`)."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise DSparkInputError(f"LatencyModel.observe_overhead: expected seconds >= 0, found {seconds}")
+        self.overhead += self.ema * (seconds - self.overhead)
 
     def _segment(self, q: float) -> tuple[int, float]:
         """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
@@ -125,9 +194,13 @@ class LatencyModel:
             i += 1
         return i, (q - s[i]) / (s[i + 1] - s[i])
 
-    def predict(self, q: float) -> float:
+    def _forward(self, q: float) -> float:
         i, w = self._segment(float(q))
         return max(self.seconds[i] + w * (self.seconds[i + 1] - self.seconds[i]), 1e-12)
+
+    def predict(self, q: float) -> float:
+        """Seconds of a step of q query tokens: the profiled forward plus the overhead."""
+        return self._forward(q) + self.overhead
 
     def curve(self, max_tokens: int, device: torch.device | str = "cpu") -> Tensor:
         """`[max_tokens + 1] float64` predicted seconds for Q = 0 .. max_tokens (entry 0 unused by the policies)."""
@@ -136,14 +209,15 @@ class LatencyModel:
         q = torch.arange(max_tokens + 1, dtype=torch.float64)
         i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(self.sizes) - 2)  # same segment as _segment
         w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
-        return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12).to(device)
+        return ((secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + self.overhead).to(device)
 
     def observe(self, q: int, seconds: float) -> None:
-        """Online correction with one measured step of q query tokens."""
+        """Online correction with one measured forward of q query tokens (the same span the profile timed, without
+        the overhead)."""
         if not (seconds > 0 and math.isfinite(seconds)) or q < 1:
             raise DSparkInputError(f"LatencyModel.observe: expected q >= 1 and seconds > 0, found {q}, {seconds}")
         i, w = self._segment(float(q))
-        err = seconds - self.predict(q)
+        err = seconds - self._forward(q)
         w = min(max(w, 0.0), 1.0)
         self.seconds[i] = max(self.seconds[i] + self.ema * (1 - w) * err, 1e-9)
         self.seconds[i + 1] = max(self.seconds[i + 1] + self.ema * w * err, 1e-9)
@@ -203,6 +277,8 @@ def cost_budget(
     batch = survival.shape[0]
     if batch == 0 or vals.numel() == 0:
         return 0
+    if latency.flat():  # no measured growth: a pruned draft saves no time (module docstring)
+        return vals.numel()
     k = torch.arange(vals.numel() + 1, device=vals.device)
     expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])  # E(K), K = 0..C
     q0 = base_tokens + batch

@@ -67,16 +67,23 @@ class AcceptResult:
         return [row[:n] for row, n in zip(rows, counts)]
 
 
-def _num_drafts(num_drafts: Sequence[int] | Tensor, batch: int, width: int, device: torch.device) -> Tensor:
-    m = torch.as_tensor(num_drafts, dtype=torch.int64).to(device)
-    if m.shape != (batch,):
-        raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {tuple(m.shape)}")
-    if m.numel() and (int(m.min()) < 0 or int(m.max()) > width):
-        raise DSparkInputError(
-            f"num_drafts: expected values in [0, {width}] (draft_ids has {width} columns), found "
-            f"[{int(m.min())}, {int(m.max())}]"
-        )
-    return m
+def _num_drafts_host(
+    num_drafts: Sequence[int] | Tensor, batch: int, width: int, device: torch.device
+) -> tuple[Tensor, int]:
+    """(num_drafts on `device` [B] int64, total target rows sum(num_drafts + 1)). The range check and the row count
+    read the values where the caller keeps them: a host sequence / tensor (the engine's) costs no device sync."""
+    given = torch.as_tensor(num_drafts, dtype=torch.int64)
+    if given.shape != (batch,):
+        raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {tuple(given.shape)}")
+    if given.numel():
+        lo, hi, total = (int(v) for v in torch.stack([given.min(), given.max(), given.sum()]).tolist())
+        if lo < 0 or hi > width:
+            raise DSparkInputError(
+                f"num_drafts: expected values in [0, {width}] (draft_ids has {width} columns), found [{lo}, {hi}]"
+            )
+    else:
+        total = 0
+    return given.to(device, non_blocking=True), total + batch
 
 
 def _check_draft_ids(draft_ids: Tensor) -> None:
@@ -85,19 +92,22 @@ def _check_draft_ids(draft_ids: Tensor) -> None:
         raise DSparkInputError(f"draft_ids: expected a [B, N] integer tensor, found {found}")
 
 
-def _padded_target(target: Tensor, m: Tensor, width: int) -> Tensor:
-    """`[R, V]` varlen target rows -> `[B, N + 1, V]`; positions past a request's last row repeat its last row."""
+def _row_index(m: Tensor, width: int, rows: int | None = None, num_rows: int | None = None) -> Tensor:
+    """`[B, N + 1]` index of each (request, position) into the varlen target rows; positions past a request's last
+    row repeat its last row. rows / num_rows: the expected and the found row count, checked when both are given."""
+    if rows is not None and num_rows is not None and rows != num_rows:
+        raise DSparkInputError(f"target: expected sum(num_drafts + 1) = {rows} rows, found {num_rows}")
+    starts = torch.cumsum(m + 1, 0) - (m + 1)
+    cols = torch.arange(width + 1, device=m.device)
+    return starts[:, None] + torch.minimum(cols[None, :], m[:, None])
+
+
+def _padded_target(target: Tensor, m: Tensor, width: int, rows: int) -> Tensor:
+    """`[R, V]` varlen target rows -> `[B, N + 1, V]`; positions past a request's last row repeat its last row.
+    rows: the expected R (checked against the target)."""
     if target.dim() != 2:
         raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target.shape)}")
-    expected = int((m + 1).sum())
-    if target.shape[0] != expected:
-        raise DSparkInputError(
-            f"target: expected sum(num_drafts + 1) = {expected} rows, found {target.shape[0]}"
-        )
-    starts = torch.cumsum(m + 1, 0) - (m + 1)
-    cols = torch.arange(width + 1, device=target.device)
-    rows = starts[:, None] + torch.minimum(cols[None, :], m[:, None])
-    return target[rows]
+    return target[_row_index(m, width, rows, target.shape[0])]
 
 
 def greedy_accept(target: Tensor, draft_ids: Tensor, num_drafts: Sequence[int] | Tensor) -> AcceptResult:
@@ -108,14 +118,17 @@ def greedy_accept(target: Tensor, draft_ids: Tensor, num_drafts: Sequence[int] |
     """
     _check_draft_ids(draft_ids)
     batch, width = draft_ids.shape
-    m = _num_drafts(num_drafts, batch, width, target.device)
-    return _greedy_padded(_padded_target(target, m, width), draft_ids, m)
+    if target.dim() != 2:
+        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target.shape)}")
+    m, rows = _num_drafts_host(num_drafts, batch, width, target.device)
+    # argmax (first maximum) of the varlen rows, then gathered: no [B, N + 1, V] copy
+    return _greedy_best(target.argmax(-1)[_row_index(m, width, rows, target.shape[0])], draft_ids, m)
 
 
-def _greedy_padded(target: Tensor, draft_ids: Tensor, m: Tensor) -> AcceptResult:
+def _greedy_best(best: Tensor, draft_ids: Tensor, m: Tensor) -> AcceptResult:
+    """Greedy acceptance from the target argmax `best [B, N + 1]` of every (request, position)."""
     width = draft_ids.shape[1]
-    device = target.device
-    best = target.argmax(-1)  # [B, N + 1]; argmax returns the first maximum
+    device = best.device
     cols = torch.arange(width, device=device)
     match = (draft_ids.to(device, torch.int64) == best[:, :width]) & (cols[None, :] < m[:, None])
     num_accepted = torch.cumprod(match.to(torch.int64), dim=1).sum(1)
@@ -193,7 +206,7 @@ def rejection_accept(
     _check_draft_ids(draft_ids)
     batch, width = draft_ids.shape
     device = target_probs.device
-    m = _num_drafts(num_drafts, batch, width, device)
+    m, rows = _num_drafts_host(num_drafts, batch, width, device)
     vocab = target_probs.shape[-1]
     if draft_probs.shape != (batch, width, vocab):
         raise DSparkInputError(
@@ -208,14 +221,16 @@ def rejection_accept(
     elif uniforms.shape != (batch, width + 1):
         raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
 
-    p = _padded_target(target_probs, m, width)
+    p = _padded_target(target_probs, m, width, rows)
     return _rejection_padded(p, draft_ids, draft_probs, m, uniforms, draft_prob_penalty)
 
 
 def _rejection_padded(
-    target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor, uniforms: Tensor, alpha: float
+    target_probs: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor, uniforms: Tensor, alpha: float,
+    check_ids: bool = True,
 ) -> AcceptResult:
-    """Core of `rejection_accept` on padded target rows `[B, N + 1, V]`."""
+    """Core of `rejection_accept` on padded target rows `[B, N + 1, V]`. check_ids: range-check the verified draft
+    ids (one device read; callers that drafted them from this vocabulary skip it)."""
     batch, width = draft_ids.shape
     device = target_probs.device
     vocab = target_probs.shape[-1]
@@ -226,7 +241,7 @@ def _rejection_padded(
     cols = torch.arange(width, device=device)
     verified = cols[None, :] < m[:, None]  # [B, N]
     safe_ids = torch.where(verified, ids, torch.zeros_like(ids))
-    if bool(((safe_ids < 0) | (safe_ids >= vocab)).any()):
+    if check_ids and bool(((safe_ids < 0) | (safe_ids >= vocab)).any()):
         raise DSparkInputError(f"draft_ids: expected ids in [0, {vocab}) at verified positions")
     p_d = p[:, :width].gather(-1, safe_ids[..., None]).squeeze(-1)
     q_d = q.gather(-1, safe_ids[..., None]).squeeze(-1)
@@ -259,10 +274,12 @@ def verify(
     proposal: DraftProposal,
     num_drafts: Sequence[int] | Tensor,
     *,
-    greedy: bool | Tensor = False,
+    greedy: bool | Sequence[bool] | Tensor = False,
     generators: Sequence[torch.Generator] | None = None,
     uniforms: Tensor | None = None,
     draft_prob_penalty: float = 1.0,
+    argmax: Tensor | None = None,
+    check_ids: bool = True,
 ) -> AcceptResult:
     """Verify a proposal for a batch that mixes greedy and sampled requests.
 
@@ -270,43 +287,62 @@ def verify(
         requests only the argmax is used, so softmax(logits) at any temperature > 0 works.
     proposal: the `DraftProposal` of this round; only its first num_drafts[b] drafts are verified. Its draft_probs
         are required when any request samples.
-    greedy: True / False for the whole batch or a `[B] bool` tensor.
+    num_drafts / greedy: `[B]` values, or True / False for the whole batch. Passed on the host (sequences or CPU
+        tensors, as the engine does), the checks and the greedy / sampled split need no device sync.
     generators: one per request (requests draw randomness only when they sample, see `verify_uniforms`).
     uniforms: `[B, N + 1]` explicit uniforms (e.g. `verify_counter_uniforms`), taking precedence over
         generators; rows of greedy requests are ignored.
+    argmax: `[R] int64` the argmax of each target row when the caller has it (the engine takes it from the raw
+        logits together with the finiteness check); greedy requests then copy no vocabulary-wide rows.
+    check_ids: range-check the verified draft ids of sampled requests (one device read).
     """
     draft_ids = proposal.draft_ids
     batch, width = draft_ids.shape
     device = target_probs.device
-    m = _num_drafts(num_drafts, batch, width, device)
-    padded = _padded_target(target_probs, m, width)
-    mask = torch.as_tensor(greedy, dtype=torch.bool, device=device)
-    if mask.dim() > 1 or (mask.dim() == 1 and mask.shape[0] != batch):
-        raise DSparkInputError(f"greedy: expected a bool or a [{batch}] bool tensor, found shape {tuple(mask.shape)}")
-    mask = mask.expand(batch)
+    if target_probs.dim() != 2:
+        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target_probs.shape)}")
+    m, total = _num_drafts_host(num_drafts, batch, width, device)
+    index = _row_index(m, width, total, target_probs.shape[0])  # [B, N + 1]
+    host_mask = torch.as_tensor(greedy, dtype=torch.bool)
+    if host_mask.dim() > 1 or (host_mask.dim() == 1 and host_mask.shape[0] != batch):
+        raise DSparkInputError(
+            f"greedy: expected a bool or a [{batch}] bool tensor, found shape {tuple(host_mask.shape)}")
+    host_mask = host_mask.expand(batch)
     if generators is not None and len(generators) != batch:
         raise DSparkInputError(f"generators: expected one per request ({batch}), found {len(generators)}")
-    sampled = (~mask).nonzero().squeeze(-1)
-    if sampled.numel() == 0:
-        return _greedy_padded(padded, draft_ids, m)
+    sampled_host = (~host_mask).nonzero().squeeze(-1)
+    greedy_host = host_mask.nonzero().squeeze(-1)
+    if argmax is not None and argmax.shape != (target_probs.shape[0],):
+        raise DSparkInputError(f"argmax: expected [{target_probs.shape[0]}] (one per target row), found "
+                               f"{tuple(argmax.shape)}")
+
+    def greedy_result(rows: Tensor) -> AcceptResult:
+        idx = index[rows]
+        best = argmax[idx] if argmax is not None else target_probs[idx].argmax(-1)
+        return _greedy_best(best, draft_ids[rows], m[rows])
+
+    if sampled_host.numel() == 0:
+        return greedy_result(torch.arange(batch, device=device))
     if proposal.draft_probs is None:
         raise DSparkInputError("proposal.draft_probs: required when a request samples (greedy is False), found None")
+    sampled = sampled_host.to(device, non_blocking=True)
     output = torch.full((batch, width + 1), -1, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
     accept_prob = torch.zeros(batch, width, dtype=torch.float32, device=device)
-    greedy_rows = mask.nonzero().squeeze(-1)
-    if greedy_rows.numel():
-        g = _greedy_padded(padded[greedy_rows], draft_ids[greedy_rows], m[greedy_rows])
+    if greedy_host.numel():
+        greedy_rows = greedy_host.to(device, non_blocking=True)
+        g = greedy_result(greedy_rows)
         output[greedy_rows], num_accepted[greedy_rows] = g.output_ids, g.num_accepted
     if uniforms is not None:
         if uniforms.shape != (batch, width + 1):
             raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
         u = uniforms.to(device)[sampled]
     else:
-        chosen = None if generators is None else [generators[i] for i in sampled.tolist()]
+        chosen = None if generators is None else [generators[i] for i in sampled_host.tolist()]
         u = verify_uniforms(m[sampled].cpu(), width, chosen, device=device)
     r = _rejection_padded(
-        padded[sampled], draft_ids[sampled], proposal.draft_probs[sampled], m[sampled], u, draft_prob_penalty
+        target_probs[index[sampled]], draft_ids[sampled], proposal.draft_probs[sampled], m[sampled], u,
+        draft_prob_penalty, check_ids,
     )
     output[sampled], num_accepted[sampled] = r.output_ids, r.num_accepted
     assert r.accept_prob is not None

@@ -344,3 +344,31 @@ def test_cost_policy_explores_large_verify_steps(v41_reference, v41_spec) -> Non
         spec.explore_every = 32
         _use_policy(v41_spec, "verify_all")
     assert verified[2] > verified[0], verified
+
+
+def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41_reference, v41_spec) -> None:
+    """A start-up curve flat within its noise (the H200 failure: ~100 ms of launch overhead at every size) verifies
+    every draft, as verify_all does; the online correction learns the draft pass as the curve's overhead (its
+    level), and the rounds' host timing adds up."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+
+    spec = v41_spec.engine.runner.spec
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    verified = {}
+    try:
+        for name in ("verify_all", "cost"):
+            if name == "cost":
+                flat = LatencyModel([1, 8, 64], [0.111, 0.090, 0.145], noise=0.05)  # wide: CPU steps under load
+                assert flat.flat()
+                spec.set_policy(VerifyPolicy(kind="cost"), flat, online_latency=True)
+            else:
+                _use_policy(v41_spec, "verify_all")
+            spec.reset_stats()
+            assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+            verified[name] = spec.stats.num_verified_tokens
+            t = spec.timing
+            assert t.rounds == spec.stats.steps > 0 and min(t.draft_s, t.verify_s, t.finish_s) > 0
+        assert spec.latency.overhead > 0 and spec.latency.observations == spec.stats.steps
+    finally:
+        _use_policy(v41_spec, "verify_all")
+    assert verified["cost"] == verified["verify_all"], verified

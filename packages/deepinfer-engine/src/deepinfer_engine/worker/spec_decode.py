@@ -50,7 +50,7 @@ from torch import Tensor
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 
-__all__ = ["SpecDecoder", "SpecRound", "profile_target_latency"]
+__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "profile_target_latency"]
 
 
 @dataclass(kw_only=True)
@@ -65,13 +65,34 @@ class SpecRound:
     drafts_host: list[int] = field(default_factory=list)
     positions: Tensor | None = None  # [B] int64 anchor positions p
     seeds: Tensor | None = None  # [B] int64
+    num_drafts_host: Tensor | None = None  # [B] int64 on the host (checks and row counts without a device read)
     greedy: list[bool] = field(default_factory=list)
     params: list[Any] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # per b: first logits row of its m + 1 rows
-    started: float = 0.0
+    started: float = 0.0  # perf_counter when the round began (before the draft pass)
+    forward_started: float = 0.0  # ... when the draft pass and the policy were done (the target step begins)
     keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
     results: dict[str, SpecResult] = field(default_factory=dict)
     hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
+
+
+@dataclass
+class SpecTiming:
+    """Host wall time of the speculative rounds since the last `reset_stats` (perf_counter sums; the two host reads
+    of a round synchronise the device, so on a GPU these are device-inclusive). draft_s: round start to the end
+    of the draft pass and the policy (its host read); verify_s: from there to the host read of the verification
+    (input preparation, the target forward, verification); finish_s: the bookkeeping after that read (results,
+    statistics, draft-context insertion)."""
+
+    rounds: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    finish_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        n = max(self.rounds, 1)
+        return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
+                "finish_ms": 1e3 * self.finish_s / n}
 
 
 class SpecDecoder:
@@ -110,6 +131,7 @@ class SpecDecoder:
         self.explored = 0
         self.block_size = int(drafter.block_size)
         self.stats = AcceptanceStats(self.block_size)
+        self.timing = SpecTiming()
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None) -> None:
@@ -125,6 +147,7 @@ class SpecDecoder:
     def reset_stats(self) -> AcceptanceStats:
         """Start a new run's statistics; returns the previous accumulator."""
         old, self.stats = self.stats, AcceptanceStats(self.block_size)
+        self.timing = SpecTiming()
         return old
 
     # ------------------------------------------------------------------------------------------ which requests
@@ -156,8 +179,9 @@ class SpecDecoder:
                             s.seed & 0x7FFFFFFFFFFFFFFF] for c, s in zip(picked, sts)], dtype=np.int64)
         dev = torch.from_numpy(host).to(device, non_blocking=device.type == "cuda")
         anchors, rnd.positions, slots, max_drafts, rnd.seeds = dev.unbind(1)
+        # on the host: propose reads the greedy / sampled split there and copies it over without a device sync
         temps = torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, rnd.params)],
-                             dtype=torch.float32).to(device)
+                             dtype=torch.float32)
         self.drafter.slots = slots
         self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
         prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
@@ -181,7 +205,8 @@ class SpecDecoder:
                                   latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy))
         ids = wide[:, :n].to(torch.int64).tolist()
         rnd.drafts_host = [int(k) for k in m.tolist()]
-        rnd.proposal, rnd.num_drafts = prop, m.to(device)
+        rnd.num_drafts_host = m
+        rnd.proposal, rnd.num_drafts = prop, m.to(device, non_blocking=True)
         both = [[k, *row] for k, row in zip(rnd.drafts_host, ids)]
         out = []
         for c in chunks:
@@ -193,6 +218,7 @@ class SpecDecoder:
             out.append(replace(c, token_ids=(c.token_ids[0], *both[b][1 : 1 + k])))
         rnd.chunks = tuple(out)
         rnd.started = started
+        rnd.forward_started = time.perf_counter()
         return rnd
 
     # ------------------------------------------------------------------------------------------ 3. verify
@@ -203,8 +229,8 @@ class SpecDecoder:
             return logits
         reps = torch.tensor([k + 1 for k in rnd.drafts_host])
 
-        def per_row(values: list[float], dtype: torch.dtype) -> Tensor:
-            return torch.repeat_interleave(torch.tensor(values, dtype=dtype), reps).to(logits.device)
+        def per_row(values: list[float], dtype: torch.dtype) -> Tensor:  # built on the host, copied without a sync
+            return torch.repeat_interleave(torch.tensor(values, dtype=dtype), reps).to(logits.device, non_blocking=True)
 
         ps = rnd.params
         temp = per_row([1.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, ps)], torch.float32)
@@ -229,21 +255,36 @@ class SpecDecoder:
         errors: dict[str, str] = {}
         accepted_rows = {c.req_id: c.num_tokens for c in rnd.chunks}  # rows of each chunk now in the sequence
         if rnd.req_ids:
-            rows = torch.cat([torch.arange(r, r + k + 1) for r, k in zip(rnd.logit_rows, rnd.drafts_host)])
-            raw = logits.index_select(0, rows.to(logits.device)).float()
-            bad = ~torch.isfinite(raw.amax(-1))
-            target = self._target(raw, rnd)
-            greedy = torch.tensor(rnd.greedy, dtype=torch.bool, device=raw.device)
-            uniforms = verify_counter_uniforms(rnd.seeds, rnd.positions, self.block_size)
-            res = verify(target, rnd.proposal, rnd.num_drafts, greedy=greedy, uniforms=uniforms)
-            seg = torch.repeat_interleave(torch.arange(len(rnd.req_ids), device=raw.device),
-                                          rnd.num_drafts + 1)
+            lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
+            starts = np.cumsum(lens) - lens
+            if starts.tolist() == rnd.logit_rows and int(lens.sum()) == logits.shape[0]:  # verify rows only: no copy
+                raw = logits.float()
+            else:
+                rows = np.concatenate([np.arange(r, r + n) for r, n in zip(rnd.logit_rows, lens.tolist())])
+                raw = logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True)).float()
+            # one pass over the vocabulary gives the greedy argmax and the finiteness check (max propagates NaN)
+            top, best = raw.max(-1)
+            bad = ~torch.isfinite(top)
+            target = raw if all(rnd.greedy) else self._target(raw, rnd)
+            uniforms = None if all(rnd.greedy) else verify_counter_uniforms(rnd.seeds, rnd.positions, self.block_size)
+            # host num_drafts / greedy flags: verify checks and splits them without device reads; the drafts come
+            # from this vocabulary, so their range check is skipped
+            res = verify(target, rnd.proposal, rnd.num_drafts_host, greedy=torch.tensor(rnd.greedy), uniforms=uniforms,
+                         argmax=best, check_ids=False)
+            seg = torch.from_numpy(np.repeat(np.arange(len(rnd.req_ids)), lens)).to(raw.device, non_blocking=True)
             nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.int64, device=raw.device).index_add_(
                 0, seg, bad.to(torch.int64))
             packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
             host = packed.tolist()  # the step's one host read of the round
+            read_at = time.perf_counter()
+            self.timing.rounds += 1
+            self.timing.draft_s += rnd.forward_started - rnd.started
+            self.timing.verify_s += read_at - rnd.forward_started
             if self.latency is not None and self.online_latency:
-                self.latency.observe(num_tokens, max(time.perf_counter() - rnd.started, 1e-9))
+                # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
+                # overhead does not grow with the verified drafts, so it must not read as growth of T(Q)
+                self.latency.observe(num_tokens, max(read_at - rnd.forward_started, 1e-9))
+                self.latency.observe_overhead(max(rnd.forward_started - rnd.started, 0.0))
             acc = [row[0] for row in host]
             self.stats.update(acc, rnd.drafts_host)
             for b, rid in enumerate(rnd.req_ids):
@@ -258,6 +299,8 @@ class SpecDecoder:
                 accepted_rows[rid] = a + 1
         self.insert_context(rnd.chunks, accepted_rows, features)
         rnd.keep, rnd.results = accepted_rows, results
+        if rnd.req_ids:
+            self.timing.finish_s += time.perf_counter() - read_at
         return results, errors
 
     @torch.no_grad()
@@ -312,7 +355,8 @@ class SpecDecoder:
         tables = np.full((len(lens), 1), -1, dtype=np.int32)
         batch = ForwardBatch(
             input_ids=torch.zeros_like(positions), positions=positions, query_lens=tuple(lens), slots=tuple(slots),
-            block_tables=torch.from_numpy(tables).to(device), logits_indices=positions[:0],
+            block_tables=torch.from_numpy(tables).to(device, non_blocking=device.type == "cuda"),
+            logits_indices=positions[:0],
             host=StepHost(ctx_lens=tuple(starts), input_ids=ids, block_tables=tables),
         )  # fmt: skip
         self.drafter.insert_context(batch, {lid: f.index_select(0, sel) for lid, f in features.items()})
@@ -320,11 +364,12 @@ class SpecDecoder:
 
 def profile_target_latency(
     forward: Callable[[ForwardBatch], object], *, block_size: int, max_tokens: int, num_slots: int, pages: int,
-    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 3,
+    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5,
 ) -> LatencyModel:
     """The cost policy's latency curve T(Q): the target forward over Q query tokens, timed at start-up (before
     any request holds cache rows) at Q = 1, 2, 4, ... up to `max_tokens`, as ceil(Q / (N + 1)) sequences of at
-    most N + 1 tokens (a verify step's shape), each in its own slot and pages. `forward(batch)` runs the model;
+    most N + 1 tokens (a verify step's shape), each in its own slot and pages; `repeats` interleaved rounds, the
+    median per size, a non-decreasing fit and its noise (`LatencyModel.profile`). `forward(batch)` runs the model;
     the caller resets the slots afterwards."""
     per = block_size + 1
     need = -(-per // page_size)
