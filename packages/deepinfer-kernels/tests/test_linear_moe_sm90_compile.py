@@ -27,7 +27,8 @@ from deepinfer_kernels.moe import triton as mt
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
-       "stride_ym": "i32", "stride_split": "i32", "k_tiles_per_split": "i32"}
+       "stride_ym": "i32", "stride_split": "i32", "k_tiles_per_split": "i32", "group_n": "i32",
+       "stride_xg": "i32"}
 out = {}
 for aq in (False, True):
     out[f"fp8_linear act_quant={aq}"] = rep(lt._linear_kernel, sig, dict(B0=32, B1=32, W_FP8=True, SCALE_E8M0=True,

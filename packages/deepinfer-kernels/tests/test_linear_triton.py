@@ -99,6 +99,24 @@ def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, 
     torch.testing.assert_close(yb, reference.fp8_linear(x.bfloat16(), q, s, block), rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.parametrize(("swap", "split"), [(False, 1), (True, 2)])
+def test_fp8_linear_grouped_interpreter(interp, swap, split):
+    """Block-diagonal weight in one launch (the grouped output projection): x [M, G, K] as a strided view, each
+    16-row tile reads its own group's x; equal to the per-group reference up to fp32 summation order."""
+    gen = torch.Generator().manual_seed(5)
+    m, groups, rows, k, block = 3, 3, 32, 64, (32, 32)
+    q, s = quant_fp8_block(torch.randn(groups * rows, k, generator=gen) / k**0.5, block)
+    x = torch.randn(m, groups * k + 5, generator=gen)[:, 5:].view(m, groups, k)  # strided rows, unit K stride
+    cfg = interp.LinearConfig(16, 16, 32, 4, 1, split, swap, "weight")
+    for aq in (False, True):
+        got = interp.fp8_linear_grouped(x, q, s, block, act_quant=aq, config=cfg).view(m, groups, rows)
+        for g in range(groups):
+            want = reference.fp8_linear(x[:, g], q[g * rows : (g + 1) * rows], s[g : g + 1], block, act_quant=aq)
+            assert _rel(got[:, g], want) <= 1e-5, (aq, g)
+    assert interp.fp8_linear_grouped(x, q, s, block, act_quant=False,
+                                     config=interp.LinearConfig(16, 64, 32, 4, 1)) is None  # 64 does not divide 32
+
+
 def test_linear_config_validation(interp):
     with pytest.raises(ValueError, match="power of two"):
         interp.LinearConfig(block_n=48)
@@ -189,3 +207,23 @@ def test_fp8_linear_gpu_split_k_is_deterministic(m):
             tol = 1e-2 if xx.dtype == torch.bfloat16 else 1e-5
             assert _rel(first, want) <= tol, (n, k, xx.dtype)
             assert _rel(first, lt.fp8_linear(xx, q, s, (32, 32), act_quant=False, config=one)) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_fp8_linear_grouped_gpu_v41_wo_a(m):
+    """wo_a of V4.1 (8 groups of 1024 rows over 4096 inputs each) in one launch == per-group fp8_linear."""
+    from deepinfer_kernels.linear import fp8_linear, fp8_linear_grouped
+
+    g = torch.Generator().manual_seed(13)
+    q, s = _random_fp8(8 * 1024, 4096, (32, 32), g, "cuda")
+    o = torch.randn(m, 8, 4096, generator=g).cuda().bfloat16()
+    for aq in (False, True):
+        got = fp8_linear_grouped(o, q, s, (32, 32), act_quant=aq, backend="triton")
+        for i in range(8):
+            want = reference.fp8_linear(o[:, i].float(), q[i * 1024 : (i + 1) * 1024], s[i * 32 : (i + 1) * 32],
+                                        (32, 32), act_quant=aq)  # fmt: skip
+            assert _rel(got[:, i], want) <= 1e-2, (aq, i)
+            one = fp8_linear(o[:, i], q[i * 1024 : (i + 1) * 1024], s[i * 32 : (i + 1) * 32], (32, 32), act_quant=aq,
+                             backend="triton")  # fmt: skip
+            assert _rel(got[:, i], one) <= 1e-2, (aq, i)

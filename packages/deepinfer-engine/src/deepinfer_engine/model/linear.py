@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepinfer_kernels.linear import fp8_linear
+from deepinfer_kernels.linear import fp8_linear, fp8_linear_grouped
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import CheckpointError, ModelConfigError
@@ -143,15 +143,5 @@ class Linear(nn.Module):
 
                 x = fake_quant_act_fp8(x, self.block[1]).to(self.dtype)
             return torch.einsum("tgi,gri->tgr", x, w.view(groups, rows, -1))
-        outs = [
-            fp8_linear(
-                x[:, g],
-                self.weight[g * rows : (g + 1) * rows],
-                self.scale[g * rows // b0 : (g + 1) * rows // b0],
-                self.block,
-                act_quant=self.quantize_activations,
-                backend=self.kernel_backend,
-            )
-            for g in range(groups)
-        ]
-        return torch.stack(outs, dim=1)
+        return fp8_linear_grouped(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
+                                  backend=self.kernel_backend)

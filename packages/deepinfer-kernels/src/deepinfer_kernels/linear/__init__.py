@@ -12,7 +12,7 @@ from torch import Tensor
 from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.linear import reference
 
-__all__ = ["fp8_linear", "linear_f32_out"]
+__all__ = ["fp8_linear", "fp8_linear_grouped", "linear_f32_out"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -64,6 +64,46 @@ def fp8_linear(
     else:
         y = reference.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant)
     return y.reshape(*lead, weight.shape[0])
+
+
+def fp8_linear_grouped(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    block: tuple[int, int],
+    *,
+    act_quant: bool = False,
+    backend: str = "auto",
+) -> Tensor:
+    """Block-diagonal `fp8_linear`: x ``[M, G, K]``, weight ``[G * R, K] float8_e4m3fn`` whose row group g multiplies
+    x's group g, scale ``[G * R / b0, ceil(K / b1)]`` -> ``[M, G, R]`` in x's dtype (the grouped low-rank output
+    projection). R must be a multiple of b0 (no scale block straddles two groups). On CUDA one launch covers every
+    group; otherwise, or when the kernel's tiles do not divide R, one `fp8_linear` per group."""
+    if x.dim() != 3 or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_linear_grouped: x {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}; "
+                         "expected x [M, G, K] and weight [G * R, K] float8_e4m3fn")
+    m, g, k = x.shape
+    n = weight.shape[0]
+    if n % g or (n // g) % block[0] or weight.shape[1] != k or x.dtype not in _FLOATS:
+        raise ValueError(f"fp8_linear_grouped: x {x.dtype} {tuple(x.shape)}, weight {tuple(weight.shape)}, block "
+                         f"{tuple(block)}; expected weight [G * R, K] with R a multiple of {block[0]}")
+    _check_block("fp8_linear_grouped", weight, scale, block)
+    rows = n // g
+    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and block[1] in (16, 32, 64, 128, 256)
+    why = f"scale {scale.dtype}, K block {block[1]}; needs e8m0/f32 scales and a K block in 16..256 (power of two)"
+    if resolve_backend("fp8_linear_grouped", backend, x, weight, scale, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.linear import triton as triton_backend
+
+        y = triton_backend.fp8_linear_grouped(x, weight, scale, tuple(block), act_quant=act_quant)
+        if y is not None:
+            return y.view(m, g, rows)
+    b0 = block[0]
+    outs = [
+        fp8_linear(x[:, i], weight[i * rows : (i + 1) * rows], scale[i * rows // b0 : (i + 1) * rows // b0], block,
+                   act_quant=act_quant, backend=backend)
+        for i in range(g)
+    ]  # fmt: skip
+    return torch.stack(outs, dim=1)
 
 
 def linear_f32_out(x: Tensor, weight: Tensor, *, backend: str = "auto") -> Tensor:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["LinearConfig", "default_config", "fp8_linear", "launch", "linear_f32_out"]
+__all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped", "launch", "linear_f32_out"]
 
 # dot operand precision: bf16 tensor cores, or exact fp32 (fp32 activations, and always under the interpreter,
 # whose bf16 dot is wrong)
@@ -141,7 +141,7 @@ def _act_quant_group(a):
 
 # the loop count and the scale row stride gain nothing from Triton's ==1 / %16 specialisation: not specialised, so
 # one compiled kernel serves every split count and every K of a tile config
-@triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split"])
+@triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split", "group_n", "stride_xg"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -158,6 +158,8 @@ def _linear_kernel(
     stride_ym,
     stride_split,
     k_tiles_per_split,
+    group_n,
+    stride_xg,
     B0: tl.constexpr,
     B1: tl.constexpr,
     W_FP8: tl.constexpr,
@@ -181,7 +183,9 @@ def _linear_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    # block-diagonal (grouped) weights: output rows [g * group_n, (g + 1) * group_n) read x's group g (a tile never
+    # straddles two groups); one group: stride_xg = 0
+    x_rows = x_ptr + ((pid_n * BLOCK_N) // group_n).to(tl.int64) * stride_xg + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // B0).to(tl.int64) * stride_sn
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -344,15 +348,22 @@ def launch(
     act_quant: bool,
     op: str,
     config: LinearConfig | None = None,
+    groups: int = 1,
 ) -> Tensor:
     """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
-    test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`)."""
-    m, k = x.shape
+    test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`).
+
+    groups G > 1: x [M, G, K], w [G * R, K] block-diagonal -> y [M, G * R] with y[:, g R:(g+1) R] = x[:, g] @ W_gᵀ,
+    one launch (the caller checks that every tile size of the config divides R)."""
+    if groups > 1:
+        m, k = x.shape[0], x.shape[2]
+    else:
+        m, k = x.shape
     n = w.shape[0]
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    if x.stride(1) != 1:
+    if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
         w = w.contiguous()
@@ -363,6 +374,8 @@ def launch(
         raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
     if s is not None and b1 < 16:
         raise ValueError(f"{op}: scale block {b1} along K is below the 16-column dot minimum")
+    if groups > 1 and (n // groups) % cfg.block_n:
+        raise ValueError(f"{op}: {n // groups} rows per group is not a multiple of the config's block_n {cfg.block_n}")
     grid_n, grid_m = cdiv(n, cfg.block_n), cdiv(m, cfg.block_m)
     k_tiles = cdiv(k, cfg.block_k)
     split = _split_count(cfg, grid_n * grid_m, k_tiles, x.device)
@@ -392,6 +405,8 @@ def launch(
         y.stride(0),
         m * n,
         per,
+        n // groups,
+        x.stride(1) if groups > 1 else 0,
         B0=b0,
         B1=b1,
         W_FP8=s is not None,
@@ -423,6 +438,27 @@ def fp8_linear(
     """x [M, K] (bf16 / fp16 / fp32), weight [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [M, N]
     x's dtype. Validated by the package dispatcher."""
     return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear", config=config)
+
+
+def fp8_linear_grouped(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor,
+    block: tuple[int, int],
+    *,
+    act_quant: bool,
+    config: LinearConfig | None = None,
+) -> Tensor | None:
+    """x [M, G, K], weight [G * R, K] e4m3 block-diagonal, scale [G * R / b0, ceil(K / b1)] -> [M, G * R] x's
+    dtype in one launch; None when the default tiles do not divide R (the caller runs the groups one by one)."""
+    m, g, k = x.shape
+    n = weight.shape[0]
+    interp = check_launchable("fp8_linear_grouped", _linear_kernel, x, weight)
+    cfg = config if config is not None else default_config(m, n, k, block[1], x.dtype, interp)
+    if (n // g) % cfg.block_n:
+        return None
+    return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear_grouped",
+                  config=cfg, groups=g)
 
 
 def linear_f32_out(x: Tensor, weight: Tensor, *, config: LinearConfig | None = None) -> Tensor:
