@@ -259,7 +259,7 @@ class ForwardContext:
     candidates: dict[int, Tensor] = field(default_factory=dict)
     features: dict[int, Tensor] = field(default_factory=dict)
     capture_layers: tuple[int, ...] = ()
-    rope_cache: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    rope_cache: dict[tuple, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # Rope.cos_sin tables
     # per-sequence [S] tensors and the per-forward gather plans (built on first use, shared by all layers)
     seq_t: SeqTensors | None = None
     plans: dict[tuple, object] = field(default_factory=dict)
