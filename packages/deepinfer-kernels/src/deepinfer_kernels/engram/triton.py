@@ -1,0 +1,75 @@
+"""Triton Engram injection: one program per token computes the n stream gates (dot, both sums of squares,
+sigmoid of the signed square root) and writes ``R_i + gate_i · val`` -- the ~27 torch ops of the reference in
+one launch. Two passes over d: the sums, then the update."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from deepinfer_kernels._launch import check_launchable, next_pow2
+
+__all__ = ["engram_inject"]
+
+
+@triton.jit
+def _engram_kernel(
+    r_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, m_ptr, o_ptr,
+    D, s_rt, s_rn, s_kt, s_kn, s_vt, s_ot, s_on, eps, sqrt_d, clamp,
+    HAS_MASK: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, N)
+    dot = tl.zeros([N], dtype=tl.float32)
+    sr = tl.zeros([N], dtype=tl.float32)
+    sk = tl.zeros([N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        m2 = (n < N)[:, None] & (offs < D)[None, :]
+        r = tl.load(r_ptr + t * s_rt + n[:, None] * s_rn + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * s_kt + n[:, None] * s_kn + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        qw = tl.load(qw_ptr + n[:, None] * D + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        kw = tl.load(kw_ptr + n[:, None] * D + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        dot += tl.sum(r * qw * kw * k, 1)
+        sr += tl.sum(r * r, 1)
+        sk += tl.sum(k * k, 1)
+    g = dot * (1.0 / tl.sqrt(sr / D + eps)) * (1.0 / tl.sqrt(sk / D + eps)) / sqrt_d
+    s = tl.sqrt(tl.maximum(tl.abs(g), clamp))
+    s = tl.where(g.to(tl.int32, bitcast=True) < 0, -s, s)  # copysign: -0.0 keeps its sign
+    gate = 1.0 / (1.0 + tl.exp(-s))
+    if HAS_MASK:
+        gate = tl.where(tl.load(m_ptr + t) != 0, 0.0, gate)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        m2 = (n < N)[:, None] & (offs < D)[None, :]
+        r = tl.load(r_ptr + t * s_rt + n[:, None] * s_rn + offs[None, :], mask=m2, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * s_vt + offs, mask=offs < D, other=0.0).to(tl.float32)
+        out = r + gate[:, None] * v[None, :]
+        tl.store(o_ptr + t * s_ot + n[:, None] * s_on + offs[None, :], out.to(o_ptr.dtype.element_ty), mask=m2)
+
+
+def engram_inject(
+    r: Tensor, keys: Tensor, val: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float,
+    image_mask: Tensor | None = None,
+) -> Tensor:
+    """r [T, n, d] (n a power of two), keys [T, n, d], val [T, d] (last dims contiguous), q/k_weight [n, d],
+    image_mask [T] bool or None -> [T, n, d] in r's dtype (reference.engram_inject)."""
+    from deepinfer_kernels.engram.reference import GATE_CLAMP
+
+    t, n, d = r.shape
+    out = torch.empty((t, n, d), dtype=r.dtype, device=r.device)
+    if t == 0:
+        return out
+    r, keys, val = (x if x.stride(-1) == 1 else x.contiguous() for x in (r, keys, val))
+    qw, kw = q_weight.contiguous(), k_weight.contiguous()
+    mask = image_mask.to(torch.uint8) if image_mask is not None else r
+    check_launchable("engram_inject", _engram_kernel, r, keys, val, qw, kw)
+    block_d = min(1024, next_pow2(d))
+    _engram_kernel[(t,)](
+        r, keys, val, qw, kw, mask, out, d, r.stride(0), r.stride(1), keys.stride(0), keys.stride(1),
+        val.stride(0), out.stride(0), out.stride(1), float(eps), float(d) ** 0.5, GATE_CLAMP,
+        HAS_MASK=image_mask is not None, N=n, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
