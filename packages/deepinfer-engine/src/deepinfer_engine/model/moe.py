@@ -5,8 +5,9 @@ SwiGLU) and the shared expert."""
 from __future__ import annotations
 
 import torch
+from deepinfer_kernels.linear import linear_f32_out
 from deepinfer_kernels.moe import StackedExperts, moe_experts
-from deepinfer_kernels.routing import gate_scores, select_experts
+from deepinfer_kernels.routing import gate_scores, route_logits, select_experts
 from deepinfer_parallel.ep import LocalDispatch, MoEDispatch
 from torch import Tensor, nn
 
@@ -45,8 +46,8 @@ class Gate(nn.Module):
 
     def forward(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
         """x [T, d], input_ids [T] -> (weights [T, k] f32, ids [T, k] i64)."""
-        scores = gate_scores(x, self.weight, self.score_func)
         if self.is_hash:
+            scores = gate_scores(x, self.weight, self.score_func)
             return select_experts(
                 scores, self.topk, hash_ids=self.tid2eid[input_ids], route_scale=self.route_scale,
                 renormalize=self.renormalize, backend=self.kernel_backend,
@@ -55,10 +56,13 @@ class Gate(nn.Module):
         if self.bias_vl is not None:
             is_img = image_positions(input_ids, self.vocab_size)  # ids past the vocabulary, never text ids
             bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
-        return select_experts(
-            scores, self.topk, bias=bias, route_scale=self.route_scale, renormalize=self.renormalize,
-            backend=self.kernel_backend,
-        )
+        # fp32 logits without widening the [E, d] weight to fp32 each step (the reference's x.float() @ W.float()ᵀ
+        # up to the summation order); the score function, biased top-k and renormalisation in one routing call
+        logits = linear_f32_out(x, self.weight, backend=self.kernel_backend)
+        return route_logits(
+            logits, self.topk, score_func=self.score_func, bias=bias, route_scale=self.route_scale,
+            renormalize=self.renormalize, backend=self.kernel_backend,
+        )  # fmt: skip
 
 
 class Expert(nn.Module):
