@@ -5,6 +5,7 @@ SwiGLU) and the shared expert."""
 from __future__ import annotations
 
 import torch
+from deepinfer_kernels.activation import swiglu
 from deepinfer_kernels.linear import linear_f32_out
 from deepinfer_kernels.moe import StackedExperts, moe_experts
 from deepinfer_kernels.routing import gate_scores, route_logits, select_experts
@@ -76,14 +77,12 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, dim, dtype)
         self.w3 = Linear(dim, inter, dtype)
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def forward(self, x: Tensor) -> Tensor:
         # the arithmetic of deepinfer_kernels.moe.swiglu_expert: gate / up in fp32, h in x's dtype
-        g = self.w1(x).float()
-        u = self.w3(x).float()
-        if self.limit > 0:
-            g = g.clamp(max=self.limit)
-            u = u.clamp(min=-self.limit, max=self.limit)
-        return self.w2((torch.nn.functional.silu(g) * u).to(x.dtype))
+        h = swiglu(self.w1(x), self.w3(x), self.limit, x.dtype, backend=self.kernel_backend)
+        return self.w2(h)
 
 
 class ExpertWeight(nn.Module):
