@@ -20,6 +20,7 @@ from deepinfer_engine.model.mhc import (
     apply_hc_head,
     apply_hc_mix,
     hc_post,
+    hc_post_pre,
     hc_pre,
 )
 from deepinfer_engine.model.moe import MoE
@@ -65,9 +66,14 @@ class Block(nn.Module):
         r = self._engram(r, ctx)
         pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
         x = self._collapse(r, pre_a, pre_prev)
-        r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a, backend=self.kernel_backend)
-        pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
-        x = hc_pre(r, pre_a if self.delayed else pre_f, backend=self.kernel_backend)
+        y = self.attn(self.attn_norm(x), ctx)
+        if self.delayed:  # the FFN collapses with pre_a, known already: one pass writes R' and reads it back
+            r, x = hc_post_pre(y, r, post_a, comb_a, pre_a, backend=self.kernel_backend)
+            pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
+        else:
+            r = hc_post(y, r, post_a, comb_a, backend=self.kernel_backend)
+            pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
+            x = hc_pre(r, pre_f, backend=self.kernel_backend)
         r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f,
                     backend=self.kernel_backend)
         return r, pre_f

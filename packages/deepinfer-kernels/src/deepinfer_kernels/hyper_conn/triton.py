@@ -20,7 +20,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["hc_mix", "hc_post", "hc_pre"]
+__all__ = ["hc_mix", "hc_post", "hc_post_pre", "hc_pre"]
 
 
 @triton.jit(do_not_specialize=["T", "chunks_per_split"])  # one compile for every batch size
@@ -244,6 +244,27 @@ def _hc_post_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexp
     )
 
 
+@triton.jit
+def _hc_post_pre_kernel(
+    y_ptr, r_ptr, post_ptr, comb_ptr, pre_ptr, out_ptr, x_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, N)
+    d_mask = offs_d < D
+    r = tl.load(r_ptr + (t * N + offs_n[:, None]) * D + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    y = tl.load(y_ptr + t * D + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + t * N + offs_n).to(tl.float32)
+    comb = tl.load(comb_ptr + t * N * N + offs_n[:, None] * N + offs_n[None, :]).to(tl.float32)  # [i, j]
+    mixed = tl.sum(comb[:, :, None] * r.to(tl.float32)[:, None, :], 0)  # [j, BLOCK_D]
+    out = (post[:, None] * y[None, :] + mixed).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (t * N + offs_n[:, None]) * D + offs_d[None, :], out, mask=d_mask[None, :])
+    # the collapse reads the streams as stored (rounded to their dtype), as hc_pre over the written R' would
+    pre = tl.load(pre_ptr + t * N + offs_n).to(tl.float32)
+    x = tl.sum(out.to(tl.float32) * pre[:, None], 0)
+    tl.store(x_ptr + t * D + offs_d, x.to(x_ptr.dtype.element_ty), mask=d_mask)
+
+
 def _streams(r: Tensor) -> Tensor:
     return r if r.is_contiguous() else r.contiguous()
 
@@ -280,3 +301,24 @@ def hc_post(
         y, r, post, comb, out, d, N=n, BLOCK_D=block_d, num_warps=num_warps
     )
     return out
+
+
+def hc_post_pre(
+    y: Tensor, r: Tensor, post: Tensor, comb: Tensor, pre: Tensor, *, block_d: int = 1024, num_warps: int = 4
+) -> tuple[Tensor, Tensor]:
+    """hc_post then hc_pre of its result in one pass over the streams: y [T, d], r [T, n, d], post / pre [T, n],
+    comb [T, n, n] -> (R' [T, n, d], x [T, d]), both in r's dtype."""
+    t, n, d = r.shape
+    out = torch.empty((t, n, d), dtype=r.dtype, device=r.device)
+    x = torch.empty((t, d), dtype=r.dtype, device=r.device)
+    if t == 0 or d == 0:
+        return out, x
+    r = _streams(r)
+    y = y.contiguous()
+    post, comb, pre = post.float().contiguous(), comb.float().contiguous(), pre.float().contiguous()
+    check_launchable("hc_post_pre", _hc_post_pre_kernel, y, r, post, comb, pre)
+    block_d = min(block_d, max(16, next_pow2(d)))
+    _hc_post_pre_kernel[(t, cdiv(d, block_d))](
+        y, r, post, comb, pre, out, x, d, N=n, BLOCK_D=block_d, num_warps=num_warps
+    )
+    return out, x
