@@ -194,4 +194,5 @@ class MoE(nn.Module):
         """x [T, d] (ffn_norm output), input_ids [T] raw ids -> [T, d] in x's dtype."""
         weights, ids = self.gate(x, input_ids)
         y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
-        return (y + self.shared_experts(x).float()).to(x.dtype)
+        # fp32 + the shared expert's output: type promotion upcasts inside the add (no separate fp32 copy)
+        return (y.float() + self.shared_experts(x)).to(x.dtype)
