@@ -1,4 +1,4 @@
-"""Triton Engram injection vs the torch reference (engram.reference.engram_inject).
+"""Triton Engram kernels vs the torch references: hash_rows (exact, integer ops) and engram_inject.
 
 Tolerance: the gate's sums run in another order (fp32, ~1e-6 relative), so fp32 outputs agree to atol 1e-5 /
 rtol 1e-5 and bf16 outputs to 1 ULP (rtol 2^-7; the interpreter truncates instead of rounding). Covered: d not
@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.engram import engram_inject, reference
+from deepinfer_kernels.engram import engram_inject, hash_rows, reference
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -84,3 +84,51 @@ def test_gpu_matches_reference(t, dtype):
     ref = reference.engram_inject(r, keys, val, qw, kw, 1e-6, mask)
     atol, rtol = _TOL[dtype]
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------------ hash_rows
+def _hash_case(t: int, n_layers: int, k: int, heads: int, seed: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(seed)
+    c = 50
+    cid_table = torch.randint(0, 1 << 20, (c,), generator=g)
+    cid_table[torch.randint(0, c, (6,), generator=g)] = -1  # DEAD ids (and entry 0 = id -1)
+    cid_table[0] = -1
+    ids = torch.randint(0, c - 1, (t,), generator=g)
+    prev = torch.randint(-1, c - 1, (t, k), generator=g)
+    mult = torch.randint(0, 1 << 30, (n_layers, k + 1), generator=g)
+    primes = torch.randint(2, 100000, (n_layers, k, heads), generator=g)
+    offsets = torch.randint(0, 1 << 20, (n_layers, k, heads), generator=g)
+    return [x.to(device) for x in (ids, prev, cid_table, mult, primes, offsets)]
+
+
+@pytest.mark.parametrize("shape", [(9, 2, 3, 2), (1, 1, 3, 8), (5, 3, 1, 3), (4, 2, 5, 1)], ids=str)
+def test_hash_rows_interpreter_equals_reference(interp, shape):
+    t, n_layers, k, heads = shape
+    case = _hash_case(t, n_layers, k, heads, seed=sum(shape))
+    want = reference.hash_rows(*case, pad_cid=7)
+    assert want.shape == (t, n_layers, k * heads)
+    assert torch.equal(interp.hash_rows(*case, pad_cid=7), want)
+    assert torch.equal(hash_rows(*case, pad_cid=7, backend="triton"), want)
+
+
+def test_hash_rows_dead_rule_and_empty(interp):
+    ids, prev, cid_table, mult, primes, offsets = _hash_case(3, 1, 3, 1, seed=4)
+    prev[0] = -1  # no predecessor: every n-gram of token 0 hashes its own id with pads
+    prev[1, 0] = 0  # id 0: compressed id of entry 1, made DEAD below -> blocks s >= 1
+    cid_table[1] = -1
+    ids[1] = ids[0] = 5
+    cid_table[6] = 12345  # a live compressed id for both tokens
+    case = (ids, prev, cid_table, mult, primes, offsets)
+    want = reference.hash_rows(*case, pad_cid=3)
+    assert torch.equal(interp.hash_rows(*case, pad_cid=3), want)
+    assert torch.equal(want[0], want[1])  # both hash [own id, pad, pad, pad]: blocked by -1 and by a DEAD id
+    empty = interp.hash_rows(ids[:0], prev[:0], cid_table, mult, primes, offsets, 3)
+    assert empty.shape == (0, 1, 3)
+    with pytest.raises(ValueError, match="hash_rows: expected"):
+        hash_rows(ids, prev[:, :2], cid_table, mult, primes, offsets, 3)
+
+
+@pytest.mark.gpu
+def test_gpu_hash_rows_equals_reference():
+    case = _hash_case(64, 2, 3, 8, seed=11, device="cuda")
+    assert torch.equal(hash_rows(*case, pad_cid=5, backend="triton"), reference.hash_rows(*case, pad_cid=5))

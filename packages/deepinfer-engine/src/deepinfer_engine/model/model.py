@@ -197,7 +197,7 @@ class Transformer(nn.Module):
         dev = self._engram_device
         if dev is None or dev.device != ids.device or dev.source is not self.engram_hasher:
             dev = self._engram_device = DeviceEngramHasher(self.engram_hasher, ids.device)
-        return dev.rows(ids, prev)
+        return dev.rows(ids, prev, backend=self.kernel_backend)
 
     def host_step(self, batch: ForwardBatch, cache: ModelCache) -> None:
         """The host half of a forward, for a caller that replays the device half (a captured fixed-shape step):

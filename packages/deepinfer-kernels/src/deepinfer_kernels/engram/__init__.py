@@ -1,4 +1,5 @@
-"""V4.1 Engram gate and injection into the hc streams (docs/model.md §C.6): torch reference; Triton injection."""
+"""V4.1 Engram (docs/model.md §C.6): n-gram row ids from token ids (`hash_rows`), the gate and the injection into the
+hc streams (`engram_inject`): torch references; Triton kernels for both."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.engram import reference
 from deepinfer_kernels.engram.reference import GATE_CLAMP, engram_gate
 
-__all__ = ["GATE_CLAMP", "engram_gate", "engram_inject"]
+__all__ = ["GATE_CLAMP", "engram_gate", "engram_inject", "hash_rows"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -40,3 +41,28 @@ def engram_inject(
 
         return triton_backend.engram_inject(r, keys, val, q_weight, k_weight, eps, image_mask)
     return reference.engram_inject(r, keys, val, q_weight, k_weight, eps, image_mask)
+
+
+def hash_rows(
+    token_ids: Tensor, prev: Tensor, cid_table: Tensor, multipliers: Tensor, primes: Tensor, offsets: Tensor,
+    pad_cid: int, *, backend: str = "auto",
+) -> Tensor:
+    """Engram row ids [T, L, K*H] int64 of token_ids [T] with predecessors prev [T, K] (reference.hash_rows:
+    shapes, the DEAD rule, the XOR hash). backend: "auto" | "torch" | "triton" (int64 tensors)."""
+    t, k = prev.shape if prev.dim() == 2 else (-1, -1)
+    if token_ids.shape != (t,) or multipliers.dim() != 2 or multipliers.shape[1] != k + 1 or (
+        primes.dim() != 3 or primes.shape[:2] != (multipliers.shape[0], k) or offsets.shape != primes.shape
+    ):
+        raise ValueError(
+            f"hash_rows: expected token_ids [T], prev [T, K], multipliers [L, K+1], primes / offsets [L, K, H]; found "
+            f"{tuple(token_ids.shape)}, {tuple(prev.shape)}, {tuple(multipliers.shape)}, {tuple(primes.shape)}, "
+            f"{tuple(offsets.shape)}"
+        )
+    tensors = (token_ids, prev, cid_table, multipliers, primes, offsets)
+    ok = all(x.dtype == torch.int64 for x in tensors)
+    why = "needs int64 tensors"
+    if resolve_backend("engram_hash_rows", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.engram import triton as triton_backend
+
+        return triton_backend.hash_rows(*tensors, pad_cid)
+    return reference.hash_rows(*tensors, pad_cid)

@@ -36,3 +36,28 @@ def engram_inject(
     if image_mask is not None:
         gate = gate.masked_fill(image_mask[:, None], 0.0)
     return (r.float() + gate[..., None] * val.float()[:, None, :]).to(r.dtype)
+
+
+def hash_rows(
+    token_ids: Tensor, prev: Tensor, cid_table: Tensor, multipliers: Tensor, primes: Tensor, offsets: Tensor,
+    pad_cid: int,
+) -> Tensor:
+    """Engram n-gram row ids ``[T, L, K*H] int64`` (docs/model.md §C.6), integer ops only.
+
+    token_ids [T] int64; prev [T, K] int64: column s-1 the id at position p-s (-1: no such position);
+    cid_table [C] int64: compressed id of id + 1 (entry 0 for id -1; negative = DEAD); multipliers [L, K+1];
+    primes / offsets [L, K, H] (n-gram n = s+1 of head h). A DEAD entry blocks itself and every older shift
+    (they hash as pad_cid); the hash of n = s+1 is the XOR of val_j * M_j over j <= s, reduced mod its prime.
+    Every product stays below 2**63 and XOR keeps values non-negative (the multipliers' bound)."""
+    t, k = prev.shape
+    ids = torch.cat([token_ids[:, None], prev], dim=1)  # [T, K+1], s = 0..K
+    cid = cid_table[(ids + 1).clamp_(0, cid_table.shape[0] - 1)]
+    blocked = cid.cummin(dim=1).values < 0  # a running minimum stays negative from the first DEAD on
+    val = cid.masked_fill(blocked, pad_cid)
+    terms = val[:, None, :] * multipliers[None]  # [T, L, K+1]
+    acc = [terms[:, :, 0]]
+    for s in range(1, k + 1):
+        acc.append(acc[-1] ^ terms[:, :, s])
+    h = torch.stack(acc[1:], dim=2)  # [T, L, K]: the hash of n = s + 1
+    out = h[..., None] % primes[None] + offsets[None]  # [T, L, K, H]
+    return out.reshape(t, multipliers.shape[0], k * primes.shape[2])

@@ -1,4 +1,6 @@
-"""Triton Engram injection: one program per token computes the n stream gates (dot, both sums of squares,
+"""Triton Engram kernels. hash_rows: one program per token gathers the compressed ids of the token and its
+predecessors, applies the DEAD rule and writes every layer's n-gram row ids (~25 torch integer ops in one launch).
+engram_inject: one program per token computes the n stream gates (dot, both sums of squares,
 sigmoid of the signed square root) and writes ``R_i + gate_i · val`` -- the ~27 torch ops of the reference in
 one launch. Two passes over d: the sums, then the update."""
 
@@ -11,7 +13,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import check_launchable, next_pow2
 
-__all__ = ["engram_inject"]
+__all__ = ["engram_inject", "hash_rows"]
 
 
 @triton.jit
@@ -71,5 +73,52 @@ def engram_inject(
         r, keys, val, qw, kw, mask, out, d, r.stride(0), r.stride(1), keys.stride(0), keys.stride(1),
         val.stride(0), out.stride(0), out.stride(1), float(eps), float(d) ** 0.5, GATE_CLAMP,
         HAS_MASK=image_mask is not None, N=n, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _hash_rows_kernel(
+    ids_ptr, prev_ptr, cid_ptr, mult_ptr, prime_ptr, off_ptr, out_ptr, n_cid, pad_cid, L, H,
+    K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)  # shift s = 0 (the token) .. K (its K-th predecessor); BLOCK_S > K
+    prev = tl.load(prev_ptr + t * K + (s - 1), mask=(s >= 1) & (s <= K), other=-1)
+    ids = tl.where(s == 0, tl.load(ids_ptr + t), prev)
+    cid = tl.load(cid_ptr + tl.minimum(tl.maximum(ids + 1, 0), n_cid - 1))
+    neg = (cid < 0).to(tl.int32)
+    blocked = tl.max(tl.where(s[None, :] <= s[:, None], neg[None, :], 0), 1) > 0  # a DEAD at s' <= s
+    val = tl.where(blocked, pad_cid, cid).to(tl.int64)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_h = tl.arange(0, BLOCK_H)
+    lh = (offs_l < L)[:, None] & (offs_h < H)[None, :]
+    mult = tl.load(mult_ptr + offs_l[:, None] * (K + 1) + s[None, :], mask=(offs_l < L)[:, None] & (s <= K)[None, :],
+                   other=0)  # fmt: skip
+    terms = val[None, :] * mult  # [L, S]
+    acc = tl.sum(tl.where(s[None, :] == 0, terms, 0), 1)  # [L]
+    for k in tl.static_range(1, K + 1):
+        acc = acc ^ tl.sum(tl.where(s[None, :] == k, terms, 0), 1)
+        blk = (offs_l[:, None] * K + (k - 1)) * H + offs_h[None, :]
+        prime = tl.load(prime_ptr + blk, mask=lh, other=1)
+        off = tl.load(off_ptr + blk, mask=lh, other=0)
+        tl.store(out_ptr + t * L * K * H + blk, acc[:, None] % prime + off, mask=lh)
+
+
+def hash_rows(
+    token_ids: Tensor, prev: Tensor, cid_table: Tensor, multipliers: Tensor, primes: Tensor, offsets: Tensor,
+    pad_cid: int,
+) -> Tensor:
+    """reference.hash_rows in one program per token (int64 tensors, shapes as there)."""
+    t, k = prev.shape
+    n_layers, heads = primes.shape[0], primes.shape[2]
+    out = torch.empty((t, n_layers, k * heads), dtype=torch.int64, device=token_ids.device)
+    if t == 0:
+        return out
+    args = [a.contiguous() for a in (token_ids, prev, cid_table, multipliers, primes, offsets)]
+    check_launchable("engram_hash_rows", _hash_rows_kernel, *args)
+    _hash_rows_kernel[(t,)](
+        *args, out, cid_table.shape[0], int(pad_cid), n_layers, heads, K=k, BLOCK_S=next_pow2(k + 2),
+        BLOCK_L=max(2, next_pow2(n_layers)), BLOCK_H=max(2, next_pow2(heads)), num_warps=1,
     )  # fmt: skip
     return out
