@@ -248,13 +248,15 @@ class Transformer(nn.Module):
         if static is None:
             for i, slot in enumerate(batch.slots):
                 cache.high_water[slot] = ctx.end_len(i)
-        rows = r[c.batch.logits_indices]
+        # a fixed-shape step takes the logits of every row in order (logits_indices = arange): no gather
+        li = None if static is not None else c.batch.logits_indices
+        rows = r if li is None else r[li]
         if a.has_hc_head:
             h = apply_hc_head(self, rows, a)
             pre_last = None
         else:
             pre_last = pre
-            h = hc_pre(rows, pre[c.batch.logits_indices], backend=self.kernel_backend)
+            h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
         logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
