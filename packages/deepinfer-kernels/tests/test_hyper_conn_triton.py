@@ -46,7 +46,8 @@ def _check(out, ref):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-# (T, n, d): T not a multiple of BLOCK_T=16, n*d not a multiple of BLOCK_K=128, n = 2 and 4.
+# (T, n, d): T not a multiple of BLOCK_T=16, n*d not a multiple of BLOCK_K=128, n = 2 and 4; T <= 8 takes the
+# one-token-per-program first stage (ROWS_MAX_T), T = 17 the tl.dot one.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 4, 40), (17, 4, 72), (5, 2, 24)], ids=lambda s: "x".join(map(str, s)))
 def test_interpreter_matches_reference(interp, shape, dtype):

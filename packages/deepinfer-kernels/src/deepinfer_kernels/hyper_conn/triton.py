@@ -3,7 +3,8 @@
 1. `_hc_mix_partial_kernel`, grid (token blocks, K splits): partial logits `R_flat @ fn^T` ([BLOCK_T, (2+n)n])
    and partial sums of squares over one slice of the n*d axis, fp32 (exact fp32 dots; fn is fp32 in the
    checkpoint). Splitting the 20,480-long axis lets a decode batch of 1 use every SM instead of one SM reading
-   all of fn (1.97 MB).
+   all of fn (1.97 MB). Decode batches (T <= ROWS_MAX_T) use `_hc_mix_partial_rows_kernel` instead, grid (tokens,
+   K splits): one token per program, products summed without a dot (a dot pads the token to 16 rows).
 2. `_hc_mix_finish_kernel`, one program per token: sum the partials, RMS scale, the pre / post / comb split of
    the (2+n)n coefficients, sigmoids and the whole Sinkhorn (n x n in registers, `ITERS` unrolled).
 
@@ -20,7 +21,11 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["hc_mix", "hc_post", "hc_post_pre", "hc_pre"]
+__all__ = ["ROWS_MAX_T", "hc_mix", "hc_post", "hc_post_pre", "hc_pre"]
+
+# Up to this many tokens hc_mix's first stage runs one token per program (decode); larger T tiles 16 tokens into a
+# tl.dot. The split count goes up to 128 there: at batch 1 the 2 MB of fn are spread over more programs.
+ROWS_MAX_T = 8
 
 
 @triton.jit(do_not_specialize=["T", "chunks_per_split"])  # one compile for every batch size
@@ -67,6 +72,46 @@ def _hc_mix_partial_kernel(
     row = s * T + offs_t  # workspace part [splits, T, M], sq [splits, T]
     tl.store(part_ptr + row[:, None] * M + offs_m[None, :], acc, mask=t_mask[:, None] & m_mask[None, :])
     tl.store(sq_ptr + row, sq, mask=t_mask)
+
+
+@triton.jit(do_not_specialize=["T", "chunks_per_split"])
+def _hc_mix_partial_rows_kernel(
+    r_ptr,
+    fn_ptr,
+    part_ptr,
+    sq_ptr,
+    T,
+    KDIM,
+    chunks_per_split,
+    stride_rt,
+    stride_fn,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # one token per program: exact fp32 products summed on the CUDA cores (a tl.dot would pad the token to 16 rows)
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    k_lo = s * chunks_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + chunks_per_split * BLOCK_K, KDIM)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k_hi
+        x = tl.load(r_ptr + t * stride_rt + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(
+            fn_ptr + offs_m[:, None] * stride_fn + offs_k[None, :],
+            mask=m_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(w * x[None, :], 1)
+        sq += x * x
+    row = s * T + t  # same workspace as _hc_mix_partial_kernel: part [splits, T, M], sq [splits, T]
+    tl.store(part_ptr + row * M + offs_m, acc, mask=m_mask)
+    tl.store(sq_ptr + row, tl.sum(sq, 0))
 
 
 @triton.jit
@@ -166,31 +211,38 @@ def hc_mix(
     base = base.float().contiguous()
     scale = scale.float().contiguous()
     check_launchable("hc_mix", _hc_mix_partial_kernel, rf, fn, base, scale)
-    t_blocks = cdiv(t, block_t)
+    rows = t <= ROWS_MAX_T  # decode batches: one token per program, no padded dot
+    t_blocks = t if rows else cdiv(t, block_t)
     chunks = cdiv(kdim, block_k)
     if num_splits is None:
-        num_splits = min(chunks, max(1, cdiv(target_programs(dev), t_blocks)), 64)
+        num_splits = min(chunks, max(1, cdiv(target_programs(dev), t_blocks)), 128 if rows else 64)
     num_splits = max(1, min(int(num_splits), chunks))
     chunks_per_split = cdiv(chunks, num_splits)
     num_splits = cdiv(chunks, chunks_per_split)
     part = torch.empty((num_splits, t, m), dtype=torch.float32, device=dev)
     sq = torch.empty((num_splits, t), dtype=torch.float32, device=dev)
-    _hc_mix_partial_kernel[(t_blocks, num_splits)](
-        rf,
-        fn,
-        part,
-        sq,
-        t,
-        kdim,
-        chunks_per_split,
-        rf.stride(0),
-        fn.stride(0),
-        M=m,
-        BLOCK_T=block_t,
-        BLOCK_M=max(16, next_pow2(m)),
-        BLOCK_K=block_k,
-        num_warps=num_warps,
-    )
+    if rows:
+        _hc_mix_partial_rows_kernel[(t, num_splits)](
+            rf, fn, part, sq, t, kdim, chunks_per_split, rf.stride(0), fn.stride(0),
+            M=m, BLOCK_M=max(2, next_pow2(m)), BLOCK_K=block_k, num_warps=num_warps,
+        )  # fmt: skip
+    else:
+        _hc_mix_partial_kernel[(t_blocks, num_splits)](
+            rf,
+            fn,
+            part,
+            sq,
+            t,
+            kdim,
+            chunks_per_split,
+            rf.stride(0),
+            fn.stride(0),
+            M=m,
+            BLOCK_T=block_t,
+            BLOCK_M=max(16, next_pow2(m)),
+            BLOCK_K=block_k,
+            num_warps=num_warps,
+        )
     _hc_mix_finish_kernel[(t,)](
         part,
         sq,
