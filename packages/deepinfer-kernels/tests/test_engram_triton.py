@@ -1,4 +1,4 @@
-"""Triton Engram kernels vs the torch references: hash_rows (exact, integer ops) and engram_inject.
+"""Triton Engram kernels vs the torch references: ring_step and hash_rows (exact, integer ops), engram_inject.
 
 Tolerance: the gate's sums run in another order (fp32, ~1e-6 relative), so fp32 outputs agree to atol 1e-5 /
 rtol 1e-5 and bf16 outputs to 1 ULP (rtol 2^-7; the interpreter truncates instead of rounding). Covered: d not
@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.engram import engram_inject, hash_rows, reference
+from deepinfer_kernels.engram import engram_inject, hash_rows, reference, ring_step
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -132,3 +132,41 @@ def test_hash_rows_dead_rule_and_empty(interp):
 def test_gpu_hash_rows_equals_reference():
     case = _hash_case(64, 2, 3, 8, seed=11, device="cuda")
     assert torch.equal(hash_rows(*case, pad_cid=5, backend="triton"), reference.hash_rows(*case, pad_cid=5))
+
+
+# ------------------------------------------------------------------------------------------------ ring_step
+def _ring_case(device: str = "cpu"):
+    """Ring of 3 slots x R = 6 (slot 2 = dump); seq 0 in slot 1 resumes at 4 with 3 tokens (ring and in-step
+    predecessors), seq 1 in slot 0 starts at 0 with 8 tokens (more than R: its first 2 writes go to the dump slot,
+    predecessors before position 0 are -1), seq 2 decodes one token at 9 in the dump slot, as a padding row does."""
+    g = torch.Generator().manual_seed(0)
+    ring = torch.randint(-1, 100, (3, 6), generator=g)
+    qlen = torch.tensor([3, 8, 1])
+    ctx = torch.tensor([4, 0, 9])
+    slot = torch.tensor([1, 0, 2])
+    seq = torch.repeat_interleave(torch.arange(3), qlen)
+    pos = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx.tolist(), qlen.tolist())])
+    ids = torch.randint(0, 1000, (int(qlen.sum()),), generator=g)
+    return [x.to(device) for x in (ring, ids, pos, seq, ctx, qlen, slot)]
+
+
+@pytest.mark.parametrize("back", [3, 1, 0])
+def test_ring_step_interpreter_equals_reference(interp, back):
+    ring, *step = _ring_case()
+    want_ring = ring.clone()
+    want = reference.ring_step(want_ring, *step, back, 2)
+    got_ring = ring.clone()
+    got = interp.ring_step(got_ring, *step, back, 2)
+    assert got.shape == (step[0].shape[0], back) and torch.equal(got, want)
+    assert torch.equal(got_ring[:2], want_ring[:2])  # the dump slot's cells may take any of their writes
+    got2 = ring_step(ring.clone(), *step, back=back, dump_slot=2, backend="triton")
+    assert torch.equal(got2, want)
+
+
+@pytest.mark.gpu
+def test_gpu_ring_step_equals_reference():
+    ring, *step = _ring_case("cuda")
+    want_ring, got_ring = ring.clone(), ring.clone()
+    want = reference.ring_step(want_ring, *step, 3, 2)
+    assert torch.equal(ring_step(got_ring, *step, back=3, dump_slot=2, backend="triton"), want)
+    assert torch.equal(got_ring[:2], want_ring[:2])

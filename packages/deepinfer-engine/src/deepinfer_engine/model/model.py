@@ -191,7 +191,7 @@ class Transformer(nn.Module):
         batch, st = ctx.batch, ctx.seq_t
         ids, pos, seq = batch.input_ids, batch.positions, ctx.seq_of_token
         prev = ring_step(ring, ids, pos, seq, st.ctx, st.qlen, st.slot, back=self.args.engram_max_ngram_size - 1,
-                         dump_slot=ctx.cache.scratch_slot)
+                         dump_slot=ctx.cache.scratch_slot, backend=self.kernel_backend)
         if self.engram_hasher is None:
             return None
         dev = self._engram_device

@@ -1,5 +1,6 @@
-"""V4.1 Engram (docs/model.md §C.6): n-gram row ids from token ids (`hash_rows`), the gate and the injection into the
-hc streams (`engram_inject`): torch references; Triton kernels for both."""
+"""V4.1 Engram (docs/model.md §C.6): the device token ring's step (`ring_step`: predecessors, then the writes),
+n-gram row ids from token ids (`hash_rows`), the gate and the injection into the hc streams (`engram_inject`):
+torch references; Triton kernels for each."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.engram import reference
 from deepinfer_kernels.engram.reference import GATE_CLAMP, engram_gate
 
-__all__ = ["GATE_CLAMP", "engram_gate", "engram_inject", "hash_rows"]
+__all__ = ["GATE_CLAMP", "engram_gate", "engram_inject", "hash_rows", "ring_step"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -66,3 +67,23 @@ def hash_rows(
 
         return triton_backend.hash_rows(*tensors, pad_cid)
     return reference.hash_rows(*tensors, pad_cid)
+
+
+def ring_step(
+    ring: Tensor, token_ids: Tensor, positions: Tensor, seq_of_token: Tensor, seq_ctx: Tensor, seq_qlen: Tensor,
+    seq_slot: Tensor, *, back: int, dump_slot: int, backend: str = "auto",
+) -> Tensor:
+    """Predecessors [T, back] int64 of the step's tokens from the token ring ring [slots, R] int64, then the step's
+    ids written into it (in place; reference.ring_step). backend: "auto" | "torch" | "triton" (int64 tensors,
+    a contiguous ring)."""
+    seqs = (token_ids, positions, seq_of_token, seq_ctx, seq_qlen, seq_slot)
+    if ring.dim() != 2 or any(x.dim() != 1 for x in seqs) or back < 0:
+        raise ValueError(f"ring_step: expected ring [slots, R] and 1-D step tensors, back >= 0; found ring "
+                         f"{tuple(ring.shape)}, back {back}")  # fmt: skip
+    ok = ring.is_contiguous() and all(x.dtype == torch.int64 for x in (ring, *seqs))
+    why = "needs int64 tensors and a contiguous ring"
+    if resolve_backend("engram_ring_step", backend, ring, *seqs, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.engram import triton as triton_backend
+
+        return triton_backend.ring_step(ring, *seqs, back, dump_slot)
+    return reference.ring_step(ring, *seqs, back, dump_slot)

@@ -61,3 +61,32 @@ def hash_rows(
     h = torch.stack(acc[1:], dim=2)  # [T, L, K]: the hash of n = s + 1
     out = h[..., None] % primes[None] + offsets[None]  # [T, L, K, H]
     return out.reshape(t, multipliers.shape[0], k * primes.shape[2])
+
+
+def ring_step(
+    ring: Tensor, token_ids: Tensor, positions: Tensor, seq_of_token: Tensor, seq_ctx: Tensor, seq_qlen: Tensor,
+    seq_slot: Tensor, back: int, dump_slot: int,
+) -> Tensor:
+    """Each token's predecessors ``[T, back] int64`` from a token ring, then the step's ids written into it.
+
+    ring ``[slots, R] int64`` (row = position mod R, -1 = never written), updated in place. Column s-1 is the id
+    at position p-s of token t's sequence (p = positions[t]), -1 where p-s < 0 or the ring never got it.
+    Positions inside the step come from ``token_ids`` (sequence-major rows: predecessor s of token t is row t-s),
+    older ones from the ring row of the sequence's slot, read before this step's writes. The write keeps each
+    sequence's last R tokens; the others go to ``dump_slot`` (every write has a fixed shape, no two kept writes
+    hit the same cell). token_ids, positions, seq_of_token: [T] int64; seq_ctx (first new position), seq_qlen,
+    seq_slot: [S] int64."""
+    R = ring.shape[1]
+    flat = ring.view(-1)
+    s = torch.arange(1, back + 1, dtype=torch.int64, device=token_ids.device)  # [back]
+    local = positions - seq_ctx[seq_of_token]  # [T] index of the token inside its sequence's step
+    base = seq_slot[seq_of_token] * R  # [T] first ring cell of the token's slot
+    q = positions[:, None] - s  # [T, back] predecessor positions
+    rows = torch.arange(token_ids.shape[0], dtype=torch.int64, device=token_ids.device)[:, None] - s
+    in_step = token_ids[rows.clamp_(min=0)]
+    in_ring = flat[base[:, None] + q.remainder(R)]
+    prev = torch.where(local[:, None] >= s, in_step, in_ring.masked_fill_(q < 0, -1))
+    keep = local >= seq_qlen[seq_of_token] - R
+    dst = torch.where(keep, base, dump_slot * R) + positions.remainder(R)
+    flat.index_copy_(0, dst, token_ids)
+    return prev

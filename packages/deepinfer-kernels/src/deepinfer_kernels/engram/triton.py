@@ -1,4 +1,5 @@
-"""Triton Engram kernels. hash_rows: one program per token gathers the compressed ids of the token and its
+"""Triton Engram kernels. ring_step: one launch reads every token's predecessors, a second writes the step's ids
+(the reference's ~15 small ops). hash_rows: one program per token gathers the compressed ids of the token and its
 predecessors, applies the DEAD rule and writes every layer's n-gram row ids (~25 torch integer ops in one launch).
 engram_inject: one program per token computes the n stream gates (dot, both sums of squares,
 sigmoid of the signed square root) and writes ``R_i + gate_i · val`` -- the ~27 torch ops of the reference in
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import check_launchable, next_pow2
 
-__all__ = ["engram_inject", "hash_rows"]
+__all__ = ["engram_inject", "hash_rows", "ring_step"]
 
 
 @triton.jit
@@ -122,3 +123,53 @@ def hash_rows(
         BLOCK_L=max(2, next_pow2(n_layers)), BLOCK_H=max(2, next_pow2(heads)), num_warps=1,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _ring_read_kernel(
+    ring_ptr, ids_ptr, pos_ptr, seq_ptr, ctx_ptr, slot_ptr, prev_ptr, R, BACK: tl.constexpr, BLOCK_B: tl.constexpr
+):
+    t = tl.program_id(0).to(tl.int64)
+    s = 1 + tl.arange(0, BLOCK_B).to(tl.int64)  # shifts 1 .. BACK
+    sm = s <= BACK
+    p = tl.load(pos_ptr + t)
+    sq = tl.load(seq_ptr + t)
+    local = p - tl.load(ctx_ptr + sq)
+    base = tl.load(slot_ptr + sq) * R
+    q = p - s
+    in_step = tl.load(ids_ptr + tl.maximum(t - s, 0), mask=sm, other=-1)
+    cell = base + ((q % R) + R) % R  # floor remainder (q may be negative)
+    in_ring = tl.load(ring_ptr + cell, mask=sm & (q >= 0), other=-1)
+    prev = tl.where(local >= s, in_step, in_ring)
+    tl.store(prev_ptr + t * BACK + (s - 1), prev, mask=sm)
+
+
+@triton.jit
+def _ring_write_kernel(ring_ptr, ids_ptr, pos_ptr, seq_ptr, ctx_ptr, qlen_ptr, slot_ptr, R, dump_slot):
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + t)
+    sq = tl.load(seq_ptr + t)
+    keep = p - tl.load(ctx_ptr + sq) >= tl.load(qlen_ptr + sq) - R
+    dst = tl.where(keep, tl.load(slot_ptr + sq) * R, dump_slot * R) + p % R
+    tl.store(ring_ptr + dst, tl.load(ids_ptr + t))
+
+
+def ring_step(
+    ring: Tensor, token_ids: Tensor, positions: Tensor, seq_of_token: Tensor, seq_ctx: Tensor, seq_qlen: Tensor,
+    seq_slot: Tensor, back: int, dump_slot: int,
+) -> Tensor:
+    """reference.ring_step in two launches: every predecessor read, then every write (the reads see the ring
+    before the step, as the reference's order). The ring must be contiguous (it is updated in place)."""
+    t = token_ids.shape[0]
+    prev = torch.empty((t, back), dtype=torch.int64, device=token_ids.device)
+    if t == 0:
+        return prev
+    seqs = [a.contiguous() for a in (token_ids, positions, seq_of_token, seq_ctx, seq_qlen, seq_slot)]
+    ids, pos, seq, ctx, qlen, slot = seqs
+    check_launchable("engram_ring_step", _ring_read_kernel, ring, *seqs)
+    R = ring.shape[1]
+    if back:
+        _ring_read_kernel[(t,)](ring, ids, pos, seq, ctx, slot, prev, R, BACK=back,
+                                BLOCK_B=max(2, next_pow2(back)), num_warps=1)  # fmt: skip
+    _ring_write_kernel[(t,)](ring, ids, pos, seq, ctx, qlen, slot, R, int(dump_slot), num_warps=1)
+    return prev
