@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels import backend_from_env
 from deepinfer_kernels.sampling import apply_penalties, greedy_argmax, logprobs_topk, sample
 
 
@@ -98,7 +99,10 @@ def build_sampling_batch(
 
 
 class Sampler:
-    kernel_backend = "device"  # Triton greedy argmax on CUDA, the torch reference elsewhere
+    def __init__(self) -> None:
+        # resolved once, as the model does (DEEPINFER_KERNEL_BACKEND=torch keeps the references here too):
+        # "device" = the Triton greedy argmax on CUDA, the torch reference elsewhere
+        self.kernel_backend = backend_from_env()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 raw model outputs (row order = batch rows)."""
