@@ -103,14 +103,9 @@ class _Counter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name == "_local_scalar_dense":
             self.syncs += 1
-        elif not (func.is_view or name in _NO_KERNEL or name.startswith("_to_copy") and _same_dtype(args, kwargs)):
+        elif not (func.is_view or name in _NO_KERNEL):  # `x.to(x.dtype)` never reaches here: a _to_copy copies
             self.record(name)
         return out
-
-
-def _same_dtype(args: tuple, kwargs: dict | None) -> bool:
-    """`x.to(x.dtype)` never reaches dispatch; a _to_copy that does is a real conversion/copy kernel."""
-    return False
 
 
 def _patch_triton(counter_ref: list[_Counter | None]) -> None:
@@ -152,14 +147,14 @@ def layers4_like_config() -> dict:
     return cfg
 
 
-def run(batch_sizes: list[int], steps: int, dtype: torch.dtype, show_ops: bool) -> dict:
+def run(batch_sizes: list[int], steps: int, dtype: torch.dtype) -> dict:
     from deepinfer_engine.model.cache import ModelCache
     from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
     from deepinfer_engine.model.loader import load_model
     from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
     from deepinfer_engine.model.writer import write_checkpoint
-    from deepinfer_engine.worker.sampler import Sampler, build_sampling_batch
     from deepinfer_engine.sampling_params import SamplingParams
+    from deepinfer_engine.worker.sampler import Sampler, build_sampling_batch
 
     ref: list[_Counter | None] = [None]
     if os.environ.get("TRITON_INTERPRET"):
@@ -228,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     bs = [int(b) for b in args.batch.split(",")]
-    res = run(bs, args.steps, torch.bfloat16 if args.dtype == "bf16" else torch.float32, args.ops)
+    res = run(bs, args.steps, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     backend = os.environ.get("DEEPINFER_KERNEL_BACKEND", "auto")
     print(f"kernel launches per decode step (CPU proxy; backend={backend}, "
           f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}, dtype={args.dtype})")
