@@ -6,8 +6,8 @@ atol 2e-5, rtol 1e-4 on CPU (interpreter) and GPU alike. The Sinkhorn output is 
 stochastic, which the reference satisfies by construction.
 
 hc_pre / hc_post (fp32 math, output in r's dtype): fp32 atol 1e-6, rtol 1e-5; bf16 1 ULP (rtol 2^-7, atol 1e-6;
-the interpreter truncates f32 -> bf16). hc_post_pre: R' equal to hc_post's kernel bit for bit, x within the same
-tolerance of the reference collapse of that R' (it reads the streams as stored).
+the interpreter truncates f32 -> bf16). hc_post_pre: R' within hc_post's tolerance (on the interpreter equal to
+hc_post's kernel), x within the same tolerance of the reference collapse of that R' (it reads the streams as stored).
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def test_gpu_pre_post_v41_shape(t, dtype):
     _check_streams(hc_pre(r, pre, backend="triton"), reference.hc_pre(r, pre))
     _check_streams(hc_post(y, r, post, comb, backend="triton"), reference.hc_post(y, r, post, comb))
     out, x = hc_post_pre(y, r, post, comb, pre, backend="triton")
-    assert torch.equal(out, hc_post(y, r, post, comb, backend="triton"))
+    # the compiler may contract post * y + mixed differently in the fused kernel: R' within hc_post's tolerance
+    _check_streams(out, reference.hc_post(y, r, post, comb))
     _check_streams(x, reference.hc_pre(out, pre))
 
 

@@ -43,7 +43,7 @@ def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, backend: str = "auto") -> Tensor:
     """x [T, ..., D] (rope on the last 2P channels, interleaved pairs), cos/sin [T, P] fp32 -> x's shape and dtype.
-    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x; bit-identical on the GPU)."""
+    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x; within 1 ULP of the reference)."""
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0]:
         raise ValueError(
             f"apply_rope: cos/sin must be [T={x.shape[0]}, P]; found {tuple(cos.shape)}, {tuple(sin.shape)}"

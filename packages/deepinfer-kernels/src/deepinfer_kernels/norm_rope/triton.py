@@ -125,8 +125,8 @@ def _rope_kernel(
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
     """x [T, ..., D] bf16|fp16|fp32, cos/sin [T, P] fp32 -> x's shape and dtype, the last 2P channels rotated
-    in interleaved pairs. No fp contraction (enable_fp_fusion=False): each product and sum rounds like the
-    reference's separate torch ops, so the result is the reference's bit for bit on the GPU."""
+    in interleaved pairs. Asks for no fp contraction (enable_fp_fusion=False), so each product and sum rounds
+    like the reference's separate torch ops (tested to 1 ULP of the output dtype)."""
     d, t, p = x.shape[-1], x.shape[0], cos.shape[1]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
