@@ -234,7 +234,11 @@ class Transformer(nn.Module):
         # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
         cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
         c = ctx  # the context of the rows still running (the decoder's kept rows after the boundary)
-        for layer in self.layers:
+        # V4.1 fixed-shape steps chain the collapses: each layer's last combine also collapses its output with the
+        # next layer's pre (its own pre_f), unless the next layer's Engram changes the streams first
+        chain = static is not None and a.uses_delayed_mhc
+        x_next: Tensor | None = None
+        for i, layer in enumerate(self.layers):
             lid = layer.layer_id
             if cut is not None and lid == cut.split.boundary:
                 r, pre, c = cut.enter(layer, r, pre, ctx)
@@ -242,7 +246,12 @@ class Transformer(nn.Module):
                     break  # no decoder row in this step (early prefill chunks only)
             if a.arch == "v41" and lid in c.capture_layers:
                 c.features[lid] = r.float().mean(dim=1).to(r.dtype)
-            r, pre = layer(r, c, pre)
+            if chain:
+                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+                r, pre, x_next = layer.forward_chained(r, c, pre, collapsed=x_next,
+                                                       collapse_next=nxt is None or nxt.engram is None)
+            else:
+                r, pre = layer(r, c, pre)
             if a.arch == "v4" and lid in c.capture_layers:
                 c.features[lid] = r.float().mean(dim=1).to(r.dtype)
         if static is None:
@@ -256,7 +265,10 @@ class Transformer(nn.Module):
             pre_last = None
         else:
             pre_last = pre
-            h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
+            if li is None and x_next is not None:  # the last layer's chained collapse of every row
+                h = x_next
+            else:
+                h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
         logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
