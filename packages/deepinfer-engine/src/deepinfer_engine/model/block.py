@@ -91,7 +91,7 @@ class Block(nn.Module):
             r = hc_post(y, r, post_a, comb_a, backend=self.kernel_backend)
             pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
             x = hc_pre(r, pre_f, backend=self.kernel_backend)
-        y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids)
+        y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids, ctx.image_mask)
         if collapse_next and self.delayed:
             r, x_next = hc_post_pre(y, r, post_f, comb_f, pre_f, backend=self.kernel_backend)
             return r, pre_f, x_next

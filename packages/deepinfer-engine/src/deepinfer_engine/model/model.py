@@ -225,8 +225,7 @@ class Transformer(nn.Module):
             batch = ctx.batch
         a = self.args
         img = image_positions(batch.input_ids, a.vocab_size)
-        if ctx.engram_rows is not None:
-            ctx.image_mask = img
+        ctx.image_mask = img  # read by Engram (gate 0) and by the MoE gates with bias_vl: computed once per forward
         # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
         e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
         r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]

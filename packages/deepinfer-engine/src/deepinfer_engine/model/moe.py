@@ -45,8 +45,9 @@ class Gate(nn.Module):
             nn.Parameter(torch.zeros(E, dtype=torch.float32)) if (args.has_gate_bias_vl and not plan.is_draft) else None
         )
 
-    def forward(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, d], input_ids [T] -> (weights [T, k] f32, ids [T, k] i64)."""
+    def forward(self, x: Tensor, input_ids: Tensor, image_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, d], input_ids [T] -> (weights [T, k] f32, ids [T, k] i64). image_mask: [T] bool image positions
+        of input_ids when the caller has them (ForwardContext.image_mask), else computed here."""
         if self.is_hash:
             scores = gate_scores(x, self.weight, self.score_func)
             return select_experts(
@@ -55,7 +56,8 @@ class Gate(nn.Module):
             )  # fmt: skip
         bias: Tensor = self.bias
         if self.bias_vl is not None:
-            is_img = image_positions(input_ids, self.vocab_size)  # ids past the vocabulary, never text ids
+            # ids past the vocabulary, never text ids
+            is_img = image_positions(input_ids, self.vocab_size) if image_mask is None else image_mask
             bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
         # fp32 logits without widening the [E, d] weight to fp32 each step (the reference's x.float() @ W.float()ᵀ
         # up to the summation order); the score function, biased top-k and renormalisation in one routing call
@@ -190,9 +192,10 @@ class MoE(nn.Module):
         self.layer_id = plan.layer_id
         self.dispatch: MoEDispatch = LocalDispatch()
 
-    def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
-        """x [T, d] (ffn_norm output), input_ids [T] raw ids -> [T, d] in x's dtype."""
-        weights, ids = self.gate(x, input_ids)
+    def forward(self, x: Tensor, input_ids: Tensor, image_mask: Tensor | None = None) -> Tensor:
+        """x [T, d] (ffn_norm output), input_ids [T] raw ids (image_mask: their image positions [T] bool, if
+        known) -> [T, d] in x's dtype."""
+        weights, ids = self.gate(x, input_ids, image_mask)
         y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
         # fp32 + the shared expert's output: type promotion upcasts inside the add (no separate fp32 copy)
         return (y.float() + self.shared_experts(x)).to(x.dtype)
