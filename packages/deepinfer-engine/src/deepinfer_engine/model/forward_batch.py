@@ -372,6 +372,9 @@ class ForwardContext:
         idx = self.plans.get(key)
         if idx is not None:
             return idx  # type: ignore[return-value]
+        if self.static is not None and not noncausal and self.window_floor is None:
+            idx = self.plans[key] = self.static.window_rows(plan, window)  # host-built with the step's plans
+            return idx
         st, seq, pos = self.seq_t, self.seq_of_token, self.batch.positions
         if noncausal:
             k = window + max(self.query_lens, default=0)
