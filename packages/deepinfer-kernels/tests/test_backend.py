@@ -78,7 +78,7 @@ def test_meta_tensors_are_not_cuda(clean_env: pytest.MonkeyPatch) -> None:
 def test_dispatchers_reject_triton_where_no_kernel(clean_env: pytest.MonkeyPatch) -> None:
     from deepinfer_kernels.norm_rope import apply_rope
 
-    x = torch.zeros(2, 8)
+    x = torch.zeros(2, 8, dtype=torch.float64)  # apply_rope has no kernel for float64
     cos = torch.ones(2, 2)
     with pytest.raises(KernelBackendError, match="apply_rope"):
         apply_rope(x, cos, cos * 0, backend="triton")

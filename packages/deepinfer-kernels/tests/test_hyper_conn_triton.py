@@ -6,7 +6,8 @@ atol 2e-5, rtol 1e-4 on CPU (interpreter) and GPU alike. The Sinkhorn output is 
 stochastic, which the reference satisfies by construction.
 
 hc_pre / hc_post (fp32 math, output in r's dtype): fp32 atol 1e-6, rtol 1e-5; bf16 1 ULP (rtol 2^-7, atol 1e-6;
-the interpreter truncates f32 -> bf16).
+the interpreter truncates f32 -> bf16). hc_post_pre: R' within hc_post's tolerance (on the interpreter equal to
+hc_post's kernel), x within the same tolerance of the reference collapse of that R' (it reads the streams as stored).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.hyper_conn import hc_mix, hc_post, hc_pre, reference
+from deepinfer_kernels.hyper_conn import hc_mix, hc_post, hc_post_pre, hc_pre, reference
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -45,7 +46,8 @@ def _check(out, ref):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
-# (T, n, d): T not a multiple of BLOCK_T=16, n*d not a multiple of BLOCK_K=128, n = 2 and 4.
+# (T, n, d): T not a multiple of BLOCK_T=16, n*d not a multiple of BLOCK_K=128, n = 2 and 4; T <= 8 takes the
+# one-token-per-program first stage (ROWS_MAX_T), T = 17 the tl.dot one.
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 4, 40), (17, 4, 72), (5, 2, 24)], ids=lambda s: "x".join(map(str, s)))
 def test_interpreter_matches_reference(interp, shape, dtype):
@@ -115,6 +117,22 @@ def test_interpreter_pre_post_match_reference(interp, shape, dtype):
     _check_streams(interp.hc_post(y, r, post, comb), reference.hc_post(y, r, post, comb))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 4, 1100), (6, 4, 40), (3, 2, 24)], ids=lambda s: "x".join(map(str, s)))
+def test_interpreter_post_pre_fused(interp, shape, dtype):
+    r, y, pre, post, comb = _streams_case(*shape, dtype, seed=3)
+    out, x = interp.hc_post_pre(y, r, post, comb, pre)
+    assert torch.equal(out, interp.hc_post(y, r, post, comb))
+    _check_streams(out, reference.hc_post(y, r, post, comb))
+    _check_streams(x, reference.hc_pre(out, pre))
+    ref_out, ref_x = hc_post_pre(y, r, post, comb, pre, backend="torch")
+    assert torch.equal(ref_x, reference.hc_pre(ref_out, pre))
+    o2, x2 = hc_post_pre(y, r, post, comb, pre, backend="triton")
+    assert torch.equal(o2, out) and torch.equal(x2, x)
+    with pytest.raises(ValueError, match="hc_post_pre: pre shape"):
+        hc_post_pre(y, r, post, comb, pre[:, :1])
+
+
 def test_interpreter_post_contracts_first_index_and_mixed_dtypes(interp):
     """A non-symmetric comb catches a transposed contraction; fp32 y on bf16 streams; strided r is copied."""
     r, y, pre, post, comb = _streams_case(2, 4, 48, torch.bfloat16, seed=5)
@@ -152,6 +170,10 @@ def test_gpu_pre_post_v41_shape(t, dtype):
     r, y, pre, post, comb = _streams_case(t, 4, 5120, dtype, device="cuda", seed=7)
     _check_streams(hc_pre(r, pre, backend="triton"), reference.hc_pre(r, pre))
     _check_streams(hc_post(y, r, post, comb, backend="triton"), reference.hc_post(y, r, post, comb))
+    out, x = hc_post_pre(y, r, post, comb, pre, backend="triton")
+    # the compiler may contract post * y + mixed differently in the fused kernel: R' within hc_post's tolerance
+    _check_streams(out, reference.hc_post(y, r, post, comb))
+    _check_streams(x, reference.hc_pre(out, pre))
 
 
 @pytest.mark.gpu

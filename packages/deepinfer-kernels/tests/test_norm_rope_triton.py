@@ -1,9 +1,12 @@
-"""Triton RMSNorm vs the torch reference (fp32 math, io in x's dtype).
+"""Triton RMSNorm and RoPE rotation vs the torch references (fp32 math, io in x's dtype).
 
 Tolerances (|triton - reference| <= atol + rtol * |reference|):
 - fp32: atol 1e-6, rtol 2e-6 (summation order of the mean of squares).
 - bf16 / fp16: rtol 2^-7 (bf16) / 2^-10 (fp16) = 1 ULP, atol 1e-6: the fp32 results agree to ~1e-7 relative,
   the final rounding may land on the neighbouring value, and the CPU interpreter truncates instead of rounding.
+RoPE: the kernel asks for no fp contraction (each product and sum rounded like the reference's separate ops);
+tested within 1 ULP of the output dtype on the GPU (fp32: rtol 2^-23) and on the interpreter (numpy, bf16 / fp16
+truncated; fp32 exact there).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.norm_rope import reference, rms_norm
+from deepinfer_kernels.norm_rope import apply_rope, reference, rms_norm, rope_cos_sin, rope_freqs
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -74,3 +77,64 @@ def test_gpu_matches_reference(shape, dtype):
     x = torch.randn(*shape, device="cuda").to(dtype)
     w = (torch.rand(shape[-1], device="cuda") + 0.5).to(dtype)
     _check(rms_norm(x, w, 1e-6, backend="triton"), reference.rms_norm(x, w, 1e-6))
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+_ULP = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _inputs(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, device: str = "cpu"):
+    g = torch.Generator().manual_seed(sum(shape) + rope_dim)
+    x = (torch.randn(*shape, generator=g) * 2).to(dtype).to(device)
+    pos = torch.randint(0, 70000, (shape[0],), generator=g).to(device)
+    freqs = rope_freqs(rope_dim, 160000.0, yarn_factor=16, original_max_pos=65536).to(device)
+    cos, sin = rope_cos_sin(pos, freqs)
+    return x, cos, sin
+
+
+# [T, D] (compressed entries), [T, H, D] (q / attention output), no leading channels, one token, odd row counts
+_CASES = [((5, 32), 8), ((3, 4, 32), 8), ((1, 64, 512), 64), ((7, 3, 16), 16), ((2, 24), 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("case", _CASES, ids=lambda c: "x".join(map(str, c[0])) + f"-r{c[1]}")
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "inv"])
+def test_rope_interpreter_matches_reference(interp, case, dtype, inverse):
+    shape, rope_dim = case
+    x, cos, sin = _inputs(shape, rope_dim, dtype)
+    out = interp.apply_rope(x, cos, sin, inverse=inverse)
+    ref = reference.apply_rope(x, cos, sin, inverse=inverse)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    d = shape[-1] - rope_dim
+    assert torch.equal(out[..., :d], ref[..., :d])  # leading channels are copied
+    torch.testing.assert_close(out.float(), ref.float(), atol=0.0, rtol=_ULP[dtype])
+
+
+def test_rope_interpreter_strided_input_and_empty(interp):
+    base = torch.randn(4, 3, 48)
+    x = base[:, :, 8:40]  # row stride 48: copied to contiguous rows
+    cos, sin = rope_cos_sin(torch.arange(4), rope_freqs(8, 10000.0))
+    torch.testing.assert_close(interp.apply_rope(x, cos, sin), reference.apply_rope(x, cos, sin), atol=0, rtol=0)
+    assert interp.apply_rope(torch.zeros(0, 32), cos[:0], sin[:0]).shape == (0, 32)
+
+
+def test_rope_dispatcher_routes_triton_and_keeps_float64_on_reference(interp):
+    x, cos, sin = _inputs((3, 2, 32), 8, torch.float32)
+    out = apply_rope(x, cos, sin, backend="triton")
+    torch.testing.assert_close(out, reference.apply_rope(x, cos, sin), atol=0, rtol=0)
+    x64 = x.double()
+    torch.testing.assert_close(apply_rope(x64, cos, sin), reference.apply_rope(x64, cos, sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [((1, 64, 512), 64), ((256, 64, 512), 64), ((8, 512), 64), ((3, 32, 128), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "inv"])
+def test_gpu_rope_matches_reference(case, dtype, inverse):
+    shape, rope_dim = case
+    x, cos, sin = _inputs(shape, rope_dim, dtype, "cuda")
+    out = apply_rope(x, cos, sin, inverse=inverse, backend="triton")
+    ref = reference.apply_rope(x, cos, sin, inverse=inverse)
+    d = shape[-1] - rope_dim
+    assert out.dtype == ref.dtype and torch.equal(out[..., :d], ref[..., :d])
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=_ULP[dtype] or 2.0**-23)

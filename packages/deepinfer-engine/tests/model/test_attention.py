@@ -127,3 +127,23 @@ def test_rope_kind_per_layer(args):
     # YaRN with original length 32: the highest pair is fully interpolated (divided by factor 16)
     assert torch.isclose(csa.rope.freqs[-1].double(), plain[-1] / 16)
     assert not torch.allclose(csa.rope.freqs.double(), plain)
+
+
+def test_rope_tables_are_shared_per_positions_tensor_and_kind(args):
+    """Rope.cos_sin with a per-forward table: the same positions tensor of one rope kind computes cos/sin once;
+    another tensor with equal values, or another kind, computes its own; the values equal the untabled ones."""
+    swa, swa2, csa = _attn(args, 0), Attention(args, args.plan(0), torch.float32), _attn(args, 1)  # two ropes of a kind
+    assert swa.rope.key == swa2.rope.key != csa.rope.key
+    pos = torch.tensor([3, 17, 40])
+    tables: dict = {}
+    c1, s1 = swa.rope.cos_sin(pos, tables)
+    c2, s2 = swa2.rope.cos_sin(pos, tables)
+    assert c2 is c1 and s2 is s1
+    c3, _ = swa.rope.cos_sin(pos.clone(), tables)
+    assert c3 is not c1 and torch.equal(c3, c1)
+    c4, _ = csa.rope.cos_sin(pos, tables)
+    assert not torch.equal(c4, c1)
+    want = rope_cos_sin(pos, swa.rope.freqs)
+    assert torch.equal(c1, want[0]) and torch.equal(s1, want[1])
+    x = torch.randn(3, args.num_attention_heads, args.head_dim)
+    assert torch.equal(swa.rope_fn(None)(x, pos), swa.rope(x, pos, tables=tables))

@@ -124,3 +124,23 @@ def test_static_step_refuses_too_long_or_too_many():
     with pytest.raises(CapacityError, match="of 1 rows"):
         step.fill(DecodeFacts(ctx=np.zeros(2, np.int64), slots=np.arange(2), input_ids=np.zeros(2, np.int64),
                               block_tables=np.zeros((2, 2))))  # fmt: skip
+
+
+def test_static_window_rows_equal_the_device_computation():
+    """The host-built window rows of a fixed-shape step equal ForwardContext.window_rows' device computation over
+    the same static ring plan (sequences before, across and past the window; padding rows)."""
+    import dataclasses
+
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=3, num_pages=12, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 4, 64, "cpu")
+    W = args.sliding_window
+    for ctx_lens in ([0, W - 1, W + 5], [3, 40, 1]):
+        n = len(ctx_lens)
+        step.fill(DecodeFacts(ctx=np.asarray(ctx_lens, np.int64), slots=np.arange(n, dtype=np.int64),
+                              input_ids=np.zeros(n, np.int64), block_tables=np.arange(n * 4).reshape(n, 4)))
+        ctx = step.context(cache)
+        plan = ctx.ring_plan(cache.window_rows(0), (W - 1,) * 4, write=True, max_back=W - 1)
+        got = ctx.window_rows(plan, W, noncausal=False)
+        want = dataclasses.replace(ctx, static=None, plans={}).window_rows(plan, W, noncausal=False)
+        assert got.shape == (4, W) and torch.equal(got, want)

@@ -51,3 +51,18 @@ def test_sampler_makes_no_host_sync_on_cuda() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.token_ids.tolist()[2] == INVALID_TOKEN
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_plain_greedy_is_argmax_with_bad_rows_flagged(device: str) -> None:
+    # greedy without penalties / banned ids / logprobs takes the fused path (Triton two-stage argmax on CUDA)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 129280, generator=g).to(device)
+    logits[0, [7, 100000]] = logits[0].max() + 1  # tie across chunks: the lowest index
+    logits[1, 3] = float("nan")
+    logits[2] = float("-inf")
+    logits[4, 9] = float("inf")
+    out = Sampler()(logits, _batch([SamplingParams(temperature=0)] * 6, device))
+    want = logits.argmax(dim=-1)
+    want[[1, 2, 4]] = INVALID_TOKEN
+    assert torch.equal(out.token_ids, want) and out.token_ids[0].item() == 7 and out.logprobs is None

@@ -9,6 +9,7 @@ g group, r o_lora row, i group input (H/G * Dh).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from deepinfer_kernels.compressor import compress_pool
@@ -43,6 +44,8 @@ class Rope:
     """RoPE of one layer kind: θ = rope_theta plain (ratio 0) or compress_rope_theta + YaRN (ratio > 0).
 
     Callable as `rope(x [T, ..., D], positions [T] int64, inverse=False)`, rotating the trailing rope dims.
+    `tables`: a per-forward dict (ForwardContext.rope_cache) that keeps the cos/sin of each positions tensor, so
+    the layers of one kind compute them once per forward instead of once per call (same values).
     """
 
     def __init__(self, args: object, theta: float, use_yarn: bool) -> None:
@@ -50,6 +53,7 @@ class Rope:
         # positions' device on first use
         with torch.device("cpu"):
             self.freqs = self._freqs(args, theta, use_yarn)
+        self.key = (float(theta), bool(use_yarn and args.rope_scaling is not None))  # equal keys: equal freqs
 
     @staticmethod
     def _freqs(args: object, theta: float, use_yarn: bool) -> Tensor:
@@ -65,11 +69,25 @@ class Rope:
             )
         return rope_freqs(args.qk_rope_head_dim, theta)
 
-    def __call__(self, x: Tensor, positions: Tensor, inverse: bool = False) -> Tensor:
+    def cos_sin(self, positions: Tensor, tables: dict | None = None) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, P] fp32 at `positions`; looked up in / stored into `tables` when given."""
+        key = (self.key, id(positions))
+        hit = tables.get(key) if tables is not None else None
+        if hit is not None and hit[0] is positions:  # identity: an id may be reused by a later tensor
+            return hit[1], hit[2]
         if self.freqs.device != positions.device:  # move once (Rope is no nn.Module), not a copy per call
             self.freqs = self.freqs.to(positions.device)
         cos, sin = rope_cos_sin(positions, self.freqs)
-        return apply_rope(x, cos, sin, inverse=inverse)
+        if tables is not None:
+            tables[key] = (positions, cos, sin)
+        return cos, sin
+
+    def __call__(
+        self, x: Tensor, positions: Tensor, inverse: bool = False, *, tables: dict | None = None,
+        backend: str = "auto",
+    ) -> Tensor:
+        cos, sin = self.cos_sin(positions, tables)
+        return apply_rope(x, cos, sin, inverse=inverse, backend=backend)
 
 
 class Compressor(nn.Module):
@@ -207,17 +225,23 @@ class Attention(nn.Module):
                     m.to(dtype)
 
     # ---------------------------------------------------------------------------------------------- pieces
-    def project_q(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def rope_fn(self, ctx: ForwardContext | None = None) -> Callable[..., Tensor]:
+        """This layer's rope with the model's kernel backend, sharing cos/sin tables through ctx.rope_cache."""
+        return partial(self.rope, tables=None if ctx is None else ctx.rope_cache, backend=self.kernel_backend)
+
+    def project_q(
+        self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
         """q [T, H, Dh] (rotated) and the normed latent qr [T, Rq] (also the indexer's input)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
         if self.q_head_norm:
             q = rms_norm(q, None, self.eps, backend=self.kernel_backend)
-        return self.rope(q, positions), qr
+        return (rope or self.rope_fn())(q, positions), qr
 
-    def project_kv(self, x: Tensor, positions: Tensor) -> Tensor:
+    def project_kv(self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None) -> Tensor:
         """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
-        return self.numerics.window_kv(self.rope(self.kv_norm(self.wkv(x)), positions))
+        return self.numerics.window_kv((rope or self.rope_fn())(self.kv_norm(self.wkv(x)), positions))
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
@@ -239,7 +263,9 @@ class Attention(nn.Module):
         pool = cache.window_pool(self.layer_id, plan, kv, write=not nc)
         return pool, ctx.window_rows(plan, W, noncausal=nc)
 
-    def _compressed(self, x: Tensor, qr: Tensor, ctx: ForwardContext) -> CompressedSelection | None:
+    def _compressed(
+        self, x: Tensor, qr: Tensor, ctx: ForwardContext, rope: Callable[..., Tensor] | None = None
+    ) -> CompressedSelection | None:
         """The compressed entries each query attends to besides its window (None for SWA layers).
 
         THE plug-in point for V4.1: kind "csa2" delegates to csa2.csa2_update_source (kv sources) and
@@ -247,6 +273,7 @@ class Attention(nn.Module):
         """
         if self.kind == "swa":
             return None
+        rope = rope or self.rope_fn(ctx)
         if self.kind == "csa2":
             from deepinfer_engine.model import csa2
 
@@ -254,19 +281,19 @@ class Attention(nn.Module):
             # a source already published in this forward (prefill truncation wrote it for every row) is kept
             if plan.has_compressor and plan.layer_id not in ctx.compressed:
                 csa2.csa2_update_source(
-                    plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=self.rope,
+                    plan=plan, compressor=self.compressor, indexer=self.indexer, x=x, ctx=ctx, rope=rope,
                     numerics=self.numerics,
                 )
             return csa2.csa2_select(
-                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=self.rope, numerics=self.numerics
+                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=rope, numerics=self.numerics
             )
         cache = ctx.cache
         lid, r = self.layer_id, self.ratio
-        paged = self.compressor.update(x, ctx, lid, "main", self.rope, x.dtype, entry_fn=self.numerics.compressed_kv)
+        paged = self.compressor.update(x, ctx, lid, "main", rope, x.dtype, entry_fn=self.numerics.compressed_kv)
         counts = paged.counts
         keys = None
         if self.kind == "csa":
-            self.indexer.compressor.update(x, ctx, lid, "indexer", self.rope, x.dtype)
+            self.indexer.compressor.update(x, ctx, lid, "indexer", rope, x.dtype)
             keys = cache.read_index_keys(lid, paged)
         store, rows = cache.entry_source(lid, paged)
         view = CompressedView(
@@ -278,7 +305,7 @@ class Attention(nn.Module):
             w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
             sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
         else:  # csa: lightning indexer top-k
-            sel = self.indexer.select(x, qr, ctx, view, self.rope)
+            sel = self.indexer.select(x, qr, ctx, view, rope)
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
         return CompressedSelection(kv=view.store, indices=view.store_rows(sel, paged.offsets_t[ctx.seq_of_token]))
@@ -288,10 +315,11 @@ class Attention(nn.Module):
         """x [T, d] = attn_norm(collapsed streams) -> [T, d]."""
         pos = ctx.batch.positions
         t = x.shape[0]
-        q, qr = self.project_q(x, pos)
-        kv = self.project_kv(x, pos)
+        rope = self.rope_fn(ctx)
+        q, qr = self.project_q(x, pos, rope)
+        kv = self.project_kv(x, pos, rope)
         pool, idx = self._window(kv, ctx)
-        sel = self._compressed(x, qr, ctx)
+        sel = self._compressed(x, qr, ctx, rope)
         kv2 = idx2 = None
         if sel is not None and sel.indices.shape[1] > 0:
             # window pool + the compressed cache read in place through store rows (one softmax over both);
@@ -299,7 +327,7 @@ class Attention(nn.Module):
             kv2, idx2 = sel.kv if sel.kv.dtype == pool.dtype else sel.kv.to(pool.dtype), sel.indices
         o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2,
                         backend=self.kernel_backend)  # [T, H, Dh]
-        o = self.rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
+        o = rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
         o = o.reshape(t, self.n_groups, -1)
         z = self.wo_a.grouped(o, self.n_groups)
         return self.wo_b(z.reshape(t, -1))

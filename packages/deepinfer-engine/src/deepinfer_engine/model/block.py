@@ -20,6 +20,7 @@ from deepinfer_engine.model.mhc import (
     apply_hc_head,
     apply_hc_mix,
     hc_post,
+    hc_post_pre,
     hc_pre,
 )
 from deepinfer_engine.model.moe import MoE
@@ -62,16 +63,39 @@ class Block(nn.Module):
         self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """r [T, n, d] -> (r' [T, n, d], pre of the FFN mixes [T, n] f32)."""
-        r = self._engram(r, ctx)
-        pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
-        x = self._collapse(r, pre_a, pre_prev)
-        r = hc_post(self.attn(self.attn_norm(x), ctx), r, post_a, comb_a, backend=self.kernel_backend)
-        pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
-        x = hc_pre(r, pre_a if self.delayed else pre_f, backend=self.kernel_backend)
-        r = hc_post(self.ffn(self.ffn_norm(x), ctx.batch.input_ids), r, post_f, comb_f,
-                    backend=self.kernel_backend)
+        r, pre_f, _ = self.forward_chained(r, ctx, pre_prev)
         return r, pre_f
 
+    def forward_chained(
+        self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None, *, collapsed: Tensor | None = None,
+        collapse_next: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """forward, chained through the V4.1 collapses (delayed mHC: the next sub-layer's pre is known when a
+        sub-layer's output is combined, so one pass writes R' and collapses it).
+
+        collapsed: this layer's attention input before attn_norm, hc_pre(r, pre_prev), as the previous layer's
+        collapse_next returned it (ignored where this layer has Engram: it changes r first). collapse_next:
+        also return hc_pre(r', pre_f) [T, d], the next layer's (or the head's) collapse; None when not delayed.
+        """
+        r = self._engram(r, ctx)
+        pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
+        if collapsed is not None and self.delayed and self.engram is None:
+            x = collapsed
+        else:
+            x = self._collapse(r, pre_a, pre_prev)
+        y = self.attn(self.attn_norm(x), ctx)
+        if self.delayed:  # the FFN collapses with pre_a, known already: one pass writes R' and reads it back
+            r, x = hc_post_pre(y, r, post_a, comb_a, pre_a, backend=self.kernel_backend)
+            pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
+        else:
+            r = hc_post(y, r, post_a, comb_a, backend=self.kernel_backend)
+            pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
+            x = hc_pre(r, pre_f, backend=self.kernel_backend)
+        y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids, ctx.image_mask)
+        if collapse_next and self.delayed:
+            r, x_next = hc_post_pre(y, r, post_f, comb_f, pre_f, backend=self.kernel_backend)
+            return r, pre_f, x_next
+        return hc_post(y, r, post_f, comb_f, backend=self.kernel_backend), pre_f, None
 
     def attn_input(self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None = None) -> Tensor:
         """[T, d] the attention sub-layer's input (after attn_norm) for streams r [T, n, d], as forward computes

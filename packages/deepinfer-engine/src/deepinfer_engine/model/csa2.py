@@ -29,7 +29,8 @@ from deepinfer_kernels.indexer import (
     topk_indices,
     visible_counts,
 )
-from deepinfer_kernels.norm_rope.reference import rms_norm  # fp32 math, weight in fp32, input dtype out
+from deepinfer_kernels.linear import linear_f32_out
+from deepinfer_kernels.norm_rope import rms_norm  # fp32 math, input dtype out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import ModelConfigError
@@ -87,6 +88,8 @@ def compress_chunk(
 class Csa2Compressor(nn.Module):
     """``attn.compressor.{wkv, wgate (ratio 2 only), norm}`` of a kv-source layer (docs/model.md §C.3)."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, *, dim: int, head_dim: int, ratio: int, eps: float) -> None:
         super().__init__()
         if ratio not in (1, 2):
@@ -99,14 +102,16 @@ class Csa2Compressor(nn.Module):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``x [L, d]`` -> ``A [L, Dh] float32``, ``Z [L, Dh] float32 | None`` (fp32 math like the reference)."""
-        xf = x.float()
-        a = xf @ self.wkv.weight.float().T
-        z = xf @ self.wgate.weight.float().T if self.wgate is not None else None
+        # fp32 results without an fp32 copy of the weights each step (fp32 accumulation over their dtype)
+        a = linear_f32_out(x, self.wkv.weight, backend=self.kernel_backend)
+        z = linear_f32_out(x, self.wgate.weight, backend=self.kernel_backend) if self.wgate is not None else None
         return a, z
 
 
 class Csa2Indexer(nn.Module):
     """``attn.indexer.{wk, k_norm}`` (kv sources) and ``attn.indexer.{wq_b, weights_proj}`` (index sources)."""
+
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
 
     def __init__(
         self,
@@ -135,7 +140,8 @@ class Csa2Indexer(nn.Module):
             raise ModelConfigError(
                 "kv_source_layer_ids: index keys requested from a layer without attn.indexer.wk"
             )
-        k = rms_norm(latent @ self.wk.weight.to(latent.dtype).T, self.k_norm.weight, self.eps)
+        k = rms_norm(latent @ self.wk.weight.to(latent.dtype).T, self.k_norm.weight, self.eps,
+                     backend=self.kernel_backend)
         return rope(k, positions)
 
     def queries(self, qr: Tensor, x: Tensor, positions: Tensor, rope: RopeFn) -> tuple[Tensor, Tensor]:
@@ -147,7 +153,7 @@ class Csa2Indexer(nn.Module):
         t = qr.shape[0]
         q = self.wq_b(qr).to(qr.dtype).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
-        w = (x.float() @ self.weights_proj.weight.float().T) * (
+        w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend) * (
             self.index_head_dim**-0.5 * self.n_heads**-0.5
         )
         return q, w
@@ -264,7 +270,8 @@ def csa2_update_source(
             g = both[ring_plan.pool_rows(seq, pos, ctx.seq_t)]  # [M, 2 tokens, (A, Z), Dh]
             pooled = pool_ratio2(g[:, :, 0], g[:, :, 1])
         # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
-        latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps)  # pre-RoPE latent
+        latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps,
+                          backend=compressor.kernel_backend)  # pre-RoPE latent
         entry_pos = paged.new_w * r  # RoPE at the group's first token
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
         cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))

@@ -11,30 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from deepinfer_kernels.engram import engram_gate as _engram_gate
+from deepinfer_kernels.engram import engram_inject
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
 from deepinfer_engine.model.linear import Linear, new_param, stored_torch_dtype
 
-# Smallest |g| before the square root: sqrt(1e-6) = 1e-3 is the gate's smallest distance from 0.5.
-GATE_CLAMP = 1e-6
-
 
 def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> Tensor:
-    """Per-stream Engram gate (docs/model.md §C.6), fp32.
-
-    r: ``[T, n, d]`` hc streams, key: ``[T, n, d]`` per-stream keys, q_weight / k_weight: ``[n, d]``.
-    ``g_i = (Σ_c r_i[c] q_i[c] k_i[c] key_i[c]) · rsqrt(mean(r_i²)+ε) · rsqrt(mean(key_i²)+ε) / sqrt(d)``;
-    returns ``sigmoid(copysign(sqrt(max(|g|, 1e-6)), g))`` ``[T, n] float32``.
-
-    copysign, as DeepSeek's gate kernel (docs/fidelity.md §4): g = +0 gives sigmoid(+1e-3) and g = -0
-    sigmoid(-1e-3), never the 0.5 a ``sign(g)`` product would give.
-    """
-    rf, kf = r.float(), key.float()
-    d = rf.shape[-1]
-    dot = (rf * q_weight.float() * k_weight.float() * kf).sum(-1)
-    g = dot * torch.rsqrt(rf.pow(2).mean(-1) + eps) * torch.rsqrt(kf.pow(2).mean(-1) + eps) / d**0.5
-    return torch.sigmoid(torch.copysign(torch.sqrt(torch.clamp(g.abs(), min=GATE_CLAMP)), g))
+    """Per-stream Engram gate (docs/model.md §C.6) [T, n] float32 of streams r [T, n, d] and keys [T, n, d]
+    (deepinfer_kernels.engram.engram_gate: the reference the Triton injection is tested against)."""
+    return _engram_gate(r, key, q_weight, k_weight, eps)
 
 
 class _Table(nn.Module):
@@ -74,6 +62,8 @@ class Engram(nn.Module):
     Row ids are hashed once per forward for all engram layers (``engram_row_ids``, called by the model).
     """
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(
         self, *, dim: int, hc_mult: int, num_embeddings: int, head_dim: int, num_lookups: int, eps: float
     ) -> None:
@@ -95,10 +85,9 @@ class Engram(nn.Module):
         e = self.embed.lookup(row_ids, self.wkv.dtype).reshape(t, -1)  # [T, lookups * head_dim], model dtype
         kv = self.wkv(e).view(t, self.hc_mult + 1, self.dim)
         keys, val = kv[:, : self.hc_mult], kv[:, self.hc_mult]
-        gate = engram_gate(r, keys, self.q_weight, self.k_weight, self.eps)  # [T, hc]
-        if image_mask is not None:
-            gate = gate.masked_fill(image_mask[:, None], 0.0)  # image positions pass through unchanged
-        return (r.float() + gate[..., None] * val.float()[:, None, :]).to(r.dtype)
+        # gate [T, hc] (0 at image positions: they pass through unchanged), then R_i + gate_i * val
+        return engram_inject(r, keys, val, self.q_weight, self.k_weight, self.eps, image_mask,
+                             backend=self.kernel_backend)
 
 
 def engram_row_ids(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from deepinfer_kernels.engram import hash_rows
 from torch import Tensor
 
 from deepinfer_engine.errors import InputError
@@ -55,24 +56,16 @@ class DeviceEngramHasher:
         ids; sampled ids lie in the vocabulary); the clamp only keeps the gather in bounds."""
         return self.cid_table[(token_ids + 1).clamp_(0, self.cid_table.shape[0] - 1)]
 
-    def rows(self, token_ids: Tensor, prev: Tensor) -> Tensor:
+    def rows(self, token_ids: Tensor, prev: Tensor, *, backend: str = "auto") -> Tensor:
         """Row ids ``[T, num_layers, (max_ngram-1)*n_heads] int64`` of ``token_ids [T] int64``.
 
         ``prev [T, max_ngram-1] int64``: column s-1 holds the id at position p-s of the token's sequence, -1 where
         p-s < 0 or the id is unknown (a fresh slot); a DEAD or missing position blocks it and everything older,
-        which then hash as the pad id (the reference's rule)."""
+        which then hash as the pad id (the reference's rule). backend: the kernel backend
+        (deepinfer_kernels.engram.hash_rows: one Triton launch on CUDA)."""
         T, K = token_ids.shape[0], self.history_len
         if token_ids.dim() != 1 or prev.shape != (T, K):
             raise InputError(f"engram device hash: found ids {tuple(token_ids.shape)} and predecessors "
                              f"{tuple(prev.shape)}, expected [T] and [T, {K}]")  # fmt: skip
-        cid = self.compressed_ids(torch.cat([token_ids[:, None], prev], dim=1))  # [T, max_ngram], s = 0..K
-        # DEAD (-1) at s blocks s and every older shift: a running minimum stays -1 from the first DEAD on
-        blocked = cid.cummin(dim=1).values < 0
-        val = cid.masked_fill(blocked, self.pad_cid)
-        terms = val[:, None, :] * self.multipliers[None]  # [T, layers, max_ngram]: no overflow (M's bound)
-        r = [terms[:, :, 0]]
-        for s in range(1, K + 1):  # max_ngram is a config constant: a fixed unrolled loop
-            r.append(r[-1] ^ terms[:, :, s])
-        acc = torch.stack(r[1:], dim=2)  # [T, layers, K]: the n-gram hash of n = s + 1
-        out = acc[..., None] % self.primes[None] + self.offsets[None]  # [T, layers, K, heads]
-        return out.reshape(T, self.num_layers, self.num_rows_per_layer)
+        return hash_rows(token_ids, prev, self.cid_table, self.multipliers, self.primes, self.offsets,
+                         self.pad_cid, backend=backend)  # fmt: skip

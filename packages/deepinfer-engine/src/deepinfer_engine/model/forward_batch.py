@@ -259,7 +259,7 @@ class ForwardContext:
     candidates: dict[int, Tensor] = field(default_factory=dict)
     features: dict[int, Tensor] = field(default_factory=dict)
     capture_layers: tuple[int, ...] = ()
-    rope_cache: dict[tuple, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    rope_cache: dict[tuple, tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)  # Rope.cos_sin tables
     # per-sequence [S] tensors and the per-forward gather plans (built on first use, shared by all layers)
     seq_t: SeqTensors | None = None
     plans: dict[tuple, object] = field(default_factory=dict)
@@ -372,6 +372,9 @@ class ForwardContext:
         idx = self.plans.get(key)
         if idx is not None:
             return idx  # type: ignore[return-value]
+        if self.static is not None and not noncausal and self.window_floor is None:
+            idx = self.plans[key] = self.static.window_rows(plan, window)  # host-built with the step's plans
+            return idx
         st, seq, pos = self.seq_t, self.seq_of_token, self.batch.positions
         if noncausal:
             k = window + max(self.query_lens, default=0)

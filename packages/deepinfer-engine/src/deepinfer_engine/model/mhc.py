@@ -7,10 +7,12 @@ and the V4 head as `hc_head_{fn,base,scale}`; these helpers register and apply t
 from __future__ import annotations
 
 import torch
-from deepinfer_kernels.hyper_conn import hc_head, hc_mix, hc_post, hc_pre
+from deepinfer_kernels.hyper_conn import hc_head, hc_mix, hc_post, hc_post_pre, hc_pre
 from torch import Tensor, nn
 
-__all__ = ["add_hc_head_params", "add_hc_mix_params", "apply_hc_head", "apply_hc_mix", "hc_post", "hc_pre"]
+__all__ = [
+    "add_hc_head_params", "add_hc_mix_params", "apply_hc_head", "apply_hc_mix", "hc_post", "hc_post_pre", "hc_pre",
+]
 
 
 def add_hc_mix_params(module: nn.Module, prefix: str, args: object) -> None:

@@ -191,13 +191,13 @@ class Transformer(nn.Module):
         batch, st = ctx.batch, ctx.seq_t
         ids, pos, seq = batch.input_ids, batch.positions, ctx.seq_of_token
         prev = ring_step(ring, ids, pos, seq, st.ctx, st.qlen, st.slot, back=self.args.engram_max_ngram_size - 1,
-                         dump_slot=ctx.cache.scratch_slot)
+                         dump_slot=ctx.cache.scratch_slot, backend=self.kernel_backend)
         if self.engram_hasher is None:
             return None
         dev = self._engram_device
         if dev is None or dev.device != ids.device or dev.source is not self.engram_hasher:
             dev = self._engram_device = DeviceEngramHasher(self.engram_hasher, ids.device)
-        return dev.rows(ids, prev)
+        return dev.rows(ids, prev, backend=self.kernel_backend)
 
     def host_step(self, batch: ForwardBatch, cache: ModelCache) -> None:
         """The host half of a forward, for a caller that replays the device half (a captured fixed-shape step):
@@ -225,8 +225,7 @@ class Transformer(nn.Module):
             batch = ctx.batch
         a = self.args
         img = image_positions(batch.input_ids, a.vocab_size)
-        if ctx.engram_rows is not None:
-            ctx.image_mask = img
+        ctx.image_mask = img  # read by Engram (gate 0) and by the MoE gates with bias_vl: computed once per forward
         # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
         e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
         r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
@@ -234,7 +233,11 @@ class Transformer(nn.Module):
         # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
         cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
         c = ctx  # the context of the rows still running (the decoder's kept rows after the boundary)
-        for layer in self.layers:
+        # V4.1 fixed-shape steps chain the collapses: each layer's last combine also collapses its output with the
+        # next layer's pre (its own pre_f), unless the next layer's Engram changes the streams first
+        chain = static is not None and a.uses_delayed_mhc
+        x_next: Tensor | None = None
+        for i, layer in enumerate(self.layers):
             lid = layer.layer_id
             if cut is not None and lid == cut.split.boundary:
                 r, pre, c = cut.enter(layer, r, pre, ctx)
@@ -242,19 +245,29 @@ class Transformer(nn.Module):
                     break  # no decoder row in this step (early prefill chunks only)
             if a.arch == "v41" and lid in c.capture_layers:
                 c.features[lid] = r.float().mean(dim=1).to(r.dtype)
-            r, pre = layer(r, c, pre)
+            if chain:
+                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+                r, pre, x_next = layer.forward_chained(r, c, pre, collapsed=x_next,
+                                                       collapse_next=nxt is None or nxt.engram is None)
+            else:
+                r, pre = layer(r, c, pre)
             if a.arch == "v4" and lid in c.capture_layers:
                 c.features[lid] = r.float().mean(dim=1).to(r.dtype)
         if static is None:
             for i, slot in enumerate(batch.slots):
                 cache.high_water[slot] = ctx.end_len(i)
-        rows = r[c.batch.logits_indices]
+        # a fixed-shape step takes the logits of every row in order (logits_indices = arange): no gather
+        li = None if static is not None else c.batch.logits_indices
+        rows = r if li is None else r[li]
         if a.has_hc_head:
             h = apply_hc_head(self, rows, a)
             pre_last = None
         else:
             pre_last = pre
-            h = hc_pre(rows, pre[c.batch.logits_indices], backend=self.kernel_backend)
+            if li is None and x_next is not None:  # the last layer's chained collapse of every row
+                h = x_next
+            else:
+                h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
         logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),

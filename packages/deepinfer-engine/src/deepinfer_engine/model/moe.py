@@ -5,8 +5,10 @@ SwiGLU) and the shared expert."""
 from __future__ import annotations
 
 import torch
+from deepinfer_kernels.activation import swiglu
+from deepinfer_kernels.linear import linear_f32_out
 from deepinfer_kernels.moe import StackedExperts, moe_experts
-from deepinfer_kernels.routing import gate_scores, select_experts
+from deepinfer_kernels.routing import gate_scores, route_logits, select_experts
 from deepinfer_parallel.ep import LocalDispatch, MoEDispatch
 from torch import Tensor, nn
 
@@ -43,22 +45,27 @@ class Gate(nn.Module):
             nn.Parameter(torch.zeros(E, dtype=torch.float32)) if (args.has_gate_bias_vl and not plan.is_draft) else None
         )
 
-    def forward(self, x: Tensor, input_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, d], input_ids [T] -> (weights [T, k] f32, ids [T, k] i64)."""
-        scores = gate_scores(x, self.weight, self.score_func)
+    def forward(self, x: Tensor, input_ids: Tensor, image_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, d], input_ids [T] -> (weights [T, k] f32, ids [T, k] i64). image_mask: [T] bool image positions
+        of input_ids when the caller has them (ForwardContext.image_mask), else computed here."""
         if self.is_hash:
+            scores = gate_scores(x, self.weight, self.score_func)
             return select_experts(
                 scores, self.topk, hash_ids=self.tid2eid[input_ids], route_scale=self.route_scale,
                 renormalize=self.renormalize, backend=self.kernel_backend,
             )  # fmt: skip
         bias: Tensor = self.bias
         if self.bias_vl is not None:
-            is_img = image_positions(input_ids, self.vocab_size)  # ids past the vocabulary, never text ids
+            # ids past the vocabulary, never text ids
+            is_img = image_positions(input_ids, self.vocab_size) if image_mask is None else image_mask
             bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
-        return select_experts(
-            scores, self.topk, bias=bias, route_scale=self.route_scale, renormalize=self.renormalize,
-            backend=self.kernel_backend,
-        )
+        # fp32 logits without widening the [E, d] weight to fp32 each step (the reference's x.float() @ W.float()ᵀ
+        # up to the summation order); the score function, biased top-k and renormalisation in one routing call
+        logits = linear_f32_out(x, self.weight, backend=self.kernel_backend)
+        return route_logits(
+            logits, self.topk, score_func=self.score_func, bias=bias, route_scale=self.route_scale,
+            renormalize=self.renormalize, backend=self.kernel_backend,
+        )  # fmt: skip
 
 
 class Expert(nn.Module):
@@ -72,14 +79,12 @@ class Expert(nn.Module):
         self.w2 = Linear(inter, dim, dtype)
         self.w3 = Linear(dim, inter, dtype)
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def forward(self, x: Tensor) -> Tensor:
         # the arithmetic of deepinfer_kernels.moe.swiglu_expert: gate / up in fp32, h in x's dtype
-        g = self.w1(x).float()
-        u = self.w3(x).float()
-        if self.limit > 0:
-            g = g.clamp(max=self.limit)
-            u = u.clamp(min=-self.limit, max=self.limit)
-        return self.w2((torch.nn.functional.silu(g) * u).to(x.dtype))
+        h = swiglu(self.w1(x), self.w3(x), self.limit, x.dtype, backend=self.kernel_backend)
+        return self.w2(h)
 
 
 class ExpertWeight(nn.Module):
@@ -187,8 +192,10 @@ class MoE(nn.Module):
         self.layer_id = plan.layer_id
         self.dispatch: MoEDispatch = LocalDispatch()
 
-    def forward(self, x: Tensor, input_ids: Tensor) -> Tensor:
-        """x [T, d] (ffn_norm output), input_ids [T] raw ids -> [T, d] in x's dtype."""
-        weights, ids = self.gate(x, input_ids)
+    def forward(self, x: Tensor, input_ids: Tensor, image_mask: Tensor | None = None) -> Tensor:
+        """x [T, d] (ffn_norm output), input_ids [T] raw ids (image_mask: their image positions [T] bool, if
+        known) -> [T, d] in x's dtype."""
+        weights, ids = self.gate(x, input_ids, image_mask)
         y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
-        return (y + self.shared_experts(x).float()).to(x.dtype)
+        # fp32 + the shared expert's output: type promotion upcasts inside the add (no separate fp32 copy)
+        return (y.float() + self.shared_experts(x)).to(x.dtype)

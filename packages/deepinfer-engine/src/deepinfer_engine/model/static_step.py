@@ -226,6 +226,25 @@ class StaticDecodeStep:
         return self._register(("ring", ring_rows, max_back, write), build,
                               lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len))  # type: ignore[return-value]
 
+    def window_rows(self, plan: RingPlan, window: int) -> Tensor:
+        """[B, window] int64 causal window rows into the pool of `plan` (one of this step's ring plans), -1 =
+        none: ForwardContext.window_rows of a one-token step, built on the host with the other plans (the
+        forward then spends no device op on it). Row k of sequence i is position q = ctx_i - window + 1 + k: a
+        history row (q < ctx_i) or the sequence's fresh row (q = ctx_i), -1 for q < 0."""
+        B = self.batch_size
+        back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
+        pool_len = plan.num_hist + B
+
+        def build() -> list[np.ndarray]:
+            ctx = self.seq_host.ctx[:, None]
+            i = np.arange(B, dtype=np.int64)[:, None]
+            q = ctx - window + 1 + np.arange(window, dtype=np.int64)[None, :]
+            rows = np.where(q < ctx, i * back + q - (ctx - back), plan.num_hist + i + q - ctx).clip(0, pool_len - 1)
+            return [np.where(q >= 0, rows, -1).reshape(-1)]
+
+        key = ("win", plan.ring_rows, back, window)
+        return self._register(key, build, lambda v: v[0].view(B, window))  # type: ignore[return-value]
+
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)
 

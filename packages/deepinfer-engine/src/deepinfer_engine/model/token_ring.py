@@ -12,7 +12,7 @@ them with its static buffers.
 
 from __future__ import annotations
 
-import torch
+from deepinfer_kernels.engram import ring_step as _ring_step
 from torch import Tensor
 
 __all__ = ["ring_step"]
@@ -20,7 +20,7 @@ __all__ = ["ring_step"]
 
 def ring_step(
     ring: Tensor, token_ids: Tensor, positions: Tensor, seq_of_token: Tensor, seq_ctx: Tensor, seq_qlen: Tensor,
-    seq_slot: Tensor, *, back: int, dump_slot: int,
+    seq_slot: Tensor, *, back: int, dump_slot: int, backend: str = "auto",
 ) -> Tensor:
     """Each token's predecessors ``[T, back] int64``, then the step's ids written into the ring.
 
@@ -31,18 +31,7 @@ def ring_step(
     The write puts each id at row position mod R of its slot. Only each sequence's last R tokens are kept
     (earlier ones would share rows with them); the others go to ``dump_slot`` (the scratch slot, read only by
     padding rows), so every write has a fixed shape and no two kept writes hit the same row.
-    token_ids, positions, seq_of_token: [T] int64; seq_ctx (first new position), seq_qlen, seq_slot: [S] int64."""
-    R = ring.shape[1]
-    flat = ring.view(-1)
-    s = torch.arange(1, back + 1, dtype=torch.int64, device=token_ids.device)  # [back]
-    local = positions - seq_ctx[seq_of_token]  # [T] index of the token inside its sequence's step
-    base = seq_slot[seq_of_token] * R  # [T] first ring cell of the token's slot
-    q = positions[:, None] - s  # [T, back] predecessor positions
-    rows = torch.arange(token_ids.shape[0], dtype=torch.int64, device=token_ids.device)[:, None] - s
-    in_step = token_ids[rows.clamp_(min=0)]
-    in_ring = flat[base[:, None] + q.remainder(R)]
-    prev = torch.where(local[:, None] >= s, in_step, in_ring.masked_fill_(q < 0, -1))
-    keep = local >= seq_qlen[seq_of_token] - R
-    dst = torch.where(keep, base, dump_slot * R) + positions.remainder(R)
-    flat.index_copy_(0, dst, token_ids)
-    return prev
+    token_ids, positions, seq_of_token: [T] int64; seq_ctx (first new position), seq_qlen, seq_slot: [S] int64.
+    backend: the kernel backend (deepinfer_kernels.engram.ring_step: two Triton launches on CUDA)."""
+    return _ring_step(ring, token_ids, positions, seq_of_token, seq_ctx, seq_qlen, seq_slot, back=back,
+                      dump_slot=dump_slot, backend=backend)  # fmt: skip

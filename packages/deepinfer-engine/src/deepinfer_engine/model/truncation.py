@@ -132,7 +132,7 @@ class TruncationPlan:
         attn = block.attn
         csa2.csa2_update_source(
             plan=attn._csa2_plan, compressor=attn.compressor, indexer=attn.indexer,
-            x=block.attn_input(r, ctx, pre), ctx=ctx, rope=attn.rope, numerics=attn.numerics,
+            x=block.attn_input(r, ctx, pre), ctx=ctx, rope=attn.rope_fn(ctx), numerics=attn.numerics,
         )  # fmt: skip
         rows = self.rows
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deepinfer_kernels.sampling import apply_penalties, logprobs_topk, sample
+from deepinfer_kernels import backend_from_env
+from deepinfer_kernels.sampling import apply_penalties, greedy_argmax, logprobs_topk, sample
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +99,18 @@ def build_sampling_batch(
 
 
 class Sampler:
+    def __init__(self) -> None:
+        # resolved once, as the model does (DEEPINFER_KERNEL_BACKEND=torch keeps the references here too):
+        # "device" = the Triton greedy argmax on CUDA, the torch reference elsewhere
+        self.kernel_backend = backend_from_env()
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [N, V] float32 raw model outputs (row order = batch rows)."""
         raw = logits
+        if batch.all_greedy and batch.penalties is None and batch.banned is None and batch.max_logprobs is None:
+            # plain greedy: the argmax and the finiteness check of the raw logits in one two-stage pass
+            tokens = greedy_argmax(raw, invalid=INVALID_TOKEN, backend=self.kernel_backend)
+            return SamplerOutput(token_ids=tokens)
         # amax propagates NaN: one reduction flags NaN, +Inf and all -Inf rows. Every op below is row-wise, so a
         # bad row yields garbage only in its own row, which is replaced by INVALID_TOKEN at the end.
         finite = torch.isfinite(raw.amax(dim=-1))
@@ -113,7 +123,7 @@ class Sampler:
             logits = logits.clone() if logits is raw else logits
             logits[to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device)] = float("-inf")
         if batch.all_greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = greedy_argmax(logits, backend=self.kernel_backend)
         else:
             tokens = sample(logits, temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
                             min_p=batch.min_p, seeds=batch.seeds, offsets=batch.offsets, apply_masks=batch.any_masks)

@@ -9,7 +9,7 @@ from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.hyper_conn import reference
 from deepinfer_kernels.hyper_conn.reference import sinkhorn
 
-__all__ = ["hc_head", "hc_mix", "hc_post", "hc_pre", "sinkhorn"]
+__all__ = ["hc_head", "hc_mix", "hc_post", "hc_post_pre", "hc_pre", "sinkhorn"]
 
 
 def hc_mix(
@@ -80,6 +80,31 @@ def hc_post(y: Tensor, r: Tensor, post: Tensor, comb: Tensor, *, backend: str = 
 
         return triton_backend.hc_post(y, r, post, comb)
     return reference.hc_post(y, r, post, comb)
+
+
+def hc_post_pre(
+    y: Tensor, r: Tensor, post: Tensor, comb: Tensor, pre: Tensor, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
+    """(R', x) = (hc_post(y, r, post, comb), hc_pre(R', pre)): the sub-layer's output streams and the next
+    collapse with an already known pre [T, n] (V4.1 delayed mHC), one pass over the streams on Triton.
+    Shapes as hc_post / hc_pre; both results in r's dtype."""
+    if pre.shape != r.shape[:2]:
+        raise ValueError(f"hc_post_pre: pre shape {tuple(pre.shape)}, expected {tuple(r.shape[:2])}")
+    if r.dim() != 3 or y.shape != (r.shape[0], r.shape[2]) or post.shape != r.shape[:2] or (
+        comb.shape != (r.shape[0], r.shape[1], r.shape[1])
+    ):
+        raise ValueError(
+            f"hc_post_pre: expected y [T, d], r [T, n, d], post [T, n], comb [T, n, n]; found {tuple(y.shape)}, "
+            f"{tuple(r.shape)}, {tuple(post.shape)}, {tuple(comb.shape)}"
+        )
+    ok = _streams_ok(r) and y.is_floating_point()
+    why = f"r {r.dtype} {tuple(r.shape)}, y {y.dtype}; needs n a power of two and bf16/fp16/fp32"
+    if resolve_backend("hc_post_pre", backend, y, r, post, comb, pre, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.hyper_conn import triton as triton_backend
+
+        return triton_backend.hc_post_pre(y, r, post, comb, pre)
+    out = reference.hc_post(y, r, post, comb)
+    return out, reference.hc_pre(out, pre)
 
 
 def hc_head(r: Tensor, fn: Tensor, base: Tensor, scale: Tensor, *, hc_eps: float, rms_eps: float) -> Tensor:

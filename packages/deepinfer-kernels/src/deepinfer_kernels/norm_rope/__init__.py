@@ -1,4 +1,5 @@
-"""RMSNorm and interleaved RoPE on the trailing rope dims (docs/model.md §2): torch references; Triton RMSNorm."""
+"""RMSNorm and interleaved RoPE on the trailing rope dims (docs/model.md §2): torch references; Triton RMSNorm and
+RoPE rotation."""
 
 from __future__ import annotations
 
@@ -14,11 +15,6 @@ __all__ = ["apply_rope", "rms_norm", "rope_cos_sin", "rope_freqs", "yarn_correct
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_MAX_D = 16384  # == norm_rope.triton.MAX_D (kept here so the dispatcher does not import triton)
-
-
-def _check_backend(backend: str) -> None:
-    """apply_rope has no kernel yet: 'auto' (and the env override) resolve to the reference, 'triton' raises."""
-    resolve_backend("apply_rope", backend, triton_ok=False, why_not="no triton kernel for apply_rope yet")
 
 
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, backend: str = "auto") -> Tensor:
@@ -46,8 +42,8 @@ def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, backend: str = "auto") -> Tensor:
-    """x [T, ..., D] (rope on the last 2P channels, interleaved pairs), cos/sin [T, P] fp32."""
-    _check_backend(backend)
+    """x [T, ..., D] (rope on the last 2P channels, interleaved pairs), cos/sin [T, P] fp32 -> x's shape and dtype.
+    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x; within 1 ULP of the reference)."""
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0]:
         raise ValueError(
             f"apply_rope: cos/sin must be [T={x.shape[0]}, P]; found {tuple(cos.shape)}, {tuple(sin.shape)}"
@@ -56,4 +52,10 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, ba
         raise ValueError(f"apply_rope: {2 * cos.shape[1]} rope dims exceed the last dim {x.shape[-1]}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"apply_rope: x dtype {x.dtype} is not a float type")
+    ok = x.dtype in _TRITON_DTYPES and x.dim() >= 2
+    why = f"x {x.dtype} {tuple(x.shape)}; needs bf16/fp16/fp32 and at least [T, D]"
+    if resolve_backend("apply_rope", backend, x, cos, sin, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.norm_rope import triton as triton_backend
+
+        return triton_backend.apply_rope(x, cos, sin, inverse=inverse)
     return reference.apply_rope(x, cos, sin, inverse=inverse)

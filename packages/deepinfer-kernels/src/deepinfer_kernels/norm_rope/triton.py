@@ -1,7 +1,11 @@
-"""Triton backend of RMSNorm: one pass over [rows, D], whole rows in registers, fp32 math, io in x's dtype.
+"""Triton backends of RMSNorm and RoPE.
+
+RMSNorm: one pass over [rows, D], whole rows in registers, fp32 math, io in x's dtype.
 
 Rows of small D (q/kv/index heads: 128 .. 1280) are packed BLOCK_R to a program so a program moves ~8 K elements;
 D = 5120 (hidden) is one row per program with 8 warps.
+RoPE: one pass that copies the leading channels and rotates the trailing pairs (what the reference does in ~12
+torch ops: slices, fp32 casts, four products, stack, cast, cat).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 
-__all__ = ["MAX_D", "rms_norm"]
+__all__ = ["MAX_D", "apply_rope", "rms_norm"]
 
 MAX_D = 16384  # a whole row lives in registers; longer rows stay on the reference
 
@@ -73,4 +77,71 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
         BLOCK_D=block_d,
         num_warps=num_warps,
     )
+    return y.reshape(x.shape)
+
+
+@triton.jit(do_not_specialize=["R", "M"])
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    y_ptr,
+    R,
+    M,
+    D,
+    stride_x,
+    stride_y,
+    stride_c,
+    P: tl.constexpr,
+    INVERSE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    row_ok = rows < R
+    tok = rows // M  # cos/sin row of each x row (the middle dims share their token's angles)
+    # channels before the rope dims: copied unchanged
+    offs_d = tl.arange(0, BLOCK_D)
+    keep = row_ok[:, None] & (offs_d < D - 2 * P)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs_d[None, :], mask=keep)
+    tl.store(y_ptr + rows[:, None] * stride_y + offs_d[None, :], x, mask=keep)
+    # interleaved pairs (2j, 2j+1) of the last 2P channels, fp32 math in the reference's operation order
+    offs_p = tl.arange(0, BLOCK_P)
+    pm = row_ok[:, None] & (offs_p < P)[None, :]
+    ia = D - 2 * P + 2 * offs_p
+    a = tl.load(x_ptr + rows[:, None] * stride_x + ia[None, :], mask=pm, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + rows[:, None] * stride_x + ia[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + tok[:, None] * stride_c + offs_p[None, :], mask=pm, other=0.0)
+    s = tl.load(sin_ptr + tok[:, None] * stride_c + offs_p[None, :], mask=pm, other=0.0)
+    if INVERSE:
+        s = -s
+    ra = a * c - b * s
+    rb = a * s + b * c
+    ty = y_ptr.dtype.element_ty
+    tl.store(y_ptr + rows[:, None] * stride_y + ia[None, :], ra.to(ty), mask=pm)
+    tl.store(y_ptr + rows[:, None] * stride_y + ia[None, :] + 1, rb.to(ty), mask=pm)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) -> Tensor:
+    """x [T, ..., D] bf16|fp16|fp32, cos/sin [T, P] fp32 -> x's shape and dtype, the last 2P channels rotated
+    in interleaved pairs. Asks for no fp contraction (enable_fp_fusion=False), so each product and sum rounds
+    like the reference's separate torch ops (tested to 1 ULP of the output dtype)."""
+    d, t, p = x.shape[-1], x.shape[0], cos.shape[1]
+    x2 = x.reshape(-1, d)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    rows = x2.shape[0]
+    y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    if rows == 0 or d == 0:
+        return y.reshape(x.shape)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    check_launchable("apply_rope", _rope_kernel, x2, cos, sin)
+    block_d = next_pow2(max(1, d - 2 * p))
+    block_r = max(1, min(next_pow2(rows), 4096 // max(block_d, 2 * next_pow2(p))))
+    _rope_kernel[(cdiv(rows, block_r),)](
+        x2, cos, sin, y, rows, rows // t, d, x2.stride(0), y.stride(0), cos.stride(0),
+        P=p, INVERSE=bool(inverse), BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_P=next_pow2(p),
+        num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
     return y.reshape(x.shape)

@@ -165,3 +165,13 @@ def logprobs_topk(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> tupl
         top_vals = logp.new_empty(logp.shape[0], 0)
         top_ids = torch.empty(logp.shape[0], 0, dtype=torch.int64, device=logp.device)
     return chosen[:, 0], top_ids, top_vals, rank
+
+
+def greedy_argmax(logits: torch.Tensor, *, invalid: int | None = None) -> torch.Tensor:
+    """Greedy token ids [N] int64 of logits [N, V]: torch.argmax over the last dim (ties: the lowest index; a
+    NaN counts as the largest value, the first NaN wins). invalid: the id returned for rows whose max is not
+    finite (a NaN, +Inf, or every entry -Inf); None keeps the argmax of every row."""
+    ids = logits.argmax(dim=-1)
+    if invalid is None:
+        return ids
+    return torch.where(torch.isfinite(logits.amax(dim=-1)), ids, torch.full_like(ids, invalid))
