@@ -15,7 +15,7 @@ from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 __all__ = ["CHUNK", "greedy_argmax"]
 
 CHUNK = 4096  # entries of a row per first-stage program (32 programs per row of the 129,280-entry vocabulary)
-_BIG = 2**31 - 1  # an index past every row (V < 2**31)
+_BIG = tl.constexpr(2**31 - 1)  # an index past every row (V < 2**31); constexpr: a kernel may only read those globals
 
 
 @triton.jit(do_not_specialize=["V", "C"])
