@@ -47,3 +47,31 @@ def test_small_decode_kernels_compile_for_sm90():
     assert len(report) == 5
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 227 * 1024, (name, r)  # align pairs keeps 8 bytes on the stack
+
+
+def test_no_kernel_reads_a_plain_module_global():
+    """Every name a @triton.jit function of the package reads from its module is a tl.constexpr, a module, a
+    dtype or a function: the GPU compiler rejects any other global (the interpreter does not)."""
+    import ast
+    import inspect
+    import pkgutil
+
+    import deepinfer_kernels
+    import triton.language as tl
+
+    found = []
+    for info in pkgutil.walk_packages(deepinfer_kernels.__path__, "deepinfer_kernels."):
+        if not info.name.endswith(".triton"):
+            continue
+        mod = importlib.import_module(info.name)
+        for node in ast.parse(inspect.getsource(mod)).body:
+            if not isinstance(node, ast.FunctionDef) or not any("jit" in ast.unparse(d) for d in node.decorator_list):
+                continue
+            args = {a.arg for a in node.args.args}
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Load) and sub.id not in args:
+                    v = getattr(mod, sub.id, None)
+                    ok = v is None or isinstance(v, (tl.constexpr, tl.dtype)) or inspect.ismodule(v) or callable(v)
+                    if not ok:
+                        found.append(f"{info.name}.{node.name} reads {sub.id} ({type(v).__name__})")
+    assert not found, found
