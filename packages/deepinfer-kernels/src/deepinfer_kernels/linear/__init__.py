@@ -27,6 +27,13 @@ def _check_block(op: str, weight: Tensor, scale: Tensor, block: tuple[int, int])
         )
 
 
+def _kernel_takes(scale: Tensor, block: tuple[int, int]) -> tuple[bool, str]:
+    """(whether the Triton kernel takes these scales, why not). The kernel takes one dot per K scale group: a power
+    of two of at least the 16-column dot minimum."""
+    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and block[1] in (16, 32, 64, 128, 256)
+    return ok, f"scale {scale.dtype}, K block {block[1]}; needs e8m0/f32 scales and a K block in 16..256 (power of two)"
+
+
 def fp8_linear(
     x: Tensor,
     weight: Tensor,
@@ -54,9 +61,7 @@ def fp8_linear(
     _check_block("fp8_linear", weight, scale, block)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    # the kernel takes one dot per K scale group: a power of two of at least the 16-column dot minimum
-    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and block[1] in (16, 32, 64, 128, 256)
-    why = f"scale {scale.dtype}, K block {block[1]}; needs e8m0/f32 scales and a K block in 16..256 (power of two)"
+    ok, why = _kernel_takes(scale, block)
     if resolve_backend("fp8_linear", backend, x2, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 
@@ -89,8 +94,7 @@ def fp8_linear_grouped(
                          f"{tuple(block)}; expected weight [G * R, K] with R a multiple of {block[0]}")
     _check_block("fp8_linear_grouped", weight, scale, block)
     rows = n // g
-    ok = scale.dtype in (torch.float8_e8m0fnu, torch.float32) and block[1] in (16, 32, 64, 128, 256)
-    why = f"scale {scale.dtype}, K block {block[1]}; needs e8m0/f32 scales and a K block in 16..256 (power of two)"
+    ok, why = _kernel_takes(scale, block)
     if resolve_backend("fp8_linear_grouped", backend, x, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 
