@@ -37,8 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="the engine column with asynchronous scheduling (the forward columns are unaffected)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine column with / without asynchronous scheduling (default: the engine's default, "
+                   "on for CUDA); the forward columns are unaffected")
     p.add_argument("--output-json")
     return p.parse_args(argv)
 
@@ -115,6 +116,7 @@ def engine_decode_steps(model_dir: Path, rows: list[dict[str, Any]], ns: argpars
         if "forward_s" in er:
             row["engine_forward_ms"] = er["forward_s"] * 1e3
         print(f"  engine B={row['batch']}: {row['engine_step_ms']:.2f} ms/step", file=sys.stderr, flush=True)
+    ns.async_scheduling = llm.config.scheduler.async_scheduling  # as resolved, for the JSON
     llm.close()
     del llm
     if torch.cuda.is_available():

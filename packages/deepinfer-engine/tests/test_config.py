@@ -1,4 +1,4 @@
-"""Engine option kv_cache_dtype (docs/fidelity.md §5): values, default, CLI flag."""
+"""Engine options: kv_cache_dtype (docs/fidelity.md §5), the parallel section, the async_scheduling default."""
 
 from __future__ import annotations
 
@@ -153,3 +153,34 @@ def test_prefix_cache_options_defaults_flags_and_errors() -> None:
         EngineConfig.from_options(prefix_cache_host_bytes=-1)
     with pytest.raises(ConfigError, match="num_prefix_state_slots"):
         EngineConfig.from_options(num_prefix_state_slots=-2)
+
+
+def test_async_scheduling_default_is_on_for_cuda_only_where_it_runs() -> None:
+    import torch
+    from deepinfer_engine.engine import resolve_async_scheduling
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    unset = EngineConfig.from_options()
+    assert unset.scheduler.async_scheduling is None
+    assert resolve_async_scheduling(unset, cuda).scheduler.async_scheduling is True
+    assert resolve_async_scheduling(unset, cpu).scheduler.async_scheduling is False
+    spec = EngineConfig.from_options(speculative_method="dspark")
+    assert resolve_async_scheduling(spec, cuda).scheduler.async_scheduling is False
+    dp = EngineConfig.from_options(data_parallel_size=2)
+    assert resolve_async_scheduling(dp, cuda).scheduler.async_scheduling is False
+    for explicit in (True, False):  # an explicit choice is kept, on either device
+        cfg = EngineConfig.from_options(async_scheduling=explicit)
+        assert resolve_async_scheduling(cfg, cpu).scheduler.async_scheduling is explicit
+        assert resolve_async_scheduling(cfg, cuda).scheduler.async_scheduling is explicit
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig.from_cli(parser.parse_args([])).scheduler.async_scheduling is None
+    assert EngineConfig.from_cli(parser.parse_args(["--no-async-scheduling"])).scheduler.async_scheduling is False
+
+
+def test_llm_config_reports_the_resolved_async_scheduling(tiny_ckpt) -> None:
+    from deepinfer_engine import LLM
+
+    llm = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", page_size=4, max_model_len=24)
+    assert llm.config.scheduler.async_scheduling is False  # CPU: nothing to overlap
+    assert llm.engine.config.scheduler.async_scheduling is False

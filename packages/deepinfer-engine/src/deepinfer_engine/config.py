@@ -127,8 +127,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _opt(8192, "token budget of one step (prefill chunks + decode tokens)")
     enable_chunked_prefill: bool = _opt(True, "split long prompts over several steps")
     long_prefill_token_threshold: int = _opt(0, "cap on one request's prefill chunk per step (0 = budget only)")
-    async_scheduling: bool = _opt(False, "schedule and launch step N+1 while step N runs; outputs one step later "
-                                         "(docs/async_scheduling.md)")
+    async_scheduling: bool | None = _opt(
+        None, "schedule and launch step N+1 while step N runs; outputs one step later (docs/async_scheduling.md). "
+        "default: on where it is supported and gains (a CUDA device, no speculative decoding, one data-parallel "
+        "rank), off otherwise")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -101,6 +101,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def resolve_async_scheduling(config: EngineConfig, device: torch.device, *, as_rank: bool = False) -> EngineConfig:
+    """`async_scheduling=None` (the default) -> on for a CUDA device without speculative decoding, outside a
+    data-parallel world (`as_rank`: this engine core is a rank of one), off otherwise. On CUDA the host half of a decode step (sampled-id read, stop checks,
+    scheduling, the next batch's inputs) is as long as a graphed forward at small batch, and overlapping it is what
+    brings the engine's step to its forward (docs/async_scheduling.md); on the CPU there is nothing to overlap, and
+    speculation / data parallelism step synchronously. An explicit True / False is kept (and refused below where
+    it cannot run)."""
+    if config.scheduler.async_scheduling is not None:
+        return config
+    on = (device.type == "cuda" and not as_rank and config.speculative.speculative_method is None
+          and config.parallel.data_parallel_size == 1)
+    return config.replace(async_scheduling=on)
+
+
 def default_page_size(ratios: Sequence[int], hidden_size: int) -> int:
     """128 tokens for real models, 16 for tiny ones, rounded up to a multiple of every compress ratio."""
     lcm = 1
@@ -131,6 +145,10 @@ class EngineCore:
         num_spec_tokens: int = 0,
         prefix: PrefixCaching | None = None,
     ) -> None:
+        if config.scheduler.async_scheduling is None:  # built around a given runner: its kind decides
+            config = config.replace(async_scheduling=hasattr(runner, "execute_async")
+                                    and config.speculative.speculative_method is None
+                                    and config.parallel.data_parallel_size == 1)
         self.config = config
         self.runner = runner
         self.plan = plan
@@ -181,7 +199,9 @@ class EngineCore:
         refuse_unsupported(config, as_rank=device is not None)
         mc = config.model
         model_dir = model_dir_of(config)
+        as_rank = device is not None
         device = device if device is not None else resolve_device(mc.device)
+        config = resolve_async_scheduling(config, device, as_rank=as_rank)
         dtype = resolve_dtype(mc.dtype, device)
         args = ModelArgs.from_checkpoint_dir(model_dir)
         if mc.prefill_truncation == "compact":  # the model's split is checked before any weight loads

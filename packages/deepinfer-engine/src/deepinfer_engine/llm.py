@@ -76,8 +76,8 @@ class LLM:
             engine_options["tokenizer"] = os.fspath(engine_options["tokenizer"])
         if "speculative_config" in engine_options:  # vLLM's dict shape -> the speculative_* options
             engine_options.update(speculative_options(engine_options.pop("speculative_config")))
-        self.config = EngineConfig.from_options(model=model, **engine_options)
-        self.engine = LLMEngine.from_config(self.config)
+        self.engine = LLMEngine.from_config(EngineConfig.from_options(model=model, **engine_options))
+        self.config = self.engine.config  # as resolved by the engine (e.g. the async_scheduling default)
         self._counter = 0
 
     @classmethod

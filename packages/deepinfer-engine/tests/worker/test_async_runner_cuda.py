@@ -25,7 +25,7 @@ def test_async_decode_launch_makes_no_host_sync(tmp_path, monkeypatch, arch: str
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch=arch, seed=0)
     prompts = [{"prompt_token_ids": [5 + i for i in range(n)]} for n in (7, 12, 3)]
     sp = SamplingParams(temperature=0.7, top_k=50, max_tokens=8, ignore_eos=True, seed=1)
-    ref = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4).generate(prompts, sp, use_tqdm=False)
+    ref = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4, async_scheduling=False).generate(prompts, sp, use_tqdm=False)
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4, async_scheduling=True)
     runner = llm.engine.runner
     launch = runner.execute_async

@@ -46,7 +46,7 @@ def test_graph_decode_step_reads_the_host_once(ckpt) -> None:
     import warnings
 
     _, path = ckpt
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=4, async_scheduling=False)  # synchronous loop
     eng, graphs = llm.engine, llm.engine.runner.cuda_graphs
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=9, ignore_eos=True, seed=1)
     for i, n in enumerate((7, 12, 3)):
@@ -82,7 +82,7 @@ def test_roofline_sets_the_engine_step_against_its_graph_replayed_alone(ckpt) ->
     from deepinfer_engine.bench import decode_roofline, format_roofline
 
     _, path = ckpt
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=4, async_scheduling=False)
     r = decode_roofline(llm, batch_sizes=[1, 4], input_len=16, steps=4)
     for row in r["rows"]:
         # the replay is the forward alone: never slower than the whole engine step that contains it

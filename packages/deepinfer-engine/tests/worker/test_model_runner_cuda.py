@@ -23,7 +23,7 @@ WARMUP_DECODE_STEPS = 2
 def test_decode_forward_and_batch_building_make_no_host_sync(tmp_path, monkeypatch, arch: str) -> None:
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch=arch, seed=0)
     # the eager forward (graphs replay a captured one: test_cuda_graph_cuda.py)
-    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
+    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4, enforce_eager=True, async_scheduling=False)
     runner = llm.engine.runner
     counts = {"decode": 0, "guarded": 0}
 
@@ -71,7 +71,7 @@ def test_engine_decode_step_reads_the_host_once(tmp_path, arch: str) -> None:
     import warnings
 
     ckpt = make_tiny_checkpoint(tmp_path / "ckpt", arch=arch, seed=0)
-    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4)
+    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", max_num_seqs=4, async_scheduling=False)  # the synchronous loop
     eng = llm.engine
     sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_tokens=8, ignore_eos=True, seed=1)
     for i, n in enumerate((7, 12, 3)):
