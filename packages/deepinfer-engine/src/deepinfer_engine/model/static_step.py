@@ -164,15 +164,18 @@ class StaticDecodeStep:
         self.device = torch.device(device)
         B, Q = self.batch_size, self.tokens
         T = self.num_rows = B * Q
-        # one buffer, one copy per step: input ids [T] | positions [T] | ctx | qlen | start | slot [B each]
-        self._seq = _Buffer((2 * T + 4 * B,), self.device)
+        # one buffer, one copy per step: input ids | positions | real rows [T each] | ctx | qlen | start | slot [B each]
+        self._seq = _Buffer((3 * T + 4 * B,), self.device)
         self._plans: dict[tuple, tuple[_Buffer, list[int], Callable[[], list[np.ndarray]], object]] = {}
         self._copied: torch.cuda.Event | None = None
         self._bt = np.full((B, 1), -1, dtype=np.int64)
         self._real = np.zeros(B, dtype=bool)
         self._lens = np.zeros(B, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
-        ids, pos, ctx, qlen, start, slot = torch.split(self._seq.dev, [T, T, B, B, B, B])
+        ids, pos, rows, ctx, qlen, start, slot = torch.split(self._seq.dev, [T, T, T, B, B, B, B])
         self.seq_t = SeqTensors(ctx=ctx, qlen=qlen, start=start, slot=slot)
+        # [T] int64: the rows of the real tokens in batch order (`rows_of`), then 0s: rows [:sum n_i] of a step's
+        # outputs are its real rows, gathered on the device without another copy
+        self.real_rows = rows
         seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
         self.batch = ForwardBatch(
             input_ids=ids, positions=pos, query_lens=(Q,) * B,
@@ -188,11 +191,11 @@ class StaticDecodeStep:
     def _host_views(self) -> list[np.ndarray]:
         B, T = self.batch_size, self.num_rows
         a = self._seq.np
-        return [a[:T], a[T : 2 * T], *(a[2 * T + k * B : 2 * T + (k + 1) * B] for k in range(4))]
+        return [a[:T], a[T : 2 * T], a[2 * T : 3 * T], *(a[3 * T + k * B : 3 * T + (k + 1) * B] for k in range(4))]
 
     @property
     def seq_host(self) -> SeqHost:
-        _, _, ctx, qlen, start, slot = self._host_views()
+        _, _, _, ctx, qlen, start, slot = self._host_views()
         return SeqHost(ctx=ctx, qlen=qlen, start=start, slot=slot)
 
     def rows_of(self, query_lens: np.ndarray | tuple[int, ...]) -> np.ndarray:
@@ -222,9 +225,11 @@ class StaticDecodeStep:
             if not self._copied.query():
                 self._copied.synchronize()
             self._copied = None
-        ids, pos, ctx, qlen, start, slot = self._host_views()
+        ids, pos, real_rows, ctx, qlen, start, slot = self._host_views()
+        rows = self.rows_of(lens)
         ids[:] = 0
-        ids[self.rows_of(lens)] = facts.input_ids
+        ids[rows] = facts.input_ids
+        real_rows[: rows.shape[0]], real_rows[rows.shape[0] :] = rows, 0
         ctx[:S], ctx[S:] = facts.ctx, 0
         pos[:] = (ctx[:, None] + np.arange(Q, dtype=np.int64)[None, :]).reshape(-1)
         qlen[:] = Q

@@ -9,6 +9,12 @@ computed inside the graph from the step's token ids and the device token ring). 
 captured lazily, on the first step that needs a shape (warm-up run on a side stream, then capture), into one
 memory pool shared by all graphs. Everything else (prefill, mixed steps, prompt logprobs, shapes past the
 largest bucket) runs eagerly.
+
+A speculative verify step (every sequence feeds its last token and up to k drafts, logits of every row, the
+draft model's target features and the final streams asked) replays a graph captured for (B, L, Q): Q = the
+smallest tokens-per-sequence bucket >= the step's longest chunk (1, 2, 4, ... below k + 1, then k + 1), each
+sequence's rows past its chunk padded (static_step.py); the outputs of the real rows are gathered in batch order
+after the replay (`run_verify`), so the speculative decoder reads them exactly as an eager forward's.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from deepinfer_engine.errors import ConfigError
+from deepinfer_engine.errors import ConfigError, InputError
+from deepinfer_engine.model.model import ModelOutput
 from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
 
-__all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket"]
+__all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket",
+           "verify_shape", "verify_token_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +83,60 @@ def decode_shape(
     return None if B is None or L is None else (B, L)
 
 
+def verify_token_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Tokens-per-sequence buckets of verify steps: powers of two below max_tokens (= k + 1), then max_tokens."""
+    if max_tokens < 1:
+        raise ConfigError(f"cuda graphs: {max_tokens} tokens per verified sequence, expected >= 1")
+    sizes, q = [], 1
+    while q < max_tokens:
+        sizes.append(q)
+        q *= 2
+    return (*sizes, max_tokens)
+
+
+def verify_shape(
+    query_lens: Sequence[int], ctx_lens: Sequence[int], logit_rows: Sequence[int], batch_sizes: Sequence[int],
+    token_sizes: Sequence[int], max_model_len: int,
+) -> tuple[int, int, int] | None:
+    """(B, L, Q) of the graph that runs a speculative step, None when it must run eagerly: a step qualifies when
+    every sequence feeds 1..max(token_sizes) tokens and the logits are every row in batch order (verify chunks
+    and one-token decode chunks; no prefill chunk, no prompt logprobs). L covers each sequence's padded rows."""
+    S = len(query_lens)
+    T = sum(query_lens)
+    if S == 0 or min(query_lens) < 1 or list(logit_rows) != list(range(T)):
+        return None
+    Q = pick_bucket(max(query_lens), token_sizes)
+    B = pick_bucket(S, batch_sizes)
+    if Q is None or B is None:
+        return None
+    L = length_bucket(max(ctx_lens) + Q, max_model_len)
+    return None if L is None else (B, L, Q)
+
+
 @dataclass
 class GraphStats:
+    """captures / replays / eager_steps / shapes: plain decode steps, shapes (B, L); verify_*: speculative steps,
+    shapes (B, L, Q)."""
+
     captures: int = 0
     replays: int = 0
     eager_steps: int = 0
     capture_s: float = 0.0
     shapes: list[tuple[int, int]] = field(default_factory=list)
+    verify_captures: int = 0
+    verify_replays: int = 0
+    verify_eager_steps: int = 0
+    verify_shapes: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 @dataclass
 class _Graph:
     step: StaticDecodeStep
     graph: torch.cuda.CUDAGraph
-    logits: Tensor  # [B, V] float32, written by every replay
+    logits: Tensor  # [B * Q, V] float32, written by every replay
+    hidden: Tensor | None = None  # verify graphs: the final streams [B * Q, n, d]
+    features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [B * Q, d]
+    capture: tuple[int, ...] | None = None  # verify graphs: the feature layers they capture
 
 
 class CudaGraphRunner:
@@ -103,13 +151,13 @@ class CudaGraphRunner:
             raise ConfigError(f"cuda graphs need a CUDA device, found {self.device}")
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = int(max_model_len)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, ...], _Graph] = {}  # (B, L): decode graphs; (B, L, Q): verify graphs
         self.stats = GraphStats()
         self._pool = None
         self._pools: list = []  # every pool graphs were captured into (a failed capture starts a new one)
         self._stream: torch.cuda.Stream | None = None
-        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
-        self.last_shape: tuple[int, int] | None = None  # the shape of the latest replay (benchmarks replay it)
+        self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
+        self.last_shape: tuple[int, ...] | None = None  # the shape of the latest replay (benchmarks replay it)
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
         """(B, L) of a graph that can run this step, None when it must run eagerly."""
@@ -128,16 +176,8 @@ class CudaGraphRunner:
         expert-parallel dispatch): logged once, and that shape runs eagerly from then on."""
         g = self.graphs.get(shape)
         if g is None:
-            try:
-                g = self._capture(*shape)
-            except RuntimeError as exc:  # torch reports capture violations as RuntimeError
-                torch.cuda.synchronize(self.device)
-                # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
-                # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
-                # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
-                self._pool = self._stream = None
-                self.failed[shape] = f"{type(exc).__name__}: {exc}"
-                logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
+            g = self._try_capture(shape, None)
+            if g is None:
                 return None
         self.model.host_step(batch, self.cache)
         facts = DecodeFacts.of(batch)
@@ -150,6 +190,62 @@ class CudaGraphRunner:
         self.stats.replays += 1
         self.last_shape = shape
         return g.logits[: batch.num_seqs]
+
+    def verify_shape_of(self, batch: object, logit_rows: Sequence[int], max_tokens: int
+                        ) -> tuple[int, int, int] | None:  # fmt: skip
+        """(B, L, Q) of a graph that can run this speculative step (at most `max_tokens` = k + 1 rows per
+        sequence: the padding rows must stay within the rollback a verify of k drafts may need), None when it
+        must run eagerly."""
+        if batch.host is None or self.cache.needs_exact_plans(batch.slots, batch.host.ctx_lens):  # prefix replay
+            return None
+        cap = min(int(max_tokens), self.cache.slack + 2)  # padding rows roll back like rejected drafts
+        shape = verify_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, self.batch_sizes,
+                             verify_token_sizes(cap), self.max_model_len)  # fmt: skip
+        if shape is None or shape in self.failed:
+            self.stats.verify_eager_steps += 1
+            return None
+        return shape
+
+    def run_verify(self, batch: object, shape: tuple[int, int, int], *, capture: tuple[int, ...]
+                   ) -> ModelOutput | None:  # fmt: skip
+        """The ModelOutput of a speculative step (shape from verify_shape_of) as the eager
+        `forward_features(batch, cache, capture=capture)` gives it: logits of every row, the captured features
+        and the final streams, rows in batch order (gathered from the graph's padded rows; valid until the next
+        replay). None when the shape cannot be captured (then it runs eagerly from then on, as in `run`)."""
+        capture = tuple(capture)
+        g = self.graphs.get(shape)
+        if g is None:
+            g = self._try_capture(shape, capture)
+            if g is None:
+                return None
+        if g.capture != capture:
+            raise InputError(f"cuda graphs: verify graph {shape} captures layers {g.capture}, asked for {capture}")
+        self.model.host_step(batch, self.cache)
+        facts = DecodeFacts.of(batch, g.step.tokens)
+        g.step.check_tables(facts)
+        g.step.mark_written(facts)
+        g.step.fill(facts)
+        rows = g.step.real_rows[: batch.num_tokens]
+        # the device ids are authoritative (asynchronous scheduling resolves placeholders there only)
+        g.step.batch.input_ids.index_copy_(0, rows, batch.input_ids)
+        g.graph.replay()
+        self.stats.verify_replays += 1
+        self.last_shape = shape
+        return ModelOutput(logits=g.logits.index_select(0, rows), hidden=g.hidden.index_select(0, rows),
+                           pre_last=None, features={lid: f.index_select(0, rows) for lid, f in g.features.items()})
+
+    def _try_capture(self, shape: tuple[int, ...], capture: tuple[int, ...] | None) -> _Graph | None:
+        try:
+            return self._capture(*shape, capture=capture)
+        except RuntimeError as exc:  # torch reports capture violations as RuntimeError
+            torch.cuda.synchronize(self.device)
+            # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
+            # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
+            # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
+            self._pool = self._stream = None
+            self.failed[shape] = f"{type(exc).__name__}: {exc}"
+            logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
+            return None
 
     def replay_seconds(self, iters: int = 20) -> float | None:
         """Median device seconds of one replay of the latest replayed graph, as it was last filled: the forward-only
@@ -181,10 +277,12 @@ class CudaGraphRunner:
         pools = {tuple(p) for p in self._pools}
         return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) in pools)
 
-    def _forward(self, step: StaticDecodeStep) -> Tensor:
-        return self.model.forward_features(None, self.cache, static=step).logits
+    def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
+        return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
-    def _capture(self, B: int, L: int) -> _Graph:
+    def _capture(self, B: int, L: int, Q: int = 1, *, capture: tuple[int, ...] | None = None) -> _Graph:
+        """Capture the decode graph (B, L) (capture None) or the verify graph (B, L, Q) whose forward also
+        captures the features of layers `capture` and keeps the final streams."""
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         if self._pool is None:
@@ -192,23 +290,32 @@ class CudaGraphRunner:
             self._pools.append(self._pool)
             self._stream = torch.cuda.Stream(self.device)
         # all rows padding while warming up and capturing: only the scratch slot / page are written
-        step = StaticDecodeStep(self.cache, B, L, self.device)
+        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):  # warm-up: Triton compiles / autotunes, plans register, lazies
             for _ in range(2):
-                self._forward(step)
+                self._forward(step, capture)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            logits = self._forward(step)
+            out = self._forward(step, capture)
         torch.cuda.synchronize(self.device)
-        g = _Graph(step=step, graph=graph, logits=logits)
-        self.graphs[(B, L)] = g
-        dt = time.perf_counter() - t0
         st = self.stats
-        st.captures += 1
+        dt = time.perf_counter() - t0
         st.capture_s += dt
-        st.shapes.append((B, L))
-        logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
+        if capture is None:
+            g = _Graph(step=step, graph=graph, logits=out.logits)
+            self.graphs[(B, L)] = g
+            st.captures += 1
+            st.shapes.append((B, L))
+            logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
+        else:
+            g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
+                       capture=tuple(capture))
+            self.graphs[(B, L, Q)] = g
+            st.verify_captures += 1
+            st.verify_shapes.append((B, L, Q))
+            logger.info("captured the verify graph for %d sequences x %d tokens up to length %d in %.2f s",
+                        B, Q, L, dt)
         return g

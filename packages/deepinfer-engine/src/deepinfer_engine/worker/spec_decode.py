@@ -101,6 +101,8 @@ class SpecDecoder:
     drafter: the DraftModel, with `slots` (the cache slot of each request of a round) and
         `insert_context(batch, features)` (writes the draft rings for accepted positions).
     capture: target layer ids whose features the drafter reads (the forward captures them).
+    max_drafts: the most drafts a request verifies per step (the scheduler's reservation; default the block
+        size): a CUDA-graphed verify step pads each sequence to at most max_drafts + 1 rows.
     explore_every: with the cost policy and online latency correction, every explore_every-th round verifies
         every draft (0 = never). The online correction only moves the curve near the step sizes the policy
         picks; a start-up profile that overstates the cost of large verify steps would otherwise never be
@@ -117,6 +119,7 @@ class SpecDecoder:
         max_position: int,
         online_latency: bool = True,
         explore_every: int = 32,
+        max_drafts: int | None = None,
     ) -> None:
         if explore_every < 0:
             raise ValueError(f"SpecDecoder.explore_every: expected >= 0, found {explore_every}")
@@ -130,6 +133,9 @@ class SpecDecoder:
         self.rounds = 0  # rounds that verified drafts (the exploration schedule counts these)
         self.explored = 0
         self.block_size = int(drafter.block_size)
+        self.max_drafts = self.block_size if max_drafts is None else int(max_drafts)
+        if not 1 <= self.max_drafts <= self.block_size:
+            raise ValueError(f"SpecDecoder.max_drafts: expected 1..{self.block_size}, found {self.max_drafts}")
         self.stats = AcceptanceStats(self.block_size)
         self.timing = SpecTiming()
 
@@ -505,7 +511,7 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
                 cache.reset_slot(s)
                 cache.high_water[s] = 0
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
-                          max_position=int(args.max_position_embeddings), online_latency=online)
+                          max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
     return decoder, k
 
 
@@ -529,5 +535,5 @@ def _build_mtp(spec: Any, model: Any, cache: Any) -> tuple[SpecDecoder, int]:
         raise ConfigError(f"speculative_policy: found {spec.speculative_policy!r} with speculative_method='mtp', "
                           "expected verify_all (the MTP block has no Confidence Head)")
     decoder = SpecDecoder(MTPDrafter(model, cache), policy=VerifyPolicy(kind="verify_all"), latency=None, capture=(),
-                          max_position=int(args.max_position_embeddings))
+                          max_position=int(args.max_position_embeddings), max_drafts=1)
     return decoder, 1
