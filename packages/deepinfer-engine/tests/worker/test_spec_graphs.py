@@ -2,22 +2,22 @@
 (`CudaGraphRunner.verify_shape_of` / `run_verify`) with the capture replaced by the same StaticDecodeStep forward
 run eagerly on every "replay", so that the padded (B, L, Q) shapes, the gather of the real rows, the captured
 features / final streams handed to the drafters and the rollback of padding rows are exercised without a GPU.
-Greedy speculation through it equals plain greedy decoding token for token (DSpark on V4.1 and V4-0731, MTP on
-V4, every verification policy on V4.1: mixed verify lengths per step), and verify steps really took that path.
+The DSpark draft pass takes the same path (`run_draft`). Greedy speculation through it equals plain greedy
+decoding token for token (DSpark on V4.1 and V4-0731, MTP on V4, every verification policy on V4.1: mixed verify
+lengths per step), and verify steps and draft passes really took that path.
 The bucket rules of verify steps are checked on their own."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model.static_step import StaticDecodeStep
 from deepinfer_engine.model.writer import make_checkpoint
 from deepinfer_engine.worker.cuda_graph import (
     CudaGraphRunner,
-    _Graph,
     graph_batch_sizes,
     verify_shape,
     verify_token_sizes,
@@ -35,29 +35,28 @@ class _EagerReplay:
 
     def replay(self) -> None:
         out = self.forward()
-        self.outputs.logits.copy_(out.logits)
-        self.outputs.hidden.copy_(out.hidden)
-        for lid, f in self.outputs.features.items():
-            f.copy_(out.features[lid])
+        if isinstance(out, torch.Tensor):
+            self.outputs.copy_(out)
+            return
+        for f in dataclasses.fields(out):
+            new, old = getattr(out, f.name), getattr(self.outputs, f.name)
+            if isinstance(new, torch.Tensor):
+                old.copy_(new)
+            elif isinstance(new, dict):
+                for k, v in new.items():
+                    old[k].copy_(v)
 
 
 class StaticEagerGraphs(CudaGraphRunner):
-    """CudaGraphRunner on CPU whose 'captures' run the static forward eagerly (test harness only)."""
+    """CudaGraphRunner on CPU whose 'captures' run the fixed-shape forward eagerly (test harness only)."""
 
     def __init__(self, model, cache, *, max_num_seqs: int, max_model_len: int) -> None:
         super().__init__(model, cache, device="cuda", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.device = torch.device("cpu")  # the constructor only checks the device type; nothing was allocated
 
-    def _capture(self, B, L, Q=1, *, capture=None):
-        assert capture is not None, "only verify steps run in a speculative engine"
-        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
-        out = self._forward(step, capture)
-        g = _Graph(step=step, graph=_EagerReplay(lambda: self._forward(step, capture), out), logits=out.logits,
-                   hidden=out.hidden, features=dict(out.features), capture=tuple(capture))
-        self.graphs[(B, L, Q)] = g
-        self.stats.verify_captures += 1
-        self.stats.verify_shapes.append((B, L, Q))
-        return g
+    def _record(self, forward):
+        out = forward()
+        return _EagerReplay(forward, out), out
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +80,8 @@ def _with_static_graphs(llm: LLM) -> StaticEagerGraphs:
     eng = llm.engine
     graphs = StaticEagerGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
     eng.runner.cuda_graphs = graphs
+    drafter = eng.runner.spec.drafter  # the draft pass too: DSpark's stages, or V4's MTP block
+    drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
     return graphs
 
 
@@ -95,6 +96,8 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
     sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     prompts = PROMPTS if name == "v41" else PROMPTS[:3]
     plain = _ids(_llm(ckpts[name]).generate(prompts, sp, use_tqdm=False))
+    eager = _llm(ckpts[name], speculative_config={"method": method}, enable_prefix_caching=False)
+    assert _ids(eager.generate(prompts, sp, use_tqdm=False)) == plain
     llm = _llm(ckpts[name], speculative_config={"method": method}, enable_prefix_caching=False)
     graphs = _with_static_graphs(llm)
     spec = llm.engine.runner.spec
@@ -102,13 +105,30 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
         spec.policy = VerifyPolicy(kind=policy)
         spec.latency = LatencyModel.affine(0.01, 0.001, 64) if policy == "cost" else spec.latency
         spec.online_latency = False
+        spec.reset_stats()
         before = graphs.stats.verify_replays
         assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain, (name, policy)
         assert graphs.stats.verify_replays > before, (name, policy)
+        if policy == "verify_all":  # the same drafts as the eager draft pass: the same acceptance
+            want = eager.engine.runner.spec.stats
+            got = spec.stats
+            assert (got.num_verified_tokens, got.num_accepted_tokens) == (
+                want.num_verified_tokens, want.num_accepted_tokens), name
+        if method == "mtp":  # the drafts the block left for each request's next step: equal to the eager pass's
+            mine, ref = spec.drafter._pending, eager.engine.runner.spec.drafter._pending
+            assert mine.keys() == ref.keys() and mine
+            for slot, (pos, logits) in ref.items():
+                assert mine[slot][0] == pos
+                torch.testing.assert_close(mine[slot][1], logits, rtol=1e-4, atol=1e-4)
     st = graphs.stats
     assert st.verify_captures == len(set(st.verify_shapes)) and st.verify_eager_steps > 0  # prefill steps: eager
     assert max(q for _, _, q in st.verify_shapes) == spec.max_drafts + 1 >= 2, st.verify_shapes
-    assert spec.stats.num_accepted_tokens >= 0 and spec.stats.request_steps > 0
+    assert spec.stats.request_steps > 0 and st.replays == 0  # every decode step of a speculative engine verifies
+    if method == "dspark":
+        assert st.draft_replays > 0 and st.draft_eager_steps == 0, st  # every draft pass replayed
+        assert {n for _, n in st.draft_shapes} == {spec.block_size}, st.draft_shapes
+    else:  # steps with a prefill chunk run the MTP block eagerly (more than 2 rows per sequence)
+        assert st.mtp_replays > 0 and {q for _, q in st.mtp_shapes} <= {1, 2}, st
 
 
 def test_verify_buckets():

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -116,7 +117,7 @@ def verify_shape(
 @dataclass
 class GraphStats:
     """captures / replays / eager_steps / shapes: plain decode steps, shapes (B, L); verify_*: speculative steps,
-    shapes (B, L, Q)."""
+    shapes (B, L, Q); draft_*: DSpark draft passes, shapes (B, N); mtp_*: V4 MTP draft passes, shapes (B, Q)."""
 
     captures: int = 0
     replays: int = 0
@@ -127,6 +128,14 @@ class GraphStats:
     verify_replays: int = 0
     verify_eager_steps: int = 0
     verify_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    draft_captures: int = 0
+    draft_replays: int = 0
+    draft_eager_steps: int = 0
+    draft_shapes: list[tuple[int, int]] = field(default_factory=list)
+    mtp_captures: int = 0
+    mtp_replays: int = 0
+    mtp_eager_steps: int = 0
+    mtp_shapes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -176,7 +185,7 @@ class CudaGraphRunner:
         expert-parallel dispatch): logged once, and that shape runs eagerly from then on."""
         g = self.graphs.get(shape)
         if g is None:
-            g = self._try_capture(shape, None)
+            g = self._try_capture(shape, lambda: self._capture(*shape))
             if g is None:
                 return None
         self.model.host_step(batch, self.cache)
@@ -215,7 +224,7 @@ class CudaGraphRunner:
         capture = tuple(capture)
         g = self.graphs.get(shape)
         if g is None:
-            g = self._try_capture(shape, capture)
+            g = self._try_capture(shape, lambda: self._capture(*shape, capture=capture))
             if g is None:
                 return None
         if g.capture != capture:
@@ -234,9 +243,10 @@ class CudaGraphRunner:
         return ModelOutput(logits=g.logits.index_select(0, rows), hidden=g.hidden.index_select(0, rows),
                            pre_last=None, features={lid: f.index_select(0, rows) for lid, f in g.features.items()})
 
-    def _try_capture(self, shape: tuple[int, ...], capture: tuple[int, ...] | None) -> _Graph | None:
+    def _try_capture(self, shape: tuple, make: Callable[[], _Graph]) -> _Graph | None:
+        """make() (a capture of `shape`), or None when it raised: logged once, `shape` then runs eagerly."""
         try:
-            return self._capture(*shape, capture=capture)
+            return make()
         except RuntimeError as exc:  # torch reports capture violations as RuntimeError
             torch.cuda.synchronize(self.device)
             # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
@@ -280,27 +290,34 @@ class CudaGraphRunner:
     def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
         return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
-    def _capture(self, B: int, L: int, Q: int = 1, *, capture: tuple[int, ...] | None = None) -> _Graph:
-        """Capture the decode graph (B, L) (capture None) or the verify graph (B, L, Q) whose forward also
-        captures the features of layers `capture` and keeps the final streams."""
-        t0 = time.perf_counter()
+    def _record(self, forward: Callable[[], Any]) -> tuple[Any, Any]:
+        """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
+        (Triton compiles / autotunes there, plans register, lazies initialise); `graph.replay()` rewrites the
+        outputs in place."""
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._pools.append(self._pool)
             self._stream = torch.cuda.Stream(self.device)
-        # all rows padding while warming up and capturing: only the scratch slot / page are written
-        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):  # warm-up: Triton compiles / autotunes, plans register, lazies
+        with torch.cuda.stream(self._stream):
             for _ in range(2):
-                self._forward(step, capture)
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            out = self._forward(step, capture)
+            out = forward()
         torch.cuda.synchronize(self.device)
+        return graph, out
+
+    def _capture(self, B: int, L: int, Q: int = 1, *, capture: tuple[int, ...] | None = None) -> _Graph:
+        """Capture the decode graph (B, L) (capture None) or the verify graph (B, L, Q) whose forward also
+        captures the features of layers `capture` and keeps the final streams."""
+        t0 = time.perf_counter()
+        # all rows padding while warming up and capturing: only the scratch slot / page are written
+        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
+        graph, out = self._record(lambda: self._forward(step, capture))
         st = self.stats
         dt = time.perf_counter() - t0
         st.capture_s += dt
@@ -318,4 +335,109 @@ class CudaGraphRunner:
             st.verify_shapes.append((B, L, Q))
             logger.info("captured the verify graph for %d sequences x %d tokens up to length %d in %.2f s",
                         B, Q, L, dt)
+        return g
+
+    # ------------------------------------------------------------------------------------ DSpark draft pass
+    def run_draft(self, batch: object) -> Any:
+        """The DSpark stages' parallel pass (`dspark.draft_block`) over a round's blocks (every sequence N rows at
+        its anchor position, host facts given) as the replay of the graph of B = its batch bucket: a
+        `dspark.DraftOutput` whose rows [:S * N] are the real blocks (valid until the next replay), or None
+        (no bucket, positions past the model, or a failed capture: the caller runs it eagerly)."""
+        N = batch.query_lens[0] if batch.num_seqs else 0
+        B = pick_bucket(batch.num_seqs, self.batch_sizes)
+        if B is None or batch.host is None or any(n != N for n in batch.query_lens):
+            self.stats.draft_eager_steps += 1
+            return None
+        key = ("draft", B, N)
+        facts = DecodeFacts.of(batch, N)
+        limit = int(self.model.args.max_position_embeddings)
+        if key in self.failed or int(facts.ctx.max()) + N > limit:
+            self.stats.draft_eager_steps += 1
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._try_capture(key, lambda: self._capture_draft(B, N))
+            if g is None:
+                return None
+        from deepinfer_engine.model.dspark import DraftOutput
+
+        g.step.fill(facts)
+        T = batch.num_tokens
+        g.step.batch.input_ids[:T].copy_(batch.input_ids)  # every sequence has N rows: real rows are [:T]
+        g.graph.replay()
+        self.stats.draft_replays += 1
+        return DraftOutput(base_logits=g.logits[:T], hidden=g.hidden[:T])
+
+    def _capture_draft(self, B: int, N: int) -> _Graph:
+        from deepinfer_engine.model import dspark
+
+        t0 = time.perf_counter()
+        # the stages read the window rings only (no compressed entries): any length up to the model's positions
+        step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
+        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step))
+        g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
+        self.graphs[("draft", B, N)] = g
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.capture_s += dt
+        st.draft_captures += 1
+        st.draft_shapes.append((B, N))
+        logger.info("captured the DSpark draft graph for %d sequences x %d tokens in %.2f s", B, N, dt)
+        return g
+
+    # ------------------------------------------------------------------------------------ V4 MTP draft pass
+    def run_mtp(self, batch: object, hidden: Tensor, max_tokens: int = 2) -> Tensor | None:
+        """V4's MTP block (`Transformer.forward_mtp`, block 0) over a step's accepted positions as the replay of
+        the graph of (B, Q): every sequence at most Q <= `max_tokens` rows (an accepted draft + the emitted
+        token), padded to Q. batch: the MTP batch (next tokens at the next positions, host facts given),
+        hidden: [T, n, d] the target's streams of its rows. Returns [len(logits_indices), V] logits (rows of
+        batch.logits_indices), or None (a chunk too long, no bucket, a failed capture: the caller runs it
+        eagerly)."""
+        S = batch.num_seqs
+        Q = pick_bucket(max(batch.query_lens, default=0), verify_token_sizes(max_tokens))
+        B = pick_bucket(S, self.batch_sizes)
+        if not S or Q is None or B is None or batch.host is None:
+            self.stats.mtp_eager_steps += 1
+            return None
+        key = ("mtp", B, Q)
+        facts = DecodeFacts.of(batch, Q)
+        if key in self.failed or int(facts.ctx.max()) + Q > int(self.model.args.max_position_embeddings):
+            self.stats.mtp_eager_steps += 1
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._try_capture(key, lambda: self._capture_mtp(B, Q, hidden))
+            if g is None:
+                return None
+        g.step.fill(facts)
+        rows = g.step.real_rows[: batch.num_tokens]
+        g.step.batch.input_ids.index_copy_(0, rows, batch.input_ids)
+        g.hidden.index_copy_(0, rows, hidden.to(g.hidden.dtype))
+        g.graph.replay()
+        self.stats.mtp_replays += 1
+        return g.logits.index_select(0, rows.index_select(0, batch.logits_indices))
+
+    def _capture_mtp(self, B: int, Q: int, like: Tensor) -> _Graph:
+        from deepinfer_kernels.linear import linear_f32_out
+
+        t0 = time.perf_counter()
+        m = self.model
+        # the block reads its own window ring only (no compressed cache): any length up to the model's positions
+        step = StaticDecodeStep(self.cache, B, int(m.args.max_position_embeddings), self.device, tokens=Q)
+        hin = torch.zeros((B * Q, *like.shape[1:]), dtype=like.dtype, device=self.device)  # static input
+
+        def forward() -> Tensor:
+            ctx = step.context(self.cache)
+            h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
+            return linear_f32_out(h, m.head.weight, backend=m.kernel_backend)
+
+        graph, logits = self._record(forward)
+        g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
+        self.graphs[("mtp", B, Q)] = g
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.capture_s += dt
+        st.mtp_captures += 1
+        st.mtp_shapes.append((B, Q))
+        logger.info("captured the MTP draft graph for %d sequences x %d tokens in %.2f s", B, Q, dt)
         return g
