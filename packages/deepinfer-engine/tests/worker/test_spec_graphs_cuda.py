@@ -34,7 +34,7 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 def _llm(path, method: str | None, *, eager: bool, policy: str = "verify_all") -> LLM:
     spec = {} if method is None else {"speculative_config": {"method": method, "policy": policy}}
-    return LLM(str(path), device="cuda", dtype="float32", max_num_seqs=8, enforce_eager=eager,
+    return LLM(str(path), device="cuda", dtype="float32", max_num_seqs=4, enforce_eager=eager,
                enable_prefix_caching=False, **spec)  # fmt: skip
 
 

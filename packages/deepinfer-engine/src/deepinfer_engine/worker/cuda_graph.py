@@ -426,6 +426,7 @@ class CudaGraphRunner:
         step = StaticDecodeStep(self.cache, B, int(m.args.max_position_embeddings), self.device, tokens=Q)
         hin = torch.zeros((B * Q, *like.shape[1:]), dtype=like.dtype, device=self.device)  # static input
 
+        @torch.no_grad()  # as Transformer.forward_mtp: whatever the caller's grad mode
         def forward() -> Tensor:
             ctx = step.context(self.cache)
             h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
