@@ -147,3 +147,32 @@ def test_verify_buckets():
     assert verify_shape((1,) * 9, (3,) * 9, list(range(9)), sizes, toks, 4096) is None  # past the largest bucket
     assert verify_shape((2,), (4095,), [0, 1], sizes, toks, 4096) is None  # padding past max_model_len
     assert verify_shape((), (), [], sizes, toks, 4096) is None
+
+
+def test_cost_profile_times_the_graphed_verify_step(ckpts) -> None:
+    """The cost policy's start-up profile runs verify-shaped steps through the verify graphs when the engine has
+    them (here the eager stand-in), and their outputs are the eager forward's."""
+    from deepinfer_engine.worker.spec_decode import _profiled_forward, profile_target_latency
+
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost", "latency": "affine:0.01,0.001"},
+               enable_prefix_caching=False)
+    graphs = _with_static_graphs(llm)
+    eng = llm.engine
+    model, cache, spec = eng.runner.model, eng.runner.cache, eng.runner.spec
+    forward = _profiled_forward(model, cache, graphs, spec.capture, spec.max_drafts + 1)
+    seen = []
+
+    def timed(batch):
+        out = forward(batch)
+        ref = model.forward_features(batch, cache, capture=spec.capture)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        for lid in spec.capture:
+            torch.testing.assert_close(out.features[lid], ref.features[lid], rtol=1e-5, atol=1e-5)
+        seen.append(batch.num_tokens)
+        return out
+
+    lat = profile_target_latency(timed, block_size=spec.block_size, max_tokens=12, num_slots=cache.num_slots,
+                                 pages=cache.num_pages, page_size=cache.page_size, device=torch.device("cpu"),
+                                 repeats=1)
+    assert list(lat.sizes) == [1, 2, 4, 8, 12] and set(seen) == {1, 2, 4, 8, 12}
+    assert graphs.stats.verify_replays == len(seen) and {b for b, _, _ in graphs.stats.verify_shapes} == {1, 2}
