@@ -67,7 +67,10 @@ def graph_info(llm) -> dict | None:
         return None
     st = g.stats
     return {"captures": st.captures, "replays": st.replays, "eager_steps": st.eager_steps,
-            "capture_s": round(st.capture_s, 3), "failed": {str(k): v for k, v in g.failed.items()}}
+            "verify_captures": st.verify_captures, "verify_replays": st.verify_replays,
+            "verify_eager_steps": st.verify_eager_steps, "draft_captures": st.draft_captures,
+            "draft_replays": st.draft_replays, "capture_s": round(st.capture_s, 3),
+            "failed": {str(k): v for k, v in g.failed.items()}}
 
 
 def reprofile(llm):
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="model dtype (default: float32 on CPU, the engine's auto elsewhere)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="CUDA: no CUDA graphs (decode, verify and draft passes all run eagerly)")
     ap.add_argument("--reprofile", action="store_true",
                     help="after the runs, time the start-up latency profile again on the warm engine")
     ap.add_argument("--sync-report", type=int, default=0, metavar="PROMPTS",
@@ -165,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     # no prefix cache: every policy reruns the same prompts, and a hit skips the prompt rows that fill the draft
     # rings (docs/prefix_cache.md), which would lower acceptance from the second run on
     common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
-                  max_num_seqs=args.prompts, num_cpu_threads=args.threads, enable_prefix_caching=False)
+                  max_num_seqs=args.prompts, num_cpu_threads=args.threads, enable_prefix_caching=False,
+                  enforce_eager=True if args.enforce_eager else None)
     common = {k: v for k, v in common.items() if v is not None}
     plain = LLM(str(args.ckpt), **common)
     spec_llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **common)

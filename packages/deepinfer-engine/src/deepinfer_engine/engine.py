@@ -276,7 +276,7 @@ class EngineCore:
             from deepinfer_engine.worker.spec_decode import build_spec_decoder
 
             spec, num_spec = build_spec_decoder(config, model, cache, model_dir=model_dir, num_pages=plan.num_pages,
-                                                device=device)
+                                                device=device, graphs=graphs)
             if prefix is not None:  # a verify step writes up to num_spec rows past what it keeps: less to roll back
                 prefix = replace(prefix, max_fork_rollback=max(0, cache.slack + 1 - num_spec))
         runner_cls = AsyncModelRunner if config.scheduler.async_scheduling else ModelRunner

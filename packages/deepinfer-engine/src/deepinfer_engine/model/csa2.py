@@ -314,8 +314,10 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
         return index_scores(q, w, keys)
-    if ctx.static is not None:  # fixed-shape decode: one query per sequence, cmax entry slots per sequence
-        return _per_sequence_scores(q, w, keys.view(ctx.num_seqs, cmax, -1))
+    if ctx.static is not None:  # fixed-shape step: Q queries per sequence, cmax entry slots per sequence
+        s = ctx.num_seqs
+        return _per_sequence_scores(q.view(s, t // s, *q.shape[1:]), w.view(s, t // s, -1),
+                                    keys.view(s, cmax, -1)).reshape(t, cmax)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
@@ -330,10 +332,10 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
 
 
 def _per_sequence_scores(q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
-    """index_scores of query i against its own sequence's keys only: q [S, H, D], w [S, H], keys [S, E, D] ->
-    [S, E] float32 (the same sums as index_scores, batched over sequences)."""
-    logits = torch.einsum("shd,sed->she", q.float(), keys.float())
-    return torch.einsum("she,sh->se", torch.relu(logits), w.float())
+    """index_scores of the queries of sequence s against its own sequence's keys only: q [S, Q, H, D],
+    w [S, Q, H], keys [S, E, D] -> [S, Q, E] float32 (the same sums as index_scores, batched over sequences)."""
+    logits = torch.einsum("sqhd,sed->sqhe", q.float(), keys.float())
+    return torch.einsum("sqhe,sqh->sqe", torch.relu(logits), w.float())
 
 
 def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:

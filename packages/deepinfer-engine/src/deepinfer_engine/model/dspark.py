@@ -177,15 +177,22 @@ def draft_block_ids(anchors: Tensor, block_size: int, noise_token_id: int) -> Te
 
 
 @torch.no_grad()  # inference only: no autograd graph whatever the caller's grad mode
-def draft_block(model: nn.Module, batch: ForwardBatch, cache: ModelCache) -> DraftOutput:
+def draft_block(model: nn.Module, batch: ForwardBatch | None, cache: ModelCache, *, static: object = None
+                ) -> DraftOutput:  # fmt: skip
     """One parallel pass of the draft stages over the batch's blocks (non-causal inside each block).
 
     batch: per sequence the block tokens at positions ``p .. p+N-1`` (p = the anchor's position); the stages'
     rings must hold the context KV of positions ``< p`` (``insert_context``). Nothing is written to the rings.
+    static: a fixed-shape step of N tokens per sequence (static_step.StaticDecodeStep, the form a CUDA graph
+    captures): its batch and ring plans replace ``batch`` (padding sequences read the scratch slot).
     """
     stages = draft_stages(model)
     a = model.args
-    ctx = ForwardContext.build(batch, cache, block_noncausal=True)
+    if static is None:
+        ctx = ForwardContext.build(batch, cache, block_noncausal=True)
+    else:
+        ctx = static.context(cache, block_noncausal=True)
+        batch = ctx.batch
     e = model.embed.weight[batch.input_ids]
     r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
     pre: Tensor | None = None  # V4.1: delayed mHC starts again from stream 0

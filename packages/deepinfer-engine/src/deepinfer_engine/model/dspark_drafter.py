@@ -8,7 +8,7 @@ target features of the accepted positions go back into the rings with `insert_co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -51,6 +51,9 @@ class StageDrafter:
         self.set_heads(sts=sts, greedy_confidence=greedy_confidence, greedy_sts=greedy_sts)
         # optional host copy of the round (slots, anchor ids, anchor positions) set by the caller with `slots`
         self.round_host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
+        # optional replay of the parallel pass (the engine's CUDA graphs, worker/cuda_graph.py): batch ->
+        # dspark.DraftOutput of its rows, or None (then the pass runs eagerly); used when round_host is given
+        self.block_runner: Callable[[ForwardBatch], dspark.DraftOutput | None] | None = None
 
     def _make_heads(self, sts: float | tuple[float, ...]) -> DraftHeads:
         last = self._last
@@ -114,7 +117,9 @@ class StageDrafter:
             query_lens=(n,) * b, slots=tuple(int(s) for s in slots), block_tables=tables,
             logits_indices=torch.zeros(1, dtype=torch.int64, device=anchor_ids.device), host=host,
         )  # fmt: skip
-        out = dspark.draft_block(self.model, batch, self.cache)
+        out = self.block_runner(batch) if self.block_runner is not None and host is not None else None
+        if out is None:
+            out = dspark.draft_block(self.model, batch, self.cache)
         return DraftBlock(base_logits=out.base_logits.view(b, n, -1), hidden=out.hidden.view(b, n, -1))
 
     def insert_context(self, batch: ForwardBatch, features: dict[int, Tensor]) -> Tensor:

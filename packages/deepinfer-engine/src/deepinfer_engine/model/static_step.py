@@ -1,22 +1,29 @@
-"""Fixed-shape decode steps: the inputs and gather plans of a step of B sequences x 1 new token, with every
-tensor at a size that depends only on (B, L), so that the forward can be captured once in a CUDA graph and
-replayed for any batch of at most B decoding sequences whose lengths stay below L (docs/cuda_graphs.md).
+"""Fixed-shape decode steps: the inputs and gather plans of a step of B sequences x Q new tokens, with every
+tensor at a size that depends only on (B, Q, L), so that the forward can be captured once in a CUDA graph and
+replayed for any batch of at most B sequences feeding 1..Q tokens each whose lengths stay below L
+(docs/cuda_graphs.md). Q = 1 is a plain decode step; Q > 1 a speculative verify step (each sequence: its last
+token and up to Q - 1 drafts).
 
 `StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints and every gather plan a
 forward asks for) and a pinned host twin of each; Engram row ids are computed inside the step from the token ids
 and the cache's device token ring (docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
 twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels read the
-device buffers in place. Rows past the real sequences are padding: slot = the cache's scratch slot,
-position 0, token 0; their ring writes land in the scratch slot and their compressed entries in the scratch
-page, which no request owns.
+device buffers in place. Row j of sequence i is row i * Q + j, at position ctx_i + j. Sequences past the real
+ones are padding: slot = the cache's scratch slot, positions 0 .. Q - 1, token 0; their ring writes land in the
+scratch slot and their compressed entries in the scratch page, which no request owns. Rows j >= n_i of a real
+sequence feeding n_i < Q tokens are padding too (token 0 at the next positions): they write ring rows past the
+sequence's end, as rejected drafts do (overwritten when the sequence gets there; the cache's rollback slack
+covers Q - 1 rows), no compressed entry (entries only its real tokens complete are written), and their logits
+are dropped.
 
 Plans differ from the exact ones of `ForwardContext` (cache.py) only in size, never in the rows a real query
 attends to:
 - ring plans read `max_back` history rows for every sequence (stale rows of positions < 0 are never selected:
   window masks drop positions < 0, compressors only read positions of the entry they complete);
 - paged plans give every sequence `ceil(L / ratio)` entry slots (rows past its count read the scratch page and
-  are masked by the causal masks) and one new-entry row: the entry its token completes, or, when it completes
-  none, the entry in progress, written to the scratch page.
+  are masked by the causal masks) and `ceil(Q / ratio)` new-entry rows: entries ctx_i // ratio + k, written
+  to their page when the sequence's real tokens complete them, else (in progress, or completed only by
+  padding rows) to the scratch page.
 """
 
 from __future__ import annotations
@@ -45,45 +52,59 @@ __all__ = ["DecodeFacts", "StaticDecodeStep", "static_paged_arrays"]
 
 @dataclass(frozen=True, kw_only=True)
 class DecodeFacts:
-    """Host facts of the real sequences of one decode step (S <= B, one new token each).
+    """Host facts of the real sequences of one fixed-shape step (S <= B sequences, n_i >= 1 new tokens each).
 
-    ctx: [S] int64 first position (= the position of the new token); slots: [S] int64 cache slots;
-    input_ids: [S] int64; block_tables: [S, P] int32/int64 page ids (-1 = unused).
+    ctx: [S] int64 first position of each sequence's new tokens; slots: [S] int64 cache slots; input_ids:
+    [sum n_i] int64, sequence-major; block_tables: [S, P] int32/int64 page ids (-1 = unused); query_lens: [S]
+    int64 n_i, or None: one token each (a plain decode step).
     """
 
     ctx: np.ndarray
     slots: np.ndarray
     input_ids: np.ndarray
     block_tables: np.ndarray
+    query_lens: np.ndarray | None = None
+
+    @property
+    def lens(self) -> np.ndarray:
+        """[S] int64 new tokens per sequence."""
+        if self.query_lens is None:
+            return np.ones(self.ctx.shape[0], dtype=np.int64)
+        return np.asarray(self.query_lens, dtype=np.int64)
 
     @classmethod
-    def of(cls, batch: ForwardBatch) -> DecodeFacts:
-        """From a one-token-per-sequence batch carrying its host facts (the runner's batches do)."""
+    def of(cls, batch: ForwardBatch, tokens: int = 1) -> DecodeFacts:
+        """From a batch of at most `tokens` new tokens per sequence carrying its host facts (the runner's do)."""
         host = batch.host if batch.host is not None else StepHost.read(batch)
-        if batch.num_tokens != batch.num_seqs:
-            raise InputError(f"decode facts: found {batch.num_tokens} tokens for {batch.num_seqs} sequences, "
-                             "expected one each")  # fmt: skip
+        if any(n > tokens for n in batch.query_lens):
+            raise InputError(f"decode facts: found {max(batch.query_lens)} tokens for a sequence, expected at most "
+                             f"{tokens} each")  # fmt: skip
         return cls(
             ctx=np.asarray(host.ctx_lens, dtype=np.int64), slots=np.asarray(batch.slots, dtype=np.int64),
             input_ids=np.asarray(host.input_ids, dtype=np.int64), block_tables=np.asarray(host.block_tables),
+            query_lens=None if tokens == 1 else np.asarray(batch.query_lens, dtype=np.int64),
         )  # fmt: skip
 
 
 def static_paged_arrays(
     ratio: int, page_size: int, block_tables: np.ndarray, seqs: SeqHost, real: np.ndarray, width: int,
-    scratch_row: int,
+    scratch_row: int, *, real_lens: np.ndarray | None = None, tokens: int = 1,
 ) -> list[np.ndarray]:
-    """Host arrays of a fixed-size PagedPlan for B one-token sequences: [read_rows [B*width], write_rows [B],
-    new_w [B], new_seq [B], offsets [B]].
+    """Host arrays of a fixed-size PagedPlan for B sequences of `tokens` (Q) rows each: [read_rows [B*width],
+    write_rows [B*K], new_w [B*K], new_seq [B*K], offsets [B]] with K = ceil(Q / ratio) new-entry rows per
+    sequence.
 
-    real: [B] bool (False = padding row). Entry slot w of sequence i reads its page row while w < count_i =
-    (ctx_i + 1) // ratio, else `scratch_row`. The new-entry row of i is its completed entry ctx_i // ratio when
-    (ctx_i + 1) % ratio == 0, else `scratch_row` (the entry in progress is computed and dropped there)."""
+    real: [B] bool (False = padding sequence); real_lens: [B] int64 real tokens n_i of each sequence (None: 1
+    each; rows past n_i are padding). Entry slot w of sequence i reads its page row while w < count_i =
+    (ctx_i + n_i) // ratio, else `scratch_row`. New-entry row k of i is entry ctx_i // ratio + k: its page row
+    when that entry is below count_i (completed by the sequence's real tokens), else `scratch_row` (an entry in
+    progress, or one only padding rows complete, is computed and dropped there)."""
     r, P = ratio, page_size
     per_page = P // r
     B = seqs.ctx.shape[0]
     bt = np.asarray(block_tables, dtype=np.int64)
     width_pages = bt.shape[1]
+    n = np.ones(B, dtype=np.int64) if real_lens is None else np.asarray(real_lens, dtype=np.int64)
 
     def rows(seq: np.ndarray, w: np.ndarray, ok: np.ndarray) -> np.ndarray:
         tok = w * r
@@ -92,7 +113,7 @@ def static_paged_arrays(
         ok = ok & (pid >= 0)
         return np.where(ok, pid * per_page + (tok % P) // r, scratch_row)
 
-    counts = np.where(real, (seqs.ctx + 1) // r, 0)
+    counts = np.where(real, (seqs.ctx + n) // r, 0)
     if int(counts.max(initial=0)) > width:
         raise CapacityError(f"fixed-shape step of {width} entries per sequence: a sequence has {int(counts.max())}")
     # entry w lives in page table[w // per_page], row w % per_page of it: one broadcast over the table, no gather
@@ -103,11 +124,12 @@ def static_paged_arrays(
     grid = (table[:, :, None] * per_page + np.arange(per_page, dtype=np.int64)).reshape(B, -1)[:, :width]
     valid = (np.arange(width, dtype=np.int64) < counts[:, None]) & (grid >= 0)
     read_rows = np.where(valid, grid, scratch_row).reshape(-1)
-    new_w = seqs.ctx // r
-    done = real & ((seqs.ctx + 1) % r == 0)
-    write_rows = rows(np.arange(B, dtype=np.int64), new_w, done)
+    K = -(-int(tokens) // r)
+    new_seq = np.repeat(np.arange(B, dtype=np.int64), K)
+    new_w = (seqs.ctx // r)[new_seq] + np.tile(np.arange(K, dtype=np.int64), B)
+    write_rows = rows(new_seq, new_w, real[new_seq] & (new_w < counts[new_seq]))
     offsets = np.arange(B, dtype=np.int64) * width
-    return [read_rows, write_rows, new_w, np.arange(B, dtype=np.int64), offsets]
+    return [read_rows, write_rows, new_w, new_seq, offsets]
 
 
 class _Buffer:
@@ -125,64 +147,96 @@ class _Buffer:
 
 
 class StaticDecodeStep:
-    """Static inputs + plans of a decode step of `batch_size` rows whose sequences end before position `max_len`.
+    """Static inputs + plans of a step of `batch_size` sequences x `tokens` rows whose sequences end before
+    position `max_len` (tokens = 1: a plain decode step; > 1: a speculative verify step).
 
     The forward run with `static=this` (Transformer.forward_features) takes every plan from here; plans are
     registered on first request (the warm-up run before capture) and rebuilt by every later `fill`.
     """
 
-    def __init__(self, cache: object, batch_size: int, max_len: int, device: torch.device | str) -> None:
-        if batch_size < 1 or max_len < 1:
-            raise InputError(f"static decode step: batch_size {batch_size}, max_len {max_len}; expected >= 1")
+    def __init__(self, cache: object, batch_size: int, max_len: int, device: torch.device | str, *,
+                 tokens: int = 1) -> None:  # fmt: skip
+        if batch_size < 1 or max_len < 1 or tokens < 1:
+            raise InputError(f"static decode step: batch_size {batch_size}, max_len {max_len}, tokens {tokens}; "
+                             "expected >= 1")  # fmt: skip
         self.cache = cache
-        self.batch_size, self.max_len = int(batch_size), int(max_len)
+        self.batch_size, self.max_len, self.tokens = int(batch_size), int(max_len), int(tokens)
         self.device = torch.device(device)
-        B = self.batch_size
-        self._seq = _Buffer((5, B), self.device)  # input ids | ctx (= positions) | qlen | start | slot
+        B, Q = self.batch_size, self.tokens
+        T = self.num_rows = B * Q
+        # one buffer, one copy per step: input ids | positions | real rows [T each] | ctx | qlen | start | slot [B each]
+        self._seq = _Buffer((3 * T + 4 * B,), self.device)
         self._plans: dict[tuple, tuple[_Buffer, list[int], Callable[[], list[np.ndarray]], object]] = {}
         self._copied: torch.cuda.Event | None = None
         self._bt = np.full((B, 1), -1, dtype=np.int64)
         self._real = np.zeros(B, dtype=bool)
-        dev = self._seq.dev
-        self.seq_t = SeqTensors(ctx=dev[1], qlen=dev[2], start=dev[3], slot=dev[4])
-        arange = torch.arange(B, dtype=torch.int64, device=self.device)
+        self._lens = np.zeros(B, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
+        ids, pos, rows, ctx, qlen, start, slot = torch.split(self._seq.dev, [T, T, T, B, B, B, B])
+        self.seq_t = SeqTensors(ctx=ctx, qlen=qlen, start=start, slot=slot)
+        # [T] int64: the rows of the real tokens in batch order (`rows_of`), then 0s: rows [:sum n_i] of a step's
+        # outputs are its real rows, gathered on the device without another copy
+        self.real_rows = rows
+        seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
         self.batch = ForwardBatch(
-            input_ids=dev[0], positions=dev[1], query_lens=(1,) * B,
+            input_ids=ids, positions=pos, query_lens=(Q,) * B,
             slots=tuple(range(B)),  # placeholders: the slots live in seq_t (the scratch slot repeats)
             block_tables=torch.full((B, 1), -1, dtype=torch.int32, device=self.device),
-            logits_indices=arange, seq=self.seq_t, seq_of_token=arange,
+            logits_indices=torch.arange(T, dtype=torch.int64, device=self.device), seq=self.seq_t,
+            seq_of_token=seq_of_token,
         )  # fmt: skip
         self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
                               input_ids=np.zeros(0, np.int64), block_tables=np.full((0, 1), -1, np.int64)))
 
     # ------------------------------------------------------------------------------------ per step
+    def _host_views(self) -> list[np.ndarray]:
+        B, T = self.batch_size, self.num_rows
+        a = self._seq.np
+        return [a[:T], a[T : 2 * T], a[2 * T : 3 * T], *(a[3 * T + k * B : 3 * T + (k + 1) * B] for k in range(4))]
+
     @property
     def seq_host(self) -> SeqHost:
-        s = self._seq.np
-        return SeqHost(ctx=s[1], qlen=s[2], start=s[3], slot=s[4])
+        _, _, _, ctx, qlen, start, slot = self._host_views()
+        return SeqHost(ctx=ctx, qlen=qlen, start=start, slot=slot)
+
+    def rows_of(self, query_lens: np.ndarray | tuple[int, ...]) -> np.ndarray:
+        """[sum n_i] int64 rows of this step holding the real tokens of sequences with query_lens n_i, in
+        batch (sequence-major) order: row i * tokens + j for j < n_i."""
+        n = np.asarray(query_lens, dtype=np.int64)
+        starts = np.arange(n.shape[0], dtype=np.int64) * self.tokens
+        return np.repeat(starts, n) + (np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n))
 
     def fill(self, facts: DecodeFacts) -> None:
         """Write one step's facts (S <= batch_size real sequences, the rest padding) and rebuild every plan.
 
         Waits (normally a query) for the previous step's copies before overwriting their pinned sources."""
-        S, B = int(facts.ctx.shape[0]), self.batch_size
+        S, B, Q = int(facts.ctx.shape[0]), self.batch_size, self.tokens
+        lens = facts.lens
         if S > B:
             raise CapacityError(f"static decode step of {B} rows: found {S} sequences")
-        if S and int(facts.ctx.max()) + 1 > self.max_len:
+        if S and (int(lens.min()) < 1 or int(lens.max()) > Q):
+            raise CapacityError(f"static decode step of {Q} tokens per sequence: found query lengths "
+                                f"{lens.tolist()}")  # fmt: skip
+        if int(facts.input_ids.shape[0]) != int(lens.sum()):
+            raise InputError(f"decode facts: found {facts.input_ids.shape[0]} input ids, expected {int(lens.sum())}")
+        if S and int(facts.ctx.max()) + Q > self.max_len:
             raise CapacityError(f"static decode step up to length {self.max_len}: a sequence reaches "
-                                f"{int(facts.ctx.max()) + 1}")  # fmt: skip
+                                f"{int(facts.ctx.max()) + Q}")  # fmt: skip
         if self._copied is not None:
             if not self._copied.query():
                 self._copied.synchronize()
             self._copied = None
-        scratch = self.cache.scratch_slot
-        s = self._seq.np
-        s[0, :S], s[0, S:] = facts.input_ids, 0
-        s[1, :S], s[1, S:] = facts.ctx, 0
-        s[2] = 1
-        s[3] = np.arange(B)
-        s[4, :S], s[4, S:] = facts.slots, scratch
+        ids, pos, real_rows, ctx, qlen, start, slot = self._host_views()
+        rows = self.rows_of(lens)
+        ids[:] = 0
+        ids[rows] = facts.input_ids
+        real_rows[: rows.shape[0]], real_rows[rows.shape[0] :] = rows, 0
+        ctx[:S], ctx[S:] = facts.ctx, 0
+        pos[:] = (ctx[:, None] + np.arange(Q, dtype=np.int64)[None, :]).reshape(-1)
+        qlen[:] = Q
+        start[:] = np.arange(B, dtype=np.int64) * Q
+        slot[:S], slot[S:] = facts.slots, self.cache.scratch_slot
         self._real[:S], self._real[S:] = True, False
+        self._lens[:S], self._lens[S:] = lens, 0
         bt = np.asarray(facts.block_tables, dtype=np.int64)
         self._bt = np.full((B, max(1, bt.shape[1])), -1, dtype=np.int64)
         self._bt[:S, : bt.shape[1]] = bt
@@ -222,28 +276,29 @@ class StaticDecodeStep:
         def build() -> list[np.ndarray]:
             return ring_plan_arrays(ring_rows, (max_back,) * B, self.seq_host, write=write, clip=False)
 
-        pool_len = B * max_back + B
+        pool_len = B * max_back + self.num_rows
         return self._register(("ring", ring_rows, max_back, write), build,
                               lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len))  # type: ignore[return-value]
 
     def window_rows(self, plan: RingPlan, window: int) -> Tensor:
-        """[B, window] int64 causal window rows into the pool of `plan` (one of this step's ring plans), -1 =
-        none: ForwardContext.window_rows of a one-token step, built on the host with the other plans (the
-        forward then spends no device op on it). Row k of sequence i is position q = ctx_i - window + 1 + k: a
-        history row (q < ctx_i) or the sequence's fresh row (q = ctx_i), -1 for q < 0."""
-        B = self.batch_size
+        """[B * Q, window] int64 causal window rows into the pool of `plan` (one of this step's ring plans), -1 =
+        none: ForwardContext.window_rows of a fixed-shape step, built on the host with the other plans (the
+        forward then spends no device op on it). Row k of the query at position p = ctx_i + j is position
+        q = p - window + 1 + k: a history row (q < ctx_i) or the sequence's fresh row q - ctx_i, -1 for q < 0."""
+        B, Q = self.batch_size, self.tokens
         back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
-        pool_len = plan.num_hist + B
+        pool_len = plan.num_hist + self.num_rows
 
         def build() -> list[np.ndarray]:
-            ctx = self.seq_host.ctx[:, None]
-            i = np.arange(B, dtype=np.int64)[:, None]
-            q = ctx - window + 1 + np.arange(window, dtype=np.int64)[None, :]
-            rows = np.where(q < ctx, i * back + q - (ctx - back), plan.num_hist + i + q - ctx).clip(0, pool_len - 1)
-            return [np.where(q >= 0, rows, -1).reshape(-1)]
+            ctx = self.seq_host.ctx[:, None, None]
+            i = np.arange(B, dtype=np.int64)[:, None, None]
+            p = ctx + np.arange(Q, dtype=np.int64)[None, :, None]
+            q = p - window + 1 + np.arange(window, dtype=np.int64)[None, None, :]
+            rows = np.where(q < ctx, i * back + q - (ctx - back), plan.num_hist + i * Q + q - ctx)
+            return [np.where(q >= 0, rows.clip(0, pool_len - 1), -1).reshape(-1)]
 
         key = ("win", plan.ring_rows, back, window)
-        return self._register(key, build, lambda v: v[0].view(B, window))  # type: ignore[return-value]
+        return self._register(key, build, lambda v: v[0].view(B * Q, window))  # type: ignore[return-value]
 
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)
@@ -252,32 +307,41 @@ class StaticDecodeStep:
         cache, B = self.cache, self.batch_size
         width = self.entries_width(ratio)
         scratch_row = cache.scratch_page * (cache.page_size // ratio)
+        num_new = B * -(-self.tokens // ratio)
 
         def build() -> list[np.ndarray]:
             return static_paged_arrays(ratio, cache.page_size, self._bt, self.seq_host, self._real, width,
-                                       scratch_row)  # fmt: skip
+                                       scratch_row, real_lens=self._lens, tokens=self.tokens)  # fmt: skip
 
         def make(v: list[Tensor]) -> PagedPlan:
             return PagedPlan(
-                ratio=ratio, read_rows=v[0], write_rows=v[1], new_w=v[2], new_seq=v[3], num_new=B,
+                ratio=ratio, read_rows=v[0], write_rows=v[1], new_w=v[2], new_seq=v[3], num_new=num_new,
                 offsets=tuple(range(0, B * width, width)), counts=(width,) * B, offsets_t=v[4],
             )  # fmt: skip
 
         return self._register(("paged", ratio), build, make)  # type: ignore[return-value]
 
+    def mark_written(self, facts: DecodeFacts) -> None:
+        """Rollback marks of the rows this step writes: Q positions per real sequence, its padding rows included
+        (after `Transformer.host_step`, which marks the n_i real ones), so that `ModelCache.check_resume` guards
+        the rollback of the padding rows like that of rejected drafts."""
+        hw = self.cache.high_water
+        for slot, c in zip(facts.slots.tolist(), facts.ctx.tolist()):
+            hw[slot] = c + self.tokens
+
     def check_tables(self, facts: DecodeFacts) -> None:
         """Block-table coverage of the real sequences (host; CapacityError as the exact plans raise)."""
         ratios = sorted(set(self.cache.ratios.values()))
-        S = int(facts.ctx.shape[0])
-        check_block_tables(facts.block_tables, self.cache.page_size, ratios, tuple(facts.ctx.tolist()), (1,) * S)
+        check_block_tables(facts.block_tables, self.cache.page_size, ratios, tuple(facts.ctx.tolist()),
+                           tuple(facts.lens.tolist()))  # fmt: skip
 
     def context(self, cache: object, **kw: object) -> ForwardContext:
         """The ForwardContext of a fixed-shape forward: its batch, sequence tensors and plans are this step's."""
-        B = self.batch_size
-        zeros = np.zeros(B, dtype=np.int64)
+        B, Q = self.batch_size, self.tokens
+        zeros = np.zeros(self.num_rows, dtype=np.int64)
         return ForwardContext(
             batch=self.batch, cache=cache,
             host=StepHost(ctx_lens=(0,) * B, input_ids=zeros, block_tables=self._bt),  # placeholders
-            seq_host=self.seq_host, seq_starts=tuple(range(B)), query_lens=(1,) * B, ctx_lens=(0,) * B,
+            seq_host=self.seq_host, seq_starts=tuple(range(0, B * Q, Q)), query_lens=(Q,) * B, ctx_lens=(0,) * B,
             seq_of_token=self.batch.seq_of_token, seq_t=self.seq_t, static=self, **kw,  # type: ignore[arg-type]
         )  # fmt: skip

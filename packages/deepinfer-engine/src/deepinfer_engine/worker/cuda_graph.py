@@ -9,22 +9,31 @@ computed inside the graph from the step's token ids and the device token ring). 
 captured lazily, on the first step that needs a shape (warm-up run on a side stream, then capture), into one
 memory pool shared by all graphs. Everything else (prefill, mixed steps, prompt logprobs, shapes past the
 largest bucket) runs eagerly.
+
+A speculative verify step (every sequence feeds its last token and up to k drafts, logits of every row, the
+draft model's target features and the final streams asked) replays a graph captured for (B, L, Q): Q = the
+smallest tokens-per-sequence bucket >= the step's longest chunk (1, 2, 4, ... below k + 1, then k + 1), each
+sequence's rows past its chunk padded (static_step.py); the outputs of the real rows are gathered in batch order
+after the replay (`run_verify`), so the speculative decoder reads them exactly as an eager forward's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from deepinfer_engine.errors import ConfigError
+from deepinfer_engine.errors import ConfigError, InputError
+from deepinfer_engine.model.model import ModelOutput
 from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
 
-__all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket"]
+__all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket",
+           "verify_shape", "verify_token_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,20 +84,68 @@ def decode_shape(
     return None if B is None or L is None else (B, L)
 
 
+def verify_token_sizes(max_tokens: int) -> tuple[int, ...]:
+    """Tokens-per-sequence buckets of verify steps: powers of two below max_tokens (= k + 1), then max_tokens."""
+    if max_tokens < 1:
+        raise ConfigError(f"cuda graphs: {max_tokens} tokens per verified sequence, expected >= 1")
+    sizes, q = [], 1
+    while q < max_tokens:
+        sizes.append(q)
+        q *= 2
+    return (*sizes, max_tokens)
+
+
+def verify_shape(
+    query_lens: Sequence[int], ctx_lens: Sequence[int], logit_rows: Sequence[int], batch_sizes: Sequence[int],
+    token_sizes: Sequence[int], max_model_len: int,
+) -> tuple[int, int, int] | None:
+    """(B, L, Q) of the graph that runs a speculative step, None when it must run eagerly: a step qualifies when
+    every sequence feeds 1..max(token_sizes) tokens and the logits are every row in batch order (verify chunks
+    and one-token decode chunks; no prefill chunk, no prompt logprobs). L covers each sequence's padded rows."""
+    S = len(query_lens)
+    T = sum(query_lens)
+    if S == 0 or min(query_lens) < 1 or list(logit_rows) != list(range(T)):
+        return None
+    Q = pick_bucket(max(query_lens), token_sizes)
+    B = pick_bucket(S, batch_sizes)
+    if Q is None or B is None:
+        return None
+    L = length_bucket(max(ctx_lens) + Q, max_model_len)
+    return None if L is None else (B, L, Q)
+
+
 @dataclass
 class GraphStats:
+    """captures / replays / eager_steps / shapes: plain decode steps, shapes (B, L); verify_*: speculative steps,
+    shapes (B, L, Q); draft_*: DSpark draft passes, shapes (B, N); mtp_*: V4 MTP draft passes, shapes (B, Q)."""
+
     captures: int = 0
     replays: int = 0
     eager_steps: int = 0
     capture_s: float = 0.0
     shapes: list[tuple[int, int]] = field(default_factory=list)
+    verify_captures: int = 0
+    verify_replays: int = 0
+    verify_eager_steps: int = 0
+    verify_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    draft_captures: int = 0
+    draft_replays: int = 0
+    draft_eager_steps: int = 0
+    draft_shapes: list[tuple[int, int]] = field(default_factory=list)
+    mtp_captures: int = 0
+    mtp_replays: int = 0
+    mtp_eager_steps: int = 0
+    mtp_shapes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
 class _Graph:
     step: StaticDecodeStep
     graph: torch.cuda.CUDAGraph
-    logits: Tensor  # [B, V] float32, written by every replay
+    logits: Tensor  # [B * Q, V] float32, written by every replay
+    hidden: Tensor | None = None  # verify graphs: the final streams [B * Q, n, d]
+    features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [B * Q, d]
+    capture: tuple[int, ...] | None = None  # verify graphs: the feature layers they capture
 
 
 class CudaGraphRunner:
@@ -103,13 +160,13 @@ class CudaGraphRunner:
             raise ConfigError(f"cuda graphs need a CUDA device, found {self.device}")
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = int(max_model_len)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, ...], _Graph] = {}  # (B, L): decode graphs; (B, L, Q): verify graphs
         self.stats = GraphStats()
         self._pool = None
         self._pools: list = []  # every pool graphs were captured into (a failed capture starts a new one)
         self._stream: torch.cuda.Stream | None = None
-        self.failed: dict[tuple[int, int], str] = {}  # shapes whose capture raised -> the error; they run eagerly
-        self.last_shape: tuple[int, int] | None = None  # the shape of the latest replay (benchmarks replay it)
+        self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
+        self.last_shape: tuple[int, ...] | None = None  # the shape of the latest replay (benchmarks replay it)
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
         """(B, L) of a graph that can run this step, None when it must run eagerly."""
@@ -128,16 +185,8 @@ class CudaGraphRunner:
         expert-parallel dispatch): logged once, and that shape runs eagerly from then on."""
         g = self.graphs.get(shape)
         if g is None:
-            try:
-                g = self._capture(*shape)
-            except RuntimeError as exc:  # torch reports capture violations as RuntimeError
-                torch.cuda.synchronize(self.device)
-                # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
-                # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
-                # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
-                self._pool = self._stream = None
-                self.failed[shape] = f"{type(exc).__name__}: {exc}"
-                logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
+            g = self._try_capture(shape, lambda: self._capture(*shape))
+            if g is None:
                 return None
         self.model.host_step(batch, self.cache)
         facts = DecodeFacts.of(batch)
@@ -150,6 +199,63 @@ class CudaGraphRunner:
         self.stats.replays += 1
         self.last_shape = shape
         return g.logits[: batch.num_seqs]
+
+    def verify_shape_of(self, batch: object, logit_rows: Sequence[int], max_tokens: int
+                        ) -> tuple[int, int, int] | None:  # fmt: skip
+        """(B, L, Q) of a graph that can run this speculative step (at most `max_tokens` = k + 1 rows per
+        sequence: the padding rows must stay within the rollback a verify of k drafts may need), None when it
+        must run eagerly."""
+        if batch.host is None or self.cache.needs_exact_plans(batch.slots, batch.host.ctx_lens):  # prefix replay
+            return None
+        cap = min(int(max_tokens), self.cache.slack + 2)  # padding rows roll back like rejected drafts
+        shape = verify_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, self.batch_sizes,
+                             verify_token_sizes(cap), self.max_model_len)  # fmt: skip
+        if shape is None or shape in self.failed:
+            self.stats.verify_eager_steps += 1
+            return None
+        return shape
+
+    def run_verify(self, batch: object, shape: tuple[int, int, int], *, capture: tuple[int, ...]
+                   ) -> ModelOutput | None:  # fmt: skip
+        """The ModelOutput of a speculative step (shape from verify_shape_of) as the eager
+        `forward_features(batch, cache, capture=capture)` gives it: logits of every row, the captured features
+        and the final streams, rows in batch order (gathered from the graph's padded rows; valid until the next
+        replay). None when the shape cannot be captured (then it runs eagerly from then on, as in `run`)."""
+        capture = tuple(capture)
+        g = self.graphs.get(shape)
+        if g is None:
+            g = self._try_capture(shape, lambda: self._capture(*shape, capture=capture))
+            if g is None:
+                return None
+        if g.capture != capture:
+            raise InputError(f"cuda graphs: verify graph {shape} captures layers {g.capture}, asked for {capture}")
+        self.model.host_step(batch, self.cache)
+        facts = DecodeFacts.of(batch, g.step.tokens)
+        g.step.check_tables(facts)
+        g.step.mark_written(facts)
+        g.step.fill(facts)
+        rows = g.step.real_rows[: batch.num_tokens]
+        # the device ids are authoritative (asynchronous scheduling resolves placeholders there only)
+        g.step.batch.input_ids.index_copy_(0, rows, batch.input_ids)
+        g.graph.replay()
+        self.stats.verify_replays += 1
+        self.last_shape = shape
+        return ModelOutput(logits=g.logits.index_select(0, rows), hidden=g.hidden.index_select(0, rows),
+                           pre_last=None, features={lid: f.index_select(0, rows) for lid, f in g.features.items()})
+
+    def _try_capture(self, shape: tuple, make: Callable[[], _Graph]) -> _Graph | None:
+        """make() (a capture of `shape`), or None when it raised: logged once, `shape` then runs eagerly."""
+        try:
+            return make()
+        except RuntimeError as exc:  # torch reports capture violations as RuntimeError
+            torch.cuda.synchronize(self.device)
+            # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
+            # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
+            # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
+            self._pool = self._stream = None
+            self.failed[shape] = f"{type(exc).__name__}: {exc}"
+            logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
+            return None
 
     def replay_seconds(self, iters: int = 20) -> float | None:
         """Median device seconds of one replay of the latest replayed graph, as it was last filled: the forward-only
@@ -181,34 +287,158 @@ class CudaGraphRunner:
         pools = {tuple(p) for p in self._pools}
         return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) in pools)
 
-    def _forward(self, step: StaticDecodeStep) -> Tensor:
-        return self.model.forward_features(None, self.cache, static=step).logits
+    def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
+        return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
-    def _capture(self, B: int, L: int) -> _Graph:
-        t0 = time.perf_counter()
+    def _record(self, forward: Callable[[], Any]) -> tuple[Any, Any]:
+        """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
+        (Triton compiles / autotunes there, plans register, lazies initialise); `graph.replay()` rewrites the
+        outputs in place."""
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._pools.append(self._pool)
             self._stream = torch.cuda.Stream(self.device)
-        # all rows padding while warming up and capturing: only the scratch slot / page are written
-        step = StaticDecodeStep(self.cache, B, L, self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):  # warm-up: Triton compiles / autotunes, plans register, lazies
+        with torch.cuda.stream(self._stream):
             for _ in range(2):
-                self._forward(step)
+                forward()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            logits = self._forward(step)
+            out = forward()
         torch.cuda.synchronize(self.device)
-        g = _Graph(step=step, graph=graph, logits=logits)
-        self.graphs[(B, L)] = g
+        return graph, out
+
+    def _capture(self, B: int, L: int, Q: int = 1, *, capture: tuple[int, ...] | None = None) -> _Graph:
+        """Capture the decode graph (B, L) (capture None) or the verify graph (B, L, Q) whose forward also
+        captures the features of layers `capture` and keeps the final streams."""
+        t0 = time.perf_counter()
+        # all rows padding while warming up and capturing: only the scratch slot / page are written
+        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
+        graph, out = self._record(lambda: self._forward(step, capture))
+        st = self.stats
+        dt = time.perf_counter() - t0
+        st.capture_s += dt
+        if capture is None:
+            g = _Graph(step=step, graph=graph, logits=out.logits)
+            self.graphs[(B, L)] = g
+            st.captures += 1
+            st.shapes.append((B, L))
+            logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
+        else:
+            g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
+                       capture=tuple(capture))
+            self.graphs[(B, L, Q)] = g
+            st.verify_captures += 1
+            st.verify_shapes.append((B, L, Q))
+            logger.info("captured the verify graph for %d sequences x %d tokens up to length %d in %.2f s",
+                        B, Q, L, dt)
+        return g
+
+    # ------------------------------------------------------------------------------------ DSpark draft pass
+    def run_draft(self, batch: object) -> Any:
+        """The DSpark stages' parallel pass (`dspark.draft_block`) over a round's blocks (every sequence N rows at
+        its anchor position, host facts given) as the replay of the graph of B = its batch bucket: a
+        `dspark.DraftOutput` whose rows [:S * N] are the real blocks (valid until the next replay), or None
+        (no bucket, positions past the model, or a failed capture: the caller runs it eagerly)."""
+        N = batch.query_lens[0] if batch.num_seqs else 0
+        B = pick_bucket(batch.num_seqs, self.batch_sizes)
+        if B is None or batch.host is None or any(n != N for n in batch.query_lens):
+            self.stats.draft_eager_steps += 1
+            return None
+        key = ("draft", B, N)
+        facts = DecodeFacts.of(batch, N)
+        limit = int(self.model.args.max_position_embeddings)
+        if key in self.failed or int(facts.ctx.max()) + N > limit:
+            self.stats.draft_eager_steps += 1
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._try_capture(key, lambda: self._capture_draft(B, N))
+            if g is None:
+                return None
+        from deepinfer_engine.model.dspark import DraftOutput
+
+        g.step.fill(facts)
+        T = batch.num_tokens
+        g.step.batch.input_ids[:T].copy_(batch.input_ids)  # every sequence has N rows: real rows are [:T]
+        g.graph.replay()
+        self.stats.draft_replays += 1
+        return DraftOutput(base_logits=g.logits[:T], hidden=g.hidden[:T])
+
+    def _capture_draft(self, B: int, N: int) -> _Graph:
+        from deepinfer_engine.model import dspark
+
+        t0 = time.perf_counter()
+        # the stages read the window rings only (no compressed entries): any length up to the model's positions
+        step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
+        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step))
+        g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
+        self.graphs[("draft", B, N)] = g
         dt = time.perf_counter() - t0
         st = self.stats
-        st.captures += 1
         st.capture_s += dt
-        st.shapes.append((B, L))
-        logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
+        st.draft_captures += 1
+        st.draft_shapes.append((B, N))
+        logger.info("captured the DSpark draft graph for %d sequences x %d tokens in %.2f s", B, N, dt)
+        return g
+
+    # ------------------------------------------------------------------------------------ V4 MTP draft pass
+    def run_mtp(self, batch: object, hidden: Tensor, max_tokens: int = 2) -> Tensor | None:
+        """V4's MTP block (`Transformer.forward_mtp`, block 0) over a step's accepted positions as the replay of
+        the graph of (B, Q): every sequence at most Q <= `max_tokens` rows (an accepted draft + the emitted
+        token), padded to Q. batch: the MTP batch (next tokens at the next positions, host facts given),
+        hidden: [T, n, d] the target's streams of its rows. Returns [len(logits_indices), V] logits (rows of
+        batch.logits_indices), or None (a chunk too long, no bucket, a failed capture: the caller runs it
+        eagerly)."""
+        S = batch.num_seqs
+        Q = pick_bucket(max(batch.query_lens, default=0), verify_token_sizes(max_tokens))
+        B = pick_bucket(S, self.batch_sizes)
+        if not S or Q is None or B is None or batch.host is None:
+            self.stats.mtp_eager_steps += 1
+            return None
+        key = ("mtp", B, Q)
+        facts = DecodeFacts.of(batch, Q)
+        if key in self.failed or int(facts.ctx.max()) + Q > int(self.model.args.max_position_embeddings):
+            self.stats.mtp_eager_steps += 1
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._try_capture(key, lambda: self._capture_mtp(B, Q, hidden))
+            if g is None:
+                return None
+        g.step.fill(facts)
+        rows = g.step.real_rows[: batch.num_tokens]
+        g.step.batch.input_ids.index_copy_(0, rows, batch.input_ids)
+        g.hidden.index_copy_(0, rows, hidden.to(g.hidden.dtype))
+        g.graph.replay()
+        self.stats.mtp_replays += 1
+        return g.logits.index_select(0, rows.index_select(0, batch.logits_indices))
+
+    def _capture_mtp(self, B: int, Q: int, like: Tensor) -> _Graph:
+        from deepinfer_kernels.linear import linear_f32_out
+
+        t0 = time.perf_counter()
+        m = self.model
+        # the block reads its own window ring only (no compressed cache): any length up to the model's positions
+        step = StaticDecodeStep(self.cache, B, int(m.args.max_position_embeddings), self.device, tokens=Q)
+        hin = torch.zeros((B * Q, *like.shape[1:]), dtype=like.dtype, device=self.device)  # static input
+
+        @torch.no_grad()  # as Transformer.forward_mtp: whatever the caller's grad mode
+        def forward() -> Tensor:
+            ctx = step.context(self.cache)
+            h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
+            return linear_f32_out(h, m.head.weight, backend=m.kernel_backend)
+
+        graph, logits = self._record(forward)
+        g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
+        self.graphs[("mtp", B, Q)] = g
+        dt = time.perf_counter() - t0
+        st = self.stats
+        st.capture_s += dt
+        st.mtp_captures += 1
+        st.mtp_shapes.append((B, Q))
+        logger.info("captured the MTP draft graph for %d sequences x %d tokens in %.2f s", B, Q, dt)
         return g

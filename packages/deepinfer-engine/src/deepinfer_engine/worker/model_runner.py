@@ -171,8 +171,13 @@ class ModelRunner:
             seq_of_token=inp.seq_of_token, known_lens=tuple(known),
         )  # fmt: skip
         step = LaunchedStep(spec_round=rnd)
-        if rnd is not None:  # a verify step runs eagerly: it feeds several rows per sequence and reads features
-            out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
+        if rnd is not None:  # a speculative step: several rows per sequence, the draft model's features
+            graphs, out = self.cuda_graphs, None
+            shape = graphs.verify_shape_of(batch, logit_rows, self.spec.max_drafts + 1) if graphs is not None else None
+            if shape is not None:  # replays the verify forward captured for its padded shape (None: eager)
+                out = graphs.run_verify(batch, shape, capture=self.spec.capture)
+            if out is None:
+                out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
             logits = out.logits
             step.spec, step.errors = self.spec.finish(rnd, out, batch.num_tokens)
         else:

@@ -14,7 +14,7 @@ entries; a request whose last step produced no pending draft (errors, a preempti
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,9 @@ class MTPDrafter:
         self._pending: dict[int, tuple[int, Tensor]] = {}  # slot -> (anchor position, draft logits [V] f32)
         self.slots: Tensor | None = None
         self.round_host: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
+        # optional replay of the block's pass (the engine's CUDA graphs, worker/cuda_graph.py): (batch, hidden
+        # rows) -> logits of batch.logits_indices, or None (then it runs eagerly)
+        self.block_runner: Callable[[ForwardBatch, Tensor], Tensor | None] | None = None
 
     block_size = 1
 
@@ -94,6 +97,10 @@ class MTPDrafter:
             block_tables=torch.from_numpy(tables).to(device), logits_indices=li,
             host=StepHost(ctx_lens=tuple(starts), input_ids=ids_np, block_tables=tables),
         )  # fmt: skip
-        logits = self.model.forward_mtp(batch, self.cache, hidden.index_select(0, sel), 0).float()
+        rows = hidden.index_select(0, sel)
+        logits = self.block_runner(batch, rows) if self.block_runner is not None else None
+        if logits is None:
+            logits = self.model.forward_mtp(batch, self.cache, rows, 0)
+        logits = logits.float()
         for i, (s, start, n) in enumerate(zip(slots, starts, lens)):
             self._pending[s] = (start + n - 1, logits[i])

@@ -101,6 +101,8 @@ class SpecDecoder:
     drafter: the DraftModel, with `slots` (the cache slot of each request of a round) and
         `insert_context(batch, features)` (writes the draft rings for accepted positions).
     capture: target layer ids whose features the drafter reads (the forward captures them).
+    max_drafts: the most drafts a request verifies per step (the scheduler's reservation; default the block
+        size): a CUDA-graphed verify step pads each sequence to at most max_drafts + 1 rows.
     explore_every: with the cost policy and online latency correction, every explore_every-th round verifies
         every draft (0 = never). The online correction only moves the curve near the step sizes the policy
         picks; a start-up profile that overstates the cost of large verify steps would otherwise never be
@@ -117,6 +119,7 @@ class SpecDecoder:
         max_position: int,
         online_latency: bool = True,
         explore_every: int = 32,
+        max_drafts: int | None = None,
     ) -> None:
         if explore_every < 0:
             raise ValueError(f"SpecDecoder.explore_every: expected >= 0, found {explore_every}")
@@ -130,6 +133,9 @@ class SpecDecoder:
         self.rounds = 0  # rounds that verified drafts (the exploration schedule counts these)
         self.explored = 0
         self.block_size = int(drafter.block_size)
+        self.max_drafts = self.block_size if max_drafts is None else int(max_drafts)
+        if not 1 <= self.max_drafts <= self.block_size:
+            raise ValueError(f"SpecDecoder.max_drafts: expected 1..{self.block_size}, found {self.max_drafts}")
         self.stats = AcceptanceStats(self.block_size)
         self.timing = SpecTiming()
 
@@ -451,11 +457,29 @@ def confidence_files(model_dir: Any, device: torch.device) -> tuple[dict[str, An
     return sts, head
 
 
+def _profiled_forward(model: Any, cache: Any, graphs: Any, capture: tuple[int, ...], max_tokens: int
+                      ) -> Callable[[ForwardBatch], object]:  # fmt: skip
+    """The forward the cost policy's start-up profile times: the verify step as the engine will run it, i.e. the
+    replay of its CUDA graph when `graphs` (worker/cuda_graph.py) can run the shape, else the eager forward."""
+
+    def forward(batch: ForwardBatch) -> object:
+        if graphs is not None:
+            shape = graphs.verify_shape_of(batch, range(batch.num_tokens), max_tokens)
+            out = graphs.run_verify(batch, shape, capture=capture) if shape is not None else None
+            if out is not None:
+                return out
+        return model.forward_features(batch, cache, capture=capture)
+
+    return forward
+
+
 def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, num_pages: int,
-                       device: torch.device) -> tuple[SpecDecoder, int]:
+                       device: torch.device, graphs: Any = None) -> tuple[SpecDecoder, int]:
     """The engine's speculative decoder for `config.speculative` (method "dspark": the checkpoint's DSpark
     stages behind `StageDrafter`) and the drafts per step the scheduler reserves. ConfigError when the
-    checkpoint cannot serve the method or the cache cannot roll back that many drafts."""
+    checkpoint cannot serve the method or the cache cannot roll back that many drafts. graphs: the engine's
+    CudaGraphRunner or None; with it the DSpark draft pass replays its graphs and the cost policy's start-up
+    profile times graph-replayed verify steps."""
 
     from deepinfer_engine.config import affine_latency
     from deepinfer_engine.errors import ConfigError
@@ -464,7 +488,7 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     spec = config.speculative
     args = model.args
     if spec.speculative_method == "mtp":
-        return _build_mtp(spec, model, cache)
+        return _build_mtp(spec, model, cache, graphs)
     if not args.has_dspark or getattr(model, "mtp", None) is None:
         raise ConfigError(
             "speculative_method='dspark': found a checkpoint without DSpark draft stages (dspark_block_size "
@@ -487,6 +511,8 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     except DSparkInputError as err:
         raise ConfigError(f"{model_dir}: the shipped Confidence Head calibration does not fit this checkpoint "
                           f"({err}); fix: rebuild it for this checkpoint or delete {STS_FILE} / {CONFIDENCE_FILE}") from err
+    if graphs is not None:  # the stages' parallel pass replays a CUDA graph per batch bucket
+        drafter.block_runner = graphs.run_draft
     if policy.kind in ("threshold", "cost") and drafter.heads.confidence is None:
         raise ConfigError(f"speculative_policy: found {policy.kind!r}, but the checkpoint has no Confidence Head; "
                           "use verify_all")
@@ -497,19 +523,20 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         if fixed is not None:
             latency, online = LatencyModel.affine(fixed[0], fixed[1], max_tokens), False
         else:
+            capture = tuple(args.dspark_target_layer_ids)
             latency = profile_target_latency(
-                lambda b: model.forward_features(b, cache), block_size=block, max_tokens=min(
+                _profiled_forward(model, cache, graphs, capture, k + 1), block_size=block, max_tokens=min(
                     max_tokens, config.scheduler.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
                 pages=num_pages, page_size=cache.page_size, device=device)
             for s in range(cache.num_slots):  # no request holds these rows yet: leave every slot fresh
                 cache.reset_slot(s)
                 cache.high_water[s] = 0
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
-                          max_position=int(args.max_position_embeddings), online_latency=online)
+                          max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
     return decoder, k
 
 
-def _build_mtp(spec: Any, model: Any, cache: Any) -> tuple[SpecDecoder, int]:
+def _build_mtp(spec: Any, model: Any, cache: Any, graphs: Any = None) -> tuple[SpecDecoder, int]:
     """V4's MTP block as a one-token drafter (worker/mtp_draft.py): verify_all only (no Confidence Head)."""
     from deepinfer_engine.errors import ConfigError
     from deepinfer_engine.worker.mtp_draft import MTPDrafter
@@ -528,6 +555,9 @@ def _build_mtp(spec: Any, model: Any, cache: Any) -> tuple[SpecDecoder, int]:
     if spec.speculative_policy != "verify_all":
         raise ConfigError(f"speculative_policy: found {spec.speculative_policy!r} with speculative_method='mtp', "
                           "expected verify_all (the MTP block has no Confidence Head)")
-    decoder = SpecDecoder(MTPDrafter(model, cache), policy=VerifyPolicy(kind="verify_all"), latency=None, capture=(),
-                          max_position=int(args.max_position_embeddings))
+    drafter = MTPDrafter(model, cache)
+    if graphs is not None:  # the block's pass over each step's accepted positions replays a CUDA graph
+        drafter.block_runner = graphs.run_mtp
+    decoder = SpecDecoder(drafter, policy=VerifyPolicy(kind="verify_all"), latency=None, capture=(),
+                          max_position=int(args.max_position_embeddings), max_drafts=1)
     return decoder, 1

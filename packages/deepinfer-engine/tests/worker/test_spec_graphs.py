@@ -1,0 +1,185 @@
+"""Speculative steps through the fixed-shape (graph) path of the engine, on CPU: the runner's verify hook
+(`CudaGraphRunner.verify_shape_of` / `run_verify`) with the capture replaced by the same StaticDecodeStep forward
+run eagerly on every "replay", so that the padded (B, L, Q) shapes, the gather of the real rows, the captured
+features / final streams handed to the drafters and the rollback of padding rows are exercised without a GPU.
+The DSpark draft pass takes the same path (`run_draft`). Greedy speculation through it equals plain greedy
+decoding token for token (DSpark on V4.1 and V4-0731, MTP on V4, every verification policy on V4.1: mixed verify
+lengths per step), and verify steps and draft passes really took that path.
+The bucket rules of verify steps are checked on their own."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from deepinfer_engine import LLM, SamplingParams
+from deepinfer_engine.model.writer import make_checkpoint
+from deepinfer_engine.worker.cuda_graph import (
+    CudaGraphRunner,
+    graph_batch_sizes,
+    verify_shape,
+    verify_token_sizes,
+)
+
+PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18]]  # mixed lengths
+
+
+class _EagerReplay:
+    """Stands in for a captured graph: each replay reruns the fixed-shape forward and writes its outputs into the
+    tensors the capture returned (a graph's replay rewrites its output buffers in place)."""
+
+    def __init__(self, forward, outputs) -> None:
+        self.forward, self.outputs = forward, outputs
+
+    def replay(self) -> None:
+        out = self.forward()
+        if isinstance(out, torch.Tensor):
+            self.outputs.copy_(out)
+            return
+        for f in dataclasses.fields(out):
+            new, old = getattr(out, f.name), getattr(self.outputs, f.name)
+            if isinstance(new, torch.Tensor):
+                old.copy_(new)
+            elif isinstance(new, dict):
+                for k, v in new.items():
+                    old[k].copy_(v)
+
+
+class StaticEagerGraphs(CudaGraphRunner):
+    """CudaGraphRunner on CPU whose 'captures' run the fixed-shape forward eagerly (test harness only)."""
+
+    def __init__(self, model, cache, *, max_num_seqs: int, max_model_len: int) -> None:
+        super().__init__(model, cache, device="cuda", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+        self.device = torch.device("cpu")  # the constructor only checks the device type; nothing was allocated
+
+    def _record(self, forward):
+        out = forward()
+        return _EagerReplay(forward, out), out
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("specgraphs")
+    return {"v41": make_checkpoint(root / "v41", "v41", "tiny", 0),
+            "v4-0731": make_checkpoint(root / "v4d", "v4", "tiny-dspark", 0),
+            "v4": make_checkpoint(root / "v4", "v4", "tiny", 0)}
+
+
+def _llm(path: Path, **kw) -> LLM:
+    page = 4 if path.name == "v41" else 8  # a multiple of every compress ratio
+    return LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_seqs=4, **kw)
+
+
+def _ids(outs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def _with_static_graphs(llm: LLM) -> StaticEagerGraphs:
+    eng = llm.engine
+    graphs = StaticEagerGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
+    eng.runner.cuda_graphs = graphs
+    drafter = eng.runner.spec.drafter  # the draft pass too: DSpark's stages, or V4's MTP block
+    drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
+    return graphs
+
+
+@pytest.mark.parametrize(("name", "method", "policies"), [
+    ("v41", "dspark", ("verify_all", "threshold", "cost")),
+    ("v4-0731", "dspark", ("verify_all",)),
+    ("v4", "mtp", ("verify_all",)),
+])
+def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name, method, policies) -> None:
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+
+    sp = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    prompts = PROMPTS if name == "v41" else PROMPTS[:3]
+    plain = _ids(_llm(ckpts[name]).generate(prompts, sp, use_tqdm=False))
+    eager = _llm(ckpts[name], speculative_config={"method": method}, enable_prefix_caching=False)
+    assert _ids(eager.generate(prompts, sp, use_tqdm=False)) == plain
+    llm = _llm(ckpts[name], speculative_config={"method": method}, enable_prefix_caching=False)
+    graphs = _with_static_graphs(llm)
+    spec = llm.engine.runner.spec
+    for policy in policies:
+        spec.policy = VerifyPolicy(kind=policy)
+        spec.latency = LatencyModel.affine(0.01, 0.001, 64) if policy == "cost" else spec.latency
+        spec.online_latency = False
+        spec.reset_stats()
+        before = graphs.stats.verify_replays
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain, (name, policy)
+        assert graphs.stats.verify_replays > before, (name, policy)
+        if policy == "verify_all":  # the same drafts as the eager draft pass: the same acceptance
+            want = eager.engine.runner.spec.stats
+            got = spec.stats
+            assert (got.num_verified_tokens, got.num_accepted_tokens) == (
+                want.num_verified_tokens, want.num_accepted_tokens), name
+        if method == "mtp":  # the drafts the block left for each request's next step: equal to the eager pass's
+            mine, ref = spec.drafter._pending, eager.engine.runner.spec.drafter._pending
+            assert mine.keys() == ref.keys() and mine
+            for slot, (pos, logits) in ref.items():
+                assert mine[slot][0] == pos
+                torch.testing.assert_close(mine[slot][1], logits, rtol=1e-4, atol=1e-4)
+    st = graphs.stats
+    assert st.verify_captures == len(set(st.verify_shapes)) and st.verify_eager_steps > 0  # prefill steps: eager
+    assert max(q for _, _, q in st.verify_shapes) == spec.max_drafts + 1 >= 2, st.verify_shapes
+    assert spec.stats.request_steps > 0 and st.replays == 0  # every decode step of a speculative engine verifies
+    if method == "dspark":
+        assert st.draft_replays > 0 and st.draft_eager_steps == 0, st  # every draft pass replayed
+        assert {n for _, n in st.draft_shapes} == {spec.block_size}, st.draft_shapes
+    else:  # steps with a prefill chunk run the MTP block eagerly (more than 2 rows per sequence)
+        assert st.mtp_replays > 0 and {q for _, q in st.mtp_shapes} <= {1, 2}, st
+
+
+def test_verify_buckets():
+    assert verify_token_sizes(1) == (1,)
+    assert verify_token_sizes(2) == (1, 2)
+    assert verify_token_sizes(6) == (1, 2, 4, 6)
+    sizes, toks = graph_batch_sizes(8), verify_token_sizes(6)
+    # verify chunks of 1 + m rows beside one-token decode chunks: padded to the longest, L covers the padding
+    assert verify_shape((3, 1, 6), (5, 300, 7), list(range(10)), sizes, toks, 4096) == (4, 512, 6)
+    assert verify_shape((2, 1), (254, 9), [0, 1, 2], sizes, toks, 4096) == (2, 256, 2)
+    assert verify_shape((2, 1), (255, 9), [0, 1, 2], sizes, toks, 4096) == (2, 512, 2)
+    assert verify_shape((1, 1), (5, 9), [0, 1], sizes, toks, 4096) == (2, 256, 1)
+    assert verify_shape((7, 1), (5, 9), list(range(8)), sizes, toks, 4096) is None  # more rows than k + 1
+    assert verify_shape((3, 4), (5, 9), [2, 3, 4, 5, 6], sizes, toks, 4096) is None  # a prefill chunk: last row
+    assert verify_shape((2, 1), (5, 9), [0, 0, 1, 2], sizes, toks, 4096) is None  # prompt logprobs
+    assert verify_shape((1,) * 9, (3,) * 9, list(range(9)), sizes, toks, 4096) is None  # past the largest bucket
+    assert verify_shape((2,), (4095,), [0, 1], sizes, toks, 4096) is None  # padding past max_model_len
+    assert verify_shape((), (), [], sizes, toks, 4096) is None
+
+
+def test_cost_profile_times_the_graphed_verify_step() -> None:
+    """The cost policy's start-up profile runs verify-shaped steps through the verify graphs when the engine has
+    them (here the eager stand-in), and their outputs are the eager forward's (tiny V4.1, random weights)."""
+    from deepinfer_engine.model.args import ModelArgs
+    from deepinfer_engine.model.cache import ModelCache
+    from deepinfer_engine.model.engram_hash import synthetic_token_map
+    from deepinfer_engine.model.model import Transformer
+    from deepinfer_engine.model.presets import tiny_v41_config
+    from deepinfer_engine.worker.spec_decode import _profiled_forward, profile_target_latency
+    from equality import init_random_
+
+    args = ModelArgs.from_config_dict(tiny_v41_config())
+    model = init_random_(Transformer(args, torch.float32), seed=0).eval()
+    model.set_engram_token_map(synthetic_token_map(args.vocab_size, args.engram_compressed_vocab_size))
+    cache = ModelCache.allocate(args, num_slots=4, num_pages=16, page_size=4, dtype=torch.float32)
+    graphs = StaticEagerGraphs(model, cache, max_num_seqs=4, max_model_len=256)
+    capture, block = tuple(args.dspark_target_layer_ids), int(args.dspark_block_size)
+    forward = _profiled_forward(model, cache, graphs, capture, block + 1)
+    seen = []
+
+    def timed(batch):
+        out = forward(batch)
+        ref = model.forward_features(batch, cache, capture=capture)
+        torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+        for lid in capture:
+            torch.testing.assert_close(out.features[lid], ref.features[lid], rtol=1e-5, atol=1e-5)
+        seen.append(batch.num_tokens)
+        return out
+
+    lat = profile_target_latency(timed, block_size=block, max_tokens=8, num_slots=cache.num_slots,
+                                 pages=cache.num_pages, page_size=cache.page_size, device=torch.device("cpu"),
+                                 repeats=1)
+    assert list(lat.sizes) == [1, 2, 4, 8] and set(seen) == {1, 2, 4, 8}
+    assert graphs.stats.verify_replays == len(seen) and {b for b, _, _ in graphs.stats.verify_shapes} == {1, 2}
