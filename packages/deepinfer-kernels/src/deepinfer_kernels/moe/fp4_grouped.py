@@ -44,10 +44,13 @@ def permuted_column(n):
     return n - q + (q & 1) * 16 + ((q >> 1) & 1) * 8 + (q >> 3) * 2 + ((q >> 2) & 1)
 
 
-# One 32-bit word (8 codes, column 8c + m at bits 4m..4m+3) -> 4 bf16 pairs (m, m + 4), m = 0..3, each the exact
-# weight: magnitude bits to 6..8 and sign to 15 of each lane make value * 2^-126, then two bf16x2 multiplies by
-# 2^(min(b, 128) - 1) and 2^(max(b, 128) - 128) apply the UE8M0 scale 2^(b - 127) and the 2^126 for every b.
-def _word_ptx() -> str:
+# One 32-bit word (8 codes, column 8c + m at bits 4m..4m+3) -> 4 bf16 pairs (m, m + 4), m = 0..3: magnitude bits
+# to 6..8 and sign to 15 of each lane make value * 2^-126 (e = 0 lands on bf16 subnormals, which bf16 fma keeps).
+# Exact form: two bf16x2 multiplies by 2^(min(b, 128) - 1) and 2^(max(b, 128) - 128) apply the UE8M0 scale
+# 2^(b - 127) and the 2^126 for every code b (one multiplier alone overflows bf16 for b > 128). Fast form: one
+# multiply by 2^(b - 1), exact for b <= 128 (|weight| <= 12); the kernels check the codes and redo a tile with
+# the exact form when one is larger.
+def _word_ptx(exact: bool) -> str:
     lines = ["{", ".reg .b32 a, b, t, z;", "mov.b32 z, 0x80008000;"]
     for m in range(4):
         mag, sign = 6 - 4 * m, 12 - 4 * m
@@ -58,22 +61,49 @@ def _word_ptx() -> str:
             "lop3.b32 t, a, 0x01C001C0, 0, 0xC0;",
             f"lop3.b32 t, {'b' if sign else '$8'}, 0x80008000, t, 0xEA;",
             "fma.rn.bf16x2 t, t, $9, z;",
-            "fma.rn.bf16x2 t, t, $10, z;",
-            f"mov.b32 {{${2 * m}, ${2 * m + 1}}}, t;",
         ]
+        if exact:
+            lines.append("fma.rn.bf16x2 t, t, $10, z;")
+        lines.append(f"mov.b32 {{${2 * m}, ${2 * m + 1}}}, t;")
     return "\n".join(["", *lines, "}", ""])
 
 
-_WORD_TO_BF16 = tl.constexpr(_word_ptx())
+_WORD_EXACT = tl.constexpr(_word_ptx(True))
+_WORD_FAST = tl.constexpr(_word_ptx(False))
+
+# Scale word (codes b0..b3 of 4 groups) -> the fast multiplier 2^(b_i - 1) of each group as a bf16x2 word: bytes
+# b + 126 (no carry for b <= 128) moved to bits 7..14 of a lane, then one byte permute copies a lane to both.
+_FAST_MULTIPLIERS = tl.constexpr(
+    """
+{
+.reg .b32 f, lo, hi;
+add.u32 f, $4, 0x7E7E7E7E;
+shl.b32 lo, f, 7;
+and.b32 lo, lo, 0x7F807F80;
+shr.b32 hi, f, 1;
+and.b32 hi, hi, 0x7F807F80;
+prmt.b32 $0, lo, 0, 0x1010;
+prmt.b32 $1, hi, 0, 0x1010;
+prmt.b32 $2, lo, 0, 0x3232;
+prmt.b32 $3, hi, 0, 0x3232;
+}
+"""
+)
 
 
 @triton.jit
-def _multipliers(sw, i: tl.constexpr):
+def _exact_multipliers(sw, i: tl.constexpr):
     """Scale word [BLOCK_N] int32 (4 groups) -> the two bf16x2 multipliers of group i (both lanes), [BLOCK_N]."""
     b = (sw >> (8 * i)) & 255
     m1 = (tl.minimum(b, 128) + 126) << 7
     m2 = (tl.maximum(b, 128) - 1) << 7
     return m1 | (m1 << 16), m2 | (m2 << 16)
+
+
+@triton.jit
+def _over_128(sw):
+    """Nonzero bit 7 of a byte of the result where that scale code of sw is > 128 (bit 7 set, low bits not 0)."""
+    return ((sw & 0x7F7F7F7F) + 0x7F7F7F7F) & sw
 
 
 @triton.jit
@@ -106,56 +136,109 @@ def _cat_k(a, b, BLOCK_N: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _group_tile(w, sw, i: tl.constexpr, DECODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One scale group: w [BLOCK_N, 4] int32 codes, sw [BLOCK_N] int32 scale word (this group is byte i) ->
-    [BLOCK_N, 32] weights in dot order (even dot, then odd dot): bf16 for "asm", fp32 for "bits"."""
+def _group_tile(w, sw, m, i: tl.constexpr, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One scale group: w [BLOCK_N, 4] int32 codes, sw [BLOCK_N] int32 scale word (this group is byte i), m its
+    fast multiplier [BLOCK_N] (FAST) -> [BLOCK_N, 32] weights in dot order (even dot, then odd dot): bf16 for
+    "asm", fp32 for "bits"."""
     if DECODE == "asm":
-        m1, m2 = _multipliers(sw, i)
-        n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
-            _WORD_TO_BF16,
-            "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-            [w, m1[:, None], m2[:, None]],
-            dtype=(tl.bfloat16,) * 8,
-            is_pure=True,
-            pack=1,
-        )
+        if FAST:
+            n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
+                _WORD_FAST, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, m[:, None]], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                pack=1,
+            )  # fmt: skip
+        else:
+            m1, m2 = _exact_multipliers(sw, i)
+            n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
+                _WORD_EXACT, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, m1[:, None], m2[:, None]],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
+            )  # fmt: skip
         ev = _dot_order(n0, n4, n2, n6, BLOCK_N)
         od = _dot_order(n1, n5, n3, n7, BLOCK_N)
     else:
         s = _e8m0_f32(sw, i)[:, None]
-        ev = (
-            _dot_order(_nibble_f32(w, 0), _nibble_f32(w, 4), _nibble_f32(w, 2), _nibble_f32(w, 6), BLOCK_N)
-            * s
-        )
-        od = (
-            _dot_order(_nibble_f32(w, 1), _nibble_f32(w, 5), _nibble_f32(w, 3), _nibble_f32(w, 7), BLOCK_N)
-            * s
-        )
+        ev = _dot_order(_nibble_f32(w, 0), _nibble_f32(w, 4), _nibble_f32(w, 2), _nibble_f32(w, 6), BLOCK_N)
+        od = _dot_order(_nibble_f32(w, 1), _nibble_f32(w, 5), _nibble_f32(w, 3), _nibble_f32(w, 7), BLOCK_N)
+        ev = ev * s
+        od = od * s
     return _cat_k(ev, od, BLOCK_N, 16)
 
 
 @triton.jit
-def _chunk_dot(acc, wp, sp, x, DECODE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += 128 columns: wp [BLOCK_N, 4] pointers to the first group's words (int32), sp
-    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order."""
+    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order. big [BLOCK_N] int32 collects
+    `_over_128` of the scale words (FAST: the tile is redone exactly when any is set)."""
     sw = tl.load(sp)
-    t0 = _group_tile(tl.load(wp), sw, 0, DECODE, BLOCK_N)
-    t1 = _group_tile(tl.load(wp + 4), sw, 1, DECODE, BLOCK_N)
-    t2 = _group_tile(tl.load(wp + 8), sw, 2, DECODE, BLOCK_N)
-    t3 = _group_tile(tl.load(wp + 12), sw, 3, DECODE, BLOCK_N)
+    m0 = sw
+    m1 = sw
+    m2 = sw
+    m3 = sw
+    if DECODE == "asm" and FAST:
+        m0, m1, m2, m3 = tl.inline_asm_elementwise(
+            _FAST_MULTIPLIERS, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+        )
+        big = big | _over_128(sw)
+    t0 = _group_tile(tl.load(wp), sw, m0, 0, DECODE, FAST, BLOCK_N)
+    t1 = _group_tile(tl.load(wp + 4), sw, m1, 1, DECODE, FAST, BLOCK_N)
+    t2 = _group_tile(tl.load(wp + 8), sw, m2, 2, DECODE, FAST, BLOCK_N)
+    t3 = _group_tile(tl.load(wp + 12), sw, m3, 3, DECODE, FAST, BLOCK_N)
     a = _cat_k(_cat_k(t0, t1, BLOCK_N, 32), _cat_k(t2, t3, BLOCK_N, 32), BLOCK_N, 64)
     if DECODE == "asm":
         acc = tl.dot(a, tl.trans(x.to(tl.bfloat16)), acc)
     else:
         acc = tl.dot(a, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-    return acc
+    return acc, big
+
+
+@triton.jit
+def _any_over_128(big):
+    return tl.max(((big & -2139062144) != 0).to(tl.int32), axis=0) > 0  # -2139062144 = 0x80808080
+
+
+@triton.jit
+def _gate_up_loop(
+    x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K,
+    DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    cw = tl.arange(0, 4)
+    c128 = tl.arange(0, 128)
+    g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    big = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        for q in tl.static_range(BLOCK_K // 128):
+            kc = k0 + q * 128
+            x = tl.load(x_rows + (kc + c128)[None, :])
+            wp = w_off[:, None] + (kc // 8 + cw)[None, :]
+            sp = s_off + kc // 128
+            g, big = _chunk_dot(g, big, w1_ptr + wp, s1_ptr + sp, x, DECODE, FAST, BLOCK_N)
+            u, big = _chunk_dot(u, big, w3_ptr + wp, s3_ptr + sp, x, DECODE, FAST, BLOCK_N)
+    return g, u, big
+
+
+@triton.jit
+def _down_loop(
+    h_rows, w2_ptr, s2_ptr, w_off, s_off, K,
+    DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    cw = tl.arange(0, 4)
+    c128 = tl.arange(0, 128)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    big = tl.zeros([BLOCK_N], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        for q in tl.static_range(BLOCK_K // 128):
+            kc = k0 + q * 128
+            x = tl.load(h_rows + (kc + c128)[None, :])
+            wp = w_off[:, None] + (kc // 8 + cw)[None, :]
+            acc, big = _chunk_dot(acc, big, w2_ptr + wp, s2_ptr + s_off + kc // 128, x, DECODE, FAST, BLOCK_N)
+    return acc, big
 
 
 @triton.jit
 def _gate_up_grouped_kernel(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pairs_ptr, bexp_ptr, h_ptr,
     P, N, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
-    TOPK: tl.constexpr, CLAMP: tl.constexpr, DECODE: tl.constexpr, H_PERM: tl.constexpr,
+    TOPK: tl.constexpr, CLAMP: tl.constexpr, DECODE: tl.constexpr, FAST: tl.constexpr, H_PERM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """x [T, K] in dot order (`permute_columns`); w1 / w3 [E, N, K/8] int32 words; s1 / s3 [E, N, K/128] int32
@@ -173,18 +256,12 @@ def _gate_up_grouped_kernel(
         w_off = e.to(tl.int64) * stride_we + wrow * stride_wn
         s_off = e.to(tl.int64) * stride_se + wrow * stride_sn
         x_rows = x_ptr + tok[:, None] * stride_x
-        cw = tl.arange(0, 4)
-        c128 = tl.arange(0, 128)
-        g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            for q in tl.static_range(BLOCK_K // 128):
-                kc = k0 + q * 128
-                x = tl.load(x_rows + (kc + c128)[None, :])
-                wp = w_off[:, None] + (kc // 8 + cw)[None, :]
-                sp = s_off + kc // 128
-                g = _chunk_dot(g, w1_ptr + wp, s1_ptr + sp, x, DECODE, BLOCK_N)
-                u = _chunk_dot(u, w3_ptr + wp, s3_ptr + sp, x, DECODE, BLOCK_N)
+        g, u, big = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, FAST,
+                                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        if FAST:
+            if _any_over_128(big):  # a scale code > 128 in this tile: the fast decode was not exact, redo it
+                g, u, big = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, False,
+                                          BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if CLAMP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -205,7 +282,8 @@ def _gate_up_grouped_kernel(
 def _down_grouped_kernel(
     h_ptr, w2_ptr, s2_ptr, pairs_ptr, bexp_ptr, rw_ptr, out_ptr,
     P, N, K, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    DECODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """h [B * BLOCK_M, K] in dot order; w2 [E, N, K/8] int32; s2 [E, N, K/128] int32; out [P, N] fp32 rows
     (routing weight applied)."""
@@ -222,15 +300,13 @@ def _down_grouped_kernel(
         w_off = e.to(tl.int64) * stride_we + wrow * stride_wn
         s_off = e.to(tl.int64) * stride_se + wrow * stride_sn
         h_rows = h_ptr + hrow[:, None] * stride_h
-        cw = tl.arange(0, 4)
-        c128 = tl.arange(0, 128)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            for q in tl.static_range(BLOCK_K // 128):
-                kc = k0 + q * 128
-                x = tl.load(h_rows + (kc + c128)[None, :])
-                wp = w_off[:, None] + (kc // 8 + cw)[None, :]
-                acc = _chunk_dot(acc, w2_ptr + wp, s2_ptr + s_off + kc // 128, x, DECODE, BLOCK_N)
+        acc, big = _down_loop(
+            h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, FAST, BLOCK_M, BLOCK_N, BLOCK_K
+        )
+        if FAST:
+            if _any_over_128(big):  # a scale code > 128 in this tile: the fast decode was not exact, redo it
+                acc, big = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, False, BLOCK_M, BLOCK_N,
+                                      BLOCK_K)  # fmt: skip
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
         op = out_ptr + tl.where(r_mask, rows, 0)[None, :].to(tl.int64) * stride_o + offs_n[:, None]
         tl.store(op, acc * wt[None, :], mask=r_mask[None, :] & n_mask[:, None])
@@ -239,6 +315,9 @@ def _down_grouped_kernel(
 def supports(d: int, inter: int) -> bool:
     """The grouped kernels read scales as 32-bit words of 4 groups: both GEMM depths must be multiples of 128."""
     return d % 128 == 0 and inter % 128 == 0
+
+
+_DECODE = {"fast": "asm", "exact": "asm", "bits": "bits"}
 
 
 def _block_k(k: int, want: int) -> int:
@@ -254,7 +333,9 @@ def launch_gate_up(
     h_perm: bool,
 ) -> None:  # fmt: skip
     """h [B * block_m, I] = clamped SwiGLU of gate / up per padded row; x [T, d] in natural column order (permuted
-    here, one copy); h in dot order when h_perm (the grouped down kernel reads it so)."""
+    here, one copy); h in dot order when h_perm (the grouped down kernel reads it so). decode: "fast" (PTX, one
+    multiply per pair, a tile with a scale code > 128 redone exactly), "exact" (PTX, two multiplies) or "bits"
+    (portable, fp32 dots)."""
     inter, d = w1.shape[1], x.shape[1]
     xp = permute_columns(x)
     u1, u3 = w1.view(torch.int32), w3.view(torch.int32)
@@ -264,7 +345,7 @@ def launch_gate_up(
         xp, u1, u3, v1, v3, pairs, bexp, h,
         x.shape[0] * topk, inter, d, xp.stride(0), u1.stride(0), u1.stride(1), v1.stride(0), v1.stride(1),
         h.stride(0), float(limit),
-        TOPK=topk, CLAMP=limit > 0, DECODE=decode, H_PERM=h_perm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
+        TOPK=topk, CLAMP=limit > 0, DECODE=_DECODE[decode], FAST=decode == "fast", H_PERM=h_perm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
@@ -281,6 +362,6 @@ def launch_down(
     _down_grouped_kernel[(bexp.shape[0], -(-d // block_n))](
         h, u2, v2, pairs, bexp, rw, rows,
         p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), v2.stride(0), v2.stride(1), rows.stride(0),
-        DECODE=decode, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(inter, block_k),
+        DECODE=_DECODE[decode], FAST=decode == "fast", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(inter, block_k),
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -44,8 +44,9 @@ _TWO_POW_14 = tl.constexpr(16384.0)
 class GemmConfig:
     """Launch config of one grouped GEMM. ``variant``: "asm" (PTX decode; GPU, bf16 / fp16 activations) or
     "bits" (portable integer decode; the CPU interpreter and fp32 activations) decode whole K-ordered tiles;
-    "grouped" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into the dot operand
-    registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple of 128)."""
+    "grouped" / "grouped_exact" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into
+    the dot operand registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple
+    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is > 128)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -363,8 +364,11 @@ def default_configs(
 
 
 def _decode(cfg: GemmConfig, dot_f32: bool) -> str:
-    """Decode of a grouped config: PTX for bf16 / fp16 dots, the portable one for "grouped_bits" or fp32 dots."""
-    return "bits" if dot_f32 or cfg.variant == "grouped_bits" else "asm"
+    """Decode of a grouped config: the portable one for "grouped_bits" or fp32 dots, else PTX ("grouped": one
+    multiply per weight pair with an exact redo of tiles holding a scale code > 128; "grouped_exact": two)."""
+    if dot_f32 or cfg.variant == "grouped_bits":
+        return "bits"
+    return "exact" if cfg.variant == "grouped_exact" else "fast"
 
 
 def _packed(cfg: GemmConfig, *ws: Tensor) -> tuple:
