@@ -115,9 +115,11 @@ def test_grouped_gpu_v41_widths(t):
 
 
 @pytest.mark.gpu
-def test_grouped_ptx_decode_is_exact_for_every_code():
+@pytest.mark.parametrize("codes", [(0, 1, 20, 100, 118, 127, 128), (20, 100, 118, 127, 128, 129, 200, 250)])
+def test_grouped_ptx_decode_is_exact_for_every_code(codes):
     """One-hot activations (routing weight 1) make each down-projection output row one weight column: the PTX
-    decode of the grouped kernel reproduces every dequantized weight bit for bit, scale codes 20 .. 250."""
+    decode of the grouped kernels reproduces every dequantized weight bit for bit. Codes <= 128 stay on the fast
+    decode; the second set puts codes > 128 in every tile, which the fast kernel redoes with the exact decode."""
     from deepinfer_kernels.moe import triton as mt
     from deepinfer_kernels.moe.fp4_grouped import permute_columns
     from deepinfer_kernels.quant.reference import dequant_fp4
@@ -125,9 +127,9 @@ def test_grouped_ptx_decode_is_exact_for_every_code():
     g = torch.Generator().manual_seed(8)
     e, d, inter = 2, 64, 256
     w2 = torch.randint(-128, 128, (e, d, inter // 2), generator=g, dtype=torch.int8).cuda()
-    codes = torch.tensor([20, 100, 118, 127, 128, 129, 200, 250], dtype=torch.uint8)
+    table = torch.tensor(codes, dtype=torch.uint8)
     s2 = (
-        codes[torch.randint(0, len(codes), (e, d, inter // 32), generator=g)]
+        table[torch.randint(0, len(table), (e, d, inter // 32), generator=g)]
         .view(torch.float8_e8m0fnu)
         .cuda()
     )
@@ -139,9 +141,13 @@ def test_grouped_ptx_decode_is_exact_for_every_code():
     h[valid.nonzero().squeeze(1), (pairs[valid] // e).long() % inter] = 1.0
     rows = torch.empty((t, d), dtype=torch.float32, device="cuda")
     ones = torch.ones(t, device="cuda")
-    for cfg in (mt.GemmConfig(64, 128, 4, 4, "grouped"), mt.GemmConfig(32, 256, 4, 3, "grouped")):
+    want = torch.stack([dequant_fp4(w2[i].cpu(), s2[i].cpu(), block=32) for i in range(e)])
+    tok = torch.arange(t)
+    for cfg in (
+        mt.GemmConfig(64, 128, 4, 4, "grouped"),
+        mt.GemmConfig(32, 256, 4, 3, "grouped"),
+        mt.GemmConfig(64, 128, 4, 4, "grouped_exact"),
+    ):
         rows.fill_(float("nan"))
         mt.launch_down(permute_columns(h), w2, s2, pairs, bexp, ones, rows, 16, cfg, False)
-        want = torch.stack([dequant_fp4(w2[i].cpu(), s2[i].cpu(), block=32) for i in range(e)])
-        tok = torch.arange(t)
         assert torch.equal(rows.cpu(), want[tok % e, :, (tok // e) % inter]), cfg
