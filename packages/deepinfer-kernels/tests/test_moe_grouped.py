@@ -89,7 +89,7 @@ def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: st
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 32, 256])
+@pytest.mark.parametrize("t", [1, 32, 256, 1024])  # 1024: BLOCK_M 64 (P >= 4096)
 def test_grouped_gpu_v41_widths(t):
     from deepinfer_kernels.moe import triton as mt
 
