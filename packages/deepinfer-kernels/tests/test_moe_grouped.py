@@ -76,6 +76,22 @@ def test_grouped_bits_interpreter_matches_reference():
             mod.moe_experts_fp4(x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, configs=mixed)
 
 
+@needs_triton
+def test_grouped_configs_fall_back_when_widths_are_not_multiples_of_128():
+    g = torch.Generator().manual_seed(12)
+    st = _fp4_experts(3, 64, 96, g)  # I 64, d 96: multiples of 32 (FP4 groups), not of 128 (scale words)
+    x = torch.randn(2, 96, generator=g)
+    w = torch.rand(2, 2, generator=g)
+    ids = torch.tensor([[0, 2], [1, 2]])
+    with triton_interpreter(*_MODULES) as (fg, mod):
+        assert not fg.supports(96, 64, st.w1) and fg.supports(128, 256, st.w1)
+        cfg = mod.GemmConfig(64, 128, 4, 1, "grouped_bits")
+        got = mod.moe_experts_fp4(
+            x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, configs=(16, cfg, cfg)
+        )
+        assert _rel(got, reference.moe_experts(x, w, ids, st, 0.5)) <= 1e-5
+
+
 def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: str) -> StackedExperts:
     def packed(o, i):
         return torch.randint(-128, 128, (e, o, i // 2), generator=g, dtype=torch.int8).to(device)

@@ -312,9 +312,15 @@ def _down_grouped_kernel(
         tl.store(op, acc * wt[None, :], mask=r_mask[None, :] & n_mask[:, None])
 
 
-def supports(d: int, inter: int) -> bool:
-    """The grouped kernels read scales as 32-bit words of 4 groups: both GEMM depths must be multiples of 128."""
-    return d % 128 == 0 and inter % 128 == 0
+def supports(d: int, inter: int, *packed: Tensor) -> bool:
+    """The grouped kernels read codes and scales as 32-bit words (scales: 4 groups a word): both GEMM depths must be
+    multiples of 128 and the packed tensors viewable as int32 (unit last stride, 4-byte aligned rows)."""
+    return (
+        d % 128 == 0
+        and inter % 128 == 0
+        and all(t.stride(-1) == 1 and t.storage_offset() % 4 == 0 for t in packed)
+        and all(st % 4 == 0 for t in packed for st in t.stride()[:-1])
+    )
 
 
 _DECODE = {"fast": "asm", "exact": "asm", "bits": "bits"}

@@ -478,7 +478,8 @@ def moe_experts_fp4(
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
     dot_f32 = interp or x.dtype == torch.float32
     block_m, cfg_up, cfg_down = configs or default_configs(p, interp, dot_f32)
-    if not fp4_grouped.supports(d, inter) and "grouped" in cfg_up.variant + cfg_down.variant:
+    grouped = "grouped" in cfg_up.variant + cfg_down.variant
+    if grouped and not fp4_grouped.supports(d, inter, w1, w3, w2, s1, s3, s2):
         block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, grouped=False)
     pairs, bexp = align_pairs(ids, e_count, block_m)
     h = torch.empty((bexp.shape[0] * block_m, inter), dtype=x.dtype, device=x.device)
