@@ -131,11 +131,11 @@ def test_grouped_gpu_v41_widths(t):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("codes", [(0, 1, 20, 100, 118, 127, 128), (20, 100, 118, 127, 128, 129, 200, 250)])
+@pytest.mark.parametrize("codes", [(0, 1, 20, 100, 118, 126, 127), (20, 100, 118, 127, 128, 129, 200, 250)])
 def test_grouped_ptx_decode_is_exact_for_every_code(codes):
     """One-hot activations (routing weight 1) make each down-projection output row one weight column: the PTX
-    decode of the grouped kernels reproduces every dequantized weight bit for bit. Codes <= 128 stay on the fast
-    decode; the second set puts codes > 128 in every tile, which the fast kernel redoes with the exact decode."""
+    decode of the grouped kernels reproduces every dequantized weight bit for bit. Codes < 128 stay on the fast
+    decode; the second set puts codes >= 128 in every tile, which the fast kernel redoes with the exact decode."""
     from deepinfer_kernels.moe import triton as mt
     from deepinfer_kernels.moe.fp4_grouped import permute_columns
     from deepinfer_kernels.quant.reference import dequant_fp4

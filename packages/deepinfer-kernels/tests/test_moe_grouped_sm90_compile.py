@@ -102,7 +102,7 @@ def test_grouped_kernels_feed_wgmma_from_registers_on_sm90():
         fast = "fast=True" in name
         assert r["stack"] == 0, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
-        # the fast kernels hold two loops (fast, then the exact redo of a tile with a scale code > 128)
+        # the fast kernels hold two loops (fast, then the exact redo of a tile with a scale code >= 128)
         assert len(r["loop_instrs_per_weight"]) == (2 if fast else 1), (name, r)
         assert r["loop_hgmma"] > 0 and r["loop_cp_async"] > 0, (name, r)
         # no layout conversion of the decoded tile: the only convert is the epilogue's (h / rows store)

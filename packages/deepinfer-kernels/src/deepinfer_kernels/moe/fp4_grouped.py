@@ -48,8 +48,8 @@ def permuted_column(n):
 # to 6..8 and sign to 15 of each lane make value * 2^-126 (e = 0 lands on bf16 subnormals, which bf16 fma keeps).
 # Exact form: two bf16x2 multiplies by 2^(min(b, 128) - 1) and 2^(max(b, 128) - 128) apply the UE8M0 scale
 # 2^(b - 127) and the 2^126 for every code b (one multiplier alone overflows bf16 for b > 128). Fast form: one
-# multiply by 2^(b - 1), exact for b <= 128 (|weight| <= 12); the kernels check the codes and redo a tile with
-# the exact form when one is larger.
+# multiply by 2^(b - 1), exact for b <= 128 (|weight| <= 12); the kernels OR the codes of a tile and redo it with
+# the exact form when any has bit 7 set (b >= 128: one OR per scale word, conservative for b = 128).
 def _word_ptx(exact: bool) -> str:
     lines = ["{", ".reg .b32 a, b, t, z;", "mov.b32 z, 0x80008000;"]
     for m in range(4):
@@ -98,12 +98,6 @@ def _exact_multipliers(sw, i: tl.constexpr):
     m1 = (tl.minimum(b, 128) + 126) << 7
     m2 = (tl.maximum(b, 128) - 1) << 7
     return m1 | (m1 << 16), m2 | (m2 << 16)
-
-
-@triton.jit
-def _over_128(sw):
-    """Nonzero bit 7 of a byte of the result where that scale code of sw is > 128 (bit 7 set, low bits not 0)."""
-    return ((sw & 0x7F7F7F7F) + 0x7F7F7F7F) & sw
 
 
 @triton.jit
@@ -166,8 +160,8 @@ def _group_tile(w, sw, m, i: tl.constexpr, DECODE: tl.constexpr, FAST: tl.conste
 @triton.jit
 def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += 128 columns: wp [BLOCK_N, 4] pointers to the first group's words (int32), sp
-    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order. big [BLOCK_N] int32 collects
-    `_over_128` of the scale words (FAST: the tile is redone exactly when any is set)."""
+    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order. big [BLOCK_N] int32 ORs the
+    scale words (FAST: the tile is redone exactly when a code >= 128 shows as bit 7 of a byte)."""
     sw = tl.load(sp)
     m0 = sw
     m1 = sw
@@ -177,7 +171,7 @@ def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BL
         m0, m1, m2, m3 = tl.inline_asm_elementwise(
             _FAST_MULTIPLIERS, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1
         )
-        big = big | _over_128(sw)
+        big = big | sw  # bit 7 of a byte set somewhere: a code >= 128 (conservative for 128 itself)
     t0 = _group_tile(tl.load(wp), sw, m0, 0, DECODE, FAST, BLOCK_N)
     t1 = _group_tile(tl.load(wp + 4), sw, m1, 1, DECODE, FAST, BLOCK_N)
     t2 = _group_tile(tl.load(wp + 8), sw, m2, 2, DECODE, FAST, BLOCK_N)
@@ -191,7 +185,7 @@ def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BL
 
 
 @triton.jit
-def _any_over_128(big):
+def _any_code_from_128(big):
     return tl.max(((big & -2139062144) != 0).to(tl.int32), axis=0) > 0  # -2139062144 = 0x80808080
 
 
@@ -259,7 +253,8 @@ def _gate_up_grouped_kernel(
         g, u, big = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, FAST,
                                   BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if FAST:
-            if _any_over_128(big):  # a scale code > 128 in this tile: the fast decode was not exact, redo it
+            # a scale code >= 128 in this tile: the fast decode may not be exact, redo it
+            if _any_code_from_128(big):
                 g, u, big = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, False,
                                           BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if CLAMP:
@@ -304,7 +299,8 @@ def _down_grouped_kernel(
             h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, FAST, BLOCK_M, BLOCK_N, BLOCK_K
         )
         if FAST:
-            if _any_over_128(big):  # a scale code > 128 in this tile: the fast decode was not exact, redo it
+            # a scale code >= 128 in this tile: the fast decode may not be exact, redo it
+            if _any_code_from_128(big):
                 acc, big = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, False, BLOCK_M, BLOCK_N,
                                       BLOCK_K)  # fmt: skip
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)

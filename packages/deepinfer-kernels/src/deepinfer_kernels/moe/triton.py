@@ -46,7 +46,7 @@ class GemmConfig:
     "bits" (portable integer decode; the CPU interpreter and fp32 activations) decode whole K-ordered tiles;
     "grouped" / "grouped_exact" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into
     the dot operand registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple
-    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is > 128)."""
+    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -365,7 +365,7 @@ def default_configs(
 
 def _decode(cfg: GemmConfig, dot_f32: bool) -> str:
     """Decode of a grouped config: the portable one for "grouped_bits" or fp32 dots, else PTX ("grouped": one
-    multiply per weight pair with an exact redo of tiles holding a scale code > 128; "grouped_exact": two)."""
+    multiply per weight pair with an exact redo of tiles holding a scale code >= 128; "grouped_exact": two)."""
     if dot_f32 or cfg.variant == "grouped_bits":
         return "bits"
     return "exact" if cfg.variant == "grouped_exact" else "fast"
