@@ -51,9 +51,8 @@ def experts() -> StackedExperts:
 def candidates(quick: bool) -> list[mt.GemmConfig]:
     if quick:
         old = [mt.GemmConfig(64, 128, 4, 3, "asm"), mt.GemmConfig(128, 256, 8, 3, "asm")]
-        new = [mt.GemmConfig(n, k, w, s, "grouped") for n, k, w, s in
-               ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4), (128, 256, 8, 3), (64, 128, 4, 3))]  # fmt: skip
-        return old + new + [mt.GemmConfig(64, 128, 4, 4, "grouped_exact")]
+        new = [mt.GemmConfig(n, k, w, s, "grouped") for n, k, w, s in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 256, 8, 3))]
+        return old + new + [mt.GemmConfig(64, 256, 4, 3, "grouped_exact")]
     grid = itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3))
     asm = [mt.GemmConfig(n, k, w, s, "asm") for n, k, w, s in grid]
     grouped = [mt.GemmConfig(n, k, w, s, v) for v, n, k, w, s in
