@@ -1,7 +1,7 @@
 """Offline sm_90a compile of the per-scale-group FP4 expert kernels (variant "grouped", `moe.fp4_grouped`), without a
 GPU. What the variant is for, checked in the compiled code of its K loops: the decoded weights feed wgmma from
 registers with no layout conversion (no `convert_layout`, no shared-memory store and no barrier inside a loop),
-the weight and scale tiles are pipelined by asynchronous copies, nothing spills, and the fast loop spends fewer
+the weight and scale tiles are pipelined by asynchronous copies, nothing spills to local memory, and the fast loop spends fewer
 instructions per weight than the exact one (one bf16x2 multiply per pair instead of two)."""
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def report(c, weights_per_thread):
             "loop_instrs_per_weight": [round(len(b) / weights_per_thread, 2) for b in body],
             "loop_bar_sync": sum(1 for b in body for t in b if "BAR.SYNC" in t),
             "loop_sts": sum(1 for b in body for t in b if re.search(r"\bSTS\b", t)),
+            "local_mem": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
             "loop_hgmma": sum(1 for b in body for t in b if "HGMMA" in t),
             "loop_cp_async": sum(1 for b in body for t in b if "LDGSTS" in t),
             "converts_after_loop_start": loop_ir.count("ttg.convert_layout"),
@@ -100,7 +101,9 @@ def test_grouped_kernels_feed_wgmma_from_registers_on_sm90():
     assert len(report) == 4
     for name, r in report.items():
         fast = "fast=True" in name
-        assert r["stack"] == 0, (name, r)
+        # no spill: no local-memory access at all (triton 3.9 reserves an unused 8-byte stack frame for the fast
+        # gate/up kernel, so the frame size alone is not the test)
+        assert r["local_mem"] == 0 and r["stack"] <= 16, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)
         # the fast kernels hold two loops (fast, then the exact redo of a tile with a scale code >= 128)
         assert len(r["loop_instrs_per_weight"]) == (2 if fast else 1), (name, r)

@@ -48,8 +48,8 @@ def permuted_column(n):
 # to 6..8 and sign to 15 of each lane make value * 2^-126 (e = 0 lands on bf16 subnormals, which bf16 fma keeps).
 # Exact form: two bf16x2 multiplies by 2^(min(b, 128) - 1) and 2^(max(b, 128) - 128) apply the UE8M0 scale
 # 2^(b - 127) and the 2^126 for every code b (one multiplier alone overflows bf16 for b > 128). Fast form: one
-# multiply by 2^(b - 1), exact for b <= 128 (|weight| <= 12); the kernels OR the codes of a tile and redo it with
-# the exact form when any has bit 7 set (b >= 128: one OR per scale word, conservative for b = 128).
+# multiply by 2^(b - 1), exact for b <= 128 (|weight| <= 12; a larger code gives an infinite multiplier, and the
+# kernels redo that tile with the exact form).
 def _word_ptx(exact: bool) -> str:
     lines = ["{", ".reg .b32 a, b, t, z;", "mov.b32 z, 0x80008000;"]
     for m in range(4):
@@ -71,17 +71,21 @@ def _word_ptx(exact: bool) -> str:
 _WORD_EXACT = tl.constexpr(_word_ptx(True))
 _WORD_FAST = tl.constexpr(_word_ptx(False))
 
-# Scale word (codes b0..b3 of 4 groups) -> the fast multiplier 2^(b_i - 1) of each group as a bf16x2 word: bytes
-# b + 126 (no carry for b <= 128) moved to bits 7..14 of a lane, then one byte permute copies a lane to both.
+# Scale word (codes b0..b3 of 4 groups) -> the fast multiplier 2^(min(b_i, 129) - 1) of each group as a bf16x2
+# word: the codes in 16-bit lanes, min 129, then (c + 126) << 7 is the bf16 of 2^(c - 1) (exact for c <= 128; c =
+# 129 gives infinity, on purpose: see _non_finite) and one byte permute copies a lane to both lanes.
 _FAST_MULTIPLIERS = tl.constexpr(
     """
 {
-.reg .b32 f, lo, hi;
-add.u32 f, $4, 0x7E7E7E7E;
-shl.b32 lo, f, 7;
-and.b32 lo, lo, 0x7F807F80;
-shr.b32 hi, f, 1;
-and.b32 hi, hi, 0x7F807F80;
+.reg .b32 lo, hi, cap;
+mov.b32 cap, 0x00810081;
+and.b32 lo, $4, 0x00FF00FF;
+shr.b32 hi, $4, 8;
+and.b32 hi, hi, 0x00FF00FF;
+min.u16x2 lo, lo, cap;
+min.u16x2 hi, hi, cap;
+mad.lo.u32 lo, lo, 128, 0x3F003F00;
+mad.lo.u32 hi, hi, 128, 0x3F003F00;
 prmt.b32 $0, lo, 0, 0x1010;
 prmt.b32 $1, hi, 0, 0x1010;
 prmt.b32 $2, lo, 0, 0x3232;
@@ -158,10 +162,9 @@ def _group_tile(w, sw, m, i: tl.constexpr, DECODE: tl.constexpr, FAST: tl.conste
 
 
 @triton.jit
-def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
+def _chunk_dot(acc, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += 128 columns: wp [BLOCK_N, 4] pointers to the first group's words (int32), sp
-    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order. big [BLOCK_N] int32 ORs the
-    scale words (FAST: the tile is redone exactly when a code >= 128 shows as bit 7 of a byte)."""
+    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order."""
     sw = tl.load(sp)
     m0 = sw
     m1 = sw
@@ -171,7 +174,6 @@ def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BL
         m0, m1, m2, m3 = tl.inline_asm_elementwise(
             _FAST_MULTIPLIERS, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1
         )
-        big = big | sw  # bit 7 of a byte set somewhere: a code >= 128 (conservative for 128 itself)
     t0 = _group_tile(tl.load(wp), sw, m0, 0, DECODE, FAST, BLOCK_N)
     t1 = _group_tile(tl.load(wp + 4), sw, m1, 1, DECODE, FAST, BLOCK_N)
     t2 = _group_tile(tl.load(wp + 8), sw, m2, 2, DECODE, FAST, BLOCK_N)
@@ -181,12 +183,12 @@ def _chunk_dot(acc, big, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BL
         acc = tl.dot(a, tl.trans(x.to(tl.bfloat16)), acc)
     else:
         acc = tl.dot(a, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-    return acc, big
+    return acc
 
 
 @triton.jit
-def _any_code_from_128(big):
-    return tl.max(((big & -2139062144) != 0).to(tl.int32), axis=0) > 0  # -2139062144 = 0x80808080
+def _any_nan(t):
+    return tl.max(tl.max((t != t).to(tl.int32), axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -198,16 +200,15 @@ def _gate_up_loop(
     c128 = tl.arange(0, 128)
     g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    big = tl.zeros([BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         for q in tl.static_range(BLOCK_K // 128):
             kc = k0 + q * 128
             x = tl.load(x_rows + (kc + c128)[None, :])
             wp = w_off[:, None] + (kc // 8 + cw)[None, :]
             sp = s_off + kc // 128
-            g, big = _chunk_dot(g, big, w1_ptr + wp, s1_ptr + sp, x, DECODE, FAST, BLOCK_N)
-            u, big = _chunk_dot(u, big, w3_ptr + wp, s3_ptr + sp, x, DECODE, FAST, BLOCK_N)
-    return g, u, big
+            g = _chunk_dot(g, w1_ptr + wp, s1_ptr + sp, x, DECODE, FAST, BLOCK_N)
+            u = _chunk_dot(u, w3_ptr + wp, s3_ptr + sp, x, DECODE, FAST, BLOCK_N)
+    return g, u
 
 
 @triton.jit
@@ -218,14 +219,13 @@ def _down_loop(
     cw = tl.arange(0, 4)
     c128 = tl.arange(0, 128)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    big = tl.zeros([BLOCK_N], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         for q in tl.static_range(BLOCK_K // 128):
             kc = k0 + q * 128
             x = tl.load(h_rows + (kc + c128)[None, :])
             wp = w_off[:, None] + (kc // 8 + cw)[None, :]
-            acc, big = _chunk_dot(acc, big, w2_ptr + wp, s2_ptr + s_off + kc // 128, x, DECODE, FAST, BLOCK_N)
-    return acc, big
+            acc = _chunk_dot(acc, w2_ptr + wp, s2_ptr + s_off + kc // 128, x, DECODE, FAST, BLOCK_N)
+    return acc
 
 
 @triton.jit
@@ -250,13 +250,15 @@ def _gate_up_grouped_kernel(
         w_off = e.to(tl.int64) * stride_we + wrow * stride_wn
         s_off = e.to(tl.int64) * stride_se + wrow * stride_sn
         x_rows = x_ptr + tok[:, None] * stride_x
-        g, u, big = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, FAST,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, FAST,
+                             BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        # The fast decode turns every scale code > 128 into an infinite multiplier, so a group holding one makes its
+        # rows infinite or NaN whatever the activations (x * 0 is NaN exactly then): redo such a tile exactly.
+        # Activations that are not finite themselves also take the redo, with the same result.
         if FAST:
-            # a scale code >= 128 in this tile: the fast decode may not be exact, redo it
-            if _any_code_from_128(big):
-                g, u, big = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, False,
-                                          BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+            if _any_nan(g * 0.0 + u * 0.0):
+                g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, False,
+                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if CLAMP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -295,14 +297,12 @@ def _down_grouped_kernel(
         w_off = e.to(tl.int64) * stride_we + wrow * stride_wn
         s_off = e.to(tl.int64) * stride_se + wrow * stride_sn
         h_rows = h_ptr + hrow[:, None] * stride_h
-        acc, big = _down_loop(
-            h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, FAST, BLOCK_M, BLOCK_N, BLOCK_K
-        )
-        if FAST:
-            # a scale code >= 128 in this tile: the fast decode may not be exact, redo it
-            if _any_code_from_128(big):
-                acc, big = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, False, BLOCK_M, BLOCK_N,
-                                      BLOCK_K)  # fmt: skip
+        acc = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, FAST, BLOCK_M, BLOCK_N, BLOCK_K)
+        if FAST:  # a scale code > 128 (see the gate/up kernel): redo the tile with the exact decode
+            if _any_nan(acc * 0.0):
+                acc = _down_loop(
+                    h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, False, BLOCK_M, BLOCK_N, BLOCK_K
+                )
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
         op = out_ptr + tl.where(r_mask, rows, 0)[None, :].to(tl.int64) * stride_o + offs_n[:, None]
         tl.store(op, acc * wt[None, :], mask=r_mask[None, :] & n_mask[:, None])
