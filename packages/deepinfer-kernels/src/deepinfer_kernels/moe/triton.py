@@ -356,7 +356,7 @@ def default_configs(
         return 16, GemmConfig(16, 32, 4, 1, "bits"), GemmConfig(16, 32, 4, 1, "bits")
     block_m = 16 if pairs < 4096 else 64
     if grouped and not fp32:  # offline sm_90a compile only so far (docs/moe_fp4_kernel.md): the sweep decides
-        return block_m, GemmConfig(64, 128, 4, 4, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
+        return block_m, GemmConfig(64, 256, 4, 3, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
     variant = "bits" if fp32 else "asm"
     up = GemmConfig(64, 128, 4, 3, variant)
     down = GemmConfig(64, 128, 4, 3, variant) if pairs >= 64 else GemmConfig(128, 256, 8, 3, variant)
