@@ -13,11 +13,11 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.moe import StackedExperts, moe_experts, reference
+from deepinfer_kernels.moe import StackedExperts, reference
 from deepinfer_kernels.quant import quant_fp4
 from kernels_testing import triton_interpreter
 
-_MODULES = ("deepinfer_kernels.moe.fp4_grouped", "deepinfer_kernels.moe.triton")
+_MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
@@ -35,8 +35,9 @@ def _fp4_experts(e: int, inter: int, d: int, g: torch.Generator) -> StackedExper
     return StackedExperts(*(torch.stack(packed[k]) for k in ("w1", "w3", "w2", "s1", "s3", "s2")), fmt="fp4")
 
 
+@needs_triton
 def test_permute_columns_is_the_dot_order():
-    from deepinfer_kernels.moe.fp4_grouped import permute_columns
+    from deepinfer_kernels.moe.fp4_grouped.triton import permute_columns
 
     x = torch.arange(2 * 64).view(2, 64)
     p = permute_columns(x)
@@ -107,6 +108,8 @@ def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: st
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 32, 256, 1024])  # 1024: BLOCK_M 64 (P >= 4096)
 def test_grouped_gpu_v41_widths(t):
+    """The grouped defaults (`default_configs(grouped=True)`, the configs the engine would run) against the
+    reference: fp32 activations take the portable decode (exact fp32 dots), bf16 the fast PTX decode."""
     from deepinfer_kernels.moe import triton as mt
 
     g = torch.Generator().manual_seed(100 + t)
@@ -114,20 +117,14 @@ def test_grouped_gpu_v41_widths(t):
     x = (torch.randn(t, 5120, generator=g) / 8).cuda()
     w = torch.rand(t, 6, generator=g).cuda()
     ids = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(t)]).cuda()
-    block_m = 16 if t * 6 < 4096 else 64
-    for cfg in (mt.GemmConfig(64, 128, 4, 4, "grouped"), mt.GemmConfig(128, 256, 8, 3, "grouped")):
-        cfgs = (block_m, cfg, cfg)
-        got = mt.moe_experts_fp4(x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 10.0, configs=cfgs)
-        assert _rel(got, reference.moe_experts(x, w, ids, st, 10.0)) <= 1e-5, cfg  # fp32 x: portable decode
-        xb = x.bfloat16()
-        got = mt.moe_experts_fp4(xb, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 10.0, configs=cfgs)
-        assert _rel(got, reference.moe_experts(xb, w, ids, st, 10.0)) <= 2e-2, cfg
-    # the default path with the switch flipped gives the same as the explicit grouped configs
+    cfgs = mt.default_configs(t * 6, False, False, grouped=True)
+    assert cfgs[1].variant == cfgs[2].variant == "grouped"
+    args = (w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 10.0)
+    got = mt.moe_experts_fp4(x, *args, configs=cfgs)
+    assert _rel(got, reference.moe_experts(x, w, ids, st, 10.0)) <= 1e-5
     xb = x.bfloat16()
-    want = moe_experts(xb, w, ids, st, 10.0, backend="triton")
-    got = mt.moe_experts_fp4(xb, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 10.0,
-                             configs=mt.default_configs(t * 6, False, False, grouped=True))  # fmt: skip
-    assert _rel(got, want) <= 2e-2
+    got = mt.moe_experts_fp4(xb, *args, configs=cfgs)
+    assert _rel(got, reference.moe_experts(xb, w, ids, st, 10.0)) <= 2e-2
 
 
 @pytest.mark.gpu
@@ -137,7 +134,7 @@ def test_grouped_ptx_decode_is_exact_for_every_code(codes):
     decode of the grouped kernels reproduces every dequantized weight bit for bit. Codes < 128 stay on the fast
     decode; the second set puts codes >= 128 in every tile, which the fast kernel redoes with the exact decode."""
     from deepinfer_kernels.moe import triton as mt
-    from deepinfer_kernels.moe.fp4_grouped import permute_columns
+    from deepinfer_kernels.moe.fp4_grouped.triton import permute_columns
     from deepinfer_kernels.quant.reference import dequant_fp4
 
     g = torch.Generator().manual_seed(8)
@@ -161,8 +158,8 @@ def test_grouped_ptx_decode_is_exact_for_every_code(codes):
     tok = torch.arange(t)
     for cfg in (
         mt.GemmConfig(64, 128, 4, 4, "grouped"),
-        mt.GemmConfig(32, 256, 4, 3, "grouped"),
-        mt.GemmConfig(64, 128, 4, 4, "grouped_exact"),
+        mt.GemmConfig(64, 256, 4, 3, "grouped"),
+        mt.GemmConfig(64, 256, 4, 3, "grouped_exact"),
     ):
         rows.fill_(float("nan"))
         mt.launch_down(permute_columns(h), w2, s2, pairs, bexp, ones, rows, 16, cfg, False)

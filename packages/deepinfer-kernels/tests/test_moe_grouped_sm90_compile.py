@@ -25,7 +25,7 @@ import json, os, re, subprocess, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deepinfer_kernels.moe import fp4_grouped as fg
+from deepinfer_kernels.moe.fp4_grouped import triton as fg
 
 def compile_sm90(kernel, sig, consts, div16, num_warps, num_stages):
     names = kernel.arg_names

@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
-from deepinfer_kernels.moe import fp4_grouped
+from deepinfer_kernels.moe.fp4_grouped import triton as fp4_grouped
 
 __all__ = ["GemmConfig", "align_pairs", "default_configs", "moe_experts_fp4"]
 
