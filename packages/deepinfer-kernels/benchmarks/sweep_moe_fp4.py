@@ -3,7 +3,9 @@
 For T tokens (top-6 of 384 experts, random routing, d 5120, I 2304) every candidate config of each kernel is
 timed alone (triton.testing.do_bench median, L2 flushed), checked against the torch reference through the whole
 expert path (the other kernel at its default), and set beside its bytes bound (weights + scales of the experts
-hit / copy bandwidth measured in the same run). Prints a table of the best configs per T and writes JSON.
+hit / copy bandwidth measured in the same run). Prints the best configs per T, then a table of the old kernels
+("asm" / "bits": whole-tile decode) against the per-scale-group kernels ("grouped*", docs/moe_fp4_kernel.md) per
+T, kernel and the default whole-path time of each, and writes JSON.
 
     PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_moe_fp4.py \
         [--tokens 1,8,64,256] [--quick] [--json out.json]
@@ -48,10 +50,18 @@ def experts() -> StackedExperts:
 
 def candidates(quick: bool) -> list[mt.GemmConfig]:
     if quick:
-        return [mt.GemmConfig(64, 256, 4, 3, "asm"), mt.GemmConfig(64, 256, 4, 3, "bits")]
+        old = [mt.GemmConfig(64, 128, 4, 3, "asm"), mt.GemmConfig(128, 256, 8, 3, "asm")]
+        new = [mt.GemmConfig(n, k, w, s, "grouped") for n, k, w, s in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 256, 8, 3))]
+        return old + new + [mt.GemmConfig(64, 256, 4, 3, "grouped_exact")]
     grid = itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3))
     asm = [mt.GemmConfig(n, k, w, s, "asm") for n, k, w, s in grid]
-    return asm + [mt.GemmConfig(64, 256, 4, 3, "bits")]
+    grouped = [mt.GemmConfig(n, k, w, s, v) for v, n, k, w, s in
+               itertools.product(("grouped",), (64, 128), (128, 256, 512), (4, 8), (2, 3, 4))]  # fmt: skip
+    return asm + [mt.GemmConfig(64, 256, 4, 3, "bits")] + grouped + [mt.GemmConfig(64, 128, 4, 4, "grouped_exact")]
+
+
+def is_new(cfg: mt.GemmConfig) -> bool:
+    return cfg.variant.startswith("grouped")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,6 +76,8 @@ def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, 
     hit = int(torch.unique(ids).numel())
     want = reference.moe_experts(x, w, ids, st, limit)
     block_m, d_up, d_down = mt.default_configs(t * TOPK, False, False)
+    new_defaults = mt.default_configs(t * TOPK, False, False, grouped=True)
+    _, n_up, n_down = new_defaults
     pairs, bexp = mt.align_pairs(ids, E, block_m)
     h = torch.empty((bexp.shape[0] * block_m, INTER), dtype=x.dtype, device="cuda")
     rows = torch.empty((t * TOPK, D), dtype=torch.float32, device="cuda")
@@ -73,8 +85,8 @@ def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, 
     up_bytes = hit * 2 * (INTER * D // 2 + INTER * D // 32)
     down_bytes = hit * (INTER * D // 2 + INTER * D // 32)
 
-    def up(cfg):
-        mt.launch_gate_up(x, st.w1, st.w3, st.s1, st.s3, pairs, bexp, h, TOPK, limit, block_m, cfg, False)
+    def up(cfg):  # a grouped gate/up writes h in the order the grouped down kernel reads
+        mt.launch_gate_up(x, st.w1, st.w3, st.s1, st.s3, pairs, bexp, h, TOPK, limit, block_m, cfg, False, is_new(cfg))
 
     def down(cfg):
         mt.launch_down(h, st.w2, st.s2, pairs, bexp, rw, rows, block_m, cfg, False)
@@ -84,18 +96,54 @@ def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, 
         for cfg in cands:
             row = {"config": cfg.__dict__, "bound_ms": nbytes / bw * 1e3}
             try:
-                up(cfg if kind == "gate_up" else d_up)
-                down(cfg if kind == "down" else d_down)
+                up_cfg = cfg if kind == "gate_up" else (n_up if is_new(cfg) else d_up)
+                down_cfg = cfg if kind == "down" else (n_down if is_new(cfg) else d_down)
+                up(up_cfg)
+                down(down_cfg)
                 row["rel_err"] = rel(rows.view(t, TOPK, D).sum(1), want)
                 row["ms"] = do_bench(partial(fn, cfg), warmup=5, rep=25)
                 row["of_bound"] = row["bound_ms"] / row["ms"]
             except Exception as exc:  # noqa: BLE001 - a config that does not compile / fit is a sweep result
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             res[kind].append(row)
-    full = partial(mt.moe_experts_fp4, x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit)
-    res["default_total_ms"] = do_bench(full, warmup=5, rep=25)
+    args = (x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit)
+    res["default_total_ms"] = do_bench(partial(mt.moe_experts_fp4, *args), warmup=5, rep=25)
+    got = mt.moe_experts_fp4(*args, configs=new_defaults)
+    res["grouped_default_rel_err"] = rel(got, want)
+    res["grouped_default_total_ms"] = do_bench(partial(mt.moe_experts_fp4, *args, configs=new_defaults), rep=25)
     res["total_bound_ms"] = (up_bytes + down_bytes) / bw * 1e3
     return res
+
+
+def best(rows: list[dict], new: bool) -> dict | None:
+    ok = [r for r in rows if "ms" in r and r["rel_err"] < 2e-2 and r["config"]["variant"].startswith("grouped") == new]
+    return min(ok, key=lambda r: r["ms"]) if ok else None
+
+
+def fmt_cfg(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    c = r["config"]
+    return f"{c['variant']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+
+
+def print_old_vs_new(cases: list[dict]) -> None:
+    print("\n| T | kernel | bound us | old best | old us | old % | new best | new us | new % | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        for kind in ("gate_up", "down"):
+            o, n = best(case[kind], False), best(case[kind], True)
+            bound = case[kind][0]["bound_ms"] * 1e3
+            cols = []
+            for r in (o, n):
+                cols += [fmt_cfg(r), f"{r['ms'] * 1e3:.1f}" if r else "-", f"{100 * r['of_bound']:.1f}" if r else "-"]
+            speed = f"{o['ms'] / n['ms']:.2f}x" if o and n else "-"
+            print(f"| {case['T']} | {kind} | {bound:.1f} | " + " | ".join(cols) + f" | {speed} |")
+        tb = case["total_bound_ms"] * 1e3
+        od, nd = case["default_total_ms"] * 1e3, case["grouped_default_total_ms"] * 1e3
+        print(f"| {case['T']} | whole path, defaults (grouped=False / True) | {tb:.1f} | default | {od:.1f} | "
+              f"{100 * tb / od:.1f} | grouped default (err {case['grouped_default_rel_err']:.1e}) | {nd:.1f} | "
+              f"{100 * tb / nd:.1f} | {od / nd:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
@@ -118,18 +166,21 @@ def main() -> None:
         for kind in ("gate_up", "down"):
             ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
             bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
-            for r in ok[:5]:
+            for r in ok[:6]:
                 c = r["config"]
                 print(f"  {kind:7s} {c['variant']:6s} n{c['block_n']:<3d} k{c['block_k']:<3d} w{c['num_warps']} "
                       f"s{c['num_stages']}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
                       f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
             for r in bad[:3]:
                 print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
+        print_old_vs_new([case])
         out["wall_s"] = time.time() - t0
         print(f"wall {out['wall_s']:.0f} s", flush=True)
         if args.json:  # after every case: a run cut by a time limit keeps what it measured
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
+    print("\nall T:", end="")
+    print_old_vs_new(out["cases"])
 
 
 if __name__ == "__main__":

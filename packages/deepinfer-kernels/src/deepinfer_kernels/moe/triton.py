@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
+from deepinfer_kernels.moe.fp4_grouped import triton as fp4_grouped
 
 __all__ = ["GemmConfig", "align_pairs", "default_configs", "moe_experts_fp4"]
 
@@ -42,7 +43,10 @@ _TWO_POW_14 = tl.constexpr(16384.0)
 @dataclass(frozen=True)
 class GemmConfig:
     """Launch config of one grouped GEMM. ``variant``: "asm" (PTX decode; GPU, bf16 / fp16 activations) or
-    "bits" (portable integer decode; the CPU interpreter and fp32 activations)."""
+    "bits" (portable integer decode; the CPU interpreter and fp32 activations) decode whole K-ordered tiles;
+    "grouped" / "grouped_exact" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into
+    the dot operand registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple
+    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128)."""
 
     block_n: int = 64
     block_k: int = 128
@@ -337,16 +341,34 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int, *, use_kernel: bool
     return pairs, bexp
 
 
-def default_configs(pairs: int, interpreted: bool, fp32: bool) -> tuple[int, GemmConfig, GemmConfig]:
+# Whether the GPU configs use the per-scale-group kernels ("grouped", docs/moe_fp4_kernel.md) instead of the
+# swept "asm" tiles. Off until an H200 sweep (benchmarks/sweep_moe_fp4.py) shows them faster.
+GROUPED_DEFAULT = False
+
+
+def default_configs(
+    pairs: int, interpreted: bool, fp32: bool, grouped: bool = GROUPED_DEFAULT
+) -> tuple[int, GemmConfig, GemmConfig]:
     """(BLOCK_M, gate/up config, down config) for P = T * k routed pairs. GPU configs: the best of the H200 sweep
-    at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path."""
+    at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path.
+    grouped: bf16 / fp16 activations take the per-scale-group kernels (the caller checks `fp4_grouped.supports`)."""
     if interpreted:
         return 16, GemmConfig(16, 32, 4, 1, "bits"), GemmConfig(16, 32, 4, 1, "bits")
     block_m = 16 if pairs < 4096 else 64
+    if grouped and not fp32:  # offline sm_90a compile only so far (docs/moe_fp4_kernel.md): the sweep decides
+        return block_m, GemmConfig(64, 256, 4, 3, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
     variant = "bits" if fp32 else "asm"
     up = GemmConfig(64, 128, 4, 3, variant)
     down = GemmConfig(64, 128, 4, 3, variant) if pairs >= 64 else GemmConfig(128, 256, 8, 3, variant)
     return block_m, up, down
+
+
+def _decode(cfg: GemmConfig, dot_f32: bool) -> str:
+    """Decode of a grouped config: the portable one for "grouped_bits" or fp32 dots, else PTX ("grouped": one
+    multiply per weight pair with an exact redo of tiles holding a scale code >= 128; "grouped_exact": two)."""
+    if dot_f32 or cfg.variant == "grouped_bits":
+        return "bits"
+    return "exact" if cfg.variant == "grouped_exact" else "fast"
 
 
 def _packed(cfg: GemmConfig, *ws: Tensor) -> tuple:
@@ -370,8 +392,18 @@ def launch_gate_up(
     block_m: int,
     cfg: GemmConfig,
     dot_f32: bool,
+    h_perm: bool = False,
 ) -> None:
-    """h [B * block_m, I] (x's dtype) = clamped SwiGLU of the gate / up projections of every padded row."""  # fmt: skip
+    """h [B * block_m, I] (x's dtype) = clamped SwiGLU of the gate / up projections of every padded row. h_perm:
+    store h in the column order the "grouped" down kernel reads (grouped gate/up configs only)."""  # fmt: skip
+    if cfg.variant.startswith("grouped"):
+        fp4_grouped.launch_gate_up(
+            x, w1, w3, s1, s3, pairs, bexp, h, topk, limit, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
+            cfg.num_stages, _decode(cfg, dot_f32), h_perm,
+        )  # fmt: skip
+        return
+    if h_perm:
+        raise ValueError(f"launch_gate_up: h_perm needs a grouped config, found variant {cfg.variant!r}")
     p = x.shape[0] * topk
     inter, d = w1.shape[1], x.shape[1]
     pack, u1, u3 = _packed(cfg, w1, w3)
@@ -398,7 +430,14 @@ def launch_down(
     cfg: GemmConfig,
     dot_f32: bool,
 ) -> None:
-    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair."""  # fmt: skip
+    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair. A "grouped" config reads h in the permuted column
+    order (`launch_gate_up(h_perm=True)`)."""  # fmt: skip
+    if cfg.variant.startswith("grouped"):
+        fp4_grouped.launch_down(
+            h, w2, s2, pairs, bexp, rw, rows, block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+            _decode(cfg, dot_f32),
+        )  # fmt: skip
+        return
     p, d = rows.shape
     inter = h.shape[1]
     pack, u2 = _packed(cfg, w2)
@@ -422,9 +461,12 @@ def moe_experts_fp4(
     s3: Tensor,
     s2: Tensor,
     limit: float,
+    configs: tuple[int, GemmConfig, GemmConfig] | None = None,
 ) -> Tensor:
     """x [T, d]; weights [T, k] fp32; ids [T, k] int64; w1 / w3 [E, I, d/2] int8, w2 [E, d, I/2] int8; scales
-    [E, I, d/32] / [E, d, I/32] e8m0 -> [T, d] float32 (Σ_k weight * expert(x)). Validated by the dispatcher."""
+    [E, I, d/32] / [E, d, I/32] e8m0 -> [T, d] float32 (Σ_k weight * expert(x)). Validated by the dispatcher.
+    configs: (BLOCK_M, gate/up, down) instead of `default_configs` (tests, sweeps); grouped configs need d and I
+    multiples of 128 and fall back to the default tiles otherwise."""
     t, d = x.shape
     k = ids.shape[1]
     e_count, inter = w1.shape[0], w1.shape[1]
@@ -435,10 +477,14 @@ def moe_experts_fp4(
         x = x.contiguous()
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
     dot_f32 = interp or x.dtype == torch.float32
-    block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32)
+    block_m, cfg_up, cfg_down = configs or default_configs(p, interp, dot_f32)
+    grouped = "grouped" in cfg_up.variant + cfg_down.variant
+    if grouped and not fp4_grouped.supports(d, inter, w1, w3, w2, s1, s3, s2):
+        block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, grouped=False)
     pairs, bexp = align_pairs(ids, e_count, block_m)
     h = torch.empty((bexp.shape[0] * block_m, inter), dtype=x.dtype, device=x.device)
-    launch_gate_up(x, w1, w3, s1, s3, pairs, bexp, h, k, limit, block_m, cfg_up, dot_f32)
+    h_perm = cfg_down.variant.startswith("grouped")
+    launch_gate_up(x, w1, w3, s1, s3, pairs, bexp, h, k, limit, block_m, cfg_up, dot_f32, h_perm)
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
     launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32)
