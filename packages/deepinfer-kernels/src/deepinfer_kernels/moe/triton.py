@@ -343,7 +343,11 @@ def align_pairs(ids: Tensor, num_experts: int, block_m: int, *, use_kernel: bool
 
 # Whether the GPU configs use the per-scale-group kernels ("grouped", docs/moe_fp4_kernel.md) instead of the
 # swept "asm" tiles. Off until an H200 sweep (benchmarks/sweep_moe_fp4.py) shows them faster.
-GROUPED_DEFAULT = False
+GROUPED_DEFAULT = True
+# Below this many routed pairs the tile kernels ("asm") stay faster: H200 sweep 2026-12-02 (docs/perf.md "FP4 expert
+# kernels, grouped vs tile"): at T = 1 (6 pairs) grouped was 0.75x / 0.82x (gate/up / down), at T = 8 (48 pairs)
+# 1.06x / 1.12x, at T = 64 and 256 1.09-1.12x.
+GROUPED_MIN_PAIRS = 48
 
 
 def default_configs(
@@ -351,12 +355,13 @@ def default_configs(
 ) -> tuple[int, GemmConfig, GemmConfig]:
     """(BLOCK_M, gate/up config, down config) for P = T * k routed pairs. GPU configs: the best of the H200 sweep
     at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path.
-    grouped: bf16 / fp16 activations take the per-scale-group kernels (the caller checks `fp4_grouped.supports`)."""
+    grouped: bf16 / fp16 activations with at least GROUPED_MIN_PAIRS pairs take the per-scale-group kernels (the
+    caller checks `fp4_grouped.supports`)."""
     if interpreted:
         return 16, GemmConfig(16, 32, 4, 1, "bits"), GemmConfig(16, 32, 4, 1, "bits")
     block_m = 16 if pairs < 4096 else 64
-    if grouped and not fp32:  # offline sm_90a compile only so far (docs/moe_fp4_kernel.md): the sweep decides
-        return block_m, GemmConfig(64, 256, 4, 3, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
+    if grouped and not fp32 and pairs >= GROUPED_MIN_PAIRS:  # the sweep's best grouped tiles at T = 8 .. 256
+        return block_m, GemmConfig(64, 128, 4, 4, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
     variant = "bits" if fp32 else "asm"
     up = GemmConfig(64, 128, 4, 3, variant)
     down = GemmConfig(64, 128, 4, 3, variant) if pairs >= 64 else GemmConfig(128, 256, 8, 3, variant)
