@@ -1,0 +1,56 @@
+"""Speculative decoding with the prefix cache (CPU, fp32, tiny checkpoints): a request that hits a long cached
+prefix drafts exactly as the same request run without the cache, round by round. The draft layers' own rings
+(DSpark stages on V4.1 / V4-0731, V4's MTP block) come back from the state block of the hit
+(docs/prefix_cache.md "Speculative decoding"); outputs are the same greedy tokens either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from deepinfer_engine import LLM, SamplingParams
+from deepinfer_engine.model.writer import make_checkpoint
+
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+FIRST = [0] + list(range(100, 140))  # 41 ids; 10-token prefill chunks: state blocks taken inside chunks
+SECOND = FIRST[:37] + [7]  # the hit (32 or 36 ids) leaves fewer new rows than the window (8): drafts read restored rows
+
+
+def _rounds(llm: LLM, prompt: list[int]) -> tuple[list[int], list[tuple], int]:
+    """(greedy output, per round (accepted counts, verified drafts, argmax of every draft row), cached tokens)."""
+    spec = llm.engine.runner.spec
+    rounds: list[tuple] = []
+    drafts: list[list[int]] = []
+    draft_block, update = spec.drafter.draft_block, spec.stats.update
+
+    def record_draft(anchor_ids, anchor_positions):
+        out = draft_block(anchor_ids, anchor_positions)
+        drafts.append(out.base_logits.argmax(-1).reshape(-1).tolist())
+        return out
+
+    def record_round(acc, num, **kw):
+        rounds.append((list(acc), list(num), drafts[-1]))
+        return update(acc, num, **kw)
+
+    spec.drafter.draft_block, spec.stats.update = record_draft, record_round
+    try:
+        (out,) = llm.generate([prompt], SP, use_tqdm=False)
+    finally:
+        del spec.drafter.draft_block, spec.stats.update
+    return list(out.outputs[0].token_ids), rounds, out.num_cached_tokens
+
+
+@pytest.mark.parametrize(("arch", "size", "method", "page"), [
+    ("v41", "tiny", "dspark", 4), ("v4", "tiny-dspark", "dspark", 8), ("v4", "tiny", "mtp", 8)])
+def test_a_prefix_hit_drafts_as_without_the_cache(tmp_path, arch: str, size: str, method: str, page: int) -> None:
+    path = make_checkpoint(tmp_path / arch, arch, size, 0)
+    llm = LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_batched_tokens=10,
+              speculative_config={"method": method})
+    kv = llm.engine.scheduler.kv
+    want_ids, want_rounds, cold = _rounds(llm, SECOND)  # the reference: computed from position 0
+    kv.reset_prefix_cache()
+    llm.generate([FIRST], SP, use_tqdm=False)
+    got_ids, got_rounds, cached = _rounds(llm, SECOND)
+    assert cold == 0 and cached >= 32  # a real hit, restored from a state block
+    assert got_ids == want_ids
+    assert len(want_rounds) >= 3 and got_rounds == want_rounds
