@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.model.writer import make_checkpoint
 
@@ -17,15 +18,15 @@ SECOND = FIRST[:37] + [7]  # the hit (32 or 36 ids) leaves fewer new rows than t
 
 
 def _rounds(llm: LLM, prompt: list[int]) -> tuple[list[int], list[tuple], int]:
-    """(greedy output, per round (accepted counts, verified drafts, argmax of every draft row), cached tokens)."""
+    """(greedy output, per round (accepted counts, verified drafts, draft logits), cached tokens)."""
     spec = llm.engine.runner.spec
     rounds: list[tuple] = []
-    drafts: list[list[int]] = []
+    drafts: list[torch.Tensor] = []
     draft_block, update = spec.drafter.draft_block, spec.stats.update
 
     def record_draft(anchor_ids, anchor_positions):
         out = draft_block(anchor_ids, anchor_positions)
-        drafts.append(out.base_logits.argmax(-1).reshape(-1).tolist())
+        drafts.append(out.base_logits.clone())
         return out
 
     def record_round(acc, num, **kw):
@@ -53,4 +54,6 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tmp_path, arch: str, size: str
     got_ids, got_rounds, cached = _rounds(llm, SECOND)
     assert cold == 0 and cached >= 32  # a real hit, restored from a state block
     assert got_ids == want_ids
-    assert len(want_rounds) >= 3 and got_rounds == want_rounds
+    assert len(want_rounds) >= 3 and [r[:2] for r in got_rounds] == [r[:2] for r in want_rounds]
+    for (_, _, got), (_, _, want) in zip(got_rounds, want_rounds):  # fp32: prefill chunks split differently
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
