@@ -13,8 +13,10 @@ from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.model.writer import make_checkpoint
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-FIRST = [0] + list(range(100, 140))  # 41 ids; 10-token prefill chunks: state blocks taken inside chunks
-SECOND = FIRST[:37] + [7]  # the hit (32 or 36 ids) leaves fewer new rows than the window (8): drafts read restored rows
+FIRST = [0] + list(range(100, 145))  # 46 ids in 10-token prefill chunks: 30..39, 40..45
+# hits with 5 new rows (< the window, 8), so the drafts read restored rows; the next token differs from FIRST's:
+INSIDE = FIRST[:32] + [7, 8, 9, 10, 11]  # at 32: a state block copied while the chunk 30..39 is computed
+AT_END = FIRST[:40] + [7, 8, 9, 10, 11]  # at 40: a state block copied from the slot after the chunk 30..39
 
 
 def _rounds(llm: LLM, prompt: list[int]) -> tuple[list[int], list[tuple], int]:
@@ -48,12 +50,16 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tmp_path, arch: str, size: str
     llm = LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_batched_tokens=10,
               speculative_config={"method": method})
     kv = llm.engine.scheduler.kv
-    want_ids, want_rounds, cold = _rounds(llm, SECOND)  # the reference: computed from position 0
+    want = []
+    for prompt in (INSIDE, AT_END):  # the references: computed from position 0
+        kv.reset_prefix_cache()
+        want.append(_rounds(llm, prompt))
     kv.reset_prefix_cache()
     llm.generate([FIRST], SP, use_tqdm=False)
-    got_ids, got_rounds, cached = _rounds(llm, SECOND)
-    assert cold == 0 and cached >= 32  # a real hit, restored from a state block
-    assert got_ids == want_ids
-    assert len(want_rounds) >= 3 and [r[:2] for r in got_rounds] == [r[:2] for r in want_rounds]
-    for (_, _, got), (_, _, want) in zip(got_rounds, want_rounds):  # fp32: prefill chunks split differently
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for prompt, hit, (want_ids, want_rounds, cold) in zip((INSIDE, AT_END), (32, 40), want):
+        got_ids, got_rounds, cached = _rounds(llm, prompt)
+        assert cold == 0 and cached == hit  # a real hit, restored from a state block
+        assert got_ids == want_ids
+        assert len(want_rounds) >= 3 and [r[:2] for r in got_rounds] == [r[:2] for r in want_rounds]
+        for (_, _, got), (_, _, ref) in zip(got_rounds, want_rounds):  # fp32: prefill chunks split differently
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

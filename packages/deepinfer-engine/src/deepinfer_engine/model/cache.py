@@ -158,6 +158,12 @@ class ModelCache:
     window_floor: list[int] = field(default_factory=list)
     write_floor: list[int] = field(default_factory=list)
     captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # the captures the last backbone forward was armed with, armed again for the draft layers' ring write of the
+    # same step (the drafter writes their rows after the target forward: docs/prefix_cache.md)
+    draft_captures: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # [num_slots + 1, hc_mult, dim]: the target's final streams of each slot's last computed position (V4's MTP
+    # drafter: the block's entry at a resume position reads them); None until the drafter allocates it
+    last_stream: Tensor | None = None
     host_pages: dict[tuple[str, int], Tensor] = field(default_factory=dict)  # host tier, per paged store
     copy_stream: object | None = None  # CUDA stream of the host-tier transfers (worker.cache_ops)
 
@@ -312,6 +318,8 @@ class ModelCache:
         sequence resuming at `position` (restores a state block, or forks a running sequence)."""
         for t in self._slot_stores():
             t[dst].copy_(t[src])
+        if self.last_stream is not None:
+            self.last_stream[dst].copy_(self.last_stream[src])
         if self.token_ring is not None:
             self.token_ring[dst].copy_(self.token_ring[src])
         self.high_water[dst] = position
@@ -358,12 +366,50 @@ class ModelCache:
         """(sequence index, position, dest slot) of the armed captures this forward can serve (position in
         (ctx, ctx + n]). Captures are armed for the next backbone forward only: all are disarmed here."""
         out: list[tuple[int, int, int]] = []
+        self.draft_captures = self.captures
         if not self.captures:
             return out
         for i, (slot, c, n) in enumerate(zip(slots, ctx_lens, query_lens)):
             out.extend((i, pos, dest) for pos, dest in self.captures.get(slot, ()) if c < pos <= c + n)
-        self.captures.clear()
+        self.captures = {}
         return out
+
+    def take_draft_captures(self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int]
+                            ) -> list[tuple[int, int, int]]:
+        """take_captures for the forward that writes the draft layers' rings after the backbone forward of the
+        step (DSpark context, V4's MTP block): position in [ctx, ctx + n] (the MTP block's rows start one
+        position after the target's). All are disarmed here."""
+        out: list[tuple[int, int, int]] = []
+        for i, (slot, c, n) in enumerate(zip(slots, ctx_lens, query_lens)):
+            out.extend((i, pos, dest) for pos, dest in self.draft_captures.get(slot, ()) if c <= pos <= c + n)
+        self.draft_captures = {}
+        return out
+
+    def capture_history(self, layer_ids: Sequence[int], seqs: SeqHost) -> None:
+        """The ring rows of positions before each sequence's step that its captures need (up to a ring back),
+        copied ring to ring into the state slots: for writes that read no history (DSpark context), so their
+        plans capture the step's own rows only. Runs before the step writes the rings."""
+        for lid in layer_ids:
+            ring = self.swa[lid]
+            R = ring.shape[1]
+            dst, src = [], []
+            for i, pos, dest in seqs.captures:
+                c = int(seqs.ctx[i])
+                q = np.arange(max(0, pos - R), c, dtype=np.int64)
+                dst.append(dest * R + q % R)
+                src.append(int(seqs.slot[i]) * R + q % R)
+            n = sum(d.size for d in dst)
+            if n:
+                d, s_ = upload(np.concatenate(dst + src), ring.device).split([n, n])
+                flat = ring.view(-1, ring.shape[-1])
+                flat.index_copy_(0, d, flat.index_select(0, s_))
+
+    def allocate_last_stream(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """`last_stream` [num_slots + 1, *shape] for a drafter that needs it (V4's MTP block: shape = one
+        position's final streams [hc_mult, dim]); kept if already there."""
+        if self.last_stream is None:
+            device = next(iter(self.swa.values())).device
+            self.last_stream = torch.zeros(self.num_slots + 1, *shape, dtype=dtype, device=device)
 
     @classmethod
     def allocate(

@@ -153,7 +153,9 @@ def insert_context(model: nn.Module, batch: ForwardBatch, cache: ModelCache, fea
     ``batch`` carries the accepted positions (input_ids are not used). Returns ``m [T, d]``.
     """
     stages = draft_stages(model)
-    ctx = ForwardContext.build(batch, cache)
+    ctx = ForwardContext.build(batch, cache, draft_captures=True)
+    if ctx.seq_host.captures:  # state blocks (prefix cache): the plans below capture this step's rows only
+        cache.capture_history([st.attn.layer_id for st in stages], ctx.seq_host)
     s0 = stages[0]
     m = s0.main_norm(s0.main_proj(features))
     for st in stages:

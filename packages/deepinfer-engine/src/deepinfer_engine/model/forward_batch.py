@@ -269,11 +269,12 @@ class ForwardContext:
     @classmethod
     def build(
         cls, batch: ForwardBatch, cache: object, *, host: StepHost | None = None, state_captures: bool = False,
-        **kw: object,
+        draft_captures: bool = False, **kw: object,
     ) -> ForwardContext:
         """host: the step's host facts (default batch.host, else read back once from the batch).
         state_captures: this is the backbone forward that serves the cache's armed state-block captures
-        (prefix cache); other forwards (drafts) leave them alone."""
+        (prefix cache); other forwards (drafts) leave them alone.
+        draft_captures: this forward writes the draft layers' rings of the step and serves the same captures."""
         if host is None:
             host = batch.host if batch.host is not None else StepHost.read(batch)
         S, T = batch.num_seqs, batch.num_tokens
@@ -286,7 +287,8 @@ class ForwardContext:
         write_floor = np.asarray([wf[s] for s in batch.slots], dtype=np.int64) if wf else None
         win = getattr(cache, "window_floor", None)
         window_floor = [win[s] for s in batch.slots] if win else []
-        take = getattr(cache, "take_captures", None) if state_captures else None
+        take = getattr(cache, "take_captures" if state_captures else "take_draft_captures", None) \
+            if state_captures or draft_captures else None
         captures = tuple(take(batch.slots, host.ctx_lens, batch.query_lens)) if take is not None else ()
         seq_host = SeqHost(
             ctx=ctx_np, qlen=qlen, start=starts, slot=slot,

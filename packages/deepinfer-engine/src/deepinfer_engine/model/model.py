@@ -284,7 +284,7 @@ class Transformer(nn.Module):
         if self.mtp is None or self.args.has_dspark:
             raise InputError("forward_mtp: this model has no V4 MTP block (num_nextn_predict_layers == 0 or DSpark)")
         host = self.check_inputs(batch, cache, backbone=False)
-        ctx = ForwardContext.build(batch, cache, host=host)
+        ctx = ForwardContext.build(batch, cache, host=host, draft_captures=k == 0)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
         return linear_f32_out(h[batch.logits_indices], self.head.weight, backend=self.kernel_backend)

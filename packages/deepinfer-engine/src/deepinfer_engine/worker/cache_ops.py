@@ -22,6 +22,7 @@ def apply_cache_ops(cache: Any, ops: CacheOps) -> None:
     """Snapshots, offloads, loads, page copies, slot clones / state restores, token histories, floors, then arm the
     captures for the forward that follows (`cache.copy_stream`: the CUDA stream of the host-tier transfers)."""
     cache.captures.clear()  # captures left armed by a step whose forward failed must not fire now
+    cache.draft_captures.clear()
     for src, dst, pos in ops.snapshots:  # state blocks of sequences that stopped at a page boundary last step
         cache.clone_slot(src, dst, pos)
     if ops.offload or ops.load:
