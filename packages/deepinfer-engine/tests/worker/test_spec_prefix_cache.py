@@ -5,8 +5,6 @@ prefix drafts exactly as the same request run without the cache, round by round.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
