@@ -212,7 +212,7 @@ def test_mtp_speculation_is_lossless_and_drafts_what_the_mtp_block_predicts(tmp_
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     plain = _ids(_llm(path).generate(PROMPTS[:3], sp, use_tqdm=False))
     # no prefix cache: the second call below must recompute PROMPTS[2] so that the MTP block's own ring is fed
-    # for every position (a prefix hit restores the backbone rings only; docs/prefix_cache.md "Limits")
+    # from position 0 (a prefix hit restores the MTP ring too: tests/worker/test_spec_prefix_cache.py)
     llm = _llm(path, max_num_batched_tokens=8, speculative_config={"method": "mtp"}, enable_prefix_caching=False)
     outs = llm.generate(PROMPTS[:3], sp, use_tqdm=False)
     assert _ids(outs) == plain

@@ -39,7 +39,8 @@ class ReplayFloor:
 @dataclass(frozen=True, kw_only=True)
 class Capture:
     """During this step's forward, copy the ring rows a step starting at `position` would read (every backbone
-    layer's window ring and compressor state ring) from the sequence in `slot` into state slot `dest`."""
+    layer's window ring and compressor state ring; the draft layers' rings when the drafter writes them after the
+    forward) from the sequence in `slot` into state slot `dest`."""
 
     slot: int
     position: int

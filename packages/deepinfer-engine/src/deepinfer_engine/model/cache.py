@@ -366,12 +366,10 @@ class ModelCache:
         """(sequence index, position, dest slot) of the armed captures this forward can serve (position in
         (ctx, ctx + n]). Captures are armed for the next backbone forward only: all are disarmed here."""
         out: list[tuple[int, int, int]] = []
-        self.draft_captures = self.captures
-        if not self.captures:
-            return out
+        armed, self.captures = self.captures, {}
+        self.draft_captures = armed  # the drafter's ring write of this step serves them again
         for i, (slot, c, n) in enumerate(zip(slots, ctx_lens, query_lens)):
-            out.extend((i, pos, dest) for pos, dest in self.captures.get(slot, ()) if c < pos <= c + n)
-        self.captures = {}
+            out.extend((i, pos, dest) for pos, dest in armed.get(slot, ()) if c < pos <= c + n)
         return out
 
     def take_draft_captures(self, slots: Sequence[int], ctx_lens: Sequence[int], query_lens: Sequence[int]
