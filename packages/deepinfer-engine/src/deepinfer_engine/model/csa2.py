@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_engine.model.kv_numerics import KVNumerics
-from deepinfer_engine.model.linear import Linear
+from deepinfer_engine.model.linear import Linear, split_counters
 
 _NO_ROUNDING = KVNumerics()
 
@@ -103,8 +103,10 @@ class Csa2Compressor(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``x [L, d]`` -> ``A [L, Dh] float32``, ``Z [L, Dh] float32 | None`` (fp32 math like the reference)."""
         # fp32 results without an fp32 copy of the weights each step (fp32 accumulation over their dtype)
-        a = linear_f32_out(x, self.wkv.weight, backend=self.kernel_backend)
-        z = linear_f32_out(x, self.wgate.weight, backend=self.kernel_backend) if self.wgate is not None else None
+        cnt = split_counters(self, x.device)
+        a = linear_f32_out(x, self.wkv.weight, backend=self.kernel_backend, counters=cnt)
+        z = (linear_f32_out(x, self.wgate.weight, backend=self.kernel_backend, counters=cnt)
+             if self.wgate is not None else None)
         return a, z
 
 
@@ -153,7 +155,8 @@ class Csa2Indexer(nn.Module):
         t = qr.shape[0]
         q = self.wq_b(qr).to(qr.dtype).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
-        w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend) * (
+        w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend,
+                           counters=split_counters(self, x.device)) * (
             self.index_head_dim**-0.5 * self.n_heads**-0.5
         )
         return q, w

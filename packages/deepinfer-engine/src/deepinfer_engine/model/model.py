@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from deepinfer_kernels.linear import linear_f32_out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
@@ -269,7 +268,7 @@ class Transformer(nn.Module):
             else:
                 h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
-        logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
+        logits = self.head.f32_out(self.norm(h))
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
                            kept_batch=None if c is ctx else c.batch)
 
@@ -287,4 +286,4 @@ class Transformer(nn.Module):
         ctx = ForwardContext.build(batch, cache, host=host)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
-        return linear_f32_out(h[batch.logits_indices], self.head.weight, backend=self.kernel_backend)
+        return self.head.f32_out(h[batch.logits_indices])
