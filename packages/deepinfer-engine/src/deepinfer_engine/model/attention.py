@@ -13,8 +13,15 @@ from functools import partial
 
 import torch
 from deepinfer_kernels.compressor import compress_pool
-from deepinfer_kernels.indexer import causal_mask, topk_indices, visible_counts
-from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs
+from deepinfer_kernels.indexer import topk_indices, visible_counts
+from deepinfer_kernels.norm_rope import (
+    apply_rope,
+    apply_rope_at,
+    rms_norm,
+    rope_at_uses_kernel,
+    rope_cos_sin,
+    rope_freqs,
+)
 from deepinfer_kernels.sparse_attn import sparse_attn
 from torch import Tensor, nn
 
@@ -45,7 +52,8 @@ class Rope:
 
     Callable as `rope(x [T, ..., D], positions [T] int64, inverse=False)`, rotating the trailing rope dims.
     `tables`: a per-forward dict (ForwardContext.rope_cache) that keeps the cos/sin of each positions tensor, so
-    the layers of one kind compute them once per forward instead of once per call (same values).
+    the layers of one kind compute them once per forward instead of once per call (same values). Where the Triton
+    kernel runs (`rope_at_uses_kernel`) it computes the angles itself and no table is made.
     """
 
     def __init__(self, args: object, theta: float, use_yarn: bool) -> None:
@@ -86,6 +94,10 @@ class Rope:
         self, x: Tensor, positions: Tensor, inverse: bool = False, *, tables: dict | None = None,
         backend: str = "auto",
     ) -> Tensor:
+        if self.freqs.device != positions.device:
+            self.freqs = self.freqs.to(positions.device)
+        if rope_at_uses_kernel(x, positions, self.freqs, backend=backend):  # angles in the kernel: no tables
+            return apply_rope_at(x, positions, self.freqs, inverse=inverse, backend=backend)
         cos, sin = self.cos_sin(positions, tables)
         return apply_rope(x, cos, sin, inverse=inverse, backend=backend)
 
@@ -154,6 +166,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """V4 lightning indexer `attn.indexer.*`: own overlapping compressor for keys, wq_b queries, head weights."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, args: object, *, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
@@ -170,8 +184,8 @@ class Indexer(nn.Module):
         q = rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), pos)
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         # padded entries (past a sequence's count) are beyond every query's visible count: masked here
-        scores = causal_mask(padded_scores(q, w, view, ctx), visible_counts(pos, view.ratio))
-        return topk_indices(scores, self.topk)
+        return topk_indices(padded_scores(q, w, view, ctx), self.topk, visible_counts(pos, view.ratio),
+                            backend=self.kernel_backend)
 
 
 class Attention(nn.Module):

@@ -386,8 +386,10 @@ def csa2_select(
         scores = padded_scores(q_all, w_all, view, ctx)  # [T, cmax] over the query's own sequence's entries
         scores = numerics.index_scores(scores)
         vis = visible_counts(ctx.batch.positions, r)
-        # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too
-        scores = causal_mask(scores, vis)
+        # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded
+        # into the top-k when no candidate step reads the masked scores)
+        if plan.publishes_candidates or plan.consumes_candidates:
+            scores = causal_mask(scores, vis)
         cmax = scores.shape[1]
         if plan.publishes_candidates:
             ids, _ = candidate_blocks(scores, vis, plan.candidate_block_size, plan.candidate_topk_blocks)
@@ -404,7 +406,8 @@ def csa2_select(
                 )
             allowed = _entry_mask_from_blocks(blocks, cmax, plan.candidate_block_size)
             scores = scores.masked_fill(~allowed, float("-inf"))
-        sel = topk_indices(scores, k)
+        masked = plan.publishes_candidates or plan.consumes_candidates
+        sel = topk_indices(scores, k, None if masked else vis, backend=indexer.kernel_backend)
         ctx.topk[lid] = sel
     # per-sequence entry ids -> rows of the source's store (read in place by the attention kernel)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]

@@ -1,14 +1,47 @@
 """Lightning indexer for V4.1 CSA2 (docs/model.md §C.4): scores, causal top-k with -1 padding, candidates.
 
-Only the pure-torch reference exists so far; GPU kernels will be dispatched from these same names.
+Pure-torch references; the causal top-k also has a Triton kernel (one program per query, no sort), dispatched
+here.
 """
 
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from deepinfer_kernels._backend import resolve_backend
+from deepinfer_kernels.indexer import reference
 from deepinfer_kernels.indexer.reference import (
     candidate_blocks,
     causal_mask,
     index_scores,
-    topk_indices,
     visible_counts,
 )
 
 __all__ = ["candidate_blocks", "causal_mask", "index_scores", "topk_indices", "visible_counts"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def topk_indices(scores: Tensor, k: int, visible: Tensor | None = None, *, backend: str = "auto") -> Tensor:
+    """Causal top-k: ``[T, k] int64`` entry ids, valid ids ascending first, then -1 padding (`reference.topk_indices`:
+    the k largest finite scores of each row, ties to the lower id).
+
+    scores ``[T, N]`` float, causally masked already (-inf = not selectable) unless ``visible`` ``[T] int`` is
+    given: then entries ``w >= visible[t]`` are not selectable either (``causal_mask`` folded in). backend: "auto" |
+    "torch" | "triton" (the kernel: fp32 / bf16 / fp16 scores, N and k below 2**30)."""
+    if k < 1:
+        raise ValueError(f"topk_indices: k must be >= 1, found {k}")
+    if scores.dim() != 2 or (visible is not None and tuple(visible.shape) != (scores.shape[0],)):
+        raise ValueError(f"topk_indices: scores {tuple(scores.shape)}, visible "
+                         f"{None if visible is None else tuple(visible.shape)}; expected [T, N] and [T]")
+    ok = scores.dtype in _FLOATS and scores.shape[1] < 2**30 and k < 2**30
+    why = f"scores {scores.dtype} {tuple(scores.shape)}, k {k}; needs fp32/bf16/fp16, N and k < 2**30"
+    tensors = (scores,) if visible is None else (scores, visible)
+    if resolve_backend("topk_indices", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.indexer import triton as triton_backend
+
+        return triton_backend.topk_indices(scores, k, visible)
+    if visible is not None:
+        scores = reference.causal_mask(scores, visible)
+    return reference.topk_indices(scores, k)

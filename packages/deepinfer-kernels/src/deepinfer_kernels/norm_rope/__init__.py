@@ -10,7 +10,15 @@ from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.norm_rope import reference
 from deepinfer_kernels.norm_rope.reference import rope_freqs, yarn_correction_range
 
-__all__ = ["apply_rope", "rms_norm", "rope_cos_sin", "rope_freqs", "yarn_correction_range"]
+__all__ = [
+    "apply_rope",
+    "apply_rope_at",
+    "rms_norm",
+    "rope_at_uses_kernel",
+    "rope_cos_sin",
+    "rope_freqs",
+    "yarn_correction_range",
+]
 
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -58,4 +66,38 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, ba
         from deepinfer_kernels.norm_rope import triton as triton_backend
 
         return triton_backend.apply_rope(x, cos, sin, inverse=inverse)
+    return reference.apply_rope(x, cos, sin, inverse=inverse)
+
+
+def _check_rope_at(x: Tensor, positions: Tensor, freqs: Tensor) -> tuple[bool, str]:
+    if positions.dim() != 1 or positions.shape[0] != x.shape[0] or freqs.dim() != 1:
+        raise ValueError(f"apply_rope_at: positions {tuple(positions.shape)}, freqs {tuple(freqs.shape)}; expected "
+                         f"[T={x.shape[0]}] and [P]")
+    if 2 * freqs.shape[0] > x.shape[-1]:
+        raise ValueError(f"apply_rope_at: {2 * freqs.shape[0]} rope dims exceed the last dim {x.shape[-1]}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"apply_rope_at: x dtype {x.dtype} is not a float type")
+    ok = x.dtype in _TRITON_DTYPES and x.dim() >= 2 and not positions.is_floating_point()
+    return ok, f"x {x.dtype} {tuple(x.shape)}, positions {positions.dtype}; needs bf16/fp16/fp32 x of [T, D] or more"
+
+
+def rope_at_uses_kernel(x: Tensor, positions: Tensor, freqs: Tensor, *, backend: str = "auto") -> bool:
+    """Whether `apply_rope_at` with these arguments runs the Triton kernel (angles computed inside it); when not,
+    a caller that rotates several tensors at the same positions may rather share one `rope_cos_sin`."""
+    ok, why = _check_rope_at(x, positions, freqs)
+    return resolve_backend("apply_rope_at", backend, x, positions, freqs, triton_ok=ok, why_not=why) == "triton"
+
+
+def apply_rope_at(
+    x: Tensor, positions: Tensor, freqs: Tensor, *, inverse: bool = False, backend: str = "auto"
+) -> Tensor:
+    """``apply_rope(x, *rope_cos_sin(positions, freqs), inverse=inverse)``: x [T, ..., D], positions [T] int,
+    freqs [P] fp32. The Triton kernel computes the fp32 angles and their cos / sin itself (cos/sin within 1 ULP of
+    torch.polar's; the rotation as `apply_rope`). backend: "auto" | "torch" | "triton"."""
+    ok, why = _check_rope_at(x, positions, freqs)
+    if resolve_backend("apply_rope_at", backend, x, positions, freqs, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.norm_rope import triton as triton_backend
+
+        return triton_backend.apply_rope_at(x, positions, freqs, inverse=inverse)
+    cos, sin = reference.rope_cos_sin(positions, freqs)
     return reference.apply_rope(x, cos, sin, inverse=inverse)
