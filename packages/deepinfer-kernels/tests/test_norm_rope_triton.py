@@ -9,7 +9,9 @@ tested within 1 ULP of the output dtype on the GPU (fp32: rtol 2^-23) and on the
 truncated; fp32 exact there).
 RoPE at positions (angles and cos / sin computed in the kernel): the cos / sin of the kernel's math library may
 differ from torch.polar's by an ULP of fp32, so the outputs are compared with atol 1e-5 (|x| <= ~10) on top of the
-1-ULP relative tolerance.
+1-ULP relative tolerance. With the RMSNorm folded in (norm=(weight, eps)): fp32 atol 1e-5 / rtol 1e-5; bf16 the
+norm's output rounding may land on the neighbouring value before the rotation: atol 2e-2 (normed values ~1),
+rtol 2^-7.
 """
 
 from __future__ import annotations
@@ -184,6 +186,39 @@ def test_rope_at_dispatcher(interp):
         apply_rope_at(x, pos[:2], freqs)
     with pytest.raises(ValueError, match="rope dims"):
         apply_rope_at(x, pos, torch.ones(17))
+
+
+_NORM_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2.0**-7)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", [((5, 40), 8), ((3, 4, 32), 8), ((2, 16), 16)],
+                         ids=lambda c: "x".join(map(str, c[0])) + f"-r{c[1]}")  # fmt: skip
+@pytest.mark.parametrize("weighted", [True, False], ids=["w", "now"])
+def test_norm_rope_at_positions_interpreter_matches_reference(interp, case, dtype, weighted):
+    shape, rope_dim = case
+    x, pos, freqs = _positions_inputs(shape, rope_dim, dtype)
+    w = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype) if weighted else None
+    out = interp.apply_rope_at(x, pos, freqs, norm=(w, 1e-6))
+    ref = reference.apply_rope(reference.rms_norm(x, w, 1e-6), *rope_cos_sin(pos, freqs))
+    atol, rtol = _NORM_TOL[dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(apply_rope_at(x, pos, freqs, norm=(w, 1e-6), backend="torch"), ref, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [((1, 512), 64), ((64, 512), 64), ((3, 64, 512), 64), ((5, 128), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_norm_rope_at_positions_matches_reference(case, dtype):
+    shape, rope_dim = case
+    x, pos, freqs = _positions_inputs(shape, rope_dim, dtype, "cuda")
+    w = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype).cuda()
+    for weight in (w, None):
+        out = apply_rope_at(x, pos, freqs, norm=(weight, 1e-6), backend="triton")
+        ref = reference.apply_rope(reference.rms_norm(x, weight, 1e-6), *rope_cos_sin(pos, freqs))
+        atol, rtol = _NORM_TOL[dtype]
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu

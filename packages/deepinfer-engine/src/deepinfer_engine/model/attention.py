@@ -91,13 +91,16 @@ class Rope:
         return cos, sin
 
     def __call__(
-        self, x: Tensor, positions: Tensor, inverse: bool = False, *, tables: dict | None = None,
-        backend: str = "auto",
+        self, x: Tensor, positions: Tensor, inverse: bool = False, *, norm: tuple[Tensor | None, float] | None = None,
+        tables: dict | None = None, backend: str = "auto",
     ) -> Tensor:
+        """norm (weight | None, eps): RMSNorm over x's last dim first (`rms_norm`), in the rope kernel when it runs."""
         if self.freqs.device != positions.device:
             self.freqs = self.freqs.to(positions.device)
-        if rope_at_uses_kernel(x, positions, self.freqs, backend=backend):  # angles in the kernel: no tables
-            return apply_rope_at(x, positions, self.freqs, inverse=inverse, backend=backend)
+        if rope_at_uses_kernel(x, positions, self.freqs, norm=norm, backend=backend):  # angles in the kernel
+            return apply_rope_at(x, positions, self.freqs, inverse=inverse, norm=norm, backend=backend)
+        if norm is not None:
+            x = rms_norm(x, norm[0], norm[1], backend=backend)
         cos, sin = self.cos_sin(positions, tables)
         return apply_rope(x, cos, sin, inverse=inverse, backend=backend)
 
@@ -249,13 +252,12 @@ class Attention(nn.Module):
         """q [T, H, Dh] (rotated) and the normed latent qr [T, Rq] (also the indexer's input)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        if self.q_head_norm:
-            q = rms_norm(q, None, self.eps, backend=self.kernel_backend)
-        return (rope or self.rope_fn())(q, positions), qr
+        return (rope or self.rope_fn())(q, positions, norm=(None, self.eps) if self.q_head_norm else None), qr
 
     def project_kv(self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None) -> Tensor:
         """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
-        return self.numerics.window_kv((rope or self.rope_fn())(self.kv_norm(self.wkv(x)), positions))
+        kv = (rope or self.rope_fn())(self.wkv(x), positions, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        return self.numerics.window_kv(kv)
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
