@@ -1,4 +1,7 @@
-"""Triton causal top-k of the indexer vs the torch reference (exact: the same ids in the same order for every row).
+"""Triton kernels of the indexer vs the torch references.
+
+Scores: equal up to fp32 summation order (rtol 1e-5 of the row's largest |score| on fp32 inputs; bf16 operands
+multiply exactly, so the same bound holds). Causal top-k: exact (the same ids in the same order for every row).
 
 Rows cover exact ties (the lower id wins), -0.0 against +0.0 (equal), -inf and causally hidden entries (never
 selected: -1 padding), +inf (pinned candidate blocks), NaN (above +inf, as the reference's sort has it), fewer
@@ -11,7 +14,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.indexer import causal_mask, reference, topk_indices
+from deepinfer_kernels.indexer import causal_mask, index_scores, reference, topk_indices
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -53,6 +56,41 @@ def test_topk_interpreter_matches_reference(interp, t, n, k):
     assert torch.equal(interp.topk_indices(sb, k, vis), _want(sb, k, vis))
 
 
+def _score_inputs(t: int, h: int, d: int, n: int, dtype: torch.dtype, device: str = "cpu"):
+    g = torch.Generator().manual_seed(t * h + d + n)
+    q = torch.randn(t, h, d, generator=g).to(dtype).to(device)
+    w = torch.randn(t, h, generator=g).to(device)
+    return q, w, torch.randn(n, d, generator=g).to(dtype).to(device), torch.randn(t, n, d, generator=g).to(dtype).to(
+        device)
+
+
+def _close_scores(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    if want.numel():
+        scale = want.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+        assert float(((got - want).abs() / scale).max()) <= 1e-5
+
+
+@pytest.mark.parametrize(("t", "h", "d", "n"), [(3, 4, 32, 50), (2, 64, 128, 70), (1, 5, 24, 7), (2, 3, 16, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_scores_interpreter_matches_reference(interp, t, h, d, n, dtype):
+    q, w, keys, keys3 = _score_inputs(t, h, d, n, dtype)
+    _close_scores(interp.index_scores(q, w, keys), reference.index_scores(q, w, keys))
+    _close_scores(interp.index_scores(q, w, keys3), reference.index_scores_per_query(q, w, keys3))
+
+
+def test_scores_dispatcher():
+    q, w, keys, keys3 = _score_inputs(2, 4, 16, 9, torch.float32)
+    assert torch.equal(index_scores(q, w, keys3, backend="torch"), reference.index_scores_per_query(q, w, keys3))
+    torch.testing.assert_close(index_scores(q, w, keys3, backend="torch"),
+                               torch.stack([reference.index_scores(q[i : i + 1], w[i : i + 1], keys3[i])[0]
+                                            for i in range(2)]))  # fmt: skip
+    with pytest.raises(ValueError, match="expected"):
+        index_scores(q, w, keys[:, :8])
+    # mixed dtypes: the reference
+    assert torch.equal(index_scores(q, w, keys.double(), backend="auto"), reference.index_scores(q, w, keys.double()))
+
+
 def test_topk_dispatcher_validation_and_torch_path():
     s = _scores(3, 20, 1)
     vis = torch.tensor([0, 5, 20])
@@ -81,6 +119,11 @@ for dt, hv in (("*fp32", True), ("*bf16", False)):
         out[f"{dt} {hv} {chunked} {block}"] = rep(it._topk_kernel, {"s_ptr": dt, "vis_ptr": "*i64",
             "out_ptr": "*i64", "N": "i32", "K": "i32", "stride_s": "i32", "stride_o": "i32"},
             {"HAS_VIS": hv, "CHUNKED": chunked, "BLOCK": block}, num_warps=warps)
+for dt, f32 in (("*bf16", False), ("*fp32", True)):
+    out[f"scores {dt}"] = rep(it._scores_kernel, {"q_ptr": dt, "w_ptr": "*fp32", "k_ptr": dt, "out_ptr": "*fp32",
+        "H": "i32", "N": "i32", "D": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_wt": "i32",
+        "stride_kt": "i32", "stride_kn": "i32", "stride_ot": "i32"},
+        {"DOT_F32": f32, "BLOCK_H": 64, "BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8)
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -90,7 +133,7 @@ print(json.dumps(out))
                           check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 6
+    assert len(report) == 8
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 64 * 1024, (name, r)
 
@@ -106,6 +149,16 @@ def test_topk_gpu_matches_reference(t, n, k):
         x = s.to(dt)
         assert torch.equal(topk_indices(x, k, backend="triton"), _want(x, k, None)), dt
         assert torch.equal(topk_indices(x, k, vis, backend="triton"), _want(x, k, vis)), dt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "n"), [(1, 4096), (64, 2048), (8, 300)])
+def test_scores_gpu_matches_reference(t, n):
+    """V4.1 indexer widths: 64 heads of 128 dims."""
+    for dtype in (torch.bfloat16, torch.float32):
+        q, w, keys, keys3 = _score_inputs(t, 64, 128, n, dtype, "cuda")
+        _close_scores(index_scores(q, w, keys, backend="triton"), reference.index_scores(q, w, keys))
+        _close_scores(index_scores(q, w, keys3, backend="triton"), reference.index_scores_per_query(q, w, keys3))
 
 
 @pytest.mark.gpu

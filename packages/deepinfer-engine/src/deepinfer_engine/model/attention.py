@@ -187,8 +187,8 @@ class Indexer(nn.Module):
         q = rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), pos)
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         # padded entries (past a sequence's count) are beyond every query's visible count: masked here
-        return topk_indices(padded_scores(q, w, view, ctx), self.topk, visible_counts(pos, view.ratio),
-                            backend=self.kernel_backend)
+        scores = padded_scores(q, w, view, ctx, backend=self.kernel_backend)
+        return topk_indices(scores, self.topk, visible_counts(pos, view.ratio), backend=self.kernel_backend)
 
 
 class Attention(nn.Module):

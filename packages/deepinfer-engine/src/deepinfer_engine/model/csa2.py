@@ -307,7 +307,9 @@ def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedVie
 _BATCHED_SCORE_CELLS = 1 << 16
 
 
-def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext) -> Tensor:
+def padded_scores(
+    q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext, *, backend: str = "auto"
+) -> Tensor:
     """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0)."""
     t = q.shape[0]
     cmax = max(view.seq_counts, default=0)
@@ -316,27 +318,20 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
     if cmax == 0:
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
-        return index_scores(q, w, keys)
+        return index_scores(q, w, keys, backend=backend)
     if ctx.static is not None:  # fixed-shape decode: one query per sequence, cmax entry slots per sequence
-        return _per_sequence_scores(q, w, keys.view(ctx.num_seqs, cmax, -1))
+        return index_scores(q, w, keys.view(ctx.num_seqs, cmax, -1), backend=backend)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
     if t * e <= max(_BATCHED_SCORE_CELLS, 2 * useful):
-        return index_scores(q, w, keys).gather(1, col)
+        return index_scores(q, w, keys, backend=backend).gather(1, col)
     out = torch.zeros((t, cmax), dtype=torch.float32, device=q.device)
     for i in range(ctx.num_seqs):
         rows = ctx.seq_rows(i)
         off, count = view.seq_offsets[i], view.seq_counts[i]
-        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count])
+        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count], backend=backend)
     return out
-
-
-def _per_sequence_scores(q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
-    """index_scores of query i against its own sequence's keys only: q [S, H, D], w [S, H], keys [S, E, D] ->
-    [S, E] float32 (the same sums as index_scores, batched over sequences)."""
-    logits = torch.einsum("shd,sed->she", q.float(), keys.float())
-    return torch.einsum("she,sh->se", torch.relu(logits), w.float())
 
 
 def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:
@@ -383,7 +378,8 @@ def csa2_select(
         q_all, w_all = indexer.queries(qr, x, ctx.batch.positions, rope)
         q_all = numerics.index_operand(q_all)
         t = x.shape[0]
-        scores = padded_scores(q_all, w_all, view, ctx)  # [T, cmax] over the query's own sequence's entries
+        # [T, cmax] over the query's own sequence's entries
+        scores = padded_scores(q_all, w_all, view, ctx, backend=indexer.kernel_backend)
         scores = numerics.index_scores(scores)
         vis = visible_counts(ctx.batch.positions, r)
         # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded

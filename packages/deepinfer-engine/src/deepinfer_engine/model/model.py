@@ -243,7 +243,8 @@ class Transformer(nn.Module):
                 if not c.num_seqs:
                     break  # no decoder row in this step (early prefill chunks only)
             if a.arch == "v41" and lid in c.capture_layers:
-                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+                # fp32 accumulation inside the reduction (no fp32 copy of the streams first): 2 launches, not 3
+                c.features[lid] = r.mean(dim=1, dtype=torch.float32).to(r.dtype)
             if chain:
                 nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
                 r, pre, x_next = layer.forward_chained(r, c, pre, collapsed=x_next,
@@ -251,7 +252,7 @@ class Transformer(nn.Module):
             else:
                 r, pre = layer(r, c, pre)
             if a.arch == "v4" and lid in c.capture_layers:
-                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+                c.features[lid] = r.mean(dim=1, dtype=torch.float32).to(r.dtype)
         if static is None:
             for i, slot in enumerate(batch.slots):
                 cache.high_water[slot] = ctx.end_len(i)

@@ -1,7 +1,7 @@
 """Lightning indexer for V4.1 CSA2 (docs/model.md §C.4): scores, causal top-k with -1 padding, candidates.
 
-Pure-torch references; the causal top-k also has a Triton kernel (one program per query, no sort), dispatched
-here.
+Pure-torch references; the scores and the causal top-k also have Triton kernels (fused scores over the bf16 keys;
+a top-k with no sort), dispatched here.
 """
 
 from __future__ import annotations
@@ -14,13 +14,36 @@ from deepinfer_kernels.indexer import reference
 from deepinfer_kernels.indexer.reference import (
     candidate_blocks,
     causal_mask,
-    index_scores,
     visible_counts,
 )
 
 __all__ = ["candidate_blocks", "causal_mask", "index_scores", "topk_indices", "visible_counts"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, backend: str = "auto") -> Tensor:
+    """Lightning-indexer scores ``score[t, n] = sum_h weights[t, h] * ReLU(q[t, h] . keys[n])`` -> ``[T, N]
+    float32``. q ``[T, H, D]`` (RoPE'd), weights ``[T, H]`` (scaled by the caller), keys ``[N, D]`` shared by every
+    query, or ``[T, N, D]``: each query its own keys (a fixed-shape decode step, one query per sequence).
+    backend: "auto" | "torch" | "triton" (the kernel: q and keys of one dtype, bf16 / fp16 / fp32; equal to the
+    reference up to fp32 summation order)."""
+    if keys.dim() == 3:
+        ref_fn = reference.index_scores_per_query
+        shapes_ok = q.dim() == 3 and keys.shape[0] == q.shape[0] and keys.shape[2] == q.shape[-1]
+    else:
+        ref_fn = reference.index_scores
+        shapes_ok = q.dim() == 3 and keys.dim() == 2 and keys.shape[1] == q.shape[-1]
+    if not shapes_ok or weights.shape != q.shape[:2]:
+        raise ValueError(f"index_scores: q {tuple(q.shape)}, weights {tuple(weights.shape)}, keys "
+                         f"{tuple(keys.shape)}; expected [T, H, D], [T, H] and [N, D] or [T, N, D]")
+    ok = q.dtype in _FLOATS and keys.dtype == q.dtype and weights.is_floating_point() and q.shape[1] <= 256
+    why = f"q {q.dtype} H {q.shape[1]}, keys {keys.dtype}; needs q and keys of one float dtype and H <= 256"
+    if resolve_backend("index_scores", backend, q, weights, keys, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.indexer import triton as triton_backend
+
+        return triton_backend.index_scores(q, weights, keys)
+    return ref_fn(q, weights, keys)
 
 
 def topk_indices(scores: Tensor, k: int, visible: Tensor | None = None, *, backend: str = "auto") -> Tensor:

@@ -1,4 +1,11 @@
-"""Triton causal top-k of the lightning indexer: one program per query row selects the k largest finite scores
+"""Triton kernels of the lightning indexer: the scores (one fused pass over the bf16 keys) and the causal top-k.
+
+Scores: per (query, block of entries) one dot of the query's heads [H, D] with the keys [BLOCK_N, D] (fp32
+accumulation; bf16 operands multiply exactly), ReLU, and the head-weighted sum, without fp32 copies of q or the
+keys and without the two cuBLAS calls of the reference. A score depends only on its query and key, not on the
+tile or the batch shape, so every forward path (prefill, chunked, fixed-shape decode) sees the same values.
+
+Top-k: one program per query row selects the k largest finite scores
 (ties: the lower entry id) and writes their ids ascending, -1 padded, exactly `reference.topk_indices` (optionally
 after `reference.causal_mask`), without sorting.
 
@@ -20,7 +27,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import check_launchable, next_pow2
 
-__all__ = ["BLOCK", "MAX_ROW", "topk_indices"]
+__all__ = ["BLOCK", "MAX_ROW", "index_scores", "topk_indices"]
 
 MAX_ROW = 4096  # rows up to this length are held in registers (read once)
 BLOCK = 1024  # entries of a longer row per chunk
@@ -124,4 +131,58 @@ def topk_indices(scores: Tensor, k: int, visible: Tensor | None = None) -> Tenso
     block = BLOCK if chunked else max(16, next_pow2(n))
     _topk_kernel[(t,)](x, vis, out, n, k, x.stride(0), out.stride(0), HAS_VIS=visible is not None, CHUNKED=chunked,
                        BLOCK=block, num_warps=8 if block >= 1024 else 4)
+    return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, H, N, D, stride_qt, stride_qh, stride_wt, stride_kt, stride_kn,
+                   stride_ot, DOT_F32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        k = tl.load(k_ptr + t * stride_kt + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+        if DOT_F32:
+            acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(q, tl.trans(k))
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    score = tl.sum(tl.maximum(acc, 0.0) * w[:, None], axis=0)
+    tl.store(out_ptr + t * stride_ot + offs_n, score, mask=n_ok)
+
+
+def index_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+    """q [T, H, D], weights [T, H], keys [N, D] (shared by every query) or [T, N, D] (each query its own) ->
+    [T, N] float32 = sum_h weights[t, h] * relu(q[t, h] . keys[(t,) n]). q and keys of one dtype (bf16 / fp16:
+    tensor-core dots with fp32 accumulation; fp32: exact fp32 dots). Validated by the package dispatcher."""
+    t, h, d = q.shape
+    per_query = keys.dim() == 3
+    n = keys.shape[1] if per_query else keys.shape[0]
+    out = torch.empty((t, n), dtype=torch.float32, device=q.device)
+    if t == 0 or n == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    w = weights if weights.stride(-1) == 1 else weights.contiguous()
+    interp = check_launchable("index_scores", _scores_kernel, q, w, keys)
+    block_h = max(16, next_pow2(h))
+    # [64 heads, 64 entries] fp32 accumulator over 64-column K steps in 8 warps: no spills on sm_90 (offline compile)
+    block_d = max(16, min(64, next_pow2(d)))
+    block_n = 64 if block_h <= 64 else 16
+    _scores_kernel[(t, -(-n // block_n))](
+        q, w, keys, out, h, n, d, q.stride(0), q.stride(1), w.stride(0), keys.stride(0) if per_query else 0,
+        keys.stride(-2), out.stride(0), DOT_F32=interp or q.dtype == torch.float32, BLOCK_H=block_h,
+        BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8,
+    )  # fmt: skip
     return out
