@@ -1,7 +1,7 @@
 """Triton kernels of the indexer vs the torch references.
 
 Scores: equal up to fp32 summation order (rtol 1e-5 of the row's largest |score| on fp32 inputs; bf16 operands
-multiply exactly, so the same bound holds). Causal top-k: exact (the same ids in the same order for every row).
+multiply exactly, so the same bound holds). Causal top-k and store rows: exact.
 
 Rows cover exact ties (the lower id wins), -0.0 against +0.0 (equal), -inf and causally hidden entries (never
 selected: -1 padding), +inf (pinned candidate blocks), NaN (above +inf, as the reference's sort has it), fewer
@@ -14,7 +14,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.indexer import causal_mask, index_scores, reference, topk_indices
+from deepinfer_kernels.indexer import causal_mask, index_scores, reference, store_rows, topk_indices
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -91,6 +91,30 @@ def test_scores_dispatcher():
     assert torch.equal(index_scores(q, w, keys.double(), backend="auto"), reference.index_scores(q, w, keys.double()))
 
 
+def _store_inputs(t: int, k: int, s: int, e: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(t + k + e)
+    sel = torch.randint(-1, max(1, e // s), (t, k), generator=g)
+    sel[0, : k // 2] = -1
+    seq = torch.randint(0, s, (t,), generator=g)
+    offsets = torch.arange(s) * (e // s)
+    rows = torch.randperm(max(e, 1), generator=g)[:e] * 3
+    return sel.to(device), seq.to(device), offsets.to(device), rows.to(device)
+
+
+@pytest.mark.parametrize(("t", "k", "s", "e"), [(4, 8, 2, 20), (3, 1500, 3, 3000), (1, 5, 1, 1)])
+def test_store_rows_interpreter_matches_reference(interp, t, k, s, e):
+    sel, seq, offsets, rows = _store_inputs(t, k, s, e)
+    assert torch.equal(interp.store_rows(sel, seq, offsets, rows), reference.store_rows(sel, seq, offsets, rows))
+
+
+def test_store_rows_dispatcher():
+    sel, seq, offsets, rows = _store_inputs(3, 6, 2, 10)
+    assert torch.equal(store_rows(sel, seq, offsets, rows), reference.store_rows(sel, seq, offsets, rows))
+    assert torch.equal(store_rows(sel, seq, offsets, rows[:0]), torch.full_like(sel, -1))  # no entries: reference
+    with pytest.raises(ValueError, match="expected"):
+        store_rows(sel, seq[:2], offsets, rows)
+
+
 def test_topk_dispatcher_validation_and_torch_path():
     s = _scores(3, 20, 1)
     vis = torch.tensor([0, 5, 20])
@@ -124,6 +148,9 @@ for dt, f32 in (("*bf16", False), ("*fp32", True)):
         "H": "i32", "N": "i32", "D": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_wt": "i32",
         "stride_kt": "i32", "stride_kn": "i32", "stride_ot": "i32"},
         {"DOT_F32": f32, "BLOCK_H": 64, "BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8)
+out["store rows"] = rep(it._store_rows_kernel, {"sel_ptr": "*i64", "seq_ptr": "*i64", "off_ptr": "*i64",
+    "rows_ptr": "*i64", "out_ptr": "*i64", "K": "i32", "E": "i32", "stride_s": "i32", "stride_o": "i32"},
+    {"BLOCK": 1024}, num_warps=4)
 print(json.dumps(out))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -133,7 +160,7 @@ print(json.dumps(out))
                           check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 8
+    assert len(report) == 9
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 64 * 1024, (name, r)
 
@@ -159,6 +186,14 @@ def test_scores_gpu_matches_reference(t, n):
         q, w, keys, keys3 = _score_inputs(t, 64, 128, n, dtype, "cuda")
         _close_scores(index_scores(q, w, keys, backend="triton"), reference.index_scores(q, w, keys))
         _close_scores(index_scores(q, w, keys3, backend="triton"), reference.index_scores_per_query(q, w, keys3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("t", "k", "s", "e"), [(1, 512, 1, 4096), (64, 512, 64, 64 * 2048), (8, 2048, 3, 300)])
+def test_store_rows_gpu_matches_reference(t, k, s, e):
+    sel, seq, offsets, rows = _store_inputs(t, k, s, e, "cuda")
+    got = store_rows(sel, seq, offsets, rows, backend="triton")
+    assert torch.equal(got, reference.store_rows(sel, seq, offsets, rows))
 
 
 @pytest.mark.gpu

@@ -301,7 +301,8 @@ class Attention(nn.Module):
                     numerics=self.numerics,
                 )
             return csa2.csa2_select(
-                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=rope, numerics=self.numerics
+                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=rope, numerics=self.numerics,
+                backend=self.kernel_backend,
             )
         cache = ctx.cache
         lid, r = self.layer_id, self.ratio
@@ -324,7 +325,8 @@ class Attention(nn.Module):
             sel = self.indexer.select(x, qr, ctx, view, rope)
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
-        return CompressedSelection(kv=view.store, indices=view.store_rows(sel, paged.offsets_t[ctx.seq_of_token]))
+        rows = view.store_rows(sel, ctx.seq_of_token, paged.offsets_t, backend=self.kernel_backend)
+        return CompressedSelection(kv=view.store, indices=rows)
 
     # ---------------------------------------------------------------------------------------------- forward
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:

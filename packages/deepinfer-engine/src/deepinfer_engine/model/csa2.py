@@ -349,6 +349,7 @@ def csa2_select(
     ctx: ForwardContext,
     rope: RopeFn,
     numerics: KVNumerics = _NO_ROUNDING,
+    backend: str = "auto",
 ) -> CompressedSelection:
     """Compressed entries each query attends to (besides its window), for a Full / Reuse / Reindex layer.
 
@@ -356,7 +357,8 @@ def csa2_select(
     must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = the source's store,
     indices [T, index_topk] store rows, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
     entry ids w); the candidate publisher also publishes ``ctx.candidates[layer_id] [T, num_blocks] bool``.
-    Reuse layers (no indexer-Q) take the top-k of their index source unchanged.
+    Reuse layers (no indexer-Q) take the top-k of their index source unchanged. backend: the model's kernel
+    backend for the indexer ops.
     """
     lid, r, k = plan.layer_id, plan.ratio, plan.index_topk
     view = ctx.compressed.get(plan.kv_source)
@@ -379,7 +381,7 @@ def csa2_select(
         q_all = numerics.index_operand(q_all)
         t = x.shape[0]
         # [T, cmax] over the query's own sequence's entries
-        scores = padded_scores(q_all, w_all, view, ctx, backend=indexer.kernel_backend)
+        scores = padded_scores(q_all, w_all, view, ctx, backend=backend)
         scores = numerics.index_scores(scores)
         vis = visible_counts(ctx.batch.positions, r)
         # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded
@@ -403,8 +405,8 @@ def csa2_select(
             allowed = _entry_mask_from_blocks(blocks, cmax, plan.candidate_block_size)
             scores = scores.masked_fill(~allowed, float("-inf"))
         masked = plan.publishes_candidates or plan.consumes_candidates
-        sel = topk_indices(scores, k, None if masked else vis, backend=indexer.kernel_backend)
+        sel = topk_indices(scores, k, None if masked else vis, backend=backend)
         ctx.topk[lid] = sel
     # per-sequence entry ids -> rows of the source's store (read in place by the attention kernel)
-    offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
-    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, offs))
+    offs = ctx.paged_plan(view.ratio).offsets_t
+    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, ctx.seq_of_token, offs, backend=backend))

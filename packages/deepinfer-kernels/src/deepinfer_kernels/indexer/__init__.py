@@ -17,7 +17,7 @@ from deepinfer_kernels.indexer.reference import (
     visible_counts,
 )
 
-__all__ = ["candidate_blocks", "causal_mask", "index_scores", "topk_indices", "visible_counts"]
+__all__ = ["candidate_blocks", "causal_mask", "index_scores", "store_rows", "topk_indices", "visible_counts"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -68,3 +68,23 @@ def topk_indices(scores: Tensor, k: int, visible: Tensor | None = None, *, backe
     if visible is not None:
         scores = reference.causal_mask(scores, visible)
     return reference.topk_indices(scores, k)
+
+
+def store_rows(
+    sel: Tensor, seq_of_token: Tensor, seq_offsets: Tensor, rows: Tensor, *, backend: str = "auto"
+) -> Tensor:
+    """Per-sequence entry ids -> compressed-store rows: ``out[t, j] = rows[seq_offsets[seq_of_token[t]] +
+    sel[t, j]]`` (-1 stays -1). sel ``[T, K] int64``, seq_of_token ``[T]`` int, seq_offsets ``[S]`` int, rows
+    ``[E] int64`` -> ``[T, K] int64``; out-of-range ids are clamped into rows (as the reference). backend: "auto" |
+    "torch" | "triton" (one launch instead of ~7 torch ops)."""
+    if sel.dim() != 2 or seq_of_token.shape != (sel.shape[0],) or seq_offsets.dim() != 1 or rows.dim() != 1:
+        raise ValueError(f"store_rows: sel {tuple(sel.shape)}, seq_of_token {tuple(seq_of_token.shape)}, seq_offsets "
+                         f"{tuple(seq_offsets.shape)}, rows {tuple(rows.shape)}; expected [T, K], [T], [S], [E]")
+    ok = sel.dtype == torch.int64 and rows.dtype == torch.int64 and rows.numel() > 0
+    why = f"sel {sel.dtype}, rows {rows.dtype} [{rows.numel()}]; needs int64 and at least one row"
+    tensors = (sel, seq_of_token, seq_offsets, rows)
+    if resolve_backend("store_rows", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.indexer import triton as triton_backend
+
+        return triton_backend.store_rows(sel, seq_of_token, seq_offsets, rows)
+    return reference.store_rows(sel, seq_of_token, seq_offsets, rows)

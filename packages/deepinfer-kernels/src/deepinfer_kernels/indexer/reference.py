@@ -128,3 +128,13 @@ def candidate_blocks(
         torch.arange(n, device=scores.device)[None, :] < visible[:, None]
     )
     return block_ids, allowed
+
+
+def store_rows(sel: Tensor, seq_of_token: Tensor, seq_offsets: Tensor, rows: Tensor) -> Tensor:
+    """Per-sequence entry ids -> rows of the compressed store: ``out[t, j] = rows[seq_offsets[seq_of_token[t]] +
+    sel[t, j]]``, -1 where ``sel`` is -1. sel ``[T, K] int64``, seq_of_token ``[T]``, seq_offsets ``[S]`` (each
+    sequence's first entry in ``rows``), rows ``[E] int64`` -> ``[T, K] int64``."""
+    if rows.numel() == 0:
+        return torch.full_like(sel, -1)
+    flat = (sel + seq_offsets[seq_of_token][:, None]).clamp(0, rows.numel() - 1)
+    return torch.where(sel >= 0, rows[flat], torch.full_like(sel, -1))

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import check_launchable, next_pow2
 
-__all__ = ["BLOCK", "MAX_ROW", "index_scores", "topk_indices"]
+__all__ = ["BLOCK", "MAX_ROW", "index_scores", "store_rows", "topk_indices"]
 
 MAX_ROW = 4096  # rows up to this length are held in registers (read once)
 BLOCK = 1024  # entries of a longer row per chunk
@@ -185,4 +185,32 @@ def index_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
         keys.stride(-2), out.stride(0), DOT_F32=interp or q.dtype == torch.float32, BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8,
     )  # fmt: skip
+    return out
+
+
+@triton.jit(do_not_specialize=["K", "E"])
+def _store_rows_kernel(sel_ptr, seq_ptr, off_ptr, rows_ptr, out_ptr, K, E, stride_s, stride_o, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    off = tl.load(off_ptr + tl.load(seq_ptr + t))
+    for j in range(0, K, BLOCK):
+        offs = j + tl.arange(0, BLOCK)
+        ok = offs < K
+        sel = tl.load(sel_ptr + t * stride_s + offs, mask=ok, other=-1)
+        flat = tl.minimum(tl.maximum(sel + off, 0), E - 1)
+        r = tl.load(rows_ptr + flat, mask=ok & (sel >= 0), other=-1)  # -1 stays -1
+        tl.store(out_ptr + t * stride_o + offs, r.to(tl.int64), mask=ok)
+
+
+def store_rows(sel: Tensor, seq_of_token: Tensor, seq_offsets: Tensor, rows: Tensor) -> Tensor:
+    """`reference.store_rows` in one launch: sel [T, K] int64, seq_of_token [T], seq_offsets [S], rows [E] int64
+    (E > 0) -> [T, K] int64. Validated by the package dispatcher."""
+    t, k = sel.shape
+    out = torch.empty((t, k), dtype=torch.int64, device=sel.device)
+    if t == 0 or k == 0:
+        return out
+    s = sel if sel.stride(-1) == 1 else sel.contiguous()
+    seq, offs, r = seq_of_token.contiguous(), seq_offsets.contiguous(), rows.contiguous()
+    check_launchable("store_rows", _store_rows_kernel, s, seq, offs, r)
+    _store_rows_kernel[(t,)](s, seq, offs, r, out, k, r.numel(), s.stride(0), out.stride(0),
+                             BLOCK=min(1024, max(16, next_pow2(k))), num_warps=4)  # fmt: skip
     return out
