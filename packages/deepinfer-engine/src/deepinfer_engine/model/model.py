@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from deepinfer_kernels.embed import embed_streams
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
@@ -226,8 +227,7 @@ class Transformer(nn.Module):
         img = image_positions(batch.input_ids, a.vocab_size)
         ctx.image_mask = img  # read by Engram (gate 0) and by the MoE gates with bias_vl: computed once per forward
         # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
-        e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
-        r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
+        r = embed_streams(batch.input_ids, self.embed.weight, a.hc_mult, backend=self.kernel_backend)  # [T, n, d]
         pre: Tensor | None = None
         # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
         cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
