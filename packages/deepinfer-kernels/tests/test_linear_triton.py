@@ -99,6 +99,62 @@ def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, 
     torch.testing.assert_close(yb, reference.fp8_linear(x.bfloat16(), q, s, block), rtol=2**-7, atol=2e-2)
 
 
+class _CountFills(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the torch ops that write a constant (zeros / fill_ / zero_) while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fills = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.overloadpacket.__name__ in ("zeros", "fill_", "zero_", "full", "new_zeros"):
+            self.fills += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_split_k_counters_are_left_zero_and_reused(interp):
+    """Caller-owned counters: a split launch uses them (no zero fill of fresh counters), leaves them zero, and the
+    result is bit-identical to the launch with fresh counters; fp8_linear, the grouped form and linear_f32_out."""
+    from deepinfer_kernels.linear import split_k_counters
+
+    g = torch.Generator().manual_seed(5)
+    q, s = quant_fp8_block(torch.randn(40, 200, generator=g) / 15, (32, 32))
+    x = torch.randn(3, 200, generator=g)
+    cfg = interp.LinearConfig(16, 16, 32, 4, 1, 3)
+    cnt = split_k_counters("cpu")
+    assert cnt.dtype == torch.int32 and cnt.numel() >= 3 and not cnt.any()  # 3 N tiles x 1 M tile
+    cnt = torch.zeros(16, dtype=torch.int32)  # forced splits of up to 8 tiles below: more than the CPU policy's 4
+    fresh = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)
+    for _ in range(2):
+        with _CountFills() as c:
+            got = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg, counters=cnt)
+        assert c.fills == 0 and torch.equal(got, fresh) and not cnt.any()
+    gq, gs = quant_fp8_block(torch.randn(4 * 32, 64, generator=g) / 8, (32, 32))
+    gx = torch.randn(2, 4, 64, generator=g)
+    gcfg = interp.LinearConfig(16, 16, 32, 4, 1, 2)
+    with _CountFills() as c:
+        got = interp.fp8_linear_grouped(gx, gq, gs, (32, 32), act_quant=False, config=gcfg, counters=cnt)
+    assert c.fills == 0 and not cnt.any()
+    assert torch.equal(got, interp.fp8_linear_grouped(gx, gq, gs, (32, 32), act_quant=False, config=gcfg))
+    w = torch.randn(50, 96, generator=g)
+    with _CountFills() as c:
+        got = interp.linear_f32_out(x[:, :96], w, config=interp.LinearConfig(16, 16, 32, 4, 1, 3), counters=cnt)
+    assert c.fills == 0 and not cnt.any()
+    assert torch.equal(got, interp.linear_f32_out(x[:, :96], w, config=interp.LinearConfig(16, 16, 32, 4, 1, 3)))
+    # too few counters for the launch's tiles: fresh ones, the caller's untouched
+    small = torch.zeros(1, dtype=torch.int32)
+    assert torch.equal(interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg, counters=small), fresh)
+    assert not small.any()
+
+
+def test_split_k_counters_validation():
+    from deepinfer_kernels.linear import fp8_linear
+
+    q, s = quant_fp8_block(torch.randn(32, 64), (32, 32))
+    with pytest.raises(ValueError, match="counters"):
+        fp8_linear(torch.randn(2, 64), q, s, (32, 32), counters=torch.zeros(4, dtype=torch.int64))
+
+
 @pytest.mark.parametrize(("swap", "split"), [(False, 1), (True, 2)])
 def test_fp8_linear_grouped_interpreter(interp, swap, split):
     """Block-diagonal weight in one launch (the grouped output projection): x [M, G, K] as a strided view, each
@@ -207,6 +263,41 @@ def test_fp8_linear_gpu_split_k_is_deterministic(m):
             tol = 1e-2 if xx.dtype == torch.bfloat16 else 1e-5
             assert _rel(first, want) <= tol, (n, k, xx.dtype)
             assert _rel(first, lt.fp8_linear(xx, q, s, (32, 32), act_quant=False, config=one)) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 64])
+def test_fp8_linear_gpu_split_k_counters_reused(m):
+    """Default split policy at V4.1 decode shapes with one counter buffer shared by every call (as a model layer
+    does), eager and replayed in a CUDA graph: bit-identical to fresh counters, the buffer zero after each call, and
+    the captured graph holds no fill kernel for them."""
+    from deepinfer_kernels.linear import fp8_linear, linear_f32_out, split_k_counters
+
+    g = torch.Generator().manual_seed(17)
+    cnt = split_k_counters("cuda")
+    for n, k in [(1024, 4096), (512, 4096), (4096, 1024), (384, 4096)]:
+        q, s = _random_fp8(n, k, (32, 32), g, "cuda")
+        x = torch.randn(m, k, generator=g).cuda().bfloat16()
+        fresh = fp8_linear(x, q, s, (32, 32), backend="triton")
+        for _ in range(3):
+            assert torch.equal(fp8_linear(x, q, s, (32, 32), backend="triton", counters=cnt), fresh), (n, k)
+            torch.cuda.synchronize()
+            assert not cnt.any()
+        w = (torch.randn(n, k, generator=g) / 64).cuda().bfloat16()
+        f32 = linear_f32_out(x, w, backend="triton")
+        assert torch.equal(linear_f32_out(x, w, backend="triton", counters=cnt), f32) and not cnt.any()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            out = fp8_linear(x, q, s, (32, 32), backend="triton", counters=cnt)  # warm-up (compiles)
+            with torch.cuda.graph(graph, stream=stream):
+                out = fp8_linear(x, q, s, (32, 32), backend="triton", counters=cnt)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(5):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, fresh) and not cnt.any(), (n, k)
 
 
 @pytest.mark.gpu

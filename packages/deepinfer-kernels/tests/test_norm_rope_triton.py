@@ -7,6 +7,11 @@ Tolerances (|triton - reference| <= atol + rtol * |reference|):
 RoPE: the kernel asks for no fp contraction (each product and sum rounded like the reference's separate ops);
 tested within 1 ULP of the output dtype on the GPU (fp32: rtol 2^-23) and on the interpreter (numpy, bf16 / fp16
 truncated; fp32 exact there).
+RoPE at positions (angles and cos / sin computed in the kernel): the cos / sin of the kernel's math library may
+differ from torch.polar's by an ULP of fp32, so the outputs are compared with atol 1e-5 (|x| <= ~10) on top of the
+1-ULP relative tolerance. With the RMSNorm folded in (norm=(weight, eps)): fp32 atol 1e-5 / rtol 1e-5; bf16 the
+norm's output rounding may land on the neighbouring value before the rotation: atol 2e-2 (normed values ~1),
+rtol 2^-7.
 """
 
 from __future__ import annotations
@@ -15,7 +20,15 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.norm_rope import apply_rope, reference, rms_norm, rope_cos_sin, rope_freqs
+from deepinfer_kernels.norm_rope import (
+    apply_rope,
+    apply_rope_at,
+    reference,
+    rms_norm,
+    rope_at_uses_kernel,
+    rope_cos_sin,
+    rope_freqs,
+)
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -138,3 +151,85 @@ def test_gpu_rope_matches_reference(case, dtype, inverse):
     d = shape[-1] - rope_dim
     assert out.dtype == ref.dtype and torch.equal(out[..., :d], ref[..., :d])
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=_ULP[dtype] or 2.0**-23)
+
+
+def _positions_inputs(shape: tuple[int, ...], rope_dim: int, dtype: torch.dtype, device: str = "cpu"):
+    g = torch.Generator().manual_seed(sum(shape) + rope_dim + 1)
+    x = (torch.randn(*shape, generator=g) * 2).to(dtype).to(device)
+    pos = torch.randint(0, 70000, (shape[0],), generator=g).to(device)
+    freqs = rope_freqs(rope_dim, 160000.0, yarn_factor=16, original_max_pos=65536).to(device)
+    return x, pos, freqs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", _CASES[:3], ids=lambda c: "x".join(map(str, c[0])) + f"-r{c[1]}")
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "inv"])
+def test_rope_at_positions_interpreter_matches_reference(interp, case, dtype, inverse):
+    shape, rope_dim = case
+    x, pos, freqs = _positions_inputs(shape, rope_dim, dtype)
+    out = interp.apply_rope_at(x, pos, freqs, inverse=inverse)
+    ref = reference.apply_rope(x, *rope_cos_sin(pos, freqs), inverse=inverse)
+    d = shape[-1] - rope_dim
+    assert out.dtype == ref.dtype and out.shape == ref.shape and torch.equal(out[..., :d], ref[..., :d])
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=_ULP[dtype] or 2.0**-23)
+
+
+def test_rope_at_dispatcher(interp):
+    x, pos, freqs = _positions_inputs((3, 2, 32), 8, torch.float32)
+    assert rope_at_uses_kernel(x, pos, freqs, backend="triton") and not rope_at_uses_kernel(x, pos, freqs,
+                                                                                             backend="torch")
+    ref = reference.apply_rope(x, *rope_cos_sin(pos, freqs))
+    torch.testing.assert_close(apply_rope_at(x, pos, freqs, backend="torch"), ref, atol=0, rtol=0)
+    torch.testing.assert_close(apply_rope_at(x, pos, freqs, backend="triton"), ref, atol=1e-5, rtol=2.0**-23)
+    assert not rope_at_uses_kernel(x.double(), pos, freqs, backend="auto")
+    with pytest.raises(ValueError, match="positions"):
+        apply_rope_at(x, pos[:2], freqs)
+    with pytest.raises(ValueError, match="rope dims"):
+        apply_rope_at(x, pos, torch.ones(17))
+
+
+_NORM_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2.0**-7)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", [((5, 40), 8), ((3, 4, 32), 8), ((2, 16), 16)],
+                         ids=lambda c: "x".join(map(str, c[0])) + f"-r{c[1]}")  # fmt: skip
+@pytest.mark.parametrize("weighted", [True, False], ids=["w", "now"])
+def test_norm_rope_at_positions_interpreter_matches_reference(interp, case, dtype, weighted):
+    shape, rope_dim = case
+    x, pos, freqs = _positions_inputs(shape, rope_dim, dtype)
+    w = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype) if weighted else None
+    out = interp.apply_rope_at(x, pos, freqs, norm=(w, 1e-6))
+    ref = reference.apply_rope(reference.rms_norm(x, w, 1e-6), *rope_cos_sin(pos, freqs))
+    atol, rtol = _NORM_TOL[dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(apply_rope_at(x, pos, freqs, norm=(w, 1e-6), backend="torch"), ref, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [((1, 512), 64), ((64, 512), 64), ((3, 64, 512), 64), ((5, 128), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_norm_rope_at_positions_matches_reference(case, dtype):
+    shape, rope_dim = case
+    x, pos, freqs = _positions_inputs(shape, rope_dim, dtype, "cuda")
+    w = (torch.rand(shape[-1], generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype).cuda()
+    for weight in (w, None):
+        out = apply_rope_at(x, pos, freqs, norm=(weight, 1e-6), backend="triton")
+        ref = reference.apply_rope(reference.rms_norm(x, weight, 1e-6), *rope_cos_sin(pos, freqs))
+        atol, rtol = _NORM_TOL[dtype]
+        torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [((1, 64, 512), 64), ((64, 64, 512), 64), ((8, 512), 64), ((3, 32, 128), 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("inverse", [False, True], ids=["fwd", "inv"])
+def test_gpu_rope_at_positions_matches_reference(case, dtype, inverse):
+    shape, rope_dim = case
+    x, pos, freqs = _positions_inputs(shape, rope_dim, dtype, "cuda")
+    out = apply_rope_at(x, pos, freqs, inverse=inverse, backend="triton")
+    ref = reference.apply_rope(x, *rope_cos_sin(pos, freqs), inverse=inverse)
+    d = shape[-1] - rope_dim
+    assert out.dtype == ref.dtype and torch.equal(out[..., :d], ref[..., :d])
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=_ULP[dtype] or 2.0**-23)

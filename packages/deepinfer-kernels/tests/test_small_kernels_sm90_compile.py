@@ -1,4 +1,4 @@
-"""Offline sm_90a compile of the small decode-step kernels (greedy argmax stages, the MoE permutation), without a
+"""Offline sm_90a compile of the small decode-step kernels (greedy argmax stages, the MoE permutation, RoPE), without a
 GPU. The CPU interpreter runs Python semantics that the compiler rejects (a kernel reading a plain module global
 passed every interpreter test and failed to compile on the H200); compiling for Hopper here catches that class."""
 
@@ -31,6 +31,14 @@ for use in (True, False):
 out["align pairs"] = rep(mt._align_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "bexp_ptr": "*i32",
     "scratch_ptr": "*i32", "P": "i32", "E": "i32", "NB": "i32"}, {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_E": 512,
     "LOG_E": 9, "BLOCK_B": 256}, num_warps=4)
+from deepinfer_kernels.norm_rope import triton as rn
+# cos/sin tables; positions + freqs with the angles computed in the kernel; the same with the row's RMSNorm first
+for from_pos, norm in ((False, False), (True, False), (True, True)):
+    out[f"rope from_pos={from_pos} norm={norm}"] = rep(rn._rope_kernel, {"x_ptr": "*bf16",
+        "cos_ptr": "*i64" if from_pos else "*fp32", "sin_ptr": "*fp32", "y_ptr": "*bf16", "w_ptr": "*bf16",
+        "R": "i32", "M": "i32", "D": "i32", "stride_x": "i32", "stride_y": "i32", "stride_c": "i32", "eps": "fp32"},
+        {"P": 32, "INVERSE": False, "FROM_POS": from_pos, "NORM": norm, "HAS_W": norm, "BLOCK_R": 8, "BLOCK_D": 512,
+        "BLOCK_P": 32}, num_warps=4)
 print(json.dumps(out))
 """
 
@@ -44,7 +52,7 @@ def test_small_decode_kernels_compile_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 5
+    assert len(report) == 8
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 227 * 1024, (name, r)  # align pairs keeps 8 bytes on the stack
 

@@ -13,8 +13,15 @@ from functools import partial
 
 import torch
 from deepinfer_kernels.compressor import compress_pool
-from deepinfer_kernels.indexer import causal_mask, topk_indices, visible_counts
-from deepinfer_kernels.norm_rope import apply_rope, rms_norm, rope_cos_sin, rope_freqs
+from deepinfer_kernels.indexer import topk_indices, visible_counts
+from deepinfer_kernels.norm_rope import (
+    apply_rope,
+    apply_rope_at,
+    rms_norm,
+    rope_at_uses_kernel,
+    rope_cos_sin,
+    rope_freqs,
+)
 from deepinfer_kernels.sparse_attn import sparse_attn
 from torch import Tensor, nn
 
@@ -45,7 +52,8 @@ class Rope:
 
     Callable as `rope(x [T, ..., D], positions [T] int64, inverse=False)`, rotating the trailing rope dims.
     `tables`: a per-forward dict (ForwardContext.rope_cache) that keeps the cos/sin of each positions tensor, so
-    the layers of one kind compute them once per forward instead of once per call (same values).
+    the layers of one kind compute them once per forward instead of once per call (same values). Where the Triton
+    kernel runs (`rope_at_uses_kernel`) it computes the angles itself and no table is made.
     """
 
     def __init__(self, args: object, theta: float, use_yarn: bool) -> None:
@@ -83,9 +91,16 @@ class Rope:
         return cos, sin
 
     def __call__(
-        self, x: Tensor, positions: Tensor, inverse: bool = False, *, tables: dict | None = None,
-        backend: str = "auto",
+        self, x: Tensor, positions: Tensor, inverse: bool = False, *, norm: tuple[Tensor | None, float] | None = None,
+        tables: dict | None = None, backend: str = "auto",
     ) -> Tensor:
+        """norm (weight | None, eps): RMSNorm over x's last dim first (`rms_norm`), in the rope kernel when it runs."""
+        if self.freqs.device != positions.device:
+            self.freqs = self.freqs.to(positions.device)
+        if rope_at_uses_kernel(x, positions, self.freqs, norm=norm, backend=backend):  # angles in the kernel
+            return apply_rope_at(x, positions, self.freqs, inverse=inverse, norm=norm, backend=backend)
+        if norm is not None:
+            x = rms_norm(x, norm[0], norm[1], backend=backend)
         cos, sin = self.cos_sin(positions, tables)
         return apply_rope(x, cos, sin, inverse=inverse, backend=backend)
 
@@ -154,6 +169,8 @@ class Compressor(nn.Module):
 class Indexer(nn.Module):
     """V4 lightning indexer `attn.indexer.*`: own overlapping compressor for keys, wq_b queries, head weights."""
 
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+
     def __init__(self, args: object, *, ratio: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk = args.index_n_heads, args.index_head_dim, args.index_topk
@@ -170,8 +187,8 @@ class Indexer(nn.Module):
         q = rope(self.wq_b(qr).view(t, self.n_heads, self.head_dim), pos)
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         # padded entries (past a sequence's count) are beyond every query's visible count: masked here
-        scores = causal_mask(padded_scores(q, w, view, ctx), visible_counts(pos, view.ratio))
-        return topk_indices(scores, self.topk)
+        scores = padded_scores(q, w, view, ctx, backend=self.kernel_backend)
+        return topk_indices(scores, self.topk, visible_counts(pos, view.ratio), backend=self.kernel_backend)
 
 
 class Attention(nn.Module):
@@ -235,13 +252,12 @@ class Attention(nn.Module):
         """q [T, H, Dh] (rotated) and the normed latent qr [T, Rq] (also the indexer's input)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        if self.q_head_norm:
-            q = rms_norm(q, None, self.eps, backend=self.kernel_backend)
-        return (rope or self.rope_fn())(q, positions), qr
+        return (rope or self.rope_fn())(q, positions, norm=(None, self.eps) if self.q_head_norm else None), qr
 
     def project_kv(self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None) -> Tensor:
         """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
-        return self.numerics.window_kv((rope or self.rope_fn())(self.kv_norm(self.wkv(x)), positions))
+        kv = (rope or self.rope_fn())(self.wkv(x), positions, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        return self.numerics.window_kv(kv)
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
@@ -285,7 +301,8 @@ class Attention(nn.Module):
                     numerics=self.numerics,
                 )
             return csa2.csa2_select(
-                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=rope, numerics=self.numerics
+                plan=plan, indexer=self.indexer, x=x, qr=qr, ctx=ctx, rope=rope, numerics=self.numerics,
+                backend=self.kernel_backend,
             )
         cache = ctx.cache
         lid, r = self.layer_id, self.ratio
@@ -308,7 +325,8 @@ class Attention(nn.Module):
             sel = self.indexer.select(x, qr, ctx, view, rope)
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
-        return CompressedSelection(kv=view.store, indices=view.store_rows(sel, paged.offsets_t[ctx.seq_of_token]))
+        rows = view.store_rows(sel, ctx.seq_of_token, paged.offsets_t, backend=self.kernel_backend)
+        return CompressedSelection(kv=view.store, indices=rows)
 
     # ---------------------------------------------------------------------------------------------- forward
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_engine.model.kv_numerics import KVNumerics
-from deepinfer_engine.model.linear import Linear
+from deepinfer_engine.model.linear import Linear, split_counters
 
 _NO_ROUNDING = KVNumerics()
 
@@ -103,8 +103,10 @@ class Csa2Compressor(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``x [L, d]`` -> ``A [L, Dh] float32``, ``Z [L, Dh] float32 | None`` (fp32 math like the reference)."""
         # fp32 results without an fp32 copy of the weights each step (fp32 accumulation over their dtype)
-        a = linear_f32_out(x, self.wkv.weight, backend=self.kernel_backend)
-        z = linear_f32_out(x, self.wgate.weight, backend=self.kernel_backend) if self.wgate is not None else None
+        cnt = split_counters(self, x.device)
+        a = linear_f32_out(x, self.wkv.weight, backend=self.kernel_backend, counters=cnt)
+        z = (linear_f32_out(x, self.wgate.weight, backend=self.kernel_backend, counters=cnt)
+             if self.wgate is not None else None)
         return a, z
 
 
@@ -153,7 +155,8 @@ class Csa2Indexer(nn.Module):
         t = qr.shape[0]
         q = self.wq_b(qr).to(qr.dtype).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
-        w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend) * (
+        w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend,
+                           counters=split_counters(self, x.device)) * (
             self.index_head_dim**-0.5 * self.n_heads**-0.5
         )
         return q, w
@@ -304,7 +307,9 @@ def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedVie
 _BATCHED_SCORE_CELLS = 1 << 16
 
 
-def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext) -> Tensor:
+def padded_scores(
+    q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext, *, backend: str = "auto"
+) -> Tensor:
     """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0)."""
     t = q.shape[0]
     cmax = max(view.seq_counts, default=0)
@@ -313,29 +318,24 @@ def padded_scores(q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContex
     if cmax == 0:
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
-        return index_scores(q, w, keys)
+        return index_scores(q, w, keys, backend=backend)
     if ctx.static is not None:  # fixed-shape step: Q queries per sequence, cmax entry slots per sequence
         s = ctx.num_seqs
-        return _per_sequence_scores(q.view(s, t // s, *q.shape[1:]), w.view(s, t // s, -1),
-                                    keys.view(s, cmax, -1)).reshape(t, cmax)
+        per_seq = keys.view(s, cmax, -1)
+        if t != s:  # verify steps (Q > 1): each query scores its own sequence's keys
+            per_seq = per_seq.repeat_interleave(t // s, dim=0)
+        return index_scores(q, w, per_seq, backend=backend)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
     if t * e <= max(_BATCHED_SCORE_CELLS, 2 * useful):
-        return index_scores(q, w, keys).gather(1, col)
+        return index_scores(q, w, keys, backend=backend).gather(1, col)
     out = torch.zeros((t, cmax), dtype=torch.float32, device=q.device)
     for i in range(ctx.num_seqs):
         rows = ctx.seq_rows(i)
         off, count = view.seq_offsets[i], view.seq_counts[i]
-        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count])
+        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count], backend=backend)
     return out
-
-
-def _per_sequence_scores(q: Tensor, w: Tensor, keys: Tensor) -> Tensor:
-    """index_scores of the queries of sequence s against its own sequence's keys only: q [S, Q, H, D],
-    w [S, Q, H], keys [S, E, D] -> [S, Q, E] float32 (the same sums as index_scores, batched over sequences)."""
-    logits = torch.einsum("sqhd,sed->sqhe", q.float(), keys.float())
-    return torch.einsum("sqhe,sqh->sqe", torch.relu(logits), w.float())
 
 
 def _entry_mask_from_blocks(blocks: Tensor, count: int, block_size: int) -> Tensor:
@@ -353,6 +353,7 @@ def csa2_select(
     ctx: ForwardContext,
     rope: RopeFn,
     numerics: KVNumerics = _NO_ROUNDING,
+    backend: str = "auto",
 ) -> CompressedSelection:
     """Compressed entries each query attends to (besides its window), for a Full / Reuse / Reindex layer.
 
@@ -360,7 +361,8 @@ def csa2_select(
     must have run ``csa2_update_source`` in this forward. Returns ``CompressedSelection(kv = the source's store,
     indices [T, index_topk] store rows, -1 = none)``. Index sources publish ``ctx.topk[layer_id]`` (per-sequence
     entry ids w); the candidate publisher also publishes ``ctx.candidates[layer_id] [T, num_blocks] bool``.
-    Reuse layers (no indexer-Q) take the top-k of their index source unchanged.
+    Reuse layers (no indexer-Q) take the top-k of their index source unchanged. backend: the model's kernel
+    backend for the indexer ops.
     """
     lid, r, k = plan.layer_id, plan.ratio, plan.index_topk
     view = ctx.compressed.get(plan.kv_source)
@@ -382,11 +384,14 @@ def csa2_select(
         q_all, w_all = indexer.queries(qr, x, ctx.batch.positions, rope)
         q_all = numerics.index_operand(q_all)
         t = x.shape[0]
-        scores = padded_scores(q_all, w_all, view, ctx)  # [T, cmax] over the query's own sequence's entries
+        # [T, cmax] over the query's own sequence's entries
+        scores = padded_scores(q_all, w_all, view, ctx, backend=backend)
         scores = numerics.index_scores(scores)
         vis = visible_counts(ctx.batch.positions, r)
-        # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too
-        scores = causal_mask(scores, vis)
+        # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded
+        # into the top-k when no candidate step reads the masked scores)
+        if plan.publishes_candidates or plan.consumes_candidates:
+            scores = causal_mask(scores, vis)
         cmax = scores.shape[1]
         if plan.publishes_candidates:
             ids, _ = candidate_blocks(scores, vis, plan.candidate_block_size, plan.candidate_topk_blocks)
@@ -403,8 +408,9 @@ def csa2_select(
                 )
             allowed = _entry_mask_from_blocks(blocks, cmax, plan.candidate_block_size)
             scores = scores.masked_fill(~allowed, float("-inf"))
-        sel = topk_indices(scores, k)
+        masked = plan.publishes_candidates or plan.consumes_candidates
+        sel = topk_indices(scores, k, None if masked else vis, backend=backend)
         ctx.topk[lid] = sel
     # per-sequence entry ids -> rows of the source's store (read in place by the attention kernel)
-    offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
-    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, offs))
+    offs = ctx.paged_plan(view.ratio).offsets_t
+    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, ctx.seq_of_token, offs, backend=backend))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from deepinfer_kernels.indexer import store_rows
 from torch import Tensor
 
 from deepinfer_engine.errors import InputError
@@ -194,13 +195,10 @@ class CompressedView:
         """[E_total, head_dim] the entries gathered (tests and tools; attention reads `store` through rows)."""
         return self.store.index_select(0, self.rows)
 
-    def store_rows(self, sel: Tensor, offsets: Tensor) -> Tensor:
-        """[T, K] store rows of per-sequence entry ids `sel` (-1 = none); offsets [T] = seq_offsets of each
-        query's sequence (device). No host read: E_total is a host int."""
-        if self.rows.numel() == 0:
-            return torch.full_like(sel, -1)
-        flat = (sel + offsets[:, None]).clamp(0, self.rows.numel() - 1)
-        return torch.where(sel >= 0, self.rows[flat], torch.full_like(sel, -1))
+    def store_rows(self, sel: Tensor, seq_of_token: Tensor, seq_offsets: Tensor, *, backend: str = "auto") -> Tensor:
+        """[T, K] store rows of per-sequence entry ids `sel` (-1 = none); seq_of_token [T] and seq_offsets [S] (the
+        paged plan's offsets_t) on the device. No host read (`deepinfer_kernels.indexer.store_rows`)."""
+        return store_rows(sel, seq_of_token, seq_offsets, self.rows, backend=backend)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from deepinfer_kernels.linear import fp8_linear, fp8_linear_grouped
+from deepinfer_kernels.linear import fp8_linear, fp8_linear_grouped, linear_f32_out, split_k_counters
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import CheckpointError, ModelConfigError
@@ -26,6 +26,7 @@ __all__ = [
     "Linear",
     "default_weight_loader",
     "new_param",
+    "split_counters",
     "stacked_weight_loader",
     "stored_torch_dtype",
 ]
@@ -79,6 +80,18 @@ def new_param(
     return p
 
 
+def split_counters(owner: nn.Module, device: torch.device) -> Tensor:
+    """`owner`'s split-K arrival counters of the Triton GEMM on `device` (`deepinfer_kernels.linear.split_k_counters`),
+    made on first use there. Every launch leaves them zero, so the GEMMs of `owner` need no zero fill per call
+    (a CUDA graph of the decode step keeps no fill node). A plain attribute, not a buffer: no checkpoint tensor.
+    One owner's GEMMs run one after the other on one stream."""
+    c = owner.__dict__.get("_split_k_counters")
+    if c is None or c.device != device:
+        c = split_k_counters(device)
+        owner.__dict__["_split_k_counters"] = c
+    return c
+
+
 class Linear(nn.Module):
     """y = x Wᵀ with `weight [out, in]` (checkpoint name `.weight`), input cast to the layer's compute dtype.
 
@@ -124,7 +137,12 @@ class Linear(nn.Module):
         if self.scale is None:
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
-                          backend=self.kernel_backend)
+                          backend=self.kernel_backend, counters=split_counters(self, x.device))
+
+    def f32_out(self, x: Tensor) -> Tensor:
+        """``x Wᵀ`` as float32 over the dense weight in its own dtype (fp32 accumulation, W never widened): the LM
+        head and the fp32 compressor projections."""
+        return linear_f32_out(x, self.weight, backend=self.kernel_backend, counters=split_counters(self, x.device))
 
     def grouped(self, x: Tensor, groups: int) -> Tensor:
         """Block-diagonal use of the weight: x ``[T, G, in/G]`` with row group g of W ``[G*r, in/G]`` -> ``[T, G, r]``
@@ -144,4 +162,4 @@ class Linear(nn.Module):
                 x = fake_quant_act_fp8(x, self.block[1]).to(self.dtype)
             return torch.einsum("tgi,gri->tgr", x, w.view(groups, rows, -1))
         return fp8_linear_grouped(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
-                                  backend=self.kernel_backend)
+                                  backend=self.kernel_backend, counters=split_counters(self, x.device))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from deepinfer_kernels.linear import linear_f32_out
+from deepinfer_kernels.embed import embed_streams
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
@@ -227,8 +227,7 @@ class Transformer(nn.Module):
         img = image_positions(batch.input_ids, a.vocab_size)
         ctx.image_mask = img  # read by Engram (gate 0) and by the MoE gates with bias_vl: computed once per forward
         # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
-        e = self.embed.weight[batch.input_ids.clamp(max=a.vocab_size - 1)].masked_fill(img[:, None], 0)  # [T, d]
-        r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]
+        r = embed_streams(batch.input_ids, self.embed.weight, a.hc_mult, backend=self.kernel_backend)  # [T, n, d]
         pre: Tensor | None = None
         # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
         cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
@@ -244,7 +243,8 @@ class Transformer(nn.Module):
                 if not c.num_seqs:
                     break  # no decoder row in this step (early prefill chunks only)
             if a.arch == "v41" and lid in c.capture_layers:
-                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+                # fp32 accumulation inside the reduction (no fp32 copy of the streams first): 2 launches, not 3
+                c.features[lid] = r.mean(dim=1, dtype=torch.float32).to(r.dtype)
             if chain:
                 nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
                 r, pre, x_next = layer.forward_chained(r, c, pre, collapsed=x_next,
@@ -252,7 +252,7 @@ class Transformer(nn.Module):
             else:
                 r, pre = layer(r, c, pre)
             if a.arch == "v4" and lid in c.capture_layers:
-                c.features[lid] = r.float().mean(dim=1).to(r.dtype)
+                c.features[lid] = r.mean(dim=1, dtype=torch.float32).to(r.dtype)
         if static is None:
             for i, slot in enumerate(batch.slots):
                 cache.high_water[slot] = ctx.end_len(i)
@@ -269,7 +269,7 @@ class Transformer(nn.Module):
             else:
                 h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
-        logits = linear_f32_out(self.norm(h), self.head.weight, backend=self.kernel_backend)
+        logits = self.head.f32_out(self.norm(h))
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
                            kept_batch=None if c is ctx else c.batch)
 
@@ -287,4 +287,4 @@ class Transformer(nn.Module):
         ctx = ForwardContext.build(batch, cache, host=host, draft_captures=k == 0)
         blk: MTPBlock = self.mtp[k]
         h, _ = blk.forward_mtp(hidden, self.embed.weight[batch.input_ids], ctx)
-        return linear_f32_out(h[batch.logits_indices], self.head.weight, backend=self.kernel_backend)
+        return self.head.f32_out(h[batch.logits_indices])

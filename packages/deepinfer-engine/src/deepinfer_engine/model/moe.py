@@ -14,7 +14,13 @@ from torch import Tensor, nn
 
 from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.image_ids import image_positions
-from deepinfer_engine.model.linear import Linear, new_param, stacked_weight_loader, stored_torch_dtype
+from deepinfer_engine.model.linear import (
+    Linear,
+    new_param,
+    split_counters,
+    stacked_weight_loader,
+    stored_torch_dtype,
+)
 
 __all__ = ["Expert", "ExpertWeight", "Experts", "Gate", "MoE"]
 
@@ -61,7 +67,7 @@ class Gate(nn.Module):
             bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
         # fp32 logits without widening the [E, d] weight to fp32 each step (the reference's x.float() @ W.float()ᵀ
         # up to the summation order); the score function, biased top-k and renormalisation in one routing call
-        logits = linear_f32_out(x, self.weight, backend=self.kernel_backend)
+        logits = linear_f32_out(x, self.weight, backend=self.kernel_backend, counters=split_counters(self, x.device))
         return route_logits(
             logits, self.topk, score_func=self.score_func, bias=bias, route_scale=self.route_scale,
             renormalize=self.renormalize, backend=self.kernel_backend,

@@ -35,6 +35,17 @@ def index_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
     return torch.einsum("thn,th->tn", torch.relu(logits), weights.float())
 
 
+def index_scores_per_query(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+    """`index_scores` of each query against its own keys only: q ``[T, H, D]``, weights ``[T, H]``, keys
+    ``[T, N, D]`` -> ``[T, N] float32`` (a fixed-shape decode step: one query per sequence, N entry slots each)."""
+    if q.dim() != 3 or weights.shape != q.shape[:2] or keys.dim() != 3 or keys.shape[0] != q.shape[0] \
+            or keys.shape[2] != q.shape[2]:
+        raise ValueError(f"index_scores_per_query: q {tuple(q.shape)}, weights {tuple(weights.shape)}, keys "
+                         f"{tuple(keys.shape)}; expected [T, H, D], [T, H], [T, N, D]")
+    logits = torch.einsum("thd,tnd->thn", q.float(), keys.float())
+    return torch.einsum("thn,th->tn", torch.relu(logits), weights.float())
+
+
 def visible_counts(positions: Tensor, ratio: int) -> Tensor:
     """Number of compressed entries visible to each query: ``floor((t + 1) / ratio)``; ``[T] int64``."""
     if ratio < 1:
@@ -117,3 +128,13 @@ def candidate_blocks(
         torch.arange(n, device=scores.device)[None, :] < visible[:, None]
     )
     return block_ids, allowed
+
+
+def store_rows(sel: Tensor, seq_of_token: Tensor, seq_offsets: Tensor, rows: Tensor) -> Tensor:
+    """Per-sequence entry ids -> rows of the compressed store: ``out[t, j] = rows[seq_offsets[seq_of_token[t]] +
+    sel[t, j]]``, -1 where ``sel`` is -1. sel ``[T, K] int64``, seq_of_token ``[T]``, seq_offsets ``[S]`` (each
+    sequence's first entry in ``rows``), rows ``[E] int64`` -> ``[T, K] int64``."""
+    if rows.numel() == 0:
+        return torch.full_like(sel, -1)
+    flat = (sel + seq_offsets[seq_of_token][:, None]).clamp(0, rows.numel() - 1)
+    return torch.where(sel >= 0, rows[flat], torch.full_like(sel, -1))

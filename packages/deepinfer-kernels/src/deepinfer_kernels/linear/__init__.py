@@ -10,9 +10,10 @@ import torch
 from torch import Tensor
 
 from deepinfer_kernels._backend import resolve_backend
+from deepinfer_kernels._launch import target_programs
 from deepinfer_kernels.linear import reference
 
-__all__ = ["fp8_linear", "fp8_linear_grouped", "linear_f32_out"]
+__all__ = ["fp8_linear", "fp8_linear_grouped", "linear_f32_out", "split_k_counters"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -25,6 +26,21 @@ def _check_block(op: str, weight: Tensor, scale: Tensor, block: tuple[int, int])
             f"{op}: scale shape {tuple(scale.shape)} does not match weight {tuple(weight.shape)} with block "
             f"{tuple(block)}; expected {want}"
         )
+
+
+def split_k_counters(device: torch.device | str) -> Tensor:
+    """Zeroed ``[P] int32`` split-K arrival counters for the Triton GEMM on `device` (P = programs that fill the
+    GPU twice: no split launch of the default policy has more output tiles). Pass them as ``counters=`` to the ops
+    here: every launch leaves them zero again, so the per-call fill of fresh counters is gone. Owned by the caller;
+    launches that can run at the same time (two streams) must not share one buffer."""
+    device = torch.device(device)
+    return torch.zeros(target_programs(device), dtype=torch.int32, device=device)
+
+
+def _check_counters(op: str, counters: Tensor | None, x: Tensor) -> None:
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != x.device):
+        raise ValueError(f"{op}: counters {counters.dtype} {tuple(counters.shape)} on {counters.device}; expected "
+                         f"1-D int32 on {x.device} (split_k_counters)")
 
 
 def _kernel_takes(scale: Tensor, block: tuple[int, int]) -> tuple[bool, str]:
@@ -42,13 +58,15 @@ def fp8_linear(
     *,
     act_quant: bool = False,
     backend: str = "auto",
+    counters: Tensor | None = None,
 ) -> Tensor:
     """``y = x Wᵀ`` with W FP8 e4m3 block-scaled, decoded inside the kernel (no dequantized copy).
 
     x ``[..., K]`` bf16 / fp16 / fp32; weight ``[N, K] float8_e4m3fn``; scale ``[ceil(N/b0), ceil(K/b1)]``
     ``float8_e8m0fnu`` (UE8M0) or float32; block ``(b0, b1)`` (V4.1 (32, 32), V4 (128, 128)) -> ``[..., N]`` in x's
     dtype. ``act_quant``: quantize x to e4m3 with one power-of-two scale per 1 x b1 channels first (the deployed
-    numerics; `deepinfer_kernels.quant.act_quant_fp8`). backend: "auto" | "torch" | "triton".
+    numerics; `deepinfer_kernels.quant.act_quant_fp8`). backend: "auto" | "torch" | "triton". counters: the
+    caller's `split_k_counters` (Triton split-K; the reference ignores them).
     """
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(
@@ -59,13 +77,14 @@ def fp8_linear(
             f"fp8_linear: x {x.dtype} {tuple(x.shape)} does not match weight [N, K={weight.shape[1]}]"
         )
     _check_block("fp8_linear", weight, scale, block)
+    _check_counters("fp8_linear", counters, x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     ok, why = _kernel_takes(scale, block)
     if resolve_backend("fp8_linear", backend, x2, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 
-        y = triton_backend.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant)
+        y = triton_backend.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant, counters=counters)
     else:
         y = reference.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant)
     return y.reshape(*lead, weight.shape[0])
@@ -79,6 +98,7 @@ def fp8_linear_grouped(
     *,
     act_quant: bool = False,
     backend: str = "auto",
+    counters: Tensor | None = None,
 ) -> Tensor:
     """Block-diagonal `fp8_linear`: x ``[M, G, K]``, weight ``[G * R, K] float8_e4m3fn`` whose row group g multiplies
     x's group g, scale ``[G * R / b0, ceil(K / b1)]`` -> ``[M, G, R]`` in x's dtype (the grouped low-rank output
@@ -93,24 +113,28 @@ def fp8_linear_grouped(
         raise ValueError(f"fp8_linear_grouped: x {x.dtype} {tuple(x.shape)}, weight {tuple(weight.shape)}, block "
                          f"{tuple(block)}; expected weight [G * R, K] with R a multiple of {block[0]}")
     _check_block("fp8_linear_grouped", weight, scale, block)
+    _check_counters("fp8_linear_grouped", counters, x)
     rows = n // g
     ok, why = _kernel_takes(scale, block)
     if resolve_backend("fp8_linear_grouped", backend, x, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 
-        y = triton_backend.fp8_linear_grouped(x, weight, scale, tuple(block), act_quant=act_quant)
+        y = triton_backend.fp8_linear_grouped(x, weight, scale, tuple(block), act_quant=act_quant,
+                                              counters=counters)
         if y is not None:
             return y.view(m, g, rows)
     b0 = block[0]
     outs = [
         fp8_linear(x[:, i], weight[i * rows : (i + 1) * rows], scale[i * rows // b0 : (i + 1) * rows // b0], block,
-                   act_quant=act_quant, backend=backend)
+                   act_quant=act_quant, backend=backend, counters=counters)
         for i in range(g)
     ]  # fmt: skip
     return torch.stack(outs, dim=1)
 
 
-def linear_f32_out(x: Tensor, weight: Tensor, *, backend: str = "auto") -> Tensor:
+def linear_f32_out(
+    x: Tensor, weight: Tensor, *, backend: str = "auto", counters: Tensor | None = None
+) -> Tensor:
     """``y = x Wᵀ`` as float32 without converting W: x ``[..., K]``, weight ``[N, K]`` (bf16 / fp16 / fp32) ->
     ``[..., N] float32``. On CUDA the kernel reads W in its dtype and accumulates in fp32 (the LM head's
     129,280 x d bf16 weight is never copied to fp32). A float32 weight is a plain fp32 matmul."""
@@ -118,6 +142,7 @@ def linear_f32_out(x: Tensor, weight: Tensor, *, backend: str = "auto") -> Tenso
         raise ValueError(
             f"linear_f32_out: x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [..., K], [N, K]"
         )
+    _check_counters("linear_f32_out", counters, x)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if weight.dtype == torch.float32:
@@ -127,7 +152,7 @@ def linear_f32_out(x: Tensor, weight: Tensor, *, backend: str = "auto") -> Tenso
     if resolve_backend("linear_f32_out", backend, x2, weight, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 
-        y = triton_backend.linear_f32_out(x2, weight)
+        y = triton_backend.linear_f32_out(x2, weight, counters=counters)
     else:
         y = reference.linear_f32_out(x2, weight)
     return y.reshape(*lead, weight.shape[0])

@@ -19,8 +19,10 @@ Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up 
 Split-K: when N x M tiles alone cannot fill the GPU, K is split over S programs per output tile. Each writes its
 fp32 partial tile to a workspace and increments the tile's arrival counter (acq_rel atomic); the program that
 arrives last adds the S partials in the fixed order 0..S-1, so the result does not depend on which program
-finished when (bit-identical across runs), writes y in the output dtype and resets the counter. One launch, plus
-the memset of the per-call counters (CUDA-graph capturable, no cached buffers).
+finished when (bit-identical across runs), writes y in the output dtype and resets the counter to 0. So a counter
+buffer that starts at zero is left at zero by every launch: a caller that owns one (`deepinfer_kernels.linear.split_k_counters`, reused by
+the launches of one stream) pays one launch per call; without one, each call allocates zeroed counters (one
+fill launch more). CUDA-graph capturable either way.
 """
 
 from __future__ import annotations
@@ -349,9 +351,12 @@ def launch(
     op: str,
     config: LinearConfig | None = None,
     groups: int = 1,
+    counters: Tensor | None = None,
 ) -> Tensor:
     """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
     test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`).
+    ``counters``: int32 zeros on x's device (`deepinfer_kernels.linear.split_k_counters`), used by a split-K launch instead of fresh
+    zeroed ones when it has room for the launch's tiles (left zero on return).
 
     groups G > 1: x [M, G, K], w [G * R, K] block-diagonal -> y [M, G * R] with y[:, g R:(g+1) R] = x[:, g] @ W_gᵀ,
     one launch (the caller checks that every tile size of the config divides R)."""
@@ -382,7 +387,9 @@ def launch(
     per = cdiv(k_tiles, split)
     if split > 1:
         ws = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = torch.zeros(grid_n * grid_m, dtype=torch.int32, device=x.device)
+        tiles = grid_n * grid_m
+        if counters is None or counters.numel() < tiles:  # e.g. a test's forced split of many tiles
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
     else:
         ws, counters = y, y
     if s is not None and s.dtype == torch.float8_e8m0fnu:
@@ -434,10 +441,12 @@ def fp8_linear(
     *,
     act_quant: bool,
     config: LinearConfig | None = None,
+    counters: Tensor | None = None,
 ) -> Tensor:
     """x [M, K] (bf16 / fp16 / fp32), weight [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [M, N]
     x's dtype. Validated by the package dispatcher."""
-    return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear", config=config)
+    return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear", config=config,
+                  counters=counters)
 
 
 def fp8_linear_grouped(
@@ -448,6 +457,7 @@ def fp8_linear_grouped(
     *,
     act_quant: bool,
     config: LinearConfig | None = None,
+    counters: Tensor | None = None,
 ) -> Tensor | None:
     """x [M, G, K], weight [G * R, K] e4m3 block-diagonal, scale [G * R / b0, ceil(K / b1)] -> [M, G * R] x's
     dtype in one launch; None when the default tiles do not divide R (the caller runs the groups one by one)."""
@@ -458,11 +468,12 @@ def fp8_linear_grouped(
     if (n // g) % cfg.block_n:
         return None
     return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear_grouped",
-                  config=cfg, groups=g)
+                  config=cfg, groups=g, counters=counters)
 
 
-def linear_f32_out(x: Tensor, weight: Tensor, *, config: LinearConfig | None = None) -> Tensor:
+def linear_f32_out(
+    x: Tensor, weight: Tensor, *, config: LinearConfig | None = None, counters: Tensor | None = None
+) -> Tensor:
     """x [M, K], weight [N, K] bf16 / fp16 -> [M, N] float32 (fp32 accumulation, W read in its own dtype)."""
-    return launch(
-        x, weight, None, torch.float32, block=(1, 1), act_quant=False, op="linear_f32_out", config=config
-    )
+    return launch(x, weight, None, torch.float32, block=(1, 1), act_quant=False, op="linear_f32_out", config=config,
+                  counters=counters)

@@ -10,7 +10,15 @@ from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.norm_rope import reference
 from deepinfer_kernels.norm_rope.reference import rope_freqs, yarn_correction_range
 
-__all__ = ["apply_rope", "rms_norm", "rope_cos_sin", "rope_freqs", "yarn_correction_range"]
+__all__ = [
+    "apply_rope",
+    "apply_rope_at",
+    "rms_norm",
+    "rope_at_uses_kernel",
+    "rope_cos_sin",
+    "rope_freqs",
+    "yarn_correction_range",
+]
 
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -58,4 +66,59 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, ba
         from deepinfer_kernels.norm_rope import triton as triton_backend
 
         return triton_backend.apply_rope(x, cos, sin, inverse=inverse)
+    return reference.apply_rope(x, cos, sin, inverse=inverse)
+
+
+def _check_rope_at(
+    x: Tensor, positions: Tensor, freqs: Tensor, norm: tuple[Tensor | None, float] | None
+) -> tuple[bool, str]:
+    if positions.dim() != 1 or positions.shape[0] != x.shape[0] or freqs.dim() != 1:
+        raise ValueError(f"apply_rope_at: positions {tuple(positions.shape)}, freqs {tuple(freqs.shape)}; expected "
+                         f"[T={x.shape[0]}] and [P]")
+    if 2 * freqs.shape[0] > x.shape[-1]:
+        raise ValueError(f"apply_rope_at: {2 * freqs.shape[0]} rope dims exceed the last dim {x.shape[-1]}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"apply_rope_at: x dtype {x.dtype} is not a float type")
+    if norm is not None and norm[0] is not None and norm[0].shape != (x.shape[-1],):
+        raise ValueError(f"apply_rope_at: norm weight {tuple(norm[0].shape)}, expected ({x.shape[-1]},)")
+    ok = (x.dtype in _TRITON_DTYPES and x.dim() >= 2 and not positions.is_floating_point()
+          and (norm is None or x.shape[-1] <= _TRITON_MAX_D))
+    why = (f"x {x.dtype} {tuple(x.shape)}, positions {positions.dtype}; needs bf16/fp16/fp32 x of [T, D] or more "
+           f"(D <= {_TRITON_MAX_D} with a norm) and integer positions")
+    return ok, why
+
+
+def _rope_at_tensors(x: Tensor, positions: Tensor, freqs: Tensor, norm: tuple[Tensor | None, float] | None):
+    return (x, positions, freqs) if norm is None or norm[0] is None else (x, positions, freqs, norm[0])
+
+
+def rope_at_uses_kernel(
+    x: Tensor, positions: Tensor, freqs: Tensor, *, norm: tuple[Tensor | None, float] | None = None,
+    backend: str = "auto",
+) -> bool:  # fmt: skip
+    """Whether `apply_rope_at` with these arguments runs the Triton kernel (angles computed inside it); when not,
+    a caller that rotates several tensors at the same positions may rather share one `rope_cos_sin`."""
+    ok, why = _check_rope_at(x, positions, freqs, norm)
+    tensors = _rope_at_tensors(x, positions, freqs, norm)
+    return resolve_backend("apply_rope_at", backend, *tensors, triton_ok=ok, why_not=why) == "triton"
+
+
+def apply_rope_at(
+    x: Tensor, positions: Tensor, freqs: Tensor, *, inverse: bool = False,
+    norm: tuple[Tensor | None, float] | None = None, backend: str = "auto",
+) -> Tensor:  # fmt: skip
+    """``apply_rope(x, *rope_cos_sin(positions, freqs), inverse=inverse)``: x [T, ..., D], positions [T] int,
+    freqs [P] fp32. ``norm`` (weight [D] | None, eps): ``rms_norm(x, weight, eps)`` first (its output dtype
+    rounding kept), in the same kernel. The Triton kernel computes the fp32 angles and their cos / sin itself
+    (cos/sin within 1 ULP of torch.polar's; the rotation as `apply_rope`, the norm as `rms_norm`).
+    backend: "auto" | "torch" | "triton"."""
+    ok, why = _check_rope_at(x, positions, freqs, norm)
+    tensors = _rope_at_tensors(x, positions, freqs, norm)
+    if resolve_backend("apply_rope_at", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.norm_rope import triton as triton_backend
+
+        return triton_backend.apply_rope_at(x, positions, freqs, inverse=inverse, norm=norm)
+    if norm is not None:
+        x = reference.rms_norm(x, norm[0], norm[1])
+    cos, sin = reference.rope_cos_sin(positions, freqs)
     return reference.apply_rope(x, cos, sin, inverse=inverse)

@@ -5,7 +5,9 @@ RMSNorm: one pass over [rows, D], whole rows in registers, fp32 math, io in x's 
 Rows of small D (q/kv/index heads: 128 .. 1280) are packed BLOCK_R to a program so a program moves ~8 K elements;
 D = 5120 (hidden) is one row per program with 8 warps.
 RoPE: one pass that copies the leading channels and rotates the trailing pairs (what the reference does in ~12
-torch ops: slices, fp32 casts, four products, stack, cast, cat).
+torch ops: slices, fp32 casts, four products, stack, cast, cat); from cos/sin tables, or from the positions and
+frequencies with the angles computed in the kernel (what rope_cos_sin does in ~6 more torch ops per positions
+tensor).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 
-__all__ = ["MAX_D", "apply_rope", "rms_norm"]
+__all__ = ["MAX_D", "apply_rope", "apply_rope_at", "rms_norm"]
 
 MAX_D = 16384  # a whole row lives in registers; longer rows stay on the reference
 
@@ -86,39 +88,67 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     y_ptr,
+    w_ptr,
     R,
     M,
     D,
     stride_x,
     stride_y,
     stride_c,
+    eps,
     P: tl.constexpr,
     INVERSE: tl.constexpr,
+    FROM_POS: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_W: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    # FROM_POS: cos_ptr holds the token positions [T] (int) and sin_ptr the frequencies [P] fp32; the angles are
+    # computed here as rope_cos_sin does (fp32(position) * freq, one fp32 product, then cos / sin)
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     row_ok = rows < R
     tok = rows // M  # cos/sin row of each x row (the middle dims share their token's angles)
     # channels before the rope dims: copied unchanged
     offs_d = tl.arange(0, BLOCK_D)
     keep = row_ok[:, None] & (offs_d < D - 2 * P)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x + offs_d[None, :], mask=keep)
-    tl.store(y_ptr + rows[:, None] * stride_y + offs_d[None, :], x, mask=keep)
+    x = tl.load(x_ptr + rows[:, None] * stride_x + offs_d[None, :], mask=keep, other=0.0)
     # interleaved pairs (2j, 2j+1) of the last 2P channels, fp32 math in the reference's operation order
     offs_p = tl.arange(0, BLOCK_P)
     pm = row_ok[:, None] & (offs_p < P)[None, :]
     ia = D - 2 * P + 2 * offs_p
     a = tl.load(x_ptr + rows[:, None] * stride_x + ia[None, :], mask=pm, other=0.0).to(tl.float32)
     b = tl.load(x_ptr + rows[:, None] * stride_x + ia[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
-    c = tl.load(cos_ptr + tok[:, None] * stride_c + offs_p[None, :], mask=pm, other=0.0)
-    s = tl.load(sin_ptr + tok[:, None] * stride_c + offs_p[None, :], mask=pm, other=0.0)
+    ty = y_ptr.dtype.element_ty
+    if NORM:  # RMSNorm of the whole row first (rms_norm's math), rounded to the output dtype as rms_norm returns it
+        xf = x.to(tl.float32)
+        ss = tl.sum(xf * xf, 1) + tl.sum(a * a, 1) + tl.sum(b * b, 1)
+        inv = 1.0 / tl.sqrt(ss / D + eps)
+        xf = xf * inv[:, None]
+        a = a * inv[:, None]
+        b = b * inv[:, None]
+        if HAS_W:
+            xf = xf * tl.load(w_ptr + offs_d, mask=offs_d < D - 2 * P, other=0.0).to(tl.float32)[None, :]
+            a = a * tl.load(w_ptr + ia, mask=offs_p < P, other=0.0).to(tl.float32)[None, :]
+            b = b * tl.load(w_ptr + ia + 1, mask=offs_p < P, other=0.0).to(tl.float32)[None, :]
+        x = xf.to(ty)
+        a = a.to(ty).to(tl.float32)
+        b = b.to(ty).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * stride_y + offs_d[None, :], x, mask=keep)
+    if FROM_POS:
+        pos = tl.load(cos_ptr + tok, mask=row_ok, other=0).to(tl.float32)
+        f = tl.load(sin_ptr + offs_p, mask=offs_p < P, other=0.0)
+        ang = pos[:, None] * f[None, :]
+        c = tl.cos(ang)
+        s = tl.sin(ang)
+    else:
+        c = tl.load(cos_ptr + tok[:, None] * stride_c + offs_p[None, :], mask=pm, other=0.0)
+        s = tl.load(sin_ptr + tok[:, None] * stride_c + offs_p[None, :], mask=pm, other=0.0)
     if INVERSE:
         s = -s
     ra = a * c - b * s
     rb = a * s + b * c
-    ty = y_ptr.dtype.element_ty
     tl.store(y_ptr + rows[:, None] * stride_y + ia[None, :], ra.to(ty), mask=pm)
     tl.store(y_ptr + rows[:, None] * stride_y + ia[None, :] + 1, rb.to(ty), mask=pm)
 
@@ -127,7 +157,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) ->
     """x [T, ..., D] bf16|fp16|fp32, cos/sin [T, P] fp32 -> x's shape and dtype, the last 2P channels rotated
     in interleaved pairs. Asks for no fp contraction (enable_fp_fusion=False), so each product and sum rounds
     like the reference's separate torch ops (tested to 1 ULP of the output dtype)."""
-    d, t, p = x.shape[-1], x.shape[0], cos.shape[1]
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    return _launch_rope(x, cos, sin, cos.shape[1], inverse, from_pos=False)
+
+
+def apply_rope_at(
+    x: Tensor, positions: Tensor, freqs: Tensor, *, inverse: bool = False,
+    norm: tuple[Tensor | None, float] | None = None,
+) -> Tensor:  # fmt: skip
+    """`apply_rope` at positions [T] int with freqs [P] fp32: the angles and their cos / sin are computed in the
+    kernel (no cos/sin tensors, no extra launch per positions tensor). norm (weight [D] | None, eps): each row
+    [D] (the last dim; D <= MAX_D) is RMS-normalized first, as rms_norm, in the same pass."""
+    return _launch_rope(x, positions.contiguous(), freqs.float().contiguous(), freqs.shape[0], inverse,
+                        from_pos=True, norm=norm)
+
+
+def _launch_rope(
+    x: Tensor, cos: Tensor, sin: Tensor, p: int, inverse: bool, *, from_pos: bool,
+    norm: tuple[Tensor | None, float] | None = None,
+) -> Tensor:  # fmt: skip
+    d, t = x.shape[-1], x.shape[0]
     x2 = x.reshape(-1, d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -135,13 +184,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False) ->
     y = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     if rows == 0 or d == 0:
         return y.reshape(x.shape)
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    check_launchable("apply_rope", _rope_kernel, x2, cos, sin)
+    weight = None if norm is None else norm[0]
+    w = weight.contiguous() if weight is not None else x2  # dummy pointer without a weight
+    check_launchable("apply_rope", _rope_kernel, x2, cos, sin, w)
     block_d = next_pow2(max(1, d - 2 * p))
     block_r = max(1, min(next_pow2(rows), 4096 // max(block_d, 2 * next_pow2(p))))
     _rope_kernel[(cdiv(rows, block_r),)](
-        x2, cos, sin, y, rows, rows // t, d, x2.stride(0), y.stride(0), cos.stride(0),
-        P=p, INVERSE=bool(inverse), BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_P=next_pow2(p),
+        x2, cos, sin, y, w, rows, rows // t, d, x2.stride(0), y.stride(0), 0 if from_pos else cos.stride(0),
+        0.0 if norm is None else float(norm[1]), P=p, INVERSE=bool(inverse), FROM_POS=from_pos,
+        NORM=norm is not None, HAS_W=weight is not None, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_P=next_pow2(p),
         num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return y.reshape(x.shape)
