@@ -24,7 +24,7 @@ import torch
 
 FAMILIES: list[tuple[str, str]] = [
     ("sparse attention", r"sparse_attn|_attend|flash|fmha"),
-    ("moe fp4 grouped gemm", r"gate_up|_down_kernel|fp4"),
+    ("moe fp4 expert gemms", r"gate_up|_down_|fp4"),
     ("moe routing / permutation", r"align|route|_combine_kernel|permut|scatter|index_add"),
     ("fp8 linear", r"_linear_kernel|scaled_mm|act_quant|quant"),
     ("indexer / top-k", r"indexer|topk|top_k|sort|radix"),
