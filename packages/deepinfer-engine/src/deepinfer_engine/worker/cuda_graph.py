@@ -40,15 +40,20 @@ logger = logging.getLogger(__name__)
 MIN_LEN_BUCKET = 256  # shortest length bucket: fewer graphs for short sequences, little padding cost
 
 
+def _powers_of_two_then(n: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below n, then n itself (n >= 1)."""
+    sizes, b = [], 1
+    while b < n:
+        sizes.append(b)
+        b *= 2
+    return (*sizes, n)
+
+
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """Batch buckets: powers of two below max_num_seqs, then max_num_seqs itself."""
     if max_num_seqs < 1:
         raise ConfigError(f"cuda graphs: max_num_seqs {max_num_seqs}, expected >= 1")
-    sizes, b = [], 1
-    while b < max_num_seqs:
-        sizes.append(b)
-        b *= 2
-    return (*sizes, max_num_seqs)
+    return _powers_of_two_then(max_num_seqs)
 
 
 def pick_bucket(n: int, sizes: Sequence[int]) -> int | None:
@@ -88,11 +93,7 @@ def verify_token_sizes(max_tokens: int) -> tuple[int, ...]:
     """Tokens-per-sequence buckets of verify steps: powers of two below max_tokens (= k + 1), then max_tokens."""
     if max_tokens < 1:
         raise ConfigError(f"cuda graphs: {max_tokens} tokens per verified sequence, expected >= 1")
-    sizes, q = [], 1
-    while q < max_tokens:
-        sizes.append(q)
-        q *= 2
-    return (*sizes, max_tokens)
+    return _powers_of_two_then(max_tokens)
 
 
 def verify_shape(
