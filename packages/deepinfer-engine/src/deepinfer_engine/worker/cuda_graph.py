@@ -319,23 +319,24 @@ class CudaGraphRunner:
         # all rows padding while warming up and capturing: only the scratch slot / page are written
         step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
         graph, out = self._record(lambda: self._forward(step, capture))
-        st = self.stats
-        dt = time.perf_counter() - t0
-        st.capture_s += dt
         if capture is None:
-            g = _Graph(step=step, graph=graph, logits=out.logits)
-            self.graphs[(B, L)] = g
-            st.captures += 1
-            st.shapes.append((B, L))
-            logger.info("captured the decode graph for %d sequences up to length %d in %.2f s", B, L, dt)
-        else:
-            g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
-                       capture=tuple(capture))
-            self.graphs[(B, L, Q)] = g
-            st.verify_captures += 1
-            st.verify_shapes.append((B, L, Q))
-            logger.info("captured the verify graph for %d sequences x %d tokens up to length %d in %.2f s",
-                        B, Q, L, dt)
+            return self._keep((B, L), _Graph(step=step, graph=graph, logits=out.logits), "", t0)
+        g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
+                   capture=tuple(capture))
+        return self._keep((B, L, Q), g, "verify", t0)
+
+    def _keep(self, key: tuple, g: _Graph, kind: str, t0: float) -> _Graph:
+        """Store a graph captured since `t0` under `key` and count it in the stats of `kind` ("" plain decode,
+        "verify", "draft", "mtp"; the shape recorded is the key without its kind tag)."""
+        dt = time.perf_counter() - t0
+        self.graphs[key] = g
+        st = self.stats
+        st.capture_s += dt
+        prefix = f"{kind}_" if kind else ""
+        setattr(st, prefix + "captures", getattr(st, prefix + "captures") + 1)
+        shape = tuple(k for k in key if not isinstance(k, str))
+        getattr(st, prefix + "shapes").append(shape)
+        logger.info("captured the %s graph of shape %s in %.2f s", kind or "decode", shape, dt)
         return g
 
     # ------------------------------------------------------------------------------------ DSpark draft pass
@@ -377,14 +378,7 @@ class CudaGraphRunner:
         step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
         graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step))
         g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
-        self.graphs[("draft", B, N)] = g
-        dt = time.perf_counter() - t0
-        st = self.stats
-        st.capture_s += dt
-        st.draft_captures += 1
-        st.draft_shapes.append((B, N))
-        logger.info("captured the DSpark draft graph for %d sequences x %d tokens in %.2f s", B, N, dt)
-        return g
+        return self._keep(("draft", B, N), g, "draft", t0)
 
     # ------------------------------------------------------------------------------------ V4 MTP draft pass
     def run_mtp(self, batch: object, hidden: Tensor, max_tokens: int = 2) -> Tensor | None:
@@ -435,11 +429,4 @@ class CudaGraphRunner:
 
         graph, logits = self._record(forward)
         g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
-        self.graphs[("mtp", B, Q)] = g
-        dt = time.perf_counter() - t0
-        st = self.stats
-        st.capture_s += dt
-        st.mtp_captures += 1
-        st.mtp_shapes.append((B, Q))
-        logger.info("captured the MTP draft graph for %d sequences x %d tokens in %.2f s", B, Q, dt)
-        return g
+        return self._keep(("mtp", B, Q), g, "mtp", t0)
