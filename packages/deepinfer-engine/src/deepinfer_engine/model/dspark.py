@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from deepinfer_kernels.linear import linear_f32_out
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
@@ -203,7 +202,7 @@ def draft_block(model: nn.Module, batch: ForwardBatch | None, cache: ModelCache,
     last = stages[-1]
     backend = getattr(model, "kernel_backend", "auto")
     h = apply_hc_head(last, r, a) if a.has_hc_head else hc_pre(r, pre, backend=backend)
-    logits = linear_f32_out(last.norm(h), model.head.weight, backend=backend)
+    logits = model.head.f32_out(last.norm(h))
     return DraftOutput(base_logits=logits, hidden=h)
 
 

@@ -413,8 +413,6 @@ class CudaGraphRunner:
         return g.logits.index_select(0, rows.index_select(0, batch.logits_indices))
 
     def _capture_mtp(self, B: int, Q: int, like: Tensor) -> _Graph:
-        from deepinfer_kernels.linear import linear_f32_out
-
         t0 = time.perf_counter()
         m = self.model
         # the block reads its own window ring only (no compressed cache): any length up to the model's positions
@@ -425,7 +423,7 @@ class CudaGraphRunner:
         def forward() -> Tensor:
             ctx = step.context(self.cache)
             h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
-            return linear_f32_out(h, m.head.weight, backend=m.kernel_backend)
+            return m.head.f32_out(h)
 
         graph, logits = self._record(forward)
         g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
