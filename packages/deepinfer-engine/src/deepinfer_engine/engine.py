@@ -110,9 +110,13 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device, *, as_r
     it cannot run)."""
     if config.scheduler.async_scheduling is not None:
         return config
-    on = (device.type == "cuda" and not as_rank and config.speculative.speculative_method is None
-          and config.parallel.data_parallel_size == 1)
-    return config.replace(async_scheduling=on)
+    return config.replace(async_scheduling=device.type == "cuda" and not as_rank and _async_runs(config))
+
+
+def _async_runs(config: EngineConfig) -> bool:
+    """Whether the asynchronous loop can run this configuration (speculation and data-parallel ranks step
+    synchronously)."""
+    return config.speculative.speculative_method is None and config.parallel.data_parallel_size == 1
 
 
 def default_page_size(ratios: Sequence[int], hidden_size: int) -> int:
@@ -146,9 +150,7 @@ class EngineCore:
         prefix: PrefixCaching | None = None,
     ) -> None:
         if config.scheduler.async_scheduling is None:  # built around a given runner: its kind decides
-            config = config.replace(async_scheduling=hasattr(runner, "execute_async")
-                                    and config.speculative.speculative_method is None
-                                    and config.parallel.data_parallel_size == 1)
+            config = config.replace(async_scheduling=hasattr(runner, "execute_async") and _async_runs(config))
         self.config = config
         self.runner = runner
         self.plan = plan
