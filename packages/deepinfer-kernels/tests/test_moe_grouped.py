@@ -117,8 +117,10 @@ def test_grouped_gpu_v41_widths(t):
     x = (torch.randn(t, 5120, generator=g) / 8).cuda()
     w = torch.rand(t, 6, generator=g).cuda()
     ids = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(t)]).cuda()
-    cfgs = mt.default_configs(t * 6, False, False, grouped=True)
+    # below GROUPED_MIN_PAIRS the engine runs the tile kernels; the grouped ones are still checked at T = 1 here
+    cfgs = mt.default_configs(max(t * 6, mt.GROUPED_MIN_PAIRS), False, False, grouped=True)
     assert cfgs[1].variant == cfgs[2].variant == "grouped"
+    assert cfgs[0] == mt.default_configs(t * 6, False, False, grouped=True)[0]
     args = (w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 10.0)
     got = mt.moe_experts_fp4(x, *args, configs=cfgs)
     assert _rel(got, reference.moe_experts(x, w, ids, st, 10.0)) <= 1e-5
