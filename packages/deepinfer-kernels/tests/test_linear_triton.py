@@ -391,3 +391,57 @@ def test_fp8_linear_grouped_gpu_v41_wo_a(m):
             one = fp8_linear(o[:, i], q[i * 1024 : (i + 1) * 1024], s[i * 32 : (i + 1) * 32], (32, 32), act_quant=aq,
                              backend="triton")  # fmt: skip
             assert _rel(got[:, i], one) <= 1e-2, (aq, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_fp8_linear_gpu_gemv_v41_shapes(m):
+    """"gemv" (PTX decode and loads) at V4.1 shapes and the V4 128 x 128 blocks: bf16 (act_quant off / on) <= 1e-2
+    and fp32 / fp16 <= 1e-5 / 1e-2 of max |ref|, with a programs-target split and a forced split of up to 64
+    (bit-identical over 5 calls, the caller's counters left zero), each prefetch depth."""
+    from deepinfer_kernels.linear import triton as lt
+
+    g = torch.Generator().manual_seed(21 + m)
+    cnt = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
+    bm = min(16, 1 << (m - 1).bit_length())
+    for n, k in V41 + [(512, 5120), (1024, 4096)]:
+        block = (128, 128) if (n, k) == (1024, 4096) else (32, 32)
+        q, s = _random_fp8(n, k, block, g, "cuda")
+        x = torch.randn(m, k, generator=g).cuda()
+        forced = min(64, k // 128)
+        cfgs = [lt.LinearConfig(bm, 16, 512, 4, 1, 0, False, "gemv", programs=264, prefetch=2),
+                lt.LinearConfig(bm, 32, 128, 4, 1, forced, False, "gemv", prefetch=1),
+                lt.LinearConfig(bm, 16, 256, 8, 1, 1, False, "gemv", prefetch=0)]  # fmt: skip
+        for cfg in cfgs:
+            for aq in (False, True):
+                want = reference.fp8_linear(x, q, s, block, act_quant=aq)
+                got = lt.fp8_linear(x.bfloat16(), q, s, block, act_quant=aq, config=cfg, counters=cnt)
+                assert got.dtype == torch.bfloat16 and _rel(got, want) <= 1e-2, (n, k, cfg, aq)
+                for _ in range(4):
+                    again = lt.fp8_linear(x.bfloat16(), q, s, block, act_quant=aq, config=cfg, counters=cnt)
+                    assert torch.equal(got, again), (n, k, cfg, aq)
+                torch.cuda.synchronize()
+                assert not cnt.any()
+            want = reference.fp8_linear(x, q, s, block)
+            assert _rel(lt.fp8_linear(x, q, s, block, act_quant=False, config=cfg), want) <= 1e-5, (n, k, cfg)
+            got16 = lt.fp8_linear(x.half(), q, s, block, act_quant=False, config=cfg)
+            assert _rel(got16, reference.fp8_linear(x.half(), q, s, block)) <= 1e-2, (n, k, cfg)
+
+
+@pytest.mark.gpu
+def test_gemv_decode_is_exact_gpu():
+    """Every finite e4m3 code through the PTX decode equals torch's e4m3 -> fp32 (see test_gemv_decode_is_exact)."""
+    from deepinfer_kernels.linear import triton as lt
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    k = 256
+    w = torch.zeros(len(codes), k, dtype=torch.uint8)
+    w[:, 5] = codes
+    s = torch.full((-(-len(codes) // 32), k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.zeros(1, k)
+    x[0, 5] = 1.0
+    for dt in (torch.float32, torch.bfloat16):
+        got = lt.fp8_linear(x.to(dt).cuda(), w.view(torch.float8_e4m3fn).cuda(), s.cuda(), (32, 32), act_quant=False,
+                            config=lt.LinearConfig(1, 16, 64, 4, 1, 1, False, "gemv"))[0].cpu()  # fmt: skip
+        assert torch.equal(got, codes.view(torch.float8_e4m3fn).float().to(dt)), dt
