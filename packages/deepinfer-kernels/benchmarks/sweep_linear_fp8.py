@@ -8,13 +8,22 @@ in fp32 by the model; timed here with bf16 activations, plus one fp32 row at the
 Per shape and M (tokens) every candidate config is first checked against the torch reference (max |Δ| / max |ref|
 <= 1e-2, bf16 output), then timed from replays of one CUDA graph over several weight copies (so a pass moves >= 3x
 the 60 MB L2: cold weights, as in a decode step; launch gaps inside the graph included, as in the engine's graphed
-step). Phase A: tile configs with the default split policy; phase B: the best tile with explicit split counts.
+step). Phase A: tile configs with the default split policy ("group" / "weight" MMA tiles, CUDA-core "fma", and at
+M <= 16 "gemv" with register prefetch 0 / 1 / 2); phase B: the best tile, and the best "gemv" tile when another mode
+won, with explicit split counts 1..64 and `LinearConfig.programs` targets. Each case prints the best config and
+the default config as `LinearConfig(...)`; `--modes` restricts the candidates (compile time).
 Printed beside the bytes bound (weight + scale + x + y bytes / device copy bandwidth measured in the same run).
 `--baseline-module PATH` also times another `linear/triton.py` (e.g. main's) at its own defaults as "before".
 Configs are compiled first in parallel worker processes (Triton's on-disk cache is shared).
 
     PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_linear_fp8.py \
-        [--tokens 1,8,64,256] [--baseline-module OLD/triton.py] [--defaults-only] [--output-json out.json]
+        [--tokens 1,8,64,256] [--modes group,weight,fma,gemv] [--baseline-module OLD/triton.py] [--defaults-only] \
+        [--budget-s 180] [--workers 12] [--output-json out.json]
+
+Decode sizes in about four minutes on one H200 (16 CPU cores for the compile workers):
+
+    PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_linear_fp8.py \
+        --tokens 1,8,64 --modes weight,fma,gemv --budget-s 170 --workers 15 --output-json sweep_linear_fp8.json
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ optional FP8 activation quantization applied to each activation tile as it is lo
 Why one kernel: at decode sizes (M <= 256) the step is bound by reading the weight once; the kernel streams each
 weight byte once per M tile and multiplies with tensor-core dots in bf16 (fp32 accumulation).
 
-Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
+Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
 - "weight": the e4m3 tile is converted to the dot dtype and multiplied by its block scales (exact in bf16 for
   UE8M0 scales; fp32 scales multiply in fp32 and round once, as the reference's decode does), then one
   BLOCK_K-wide dot. The measured default for bf16 / fp16 activations.
@@ -15,6 +15,11 @@ Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up 
   measured slower than "weight" on the H200 (docs/perf.md "FP8 linear at decode sizes").
 - "fma": no MMA; products accumulated per K lane on the CUDA cores and summed once (any BLOCK_M). The default for
   fp32 activations at M <= 8, where exact fp32 MMA emulation is slow.
+- "gemv" (FP8 weights, a separate kernel `_gemv_kernel`): for a few rows. The codes are read as int32 words (16-byte
+  vectors per thread), decoded to fp32 in registers (two codes per PTX conversion), multiplied on the CUDA cores and
+  summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
+  memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
+  default until measured (benchmarks/sweep_linear_fp8.py sweeps it).
 
 Split-K: when N x M tiles alone cannot fill the GPU, K is split over S programs per output tile. Each writes its
 fp32 partial tile to a workspace and increments the tile's arrival counter (acq_rel atomic); the program that
