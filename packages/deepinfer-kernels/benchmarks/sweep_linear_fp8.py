@@ -62,21 +62,29 @@ PROGRAMS = (132, 264, 528)  # `LinearConfig.programs` targets (split 0), one, tw
 
 
 def gemv_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
-    """"gemv" tiles (CUDA-core FMAs on weights decoded in registers) at M = m <= 16: (..., prefetch); the register
-    prefetch of activations (2) costs 8 registers per row, so the larger M tries 1 and 0 too."""
+    """"gemv" tiles (CUDA-core FMAs on weights decoded in registers) at M = m <= 16: (..., prefetch). The register
+    prefetch of activations (2) costs registers per row: at M = 8 the larger tiles spill with it (offline sm_90a
+    compile), so there they prefetch the weights only (1) or nothing (0)."""
     bm = next_pow2(m)
-    tiles = [
-        (bm, 16, 512, 4, 1, False, "gemv", 2),
-        (bm, 32, 256, 4, 1, False, "gemv", 2),
-        (bm, 16, 256, 4, 1, False, "gemv", 2),
-        (bm, 64, 256, 8, 1, False, "gemv", 2),
-        (bm, 16, 1024, 8, 1, False, "gemv", 2),
+    if bm < 4:
+        return [
+            (bm, 16, 512, 4, 1, False, "gemv", 2),
+            (bm, 32, 256, 4, 1, False, "gemv", 2),
+            (bm, 16, 256, 4, 1, False, "gemv", 2),
+            (bm, 64, 256, 8, 1, False, "gemv", 2),
+            (bm, 16, 1024, 8, 1, False, "gemv", 2),
+            (bm, 16, 512, 4, 1, False, "gemv", 1),
+            (bm, 16, 512, 4, 3, False, "gemv", 0),  # no manual prefetch, Triton's pipeliner instead
+        ]
+    return [
         (bm, 16, 512, 4, 1, False, "gemv", 1),
-        (bm, 16, 512, 4, 3, False, "gemv", 0),  # no manual prefetch, Triton's pipeliner instead
+        (bm, 16, 256, 4, 1, False, "gemv", 2),
+        (bm, 16, 256, 4, 1, False, "gemv", 1),
+        (bm, 32, 256, 8, 1, False, "gemv", 1),
+        (bm, 16, 128, 4, 1, False, "gemv", 2),
+        (bm, 32, 128, 4, 1, False, "gemv", 0),
+        (bm, 16, 512, 4, 3, False, "gemv", 0),
     ]
-    if bm >= 4:
-        tiles += [(bm, 16, 256, 4, 1, False, "gemv", 1), (bm, 32, 128, 4, 1, False, "gemv", 0)]
-    return tiles
 
 
 def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
