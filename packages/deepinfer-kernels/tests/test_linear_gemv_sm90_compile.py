@@ -1,4 +1,4 @@
-"""Offline sm_90a compile of the FP8 linear's "gemv" kernel (`_gemv_kernel`) at decode tiles, without a GPU.
+"""Offline sm_90a compile of the FP8 linear's "gemv" kernel (`_gemv_linear_kernel`) at decode tiles, without a GPU.
 
 Checks what the design relies on: no MMA; no barrier inside the K loop (a layout conversion of the decoded weight
 tile or of the activations goes through shared memory with a bar.sync each iteration; only the final cross-thread
@@ -56,8 +56,8 @@ for name, bm, bn, bk, nw, pf, aq, f32 in (("m1 bf16", 1, 16, 512, 4, 2, False, F
     s = dict(sig, x_ptr="*fp32", y_ptr="*fp32") if f32 else sig
     cx = dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=aq, X_KIND=2 if f32 else 0, ASM=True, PREFETCH=pf,
               EVEN_K=True, SPLIT_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-    out[name] = rep(lt._gemv_kernel, s, cx, num_warps=nw, num_stages=1, divisible_by_16=div)
-    out[name]["loop_barriers"] = loop_barriers(lt._gemv_kernel, s, cx, div, nw)
+    out[name] = rep(lt._gemv_linear_kernel, s, cx, num_warps=nw, num_stages=1, divisible_by_16=div)
+    out[name]["loop_barriers"] = loop_barriers(lt._gemv_linear_kernel, s, cx, div, nw)
 print(json.dumps(out))
 """
 

@@ -15,7 +15,7 @@ Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up t
   measured slower than "weight" on the H200 (docs/perf.md "FP8 linear at decode sizes").
 - "fma": no MMA; products accumulated per K lane on the CUDA cores and summed once (any BLOCK_M). The default for
   fp32 activations at M <= 8, where exact fp32 MMA emulation is slow.
-- "gemv" (FP8 weights, a separate kernel `_gemv_kernel`): for a few rows. The codes are read as int32 words (16-byte
+- "gemv" (FP8 weights, a separate kernel `_gemv_linear_kernel`): for a few rows. The codes are read as int32 words (16-byte
   vectors per thread), decoded to fp32 in registers (two codes per PTX conversion), multiplied on the CUDA cores and
   summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
   memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
@@ -61,7 +61,7 @@ class LinearConfig:
     MAX_SPLIT). ``swap_ab``: compute yᵀ = W xᵀ, so a weight tile is the MMA's A operand (Hopper's wgmma needs 64
     rows there; at decode the tokens are fewer). ``programs``: with split 0, a target for the programs of the launch
     instead of the occupancy policy: S = ceil(programs / output tiles), at most MAX_SPLIT and the K tiles (0: the
-    policy). ``mode`` "gemv" (FP8 weights only): `_gemv_kernel`, CUDA-core FMAs on weights decoded in registers,
+    policy). ``mode`` "gemv" (FP8 weights only): `_gemv_linear_kernel`, CUDA-core FMAs on weights decoded in registers,
     for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
     next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it)."""
 
@@ -536,7 +536,7 @@ def _gemv_act_tile(x_rows, xm, kw, kt, on, words, XW: tl.constexpr, X_KIND: tl.c
 
 # same launch-invariant arguments as _linear_kernel: one compiled kernel per tile config and split / no split
 @triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split", "group_n", "stride_xg"])
-def _gemv_kernel(
+def _gemv_linear_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
@@ -793,7 +793,7 @@ def launch(
 def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, counters: Tensor, grid: tuple[int, ...],
                  cfg: LinearConfig, *, op: str, b0: int, b1: int, e8m0: bool, act_quant: bool, per: int, groups: int,
                  interp: bool) -> None:  # fmt: skip
-    """`_gemv_kernel` on the same operands as `_linear_kernel`: the weight as int32 words, bf16 / fp16 x as int64
+    """`_gemv_linear_kernel` on the same operands as `_linear_kernel`: the weight as int32 words, bf16 / fp16 x as int64
     words of 4 values (fp32 x as is), strides in those units."""
     if w.stride(0) % 4 or w.storage_offset() % 4:
         w = w.contiguous()
@@ -803,7 +803,7 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         x = x.contiguous()
     xv = x if x_kind == 2 else x.view(torch.int64)
     wv = w.view(torch.int32)
-    _gemv_kernel[grid](
+    _gemv_linear_kernel[grid](
         xv,
         wv,
         s_arg,
