@@ -348,7 +348,8 @@ cvt.f32.f16 $3, h3;
 @triton.jit
 def _e4m3_byte_f32(w, i: tl.constexpr):
     """Byte i of int32 words of e4m3 codes -> the codes' values in fp32, by integer arithmetic (exact; the
-    interpreter runs no PTX). Normal codes: the exponent rebiased by 127 - 7 = 120; subnormals: m * 2^-9."""
+    interpreter runs no PTX). Normal codes: the exponent rebiased by 127 - 7 = 120; subnormals: m * 2^-9. The NaN
+    codes (0x7F / 0xFF, absent from checkpoints) decode to +-480 here and to NaN in the PTX path."""
     b = (w >> (8 * i)) & 0xFF
     mag = b & 0x7F
     normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
