@@ -104,7 +104,7 @@ def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, 
     [
         (3, 40, 200, (32, 32), 2, 64, 3, 2),  # K tail, ragged last split, 2 M tiles x 3 N tiles of counters
         (1, 20, 384, (128, 128), 1, 128, 2, 1),  # V4 blocks (a scale group of 8 vectors)
-        (2, 33, 96, (32, 32), 4, 32, 1, 0),  # N tail, unsplit
+        (2, 33, 96, (32, 32), 4, 64, 1, 0),  # N tail, unsplit, a K tail of whole 16-code vectors
     ],
 )
 def test_fp8_linear_interpreter_gemv(interp, m, n, k, block, block_m, block_k, split, prefetch):

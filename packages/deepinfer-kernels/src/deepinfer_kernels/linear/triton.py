@@ -15,9 +15,9 @@ Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up t
   measured slower than "weight" on the H200 (docs/perf.md "FP8 linear at decode sizes").
 - "fma": no MMA; products accumulated per K lane on the CUDA cores and summed once (any BLOCK_M). The default for
   fp32 activations at M <= 8, where exact fp32 MMA emulation is slow.
-- "gemv" (FP8 weights, a separate kernel `_gemv_linear_kernel`): for a few rows. The codes are read as int32 words (16-byte
-  vectors per thread), decoded to fp32 in registers (two codes per PTX conversion), multiplied on the CUDA cores and
-  summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
+- "gemv" (FP8 weights, a separate kernel `_gemv_linear_kernel`): for a few rows. The codes are read as int32 words
+  (16-byte vectors per thread), decoded to fp32 in registers (two codes per PTX conversion), multiplied on the CUDA
+  cores and summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
   memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
   default until measured (benchmarks/sweep_linear_fp8.py sweeps it).
 
@@ -511,27 +511,28 @@ def _act_quant_planes(a0, a1, a2, a3):
 
 
 @triton.jit
-def _gemv_weight_tile(w_ptrs, s_ptrs, wm, kw, gs, kt, on, words, K, B1: tl.constexpr, SCALE_E8M0: tl.constexpr,
+def _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, kt, on, words, K, B1: tl.constexpr, SCALE_E8M0: tl.constexpr,
                       ASM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
-    """The int32 code words and the fp32 scales of the K tile starting at word kt (`on`: false past the split)."""
+    """The int32 code words and the fp32 scales of the K tile starting at word kt (`on`: false past the split; kq:
+    the word index that decides the K tail, see _gemv_linear_kernel)."""
     if EVEN_K:
         wmask = wm & on
         smask = wm & on
     else:
-        wmask = wm & (kt + kw < words) & on
+        wmask = wm & (kt + kq < words) & on
         smask = wm & (kt * 4 + gs * B1 < K) & on
     w = tl.load(w_ptrs + kt, mask=wmask, other=0)
     return w, _weight_scales(s_ptrs + kt // (B1 // 4), smask, SCALE_E8M0, ASM)
 
 
 @triton.jit
-def _gemv_act_tile(x_rows, xm, kw, kt, on, words, XW: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
+def _gemv_act_tile(x_rows, xm, kw, kq, kt, on, words, XW: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
                    EVEN_K: tl.constexpr):  # fmt: skip
     """`_act_load` of the activations under the K tile starting at word kt."""
     if EVEN_K:
         mask = xm & on
     else:
-        mask = xm & (kt + kw < words) & on
+        mask = xm & (kt + kq < words) & on
     return _act_load(x_rows + (kt + kw) * XW, mask, X_KIND, ASM)
 
 
@@ -563,6 +564,7 @@ def _gemv_linear_kernel(
     ASM: tl.constexpr,
     PREFETCH: tl.constexpr,
     EVEN_K: tl.constexpr,
+    VEC_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -597,6 +599,11 @@ def _gemv_linear_kernel(
         + tl.arange(0, V)[None, None, None, :, None] * 4
         + tl.arange(0, 4)[None, None, None, None, :]
     )  # [1, 1, G, V, 4] word of the K tile
+    if VEC_K:  # K % 16 == 0: a 16-code vector is wholly in K or wholly past it, so the K-tail mask is constant
+        # along it and the vector stays one 16-byte load
+        kq = tl.arange(0, G)[None, None, :, None, None] * (B1 // 4) + tl.arange(0, V)[None, None, None, :, None] * 4
+    else:
+        kq = kw
     n5 = offs_n[None, :, None, None, None]
     w_ptrs = w_ptr + n5.to(tl.int64) * stride_wn + kw
     gs = tl.arange(0, G)[None, None, :, None, None]
@@ -616,10 +623,10 @@ def _gemv_linear_kernel(
     # every split has >= 1 tile; `on`: [1]-shaped predicates (the interpreter rejects a 0-d mask)
     one = tl.zeros([1, 1, 1, 1, 1], dtype=tl.int32)
     if PREFETCH >= 1:
-        w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kw, gs, t0 * WPT, one == 0, words, K, B1, SCALE_E8M0,
+        w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, t0 * WPT, one == 0, words, K, B1, SCALE_E8M0,
                                          ASM, EVEN_K)  # fmt: skip
     if PREFETCH == 2:
-        r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, t0 * WPT, one == 0, words, XW, X_KIND, ASM, EVEN_K)
+        r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, t0 * WPT, one == 0, words, XW, X_KIND, ASM, EVEN_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N, G, V, 1], dtype=tl.float32)
     for t in range(0, n_tiles):
         kt = (t0 + t) * WPT
@@ -627,16 +634,16 @@ def _gemv_linear_kernel(
         # PREFETCH: tile t + 1 is loaded (predicated off past the split's last tile) before tile t is computed
         if PREFETCH >= 1:
             w_cur, s_cur = w_nxt, s_nxt
-            w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kw, gs, kt + WPT, more, words, K, B1, SCALE_E8M0,
+            w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, kt + WPT, more, words, K, B1, SCALE_E8M0,
                                              ASM, EVEN_K)  # fmt: skip
         else:
-            w_cur, s_cur = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kw, gs, kt, one == 0, words, K, B1, SCALE_E8M0,
+            w_cur, s_cur = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, kt, one == 0, words, K, B1, SCALE_E8M0,
                                              ASM, EVEN_K)  # fmt: skip
         if PREFETCH == 2:
             r0, r1, r2, r3 = r0n, r1n, r2n, r3n
-            r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kt + WPT, more, words, XW, X_KIND, ASM, EVEN_K)
+            r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, kt + WPT, more, words, XW, X_KIND, ASM, EVEN_K)
         else:
-            r0, r1, r2, r3 = _gemv_act_tile(x_rows, xm, kw, kt, one == 0, words, XW, X_KIND, ASM, EVEN_K)
+            r0, r1, r2, r3 = _gemv_act_tile(x_rows, xm, kw, kq, kt, one == 0, words, XW, X_KIND, ASM, EVEN_K)
         a0, a1, a2, a3 = _act_planes(r0, r1, r2, r3, X_KIND)
         if ACT_QUANT:
             a0, a1, a2, a3 = _act_quant_planes(a0, a1, a2, a3)
@@ -830,6 +837,7 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         ASM=not interp,
         PREFETCH=cfg.prefetch,
         EVEN_K=w.shape[1] % cfg.block_k == 0,
+        VEC_K=w.shape[1] % 16 == 0,
         SPLIT_K=grid[2] > 1,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
