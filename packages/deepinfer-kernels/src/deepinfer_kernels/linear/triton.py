@@ -174,10 +174,24 @@ def _write_tile(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, 
         arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
         if arrived == splits - 1:
             tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for _ in range(0, splits):
+            # small tiles: four partials in flight per step (up to 64 splits would otherwise be 64 dependent L2
+            # round trips), still added one by one in split order; a split past the end reads -0.0, the exact
+            # identity of +. Large MMA tiles keep one at a time (4 more tiles of registers would spill).
+            for i in range(0, splits, 4 if BLOCK_M * BLOCK_N <= 2048 else 1):
                 # .cg: read at L2, where the other programs' stores are, never a stale L1 line
-                tot += tl.load(part_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_split
+                p0 = tl.load(part_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
+                if BLOCK_M * BLOCK_N <= 2048:
+                    m1 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 1) < splits)
+                    p1 = tl.load(part_ptrs + stride_split, mask=m1, other=-0.0, cache_modifier=".cg")
+                    m2 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 2) < splits)
+                    p2 = tl.load(part_ptrs + 2 * stride_split, mask=m2, other=-0.0, cache_modifier=".cg")
+                    m3 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 3) < splits)
+                    p3 = tl.load(part_ptrs + 3 * stride_split, mask=m3, other=-0.0, cache_modifier=".cg")
+                    tot = (((tot + p0) + p1) + p2) + p3
+                    part_ptrs += 4 * stride_split
+                else:
+                    tot += p0
+                    part_ptrs += stride_split
             tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
     else:
