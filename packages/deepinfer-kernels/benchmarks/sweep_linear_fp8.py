@@ -8,13 +8,22 @@ in fp32 by the model; timed here with bf16 activations, plus one fp32 row at the
 Per shape and M (tokens) every candidate config is first checked against the torch reference (max |Δ| / max |ref|
 <= 1e-2, bf16 output), then timed from replays of one CUDA graph over several weight copies (so a pass moves >= 3x
 the 60 MB L2: cold weights, as in a decode step; launch gaps inside the graph included, as in the engine's graphed
-step). Phase A: tile configs with the default split policy; phase B: the best tile with explicit split counts.
+step). Phase A: tile configs with the default split policy ("group" / "weight" MMA tiles, CUDA-core "fma", and at
+M <= 16 "gemv" with register prefetch 0 / 1 / 2); phase B: the best tile, and the best "gemv" tile when another mode
+won, with explicit split counts 1..64 and `LinearConfig.programs` targets. Each case prints the best config and
+the default config as `LinearConfig(...)`; `--modes` restricts the candidates (compile time).
 Printed beside the bytes bound (weight + scale + x + y bytes / device copy bandwidth measured in the same run).
 `--baseline-module PATH` also times another `linear/triton.py` (e.g. main's) at its own defaults as "before".
 Configs are compiled first in parallel worker processes (Triton's on-disk cache is shared).
 
     PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_linear_fp8.py \
-        [--tokens 1,8,64,256] [--baseline-module OLD/triton.py] [--defaults-only] [--output-json out.json]
+        [--tokens 1,8,64,256] [--modes group,weight,fma,gemv] [--baseline-module OLD/triton.py] [--defaults-only] \
+        [--budget-s 180] [--workers 12] [--output-json out.json]
+
+Decode sizes in about four minutes on one H200 (16 CPU cores for the compile workers):
+
+    PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_linear_fp8.py \
+        --tokens 1,8,64 --modes weight,fma,gemv --budget-s 170 --workers 15 --output-json sweep_linear_fp8.json
 """
 
 from __future__ import annotations
@@ -48,12 +57,43 @@ SHAPES = [
     ("indexer.wq_b", 4096, 1280, 1, "fp32"),
     ("engram.wkv", 25600, 6144, 1, "fp32"),
 ]
-SPLITS = (1, 2, 4, 8, 16)
+SPLITS = (1, 2, 4, 8, 16, 32, 64)
+PROGRAMS = (132, 264, 528)  # `LinearConfig.programs` targets (split 0), one, two, four H200s' worth of SMs
 
 
-def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str]]:
-    """(block_m, block_n, block_k, num_warps, num_stages, swap_ab, mode) tried at M = m (a first run over many
-    "group" tiles, docs/perf.md, narrowed the MMA tiles to these)."""
+def gemv_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
+    """"gemv" tiles (CUDA-core FMAs on weights decoded in registers) at M = m <= 16: (..., prefetch). The register
+    prefetch of activations (2) costs registers per row: at M = 8 the larger tiles spill with it (offline sm_90a
+    compile), so there they prefetch the weights only (1) or nothing (0)."""
+    bm = next_pow2(m)
+    if bm < 4:
+        return [
+            (bm, 16, 512, 4, 1, False, "gemv", 2),
+            (bm, 32, 256, 4, 1, False, "gemv", 2),
+            (bm, 16, 256, 4, 1, False, "gemv", 2),
+            (bm, 64, 256, 8, 1, False, "gemv", 2),
+            (bm, 16, 1024, 8, 1, False, "gemv", 2),
+            (bm, 16, 512, 4, 1, False, "gemv", 1),
+            (bm, 16, 512, 4, 3, False, "gemv", 0),  # no manual prefetch, Triton's pipeliner instead
+        ]
+    return [
+        (bm, 16, 512, 4, 1, False, "gemv", 1),
+        (bm, 16, 256, 4, 1, False, "gemv", 2),
+        (bm, 16, 256, 4, 1, False, "gemv", 1),
+        (bm, 32, 256, 8, 1, False, "gemv", 1),
+        (bm, 16, 128, 4, 1, False, "gemv", 2),
+        (bm, 32, 128, 4, 1, False, "gemv", 0),
+        (bm, 16, 512, 4, 3, False, "gemv", 0),
+    ]
+
+
+def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
+    """(block_m, block_n, block_k, num_warps, num_stages, swap_ab, mode, prefetch) tried at M = m (a first run over
+    many "group" tiles, docs/perf.md, narrowed the MMA tiles to these; prefetch only matters to "gemv")."""
+    return [t if len(t) == 8 else (*t, 2) for t in _mma_fma_candidates(m)] + (gemv_candidates(m) if m <= 16 else [])
+
+
+def _mma_fma_candidates(m: int) -> list[tuple]:
     if m <= 16:
         bm = next_pow2(m)
         return [
@@ -129,12 +169,12 @@ def _warm(job: tuple[str, Any]) -> str:
             from deepinfer_kernels.linear import triton as lt
 
             *tile, ms = arg
-            bm, bn, bk, w, st, swap, mode = tile
+            bm, bn, bk, w, st, swap, mode, pf = tile
             for m, split, aq in itertools.product(ms, (1, 4), (False, True)):
                 x = torch.randn(m, 5120, device=dev, generator=g)
-                cfg = lt.LinearConfig(bm, bn, bk, w, st, split, swap, mode)
+                cfg = lt.LinearConfig(bm, bn, bk, w, st, split, swap, mode, prefetch=pf)
                 lt.fp8_linear(x.bfloat16(), q, s, BLOCK, act_quant=aq, config=cfg)
-                if mode == "fma" and not aq:
+                if mode in ("fma", "gemv") and not aq:
                     lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg)
         else:  # "defaults": (baseline module path or None = ours, M): every shape, act_quant, fp32 rows
             path, m = arg
@@ -213,6 +253,7 @@ def main() -> None:
         "--defaults-only", action="store_true", help="time only the default configs (and baseline)"
     )
     ap.add_argument("--workers", type=int, default=12)
+    ap.add_argument("--modes", default="group,weight,fma,gemv", help="decode modes of the candidates to sweep")
     ap.add_argument("--budget-s", type=float, default=180.0)
     ap.add_argument("--output-json", default="sweep_linear_fp8.json")
     ap.add_argument(
@@ -234,13 +275,18 @@ def main() -> None:
     from deepinfer_kernels.linear import triton as lt
 
     tokens = [int(v) for v in ns.tokens.split(",")]
+    modes = set(ns.modes.split(","))
+
+    def candidates(m: int) -> list[tuple]:
+        return [t for t in tile_candidates(m) if t[6] in modes]
+
     jobs: list[tuple[str, Any]] = [("defaults", (None, m)) for m in tokens]
     if ns.baseline_module:
         jobs += [("defaults", (ns.baseline_module, m)) for m in tokens]
     if not ns.defaults_only:
         groups: dict[tuple, list[int]] = {}
         for m in tokens:
-            for c in tile_candidates(m):
+            for c in candidates(m):
                 groups.setdefault(c, []).append(m)
         jobs += [("tile", (*c, ms)) for c, ms in groups.items()]
     if ns.workers > 0:
@@ -265,7 +311,8 @@ def main() -> None:
         cases=[],
     )
     print(f"# copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
-    hdr = f"{'shape':<22} {'M':>4} {'bound':>7} {'before':>7} {'default':>8} {'aq':>7} {'fp32':>7} {'best':>7}  best config"
+    hdr = (f"{'shape':<22} {'M':>4} {'bound':>7} {'before':>7} {'default':>8} {'aq':>7} {'fp32':>7} {'gemv':>7} "
+           f"{'best':>7}  best config | default config")
     print(hdr, flush=True)
     for shape, m in itertools.product(SHAPES, tokens):
         case = Case(shape, m, bw, g, dev, ns.smoke_cpu)
@@ -302,29 +349,40 @@ def main() -> None:
                     ns.smoke_cpu,
                 )
         if not ns.defaults_only and time.time() - t_start < ns.budget_s:
-            tiles = tile_candidates(m)
+            tiles = candidates(m)
             if ns.smoke_cpu:
-                tiles = [(16, 16, 128, 4, 1, False, "group"), (16, 16, 64, 4, 1, True, "weight")]
-                tiles.append((next_pow2(m), 16, 64, 4, 1, False, "fma"))
-            for bm, bn, bk, w, st, swap, mode in tiles:
-                cfg = lt.LinearConfig(bm, bn, bk, w, st, 0, swap, mode)
+                tiles = [(16, 16, 128, 4, 1, False, "group", 2), (16, 16, 64, 4, 1, True, "weight", 2),
+                         (next_pow2(m), 16, 64, 4, 1, False, "fma", 2), (next_pow2(m), 16, 64, 4, 1, False, "gemv", 1)]
+                tiles = [t for t in tiles if t[6] in modes]
+            for bm, bn, bk, w, st, swap, mode, pf in tiles:
+                cfg = lt.LinearConfig(bm, bn, bk, w, st, 0, swap, mode, prefetch=pf)
                 row = case.measure(
                     lambda x, q, s, cfg=cfg: lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg),
                     case.x, case.want, ns.smoke_cpu,
                 )  # fmt: skip
                 res["candidates"].append(dict(config=cfg.__dict__, **row))
+            # phase B: split counts and programs targets for the best tile, and for the best "gemv" tile
             timed = [c for c in res["candidates"] if "us" in c] or res["candidates"]
-            best = min(timed, key=lambda c: c.get("us", 0.0))["config"]
-            for sp in SPLITS:
-                cfg = lt.LinearConfig(**dict(best, split=sp))
-                row = case.measure(
-                    lambda x, q, s, cfg=cfg: lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg),
-                    case.x, case.want, ns.smoke_cpu,
-                )  # fmt: skip
-                res["candidates"].append(dict(config=cfg.__dict__, **row))
+            bests = [min(timed, key=lambda c: c.get("us", 0.0))["config"]]
+            gemv = [c for c in timed if c["config"]["mode"] == "gemv"]
+            if gemv and bests[0]["mode"] != "gemv":
+                bests.append(min(gemv, key=lambda c: c.get("us", 0.0))["config"])
+            for best in bests:
+                variants = [dict(best, split=sp, programs=0) for sp in SPLITS]
+                variants += [dict(best, split=0, programs=pr) for pr in PROGRAMS]
+                for conf in variants:
+                    cfg = lt.LinearConfig(**conf)
+                    row = case.measure(
+                        lambda x, q, s, cfg=cfg: lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg),
+                        case.x, case.want, ns.smoke_cpu,
+                    )  # fmt: skip
+                    res["candidates"].append(dict(config=cfg.__dict__, **row))
         timed = sorted((c for c in res["candidates"] if "us" in c), key=lambda c: c["us"])
         if timed:
             res["best"] = timed[0]
+        gemv_timed = [c for c in timed if c["config"]["mode"] == "gemv"]
+        if gemv_timed:
+            res["best_gemv"] = gemv_timed[0]
         # act_quant and (fp32 shapes) fp32 activations at the best few configs, and fp32 at the "fma" tiles
         res["act_quant"], res["fp32"] = [], []
         top = list({json.dumps(c["config"]): c["config"] for c in timed}.values())[:3]
@@ -339,7 +397,7 @@ def main() -> None:
             fma = [
                 c["config"]
                 for c in res["candidates"]
-                if c["config"]["mode"] == "fma" and c["config"]["split"] == 0
+                if c["config"]["mode"] in ("fma", "gemv") and c["config"]["split"] == 0 and not c["config"]["programs"]
             ]
             for conf in fma + top[:1]:
                 cfg = lt.LinearConfig(**conf)
@@ -362,11 +420,16 @@ def main() -> None:
             )
 
         b = res.get("best")
-        cfg_s = "" if b is None else " ".join(f"{k}={v}" for k, v in b["config"].items())
+        def conf_s(c: dict) -> str:
+            return "LinearConfig(" + ", ".join(f"{k}={v!r}" for k, v in c.items()) + ")"
+
+        cfg_s = "" if b is None else conf_s(b["config"])
         bound = f"{case.bound_us:.1f}" if case.bound_us else "-"
         print(f"{case.name:<22} {m:>4} {bound:>7} {us(res.get('before')):>7} {us(res['default']):>8} "
-              f"{us(res['default_act_quant']):>7} {us(res.get('default_fp32')):>7} {us(b):>7}  {cfg_s}",
-              flush=True)  # fmt: skip
+              f"{us(res['default_act_quant']):>7} {us(res.get('default_fp32')):>7} {us(res.get('best_gemv')):>7} "
+              f"{us(b):>7}  {cfg_s} | {conf_s(res['default_config'])}", flush=True)  # fmt: skip
+        if res.get("best_gemv") is not None and res["best_gemv"] is not b:
+            print(f"#   best gemv: {conf_s(res['best_gemv']['config'])}", flush=True)
         for key in ("default", "default_act_quant", "default_fp32", "before"):
             if res.get(key, {}).get("error"):
                 print(f"#   {key}: {res[key]['error']}", flush=True)
@@ -379,7 +442,7 @@ def main() -> None:
     for m in tokens:
         rows = [c for c in out["cases"] if c["M"] == m]
         tot = {}
-        for key in ("bound", "before", "default", "best"):
+        for key in ("bound", "before", "default", "best", "best_gemv"):
             vals = [(c["bound_us"] if key == "bound" else c.get(key, {}).get("us")) for c in rows]
             ok = bool(vals) and all(v is not None for v in vals)
             tot[key] = sum(c["calls_per_step"] * v for c, v in zip(rows, vals)) if ok else None

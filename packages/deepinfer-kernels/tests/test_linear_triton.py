@@ -99,6 +99,66 @@ def test_fp8_linear_interpreter_split_k(interp, m, n, k, block, block_k, split, 
     torch.testing.assert_close(yb, reference.fp8_linear(x.bfloat16(), q, s, block), rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block", "block_m", "block_k", "split", "prefetch"),
+    [
+        (3, 40, 200, (32, 32), 2, 64, 3, 2),  # K tail, ragged last split, 2 M tiles x 3 N tiles of counters
+        (1, 20, 384, (128, 128), 1, 128, 2, 1),  # V4 blocks (a scale group of 8 vectors)
+        (2, 33, 96, (32, 32), 4, 64, 1, 0),  # N tail, unsplit, a K tail of whole 16-code vectors
+    ],
+)
+def test_fp8_linear_interpreter_gemv(interp, m, n, k, block, block_m, block_k, split, prefetch):
+    """"gemv" mode (int32 words of codes decoded in registers, CUDA-core FMAs, register prefetch 0 / 1 / 2): equal
+    to the reference for fp32 (1e-5), fp16 and bf16 activations, with and without act_quant; split-K bit-identical
+    across calls with the caller's counters left zero."""
+    g = torch.Generator().manual_seed(k + n)
+    q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, block)
+    x = torch.randn(m, k, generator=g)
+    cfg = interp.LinearConfig(block_m, 16, block_k, 4, 1, split, False, "gemv", prefetch=prefetch)
+    cnt = torch.zeros(16, dtype=torch.int32)
+    for aq in (False, True):
+        got = interp.fp8_linear(x, q, s, block, act_quant=aq, config=cfg, counters=cnt)
+        assert _rel(got, reference.fp8_linear(x, q, s, block, act_quant=aq)) <= 1e-5, aq
+        assert not cnt.any()
+        if split > 1:
+            assert torch.equal(got, interp.fp8_linear(x, q, s, block, act_quant=aq, config=cfg, counters=cnt)), aq
+    for dt in (torch.bfloat16, torch.float16):
+        got = interp.fp8_linear(x.to(dt), q, s, block, act_quant=dt == torch.bfloat16, config=cfg)
+        want = reference.fp8_linear(x.to(dt), q, s, block, act_quant=dt == torch.bfloat16)
+        assert got.dtype == dt
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-2)
+
+
+def test_fp8_linear_grouped_interpreter_gemv(interp):
+    """"gemv" on the block-diagonal form with x a strided [M, G, K] view (read as int64 words, strides in words)."""
+    gen = torch.Generator().manual_seed(9)
+    m, groups, rows, k, block = 2, 3, 32, 64, (32, 32)
+    q, s = quant_fp8_block(torch.randn(groups * rows, k, generator=gen) / k**0.5, block)
+    x = torch.randn(m, groups * k + 8, generator=gen)[:, 8:].view(m, groups, k)
+    cfg = interp.LinearConfig(2, 16, 32, 4, 1, 2, False, "gemv")
+    got = interp.fp8_linear_grouped(x.bfloat16(), q, s, block, act_quant=False, config=cfg).view(m, groups, rows)
+    for g in range(groups):
+        want = reference.fp8_linear(x[:, g].bfloat16(), q[g * rows : (g + 1) * rows], s[g : g + 1], block)
+        torch.testing.assert_close(got[:, g], want, rtol=2**-7, atol=2e-2)
+
+
+def test_gemv_decode_is_exact(interp):
+    """Every finite e4m3 code (subnormals, +-0, +-448) through the gemv decode equals torch's e4m3 -> fp32: a unit
+    activation times a one-row weight holding each code once per column, unit scales."""
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # no NaN codes
+    k = 256
+    w = torch.zeros(len(codes), k, dtype=torch.uint8)
+    w[:, 5] = codes
+    q = w.view(torch.float8_e4m3fn)
+    s = torch.full((-(-len(codes) // 32), k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.zeros(1, k)
+    x[0, 5] = 1.0
+    cfg = interp.LinearConfig(1, 16, 64, 4, 1, 1, False, "gemv")
+    got = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)[0]
+    assert torch.equal(got, codes.view(torch.float8_e4m3fn).float())
+
+
 class _CountFills(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the torch ops that write a constant (zeros / fill_ / zero_) while active."""
 
@@ -182,6 +242,19 @@ def test_linear_config_validation(interp):
         interp.LinearConfig(block_m=4)
     with pytest.raises(ValueError, match="mode"):
         interp.LinearConfig(mode="tf32")
+    with pytest.raises(ValueError, match="split"):
+        interp.LinearConfig(split=interp.MAX_SPLIT + 1)
+    with pytest.raises(ValueError, match="prefetch"):
+        interp.LinearConfig(mode="gemv", prefetch=3)
+    with pytest.raises(ValueError, match="swap_ab"):
+        interp.LinearConfig(mode="gemv", swap_ab=True)
+    assert interp.LinearConfig(block_m=1, mode="gemv").block_m == 1
+    # a programs target sets the split: 3 N tiles x ceil(10 / 3) = 4 splits of the 8 K tiles
+    assert interp._split_count(interp.LinearConfig(16, 16, 32, programs=10), 3, 8, torch.device("cpu")) == 4
+    assert interp._split_count(interp.LinearConfig(16, 16, 32, programs=10**4), 1, 256, torch.device("cpu")) == 64
+    gq, gs = quant_fp8_block(torch.randn(16, 64), (32, 32))
+    with pytest.raises(ValueError, match="gemv"):
+        interp.linear_f32_out(torch.randn(1, 64), torch.randn(16, 64), config=interp.LinearConfig(mode="gemv"))
     assert interp.LinearConfig(block_m=4, mode="fma").block_m == 4
     q, s = quant_fp8_block(torch.randn(16, 256), (128, 128))
     with pytest.raises(ValueError, match="not a multiple of the scale block"):
@@ -318,3 +391,57 @@ def test_fp8_linear_grouped_gpu_v41_wo_a(m):
             one = fp8_linear(o[:, i], q[i * 1024 : (i + 1) * 1024], s[i * 32 : (i + 1) * 32], (32, 32), act_quant=aq,
                              backend="triton")  # fmt: skip
             assert _rel(got[:, i], one) <= 1e-2, (aq, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 64])
+def test_fp8_linear_gpu_gemv_v41_shapes(m):
+    """"gemv" (PTX decode and loads) at V4.1 shapes and the V4 128 x 128 blocks: bf16 (act_quant off / on) <= 1e-2
+    and fp32 / fp16 <= 1e-5 / 1e-2 of max |ref|, with a programs-target split and a forced split of up to 64
+    (bit-identical over 5 calls, the caller's counters left zero), each prefetch depth."""
+    from deepinfer_kernels.linear import triton as lt
+
+    g = torch.Generator().manual_seed(21 + m)
+    cnt = torch.zeros(1 << 14, dtype=torch.int32, device="cuda")
+    bm = min(16, 1 << (m - 1).bit_length())
+    for n, k in V41 + [(512, 5120), (1024, 4096)]:
+        block = (128, 128) if (n, k) == (1024, 4096) else (32, 32)
+        q, s = _random_fp8(n, k, block, g, "cuda")
+        x = torch.randn(m, k, generator=g).cuda()
+        forced = min(64, k // 128)
+        cfgs = [lt.LinearConfig(bm, 16, 512, 4, 1, 0, False, "gemv", programs=264, prefetch=2),
+                lt.LinearConfig(bm, 32, 128, 4, 1, forced, False, "gemv", prefetch=1),
+                lt.LinearConfig(bm, 16, 256, 8, 1, 1, False, "gemv", prefetch=0)]  # fmt: skip
+        for cfg in cfgs:
+            for aq in (False, True):
+                want = reference.fp8_linear(x, q, s, block, act_quant=aq)
+                got = lt.fp8_linear(x.bfloat16(), q, s, block, act_quant=aq, config=cfg, counters=cnt)
+                assert got.dtype == torch.bfloat16 and _rel(got, want) <= 1e-2, (n, k, cfg, aq)
+                for _ in range(4):
+                    again = lt.fp8_linear(x.bfloat16(), q, s, block, act_quant=aq, config=cfg, counters=cnt)
+                    assert torch.equal(got, again), (n, k, cfg, aq)
+                torch.cuda.synchronize()
+                assert not cnt.any()
+            want = reference.fp8_linear(x, q, s, block)
+            assert _rel(lt.fp8_linear(x, q, s, block, act_quant=False, config=cfg), want) <= 1e-5, (n, k, cfg)
+            got16 = lt.fp8_linear(x.half(), q, s, block, act_quant=False, config=cfg)
+            assert _rel(got16, reference.fp8_linear(x.half(), q, s, block)) <= 1e-2, (n, k, cfg)
+
+
+@pytest.mark.gpu
+def test_gemv_decode_is_exact_gpu():
+    """Every finite e4m3 code through the PTX decode equals torch's e4m3 -> fp32 (see test_gemv_decode_is_exact)."""
+    from deepinfer_kernels.linear import triton as lt
+
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)
+    k = 256
+    w = torch.zeros(len(codes), k, dtype=torch.uint8)
+    w[:, 5] = codes
+    s = torch.full((-(-len(codes) // 32), k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    x = torch.zeros(1, k)
+    x[0, 5] = 1.0
+    for dt in (torch.float32, torch.bfloat16):
+        got = lt.fp8_linear(x.to(dt).cuda(), w.view(torch.float8_e4m3fn).cuda(), s.cuda(), (32, 32), act_quant=False,
+                            config=lt.LinearConfig(1, 16, 64, 4, 1, 1, False, "gemv"))[0].cpu()  # fmt: skip
+        assert torch.equal(got, codes.view(torch.float8_e4m3fn).float().to(dt)), dt

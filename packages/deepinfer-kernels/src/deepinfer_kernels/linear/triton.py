@@ -5,7 +5,7 @@ optional FP8 activation quantization applied to each activation tile as it is lo
 Why one kernel: at decode sizes (M <= 256) the step is bound by reading the weight once; the kernel streams each
 weight byte once per M tile and multiplies with tensor-core dots in bf16 (fp32 accumulation).
 
-Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
+Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
 - "weight": the e4m3 tile is converted to the dot dtype and multiplied by its block scales (exact in bf16 for
   UE8M0 scales; fp32 scales multiply in fp32 and round once, as the reference's decode does), then one
   BLOCK_K-wide dot. The measured default for bf16 / fp16 activations.
@@ -15,6 +15,11 @@ Weight decode, three modes (`LinearConfig.mode`), all equal to the reference up 
   measured slower than "weight" on the H200 (docs/perf.md "FP8 linear at decode sizes").
 - "fma": no MMA; products accumulated per K lane on the CUDA cores and summed once (any BLOCK_M). The default for
   fp32 activations at M <= 8, where exact fp32 MMA emulation is slow.
+- "gemv" (FP8 weights, a separate kernel `_gemv_linear_kernel`): for a few rows. The codes are read as int32 words
+  (16-byte vectors per thread), decoded to fp32 in registers (two codes per PTX conversion), multiplied on the CUDA
+  cores and summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
+  memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
+  default until measured (benchmarks/sweep_linear_fp8.py sweeps it).
 
 Split-K: when N x M tiles alone cannot fill the GPU, K is split over S programs per output tile. Each writes its
 fp32 partial tile to a workspace and increments the tile's arrival counter (acq_rel atomic); the program that
@@ -42,7 +47,9 @@ __all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped",
 # whose bf16 dot is wrong)
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
 # weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
-_MODES = {"group": 0, "weight": 1, "fma": 2}
+_MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3}
+# split-K partials per output tile: the cap of an explicit split or a programs target
+MAX_SPLIT = 64
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
@@ -50,9 +57,13 @@ _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 @dataclass(frozen=True)
 class LinearConfig:
     """Launch config of `_linear_kernel`. ``split``: programs per output tile along K (0: the occupancy policy of
-    `default_config`; the last split may get fewer K tiles, and S is cut so that none gets zero). ``swap_ab``:
-    compute yᵀ = W xᵀ, so a weight tile is the MMA's A operand (Hopper's wgmma needs 64 rows there; at decode the
-    tokens are fewer)."""
+    `default_config`; the last split may get fewer K tiles, and S is cut so that none gets zero; at most
+    MAX_SPLIT). ``swap_ab``: compute yᵀ = W xᵀ, so a weight tile is the MMA's A operand (Hopper's wgmma needs 64
+    rows there; at decode the tokens are fewer). ``programs``: with split 0, a target for the programs of the launch
+    instead of the occupancy policy: S = ceil(programs / output tiles), at most MAX_SPLIT and the K tiles (0: the
+    policy). ``mode`` "gemv" (FP8 weights only): `_gemv_linear_kernel`, CUDA-core FMAs on weights decoded in registers,
+    for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
+    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -62,6 +73,8 @@ class LinearConfig:
     split: int = 0
     swap_ab: bool = False
     mode: str = "group"
+    programs: int = 0
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -70,16 +83,19 @@ class LinearConfig:
                 raise ValueError(f"LinearConfig.{name}: found {v}; expected a power of two")
         if self.mode not in _MODES:
             raise ValueError(f"LinearConfig.mode: found {self.mode!r}; expected one of {tuple(_MODES)}")
-        small = self.block_n < 16 or self.block_k < 16 or (self.block_m < 16 and self.mode != "fma")
+        small = self.block_n < 16 or self.block_k < 16 or (self.block_m < 16 and self.mode not in ("fma", "gemv"))
         if small:
             raise ValueError(
-                f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum; fma: block_m any)"
+                f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum; fma / gemv: block_m any)"
             )
-        if self.swap_ab and self.mode == "fma":
-            raise ValueError("LinearConfig: swap_ab is an MMA operand order; mode 'fma' has none")
-        if self.num_stages < 1 or self.split < 0:
+        if self.swap_ab and self.mode in ("fma", "gemv"):
+            raise ValueError(f"LinearConfig: swap_ab is an MMA operand order; mode {self.mode!r} has none")
+        if self.prefetch not in (0, 1, 2):
+            raise ValueError(f"LinearConfig.prefetch: found {self.prefetch}; expected 0, 1 or 2")
+        if self.num_stages < 1 or not 0 <= self.split <= MAX_SPLIT or self.programs < 0:
             raise ValueError(
-                f"LinearConfig: num_stages {self.num_stages} / split {self.split}; expected >= 1 / >= 0"
+                f"LinearConfig: num_stages {self.num_stages} / split {self.split} / programs {self.programs}; "
+                f"expected >= 1 / 0..{MAX_SPLIT} / >= 0"
             )
 
 
@@ -139,6 +155,47 @@ def _act_quant_group(a):
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     s = (e << 23).to(tl.float32, bitcast=True)
     return _round_e4m3(tl.clamp(a / s[:, None], -448.0, 448.0)), s
+
+
+@triton.jit
+def _write_tile(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
+                SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """acc [BLOCK_M, BLOCK_N] fp32 -> y; with SPLIT_K, this program's partial -> the workspace, and the last of the
+    tile's programs to arrive sums the partials in split order 0..S-1, writes y and resets the tile's counter."""
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if SPLIT_K:
+        splits = tl.num_programs(2)
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        part_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_s.to(tl.int64) * stride_split, acc, mask=y_mask)
+        # every thread's partial is stored before the one release below publishes the tile
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            # small tiles: four partials in flight per step (up to 64 splits would otherwise be 64 dependent L2
+            # round trips), still added one by one in split order; a split past the end reads -0.0, the exact
+            # identity of +. Large MMA tiles keep one at a time (4 more tiles of registers would spill).
+            for i in range(0, splits, 4 if BLOCK_M * BLOCK_N <= 2048 else 1):
+                # .cg: read at L2, where the other programs' stores are, never a stale L1 line
+                p0 = tl.load(part_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
+                if BLOCK_M * BLOCK_N <= 2048:
+                    m1 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 1) < splits)
+                    p1 = tl.load(part_ptrs + stride_split, mask=m1, other=-0.0, cache_modifier=".cg")
+                    m2 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 2) < splits)
+                    p2 = tl.load(part_ptrs + 2 * stride_split, mask=m2, other=-0.0, cache_modifier=".cg")
+                    m3 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 3) < splits)
+                    p3 = tl.load(part_ptrs + 3 * stride_split, mask=m3, other=-0.0, cache_modifier=".cg")
+                    tot = (((tot + p0) + p1) + p2) + p3
+                    part_ptrs += 4 * stride_split
+                else:
+                    tot += p0
+                    part_ptrs += stride_split
+            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+    else:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 # the loop count and the scale row stride gain nothing from Triton's ==1 / %16 specialisation: not specialised, so
@@ -277,26 +334,339 @@ def _linear_kernel(
             acc = tl.sum(acc3, axis=2)
     if SWAP_AB:
         acc = tl.trans(acc)
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K:
-        splits = tl.num_programs(2)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        part_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptrs + pid_s.to(tl.int64) * stride_split, acc, mask=y_mask)
-        # every thread's partial is stored before the one release below publishes the tile
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == splits - 1:
-            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for _ in range(0, splits):
-                # .cg: read at L2, where the other programs' stores are, never a stale L1 line
-                tot += tl.load(part_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_split
-            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
+    _write_tile(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
+                SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
+
+
+# e4m3 word (4 codes; byte i is column 4j + i, little-endian) -> its 4 values in fp32: Hopper converts two codes
+# to f16 per instruction (exact: every e4m3 value, subnormals included, is an f16 normal), then f16 -> f32 (exact)
+_E4M3_WORD_F32 = tl.constexpr(
+    """
+{
+.reg .b16 lo, hi, h0, h1, h2, h3;
+.reg .b32 p, q;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 p, lo;
+cvt.rn.f16x2.e4m3x2 q, hi;
+mov.b32 {h0, h1}, p;
+mov.b32 {h2, h3}, q;
+cvt.f32.f16 $0, h0;
+cvt.f32.f16 $1, h1;
+cvt.f32.f16 $2, h2;
+cvt.f32.f16 $3, h3;
+}
+"""
+)
+
+
+@triton.jit
+def _e4m3_byte_f32(w, i: tl.constexpr):
+    """Byte i of int32 words of e4m3 codes -> the codes' values in fp32, by integer arithmetic (exact; the
+    interpreter runs no PTX). Normal codes: the exponent rebiased by 127 - 7 = 120; subnormals: m * 2^-9. The NaN
+    codes (0x7F / 0xFF, absent from checkpoints) decode to +-480 here and to NaN in the PTX path."""
+    b = (w >> (8 * i)) & 0xFF
+    mag = b & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 8, (mag & 7).to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -v, v)
+
+
+@triton.jit
+def _e4m3_words_f32(w, ASM: tl.constexpr):
+    """int32 words of 4 e4m3 codes -> 4 fp32 tensors of w's shape (byte 0..3)."""
+    if ASM:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            _E4M3_WORD_F32, "=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 4, is_pure=True, pack=1
+        )
     else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        f0 = _e4m3_byte_f32(w, 0)
+        f1 = _e4m3_byte_f32(w, 1)
+        f2 = _e4m3_byte_f32(w, 2)
+        f3 = _e4m3_byte_f32(w, 3)
+    return f0, f1, f2, f3
+
+
+# One x word under a weight word -> its 4 activations in fp32, loaded in inline PTX (predicated by $5, zero when
+# off). Triton would give a tl.load of x its own coalesced register layout and convert the decoded weight tile to
+# it through shared memory every iteration; an asm op has no layout of its own, so it takes the weight's.
+_X_LOAD_2B = tl.constexpr(
+    """
+{
+.reg .pred p;
+setp.ne.b32 p, $3, 0;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+@p ld.global.v2.b32 {$0, $1}, [$2];
+}
+"""
+)
+_X_LOAD_F32 = tl.constexpr(
+    """
+{
+.reg .pred p;
+setp.ne.b32 p, $5, 0;
+mov.b32 $0, 0;
+mov.b32 $1, 0;
+mov.b32 $2, 0;
+mov.b32 $3, 0;
+@p ld.global.v4.b32 {$0, $1, $2, $3}, [$4];
+}
+"""
+)
+
+
+@triton.jit
+def _act_load(p, mask, X_KIND: tl.constexpr, ASM: tl.constexpr):
+    """The activations under a weight word (4 columns), raw, 0 where masked off: X_KIND 0 / 1 (bf16 / fp16, p an
+    int64 word of 4 values) -> (low, high 32 bits, 0, 0); 2 (fp32, p 16-byte aligned) -> the 4 values.
+
+    ASM: one predicated PTX load per word. Triton gives a tl.load its own coalesced register layout and would
+    convert the decoded weight tile to it through shared memory every iteration; an asm op has no layout of its
+    own, so it takes the weight's. Else (the interpreter) tl.load."""
+    if ASM:
+        pm = tl.broadcast_to(mask.to(tl.int32), p.shape)
+        if X_KIND == 2:
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(
+                _X_LOAD_F32, "=r,=r,=r,=r,l,r", [p, pm], dtype=(tl.float32,) * 4, is_pure=True, pack=1
+            )
+        else:
+            r0, r1 = tl.inline_asm_elementwise(
+                _X_LOAD_2B, "=r,=r,l,r", [p, pm], dtype=(tl.int32, tl.int32), is_pure=True, pack=1
+            )
+            r2 = 0
+            r3 = 0
+    elif X_KIND == 2:
+        r0 = tl.load(p, mask=mask, other=0.0)
+        r1 = tl.load(p + 1, mask=mask, other=0.0)
+        r2 = tl.load(p + 2, mask=mask, other=0.0)
+        r3 = tl.load(p + 3, mask=mask, other=0.0)
+    else:
+        v = tl.load(p, mask=mask, other=0)
+        r0 = v.to(tl.int32)
+        r1 = (v >> 32).to(tl.int32)
+        r2 = 0
+        r3 = 0
+    return r0, r1, r2, r3
+
+
+@triton.jit
+def _act_planes(r0, r1, r2, r3, X_KIND: tl.constexpr):
+    """`_act_load`'s raw words -> 4 fp32 planes: plane i holds column 4j + i of word j (bf16 -> fp32 is a shift)."""
+    if X_KIND == 2:
+        a0, a1, a2, a3 = r0, r1, r2, r3
+    elif X_KIND == 0:
+        a0 = (r0 << 16).to(tl.float32, bitcast=True)
+        a1 = (r0 & -65536).to(tl.float32, bitcast=True)
+        a2 = (r1 << 16).to(tl.float32, bitcast=True)
+        a3 = (r1 & -65536).to(tl.float32, bitcast=True)
+    else:
+        a0 = r0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        a1 = (r0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        a2 = r1.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        a3 = (r1 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return a0, a1, a2, a3
+
+
+_S_LOAD_U8 = tl.constexpr(
+    """
+{
+.reg .pred p;
+.reg .b16 c;
+setp.ne.b32 p, $2, 0;
+mov.b16 c, 0;
+@p ld.global.u8 c, [$1];
+cvt.u32.u16 $0, c;
+}
+"""
+)
+_S_LOAD_B32 = tl.constexpr(
+    """
+{
+.reg .pred p;
+setp.ne.b32 p, $2, 0;
+mov.b32 $0, 0;
+@p ld.global.b32 $0, [$1];
+}
+"""
+)
+
+
+@triton.jit
+def _weight_scales(p, mask, SCALE_E8M0: tl.constexpr, ASM: tl.constexpr):
+    """Block scales at pointers p (UE8M0 bytes or fp32) -> fp32, 0 where masked off. ASM: PTX loads, for the same
+    reason as the activations' (_X_LOAD_HEAD): the scales take the layout of the products they multiply."""
+    if ASM:
+        pm = tl.broadcast_to(mask.to(tl.int32), p.shape)
+        if SCALE_E8M0:
+            sc = tl.inline_asm_elementwise(_S_LOAD_U8, "=r,l,r", [p, pm], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            sc = tl.inline_asm_elementwise(_S_LOAD_B32, "=r,l,r", [p, pm], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        sc = tl.load(p, mask=mask, other=0)
+    if SCALE_E8M0:
+        sc = _e8m0_decode(sc)
+    return sc
+
+
+@triton.jit
+def _act_quant_planes(a0, a1, a2, a3):
+    """Activation planes [BLOCK_M, 1, G, V, 4] (one scale group = one (m, g)) -> their fake-quantized values q * s,
+    the same numbers as `_act_quant_group` on the group's B1 contiguous columns."""
+    amax = tl.maximum(tl.maximum(tl.abs(a0), tl.abs(a1)), tl.maximum(tl.abs(a2), tl.abs(a3)))
+    amax = tl.maximum(tl.max(tl.max(amax, axis=4, keep_dims=True), axis=3, keep_dims=True), 1e-4)
+    bits = (amax * (1.0 / 448.0)).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    s = (e << 23).to(tl.float32, bitcast=True)
+    a0 = _round_e4m3(tl.clamp(a0 / s, -448.0, 448.0)) * s
+    a1 = _round_e4m3(tl.clamp(a1 / s, -448.0, 448.0)) * s
+    a2 = _round_e4m3(tl.clamp(a2 / s, -448.0, 448.0)) * s
+    a3 = _round_e4m3(tl.clamp(a3 / s, -448.0, 448.0)) * s
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, kt, on, words, K, B1: tl.constexpr, SCALE_E8M0: tl.constexpr,
+                      ASM: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    """The int32 code words and the fp32 scales of the K tile starting at word kt (`on`: false past the split; kq:
+    the word index that decides the K tail, see _gemv_linear_kernel)."""
+    if EVEN_K:
+        wmask = wm & on
+        smask = wm & on
+    else:
+        wmask = wm & (kt + kq < words) & on
+        smask = wm & (kt * 4 + gs * B1 < K) & on
+    w = tl.load(w_ptrs + kt, mask=wmask, other=0)
+    return w, _weight_scales(s_ptrs + kt // (B1 // 4), smask, SCALE_E8M0, ASM)
+
+
+@triton.jit
+def _gemv_act_tile(x_rows, xm, kw, kq, kt, on, words, XW: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr,
+                   EVEN_K: tl.constexpr):  # fmt: skip
+    """`_act_load` of the activations under the K tile starting at word kt."""
+    if EVEN_K:
+        mask = xm & on
+    else:
+        mask = xm & (kt + kq < words) & on
+    return _act_load(x_rows + (kt + kw) * XW, mask, X_KIND, ASM)
+
+
+# same launch-invariant arguments as _linear_kernel: one compiled kernel per tile config and split / no split
+@triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split", "group_n", "stride_xg"])
+def _gemv_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    stride_split,
+    k_tiles_per_split,
+    group_n,
+    stride_xg,
+    B0: tl.constexpr,
+    B1: tl.constexpr,
+    SCALE_E8M0: tl.constexpr,
+    ACT_QUANT: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    VEC_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """FP8 block-scaled GEMV for few rows ("gemv" mode): no MMA and no shared memory in the loop.
+
+    w_ptr: the e4m3 weight as int32 words [N, K / 4] (stride_wn in words); x_ptr: x as int64 words of 4 values
+    (X_KIND 0 / 1, strides in words) or fp32 (X_KIND 2, strides in elements). A K tile of BLOCK_K columns is
+    [BLOCK_N, G scale groups, V vectors of 16 codes, 4 words]: each thread reads whole 16-byte vectors, decodes
+    them in registers, multiplies by the matching activations on the CUDA cores (fp32 products, exact for bf16 /
+    fp16 / e4m3 operands) and sums each vector's 16 products in registers; the group's weight scale multiplies
+    that sum (a power of two for UE8M0: exact) into acc [BLOCK_M, BLOCK_N, G, V], reduced across threads once
+    after the loop. PREFETCH 1: the next K tile's words and scales are loaded before this tile is computed
+    (loop-carried registers), so DRAM latency overlaps the decode and the FMAs; 2: its activations too (more
+    registers per row); 0: none."""
+    G: tl.constexpr = BLOCK_K // B1
+    V: tl.constexpr = B1 // 16
+    WPT: tl.constexpr = BLOCK_K // 4  # words per K tile
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    # every tensor of the loop is 5-D [BLOCK_M | 1, BLOCK_N | 1, G, V, 4] from its pointers on, so the weight's
+    # coalesced load layout is the layout of the products too (broadcasting a 4-D tensor to 5-D would convert
+    # layouts through shared memory every iteration)
+    kw = (
+        tl.arange(0, G)[None, None, :, None, None] * (B1 // 4)
+        + tl.arange(0, V)[None, None, None, :, None] * 4
+        + tl.arange(0, 4)[None, None, None, None, :]
+    )  # [1, 1, G, V, 4] word of the K tile
+    if VEC_K:  # K % 16 == 0: a 16-code vector is wholly in K or wholly past it, so the K-tail mask is constant
+        # along it and the vector stays one 16-byte load
+        kq = tl.arange(0, G)[None, None, :, None, None] * (B1 // 4) + tl.arange(0, V)[None, None, None, :, None] * 4
+    else:
+        kq = kw
+    n5 = offs_n[None, :, None, None, None]
+    w_ptrs = w_ptr + n5.to(tl.int64) * stride_wn + kw
+    gs = tl.arange(0, G)[None, None, :, None, None]
+    s_ptrs = s_ptr + (n5 // B0).to(tl.int64) * stride_sn + gs  # [1, BLOCK_N, G, 1, 1]
+    x_rows = (
+        x_ptr
+        + ((pid_n * BLOCK_N) // group_n).to(tl.int64) * stride_xg
+        + offs_m[:, None, None, None, None].to(tl.int64) * stride_xm
+    )
+    XW: tl.constexpr = 4 if X_KIND == 2 else 1  # x elements per x_ptr step in one word
+    words = K // 4
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    t0 = pid_s * k_tiles_per_split
+    n_tiles = tl.minimum(k_tiles_per_split, k_tiles - t0)
+    wm = n5 < N
+    xm = m_mask[:, None, None, None, None]
+    # every split has >= 1 tile; `on`: [1]-shaped predicates (the interpreter rejects a 0-d mask)
+    one = tl.zeros([1, 1, 1, 1, 1], dtype=tl.int32)
+    if PREFETCH >= 1:
+        w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, t0 * WPT, one == 0, words, K, B1, SCALE_E8M0,
+                                         ASM, EVEN_K)  # fmt: skip
+    if PREFETCH == 2:
+        r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, t0 * WPT, one == 0, words, XW, X_KIND, ASM, EVEN_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, G, V, 1], dtype=tl.float32)
+    for t in range(0, n_tiles):
+        kt = (t0 + t) * WPT
+        more = one + t + 1 < n_tiles
+        # PREFETCH: tile t + 1 is loaded (predicated off past the split's last tile) before tile t is computed
+        if PREFETCH >= 1:
+            w_cur, s_cur = w_nxt, s_nxt
+            w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, kt + WPT, more, words, K, B1, SCALE_E8M0,
+                                             ASM, EVEN_K)  # fmt: skip
+        else:
+            w_cur, s_cur = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, kt, one == 0, words, K, B1, SCALE_E8M0,
+                                             ASM, EVEN_K)  # fmt: skip
+        if PREFETCH == 2:
+            r0, r1, r2, r3 = r0n, r1n, r2n, r3n
+            r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, kt + WPT, more, words, XW, X_KIND, ASM, EVEN_K)
+        else:
+            r0, r1, r2, r3 = _gemv_act_tile(x_rows, xm, kw, kq, kt, one == 0, words, XW, X_KIND, ASM, EVEN_K)
+        a0, a1, a2, a3 = _act_planes(r0, r1, r2, r3, X_KIND)
+        if ACT_QUANT:
+            a0, a1, a2, a3 = _act_quant_planes(a0, a1, a2, a3)
+        f0, f1, f2, f3 = _e4m3_words_f32(w_cur, ASM)
+        p = a0 * f0 + a1 * f1 + a2 * f2 + a3 * f3  # [BLOCK_M, BLOCK_N, G, V, 4]
+        acc += tl.sum(p, axis=4, keep_dims=True) * s_cur
+    out = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
+    _write_tile(out, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
+                SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 def _dot_kind(x: Tensor, w_dtype: torch.dtype, interp: bool) -> int:
@@ -330,10 +700,12 @@ def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: 
 
 
 def _split_count(cfg: LinearConfig, grid_mn: int, k_tiles: int, device: torch.device) -> int:
-    """Split-K programs per output tile: the config's, or enough to fill the GPU about twice, keeping >= 4 K tiles
-    per program and at most 16 partials."""
+    """Split-K programs per output tile: the config's split, or its programs target over the output tiles (at most
+    MAX_SPLIT), or enough to fill the GPU about twice, keeping >= 4 K tiles per program and at most 16 partials."""
     if cfg.split:
         want = cfg.split
+    elif cfg.programs:
+        want = min(cdiv(cfg.programs, max(1, grid_mn)), MAX_SPLIT)
     else:
         want = max(1, min(target_programs(device) // max(1, grid_mn), k_tiles // 4, 16))
     per = cdiv(k_tiles, max(1, min(want, k_tiles)))
@@ -377,6 +749,9 @@ def launch(
     cfg = config if config is not None else default_config(m, n, k, b1, x.dtype, interp)
     if s is not None and cfg.block_k % b1:
         raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
+    if cfg.mode == "gemv" and (s is None or k % 4):
+        raise ValueError(f"{op}: mode 'gemv' needs an FP8 weight and K a multiple of 4 (int32 words of codes); "
+                         f"found {'a plain weight' if s is None else f'K = {k}'}; use another mode")
     if s is not None and b1 < 16:
         raise ValueError(f"{op}: scale block {b1} along K is below the 16-column dot minimum")
     if groups > 1 and (n // groups) % cfg.block_n:
@@ -396,6 +771,10 @@ def launch(
         s_arg, e8m0 = s.view(torch.uint8), True
     else:
         s_arg, e8m0 = (s if s is not None else w), False
+    if cfg.mode == "gemv":
+        _launch_gemv(x, w, s_arg, y, ws, counters, (grid_n, grid_m, split), cfg, op=op, b0=b0, b1=b1, e8m0=e8m0,
+                     act_quant=act_quant, per=per, groups=groups, interp=interp)  # fmt: skip
+        return y
     _linear_kernel[(grid_n, grid_m, split)](
         x,
         w,
@@ -431,6 +810,55 @@ def launch(
         num_stages=1 if interp else cfg.num_stages,
     )
     return y
+
+
+def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, counters: Tensor, grid: tuple[int, ...],
+                 cfg: LinearConfig, *, op: str, b0: int, b1: int, e8m0: bool, act_quant: bool, per: int, groups: int,
+                 interp: bool) -> None:  # fmt: skip
+    """`_gemv_linear_kernel` on the same operands as `_linear_kernel`: the weight as int32 words, bf16 / fp16 x as int64
+    words of 4 values (fp32 x as is), strides in those units."""
+    if w.stride(0) % 4 or w.storage_offset() % 4:
+        w = w.contiguous()
+    x_kind = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}[x.dtype]
+    # a word's 4 activations are one aligned vector load (8 bytes bf16 / fp16, 16 bytes fp32)
+    if any(st % 4 for st in x.stride()[:-1]) or x.data_ptr() % (16 if x_kind == 2 else 8):
+        x = x.contiguous()
+    xv = x if x_kind == 2 else x.view(torch.int64)
+    wv = w.view(torch.int32)
+    _gemv_linear_kernel[grid](
+        xv,
+        wv,
+        s_arg,
+        y,
+        ws,
+        counters,
+        x.shape[0],
+        w.shape[0],
+        w.shape[1],
+        xv.stride(0),
+        wv.stride(0),
+        s_arg.stride(0),
+        y.stride(0),
+        y.shape[0] * y.shape[1],
+        per,
+        w.shape[0] // groups,
+        xv.stride(1) if groups > 1 else 0,
+        B0=b0,
+        B1=b1,
+        SCALE_E8M0=e8m0,
+        ACT_QUANT=act_quant,
+        X_KIND=x_kind,
+        ASM=not interp,
+        PREFETCH=cfg.prefetch,
+        EVEN_K=w.shape[1] % cfg.block_k == 0,
+        VEC_K=w.shape[1] % 16 == 0,
+        SPLIT_K=grid[2] > 1,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=1 if interp else cfg.num_stages,
+    )
 
 
 def fp8_linear(
