@@ -678,14 +678,16 @@ def _dot_kind(x: Tensor, w_dtype: torch.dtype, interp: bool) -> int:
 def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: bool = False) -> LinearConfig:
     """The launch config for x ``[M, K]`` (dtype) times an ``[N, K]`` weight (b1: the K scale group of an FP8
     weight; 1 for a plain weight). FP8 choices are the H200 sweep's at the V4.1 shapes
-    (benchmarks/sweep_linear_fp8.py, docs/perf.md "FP8 linear at decode sizes"): "weight" decode everywhere for
-    bf16 / fp16 activations; CUDA-core "fma" for fp32 activations at M <= 8 (exact fp32 without the slow fp32 MMA
-    emulation); split-K by the occupancy policy."""
+    (benchmarks/sweep_linear_fp8.py, docs/perf.md "FP8 linear at decode sizes"): the "gemv" kernel at M = 1 (any
+    activation dtype); above that "weight" decode for bf16 / fp16 activations and CUDA-core "fma" for fp32
+    activations at M <= 8 (exact fp32 without the slow fp32 MMA emulation); split-K by the occupancy policy."""
     if interp:
         return LinearConfig(16, 16, max(32, b1), 4, 1, 1, False, "weight" if b1 > 1 else "group")
     block_k = max(128, b1)
     if b1 == 1:  # plain bf16 / fp16 weight (LM head): measured at the bytes bound with these tiles
         return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if m == 1:  # one token: CUDA-core gemv beat every MMA tile on every V4.1 shape (H200 sweep, 02:57 UTC)
+        return _gemv_config(n, k)
     if dtype == torch.float32:
         if m <= 8:
             return LinearConfig(next_pow2(m), 16, max(256 if m <= 2 else 128, b1), 4, 3, 0, False, "fma")
@@ -697,6 +699,19 @@ def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: 
             return LinearConfig(64, 128, block_k, 4, 3, 0, True, "weight")
         return LinearConfig(32, 64, block_k, 4, 3, 0, False, "weight")
     return LinearConfig(128, 64, block_k, 4, 3, 0, True, "weight")
+
+
+def _gemv_config(n: int, k: int) -> LinearConfig:
+    """M = 1 "gemv" tiles from the H200 sweep (docs/perf.md "FP8 linear: the gemv mode"): K up to 5120 in
+    1024-wide steps over 8 warps; very tall weights (N >= 16K) in 256-wide steps; the rest in 512. The occupancy
+    split policy was within 1 us of the best explicit split / programs target on every shape."""
+    if k % 1024 == 0 and k <= 5120:
+        bn, bk, warps = 16, 1024, 8
+    elif n >= 16384:
+        bn, bk, warps = (32 if k <= 2048 else 16), 256, 4
+    else:
+        bn, bk, warps = 16, 512, 4
+    return LinearConfig(block_m=1, block_n=bn, block_k=bk, num_warps=warps, num_stages=1, mode="gemv", prefetch=2)
 
 
 def _split_count(cfg: LinearConfig, grid_mn: int, k_tiles: int, device: torch.device) -> int:
