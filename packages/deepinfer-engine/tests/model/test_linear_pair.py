@@ -146,3 +146,27 @@ def test_loaded_tiny_v41_is_fused_and_equals_unfused(tiny_ckpt):
     assert torch.equal(fused, logits())
     assert fuse_model_pairs(model) == len(pairs)
     assert torch.equal(fused, logits())
+
+
+@pytest.mark.gpu
+def test_cuda_fused_pair_close_to_two_calls_and_graph_capturable():
+    # the CUDA launch config follows N1 + N2 (split-K count): equal up to the fp32 summation order over K, i.e.
+    # within one bf16 rounding step of the separate calls
+    dev = torch.device("cuda")
+    a = _fp8(1024, 256, torch.bfloat16, seed=18).to(dev)
+    b = _fp8(1024, 128, torch.bfloat16, seed=19).to(dev)
+    x = torch.randn(4, 1024, device=dev).to(torch.bfloat16)
+    ref = (a(x), b(x))
+    assert fuse_same_input(a, b)
+    ya, yb = linear_pair(x, a, b)
+    torch.testing.assert_close(ya, ref[0], atol=1e-3, rtol=2.0**-7)
+    torch.testing.assert_close(yb, ref[1], atol=1e-3, rtol=2.0**-7)
+    from deepinfer_engine.model.linear import split_counters
+
+    assert int(split_counters(a, dev).abs().sum()) == 0  # every launch leaves its split-K counters at zero
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ga, gb = linear_pair(x, a, b)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(ga, ya) and torch.equal(gb, yb)
