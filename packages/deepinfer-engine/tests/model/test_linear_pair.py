@@ -18,13 +18,13 @@ from torch import nn
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _fp8(in_f: int, out_f: int, dtype: torch.dtype, block=(32, 32), seed: int = 0) -> Linear:
+def _fp8(in_f: int, out_f: int, dtype: torch.dtype, block=(32, 32), seed: int = 0, scale: str = "f8_e8m0") -> Linear:
     g = torch.Generator().manual_seed(seed)
     q, s = quant_fp8_block(torch.randn(out_f, in_f, generator=g) / in_f**0.5, block)
     lin = Linear(in_f, out_f, dtype)
-    lin.use_checkpoint_format("f8_e4m3", "f8_e8m0", block)
+    lin.use_checkpoint_format("f8_e4m3", scale, block)
     lin.weight.data.copy_(q)
-    lin.scale.data.copy_(s)
+    lin.scale.data.copy_(s.float() if scale == "f32" else s)
     return lin
 
 
@@ -34,10 +34,11 @@ def _unfused(a: Linear) -> None:
     a.scale = nn.Parameter(a.scale.detach().clone(), requires_grad=False)
 
 
+@pytest.mark.parametrize("scale", ["f8_e8m0", "f32"])
 @pytest.mark.parametrize("act_quant", [False, True], ids=["w8", "w8a8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_fused_pair_equals_two_calls_torch(dtype, act_quant):
-    a, b = _fp8(64, 96, dtype, seed=1), _fp8(64, 40, dtype, seed=2)
+def test_fused_pair_equals_two_calls_torch(dtype, act_quant, scale):
+    a, b = _fp8(64, 96, dtype, seed=1, scale=scale), _fp8(64, 40, dtype, seed=2, scale=scale)
     for m in (a, b):
         m.kernel_backend = "torch"
         m.quantize_activations = act_quant

@@ -74,6 +74,13 @@ def joint_weight(a: Linear, b: Linear) -> tuple[Tensor, Tensor] | None:
     return None if s is None else (w, s)
 
 
+def _cat_rows(first: Tensor, second: Tensor) -> Tensor:
+    # one-byte formats (e4m3 codes, UE8M0 scales) are joined as raw bytes: cat need not support the float8 dtypes
+    if first.element_size() == 1:
+        return torch.cat([first.view(torch.uint8), second.view(torch.uint8)]).view(first.dtype)
+    return torch.cat([first, second])
+
+
 def _view_param(old: nn.Parameter, view: Tensor) -> nn.Parameter:
     p = nn.Parameter(view, requires_grad=False)
     for k, v in vars(old).items():  # e.g. a weight_loader attribute
@@ -91,8 +98,8 @@ def fuse_same_input(a: Linear, b: Linear) -> bool:
         return True
     n1 = a.out_features
     s1 = a.scale.shape[0]
-    w = torch.cat([a.weight, b.weight])
-    s = torch.cat([a.scale, b.scale])
+    w = _cat_rows(a.weight, b.weight)
+    s = _cat_rows(a.scale, b.scale)
     a.weight, b.weight = _view_param(a.weight, w[:n1]), _view_param(b.weight, w[n1:])
     a.scale, b.scale = _view_param(a.scale, s[:s1]), _view_param(b.scale, s[s1:])
     return True
