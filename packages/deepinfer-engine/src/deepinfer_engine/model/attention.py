@@ -29,6 +29,7 @@ from deepinfer_engine.model.cache import PagedPlan
 from deepinfer_engine.model.forward_batch import CompressedSelection, CompressedView, ForwardContext
 from deepinfer_engine.model.kv_numerics import KVNumerics
 from deepinfer_engine.model.linear import Linear
+from deepinfer_engine.model.linear_pair import linear_pair
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
 
@@ -246,17 +247,33 @@ class Attention(nn.Module):
         """This layer's rope with the model's kernel backend, sharing cos/sin tables through ctx.rope_cache."""
         return partial(self.rope, tables=None if ctx is None else ctx.rope_cache, backend=self.kernel_backend)
 
+    def same_input_linears(self) -> tuple[tuple[Linear, Linear], ...]:
+        """The Linears that read the same input: wq_a and wkv (one GEMM once fused, linear_pair.py)."""
+        return ((self.wq_a, self.wkv),)
+
     def project_q(
         self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None
     ) -> tuple[Tensor, Tensor]:
         """q [T, H, Dh] (rotated) and the normed latent qr [T, Rq] (also the indexer's input)."""
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        return self._q_from_latent(self.wq_a(x), positions, rope)
+
+    def _q_from_latent(
+        self, xq: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """project_q after wq_a: xq = wq_a(x) [T, Rq] (rows may be strided)."""
+        qr = self.q_norm(xq)
+        q = self.wq_b(qr).view(xq.shape[0], self.n_heads, self.head_dim)
         return (rope or self.rope_fn())(q, positions, norm=(None, self.eps) if self.q_head_norm else None), qr
 
     def project_kv(self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None) -> Tensor:
         """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
-        kv = (rope or self.rope_fn())(self.wkv(x), positions, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        return self._kv_from_projection(self.wkv(x), positions, rope)
+
+    def _kv_from_projection(
+        self, xkv: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None
+    ) -> Tensor:
+        """project_kv after wkv: xkv = wkv(x) [T, Dh] (rows may be strided)."""
+        kv = (rope or self.rope_fn())(xkv, positions, norm=(self.kv_norm.weight, self.kv_norm.eps))
         return self.numerics.window_kv(kv)
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
@@ -334,8 +351,9 @@ class Attention(nn.Module):
         pos = ctx.batch.positions
         t = x.shape[0]
         rope = self.rope_fn(ctx)
-        q, qr = self.project_q(x, pos, rope)
-        kv = self.project_kv(x, pos, rope)
+        xq, xkv = linear_pair(x, self.wq_a, self.wkv)  # one GEMM launch when the pair is fused
+        q, qr = self._q_from_latent(xq, pos, rope)
+        kv = self._kv_from_projection(xkv, pos, rope)
         pool, idx = self._window(kv, ctx)
         sel = self._compressed(x, qr, ctx, rope)
         kv2 = idx2 = None

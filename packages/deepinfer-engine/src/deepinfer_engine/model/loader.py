@@ -6,6 +6,7 @@ parameter) by the one name table in `weight_names.py`; missing / unexpected tens
 FP4 e2m1 experts packed two per byte + scales, FP8 Engram tables): parameters of those formats receive the raw
 stored tensors, the others the decoded tensor in their own dtype (bf16 / fp32 as stored, cast to the model
 dtype where the model computes in it). `quantized=False` decodes everything at load instead (dense model).
+Once filled, the FP8 Linears that read the same input share one weight buffer (`linear_pair.fuse_model_pairs`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from deepinfer_engine.errors import CheckpointError
 from deepinfer_engine.model.inventory import optional_tensor_names
 from deepinfer_engine.model.linear import QUANTIZED_DTYPES, default_weight_loader
+from deepinfer_engine.model.linear_pair import fuse_model_pairs
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.weight_names import (
     MODULE_TO_CHECKPOINT,
@@ -136,6 +138,7 @@ def load_weights(model: Transformer, weights: object, *, device: torch.device | 
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"{len(missing)} model tensors were not given: {missing[:6]}")
+    fuse_model_pairs(model)  # same-input FP8 Linears into one buffer each (linear_pair.py)
 
 
 @torch.no_grad()
@@ -169,6 +172,7 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
             )
         for pname, slot in places:
             _load_one(named[pname], t, slot, ck)
+    fuse_model_pairs(model)  # same-input FP8 Linears into one buffer each (linear_pair.py)
 
 
 def load_model(

@@ -21,6 +21,7 @@ from deepinfer_engine.model.linear import (
     stacked_weight_loader,
     stored_torch_dtype,
 )
+from deepinfer_engine.model.linear_pair import linear_pair
 
 __all__ = ["Expert", "ExpertWeight", "Experts", "Gate", "MoE"]
 
@@ -87,9 +88,14 @@ class Expert(nn.Module):
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
 
+    def same_input_linears(self) -> tuple[tuple[Linear, Linear], ...]:
+        """The Linears that read the same input: w1 and w3 (one GEMM once fused, linear_pair.py)."""
+        return ((self.w1, self.w3),)
+
     def forward(self, x: Tensor) -> Tensor:
         # the arithmetic of deepinfer_kernels.moe.swiglu_expert: gate / up in fp32, h in x's dtype
-        h = swiglu(self.w1(x), self.w3(x), self.limit, x.dtype, backend=self.kernel_backend)
+        g, u = linear_pair(x, self.w1, self.w3)  # one GEMM launch when the pair is fused
+        h = swiglu(g, u, self.limit, x.dtype, backend=self.kernel_backend)
         return self.w2(h)
 
 
