@@ -412,10 +412,13 @@ def test_fp8_linear_gpu_gemv_v41_shapes(m):
         cfgs = [lt.LinearConfig(bm, 16, 512, 4, 1, 0, False, "gemv", programs=264, prefetch=2),
                 lt.LinearConfig(bm, 32, 128, 4, 1, forced, False, "gemv", prefetch=1),
                 lt.LinearConfig(bm, 16, 256, 8, 1, 1, False, "gemv", prefetch=0)]  # fmt: skip
+        xb = x.bfloat16()
         for cfg in cfgs:
             for aq in (False, True):
-                want = reference.fp8_linear(x, q, s, block, act_quant=aq)
-                got = lt.fp8_linear(x.bfloat16(), q, s, block, act_quant=aq, config=cfg, counters=cnt)
+                # the reference quantizes the same bf16 values: quantizing fp32 x instead moves ~2% of max |y|
+                # (bf16 rounding pushes values across e4m3 rounding midpoints), whatever the kernel
+                want = reference.fp8_linear(xb.float(), q, s, block, act_quant=aq)
+                got = lt.fp8_linear(xb, q, s, block, act_quant=aq, config=cfg, counters=cnt)
                 assert got.dtype == torch.bfloat16 and _rel(got, want) <= 1e-2, (n, k, cfg, aq)
                 for _ in range(4):
                     again = lt.fp8_linear(x.bfloat16(), q, s, block, act_quant=aq, config=cfg, counters=cnt)
