@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,36 +99,30 @@ def reprofile(llm):
 _GRAPHED = {("model.py", "forward"), ("model.py", "forward_features"), ("dspark.py", "draft_block")}
 
 
-class _OpCounter:
-    """A torch dispatch mode counting the ops launched outside the graphed forwards, per source file of the
-    project (the innermost deepinfer frame). A test harness of this benchmark, not engine code."""
+class _OpCounter(TorchDispatchMode):
+    """Counts the torch ops (views included) launched outside the graphed forwards, per source file of the project
+    (the innermost deepinfer frame); `inside` counts those of the graphed forwards."""
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside: dict[str, int] = {}
+        self.inside = 0
 
-        class Mode(TorchDispatchMode):
-            def __init__(self) -> None:
-                super().__init__()
-                self.outside: dict[str, int] = {}
-                self.inside = 0
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                frame, where = sys._getframe(1), None
-                while frame is not None:
-                    path = frame.f_code.co_filename
-                    name = os.path.basename(path)
-                    if "deepinfer" in path and "site-packages/torch" not in path:
-                        if (name, frame.f_code.co_name) in _GRAPHED and "deepinfer_engine/model" in path:
-                            self.inside += 1
-                            break
-                        where = where or name
-                    frame = frame.f_back
-                else:
-                    key = where or "?"
-                    self.outside[key] = self.outside.get(key, 0) + 1
-                return func(*args, **(kwargs or {}))
-
-        return Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame, where = sys._getframe(1), None
+        while frame is not None:
+            path = frame.f_code.co_filename
+            name = os.path.basename(path)
+            if "deepinfer" in path and "site-packages/torch" not in path:
+                if (name, frame.f_code.co_name) in _GRAPHED and "deepinfer_engine/model" in path:
+                    self.inside += 1
+                    break
+                where = where or name
+            frame = frame.f_back
+        else:
+            key = where or "?"
+            self.outside[key] = self.outside.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 def sync_report(llm, prompts, sp) -> dict:
