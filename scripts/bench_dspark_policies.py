@@ -10,8 +10,9 @@ same prompts run once per policy).
 The cost policy's latency curve is the engine's own: the target forward timed at start-up on this device and
 corrected online. Prints a table (mean and min..max over prompt sets) and, with --json, the per-run rows, the
 profiled curve (raw medians, non-decreasing fit, noise, flat), the per-round host timing of the speculative
-steps (draft pass / verify step / bookkeeping) and the CUDA-graph counts of both engines. `--sync-report` (CUDA)
-adds one short speculative run under torch's sync debug mode and counts the synchronising calls per source line.
+steps (draft pass / verify step / bookkeeping / the rest of the step) and the CUDA-graph counts of both engines.
+`--sync-report N` adds, per policy, short speculative runs of N prompts: the synchronising calls per round and per
+source line (torch's sync debug mode, CUDA) and the torch ops launched outside the graphed forwards per round.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,27 +94,74 @@ def reprofile(llm):
     return lat
 
 
+# the forwards a CUDA graph replays (model/model.py, model/dspark.py): their ops are launched by the replay, not
+# one by one, so the host report counts the torch ops launched outside them
+_GRAPHED = {("model.py", "forward"), ("model.py", "forward_features"), ("dspark.py", "draft_block")}
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the torch ops (views included) launched outside the graphed forwards, per source file of the project
+    (the innermost deepinfer frame); `inside` counts those of the graphed forwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outside: dict[str, int] = {}
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        frame, where = sys._getframe(1), None
+        while frame is not None:
+            path = frame.f_code.co_filename
+            name = os.path.basename(path)
+            if "deepinfer" in path and "site-packages/torch" not in path:
+                if (name, frame.f_code.co_name) in _GRAPHED and "deepinfer_engine/model" in path:
+                    self.inside += 1
+                    break
+                where = where or name
+            frame = frame.f_back
+        else:
+            key = where or "?"
+            self.outside[key] = self.outside.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
 def sync_report(llm, prompts, sp) -> dict:
-    """Synchronising CUDA calls of one generation, per source line (torch's sync debug mode warns on each)."""
+    """Per speculative round of one generation: the synchronising CUDA calls per source line (torch's sync debug
+    mode warns on each; CUDA only) and the torch ops launched outside the graphed forwards, per file (a second run
+    under a dispatch mode; on the CPU nothing is graphed, so `graphed_ops` are the forwards' eager ops)."""
     import collections
     import warnings
 
     spec = llm.engine.runner.spec
-    spec.reset_stats()
+    cuda = llm.engine.runner.device.type == "cuda"
     counts: collections.Counter = collections.Counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            llm.generate(prompts, sp, use_tqdm=False)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            counts[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    out: dict[str, Any] = {}
+    if cuda:
+        spec.reset_stats()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                llm.generate(prompts, sp, use_tqdm=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        for w in caught:
+            if "synchroniz" in str(w.message):
+                counts[f"{Path(w.filename).name}:{w.lineno}"] += 1
+        steps = max(spec.stats.steps, 1)
+        out = {"spec_rounds": spec.stats.steps, "total": sum(counts.values()),
+               "syncs_per_round": round(sum(counts.values()) / steps, 2),
+               "per_round": {k: round(v / steps, 2) for k, v in counts.most_common()}}
+    spec.reset_stats()
+    mode = _OpCounter()
+    with mode:
+        llm.generate(prompts, sp, use_tqdm=False)
     steps = max(spec.stats.steps, 1)
-    return {"spec_rounds": spec.stats.steps, "total": sum(counts.values()),
-            "per_round": {k: round(v / steps, 2) for k, v in counts.most_common()}}
+    out.update({"op_rounds": spec.stats.steps, "eager_ops_per_round": round(sum(mode.outside.values()) / steps, 1),
+                "eager_ops_by_file": {k: round(v / steps, 1) for k, v in
+                                      sorted(mode.outside.items(), key=lambda kv: -kv[1])},
+                "graphed_ops_per_round": round(mode.inside / steps, 1)})
+    return out
 
 
 def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
@@ -127,7 +176,12 @@ def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     n = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    st = None if spec is None else {**spec.stats.as_dict(), "timing": spec.timing.as_dict(), "wall_s": dt}
+    st = None
+    if spec is not None:
+        timing = spec.timing.as_dict()
+        if spec.timing.rounds:  # the run's wall time per round: the three parts, the scheduler and the prefill steps
+            timing["wall_per_round_ms"] = 1e3 * dt / spec.timing.rounds
+        st = {**spec.stats.as_dict(), "timing": timing, "wall_s": dt}
     return n / dt, st, [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -179,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reprofile", action="store_true",
                     help="after the runs, time the start-up latency profile again on the warm engine")
     ap.add_argument("--sync-report", type=int, default=0, metavar="PROMPTS",
-                    help="CUDA: count the synchronising calls of a speculative run of this many prompts (0 = off)")
+                    help="per policy, a speculative run of this many prompts: synchronising calls per round (CUDA) "
+                         "and torch ops launched outside the graphed forwards per round (0 = off)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -253,13 +308,14 @@ def main(argv: list[str] | None = None) -> int:
         reprofiled = latency_info(reprofile(spec_llm))
         print("re-profiled T(Q) after the runs: " + json.dumps(reprofiled), flush=True)
     syncs = None
-    if args.sync_report and spec_llm.engine.runner.device.type == "cuda":
+    if args.sync_report:
         syncs = {}
         for temp in args.temperature:
-            dec.set_policy(VerifyPolicy(kind="verify_all"))
             sp = SamplingParams(max_tokens=16, temperature=temp, ignore_eos=True, seed=1)
-            syncs[str(temp)] = sync_report(spec_llm, sets[0][: args.sync_report], sp)
-            print(f"syncs T={temp}: " + json.dumps(syncs[str(temp)]), flush=True)
+            for name, pol, curve in policies:
+                apply_policy(dec, pol, curve, profiled)
+                syncs[f"{temp}/{name}"] = sync_report(spec_llm, sets[0][: args.sync_report], sp)
+                print(f"host report T={temp} {name}: " + json.dumps(syncs[f"{temp}/{name}"]), flush=True)
     import platform
 
     versions = {"torch": torch.__version__, "python": platform.python_version(),
@@ -297,8 +353,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             vals = [r[f] for r in rs if f in r]
             if vals:
                 entry[f] = (statistics.fmean(vals), min(vals), max(vals))
-        for f in ("draft_ms", "verify_ms", "finish_ms"):
-            vals = [r["timing"][f] for r in rs if "timing" in r]
+        for f in ("draft_ms", "verify_ms", "finish_ms", "wall_per_round_ms"):
+            vals = [r["timing"][f] for r in rs if f in r.get("timing", {})]
             if vals:
                 entry[f] = (statistics.fmean(vals), min(vals), max(vals))
         if pol != "plain" and base:

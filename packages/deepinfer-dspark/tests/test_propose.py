@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from deepinfer_dspark import DraftBlock, DraftHeads, DSparkInputError, counter_uniforms, sample_block
+from deepinfer_dspark import (
+    DraftBlock,
+    DraftHeads,
+    DSparkInputError,
+    block_confidence,
+    confidence,
+    counter_uniforms,
+    sample_block,
+)
 from deepinfer_dspark.rng import DRAW_DRAFT
 
 # chi-square critical values at significance 1e-3 by degrees of freedom (standard table).
@@ -99,6 +107,26 @@ def test_greedy_rows_read_the_greedy_head_and_sts():
     greedy = sample_block(block, both, anchors, pos)
     x0 = torch.cat([block.hidden[:, 0], heads.markov_embed[anchors]], -1)
     assert torch.allclose(greedy.confidence[:, 0], torch.sigmoid(x0 @ wg[0] / 0.5), atol=1e-6)
+
+def test_block_confidence_equals_the_per_position_formula():
+    """`block_confidence` (every position in one pass, what `sample_block` uses) == `confidence` per position, for
+    per-position STS sets, a greedy head, mixed / all-greedy / all-sampled rows (tolerance: fp32 dot products)."""
+    block, heads = _random_case(5, width=4, seed=3)
+    g = torch.Generator().manual_seed(4)
+    wg = torch.randn(1, heads.confidence.shape[1], generator=g)
+    both = DraftHeads(markov_embed=heads.markov_embed, markov_head=heads.markov_head, confidence=heads.confidence,
+                      sts=(1.0, 2.0, 0.5), greedy_confidence=wg, greedy_sts=(0.7, 1.5))
+    e = torch.randn(5, 4, heads.markov_embed.shape[1], generator=g)
+    for h in (heads, both):
+        for greedy in (None, torch.tensor([True, False, True, False, False]), True):
+            rows = torch.ones(5, dtype=torch.bool) if greedy is True else greedy
+            got = block_confidence(h, block.hidden, e, greedy=greedy)
+            want = torch.stack([confidence(h, block.hidden[:, i], e[:, i], i, greedy=rows) for i in range(4)], 1)
+            assert got.shape == (5, 4)
+            assert torch.allclose(got, want, atol=1e-6)
+    no_head = DraftHeads(markov_embed=heads.markov_embed, markov_head=heads.markov_head)
+    assert block_confidence(no_head, block.hidden, e) is None
+
 
 def test_temperature_sampling_follows_the_corrected_distribution():
     n = 20000

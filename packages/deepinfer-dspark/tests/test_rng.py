@@ -47,6 +47,11 @@ def test_verify_uniform_layout():
     assert u.shape == (2, 4)
     assert torch.equal(u[:, :3], counter_uniforms(seeds, torch.stack([p + 1, p + 2, p + 3], 1), DRAW_ACCEPT))
     assert torch.equal(u[:, 3], counter_uniforms(seeds, p, DRAW_FINAL))
+    # one pass over both namespaces == one call per namespace, for negative / wide seeds and positions >= 2^32
+    seeds, p = torch.tensor([-5, 2**40 + 3, 0]), torch.tensor([1 << 33, 0, (1 << 32) - 2])
+    u = verify_counter_uniforms(seeds, p, 2)
+    assert torch.equal(u[:, :2], counter_uniforms(seeds, torch.stack([p + 1, p + 2], 1), DRAW_ACCEPT))
+    assert torch.equal(u[:, 2], counter_uniforms(seeds, p, DRAW_FINAL))
 
 
 def test_errors():

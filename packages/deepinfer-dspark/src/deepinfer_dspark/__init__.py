@@ -5,7 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 from deepinfer_dspark.calibrate import fit_sts
 from deepinfer_dspark.config import DSparkConfig
 from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
-from deepinfer_dspark.propose import confidence, markov_bias, propose, sample_block
+from deepinfer_dspark.propose import block_confidence, confidence, markov_bias, propose, sample_block
 from deepinfer_dspark.protocol import DraftBlock, DraftHeads, DraftModel, DraftProposal
 from deepinfer_dspark.rng import (
     DRAW_ACCEPT,
@@ -58,6 +58,7 @@ __all__ = [
     "VerifyPolicy",
     "__version__",
     "allocate",
+    "block_confidence",
     "confidence",
     "cost_budget",
     "counter_uniforms",

@@ -24,7 +24,7 @@ from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.protocol import DraftBlock, DraftHeads, DraftModel, DraftProposal
 from deepinfer_dspark.rng import DRAW_DRAFT, counter_uniforms
 
-__all__ = ["confidence", "markov_bias", "propose", "sample_block"]
+__all__ = ["block_confidence", "confidence", "markov_bias", "propose", "sample_block"]
 
 
 def markov_bias(heads: DraftHeads, prev: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,6 +48,34 @@ def confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, position: int, gree
     w = heads.confidence if heads.greedy_confidence is None else heads.greedy_confidence
     cg = torch.sigmoid((x @ w.float().reshape(-1)) / heads.sts_temperature(position, greedy=True))
     return torch.where(greedy.to(c.device), cg, c)
+
+
+def block_confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, greedy: Tensor | bool | None = None
+                     ) -> Tensor | None:  # fmt: skip
+    """`[B, N] float32` `confidence` of every block position at once; None without a confidence head.
+
+    hidden `[B, N, d]` pre-norm head inputs, e `[B, N, r]` the markov embed of the token before each drafted one,
+    greedy as in `confidence` (`[B] bool`), or True when every row is greedy. Position i is divided by its own
+    STS temperature."""
+    if heads.confidence is None:
+        return None
+    width = hidden.shape[1]
+    x = torch.cat([hidden.float(), e.float()], dim=-1)
+
+    def scored(w: Tensor, greedy_set: bool) -> Tensor:
+        temps = [heads.sts_temperature(i, greedy=greedy_set) for i in range(width)]
+        z = x @ w.float().reshape(-1)
+        if len(set(temps)) == 1:  # one temperature: a scalar, no host-built tensor to copy over
+            return torch.sigmoid(z / temps[0])
+        return torch.sigmoid(z / torch.tensor(temps, dtype=torch.float32).to(z.device, non_blocking=True))
+
+    if greedy is None or greedy is False or not heads.has_greedy_head:
+        return scored(heads.confidence, False)
+    w = heads.confidence if heads.greedy_confidence is None else heads.greedy_confidence
+    if greedy is True:
+        return scored(w, True)
+    c = scored(heads.confidence, False)
+    return torch.where(greedy.to(c.device)[:, None], scored(w, True), c)
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -95,38 +123,49 @@ def sample_block(
     all_sampled = any_sampled and bool((given > 0).all())
     if any_sampled and seeds is None:
         raise DSparkInputError("seeds: required when a request samples (temperature > 0), found None")
-    temp = given.to(device, non_blocking=True)
-    sampled = temp > 0
     pos = anchor_positions.to(device, torch.int64)
     prev = anchor_ids.to(device, torch.int64)
-    ids, probs, logits_out, conf = [], [], [], []
-    safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
-    # greedy requests read the greedy head / STS set (when the heads have one)
-    greedy_rows = ~sampled if heads.has_greedy_head and not all_sampled else None
+    # the loop is sequential (each draft conditions the next bias) and runs eagerly, one launch per op: everything
+    # that does not depend on the previous draft is done once per block instead of once per position
+    w2t = heads.markov_head.float().T
+    if any_sampled:
+        temp = given.to(device, non_blocking=True)
+        sampled = temp > 0
+        safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
+        offsets = torch.arange(1, width + 1, device=device)
+        u = counter_uniforms(seeds.to(device), pos[:, None] + offsets[None, :], DRAW_DRAFT)  # [B, N]
+    ids, embeds, probs, greedy_ids, logits_out = [], [], [], [], []
     for i in range(width):
-        e, bias = markov_bias(heads, prev)
-        logits = base[:, i].float() + bias
+        e = heads.markov_embed[prev]
+        logits = base[:, i].float() + e.float() @ w2t  # = markov_bias(heads, prev)
         greedy_tok = logits.argmax(-1)
         if any_sampled:
             p = torch.softmax(logits / safe_t, dim=-1)
-            u = counter_uniforms(seeds.to(device), pos + 1 + i, DRAW_DRAFT)
-            tok = torch.where(sampled, _inverse_cdf(p, u), greedy_tok)
-            one_hot = torch.nn.functional.one_hot(greedy_tok, vocab).to(p.dtype)
-            probs.append(torch.where(sampled[:, None], p, one_hot))
+            tok = torch.where(sampled, _inverse_cdf(p, u[:, i]), greedy_tok)
+            probs.append(p)
+            greedy_ids.append(greedy_tok)
         else:
             tok = greedy_tok
-        c = confidence(heads, hidden[:, i], e, i, greedy=greedy_rows)
-        if c is not None:
-            conf.append(c)
         if keep_logits:
             logits_out.append(logits)
+        embeds.append(e)
         ids.append(tok)
         prev = tok
+    draft_probs = None
+    if any_sampled:
+        draft_probs = torch.stack(probs, 1)
+        if not all_sampled:  # greedy rows of a mixed batch: one-hot at their argmax
+            greedy = ~sampled[:, None, None]
+            draft_probs.masked_fill_(greedy, 0.0)
+            draft_probs.scatter_add_(2, torch.stack(greedy_ids, 1)[..., None],
+                                     greedy.expand(batch, width, 1).to(draft_probs.dtype))
+    # greedy requests read the greedy head / STS set (when the heads have one)
+    greedy_rows = None if all_sampled else (~sampled if any_sampled else True)
     return DraftProposal(
         draft_ids=torch.stack(ids, 1),
-        draft_probs=torch.stack(probs, 1) if any_sampled else None,
+        draft_probs=draft_probs,
         draft_logits=torch.stack(logits_out, 1) if keep_logits else None,
-        confidence=torch.stack(conf, 1) if conf else None,
+        confidence=block_confidence(heads, hidden, torch.stack(embeds, 1), greedy=greedy_rows),
     )
 
 

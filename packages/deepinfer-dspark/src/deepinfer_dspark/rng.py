@@ -55,13 +55,19 @@ def counter_uniforms(seeds: Tensor, positions: Tensor, draw: int) -> Tensor:
         )
     if not 0 <= int(draw) < 2**31:
         raise DSparkInputError(f"draw: expected an int in [0, 2^31), found {draw!r}")
+    return _uniforms(seeds, positions, int(draw) * _GOLDEN & _M32)
+
+
+def _uniforms(seeds: Tensor, positions: Tensor, draw_word: int | Tensor) -> Tensor:
+    """`counter_uniforms` with the draw's key word given: an int, or a tensor broadcast against positions (several
+    namespaces in one pass, e.g. one per column; the same values as one call per namespace)."""
     s = seeds.to(positions.device)
     if positions.dim() == 2:
         s = s[:, None]
     h = _mix32(s + _GOLDEN)
     h = _mix32(h ^ ((s >> 32) & _M32))
     h = _mix32(h ^ (positions & _M32))
-    h = _mix32(h ^ ((positions >> 32) & _M32) ^ (int(draw) * _GOLDEN & _M32))
+    h = _mix32(h ^ ((positions >> 32) & _M32) ^ draw_word)
     h = _mix32(h + _GOLDEN)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
@@ -71,7 +77,14 @@ def verify_counter_uniforms(seeds: Tensor, anchor_positions: Tensor, width: int)
     column j < width tests draft d_{j+1} (key p + 1 + j, DRAW_ACCEPT); column width samples the correction or
     bonus token (key p, DRAW_FINAL)."""
     p = anchor_positions.to(torch.int64)
-    cols = p[:, None] + 1 + torch.arange(width, dtype=torch.int64, device=p.device)[None, :]
-    accept = counter_uniforms(seeds, cols, DRAW_ACCEPT)
-    final = counter_uniforms(seeds, p, DRAW_FINAL)
-    return torch.cat([accept, final[:, None]], dim=1)
+    # one pass over [B, width + 1] keys: columns j < width at p + 1 + j (DRAW_ACCEPT), the last at p (DRAW_FINAL);
+    # the hash runs eagerly, ~70 launches per pass, so the two namespaces share it
+    offsets = torch.arange(1, width + 2, dtype=torch.int64)
+    offsets[width] = 0
+    words = torch.full((width + 1,), DRAW_ACCEPT * _GOLDEN & _M32, dtype=torch.int64)
+    words[width] = DRAW_FINAL * _GOLDEN & _M32
+    device_cols = torch.stack([offsets, words]).to(p.device, non_blocking=True)
+    if seeds.dtype != torch.int64 or seeds.dim() != 1 or p.dim() != 1 or p.shape[0] != seeds.shape[0]:
+        raise DSparkInputError(f"seeds / anchor_positions: expected [B] int64 each, found {tuple(seeds.shape)} "
+                               f"{seeds.dtype} / {tuple(p.shape)}")
+    return _uniforms(seeds, p[:, None] + device_cols[0][None, :], device_cols[1][None, :])

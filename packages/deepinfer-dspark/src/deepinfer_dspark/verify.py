@@ -316,15 +316,20 @@ def verify(
         raise DSparkInputError(f"argmax: expected [{target_probs.shape[0]}] (one per target row), found "
                                f"{tuple(argmax.shape)}")
 
-    def greedy_result(rows: Tensor) -> AcceptResult:
-        idx = index[rows]
+    def greedy_result(rows: Tensor | None) -> AcceptResult:  # rows None: every request (no row gathers)
+        idx = index if rows is None else index[rows]
         best = argmax[idx] if argmax is not None else target_probs[idx].argmax(-1)
-        return _greedy_best(best, draft_ids[rows], m[rows])
+        return _greedy_best(best, draft_ids if rows is None else draft_ids[rows], m if rows is None else m[rows])
 
     if sampled_host.numel() == 0:
-        return greedy_result(torch.arange(batch, device=device))
+        return greedy_result(None)
     if proposal.draft_probs is None:
         raise DSparkInputError("proposal.draft_probs: required when a request samples (greedy is False), found None")
+    if uniforms is not None and uniforms.shape != (batch, width + 1):
+        raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
+    if greedy_host.numel() == 0 and uniforms is not None:  # every request samples: no row gathers / scatters
+        return _rejection_padded(target_probs[index], draft_ids, proposal.draft_probs, m, uniforms.to(device),
+                                 draft_prob_penalty, check_ids)
     sampled = sampled_host.to(device, non_blocking=True)
     output = torch.full((batch, width + 1), -1, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -334,8 +339,6 @@ def verify(
         g = greedy_result(greedy_rows)
         output[greedy_rows], num_accepted[greedy_rows] = g.output_ids, g.num_accepted
     if uniforms is not None:
-        if uniforms.shape != (batch, width + 1):
-            raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
         u = uniforms.to(device)[sampled]
     else:
         chosen = None if generators is None else [generators[i] for i in sampled_host.tolist()]
