@@ -40,11 +40,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "two-launch": {"fused": False},
     "fused": {},
     "fused/no-counters": {"counters": False},
-    "fused/tok1": {"block_t": 1},
-    "fused/tok4": {"block_t": 4},
-    "fused/tok16": {"block_t": 16},
-    "fused/dot16-k32": {"dot": True},
-    "fused/dot16-k128": {"dot": True, "block_k": 128},
+    "products/tok1": {"mode": "products", "block_t": 1},
+    "products/tok8": {"mode": "products", "block_t": 8},
+    "dot/k32": {"mode": "dot"},
+    "bf16x3/tok16": {"mode": "bf16x3", "block_t": 16},
+    "bf16x3/tok64": {"mode": "bf16x3", "block_t": 64},
 }
 
 
@@ -134,9 +134,9 @@ def _time(hc: Any, sets: list[tuple[torch.Tensor, ...]], knobs: dict[str, Any], 
 def _plan(hc: Any, t: int, knobs: dict[str, Any], dev: torch.device) -> str:
     if knobs.get("fused", True) is False:
         return "rows+finish" if t <= hc.ROWS_MAX_T else "dot16-k128+finish"
-    dot, tok, bk, splits, _ = hc._fused_plan(t, M, N * D, dev, knobs.get("dot"), knobs.get("num_splits"),
-                                              knobs.get("block_t"), knobs.get("block_k"))  # fmt: skip
-    return f"{'dot' if dot else 'tok'}{tok} k{bk} s{splits}"
+    mode, tok, bk, splits, _ = hc._fused_plan(t, M, N * D, torch.bfloat16, dev, knobs.get("mode"),
+                                               knobs.get("num_splits"), knobs.get("block_t"), knobs.get("block_k"))
+    return f"{mode} t{tok} k{bk} s{splits}"
 
 
 def _fmt(v: float | None, spec: str) -> str:

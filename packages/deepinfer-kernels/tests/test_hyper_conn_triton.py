@@ -92,12 +92,14 @@ def test_dispatcher_routes_to_interpreter(interp):
 
 
 _FUSED_KNOBS = {
-    "default": {},  # CUDA-core products: one token per program up to ROWS_MAX_T, then groups of 8
-    "dot": {"dot": True},  # 16-token exact-fp32 tl.dot tiles
-    "tok4": {"block_t": 4},
+    "default": {},  # CUDA-core products, one token per program up to ROWS_MAX_T; then bf16x3 dots (bf16 streams)
+    "products": {"mode": "products"},  # groups of 8 tokens past ROWS_MAX_T
+    "dot": {"mode": "dot"},  # 16-token exact-fp32 tl.dot tiles
+    "bf16x3": {"mode": "bf16x3"},  # tensor-core dots, fn in three bf16 terms
+    "tok4": {"mode": "products", "block_t": 4},
     # more splits than one finish step reads (SC = 4096 / (16 tokens * 32) = 8): the finish loops over split chunks
-    "dot-many-splits": {"dot": True, "block_k": 16, "num_splits": 18},
-    "unsplit": {"block_t": 16, "num_splits": 1},
+    "dot-many-splits": {"mode": "dot", "block_k": 16, "num_splits": 18},
+    "unsplit": {"mode": "products", "block_t": 16, "num_splits": 1},
     "two-launch": {"fused": False},
 }
 
@@ -140,6 +142,17 @@ def test_dispatcher_passes_counters_and_rejects_bad_ones(interp):
     _check(hc_mix(r, fn, base, scale, backend="torch", counters=counters, **kw), ref)
     with pytest.raises(ValueError, match="hc_mix: counters"):
         hc_mix(r, fn, base, scale, backend="triton", counters=torch.zeros(8, dtype=torch.int64), **kw)
+    with pytest.raises(ValueError, match="needs bf16 streams"):
+        interp.hc_mix(r.float(), fn, base, scale, mode="bf16x3", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_interpreter_fused_other_stream_dtypes(interp, dtype):
+    """Past ROWS_MAX_T, streams that are not bf16 take the products plan (bf16x3 would round them)."""
+    r, fn, base, scale = _case(20, 4, 72, dtype, seed=6)
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
+    assert interp._fused_plan(20, 24, 288, dtype, r.device, None, None, None, None)[0] == "products"
+    _check(interp.hc_mix(r, fn, base, scale, **kw), reference.hc_mix(r, fn, base, scale, **kw))
 
 
 _STREAM_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 2.0**-7)}
@@ -239,7 +252,11 @@ def test_gpu_matches_reference_v41_shape(t, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{}, {"dot": True}, {"fused": False}], ids=["fused", "fused-dot", "two-launch"])
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"mode": "products"}, {"mode": "dot"}, {"mode": "bf16x3"}, {"fused": False}],
+    ids=["fused", "fused-products", "fused-dot", "fused-bf16x3", "two-launch"],
+)
 @pytest.mark.parametrize("t", [1, 8, 64, 256])
 def test_gpu_fused_v41_shape_graph_replay(t, knobs):
     """V4.1 widths: within tolerance of the reference; with caller counters, captured in a CUDA graph and replayed

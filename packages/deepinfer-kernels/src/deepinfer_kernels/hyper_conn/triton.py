@@ -238,13 +238,16 @@ def _finish_group(
 def _hc_mix_fused_kernel(
     r_ptr, fn_ptr, part_ptr, sq_ptr, cnt_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, KDIM,
     chunks_per_split, num_splits, stride_rt, stride_fn, inv_k, rms_eps, hc_eps, M: tl.constexpr, N: tl.constexpr,
-    ITERS: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr, TOK: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr, SC: tl.constexpr,
+    ITERS: tl.constexpr, MODE: tl.constexpr, SPLIT: tl.constexpr, TOK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, SC: tl.constexpr, DOT_F32: tl.constexpr,
 ):  # fmt: skip
     """hc_mix in one launch, grid (token groups of TOK, K splits). Each program computes its slice's partial
-    logits and sums of squares for TOK tokens (DOT: one exact-fp32 tl.dot, TOK >= 16; else fp32 products on the
-    CUDA cores, no padding of a small group to 16 rows) and stores them to the workspace; with SPLIT the program
-    that arrives last at its group's counter (acq_rel) finishes the group and resets the counter to 0."""
+    logits and sums of squares for TOK tokens and stores them to the workspace; with SPLIT the program that
+    arrives last at its group's counter (acq_rel) finishes the group and resets the counter to 0.
+    MODE 0: fp32 products on the CUDA cores (no padding of a small group to 16 rows). MODE 1: one exact-fp32 tl.dot
+    ("ieee": FMAs with operands through shared memory), TOK >= 16. MODE 2 (bf16 streams only): tensor-core tl.dots
+    of the bf16 streams with fn split into three bf16 terms hi + mid + lo (24 significant bits, all of fp32's), so
+    every product is exact in fp32 and only the fp32 accumulation order differs from MODE 1; TOK >= 16."""
     g = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
     offs_t = (g * TOK + tl.arange(0, TOK)).to(tl.int64)
@@ -252,23 +255,43 @@ def _hc_mix_fused_kernel(
     t_mask = offs_t < T
     m_mask = offs_m < M
     acc = tl.zeros([TOK, BLOCK_M], dtype=tl.float32)
+    # products mode: each (token, coefficient, k lane) sums in its own register and the k lanes are reduced once
+    # after the loop (a reduction per iteration costs ~6 shuffles per multiply in the sm_90 code)
+    KP: tl.constexpr = BLOCK_K if MODE == 0 else 1
+    acc3 = tl.zeros([TOK, BLOCK_M, KP], dtype=tl.float32)
     sq = tl.zeros([TOK, BLOCK_K], dtype=tl.float32)
     k_lo = s * chunks_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + chunks_per_split * BLOCK_K, KDIM)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < k_hi
-        x = tl.load(
+        xs = tl.load(
             r_ptr + offs_t[:, None] * stride_rt + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
-        ).to(tl.float32)
+        )
+        x = xs.to(tl.float32)
         w = tl.load(
             fn_ptr + offs_m[:, None] * stride_fn + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
         ).to(tl.float32)
-        if DOT:
+        if MODE == 0:
+            acc3 += w[None, :, :] * x[:, None, :]
+        elif MODE == 1:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.sum(w[None, :, :] * x[:, None, :], 2)
+            w_hi = w.to(tl.bfloat16)
+            rem = w - w_hi.to(tl.float32)  # exact: w_hi is w rounded to 8 significant bits
+            w_mid = rem.to(tl.bfloat16)
+            w_lo = (rem - w_mid.to(tl.float32)).to(tl.bfloat16)
+            if DOT_F32:  # the CPU interpreter's bf16 dots are wrong; the same exact products in fp32
+                acc = tl.dot(x, tl.trans(w_lo.to(tl.float32)), acc, input_precision="ieee")  # smallest terms first
+                acc = tl.dot(x, tl.trans(w_mid.to(tl.float32)), acc, input_precision="ieee")
+                acc = tl.dot(x, tl.trans(w_hi.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xs, tl.trans(w_lo), acc)  # smallest terms first
+                acc = tl.dot(xs, tl.trans(w_mid), acc)
+                acc = tl.dot(xs, tl.trans(w_hi), acc)
         sq += x * x
+    if MODE == 0:
+        acc = tl.sum(acc3, 2)
     row = s * T + offs_t
     tl.store(part_ptr + row[:, None] * M + offs_m[None, :], acc, mask=t_mask[:, None] & m_mask[None, :])
     tl.store(sq_ptr + row, tl.sum(sq, 1), mask=t_mask)
@@ -297,7 +320,7 @@ def hc_mix(
     rms_eps: float,
     fused: bool = True,
     counters: Tensor | None = None,
-    dot: bool | None = None,
+    mode: str | None = None,
     num_splits: int | None = None,
     block_t: int | None = None,
     block_k: int | None = None,
@@ -309,9 +332,10 @@ def hc_mix(
     fused (default): one launch, `_hc_mix_fused_kernel`; else the two-launch path (first stage + finish kernel).
     counters: caller-owned zeroed 1-D int32 on r's device (e.g. `deepinfer_kernels.linear.split_k_counters`), left
     zero by every launch; a split launch of G token groups needs >= G entries, else zeros are allocated per call.
-    Tuning knobs (None = the policy of `_fused_plan` / the old path): dot (fused: exact-fp32 tl.dot over block_t >=
-    16 tokens instead of CUDA-core products), num_splits (of the n*d axis), block_t (fused: tokens per program, a
-    power of two; two-launch: the tl.dot tile), block_k, num_warps."""
+    Tuning knobs (None = the policy of `_fused_plan` / the old path): mode (fused: "products" CUDA-core fp32
+    products, "dot" exact-fp32 tl.dot, "bf16x3" tensor-core dots of bf16 streams with fn in three bf16 terms; the
+    dots take block_t >= 16 tokens), num_splits (of the n*d axis), block_t (fused: tokens per program, a power of
+    two; two-launch: the tl.dot tile), block_k, num_warps."""
     t, n, d = r.shape
     m = (2 + n) * n
     kdim = n * d
@@ -329,15 +353,15 @@ def hc_mix(
         fn = fn.contiguous()
     base = base.float().contiguous()
     scale = scale.float().contiguous()
-    check_launchable("hc_mix", _hc_mix_partial_kernel, rf, fn, base, scale)
+    interp = check_launchable("hc_mix", _hc_mix_partial_kernel, rf, fn, base, scale)
     eps = (1.0 / kdim, float(rms_eps), float(hc_eps))
     if not fused:
         _two_launch(rf, fn, base, scale, pre, post, comb, n, int(sinkhorn_iters), eps, num_splits,
                     16 if block_t is None else block_t, 128 if block_k is None else block_k, num_warps)  # fmt: skip
         return pre, post, comb
-    use_dot, tok, bk, splits, cps = _fused_plan(t, m, kdim, dev, dot, num_splits, block_t, block_k)
+    mode, tok, bk, splits, cps = _fused_plan(t, m, kdim, r.dtype, dev, mode, num_splits, block_t, block_k)
     groups = cdiv(t, tok)
-    block_m = max(16 if use_dot else 2, next_pow2(m))
+    block_m = max(2 if mode == "products" else 16, next_pow2(m))
     part = torch.empty((splits, t, m), dtype=torch.float32, device=dev)
     sq = torch.empty((splits, t), dtype=torch.float32, device=dev)
     if splits > 1 and (counters is None or counters.numel() < groups):
@@ -346,28 +370,41 @@ def hc_mix(
         counters = sq  # never read: an unsplit launch touches no counter
     _hc_mix_fused_kernel[(groups, splits)](
         rf, fn, part, sq, counters, base, scale, pre, post, comb, t, kdim, cps, splits, rf.stride(0), fn.stride(0),
-        *eps, M=m, N=n, ITERS=int(sinkhorn_iters), DOT=use_dot, SPLIT=splits > 1, TOK=tok, BLOCK_M=block_m,
-        BLOCK_K=bk, SC=max(1, _FINISH_TILE // (tok * block_m)), num_warps=num_warps,
+        *eps, M=m, N=n, ITERS=int(sinkhorn_iters), MODE=_MODES.index(mode), SPLIT=splits > 1, TOK=tok, BLOCK_M=block_m,
+        BLOCK_K=bk, SC=max(1, _FINISH_TILE // (tok * block_m)), DOT_F32=interp, num_warps=num_warps,
     )  # fmt: skip
     return pre, post, comb
 
 
+_MODES = ("products", "dot", "bf16x3")  # the kernel's MODE constexpr is the index
+
+
 def _fused_plan(
-    t: int, m: int, kdim: int, dev: torch.device, dot: bool | None, num_splits: int | None, block_t: int | None,
-    block_k: int | None,
-) -> tuple[bool, int, int, int, int]:
-    """(dot, tokens per program, BLOCK_K, splits, chunks per split) of the fused kernel. Default: CUDA-core products
-    for every T (no smem operand shuffles of an fp32 FMA dot), one token per program up to ROWS_MAX_T, then groups
-    of 8 (16 past 512 tokens) so fn is re-read from L2 once per group; BLOCK_K keeps the product tile at <= 16K
-    fp32. Splits fill the GPU about twice, at most 128 for one token per program, else 64."""
-    use_dot = bool(dot)
+    t: int, m: int, kdim: int, dtype: torch.dtype, dev: torch.device, mode: str | None, num_splits: int | None,
+    block_t: int | None, block_k: int | None,
+) -> tuple[str, int, int, int, int]:
+    """(mode, tokens per program, BLOCK_K, splits, chunks per split) of the fused kernel. Default: CUDA-core
+    products with one token per program up to ROWS_MAX_T (decode: a dot would pad each token to 16 rows); past it
+    bf16 streams take "bf16x3" tensor-core dots (16 tokens a program, 32 past 128 tokens, 64 past 1024: fn is
+    re-read from L2 once per group), other dtypes products in groups of 8 (16 past 512 tokens). Products keep the
+    per-lane accumulators at 4K fp32 (32 registers a thread at 4 warps). Splits fill the GPU about twice, at most
+    128 for one token per program, else 64."""
+    if mode is None:
+        mode = "products" if t <= ROWS_MAX_T or dtype != torch.bfloat16 else "bf16x3"
+    if mode not in _MODES:
+        raise ValueError(f"hc_mix: mode {mode!r}, expected one of {_MODES}")
+    if mode == "bf16x3" and dtype != torch.bfloat16:
+        raise ValueError(f"hc_mix: mode 'bf16x3' needs bf16 streams (exact in bf16), found {dtype}; use 'dot'")
     if block_t is None:
-        block_t = 16 if use_dot else (1 if t <= ROWS_MAX_T else 8 if t <= 512 else 16)
+        if mode == "products":
+            block_t = 1 if t <= ROWS_MAX_T else 8 if t <= 512 else 16
+        else:
+            block_t = 16 if t <= 128 else 32 if t <= 1024 else 64
     tok = next_pow2(max(1, int(block_t)))
-    if use_dot:
+    if mode != "products":
         tok = max(16, tok)  # the tl.dot minimum
     if block_k is None:
-        block_k = 32 if use_dot else max(16, min(128, 16384 // (tok * max(16, next_pow2(m)))))
+        block_k = {"dot": 32, "bf16x3": 64}.get(mode) or max(16, min(128, 4096 // (tok * max(16, next_pow2(m)))))
     bk = max(16, next_pow2(int(block_k)))
     groups = cdiv(t, tok)
     chunks = cdiv(kdim, bk)
@@ -375,7 +412,7 @@ def _fused_plan(
         num_splits = min(chunks, max(1, cdiv(target_programs(dev), groups)), 128 if tok == 1 else 64)
     num_splits = max(1, min(int(num_splits), chunks))
     cps = cdiv(chunks, num_splits)
-    return use_dot, tok, bk, cdiv(chunks, cps), cps
+    return mode, tok, bk, cdiv(chunks, cps), cps
 
 
 def _two_launch(
