@@ -97,8 +97,8 @@ _FUSED_KNOBS = {
     "dot": {"mode": "dot"},  # 16-token exact-fp32 tl.dot tiles
     "bf16x3": {"mode": "bf16x3"},  # tensor-core dots, fn in three bf16 terms
     "tok4": {"mode": "products", "block_t": 4},
-    # more splits than one finish step reads (SC = 4096 / (16 tokens * 32) = 8): the finish loops over split chunks
-    "dot-many-splits": {"mode": "dot", "block_k": 16, "num_splits": 18},
+    # more splits than one finish step reads (SC = 8192 / (64 tokens * 32) = 4): the finish loops over split chunks
+    "dot-many-splits": {"mode": "dot", "block_t": 64, "block_k": 16, "num_splits": 18},
     "unsplit": {"mode": "products", "block_t": 16, "num_splits": 1},
     "two-launch": {"fused": False},
 }

@@ -82,7 +82,7 @@ for mode, tok, bk, split in ((0, 1, 128, True), (2, 16, 64, True), (2, 64, 64, F
          "T": "i32", "KDIM": "i32", "chunks_per_split": "i32", "num_splits": "i32", "stride_rt": "i32",
          "stride_fn": "i32", "inv_k": "fp32", "rms_eps": "fp32", "hc_eps": "fp32"},
         dict(M=24, N=4, ITERS=20, MODE=mode, SPLIT=split, TOK=tok, BLOCK_M=32, BLOCK_K=bk,
-             SC=max(1, 4096 // (tok * 32)), DOT_F32=False),
+             SC=max(1, 8192 // (tok * 32)), DOT_F32=False),
         num_warps=4)
 out["hc_pre"] = rep(
     hc._hc_pre_kernel, {"r_ptr": "*bf16", "pre_ptr": "*fp32", "x_ptr": "*bf16", "D": "i32"},

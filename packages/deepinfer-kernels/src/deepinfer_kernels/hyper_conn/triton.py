@@ -183,8 +183,10 @@ def _hc_mix_finish_kernel(
 
 
 # Finishing a token group in the fused kernel reads the partials of SC splits per step: SC * tokens * BLOCK_M fp32
-# stays within this many elements (32 registers a thread at 4 warps), whatever the split count.
-_FINISH_TILE = 4096
+# stays within this many elements (64 registers a thread at 4 warps; no default plan's register count grows with it
+# in the sm_90 build), whatever the split count. The plans cap splits at 2 * SC: the finish is at most two steps of
+# dependent L2 round trips.
+_FINISH_TILE = 8192
 
 
 @triton.jit
@@ -361,7 +363,7 @@ def hc_mix(
         return pre, post, comb
     mode, tok, bk, splits, cps = _fused_plan(t, m, kdim, r.dtype, dev, mode, num_splits, block_t, block_k)
     groups = cdiv(t, tok)
-    block_m = max(2 if mode == "products" else 16, next_pow2(m))
+    block_m = _block_m(mode, m)
     part = torch.empty((splits, t, m), dtype=torch.float32, device=dev)
     sq = torch.empty((splits, t), dtype=torch.float32, device=dev)
     if splits > 1 and (counters is None or counters.numel() < groups):
@@ -371,12 +373,20 @@ def hc_mix(
     _hc_mix_fused_kernel[(groups, splits)](
         rf, fn, part, sq, counters, base, scale, pre, post, comb, t, kdim, cps, splits, rf.stride(0), fn.stride(0),
         *eps, M=m, N=n, ITERS=int(sinkhorn_iters), MODE=_MODES.index(mode), SPLIT=splits > 1, TOK=tok, BLOCK_M=block_m,
-        BLOCK_K=bk, SC=max(1, _FINISH_TILE // (tok * block_m)), DOT_F32=interp, num_warps=num_warps,
+        BLOCK_K=bk, SC=_finish_splits(tok, block_m), DOT_F32=interp, num_warps=num_warps,
     )  # fmt: skip
     return pre, post, comb
 
 
 _MODES = ("products", "dot", "bf16x3")  # the kernel's MODE constexpr is the index
+
+
+def _block_m(mode: str, m: int) -> int:
+    return max(2 if mode == "products" else 16, next_pow2(m))  # a dot operand has >= 16 rows
+
+
+def _finish_splits(tok: int, block_m: int) -> int:
+    return max(1, _FINISH_TILE // (tok * block_m))
 
 
 def _fused_plan(
@@ -388,7 +398,7 @@ def _fused_plan(
     bf16 streams take "bf16x3" tensor-core dots (16 tokens a program, 32 past 128 tokens, 64 past 1024: fn is
     re-read from L2 once per group), other dtypes products in groups of 8 (16 past 512 tokens). Products keep the
     per-lane accumulators at 4K fp32 (32 registers a thread at 4 warps). Splits fill the GPU about twice, at most
-    128 for one token per program, else 64."""
+    128 for one token per program, else 64, and at most two finish steps (2 * `_finish_splits`)."""
     if mode is None:
         mode = "products" if t <= ROWS_MAX_T or dtype != torch.bfloat16 else "bf16x3"
     if mode not in _MODES:
@@ -409,7 +419,8 @@ def _fused_plan(
     groups = cdiv(t, tok)
     chunks = cdiv(kdim, bk)
     if num_splits is None:
-        num_splits = min(chunks, max(1, cdiv(target_programs(dev), groups)), 128 if tok == 1 else 64)
+        cap = min(128 if tok == 1 else 64, 2 * _finish_splits(tok, _block_m(mode, m)))
+        num_splits = min(chunks, max(1, cdiv(target_programs(dev), groups)), cap)
     num_splits = max(1, min(int(num_splits), chunks))
     cps = cdiv(chunks, num_splits)
     return mode, tok, bk, cdiv(chunks, cps), cps
