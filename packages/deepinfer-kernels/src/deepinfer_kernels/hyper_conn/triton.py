@@ -183,8 +183,8 @@ def _hc_mix_finish_kernel(
 
 
 # Finishing a token group in the fused kernel reads the partials of SC splits per step: SC * tokens * BLOCK_M fp32
-# stays within this many elements (64 registers a thread at 4 warps; no default plan's register count grows with it
-# in the sm_90 build), whatever the split count. The plans cap splits at 2 * SC: the finish is at most two steps of
+# stays within this many elements (64 registers a thread at 4 warps; every default plan stays <= 128 registers with
+# no spills in the sm_90 build), whatever the split count. The plans cap splits at 2 * SC: the finish is at most two steps of
 # dependent L2 round trips.
 _FINISH_TILE = 8192
 
@@ -249,7 +249,8 @@ def _hc_mix_fused_kernel(
     MODE 0: fp32 products on the CUDA cores (no padding of a small group to 16 rows). MODE 1: one exact-fp32 tl.dot
     ("ieee": FMAs with operands through shared memory), TOK >= 16. MODE 2 (bf16 streams only): tensor-core tl.dots
     of the bf16 streams with fn split into three bf16 terms hi + mid + lo (24 significant bits, all of fp32's), so
-    every product is exact in fp32 and only the fp32 accumulation order differs from MODE 1; TOK >= 16."""
+    every product is exact in fp32 and only the fp32 accumulation (order, tensor-core rounding) differs from
+    MODE 1; TOK >= 16."""
     g = tl.program_id(0)
     s = tl.program_id(1).to(tl.int64)
     offs_t = (g * TOK + tl.arange(0, TOK)).to(tl.int64)
