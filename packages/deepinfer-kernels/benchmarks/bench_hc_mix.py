@@ -40,6 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "two-launch": {"fused": False},
     "fused": {},
     "fused/no-counters": {"counters": False},
+    "fused/s160": {"num_splits": 160},  # one BLOCK_K=128 chunk per program at T=1 (the default caps at 128 splits)
     "products/tok1": {"mode": "products", "block_t": 1},
     "products/tok8": {"mode": "products", "block_t": 8},
     "dot/k32": {"mode": "dot"},
@@ -131,10 +132,10 @@ def _time(hc: Any, sets: list[tuple[torch.Tensor, ...]], knobs: dict[str, Any], 
     return statistics.median(samples)
 
 
-def _plan(hc: Any, t: int, knobs: dict[str, Any], dev: torch.device) -> str:
+def _plan(hc: Any, t: int, d: int, knobs: dict[str, Any], dev: torch.device) -> str:
     if knobs.get("fused", True) is False:
         return "rows+finish" if t <= hc.ROWS_MAX_T else "dot16-k128+finish"
-    mode, tok, bk, splits, _ = hc._fused_plan(t, M, N * D, torch.bfloat16, dev, knobs.get("mode"),
+    mode, tok, bk, splits, _ = hc._fused_plan(t, M, N * d, torch.bfloat16, dev, knobs.get("mode"),
                                                knobs.get("num_splits"), knobs.get("block_t"), knobs.get("block_k"))
     return f"{mode} t{tok} k{bk} s{splits}"
 
@@ -173,7 +174,7 @@ def main() -> int:
     }
     if bw is not None:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write); {info['device']}")
-    print(f"{'T':>4} {'variant':<18} {'plan':<18} {'us/call':>8} {'bound_us':>8} {'%bound':>7} {'x2launch':>8} "
+    print(f"{'T':>4} {'variant':<18} {'plan':<22} {'us/call':>8} {'bound_us':>8} {'%bound':>7} {'x2launch':>8} "
           f"{'max_err':>8}")  # fmt: skip
     rows = []
     for t in args.tokens:
@@ -191,12 +192,12 @@ def main() -> int:
             bound = nbytes / bw * 1e6 if bw else None
             if name == "two-launch":
                 base_us = us
-            row = {"T": t, "variant": name, "knobs": knobs, "plan": _plan(hc, t, knobs, dev), "bytes": nbytes,
+            row = {"T": t, "variant": name, "knobs": knobs, "plan": _plan(hc, t, d, knobs, dev), "bytes": nbytes,
                    "us_per_call": us, "bound_us": bound, "max_abs_err": err, "input_sets": sets_n}  # fmt: skip
             rows.append(row)
             pct = _fmt(100 * bound / us if us and bound else None, ".1f")
             speed = _fmt(base_us / us if us and base_us else None, ".2f")
-            print(f"{t:>4} {name:<18} {row['plan']:<18} {_fmt(us, '.2f'):>8} {_fmt(bound, '.2f'):>8} {pct:>7} "
+            print(f"{t:>4} {name:<18} {row['plan']:<22} {_fmt(us, '.2f'):>8} {_fmt(bound, '.2f'):>8} {pct:>7} "
                   f"{speed:>8} {err:>8.1e}", flush=True)  # fmt: skip
         del sets
     info["wall_s"] = time.perf_counter() - t_start
