@@ -104,11 +104,15 @@ _FUSED_KNOBS = {
 }
 
 
-@pytest.mark.parametrize("knobs", list(_FUSED_KNOBS.values()), ids=list(_FUSED_KNOBS))
-@pytest.mark.parametrize("t", [1, 3, 9, 20])
-def test_interpreter_fused_deterministic_and_counters_zero(interp, t, knobs):
+# "products" / "tok4" equal the default plan up to ROWS_MAX_T: only past it
+_FUSED_CASES = [(t, k) for t in (1, 3, 9, 20) for k in _FUSED_KNOBS if t > 8 or k not in ("products", "tok4")]
+
+
+@pytest.mark.parametrize(("t", "name"), _FUSED_CASES, ids=[f"{t}-{k}" for t, k in _FUSED_CASES])
+def test_interpreter_fused_deterministic_and_counters_zero(interp, t, name):
     """T = 1, 3 (one token per program), 9, 20 (token groups, a partial last group) against the reference; a
     caller's counters (larger than needed) are left zero and a repeated call is bit-identical."""
+    knobs = _FUSED_KNOBS[name]
     r, fn, base, scale = _case(t, 4, 72, torch.bfloat16, seed=10 + t)
     kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
     counters = torch.zeros(64, dtype=torch.int32)
