@@ -3,7 +3,9 @@
 Tolerances (|triton - reference| <= atol + rtol * |reference|): pre, post, comb are fp32 outputs; the kernel
 reads r in its own dtype (bf16 upcast exactly) and uses exact fp32 dots, so only summation order differs:
 atol 2e-5, rtol 1e-4 on CPU (interpreter) and GPU alike. The Sinkhorn output is also checked to be doubly
-stochastic, which the reference satisfies by construction.
+stochastic, which the reference satisfies by construction. The one-launch (fused) kernel and the two-launch path
+are held to the same tolerance; the fused one must also be bit-identical across calls (fixed split order) and leave
+its arrival counters zero.
 
 hc_pre / hc_post (fp32 math, output in r's dtype): fp32 atol 1e-6, rtol 1e-5; bf16 1 ULP (rtol 2^-7, atol 1e-6;
 the interpreter truncates f32 -> bf16). hc_post_pre: R' within hc_post's tolerance (on the interpreter equal to
@@ -87,6 +89,74 @@ def test_dispatcher_routes_to_interpreter(interp):
     _check(hc_mix(r, fn, base, scale, backend="triton", **kw), reference.hc_mix(r, fn, base, scale, **kw))
     empty = hc_mix(r[:0], fn, base, scale, backend="triton", **kw)
     assert [tuple(x.shape) for x in empty] == [(0, 4), (0, 4), (0, 4, 4)]
+
+
+_FUSED_KNOBS = {
+    "default": {},  # CUDA-core products, one token per program up to ROWS_MAX_T; then bf16x3 dots (bf16 streams)
+    "products": {"mode": "products"},  # groups of 8 tokens past ROWS_MAX_T
+    "dot": {"mode": "dot"},  # 16-token exact-fp32 tl.dot tiles
+    "bf16x3": {"mode": "bf16x3"},  # tensor-core dots, fn in three bf16 terms
+    "tok4": {"mode": "products", "block_t": 4},
+    # more splits than one finish step reads (SC = 8192 / (64 tokens * 32) = 4): the finish loops over split chunks
+    "dot-many-splits": {"mode": "dot", "block_t": 64, "block_k": 16, "num_splits": 18},
+    "unsplit": {"mode": "products", "block_t": 16, "num_splits": 1},
+    "two-launch": {"fused": False},
+}
+
+
+# "products" / "tok4" equal the default plan up to ROWS_MAX_T: only past it
+_FUSED_CASES = [(t, k) for t in (1, 3, 9, 20) for k in _FUSED_KNOBS if t > 8 or k not in ("products", "tok4")]
+
+
+@pytest.mark.parametrize(("t", "name"), _FUSED_CASES, ids=[f"{t}-{k}" for t, k in _FUSED_CASES])
+def test_interpreter_fused_deterministic_and_counters_zero(interp, t, name):
+    """T = 1, 3 (one token per program), 9, 20 (token groups, a partial last group) against the reference; a
+    caller's counters (larger than needed) are left zero and a repeated call is bit-identical."""
+    knobs = _FUSED_KNOBS[name]
+    r, fn, base, scale = _case(t, 4, 72, torch.bfloat16, seed=10 + t)
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
+    counters = torch.zeros(64, dtype=torch.int32)
+    out = interp.hc_mix(r, fn, base, scale, counters=counters, **knobs, **kw)
+    _check(out, reference.hc_mix(r, fn, base, scale, **kw))
+    assert not counters.any()
+    again = interp.hc_mix(r, fn, base, scale, counters=counters, **knobs, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(out, again))
+    assert not counters.any()
+
+
+def test_interpreter_fused_counters_too_small_or_absent(interp):
+    """A split launch of 3 token groups given 1 counter (or none) uses fresh zeros and leaves the buffer alone."""
+    r, fn, base, scale = _case(20, 4, 72, torch.float32, seed=4)
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
+    ref = reference.hc_mix(r, fn, base, scale, **kw)
+    small = torch.zeros(1, dtype=torch.int32)
+    _check(interp.hc_mix(r, fn, base, scale, counters=small, num_splits=2, **kw), ref)
+    _check(interp.hc_mix(r, fn, base, scale, num_splits=2, **kw), ref)
+    assert not small.any()
+
+
+def test_dispatcher_passes_counters_and_rejects_bad_ones(interp):
+    r, fn, base, scale = _case(3, 4, 32, torch.bfloat16, seed=5)
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
+    counters = torch.zeros(8, dtype=torch.int32)
+    ref = reference.hc_mix(r, fn, base, scale, **kw)
+    _check(hc_mix(r, fn, base, scale, backend="triton", counters=counters, **kw), ref)
+    _check(hc_mix(r, fn, base, scale, backend="triton", fused=False, **kw), ref)
+    assert not counters.any()
+    _check(hc_mix(r, fn, base, scale, backend="torch", counters=counters, **kw), ref)
+    with pytest.raises(ValueError, match="hc_mix: counters"):
+        hc_mix(r, fn, base, scale, backend="triton", counters=torch.zeros(8, dtype=torch.int64), **kw)
+    with pytest.raises(ValueError, match="needs bf16 streams"):
+        interp.hc_mix(r.float(), fn, base, scale, mode="bf16x3", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_interpreter_fused_other_stream_dtypes(interp, dtype):
+    """Past ROWS_MAX_T, streams that are not bf16 take the products plan (bf16x3 would round them)."""
+    r, fn, base, scale = _case(20, 4, 72, dtype, seed=6)
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
+    assert interp._fused_plan(20, 24, 288, dtype, r.device, None, None, None, None)[0] == "products"
+    _check(interp.hc_mix(r, fn, base, scale, **kw), reference.hc_mix(r, fn, base, scale, **kw))
 
 
 _STREAM_TOL = {torch.float32: (1e-6, 1e-5), torch.bfloat16: (1e-6, 2.0**-7)}
@@ -183,3 +253,32 @@ def test_gpu_matches_reference_v41_shape(t, dtype):
     r, fn, base, scale = _case(t, 4, 5120, dtype, device="cuda", seed=4)
     kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-20)
     _check(hc_mix(r, fn, base, scale, backend="triton", **kw), reference.hc_mix(r, fn, base, scale, **kw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "knobs",
+    [{}, {"mode": "products"}, {"mode": "dot"}, {"mode": "bf16x3"}, {"fused": False}],
+    ids=["fused", "fused-products", "fused-dot", "fused-bf16x3", "two-launch"],
+)
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+def test_gpu_fused_v41_shape_graph_replay(t, knobs):
+    """V4.1 widths: within tolerance of the reference; with caller counters, captured in a CUDA graph and replayed
+    twice: bit-identical to the eager call and counters still zero."""
+    r, fn, base, scale = _case(t, 4, 5120, torch.bfloat16, device="cuda", seed=8)
+    kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-20)
+    counters = torch.zeros(1024, dtype=torch.int32, device="cuda")
+    from deepinfer_kernels.hyper_conn import triton as tb  # the knobs are the backend's (run with -m gpu)
+
+    eager = tb.hc_mix(r, fn, base, scale, counters=counters, **knobs, **kw)
+    _check(eager, reference.hc_mix(r, fn, base, scale, **kw))
+    torch.cuda.synchronize()
+    assert not counters.any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tb.hc_mix(r, fn, base, scale, counters=counters, **knobs, **kw)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, eager))
+        assert not counters.any()

@@ -72,6 +72,18 @@ out["hc_mix finish"] = rep(
      "post_ptr": "*fp32", "comb_ptr": "*fp32", "T": "i32", "num_splits": "i32", "inv_k": "fp32",
      "rms_eps": "fp32", "hc_eps": "fp32"},
     dict(N=4, ITERS=20, BLOCK_S=64), num_warps=1)
+# the fused hc_mix at its default plans: products one token per program (decode), bf16x3 dots of 16 tokens (split)
+# and of 64 (unsplit prefill); the products plan of other stream dtypes, groups of 8
+for mode, tok, bk, split in ((0, 1, 128, True), (2, 16, 64, True), (2, 64, 64, False), (0, 8, 16, True)):
+    out[f"hc_mix fused mode{mode} tok{tok}"] = rep(
+        hc._hc_mix_fused_kernel,
+        {"r_ptr": "*bf16", "fn_ptr": "*fp32", "part_ptr": "*fp32", "sq_ptr": "*fp32", "cnt_ptr": "*i32",
+         "base_ptr": "*fp32", "scale_ptr": "*fp32", "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32",
+         "T": "i32", "KDIM": "i32", "chunks_per_split": "i32", "num_splits": "i32", "stride_rt": "i32",
+         "stride_fn": "i32", "inv_k": "fp32", "rms_eps": "fp32", "hc_eps": "fp32"},
+        dict(M=24, N=4, ITERS=20, MODE=mode, SPLIT=split, TOK=tok, BLOCK_M=32, BLOCK_K=bk,
+             SC=max(1, 8192 // (tok * 32)), DOT_F32=False),
+        num_warps=4)
 out["hc_pre"] = rep(
     hc._hc_pre_kernel, {"r_ptr": "*bf16", "pre_ptr": "*fp32", "x_ptr": "*bf16", "D": "i32"},
     dict(N=4, BLOCK_D=1024), num_warps=4)
@@ -104,7 +116,7 @@ def test_default_configs_compile_for_sm90_without_spills():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(report) == 16
+    assert len(report) == 20
     for name, r in report.items():
         # spill bytes: none, except the large-batch sparse attention (a [64, 512] fp32 accumulator in 8 warps):
         # the H200 sweep measured it faster than every spill-free configuration (docs/perf.md)
@@ -112,6 +124,8 @@ def test_default_configs_compile_for_sm90_without_spills():
         allowed = 512 if name.startswith("sparse_attn large") else 64 if name == "sparse_attn fp32" else 0
         assert r["stack"] <= allowed, (name, r)
         assert r["shared"] <= 227 * 1024, (name, r)  # H200: 227 KiB of shared memory per block
+    for name in (n for n in report if n.startswith("hc_mix fused mode2")):
+        assert report[name]["mma"] or report[name]["wgmma"], report[name]  # bf16x3: tensor-core dots
     for name in (n for n in report if n.startswith("sparse_attn") and "combine" not in n and "fp32" not in n):
         assert report[name]["wgmma"], report[name]  # tensor-core dots, M = 64 heads
         assert report[name]["cp_async"], report[name]  # the kv gather is software-pipelined

@@ -10,6 +10,8 @@ import torch
 from deepinfer_kernels.hyper_conn import hc_head, hc_mix, hc_post, hc_post_pre, hc_pre
 from torch import Tensor, nn
 
+from deepinfer_engine.model.linear import split_counters
+
 __all__ = [
     "add_hc_head_params", "add_hc_mix_params", "apply_hc_head", "apply_hc_mix", "hc_post", "hc_post_pre", "hc_pre",
 ]
@@ -25,7 +27,8 @@ def add_hc_mix_params(module: nn.Module, prefix: str, args: object) -> None:
 
 
 def apply_hc_mix(module: nn.Module, prefix: str, r: Tensor, args: object) -> tuple[Tensor, Tensor, Tensor]:
-    """pre [T, n], post [T, n], comb [T, n, n] fp32 of the sub-layer `prefix` for streams r [T, n, d]."""
+    """pre [T, n], post [T, n], comb [T, n, n] fp32 of the sub-layer `prefix` for streams r [T, n, d]. The Triton
+    kernel's split arrivals use `module`'s own counters (left zero by every launch: no fill per call)."""
     return hc_mix(
         r,
         getattr(module, f"{prefix}_fn"),
@@ -35,6 +38,7 @@ def apply_hc_mix(module: nn.Module, prefix: str, r: Tensor, args: object) -> tup
         hc_eps=args.hc_eps,
         rms_eps=args.rms_norm_eps,
         backend=getattr(module, "kernel_backend", "auto"),
+        counters=split_counters(module, r.device),
     )
 
 

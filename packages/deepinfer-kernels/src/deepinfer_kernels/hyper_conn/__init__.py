@@ -22,9 +22,14 @@ def hc_mix(
     hc_eps: float,
     rms_eps: float,
     backend: str = "auto",
+    counters: Tensor | None = None,
+    fused: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """r [T, n, d]; fn [(2+n)*n, n*d] f32; base [(2+n)*n]; scale [3] -> pre [T,n], post [T,n], comb [T,n,n] f32.
-    backend: "auto" | "torch" | "triton" (the Triton kernel needs n a power of two and a float r)."""
+    backend: "auto" | "torch" | "triton" (the Triton kernel needs n a power of two and a float r). counters: zeroed
+    1-D int32 on r's device owned by the caller (`deepinfer_kernels.linear.split_k_counters`), which the one-launch
+    Triton kernel uses for its split arrivals and leaves zero (no zero fill per call); the reference ignores them.
+    fused=False selects the Triton two-launch path (kept for comparison)."""
     if r.dim() != 3:
         raise ValueError(f"hc_mix: r must be [T, n, d], found {tuple(r.shape)}")
     n, d = r.shape[1], r.shape[2]
@@ -35,13 +40,19 @@ def hc_mix(
         )
     if sinkhorn_iters < 1:
         raise ValueError(f"hc_mix: sinkhorn_iters must be >= 1, found {sinkhorn_iters}")
+    if counters is not None and (counters.dtype != torch.int32 or counters.dim() != 1 or counters.device != r.device):
+        raise ValueError(
+            f"hc_mix: counters {counters.dtype} {tuple(counters.shape)} on {counters.device}; expected 1-D int32 "
+            f"zeros on {r.device} (deepinfer_kernels.linear.split_k_counters)"
+        )
     ok = n >= 1 and (n & (n - 1)) == 0 and r.is_floating_point() and r.dtype != torch.float64
     why = f"n {n}, r {r.dtype}; needs n a power of two and r bf16/fp16/fp32"
     if resolve_backend("hc_mix", backend, r, fn, base, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.hyper_conn import triton as triton_backend
 
         return triton_backend.hc_mix(
-            r, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, rms_eps=rms_eps
+            r, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, rms_eps=rms_eps, counters=counters,
+            fused=fused,
         )
     return reference.hc_mix(r, fn, base, scale, sinkhorn_iters=sinkhorn_iters, hc_eps=hc_eps, rms_eps=rms_eps)
 
