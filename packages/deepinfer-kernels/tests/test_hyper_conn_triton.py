@@ -92,8 +92,8 @@ def test_dispatcher_routes_to_interpreter(interp):
 
 
 _FUSED_KNOBS = {
-    "default": {},  # CUDA-core products, one token per program up to ROWS_MAX_T; then bf16x3 dots (bf16 streams)
-    "products": {"mode": "products"},  # groups of 8 tokens past ROWS_MAX_T
+    "default": {},  # CUDA-core products, one token per program up to PRODUCTS_MAX_T; then bf16x3 dots (bf16 streams)
+    "products": {"mode": "products"},  # one token per program up to PRODUCTS_MAX_T
     "dot": {"mode": "dot"},  # 16-token exact-fp32 tl.dot tiles
     "bf16x3": {"mode": "bf16x3"},  # tensor-core dots, fn in three bf16 terms
     "tok4": {"mode": "products", "block_t": 4},
@@ -104,8 +104,8 @@ _FUSED_KNOBS = {
 }
 
 
-# "products" / "tok4" equal the default plan up to ROWS_MAX_T: only past it
-_FUSED_CASES = [(t, k) for t in (1, 3, 9, 20) for k in _FUSED_KNOBS if t > 8 or k not in ("products", "tok4")]
+# "products" equals the default plan at these T (<= PRODUCTS_MAX_T); "tok4" is checked past ROWS_MAX_T only
+_FUSED_CASES = [(t, k) for t in (1, 3, 9, 20) for k in _FUSED_KNOBS if k != "products" and (t > 8 or k != "tok4")]
 
 
 @pytest.mark.parametrize(("t", "name"), _FUSED_CASES, ids=[f"{t}-{k}" for t, k in _FUSED_CASES])
@@ -152,10 +152,15 @@ def test_dispatcher_passes_counters_and_rejects_bad_ones(interp):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 def test_interpreter_fused_other_stream_dtypes(interp, dtype):
-    """Past ROWS_MAX_T, streams that are not bf16 take the products plan (bf16x3 would round them)."""
+    """Past PRODUCTS_MAX_T, streams that are not bf16 keep the products plan (bf16x3 would round them); bf16 ones
+    switch to bf16x3."""
     r, fn, base, scale = _case(20, 4, 72, dtype, seed=6)
     kw = dict(sinkhorn_iters=20, hc_eps=1e-6, rms_eps=1e-6)
-    assert interp._fused_plan(20, 24, 288, dtype, r.device, None, None, None, None)[0] == "products"
+    big = interp.PRODUCTS_MAX_T + 1
+    assert interp._fused_plan(big, 24, 288, dtype, r.device, None, None, None, None)[0] == "products"
+    assert interp._fused_plan(big, 24, 288, torch.bfloat16, r.device, None, None, None, None)[0] == "bf16x3"
+    assert interp._fused_plan(interp.PRODUCTS_MAX_T, 24, 288, torch.bfloat16, r.device, None, None, None, None)[:2] == (
+        "products", 1)
     _check(interp.hc_mix(r, fn, base, scale, **kw), reference.hc_mix(r, fn, base, scale, **kw))
 
 

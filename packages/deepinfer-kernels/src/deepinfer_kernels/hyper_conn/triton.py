@@ -7,7 +7,8 @@ is fp32 in the checkpoint) and stores them to a workspace. Splitting the 20,480-
 arrival counter (an acq_rel atomic) sums the partials in a fixed split order, so results do not depend on arrival
 order, then applies the RMS scale, the pre / post / comb split of the (2+n)n coefficients, sigmoids and the whole
 Sinkhorn (n x n in registers, `ITERS` unrolled), and resets the counter to 0: a zeroed counter buffer stays zero,
-so a caller-owned one needs no fill per call (CUDA-graph capturable).
+so a caller-owned one needs no fill per call (CUDA-graph capturable). Plans (`_fused_plan`): one token per program
+on the CUDA cores up to PRODUCTS_MAX_T tokens, then "bf16x3" tensor-core dots for bf16 streams.
 
 The two-launch path (`fused=False`) is kept for comparison: `_hc_mix_partial_rows_kernel` (T <= ROWS_MAX_T, one
 token per program) or `_hc_mix_partial_kernel` (16-token tl.dot tiles), then `_hc_mix_finish_kernel`, one program
@@ -26,11 +27,14 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["ROWS_MAX_T", "hc_mix", "hc_post", "hc_post_pre", "hc_pre"]
+__all__ = ["PRODUCTS_MAX_T", "ROWS_MAX_T", "hc_mix", "hc_post", "hc_post_pre", "hc_pre"]
 
 # Up to this many tokens hc_mix's first stage runs one token per program (decode); larger T tiles 16 tokens into a
 # tl.dot. The split count goes up to 128 there: at batch 1 the 2 MB of fn are spread over more programs.
 ROWS_MAX_T = 8
+# The fused hc_mix's default runs one token per program on the CUDA cores up to this many tokens (measured faster
+# than the bf16x3 tensor-core dots at 64 tokens, slower at 256)
+PRODUCTS_MAX_T = 128
 
 
 @triton.jit(do_not_specialize=["T", "chunks_per_split"])  # one compile for every batch size
@@ -394,23 +398,25 @@ def _fused_plan(
     t: int, m: int, kdim: int, dtype: torch.dtype, dev: torch.device, mode: str | None, num_splits: int | None,
     block_t: int | None, block_k: int | None,
 ) -> tuple[str, int, int, int, int]:
-    """(mode, tokens per program, BLOCK_K, splits, chunks per split) of the fused kernel. Default: CUDA-core
-    products with one token per program up to ROWS_MAX_T (decode: a dot would pad each token to 16 rows); past it
-    bf16 streams take "bf16x3" tensor-core dots (16 tokens a program, 32 past 128 tokens, 64 past 1024: fn is
-    re-read from L2 once per group), other dtypes products in groups of 8 (16 past 512 tokens). Products keep the
+    """(mode, tokens per program, BLOCK_K, splits, chunks per split) of the fused kernel. Default (H200,
+    `benchmarks/bench_hc_mix.py`, docs/perf.md "mHC hc_mix in one launch"): CUDA-core products with one token per
+    program up to PRODUCTS_MAX_T tokens (a dot would pad each token to 16 rows; at 64 tokens this was 36.6 us
+    against 45.8 for bf16x3); past it bf16 streams take "bf16x3" tensor-core dots, 16 tokens a program (256 tokens:
+    59.8 us, against 71.0 with 32 a program and 89.2 for products), other dtypes products in groups of 8 (16 past
+    512 tokens). Products keep the
     per-lane accumulators at 4K fp32 (32 registers a thread at 4 warps). Splits fill the GPU about twice, at most
     128 for one token per program, else 64, and at most two finish steps (2 * `_finish_splits`)."""
     if mode is None:
-        mode = "products" if t <= ROWS_MAX_T or dtype != torch.bfloat16 else "bf16x3"
+        mode = "products" if t <= PRODUCTS_MAX_T or dtype != torch.bfloat16 else "bf16x3"
     if mode not in _MODES:
         raise ValueError(f"hc_mix: mode {mode!r}, expected one of {_MODES}")
     if mode == "bf16x3" and dtype != torch.bfloat16:
         raise ValueError(f"hc_mix: mode 'bf16x3' needs bf16 streams (exact in bf16), found {dtype}; use 'dot'")
     if block_t is None:
         if mode == "products":
-            block_t = 1 if t <= ROWS_MAX_T else 8 if t <= 512 else 16
+            block_t = 1 if t <= PRODUCTS_MAX_T else 8 if t <= 512 else 16
         else:
-            block_t = 16 if t <= 128 else 32 if t <= 1024 else 64
+            block_t = 16
     tok = next_pow2(max(1, int(block_t)))
     if mode != "products":
         tok = max(16, tok)  # the tl.dot minimum
