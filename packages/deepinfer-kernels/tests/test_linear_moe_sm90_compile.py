@@ -6,13 +6,9 @@ linear and the MoE kernels use all 255 registers (measured on the H200: docs/per
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from kernels_testing import run_compile_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -55,16 +51,7 @@ print(json.dumps(out))
 
 
 def test_quantized_gemm_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the child imports the test-support helpers too (pytest's `pythonpath` applies to this process only)
-    support = str(Path(__file__).resolve().parent / "support")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_SCRIPT)
     assert len(report) == 7
     for name, r in report.items():
         assert r["mma"] or r["wgmma"], (name, r)  # bf16 tensor-core dots

@@ -7,13 +7,9 @@ instructions per weight than the exact one (one bf16x2 multiply per pair instead
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from kernels_testing import run_compile_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -89,15 +85,7 @@ print(json.dumps(out))
 
 
 def test_grouped_kernels_feed_wgmma_from_registers_on_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    support = str(Path(__file__).resolve().parent / "support")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_SCRIPT)
     assert len(report) == 4
     for name, r in report.items():
         fast = "fast=True" in name

@@ -9,13 +9,9 @@ shared memory fits an H200 SM.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from kernels_testing import run_compile_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -106,16 +102,7 @@ print(json.dumps(out))
 
 
 def test_default_configs_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the child imports the test-support helpers too (pytest's `pythonpath` applies to this process only)
-    support = str(Path(__file__).resolve().parent / "support")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 = its current default
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_SCRIPT)
     assert len(report) == 20
     for name, r in report.items():
         # spill bytes: none, except the large-batch sparse attention (a [64, 512] fp32 accumulator in 8 warps):

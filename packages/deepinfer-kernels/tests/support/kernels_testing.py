@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import re
 import subprocess
@@ -128,3 +129,17 @@ def sm90_compile_report(
         "mma": "mma.sync" in ptx,
         "cp_async": "cp.async" in ptx,
     }
+
+
+def run_compile_script(script: str, *, timeout: float = 600) -> dict:
+    """Run `script` (Python source printing one JSON line last) in a child process without TRITON_INTERPRET, with
+    this support folder on its path, and return the parsed JSON. Compiling for sm_90a needs triton's real backend,
+    which the interpreter mode of the parent test session would replace."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    support = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 = its current default
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout, env=env,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
