@@ -125,35 +125,38 @@ def test_policies_match_the_torch_oracle_on_random_cases(chunk: int):
             a = a.double()
         m = [rng.choice([width, width, rng.randint(0, width)]) for _ in range(batch)]
         md = rng.choice([m, torch.tensor(m), np.asarray(m)])
+        sa = rng.choice([a, a.numpy()])  # the engine passes host arrays
         base = rng.choice([0, 0, 3, 100])
         lat = _latency(rng, base + batch * (width + 1) + 1)
         for pol in (VerifyPolicy(kind="cost"), VerifyPolicy(kind="cost", exact=False)):
             for det in (False, True):
-                got = schedule_verification(pol, md, survival=a, latency=lat, base_tokens=base, deterministic=det)
+                got = schedule_verification(pol, md, survival=sa, latency=lat, base_tokens=base, deterministic=det)
                 want = _old_schedule(pol, m, survival=a, latency=lat, base_tokens=base, deterministic=det)
                 assert got.dtype == torch.int64 and got.tolist() == want.tolist(), (pol, det, a, m, base)
-                assert cost_budget(a, md, lat, exact=pol.exact, base_tokens=base, deterministic=det) == \
+                assert cost_budget(sa, md, lat, exact=pol.exact, base_tokens=base, deterministic=det) == \
                     _old_cost_budget(a, m, lat, exact=pol.exact, base_tokens=base, deterministic=det)
         count = sum(m)
         for budget in {0, 1, count // 2, count, count + 7}:
-            assert allocate(a, md, budget).tolist() == _old_allocate(a, m, budget).tolist()
+            assert allocate(sa, md, budget).tolist() == _old_allocate(a, m, budget).tolist()
         vals = [float(v) for v in a.flatten().tolist() if v == v]
         for t in [0.0, 1.0, rng.random(), *rng.sample(vals, min(3, len(vals)))]:
             pol = VerifyPolicy(kind="threshold", threshold=t)
-            got = schedule_verification(pol, md, survival=a)
+            got = schedule_verification(pol, md, survival=sa)
             assert got.tolist() == _old_schedule(pol, m, survival=a).tolist(), (t, a, m)
-        got = schedule_verification(VerifyPolicy(kind="verify_all"), md, survival=a)
+        got = schedule_verification(VerifyPolicy(kind="verify_all"), md, survival=sa)
         assert got.tolist() == m and got.dtype == torch.int64
 
 
 def test_threshold_compares_in_the_survival_dtype():
     # float32(0.7) < 0.7: torch compares a float32 tensor with the scalar in float32, so the host path must too
     a = torch.tensor([[np.float32(0.7)] * 3, [np.nextafter(np.float32(0.7), np.float32(0))] * 3])
+    pol = VerifyPolicy(kind="threshold", threshold=0.7)
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         x = a.to(dtype)
-        pol = VerifyPolicy(kind="threshold", threshold=0.7)
-        assert schedule_verification(pol, [3, 3], survival=x).tolist() == \
-            _old_schedule(pol, [3, 3], survival=x).tolist()
+        want = _old_schedule(pol, [3, 3], survival=x).tolist()
+        assert schedule_verification(pol, [3, 3], survival=x).tolist() == want
+        if dtype != torch.bfloat16:
+            assert schedule_verification(pol, np.asarray([3, 3]), survival=x.numpy()).tolist() == want
     assert schedule_verification(VerifyPolicy(kind="threshold", threshold=0.7), [3, 3], survival=a).tolist() == [3, 0]
 
 

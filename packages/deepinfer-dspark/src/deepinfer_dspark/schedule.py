@@ -231,11 +231,22 @@ class LatencyModel:
         self.observations += 1
 
 
-def _host_array(x: Tensor) -> np.ndarray:
-    """The values of a tensor as a NumPy array: a view for a CPU tensor (no copy, no device read), else one copy."""
-    if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES:
+def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
+    """The values as a NumPy array: the array itself, a view of a CPU tensor (no copy, no device read), else one
+    copy (float64 / int64, which hold every value of the narrower dtypes)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _on_host(x):
         return (x.detach() if x.requires_grad else x).numpy()
     return x.detach().to(torch.float64 if x.dtype.is_floating_point else torch.int64).cpu().numpy()
+
+
+def _on_host(x: Tensor | np.ndarray) -> bool:
+    return isinstance(x, np.ndarray) or (x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES)
+
+
+def _device(survival: Tensor | np.ndarray | None) -> torch.device:
+    return survival.device if isinstance(survival, Tensor) else torch.device("cpu")
 
 
 def _tensor(values: np.ndarray, device: torch.device) -> Tensor:
@@ -243,12 +254,16 @@ def _tensor(values: np.ndarray, device: torch.device) -> Tensor:
     return counts if device.type == "cpu" else counts.to(device)
 
 
-def _check(survival: Tensor, max_drafts: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
+def _check(survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
     """`[B] int64` max_drafts on the host, validated against the `[B, N]` survivals."""
-    if not isinstance(survival, Tensor) or survival.dim() != 2 or not survival.dtype.is_floating_point:
+    if isinstance(survival, np.ndarray):
+        ok = survival.ndim == 2 and survival.dtype.kind == "f"
+    else:
+        ok = isinstance(survival, Tensor) and survival.dim() == 2 and survival.dtype.is_floating_point
+    if not ok:
         raise DSparkInputError(f"survival: expected a [B, N] float tensor, found {getattr(survival, 'shape', survival)}")
     batch, width = survival.shape
-    m = np.asarray(_host_array(max_drafts) if isinstance(max_drafts, Tensor) else max_drafts).astype(np.int64)
+    m = _counts(max_drafts)
     if m.shape != (batch,):
         raise DSparkInputError(f"max_drafts: expected shape ({batch},), found {tuple(m.shape)}")
     if m.size and (int(m.min()) < 0 or int(m.max()) > width):
@@ -256,7 +271,11 @@ def _check(survival: Tensor, max_drafts: Sequence[int] | Tensor | np.ndarray) ->
     return m
 
 
-def _ranked(survival: Tensor, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _counts(max_drafts: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
+    return np.asarray(_host_array(max_drafts) if isinstance(max_drafts, Tensor) else max_drafts).astype(np.int64)
+
+
+def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Candidates sorted by survival (stable, descending): (values `[C]` float64, request index `[C]` int64).
 
     On the host: the inputs are a few hundred values and the engine reads them there anyway, so a handful of NumPy
@@ -288,18 +307,20 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
     return int(np.argmax(worse)) if bool(worse.any()) else count
 
 
-def allocate(survival: Tensor, max_drafts: Sequence[int] | Tensor | np.ndarray, budget: int | Tensor) -> Tensor:
+def allocate(
+    survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, budget: int | Tensor
+) -> Tensor:
     """`[B] int64` drafts per request: the `budget` highest-survival candidates (a prefix per request)."""
     m = _check(survival, max_drafts)
     _, req = _ranked(survival, m)
     k = min(int(budget), req.size)
     if k < 0:
         raise DSparkInputError(f"budget: expected >= 0, found {int(budget)}")
-    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), survival.device)
+    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))
 
 
 def cost_budget(
-    survival: Tensor,
+    survival: Tensor | np.ndarray,
     max_drafts: Sequence[int] | Tensor | np.ndarray,
     latency: LatencyModel,
     *,
@@ -324,7 +345,7 @@ def schedule_verification(
     policy: VerifyPolicy,
     max_drafts: Sequence[int] | Tensor | np.ndarray,
     *,
-    survival: Tensor | None = None,
+    survival: Tensor | np.ndarray | None = None,
     latency: LatencyModel | None = None,
     base_tokens: int = 0,
     deterministic: bool = False,
@@ -337,26 +358,27 @@ def schedule_verification(
     latency: required by cost. base_tokens: the step's other query tokens (`cost_budget`).
     deterministic: every request of the step is greedy (`cost_budget`).
 
-    With CPU survivals (the engine reads them to the host with the drafts) every policy runs in NumPy and
-    launches no torch op but the views in and the result out. threshold keeps torch ops on another device (no
-    device read); cost reads a device tensor once, as its search is sequential anyway.
+    survival and max_drafts may be NumPy arrays: the engine reads the survivals to the host with the drafts, and
+    on the host every policy runs in NumPy and launches one torch op (the result tensor; a CPU tensor's `.numpy()`
+    view adds a few no-op dispatches). Survivals on another device: threshold stays there in torch ops (no device
+    read); cost reads them once, as its search is sequential anyway.
     """
     if policy.kind == "verify_all":
-        m = np.asarray(_host_array(max_drafts) if isinstance(max_drafts, Tensor) else max_drafts).astype(np.int64)
+        m = _counts(max_drafts)
         if m.ndim != 1 or (m.size and int(m.min()) < 0):
             raise DSparkInputError(f"max_drafts: expected a [B] tensor of values >= 0, found {m.tolist()}")
         where = survival if survival is not None else max_drafts if isinstance(max_drafts, Tensor) else None
-        return _tensor(m, where.device if where is not None else torch.device("cpu"))
+        return _tensor(m, _device(where))
     if survival is None:
         raise DSparkInputError(f"survival: the {policy.kind!r} policy needs confidences (a Confidence Head), found None")
     m = _check(survival, max_drafts)
     width = survival.shape[1]
     if policy.kind == "threshold":
-        if survival.device.type == "cpu" and survival.dtype in _NUMPY_DTYPES:
+        if _on_host(survival):
             a = _host_array(survival)
             # compared in the survivals' dtype, as torch compares a tensor with a Python scalar
             ok = (a >= a.dtype.type(policy.threshold)) & (np.arange(width)[None, :] < m[:, None])
-            return _tensor(np.logical_and.accumulate(ok, axis=1).sum(1), survival.device)
+            return _tensor(np.logical_and.accumulate(ok, axis=1).sum(1), _device(survival))
         mt = torch.from_numpy(m).to(survival.device)
         ok = (survival >= policy.threshold) & (torch.arange(width, device=survival.device)[None, :] < mt[:, None])
         return torch.cumprod(ok.to(torch.int64), dim=1).sum(1)
@@ -367,4 +389,4 @@ def schedule_verification(
     vals, req = _ranked(survival, m)
     k = _budget(vals, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
                 deterministic=deterministic)
-    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), survival.device)
+    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))
