@@ -210,7 +210,7 @@ class LatencyModel:
         sizes = np.asarray(self.sizes, dtype=np.float64)
         secs = np.asarray(self.seconds, dtype=np.float64)
         q = np.arange(lo, hi + 1, dtype=np.float64)
-        i = np.clip(np.searchsorted(sizes, q, side="left") - 1, 0, len(self.sizes) - 2)  # same segment as _segment
+        i = np.minimum(np.maximum(np.searchsorted(sizes, q, side="left") - 1, 0), len(self.sizes) - 2)  # as _segment
         w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
         return np.maximum(secs[i] + w * (secs[i + 1] - secs[i]), 1e-12) + self.overhead
 
@@ -282,7 +282,10 @@ def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, n
     calls replace tens of torch op launches. A NaN survival ranks first (as in a descending torch sort)."""
     width = survival.shape[1]
     valid = np.arange(width)[None, :] < m[:, None]
-    a = np.where(valid, np.clip(_host_array(survival).astype(np.float64), 0.0, 1.0), -1.0).reshape(-1)
+    a = _host_array(survival).astype(np.float64)  # a copy; np.clip's wrapper costs more than the two ufuncs
+    np.minimum(np.maximum(a, 0.0, out=a), 1.0, out=a)
+    a[~valid] = -1.0
+    a = a.reshape(-1)
     key = -a
     key[np.isnan(a)] = -np.inf
     order = np.argsort(key, kind="stable")[: int(valid.sum())]
@@ -297,7 +300,9 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
         return 0
     if latency.flat():  # no measured growth: a pruned draft saves no time (module docstring)
         return count
-    expected = batch + np.concatenate([np.zeros(1), np.cumsum(vals)])  # E(K), K = 0..C
+    expected = np.zeros(count + 1)  # E(K), K = 0..C
+    np.cumsum(vals, out=expected[1:])
+    expected += batch
     q0 = base_tokens + batch
     seconds = latency.host_curve(q0, q0 + count)  # T(base + S + K)
     if not exact or deterministic:
