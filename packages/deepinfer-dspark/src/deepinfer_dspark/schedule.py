@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,6 +55,8 @@ POLICIES = ("verify_all", "threshold", "cost")
 # A curve is flat when its rise stays within this many standard errors of the difference of two of its points
 # (about a 0.2% one-sided false-growth rate for Gaussian noise).
 FLAT_SIGMAS = 3.0
+# survival / max_drafts dtypes the policies read in place on the host (others are copied once)
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
 
 
 def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
@@ -202,14 +205,18 @@ class LatencyModel:
         """Seconds of a step of q query tokens: the profiled forward plus the overhead."""
         return self._forward(q) + self.overhead
 
+    def host_curve(self, lo: int, hi: int) -> np.ndarray:
+        """`[hi - lo + 1] float64` predicted seconds for Q = lo .. hi (`predict` over a range, in NumPy)."""
+        sizes = np.asarray(self.sizes, dtype=np.float64)
+        secs = np.asarray(self.seconds, dtype=np.float64)
+        q = np.arange(lo, hi + 1, dtype=np.float64)
+        i = np.minimum(np.maximum(np.searchsorted(sizes, q, side="left") - 1, 0), len(self.sizes) - 2)  # as _segment
+        w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
+        return np.maximum(secs[i] + w * (secs[i + 1] - secs[i]), 1e-12) + self.overhead
+
     def curve(self, max_tokens: int, device: torch.device | str = "cpu") -> Tensor:
         """`[max_tokens + 1] float64` predicted seconds for Q = 0 .. max_tokens (entry 0 unused by the policies)."""
-        sizes = torch.tensor(self.sizes, dtype=torch.float64)
-        secs = torch.tensor(self.seconds, dtype=torch.float64)
-        q = torch.arange(max_tokens + 1, dtype=torch.float64)
-        i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(self.sizes) - 2)  # same segment as _segment
-        w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
-        return ((secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + self.overhead).to(device)
+        return torch.from_numpy(self.host_curve(0, max_tokens)).to(device)
 
     def observe(self, q: int, seconds: float) -> None:
         """Online correction with one measured forward of q query tokens (the same span the profile timed, without
@@ -224,41 +231,102 @@ class LatencyModel:
         self.observations += 1
 
 
-def _check(survival: Tensor, max_drafts: Sequence[int] | Tensor) -> Tensor:
-    if not isinstance(survival, Tensor) or survival.dim() != 2 or not survival.dtype.is_floating_point:
+def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
+    """The values as a NumPy array: the array itself, a view of a CPU tensor (no copy, no device read), else one
+    copy (float64 / int64, which hold every value of the narrower dtypes)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _on_host(x):
+        return (x.detach() if x.requires_grad else x).numpy()
+    return x.detach().to(torch.float64 if x.dtype.is_floating_point else torch.int64).cpu().numpy()
+
+
+def _on_host(x: Tensor | np.ndarray) -> bool:
+    return isinstance(x, np.ndarray) or (x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES)
+
+
+def _device(survival: Tensor | np.ndarray | None) -> torch.device:
+    return survival.device if isinstance(survival, Tensor) else torch.device("cpu")
+
+
+def _tensor(values: np.ndarray, device: torch.device) -> Tensor:
+    counts = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+    return counts if device.type == "cpu" else counts.to(device)
+
+
+def _check(survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
+    """`[B] int64` max_drafts on the host, validated against the `[B, N]` survivals."""
+    if isinstance(survival, np.ndarray):
+        ok = survival.ndim == 2 and survival.dtype.kind == "f"
+    else:
+        ok = isinstance(survival, Tensor) and survival.dim() == 2 and survival.dtype.is_floating_point
+    if not ok:
         raise DSparkInputError(f"survival: expected a [B, N] float tensor, found {getattr(survival, 'shape', survival)}")
     batch, width = survival.shape
-    m = torch.as_tensor(max_drafts, dtype=torch.int64).to(survival.device)
+    m = _counts(max_drafts)
     if m.shape != (batch,):
         raise DSparkInputError(f"max_drafts: expected shape ({batch},), found {tuple(m.shape)}")
-    if m.numel() and (int(m.min()) < 0 or int(m.max()) > width):
+    if m.size and (int(m.min()) < 0 or int(m.max()) > width):
         raise DSparkInputError(f"max_drafts: expected values in [0, {width}], found {m.tolist()}")
     return m
 
 
-def _ranked(survival: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
-    """Candidates sorted by survival (stable, descending): (values `[C]` float64, request index `[C]`)."""
-    batch, width = survival.shape
-    valid = torch.arange(width, device=survival.device)[None, :] < m[:, None]
-    a = torch.where(valid, survival.to(torch.float64).clamp(0, 1), torch.full_like(survival, -1, dtype=torch.float64))
-    vals, order = torch.sort(a.reshape(-1), descending=True, stable=True)
-    count = int(valid.sum())
-    return vals[:count], (order[:count] // width)
+def _counts(max_drafts: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
+    return np.asarray(_host_array(max_drafts) if isinstance(max_drafts, Tensor) else max_drafts).astype(np.int64)
 
 
-def allocate(survival: Tensor, max_drafts: Sequence[int] | Tensor, budget: int | Tensor) -> Tensor:
+def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidates sorted by survival (stable, descending): (values `[C]` float64, request index `[C]` int64).
+
+    On the host: the inputs are a few hundred values and the engine reads them there anyway, so a handful of NumPy
+    calls replace tens of torch op launches. A NaN survival ranks first (as in a descending torch sort)."""
+    width = survival.shape[1]
+    valid = np.arange(width)[None, :] < m[:, None]
+    a = _host_array(survival).astype(np.float64)  # a copy; np.clip's wrapper costs more than the two ufuncs
+    np.minimum(np.maximum(a, 0.0, out=a), 1.0, out=a)
+    a[~valid] = -1.0
+    a = a.reshape(-1)
+    key = -a
+    key[np.isnan(a)] = -np.inf
+    order = np.argsort(key, kind="stable")[: int(valid.sum())]
+    return a[order], order // max(width, 1)
+
+
+def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool, base_tokens: int,
+            deterministic: bool) -> int:
+    """K over the ranked candidate survivals `vals` (module docstring)."""
+    count = vals.size
+    if batch == 0 or count == 0:
+        return 0
+    if latency.flat():  # no measured growth: a pruned draft saves no time (module docstring)
+        return count
+    expected = np.zeros(count + 1)  # E(K), K = 0..C
+    np.cumsum(vals, out=expected[1:])
+    expected += batch
+    q0 = base_tokens + batch
+    seconds = latency.host_curve(q0, q0 + count)  # T(base + S + K)
+    if not exact or deterministic:
+        return int(np.argmax(expected / seconds))  # first maximum
+    rate = expected / np.minimum.accumulate(seconds[::-1])[::-1]
+    worse = rate[1:] <= rate[:-1]  # adding candidate K+1 does not improve the rate
+    return int(np.argmax(worse)) if bool(worse.any()) else count
+
+
+def allocate(
+    survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, budget: int | Tensor
+) -> Tensor:
     """`[B] int64` drafts per request: the `budget` highest-survival candidates (a prefix per request)."""
     m = _check(survival, max_drafts)
     _, req = _ranked(survival, m)
-    k = min(int(budget), req.numel())
+    k = min(int(budget), req.size)
     if k < 0:
         raise DSparkInputError(f"budget: expected >= 0, found {int(budget)}")
-    return torch.bincount(req[:k], minlength=survival.shape[0]).to(torch.int64)
+    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))
 
 
 def cost_budget(
-    survival: Tensor,
-    max_drafts: Sequence[int] | Tensor,
+    survival: Tensor | np.ndarray,
+    max_drafts: Sequence[int] | Tensor | np.ndarray,
     latency: LatencyModel,
     *,
     exact: bool = True,
@@ -274,51 +342,56 @@ def cost_budget(
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
     vals, _ = _ranked(survival, m)
-    batch = survival.shape[0]
-    if batch == 0 or vals.numel() == 0:
-        return 0
-    if latency.flat():  # no measured growth: a pruned draft saves no time (module docstring)
-        return vals.numel()
-    k = torch.arange(vals.numel() + 1, device=vals.device)
-    expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])  # E(K), K = 0..C
-    q0 = base_tokens + batch
-    seconds = latency.curve(q0 + vals.numel(), vals.device)[q0 + k]  # T(base + S + K)
-    if not exact or deterministic:
-        return int(torch.argmax(expected / seconds))  # first maximum
-    rate = expected / torch.flip(torch.cummin(torch.flip(seconds, (0,)), 0).values, (0,))
-    worse = rate[1:] <= rate[:-1]  # adding candidate K+1 does not improve the rate
-    return int(torch.argmax(worse.to(torch.int8))) if bool(worse.any()) else vals.numel()
+    return _budget(vals, survival.shape[0], latency, exact=exact, base_tokens=base_tokens,
+                   deterministic=deterministic)
 
 
 def schedule_verification(
     policy: VerifyPolicy,
-    max_drafts: Sequence[int] | Tensor,
+    max_drafts: Sequence[int] | Tensor | np.ndarray,
     *,
-    survival: Tensor | None = None,
+    survival: Tensor | np.ndarray | None = None,
     latency: LatencyModel | None = None,
     base_tokens: int = 0,
     deterministic: bool = False,
 ) -> Tensor:
-    """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]).
+    """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]), on survival's device (CPU without
+    survivals).
 
     max_drafts: `[B]` upper bounds per request (block size, or fewer near max_tokens / the context limit).
     survival: `[B, N]` a = cumprod(confidence) (`DraftProposal.survival()`); required by threshold and cost.
     latency: required by cost. base_tokens: the step's other query tokens (`cost_budget`).
     deterministic: every request of the step is greedy (`cost_budget`).
+
+    survival and max_drafts may be NumPy arrays: the engine reads the survivals to the host with the drafts, and
+    on the host every policy runs in NumPy and launches one torch op (the result tensor; a CPU tensor's `.numpy()`
+    view adds a few no-op dispatches). Survivals on another device: threshold stays there in torch ops (no device
+    read); cost reads them once, as its search is sequential anyway.
     """
     if policy.kind == "verify_all":
-        m = torch.as_tensor(max_drafts, dtype=torch.int64)
-        if m.dim() != 1 or (m.numel() and int(m.min()) < 0):
+        m = _counts(max_drafts)
+        if m.ndim != 1 or (m.size and int(m.min()) < 0):
             raise DSparkInputError(f"max_drafts: expected a [B] tensor of values >= 0, found {m.tolist()}")
-        return m.to(survival.device) if survival is not None else m
+        where = survival if survival is not None else max_drafts if isinstance(max_drafts, Tensor) else None
+        return _tensor(m, _device(where))
     if survival is None:
         raise DSparkInputError(f"survival: the {policy.kind!r} policy needs confidences (a Confidence Head), found None")
     m = _check(survival, max_drafts)
+    width = survival.shape[1]
     if policy.kind == "threshold":
-        width = survival.shape[1]
-        ok = (survival >= policy.threshold) & (torch.arange(width, device=survival.device)[None, :] < m[:, None])
+        if _on_host(survival):
+            a = _host_array(survival)
+            # compared in the survivals' dtype, as torch compares a tensor with a Python scalar
+            ok = (a >= a.dtype.type(policy.threshold)) & (np.arange(width)[None, :] < m[:, None])
+            return _tensor(np.logical_and.accumulate(ok, axis=1).sum(1), _device(survival))
+        mt = torch.from_numpy(m).to(survival.device)
+        ok = (survival >= policy.threshold) & (torch.arange(width, device=survival.device)[None, :] < mt[:, None])
         return torch.cumprod(ok.to(torch.int64), dim=1).sum(1)
     if latency is None:
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
-    k = cost_budget(survival, m, latency, exact=policy.exact, base_tokens=base_tokens, deterministic=deterministic)
-    return allocate(survival, m, k)
+    if base_tokens < 0:
+        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
+    vals, req = _ranked(survival, m)
+    k = _budget(vals, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
+                deterministic=deterministic)
+    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))

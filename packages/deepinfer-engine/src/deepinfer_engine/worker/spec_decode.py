@@ -198,7 +198,7 @@ class SpecDecoder:
         surv = prop.survival()
         wide = prop.draft_ids.to(torch.float64) if surv is None else torch.cat(
             [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
-        wide = wide.cpu()  # the one host read before the forward
+        wide = wide.cpu().numpy()  # the one host read before the forward
         n = self.block_size
         self.rounds += 1
         policy = self.policy
@@ -206,10 +206,10 @@ class SpecDecoder:
                 and self.rounds % self.explore_every == 0):
             policy = VerifyPolicy(kind="verify_all")  # sample the curve at the large step sizes too
             self.explored += 1
-        m = schedule_verification(policy, torch.from_numpy(host[:, 3].copy()),
-                                  survival=None if surv is None else wide[:, n:].to(torch.float32),
+        m = schedule_verification(policy, host[:, 3],
+                                  survival=None if surv is None else wide[:, n:].astype(np.float32),
                                   latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy))
-        ids = wide[:, :n].to(torch.int64).tolist()
+        ids = wide[:, :n].astype(np.int64).tolist()
         rnd.drafts_host = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
         rnd.proposal, rnd.num_drafts = prop, m.to(device, non_blocking=True)
