@@ -283,3 +283,36 @@ def test_real_v41_config_hasher_fits_its_tables(real_map):
     # at an image position every n-gram is the all-pad n-gram: identical rows at the three image positions
     assert (rows[100] == rows[101]).all() and (rows[101] == rows[102]).all()
     assert len({tuple(rows[p, 0]) for p in range(200, 205)}) == 5 and not (rows[200:205] == rows[100]).all(-1).any()
+
+
+def test_cached_token_map_is_keyed_by_tokenizer_content(tmp_path):
+    """A hit skips the build; an edited tokenizer.json gets its own entry; an unwritable cache still gives the map."""
+    import hashlib
+
+    from deepinfer_engine.model.engram_hash import cached_token_map
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text('{"a": 1}')
+    calls = []
+
+    def build(value):
+        def make():
+            calls.append(value)
+            return np.full(7, value, dtype=np.int64)
+
+        return make
+
+    cache = tmp_path / "cache"
+    assert cached_token_map(tok, cache, build(1)).tolist() == [1] * 7
+    assert cached_token_map(tmp_path, cache, build(2)).tolist() == [1] * 7  # a directory means its tokenizer.json
+    assert calls == [1]
+    tok.write_text('{"a": 2}')
+    assert cached_token_map(tok, cache, build(3)).tolist() == [3] * 7
+    assert calls == [1, 3] and len(list(cache.glob("*.npy"))) == 2
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("x")  # a cache "directory" that is a file: nothing can be written below it
+    assert cached_token_map(tok, blocked, build(4)).tolist() == [4] * 7
+    entry = cache / f"{hashlib.sha256(tok.read_bytes()).hexdigest()}.npy"
+    entry.write_bytes(b"garbage")  # an unreadable entry is rebuilt and replaced, not trusted
+    assert cached_token_map(tok, cache, build(5)).tolist() == [5] * 7
+    assert cached_token_map(tok, cache, build(6)).tolist() == [5] * 7

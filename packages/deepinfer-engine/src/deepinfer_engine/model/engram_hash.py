@@ -10,10 +10,11 @@ primes and the block offsets are the exclusive cumulative sum in (n, h) order.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,42 @@ class TokenMapCache:
         arr.setflags(write=False)  # shared by every caller of this cache
         self._maps[key] = arr
         return arr
+
+
+def cached_token_map(
+    tokenizer_path: str | os.PathLike, cache_dir: str | os.PathLike, build: Callable[[], np.ndarray] | None = None
+) -> np.ndarray:
+    """`compressed_token_map` of a tokenizer.json, memoised on disk as ``cache_dir/<sha256 of the file>.npy``.
+    ``build``: how to make the map on a miss (default: `compressed_token_map` of the file; the loader passes one
+    that parses through its validating tokenizer loader).
+
+    Building the map decodes and normalises every vocabulary id (~2.5 s for the real 129,280-id vocabulary on a
+    slow CPU), which every model load of an Engram checkpoint would otherwise pay; the file's content hash (tens
+    of ms) is the key, so any edit of the tokenizer gets its own map. A cache that cannot be read or written is
+    skipped (the map is built); a file that is not a tokenizer never reaches the cache (the build raises)."""
+    path = Path(tokenizer_path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ModelConfigError(f"tokenizer: found no file at {str(path)!r}, expected a tokenizer.json")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    npy = Path(cache_dir) / f"{digest}.npy"
+    try:
+        arr = load_token_map(npy)
+        if arr.shape[0] > 0:
+            return arr
+    except (OSError, ValueError, ModelConfigError):
+        pass  # absent or unreadable: build it
+    arr = build() if build is not None else compressed_token_map(path)
+    try:
+        npy.parent.mkdir(parents=True, exist_ok=True)
+        tmp = npy.with_name(f".{npy.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:  # an open file: np.save would append ".npy" to a path not ending in it
+            np.save(f, arr, allow_pickle=False)
+        os.replace(tmp, npy)  # atomic: a concurrent reader sees the old file or the whole new one
+    except OSError:
+        pass  # read-only or full cache: the map is still correct, the next load builds it again
+    return arr
 
 
 # ----------------------------------------------------------------------------------------------------------

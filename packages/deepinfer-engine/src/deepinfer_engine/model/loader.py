@@ -185,12 +185,14 @@ def load_model(
     quantized: bool = True,
     quantize_activations: bool = False,
     expert_slots: Callable[[int], Sequence[int]] | None = None,
+    token_map_cache: str | os.PathLike[str] | None = None,
 ) -> Transformer:
     """Transformer holding the weights of `ckpt_dir` on `device`: in their checkpoint formats (quantized=True,
     the default) or decoded to `dtype`; float parameters in `dtype`, fp32 where the spec keeps fp32 (mHC,
     sinks, ape, gate bias, compressor projections). quantize_activations: FP8 activation quantization before
     every FP8 GEMM (deployed numerics). Engram models get their hasher from `token_map` or the directory's
-    tokenizer.json (docs/model.md §C.6 token map). expert_slots: expert parallelism, `layer id -> the checkpoint
+    tokenizer.json (docs/model.md §C.6 token map), memoised on disk under `token_map_cache` when given
+    (`engram_hash.cached_token_map`). expert_slots: expert parallelism, `layer id -> the checkpoint
     experts of this rank's slots` for every backbone MoE layer; only those are read (draft layers keep all)."""
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
@@ -216,7 +218,7 @@ def load_model(
     if reader.args.engram_layer_ids:
         if token_map is None:
             from deepinfer_engine.model.checkpoint_files import load_tokenizer
-            from deepinfer_engine.model.engram_hash import compressed_token_map
+            from deepinfer_engine.model.engram_hash import cached_token_map, compressed_token_map
 
             tok = Path(ckpt_dir) / "tokenizer.json"
             if not tok.is_file():
@@ -224,6 +226,9 @@ def load_model(
                     f"{str(ckpt_dir)!r}: Engram layers need tokenizer.json for the compressed token map, found none"
                 )
             # parsed through the validating loader: a garbage tokenizer.json is a CheckpointError naming the file
-            token_map = compressed_token_map(load_tokenizer(tok, required=False))
+            def build() -> object:
+                return compressed_token_map(load_tokenizer(tok, required=False))
+
+            token_map = build() if token_map_cache is None else cached_token_map(tok, token_map_cache, build)
         model.set_engram_token_map(token_map)
     return model.eval()
