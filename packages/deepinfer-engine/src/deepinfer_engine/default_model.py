@@ -14,18 +14,15 @@ import shutil
 import uuid
 from pathlib import Path
 
+from deepinfer_engine.cache_root import CACHE_ENV, cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ARCH = "v41"
 DEFAULT_PRESET = "tiny"
 DEFAULT_SEED = 0
 DEFAULT_NAME = f"default-{DEFAULT_ARCH}-{DEFAULT_PRESET}-seed{DEFAULT_SEED}"
-CACHE_ENV = "DEEPINFER_CACHE_DIR"
-
-
-def cache_root() -> Path:
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "deepinfer"
+__all__ = ["CACHE_ENV", "DEFAULT_NAME", "cache_root", "default_model_dir"]
 
 
 def _complete(d: Path) -> bool:

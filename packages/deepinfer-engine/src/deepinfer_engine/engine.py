@@ -397,14 +397,10 @@ def model_dir_of(config: EngineConfig) -> Path:
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool,
                 expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None):
     # deployed numerics: FP8 activation quantization before every FP8 GEMM and the KV record formats
-    from deepinfer_engine.default_model import cache_root
     from deepinfer_engine.model.loader import load_model
 
-    # the Engram token map is memoised per tokenizer content under the deepinfer cache: every later load skips
-    # decoding and normalising the whole vocabulary
     model = load_model(model_dir, dtype=dtype, device=device, quantize_activations=deployed,
-                       expert_slots=expert_slots, token_map=token_map,
-                       token_map_cache=cache_root() / "engram-token-maps")
+                       expert_slots=expert_slots, token_map=token_map)
     model.set_deployed_numerics(deployed, cache_records=cache_records)
     model.eval()
     return model

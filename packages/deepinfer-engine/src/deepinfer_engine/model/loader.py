@@ -185,14 +185,15 @@ def load_model(
     quantized: bool = True,
     quantize_activations: bool = False,
     expert_slots: Callable[[int], Sequence[int]] | None = None,
-    token_map_cache: str | os.PathLike[str] | None = None,
+    token_map_cache: str | os.PathLike[str] | None = "auto",
 ) -> Transformer:
     """Transformer holding the weights of `ckpt_dir` on `device`: in their checkpoint formats (quantized=True,
     the default) or decoded to `dtype`; float parameters in `dtype`, fp32 where the spec keeps fp32 (mHC,
     sinks, ape, gate bias, compressor projections). quantize_activations: FP8 activation quantization before
     every FP8 GEMM (deployed numerics). Engram models get their hasher from `token_map` or the directory's
-    tokenizer.json (docs/model.md §C.6 token map), memoised on disk under `token_map_cache` when given
-    (`engram_hash.cached_token_map`). expert_slots: expert parallelism, `layer id -> the checkpoint
+    tokenizer.json (docs/model.md §C.6 token map), memoised on disk per tokenizer content in `token_map_cache`
+    (`engram_hash.cached_token_map`; "auto": `engram-token-maps` in the deepinfer cache, None: rebuilt on every
+    load: decoding the whole vocabulary takes seconds). expert_slots: expert parallelism, `layer id -> the checkpoint
     experts of this rank's slots` for every backbone MoE layer; only those are read (draft layers keep all)."""
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
@@ -229,6 +230,10 @@ def load_model(
             def build() -> object:
                 return compressed_token_map(load_tokenizer(tok, required=False))
 
+            if token_map_cache == "auto":
+                from deepinfer_engine.cache_root import cache_root
+
+                token_map_cache = cache_root() / "engram-token-maps"
             token_map = build() if token_map_cache is None else cached_token_map(tok, token_map_cache, build)
         model.set_engram_token_map(token_map)
     return model.eval()
