@@ -102,6 +102,6 @@ def test_inspect_default_checkpoint_is_created_once(
     final = tmp_path / "cache" / "default-v41-tiny-seed0"
     assert f"checkpoint: {final}" in out and "check: OK" in out
     assert "finite True" in out and "logits [" in out
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
-        "default-v41-tiny-seed0"
-    ]  # no temp left
+    # no temp left; the forward's model load also memoised the Engram token map of the checkpoint's tokenizer
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["default-v41-tiny-seed0", "engram-token-maps"]
+    assert len(list((tmp_path / "cache" / "engram-token-maps").glob("*.npy"))) == 1
