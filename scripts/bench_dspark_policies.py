@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--enforce-eager", action="store_true",
                     help="CUDA: no CUDA graphs (decode, verify and draft passes all run eagerly)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per policy and prompt set, round-robin over the policies; the median is reported")
     ap.add_argument("--warm-runs", type=int, default=1,
                     help="untimed runs of the same requests before each timed run (plain and every policy), so "
                          "that CUDA-graph captures and kernel compiles of its step shapes are not timed")
@@ -273,18 +275,31 @@ def main(argv: list[str] | None = None) -> int:
             sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True, seed=args.seeds[si])
             for _ in range(args.warm_runs):
                 run(plain, prompts, sp)
-            tps, _, ref = run(plain, prompts, sp)
-            rows.append({"policy": "plain", "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps})
-            for name, pol, curve in policies:
+            for _name, pol, curve in policies:
                 # untimed runs of the same requests first: each policy verifies its own numbers of drafts, so
                 # it meets (batch, length, drafts) step shapes whose CUDA graphs / Triton kernels the others
                 # did not compile, and the first run would pay that (measured: seconds per policy)
                 for _ in range(args.warm_runs):
                     apply_policy(dec, pol, curve, profiled)
                     run(spec_llm, prompts, sp)
-                lat = apply_policy(dec, pol, curve, profiled)
-                tps, st, out = run(spec_llm, prompts, sp)
-                rows.append({"policy": name, "temperature": temp, "seed": args.seeds[si], "tokens_per_s": tps,
+            # timed runs round-robin over plain and the policies, `--repeats` times: one run is a fraction of a
+            # second, so clock and host noise between runs would otherwise decide the ranking
+            timed: dict[str, list] = {"plain": []}
+            ref = None
+            for _ in range(args.repeats):
+                tps, _, ref = run(plain, prompts, sp)
+                timed["plain"].append((tps, None, None, None))
+                for name, pol, curve in policies:
+                    lat = apply_policy(dec, pol, curve, profiled)
+                    timed.setdefault(name, []).append((*run(spec_llm, prompts, sp), lat))
+            all_tps = {name: [t[0] for t in runs] for name, runs in timed.items()}
+            rows.append({"policy": "plain", "temperature": temp, "seed": args.seeds[si],
+                         "tokens_per_s": statistics.median(all_tps["plain"]), "tokens_per_s_all": all_tps["plain"]})
+            for name, _pol, _curve in policies:
+                runs = sorted(timed[name], key=lambda t: t[0])
+                tps, st, out, lat = runs[len(runs) // 2]  # the median run (its own timing and curve)
+                rows.append({"policy": name, "temperature": temp, "seed": args.seeds[si],
+                             "tokens_per_s": statistics.median(all_tps[name]), "tokens_per_s_all": all_tps[name],
                              "mean_accepted_length": st["mean_accepted_length"],
                              "verified_per_request_step": st["num_verified_tokens"] / max(1, st["request_steps"]),
                              "verified_per_step": st["verified_tokens_per_step"], "steps": st["steps"],
@@ -296,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                              "latency_after": None if lat is None else latency_info(lat)})
                 print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
                       flush=True)
-                if args.json:  # partial results survive a run that is cut short
-                    args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
-                                                     "rows": rows}, default=str) + "\n")
+            if args.json:  # partial results survive a run that is cut short
+                args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
+                                                 "rows": rows}, default=str) + "\n")
     table = summarize(rows)
     print(format_table(table, spec_llm))
     graphs = {"plain": graph_info(plain), "spec": graph_info(spec_llm)}
