@@ -27,6 +27,8 @@ __all__ = ["DEFAULT_TIMEOUT_S", "ParallelState"]
 # Collective timeout: a rank blocked on a dead peer raises after this long instead of hanging (gloo honours it;
 # NCCL honours it with async error handling, which torch enables by default).
 DEFAULT_TIMEOUT_S = 300.0
+# how long `destroy` waits for the other ranks to arrive before tearing the process group down anyway
+TEARDOWN_BARRIER_S = 30.0
 
 
 def _device_for(backend: str, local_rank: int, device: torch.device | str | None) -> torch.device:
@@ -219,6 +221,13 @@ class ParallelState:
     def destroy(self) -> None:
         """Destroy the process groups this state created (idempotent; a no-op for `single` / `from_existing`)."""
         if self.owns_process_group and dist.is_initialized():
+            if self.world_size > 1 and self.cpu_group is not None:
+                # every rank leaves its last collective before any rank closes its connections: a rank that tears
+                # its gloo pairs down while a peer still exchanges the last step's flags can abort that peer at exit
+                try:
+                    dist.monitored_barrier(group=self.cpu_group, timeout=timedelta(seconds=TEARDOWN_BARRIER_S))
+                except RuntimeError:  # a peer is already gone: nothing left to wait for
+                    pass
             dist.destroy_process_group()
 
     def __enter__(self) -> ParallelState:
