@@ -4,7 +4,8 @@ equals the synchronous speculative engine's, and greedy outputs equal plain deco
 chunked prefill, forced preemption, the prefix cache, stops by max_tokens and stop id mid-round, seeded sampling,
 logprobs rows decoding plainly beside verify rows and a stand-in drafter with mixed acceptance. Late stops (stop
 string), an abort in flight, an inadmissible request and non-finite verify logits leave the loop clean.
-GPU: the same equality with CUDA graphs on."""
+V4's MTP block (drafts from the step's streams, after the step) under the same loop. GPU: the same equality with
+CUDA graphs on."""
 
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ def _is_async_spec(llm: LLM) -> None:
     assert not isinstance(core.scheduler, AsyncScheduler)
 
 
+@pytest.mark.slow  # ~10-20 s on 2 busy CPU cores: three engines on a tiny model
 def test_async_speculation_equals_sync_and_plain_with_mixed_acceptance(tiny_ckpt) -> None:
     """V4.1, the reference drafter: drafts accepted and rejected, chunked prefill, preemption, a prefix-cache hit
     (request 4 shares request 0's first page), stop id mid-round, max_tokens, seeded sampling, logprobs."""
@@ -151,6 +153,7 @@ def test_async_speculation_equals_sync_and_plain_with_mixed_acceptance(tiny_ckpt
         assert (la.token_id, la.rank) == (lb.token_id, lb.rank) and la.logprob == pytest.approx(lb.logprob, abs=1e-5)
 
 
+@pytest.mark.slow  # ~10-20 s on 2 busy CPU cores: three engines on a tiny model
 def test_async_speculation_with_the_checkpoint_drafter_late_stops_aborts_and_bad_requests(v4_0731) -> None:
     """V4-0731 with its own DSpark stages: a stop string (found after the next round was launched: that row is
     dropped), an abort in flight, a prompt longer than max_model_len beside valid requests: outputs equal the
@@ -219,22 +222,50 @@ def test_async_speculation_fails_only_the_request_with_non_finite_verify_logits(
     assert again["c"].error is None and len(again["c"].outputs[0].token_ids) == 6
 
 
+@pytest.mark.slow  # ~10-20 s on 2 busy CPU cores: three engines on a tiny model
+def test_async_mtp_speculation_equals_sync_and_plain(tiny_ckpt) -> None:
+    """V4's MTP block drafts from the step's final streams after the step (`after_sampling`, in `collect`): under
+    asynchronous scheduling that runs one call later, before the next launch; outputs and metrics are unchanged."""
+    ckpt = tiny_ckpt("v4")
+    sps = [GREEDY.replace(max_tokens=m) for m in (7, 4, 9)]
+    requests = {str(i): (p, sp) for i, (p, sp) in enumerate(zip(PROMPTS[:3], sps))}
+    want = _run(_llm(ckpt, "v4", spec=False), requests)
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(str(ckpt), device="cpu", dtype="float32", page_size=8, max_num_batched_tokens=8,
+                  speculative_config={"method": "mtp"}, async_scheduling=async_scheduling)
+        runs.append((_run(llm, requests), llm.engine.spec_stats().as_dict()))
+    (sync, sync_stats), (asy, asy_stats) = runs
+    assert _view(asy) == _view(sync) == _view(want)
+    assert _spec_metrics(asy) == _spec_metrics(sync) and asy_stats == sync_stats
+    # the MTP block drafted (its draft of a round comes from the previous step's deferred collect)
+    assert asy_stats["num_verified_tokens"] > 0
+
+
 @pytest.mark.gpu
 def test_async_speculation_equals_sync_and_plain_on_cuda_with_graphs(tiny_ckpt) -> None:
-    """CUDA float32 with CUDA graphs (verify steps and the draft pass replayed): greedy async speculation ==
-    synchronous speculation == plain decoding; seeded sampling and the speculative metrics equal sync."""
+    """CUDA float32 with CUDA graphs (verify steps and the draft pass replayed), prefix cache on: async speculation
+    == synchronous speculation (ids, finish reasons, metrics; seeded sampling included) and greedy == plain
+    decoding, with mixed prompt lengths and requests finishing at different steps."""
     ckpt = tiny_ckpt("v41")
-    kw = dict(device="cuda", num_kv_pages=None, enforce_eager=False)
-    sps = [GREEDY, GREEDY.replace(max_tokens=9), SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=9,
-                                                                 ignore_eos=True), GREEDY.replace(max_tokens=5), GREEDY]
-    requests = {str(i): (p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, sps))}
-    want = _run(_llm(ckpt, "v41", spec=False, **kw), requests)
-    sync = _run(_llm(ckpt, "v41", **kw), requests)
-    llm = _llm(ckpt, "v41", async_scheduling=True, **kw)
+    prompts = [[5 + (7 * i + j) % 900 for j in range(n)] for i, n in enumerate((7, 12, 3, 30, 17, 1))]
+    sps = [GREEDY.replace(max_tokens=m) for m in (20, 6, 13, 9, 16, 3)]
+    sps[2] = SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=13, ignore_eos=True)
+    requests = {str(i): (p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))}
+
+    def make(spec: bool, async_scheduling: bool) -> LLM:
+        return LLM(str(ckpt), device="cuda", dtype="float32", max_num_seqs=4, enforce_eager=False,
+                   speculative_config={"method": "dspark"} if spec else None, async_scheduling=async_scheduling)
+
+    want = _run(make(False, False), requests)
+    sync = _run(make(True, False), requests)
+    llm = make(True, True)
     _is_async_spec(llm)
-    assert llm.engine.runner.cuda_graphs is not None
     asy = _run(llm, requests)
     assert _view(asy) == _view(sync)
     assert _spec_metrics(asy) == _spec_metrics(sync)
-    assert all(_view(asy)[k] == _view(want)[k] for k in ("0", "1", "3", "4"))
+    greedy = [k for k in requests if k != "2"]
+    assert {k: _view(asy)[k] for k in greedy} == {k: _view(want)[k] for k in greedy}
+    st = llm.engine.runner.cuda_graphs.stats
+    assert st.verify_replays >= 5 and st.draft_replays >= 5, st
     assert llm.engine.spec_stats().num_verified_tokens > 0
