@@ -33,7 +33,8 @@ def _llm(path, arch: str, *, spec: bool = True, async_scheduling: bool = False, 
     # budget puts prefill chunks beside verify chunks
     page = 4 if arch == "v41" else 8
     kw.setdefault("num_kv_pages", 12 if arch == "v41" else None)
-    return LLM(str(path), device=device, dtype="float32", page_size=page, max_num_batched_tokens=10, max_num_seqs=4,
+    kw.setdefault("max_num_seqs", 4)
+    return LLM(str(path), device=device, dtype="float32", page_size=page, max_num_batched_tokens=10,
                speculative_config={"method": "dspark"} if spec else None, async_scheduling=async_scheduling, **kw)
 
 
@@ -220,6 +221,30 @@ def test_async_speculation_fails_only_the_request_with_non_finite_verify_logits(
     _assert_clean(llm)
     again = _run(llm, {"c": (PROMPTS[3], GREEDY.replace(max_tokens=6))})  # the loop stays usable
     assert again["c"].error is None and len(again["c"].outputs[0].token_ids) == 6
+
+
+def test_a_failing_read_back_fails_only_its_requests(tiny_ckpt) -> None:
+    """The read-back of one speculative step raises: its request fails; the request admitted into the next step
+    (launched after the failure) completes as alone, and the engine ends clean."""
+    llm = _llm(tiny_ckpt("v41"), "v41", async_scheduling=True, num_kv_pages=None, max_num_seqs=1)
+    runner = llm.engine.runner
+    inner, calls = runner.collect, []
+
+    def collect(step, drop=frozenset()):
+        calls.append(step)
+        if len(calls) == 3:  # a's second verify round
+            raise RuntimeError("boom")
+        return inner(step, drop)
+
+    runner.collect = collect
+    try:
+        done = _run(llm, {"a": (PROMPTS[0], GREEDY.replace(max_tokens=8)), "b": (PROMPTS[1], GREEDY.replace(max_tokens=4))})
+    finally:
+        del runner.collect
+    alone = _run(llm, {"b2": (PROMPTS[1], GREEDY.replace(max_tokens=4))})
+    assert done["a"].outputs[0].finish_reason == "error" and "RuntimeError: boom" in done["a"].error
+    assert done["b"].error is None and done["b"].outputs[0].token_ids == alone["b2"].outputs[0].token_ids
+    _assert_clean(llm)
 
 
 @pytest.mark.slow  # ~10-20 s on 2 busy CPU cores: three engines on a tiny model

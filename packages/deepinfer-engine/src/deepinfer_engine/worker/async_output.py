@@ -37,6 +37,7 @@ class AsyncOutput:
         self._collect = collect
         self._event: torch.cuda.Event | None = None
         self._result: ModelRunnerOutput | None = None
+        self._consumed = False  # result() was called (it may have raised: a failed read-back is not retried)
         cuda = any(t is not None and t.device.type == "cuda" for t in (
             step.token_ids, step.spec_packed, *(step.prompt_logprobs or ())[:1]))
         if not cuda:
@@ -75,12 +76,16 @@ class AsyncOutput:
 
     @property
     def collected(self) -> bool:
-        return self._result is not None
+        """result() ran, successfully or not."""
+        return self._consumed
 
     def result(self, drop: frozenset[str] = frozenset()) -> ModelRunnerOutput:
         """The step's output (computed once). drop: requests finished since the launch (speculative rows of
         those are not reported or counted, `ModelRunner.collect`); only the first call's set applies."""
         if self._result is None:
+            if self._consumed:
+                raise RuntimeError("AsyncOutput.result: this step's read-back already failed")
+            self._consumed = True
             self._wait()
             self._result = self._collect(self._step, drop)
         return self._result
