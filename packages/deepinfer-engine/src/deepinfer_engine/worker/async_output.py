@@ -3,9 +3,9 @@
 `AsyncOutput(step, collect)` enqueues non-blocking copies of the step's sampled ids and logprobs into pinned host
 memory on a side stream that first waits for the compute stream, then records an event; nothing waits. Its
 `result()` (called one engine iteration later, while the next step runs) waits for that event only and packages
-the host copies with the runner's `collect`. A speculative step's verification result (`LaunchedStep.spec_packed`) is copied the same way.
-`token_ids()` gives the host ids alone (waits for the copy; the
-runner's launches never call it). On CPU the copies are plain tensors and nothing is asynchronous.
+the host copies with the runner's `collect`. A speculative step's verification result (`LaunchedStep.spec_packed`)
+is copied the same way. `token_ids()` gives the host ids alone (waits for the copy; the runner's launches never
+call it). On CPU the copies are plain tensors and nothing is asynchronous.
 """
 
 from __future__ import annotations
