@@ -279,7 +279,8 @@ def test_async_speculation_equals_sync_and_plain_on_cuda_with_graphs(tiny_ckpt) 
     requests = {str(i): (p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))}
 
     def make(spec: bool, async_scheduling: bool) -> LLM:
-        return LLM(str(ckpt), device="cuda", dtype="float32", max_num_seqs=4, enforce_eager=False,
+        # the plain reference runs eagerly (as in tests/worker/test_spec_graphs_cuda.py)
+        return LLM(str(ckpt), device="cuda", dtype="float32", max_num_seqs=4, enforce_eager=not spec,
                    speculative_config={"method": "dspark"} if spec else None, async_scheduling=async_scheduling)
 
     want = _run(make(False, False), requests)
