@@ -9,12 +9,19 @@ One call of `step()`:
 So `step()` returns the deltas of the step launched by the previous call; the last one is drained by one more
 call (`busy` keeps `EngineCore.has_unfinished_requests` true meanwhile). A step whose launch or whose read-back
 raises fails exactly its requests, as in the synchronous loop; the step before it is still reported first.
+
+Speculative decoding (`collect_first=True`) reorders the call: the next round needs the accepted drafts of the
+previous one (its positions, pages and anchor token) and its draft context, so step N is read back and applied
+first, then step N+1 is scheduled (by the synchronous scheduler, no placeholders) and launched, and step N's
+deltas are returned while N+1's forward and verification run: the caller's output processing (detokenization,
+stop strings, streaming) overlaps the device. Requests finished by the caller meanwhile (stop string, abort) have
+their rows of the step in flight dropped, as in the placeholder loop.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deepinfer_engine.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 
@@ -26,9 +33,11 @@ __all__ = ["AsyncStepLoop"]
 
 
 class AsyncStepLoop:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, *, collect_first: bool = False) -> None:
         self.core = core
+        self.collect_first = collect_first  # speculative decoding: read step N back before scheduling N+1
         self._in_flight: tuple[SchedulerOutput, AsyncOutput] | None = None
+        self._owners: dict[str, Any] = {}  # collect_first: the Request object of each chunk of the step in flight
 
     @property
     def busy(self) -> bool:
@@ -36,6 +45,8 @@ class AsyncStepLoop:
         return self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.collect_first:
+            return self._step_collect_first()
         core = self.core
         t0 = time.perf_counter()
         sched = core.scheduler.schedule()
@@ -62,9 +73,41 @@ class AsyncStepLoop:
             self._in_flight = (sched, pending)
         return outputs
 
-    def _finish(self, sched: SchedulerOutput, out: AsyncOutput) -> list[EngineCoreOutput]:
+    def _step_collect_first(self) -> list[EngineCoreOutput]:
+        core = self.core
+        t0 = time.perf_counter()
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None:
+            prev, prev_out = self._in_flight
+            self._in_flight = None
+            requests = core.scheduler.requests
+            # finished (stop string, abort, error) or replaced by a new request of the same id since the launch
+            drop = frozenset(rid for rid, req in self._owners.items()
+                             if req.is_finished or requests.get(rid) is not req)
+            outputs = self._finish(prev, prev_out, drop)
+            core.account(prev, outputs, t0)
+            t0 = time.perf_counter()
+        sched = core.scheduler.schedule()
+        pending: AsyncOutput | None = None
+        failure: Exception | None = None
         try:
-            result = out.result()
+            pending = core.runner.execute_async(sched)
+        except Exception as exc:  # noqa: BLE001 - a failing step must fail its requests, never the engine
+            failure = exc
+            core.fail_step(sched, exc)
+        if failure is not None or sched.is_empty:
+            done = core.scheduler.update_from_output(sched, ModelRunnerOutput())
+            core.account(sched, done, t0)
+            outputs += done
+        else:
+            self._owners = {c.req_id: core.scheduler.requests[c.req_id] for c in sched.chunks}
+            self._in_flight = (sched, pending)
+        return outputs
+
+    def _finish(self, sched: SchedulerOutput, out: AsyncOutput, drop: frozenset[str] = frozenset()
+                ) -> list[EngineCoreOutput]:  # fmt: skip
+        try:
+            result = out.result(drop) if drop else out.result()
         except Exception as exc:  # noqa: BLE001 - e.g. a device error surfacing at the read-back
             self.core.fail_step(sched, exc)
             result = ModelRunnerOutput()

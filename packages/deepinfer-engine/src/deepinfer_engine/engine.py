@@ -105,17 +105,18 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device, *, as_r
     """`async_scheduling=None` (the default) -> on for a CUDA device without speculative decoding, outside a
     data-parallel world (`as_rank`: this engine core is a rank of one), off otherwise. On CUDA the host half of a decode step (sampled-id read, stop checks,
     scheduling, the next batch's inputs) is as long as a graphed forward at small batch, and overlapping it is what
-    brings the engine's step to its forward (docs/async_scheduling.md); on the CPU there is nothing to overlap, and
-    speculation / data parallelism step synchronously. An explicit True / False is kept (and refused below where
-    it cannot run)."""
+    brings the engine's step to its forward (docs/async_scheduling.md); on the CPU there is nothing to overlap.
+    Speculation runs under an explicit True (its overlap is the output processing only, unmeasured on a GPU), and
+    data-parallel ranks step synchronously. An explicit True / False is kept (and refused below where it cannot
+    run)."""
     if config.scheduler.async_scheduling is not None:
         return config
     return config.replace(async_scheduling=device.type == "cuda" and not as_rank and _async_runs(config))
 
 
 def _async_runs(config: EngineConfig) -> bool:
-    """Whether the asynchronous loop can run this configuration (speculation and data-parallel ranks step
-    synchronously)."""
+    """Whether the asynchronous loop is the default for this configuration: not for speculation (it runs there
+    when asked for; docs/async_scheduling.md "Speculative decoding") nor data-parallel ranks (refused)."""
     return config.speculative.speculative_method is None and config.parallel.data_parallel_size == 1
 
 
@@ -160,11 +161,6 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         sc = config.scheduler
         self._async: AsyncStepLoop | None = None
-        if sc.async_scheduling and config.speculative.speculative_method is not None:
-            # the placeholders count one output per step; drafts need 1 + k and a rollback of rejected positions
-            raise ConfigError(f"async_scheduling: found True with speculative_method="
-                              f"{config.speculative.speculative_method!r}; asynchronous scheduling does not run "
-                              "speculative decoding yet. Fix: async_scheduling=False")
         if sc.async_scheduling and config.parallel.data_parallel_size > 1:
             # a data-parallel rank steps in lock-step with its peers through its own synchronous loop (dp/)
             raise ConfigError(f"async_scheduling: found True with data_parallel_size="
@@ -173,7 +169,10 @@ class EngineCore:
         if sc.async_scheduling and not hasattr(runner, "execute_async"):
             raise ConfigError(f"async_scheduling: found True with a {type(runner).__name__}, expected a runner with "
                               "execute_async (worker.async_runner.AsyncModelRunner)")
-        self.scheduler = (AsyncScheduler if sc.async_scheduling else Scheduler)(
+        # speculation: the asynchronous loop reads each round back before it schedules the next one (a round's
+        # accepted drafts fix the next one's positions), so the synchronous scheduler plans it (async_step.py)
+        speculative = config.speculative.speculative_method is not None
+        self.scheduler = (AsyncScheduler if sc.async_scheduling and not speculative else Scheduler)(
             kv=KVCacheManager.from_plan(plan, prefix), max_num_seqs=min(sc.max_num_seqs, plan.num_slots),
             max_num_batched_tokens=sc.max_num_batched_tokens, max_model_len=max_model_len,
             enable_chunked_prefill=sc.enable_chunked_prefill,
@@ -181,7 +180,7 @@ class EngineCore:
         )
         self.total = StepStats()
         if sc.async_scheduling:
-            self._async = AsyncStepLoop(self)
+            self._async = AsyncStepLoop(self, collect_first=speculative)
         for line in plan.describe():
             logger.info(line)
 

@@ -129,9 +129,9 @@ def test_step_n_plus_1_is_launched_before_step_n_is_read(make_fake_engine, fake_
         log.append(("launch", out.step_no))
         return out
 
-    def logged_read(self, _inner=AsyncOutput.result):
+    def logged_read(self, *drop, _inner=AsyncOutput.result):
         log.append(("read", self.step_no))
-        return _inner(self)
+        return _inner(self, *drop)
 
     def no_early_ids(self):
         raise AssertionError("a launch must not wait for the previous step's ids")
@@ -269,7 +269,8 @@ def test_a_reused_id_never_gets_a_stale_result(make_fake_engine, fake_model) -> 
     assert got == ref[1].outputs[0].token_ids
 
 
-def test_async_option_needs_an_async_runner_and_no_drafts(make_fake_engine, fake_model) -> None:
+def test_async_option_needs_an_async_runner_and_one_rank(make_fake_engine, fake_model) -> None:
+    from deepinfer_engine.core.async_scheduler import AsyncScheduler
     from deepinfer_engine.engine import EngineCore
     from deepinfer_engine.errors import ConfigError
 
@@ -278,9 +279,10 @@ def test_async_option_needs_an_async_runner_and_no_drafts(make_fake_engine, fake
         EngineCore(config=core.config.replace(async_scheduling=True), runner=core.runner, plan=core.plan,
                    max_model_len=core.max_model_len)
     runner = make_fake_engine(fake_model, async_scheduling=True).core.runner
-    with pytest.raises(ConfigError, match="async_scheduling: found True with speculative_method='dspark'"):
-        EngineCore(config=core.config.replace(async_scheduling=True, speculative_method="dspark"), runner=runner,
-                   plan=core.plan, max_model_len=core.max_model_len)
+    # speculation runs asynchronously by reading each round back before scheduling the next (no placeholders)
+    spec = EngineCore(config=core.config.replace(async_scheduling=True, speculative_method="dspark"), runner=runner,
+                      plan=core.plan, max_model_len=core.max_model_len)
+    assert spec._async.collect_first and not isinstance(spec.scheduler, AsyncScheduler)
     with pytest.raises(ConfigError, match="async_scheduling: found True with data_parallel_size=2"):
         EngineCore(config=core.config.replace(async_scheduling=True, data_parallel_size=2), runner=runner,
                    plan=core.plan, max_model_len=core.max_model_len)

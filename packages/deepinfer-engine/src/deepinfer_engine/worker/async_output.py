@@ -3,8 +3,9 @@
 `AsyncOutput(step, collect)` enqueues non-blocking copies of the step's sampled ids and logprobs into pinned host
 memory on a side stream that first waits for the compute stream, then records an event; nothing waits. Its
 `result()` (called one engine iteration later, while the next step runs) waits for that event only and packages
-the host copies with the runner's `collect`. `token_ids()` gives the host ids alone (waits for the copy; the
-runner's launches never call it). On CPU the copies are plain tensors and nothing is asynchronous.
+the host copies with the runner's `collect`. A speculative step's verification result (`LaunchedStep.spec_packed`)
+is copied the same way. `token_ids()` gives the host ids alone (waits for the copy; the runner's launches never
+call it). On CPU the copies are plain tensors and nothing is asynchronous.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
 class AsyncOutput:
     """The pending host copy of one launched step's results."""
 
-    def __init__(self, step: LaunchedStep, collect: Callable[[LaunchedStep], ModelRunnerOutput], *,
+    def __init__(self, step: LaunchedStep, collect: Callable[..., ModelRunnerOutput], *,
                  copy_stream: torch.cuda.Stream | None = None) -> None:
         self._collect = collect
         self._event: torch.cuda.Event | None = None
         self._result: ModelRunnerOutput | None = None
-        cuda = step.token_ids is not None and step.token_ids.device.type == "cuda"
-        if not cuda and step.prompt_logprobs is not None:
-            cuda = step.prompt_logprobs[0].device.type == "cuda"
+        self._consumed = False  # result() was called (it may have raised: a failed read-back is not retried)
+        cuda = any(t is not None and t.device.type == "cuda" for t in (
+            step.token_ids, step.spec_packed, *(step.prompt_logprobs or ())[:1]))
         if not cuda:
             self._step = step
             return
@@ -51,6 +52,7 @@ class AsyncOutput:
             self._step = dataclasses.replace(
                 step,
                 token_ids=_to_host(step.token_ids),
+                spec_packed=_to_host(step.spec_packed),
                 logprobs=None if step.logprobs is None else tuple(_to_host(t) for t in step.logprobs),
                 prompt_logprobs=None if step.prompt_logprobs is None else tuple(
                     _to_host(t) for t in step.prompt_logprobs),
@@ -58,7 +60,7 @@ class AsyncOutput:
             self._event = torch.cuda.Event()
             self._event.record(stream)
         # the device tensors were allocated on the compute stream and are read on the copy stream
-        for t in (step.token_ids, *(step.logprobs or ()), *(step.prompt_logprobs or ())):
+        for t in (step.token_ids, step.spec_packed, *(step.logprobs or ()), *(step.prompt_logprobs or ())):
             if t is not None and t.device.type == "cuda":
                 t.record_stream(stream)
 
@@ -72,8 +74,18 @@ class AsyncOutput:
         self._wait()
         return [] if self._step.token_ids is None else self._step.token_ids.tolist()
 
-    def result(self) -> ModelRunnerOutput:
+    @property
+    def collected(self) -> bool:
+        """result() ran, successfully or not."""
+        return self._consumed
+
+    def result(self, drop: frozenset[str] = frozenset()) -> ModelRunnerOutput:
+        """The step's output (computed once). drop: requests finished since the launch (speculative rows of
+        those are not reported or counted, `ModelRunner.collect`); only the first call's set applies."""
         if self._result is None:
+            if self._consumed:
+                raise RuntimeError("AsyncOutput.result: this step's read-back already failed")
+            self._consumed = True
             self._wait()
-            self._result = self._collect(self._step)
+            self._result = self._collect(self._step, drop)
         return self._result

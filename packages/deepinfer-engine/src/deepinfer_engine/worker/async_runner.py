@@ -11,6 +11,11 @@ its request fails when that output lands) is fed id 0 and dropped.
 Penalties count the output ids; the host lists lag by the in-flight token, so rows with penalties get it
 appended on the device.
 
+Speculative steps: the verification result is copied back like the sampled ids; `collect` reads it, inserts the
+step's draft context and reports the round (worker/spec_decode.py `launch_verify` / `collect_verify`). The draft
+pass of the next step reads that context, so a speculative step is collected before the next launch (the engine
+loop does; `execute_async` enforces it).
+
 `execute_async(sched) -> AsyncOutput`; `execute(sched)` (the synchronous call) stays available and gives the same
 results, so the async engine loop and direct callers share one runner.
 """
@@ -48,16 +53,27 @@ class AsyncModelRunner(ModelRunner):
         self._prev: _Feed | None = None  # during a launch: the step before it
         self._launched: tuple[list[str], torch.Tensor] | None = None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._last: AsyncOutput | None = None  # the last launched step
+        if self.spec is not None:
+            self.spec.deferred_reads = True
+
 
     @torch.inference_mode()
     def execute_async(self, sched: SchedulerOutput) -> AsyncOutput:
         """Launch the step; its results come from `.result()` of the returned object (after the next launch)."""
+        if self.spec is not None and self._last is not None and not self._last.collected:
+            # a speculative step's collect inserts its draft context (read by the next draft pass) from features
+            # the next forward may overwrite (CUDA-graph buffers): it must run first. The engine loop collects
+            # before it launches (async_step.py); this covers any other caller.
+            self._last.result()
+        self._last = None
         self._prev, self._feed, self._launched = self._feed, None, None
         try:
             step = self.launch(sched)
         finally:
             self._prev = None
         out = AsyncOutput(step, self.collect, copy_stream=self._copy_stream)
+        self._last = out
         if self._launched is not None:
             ids, tokens = self._launched
             self._feed = _Feed(row_of={rid: i for i, rid in enumerate(ids)}, token_ids=tokens, output=out)

@@ -60,8 +60,7 @@ class LaunchedStep:
     prompt_targets: list[tuple[str, int, int]] = field(default_factory=list)
     prompt_logprobs: tuple[torch.Tensor, ...] | None = None
     spec_round: Any = None  # the speculative round verified in this step (worker/spec_decode.py) or None
-    spec: dict[str, Any] = field(default_factory=dict)  # its per-request results (SpecResult)
-    errors: dict[str, str] = field(default_factory=dict)  # per-request errors found while verifying
+    spec_packed: torch.Tensor | None = None  # its verification result, read by `collect` (SpecDecoder.launch_verify)
 
 
 def _default_batch_cls() -> type:
@@ -179,7 +178,7 @@ class ModelRunner:
             if out is None:
                 out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
             logits = out.logits
-            step.spec, step.errors = self.spec.finish(rnd, out, batch.num_tokens)
+            step.spec_packed = self.spec.launch_verify(rnd, out, batch.num_tokens)
         else:
             graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
             # a decode step replays the forward captured for its padded shape (None: not capturable, eager)
@@ -226,12 +225,16 @@ class ModelRunner:
                 st.next_prompt_logprob = j + 1
         return step
 
-    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+    def collect(self, step: LaunchedStep, drop: frozenset[str] = frozenset()) -> ModelRunnerOutput:
         """The step's `ModelRunnerOutput`: reads its ids (and logprobs) back, the one host sync of the step.
-        `step`'s tensors may already be host copies (asynchronous scheduling: worker/async_output.py)."""
+        `step`'s tensors may already be host copies (asynchronous scheduling: worker/async_output.py).
+        drop: requests finished since the launch, whose speculative rows are neither reported nor counted."""
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        errors: dict[str, str] = dict(step.errors)
+        errors: dict[str, str] = {}
+        spec: dict[str, Any] = {}
+        if step.spec_round is not None:  # before anything else: it inserts the draft context of the step
+            spec, errors = self.spec.collect_verify(step.spec_round, step.spec_packed, drop)
         if step.sampled:
             tokens = step.token_ids.tolist()
             lp = [t.tolist() for t in step.logprobs] if step.logprobs is not None else None
@@ -255,4 +258,4 @@ class ModelRunner:
         if step.spec_round is not None:
             self.spec.after_sampling(step.spec_round, sampled, self.states)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                 errors=errors, spec=step.spec)
+                                 errors=errors, spec=spec)

@@ -74,6 +74,10 @@ class SpecRound:
     keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
     results: dict[str, SpecResult] = field(default_factory=dict)
     hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
+    features: dict[int, Tensor] = field(default_factory=dict)  # captured target features, until collected
+    num_tokens: int = 0  # query tokens of the step (the latency model's Q)
+    launched_at: float = 0.0  # perf_counter when the verification was enqueued
+    timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
 
 @dataclass
@@ -138,6 +142,9 @@ class SpecDecoder:
             raise ValueError(f"SpecDecoder.max_drafts: expected 1..{self.block_size}, found {self.max_drafts}")
         self.stats = AcceptanceStats(self.block_size)
         self.timing = SpecTiming()
+        # asynchronous scheduling reads a round back after other host work (worker/async_runner.py): its forward
+        # is then timed by CUDA events (CPU: up to the end of the launch), not up to the host read
+        self.deferred_reads = False
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None) -> None:
@@ -225,6 +232,9 @@ class SpecDecoder:
         rnd.chunks = tuple(out)
         rnd.started = started
         rnd.forward_started = time.perf_counter()
+        if self.deferred_reads and device.type == "cuda":
+            rnd.timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            rnd.timer[0].record()
         return rnd
 
     # ------------------------------------------------------------------------------------------ 3. verify
@@ -249,52 +259,86 @@ class SpecDecoder:
 
     @torch.no_grad()
     def finish(self, rnd: SpecRound, out: Any, num_tokens: int) -> tuple[dict[str, SpecResult], dict[str, str]]:
-        """Verify the round, insert the draft context of the step, update statistics and the latency model.
+        """Verify the round, insert the draft context of the step, update statistics and the latency model:
+        `collect_verify(rnd, launch_verify(rnd, out, num_tokens))`, the whole round at once."""
+        return self.collect_verify(rnd, self.launch_verify(rnd, out, num_tokens))
+
+    @torch.no_grad()
+    def launch_verify(self, rnd: SpecRound, out: Any, num_tokens: int) -> Tensor | None:
+        """Enqueue the round's verification; reads nothing back. Returns its packed device result
+        `[B, 2 + N + 1] int64` (per request: accepted drafts, non-finite verify rows, emitted ids) or None when no
+        request verifies. `collect_verify` reads it; until then the round keeps the step's captured features (the
+        draft context), which must be consumed before the next step overwrites them (the runner collects a
+        speculative step before it launches the next one).
 
         out: the target's `ModelOutput` of the step: logits rows (the round's rows at `rnd.logit_rows`, m + 1
         consecutive rows each), `features` `{layer: [T, d]}` captured over the step's T = num_tokens rows, the
-        final streams `hidden`. Returns (results, errors).
+        final streams `hidden`.
         """
-        logits, features = out.logits, out.features
-        rnd.hidden = out.hidden
+        logits = out.logits
+        rnd.hidden, rnd.features, rnd.num_tokens = out.hidden, out.features, num_tokens
+        if not rnd.req_ids:
+            return None
+        lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
+        starts = np.cumsum(lens) - lens
+        if starts.tolist() == rnd.logit_rows and int(lens.sum()) == logits.shape[0]:  # verify rows only: no copy
+            raw = logits.float()
+        else:
+            rows = np.concatenate([np.arange(r, r + n) for r, n in zip(rnd.logit_rows, lens.tolist())])
+            raw = logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True)).float()
+        # one pass over the vocabulary gives the greedy argmax and the finiteness check (max propagates NaN)
+        top, best = raw.max(-1)
+        bad = ~torch.isfinite(top)
+        target = raw if all(rnd.greedy) else self._target(raw, rnd)
+        uniforms = None if all(rnd.greedy) else verify_counter_uniforms(rnd.seeds, rnd.positions, self.block_size)
+        # host num_drafts / greedy flags: verify checks and splits them without device reads; the drafts come
+        # from this vocabulary, so their range check is skipped
+        res = verify(target, rnd.proposal, rnd.num_drafts_host, greedy=torch.tensor(rnd.greedy), uniforms=uniforms,
+                     argmax=best, check_ids=False)
+        seg = torch.from_numpy(np.repeat(np.arange(len(rnd.req_ids)), lens)).to(raw.device, non_blocking=True)
+        nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.int64, device=raw.device).index_add_(
+            0, seg, bad.to(torch.int64))
+        packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
+        if rnd.timer is not None:
+            rnd.timer[1].record()
+        rnd.launched_at = time.perf_counter()
+        return packed
+
+    @torch.no_grad()
+    def collect_verify(self, rnd: SpecRound, packed: Tensor | None, drop: frozenset[str] = frozenset()
+                       ) -> tuple[dict[str, SpecResult], dict[str, str]]:  # fmt: skip
+        """The round's host read (`packed` from `launch_verify`, on the device or already copied to the host) and
+        its bookkeeping: results, errors, statistics, the latency model, the draft context of the step.
+
+        drop: requests that finished (stop string, abort) after the step was launched (asynchronous scheduling):
+        their rows are not reported, counted or inserted, so results and statistics are those of a synchronous
+        run, which would not have scheduled them. Returns (results, errors)."""
         results: dict[str, SpecResult] = {}
         errors: dict[str, str] = {}
-        accepted_rows = {c.req_id: c.num_tokens for c in rnd.chunks}  # rows of each chunk now in the sequence
+        accepted_rows = {c.req_id: c.num_tokens for c in rnd.chunks if c.req_id not in drop}
+        read_at = time.perf_counter()
         if rnd.req_ids:
-            lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
-            starts = np.cumsum(lens) - lens
-            if starts.tolist() == rnd.logit_rows and int(lens.sum()) == logits.shape[0]:  # verify rows only: no copy
-                raw = logits.float()
-            else:
-                rows = np.concatenate([np.arange(r, r + n) for r, n in zip(rnd.logit_rows, lens.tolist())])
-                raw = logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True)).float()
-            # one pass over the vocabulary gives the greedy argmax and the finiteness check (max propagates NaN)
-            top, best = raw.max(-1)
-            bad = ~torch.isfinite(top)
-            target = raw if all(rnd.greedy) else self._target(raw, rnd)
-            uniforms = None if all(rnd.greedy) else verify_counter_uniforms(rnd.seeds, rnd.positions, self.block_size)
-            # host num_drafts / greedy flags: verify checks and splits them without device reads; the drafts come
-            # from this vocabulary, so their range check is skipped
-            res = verify(target, rnd.proposal, rnd.num_drafts_host, greedy=torch.tensor(rnd.greedy), uniforms=uniforms,
-                         argmax=best, check_ids=False)
-            seg = torch.from_numpy(np.repeat(np.arange(len(rnd.req_ids)), lens)).to(raw.device, non_blocking=True)
-            nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.int64, device=raw.device).index_add_(
-                0, seg, bad.to(torch.int64))
-            packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
-            host = packed.tolist()  # the step's one host read of the round
+            host = packed.tolist()  # the round's one host read after the forward
             read_at = time.perf_counter()
+            if rnd.timer is not None:  # launched ahead of its read: the device time of the forward + verification
+                span = rnd.timer[0].elapsed_time(rnd.timer[1]) / 1e3
+            elif self.deferred_reads:  # the CPU ran the forward inside the launch
+                span = rnd.launched_at - rnd.forward_started
+            else:
+                span = read_at - rnd.forward_started
             self.timing.rounds += 1
             self.timing.draft_s += rnd.forward_started - rnd.started
-            self.timing.verify_s += read_at - rnd.forward_started
+            self.timing.verify_s += span
             if self.latency is not None and self.online_latency:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
                 # overhead does not grow with the verified drafts, so it must not read as growth of T(Q)
-                self.latency.observe(num_tokens, max(read_at - rnd.forward_started, 1e-9))
+                self.latency.observe(rnd.num_tokens, max(span, 1e-9))
                 self.latency.observe_overhead(max(rnd.forward_started - rnd.started, 0.0))
-            acc = [row[0] for row in host]
-            self.stats.update(acc, rnd.drafts_host)
-            for b, rid in enumerate(rnd.req_ids):
-                a = acc[b]
+            live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
+            if live:
+                self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live])
+            for b in live:
+                rid, a = rnd.req_ids[b], host[b][0]
                 if host[b][1]:
                     errors[rid] = ("the model's logits are not finite (NaN or Inf) in a speculative verify step: "
                                    "the checkpoint or a kernel produced invalid values")
@@ -303,7 +347,8 @@ class SpecDecoder:
                 results[rid] = SpecResult(token_ids=tuple(host[b][2 : 3 + a]), num_draft_tokens=self.block_size,
                                           num_verified_tokens=rnd.drafts_host[b], num_accepted_tokens=a)
                 accepted_rows[rid] = a + 1
-        self.insert_context(rnd.chunks, accepted_rows, features)
+        self.insert_context(rnd.chunks, accepted_rows, rnd.features)
+        rnd.features = {}
         rnd.keep, rnd.results = accepted_rows, results
         if rnd.req_ids:
             self.timing.finish_s += time.perf_counter() - read_at
