@@ -13,7 +13,8 @@ Runs the public `LLM` API (default: the embedded tiny model, `model=None`) and t
   host ms = step - fwd - wait (input building, plan arrays, copies, sampler launches, scheduling, outputs).
 On CPU the forward is the device work, so host ms is the engine's own overhead; on CUDA with graphs fwd is the
 graph fill + replay call, so host + fwd is the host time of the step. Medians over the measured steps.
-`--profile N` also prints the N most expensive functions (cumulative) of a cProfile of the measured steps.
+`--profile N` also prints the N most expensive functions (cumulative) of a cProfile of the measured steps, the
+model's eager forward left out (a graph replay's fill and launch are host work and stay in).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class _Clock:
         self.fwd = 0.0
         self.wait = 0.0
         self.decode = False  # the latest forward was a pure decode step
+        self.prof: cProfile.Profile | None = None  # enabled while a measured step runs: paused inside the model
 
     def take(self) -> tuple[float, float]:
         out = (self.fwd, self.wait)
@@ -76,11 +78,16 @@ class _Clock:
 
         def forward(batch, cache):
             self.decode = batch.num_tokens == batch.num_seqs
+            prof = self.prof
+            if prof is not None:  # the profile is of the host work: not of the model's forward
+                prof.disable()
             t0 = time.perf_counter()
             try:
                 return model(batch, cache)
             finally:
                 self.fwd += time.perf_counter() - t0
+                if prof is not None:
+                    prof.enable()
 
         runner.model = forward
         graphs = getattr(runner, "cuda_graphs", None)
@@ -131,12 +138,14 @@ def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, war
         before = eng.total.prefill_tokens
         measuring = seen >= warmup and len(rows) < steps
         if prof is not None and measuring:
+            clock.prof = prof
             prof.enable()
         t0 = time.perf_counter()
         eng.step()
         dt = time.perf_counter() - t0
         if prof is not None and measuring:
             prof.disable()
+            clock.prof = None
         fwd, wait = clock.take()
         decode = clock.decode and eng.total.prefill_tokens == before and len(eng.scheduler.running) == batch
         if not decode:

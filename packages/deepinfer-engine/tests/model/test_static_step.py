@@ -144,3 +144,38 @@ def test_static_window_rows_equal_the_device_computation():
         got = ctx.window_rows(plan, W, noncausal=False)
         want = dataclasses.replace(ctx, static=None, plans={}).window_rows(plan, W, noncausal=False)
         assert got.shape == (4, W) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_static_plans_equal_fresh_builds_every_step(make_tiny_v41_model, tokens: int):
+    """After every fill each plan's buffer holds what the exact builders give for that step: ring plans
+    (built from ctx / slot only) equal ring_plan_arrays(clip=False); paged and window plans, which skip the
+    rebuild and the copy while their memo is unchanged, equal a fresh build (positions advancing one by one
+    across entry, page and window boundaries; sequences joining and leaving; growing block tables)."""
+    from deepinfer_engine.model.cache import ring_plan_arrays
+
+    model = make_tiny_v41_model(0)
+    cache = ModelCache.allocate(model.args, num_slots=4, num_pages=64, page_size=4, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 4, 128, "cpu", tokens=tokens)
+    model.forward_features(None, cache, static=step)  # registers every plan the forward asks for
+    kinds = {k[0] for k in step._plans}
+    assert {"ring", "paged", "win"} <= kinds, kinds
+    skipped = 0
+    for k in range(40):
+        live = [s for s in range(3) if not (s == 1 and 10 <= k < 20)]
+        ctx = np.array([5 * s + k for s in live], dtype=np.int64)
+        lens = np.array([1 + (s + k) % tokens for s in live], dtype=np.int64)
+        tables = np.stack([np.arange(16, dtype=np.int64) + 16 * s for s in live])[:, : 2 + (k + 12) // 4]
+        before = {key: p.last for key, p in step._plans.items()}
+        step.fill(DecodeFacts(ctx=ctx, slots=np.asarray(live, dtype=np.int64), input_ids=np.zeros(int(lens.sum()),
+                              np.int64), block_tables=tables, query_lens=None if tokens == 1 else lens))
+        for key, plan in step._plans.items():
+            got = plan.buf.dev.numpy()
+            if key[0] == "ring":
+                _, R, back, write = key
+                want = ring_plan_arrays(R, (back,) * 4, step.seq_host, write=write, clip=False)
+            else:
+                want = plan.build()
+                skipped += plan.last == before[key]
+            assert np.array_equal(got, np.concatenate(want)), (k, key)
+    assert skipped > 0  # some steps really kept a plan
