@@ -7,7 +7,8 @@ token and up to Q - 1 drafts).
 `StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints and every gather plan a
 forward asks for) and a pinned host twin of each; Engram row ids are computed inside the step from the token ids
 and the cache's device token ring (docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
-twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels read the
+twins and copies them into the device buffers (one non-blocking copy per buffer; once `freeze`d into one arena,
+one copy in all plus one per memoised plan that changed; docs/cuda_graphs.md); the captured kernels read the
 device buffers in place. Row j of sequence i is row i * Q + j, at position ctx_i + j. Sequences past the real
 ones are padding: slot = the cache's scratch slot, positions 0 .. Q - 1, token 0; their ring writes land in the
 scratch slot and their compressed entries in the scratch page, which no request owns. Rows j >= n_i of a real
@@ -133,13 +134,20 @@ def static_paged_arrays(
 
 
 class _Buffer:
-    """A pinned host array and a device tensor of the same shape (on CPU one tensor serves as both)."""
+    """A pinned host array and a device tensor of the same shape (on CPU one tensor serves as both); or rows
+    [lo, hi) of another _Buffer (`part`)."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.host = torch.zeros(shape, dtype=torch.int64, pin_memory=cuda)
         self.dev = torch.zeros(shape, dtype=torch.int64, device=device) if cuda else self.host
         self.np = self.host.numpy()
+
+    def part(self, lo: int, hi: int) -> _Buffer:
+        out = _Buffer.__new__(_Buffer)
+        out.host, out.np = self.host[lo:hi], self.np[lo:hi]
+        out.dev = out.host if self.dev is self.host else self.dev[lo:hi]
+        return out
 
     def send(self) -> None:
         if self.dev is not self.host:
@@ -155,6 +163,7 @@ class _Plan:
     buf: _Buffer
     sizes: list[int]
     build: Callable[[], list[np.ndarray]]
+    make: Callable[[list[Tensor]], object]
     obj: object
     memo: Callable[[], bytes] | None = None
     last: bytes | None = None
@@ -188,26 +197,61 @@ class StaticDecodeStep:
         self._ones = np.ones(B, dtype=np.int64)
         self._real = np.zeros(B, dtype=bool)
         self._lens = np.zeros(B, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
+        self._dynamic: _Buffer | None = None  # after freeze(): the arena part copied every step
+        a = self._seq.np
+        a[3 * T + B : 3 * T + 2 * B] = Q  # qlen and start never change (every sequence has Q rows)
+        a[3 * T + 2 * B : 3 * T + 3 * B] = np.arange(B, dtype=np.int64) * Q
+        self._arange = np.arange(max(B, T), dtype=np.int64)
+        self._seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
+        self._bind_seq()
+        self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
+                              input_ids=np.zeros(0, np.int64), block_tables=np.full((0, 1), -1, np.int64)))
+
+    def _bind_seq(self) -> None:
+        """The batch, sequence tensors and host views over the current `_seq` buffer."""
+        B, Q, T = self.batch_size, self.tokens, self.num_rows
         ids, pos, rows, ctx, qlen, start, slot = torch.split(self._seq.dev, [T, T, T, B, B, B, B])
         a = self._seq.np
         self._views = [a[:T], a[T : 2 * T], a[2 * T : 3 * T], *(a[3 * T + k * B : 3 * T + (k + 1) * B] for k in range(4))]
-        self._views[4][:] = Q  # qlen and start never change (every sequence has Q rows)
-        self._views[5][:] = np.arange(B, dtype=np.int64) * Q
-        self._arange = np.arange(max(B, T), dtype=np.int64)
         self.seq_t = SeqTensors(ctx=ctx, qlen=qlen, start=start, slot=slot)
         # [T] int64: the rows of the real tokens in batch order (`rows_of`), then 0s: rows [:sum n_i] of a step's
         # outputs are its real rows, gathered on the device without another copy
         self.real_rows = rows
-        seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
         self.batch = ForwardBatch(
             input_ids=ids, positions=pos, query_lens=(Q,) * B,
             slots=tuple(range(B)),  # placeholders: the slots live in seq_t (the scratch slot repeats)
             block_tables=torch.full((B, 1), -1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(T, dtype=torch.int64, device=self.device), seq=self.seq_t,
-            seq_of_token=seq_of_token,
+            seq_of_token=self._seq_of_token,
         )  # fmt: skip
-        self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
-                              input_ids=np.zeros(0, np.int64), block_tables=np.full((0, 1), -1, np.int64)))
+
+    def freeze(self) -> None:
+        """Move the step's buffers into one arena, [sequence ints | plans rebuilt every step | memoised plans], so
+        that a fill sends one copy (plus one per memoised plan that changed) instead of one per buffer. Call it
+        after a warm-up forward registered every plan and before capturing: it replaces the device tensors (and
+        the batch, sequence tensors and plan objects over them), so nothing captured earlier may hold the old
+        ones. Later plan requests raise. Idempotent."""
+        if self._dynamic is not None:
+            return
+        plans = list(self._plans.values())
+        bufs = [self._seq, *(p.buf for p in plans if p.memo is None), *(p.buf for p in plans if p.memo is not None)]
+        lens = [int(b.np.shape[0]) for b in bufs]
+        arena = _Buffer((sum(lens),), self.device)
+        parts, o = [], 0
+        for b, n in zip(bufs, lens):
+            part = arena.part(o, o + n)
+            part.np[:] = b.np
+            if part.dev is not part.host:
+                part.dev.copy_(b.dev)  # stream-ordered after any pending copy into the old buffer
+            parts.append(part)
+            o += n
+        dynamic = sum(lens[: 1 + sum(p.memo is None for p in plans)])
+        self._seq = parts[0]
+        for p, part in zip([p for p in plans if p.memo is None] + [p for p in plans if p.memo is not None], parts[1:]):
+            p.buf = part
+            p.obj = p.make(list(torch.split(part.dev, p.sizes)))
+        self._bind_seq()
+        self._dynamic = arena.part(0, dynamic)
 
     # ------------------------------------------------------------------------------------ per step
     def _host_views(self) -> list[np.ndarray]:
@@ -270,25 +314,30 @@ class StaticDecodeStep:
         bt = np.asarray(facts.block_tables, dtype=np.int64)
         self._bt = np.full((B, max(1, bt.shape[1])), -1, dtype=np.int64)
         self._bt[:S, : bt.shape[1]] = bt
-        self._seq.send()
+        frozen = self._dynamic is not None  # then the sequence ints and every-step plans go in one copy
+        if not frozen:
+            self._seq.send()
         for plan in self._plans.values():
             memo = plan.memo() if plan.memo is not None else None
             if memo is None or memo != plan.last:
-                self._write(plan.buf, plan.sizes, plan.build())
+                self._write(plan.buf, plan.sizes, plan.build(), send=not frozen or memo is not None)
                 plan.last = memo
+        if frozen:
+            self._dynamic.send()
         if self._event is not None:
             self._event.record()
             self._copied = True
 
     @staticmethod
-    def _write(buf: _Buffer, sizes: list[int], parts: list[np.ndarray]) -> None:
+    def _write(buf: _Buffer, sizes: list[int], parts: list[np.ndarray], *, send: bool = True) -> None:
         o = 0
         for n, p in zip(sizes, parts):
             if p.shape[0] != n:
                 raise CapacityError(f"static plan part of {n} rows rebuilt with {p.shape[0]}")
             buf.np[o : o + n] = p
             o += n
-        buf.send()
+        if send:
+            buf.send()
 
     def _register(self, key: tuple, build: Callable[[], list[np.ndarray]], make: Callable,
                   memo: Callable[[], bytes] | None = None) -> object:
@@ -298,8 +347,11 @@ class StaticDecodeStep:
             sizes = [int(p.shape[0]) for p in parts]
             buf = _Buffer((sum(sizes),), self.device)
             self._write(buf, sizes, parts)
-            plan = _Plan(buf=buf, sizes=sizes, build=build, obj=make(list(torch.split(buf.dev, sizes))), memo=memo,
-                         last=memo() if memo is not None else None)
+            if self._dynamic is not None:
+                raise InputError(f"static decode step: plan {key} asked for after freeze(); every plan must be "
+                                 "registered by the warm-up forward before the step is frozen")
+            plan = _Plan(buf=buf, sizes=sizes, build=build, make=make, obj=make(list(torch.split(buf.dev, sizes))),
+                         memo=memo, last=memo() if memo is not None else None)
             self._plans[key] = plan
         return plan.obj
 

@@ -310,10 +310,11 @@ class CudaGraphRunner:
     def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
         return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
-    def _record(self, forward: Callable[[], Any]) -> tuple[Any, Any]:
+    def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None) -> tuple[Any, Any]:
         """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
         (Triton compiles / autotunes there, plans register, lazies initialise); `graph.replay()` rewrites the
-        outputs in place."""
+        outputs in place. `prepare` runs after the first warm-up (the static step's `freeze`: its plans are
+        registered by then, and the second warm-up already runs on the frozen buffers)."""
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -321,8 +322,10 @@ class CudaGraphRunner:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            for _ in range(2):
+            for i in range(2):
                 forward()
+                if i == 0 and prepare is not None:
+                    prepare()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -342,9 +345,9 @@ class CudaGraphRunner:
                 logits = self._forward(step, None).logits.float()
                 return _DecodeOutputs(logits=logits, greedy=self.sampler.greedy(logits))
 
-            graph, dec = self._record(decode)
+            graph, dec = self._record(decode, step.freeze)
             return self._keep((B, L), _Graph(step=step, graph=graph, logits=dec.logits, greedy=dec.greedy), "", t0)
-        graph, out = self._record(lambda: self._forward(step, capture))
+        graph, out = self._record(lambda: self._forward(step, capture), step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
                    capture=tuple(capture))
         return self._keep((B, L, Q), g, "verify", t0)
@@ -400,7 +403,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         # the stages read the window rings only (no compressed entries): any length up to the model's positions
         step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
-        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step))
+        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step), step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
         return self._keep(("draft", B, N), g, "draft", t0)
 
@@ -449,6 +452,6 @@ class CudaGraphRunner:
             h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
             return m.head.f32_out(h)
 
-        graph, logits = self._record(forward)
+        graph, logits = self._record(forward, step.freeze)
         g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
         return self._keep(("mtp", B, Q), g, "mtp", t0)
