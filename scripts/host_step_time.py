@@ -8,7 +8,8 @@ Runs the public `LLM` API (default: the embedded tiny model, `model=None`) and t
 (each sequence feeds one token) of a batch of greedy requests:
   step ms = wall time of the `engine.step()` call;
   fwd ms  = wall time of the forward call inside it (the model call, or the CUDA graph replay call: on CUDA only
-            the launches / replay call, the kernels run asynchronously), on CPU the whole forward compute;
+            the launches / replay call, the kernels run asynchronously), on CPU the whole forward compute and the
+            sampler's calls (their reductions over the vocabulary are the CPU's device work);
   wait ms = time blocked reading the previous step's sampled ids back (AsyncOutput; asynchronous scheduling);
   host ms = step - fwd - wait (input building, plan arrays, copies, sampler launches, scheduling, outputs).
 On CPU the forward is the device work, so host ms is the engine's own overhead; on CUDA with graphs fwd is the
@@ -90,6 +91,8 @@ class _Clock:
                     prof.enable()
 
         runner.model = forward
+        if runner.device.type == "cpu":  # there the sampler's reductions over the vocabulary are device work too
+            runner.sampler = _TimedSampler(runner.sampler, self)
         graphs = getattr(runner, "cuda_graphs", None)
         if graphs is not None:
             replay = graphs.run
@@ -118,6 +121,27 @@ class _Clock:
 
         AsyncOutput._wait = _wait
         return orig
+
+
+class _TimedSampler:
+    """The runner's sampler with its calls' wall time added to the clock's forward time (CPU runs)."""
+
+    def __init__(self, sampler: Any, clock: _Clock) -> None:
+        self.sampler, self.clock = sampler, clock
+        self.kernel_backend = sampler.kernel_backend
+
+    def _timed(self, fn: Any, *a: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            self.clock.fwd += time.perf_counter() - t0
+
+    def __call__(self, logits: Any, batch: Any) -> Any:
+        return self._timed(self.sampler, logits, batch)
+
+    def greedy(self, logits: Any) -> Any:
+        return self._timed(self.sampler.greedy, logits)
 
 
 def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, warmup: int,
