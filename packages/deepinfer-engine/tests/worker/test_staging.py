@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from deepinfer_engine.errors import InputError
 from deepinfer_engine.worker.staging import HostStaging
 
 
@@ -39,7 +40,7 @@ def test_cpu_parts_are_fresh_tensors() -> None:
     t = st.tensor(src, torch.int64)
     src[0] = 9
     assert t.tolist() == [1, 2, 3]  # nor with the caller's array
-    with pytest.raises(TypeError, match="not supported"):
+    with pytest.raises(InputError, match="found dtype torch.float64"):
         st.tensor([1.0], torch.float64)
 
 

@@ -8,10 +8,11 @@ and one copy launch in all.
 
 Reuse of a pinned buffer is the hazard: the copy of step k reads it after the call returns (asynchronously), and
 with asynchronous scheduling step k + 1 is staged while step k may not have been copied yet. The buffers are
-used in turn (`slots` of them, default 2) and each records an event after its copy; a buffer is rewritten only
-once that event has completed (a query; a wait only when `slots` steps are still in flight). The device side
-is a new allocation per call (the caching allocator's, stream-ordered), so views handed out earlier are never
-overwritten. On CPU there is nothing to copy: the parts become fresh tensors.
+used in turn (`slots` of them, default 4: a step stages up to two packs, placeholder sources and sampling
+parameters, and two steps are in flight) and each records an event after its copy; a buffer is rewritten only
+once that event has completed (a query; a wait only when the copy staged `slots` calls earlier is still
+pending). The device side is a new allocation per call (the caching allocator's, stream-ordered), so views
+handed out earlier are never overwritten. On CPU there is nothing to copy: the parts become fresh tensors.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 from torch import Tensor
+
+from deepinfer_engine.errors import ConfigError, InputError
 
 __all__ = ["HostStaging"]
 
@@ -32,7 +35,8 @@ def _np_dtype(dtype: torch.dtype) -> type:
     try:
         return _NP[dtype]
     except KeyError:
-        raise TypeError(f"host staging: dtype {dtype} not supported, expected one of {sorted(map(str, _NP))}") from None
+        raise InputError(f"host staging: found dtype {dtype}, expected one of {sorted(map(str, _NP))}; convert the "
+                         "values first") from None
 
 
 class _Slot:
@@ -46,9 +50,9 @@ class _Slot:
 class HostStaging:
     """Pinned staging buffers of one device, reused across steps (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str, *, slots: int = 2, nbytes: int = 4096) -> None:
+    def __init__(self, device: torch.device | str, *, slots: int = 4, nbytes: int = 4096) -> None:
         if slots < 1:
-            raise ValueError(f"host staging: {slots} slots, expected >= 1")
+            raise ConfigError(f"host staging: found {slots} slots, expected >= 1")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._slots = [_Slot(nbytes) for _ in range(slots)] if self.cuda else []
