@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepinfer_engine.errors import CapacityError
+from deepinfer_engine.errors import CapacityError, InputError
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
@@ -48,7 +48,7 @@ def _prefill(model: Transformer, cache: ModelCache, ids: torch.Tensor, slot: int
     ), cache)  # fmt: skip
 
 
-def _run(model: Transformer, *, batch_size: int, max_len: int) -> int:
+def _run(model: Transformer, *, batch_size: int, max_len: int, freeze: bool = False) -> int:
     """Exact vs fixed-shape decode over a schedule with joins and leaves; returns the steps compared."""
     a = model.args
     slots, pages_per_slot = 4, -(-max_len // PAGE)
@@ -79,6 +79,8 @@ def _run(model: Transformer, *, batch_size: int, max_len: int) -> int:
         model.host_step(batch, caches[1])
         step.fill(DecodeFacts.of(batch))
         out = model.forward_features(None, caches[1], static=step).logits[: len(order)]
+        if freeze and k == 0:  # plans registered: one arena from the next fill on (as before a capture)
+            step.freeze()
         assert max_rel_err(out, ref) <= TOL, (k, order)
         if caches[0].token_ring is not None:  # Engram: the fixed-shape step kept the same n-gram history
             assert torch.equal(caches[1].token_ring[:slots], caches[0].token_ring[:slots]), k
@@ -89,8 +91,9 @@ def _run(model: Transformer, *, batch_size: int, max_len: int) -> int:
     return compared
 
 
-def test_static_decode_equals_exact_v41(make_tiny_v41_model):
-    assert _run(make_tiny_v41_model(0), batch_size=4, max_len=64) == 12
+@pytest.mark.parametrize("freeze", [False, True])
+def test_static_decode_equals_exact_v41(make_tiny_v41_model, freeze: bool):
+    assert _run(make_tiny_v41_model(0), batch_size=4, max_len=64, freeze=freeze) == 12
 
 
 def test_static_decode_equals_exact_v4():
@@ -144,3 +147,46 @@ def test_static_window_rows_equal_the_device_computation():
         got = ctx.window_rows(plan, W, noncausal=False)
         want = dataclasses.replace(ctx, static=None, plans={}).window_rows(plan, W, noncausal=False)
         assert got.shape == (4, W) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("tokens", "freeze"), [(1, False), (3, False), (1, True), (3, True)])
+def test_static_plans_equal_fresh_builds_every_step(make_tiny_v41_model, tokens: int, freeze: bool):
+    """After every fill each plan's buffer holds what the exact builders give for that step: ring plans
+    (built from ctx / slot only) equal ring_plan_arrays(clip=False); paged and window plans, which skip the
+    rebuild and the copy while their memo is unchanged, equal a fresh build (positions advancing one by one
+    across entry, page and window boundaries; sequences joining and leaving; growing block tables). Frozen
+    (one arena): the same, and the plan objects and batch view the arena."""
+    from deepinfer_engine.model.cache import ring_plan_arrays
+
+    model = make_tiny_v41_model(0)
+    cache = ModelCache.allocate(model.args, num_slots=4, num_pages=64, page_size=4, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 4, 128, "cpu", tokens=tokens)
+    model.forward_features(None, cache, static=step)  # registers every plan the forward asks for
+    kinds = {k[0] for k in step._plans}
+    assert {"ring", "paged", "win"} <= kinds, kinds
+    if freeze:
+        step.freeze()
+        arena = step._seq.dev.untyped_storage().data_ptr()
+        assert all(p.buf.dev.untyped_storage().data_ptr() == arena for p in step._plans.values())
+        assert step.batch.input_ids.untyped_storage().data_ptr() == arena
+        with pytest.raises(InputError, match="after freeze"):
+            step.ring_plan(3, 2, write=False)  # a plan the warm-up did not register
+    skipped = 0
+    for k in range(40):
+        live = [s for s in range(3) if not (s == 1 and 10 <= k < 20)]
+        ctx = np.array([5 * s + k for s in live], dtype=np.int64)
+        lens = np.array([1 + (s + k) % tokens for s in live], dtype=np.int64)
+        tables = np.stack([np.arange(16, dtype=np.int64) + 16 * s for s in live])[:, : 2 + (k + 12) // 4]
+        before = {key: p.last for key, p in step._plans.items()}
+        step.fill(DecodeFacts(ctx=ctx, slots=np.asarray(live, dtype=np.int64), input_ids=np.zeros(int(lens.sum()),
+                              np.int64), block_tables=tables, query_lens=None if tokens == 1 else lens))
+        for key, plan in step._plans.items():
+            got = plan.buf.dev.numpy()
+            if key[0] == "ring":
+                _, R, back, write = key
+                want = ring_plan_arrays(R, (back,) * 4, step.seq_host, write=write, clip=False)
+            else:
+                want = plan.build()
+                skipped += plan.last == before[key]
+            assert np.array_equal(got, np.concatenate(want)), (k, key)
+    assert skipped > 0  # some steps really kept a plan

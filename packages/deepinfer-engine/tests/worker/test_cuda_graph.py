@@ -11,6 +11,7 @@ from deepinfer_engine.worker.cuda_graph import (
     length_bucket,
     pick_bucket,
 )
+from deepinfer_engine.worker.sampler import Sampler
 
 
 def test_batch_buckets():
@@ -43,7 +44,7 @@ def test_which_steps_replay():
 
 class _RecordingGraphs:
     """Stands in for CudaGraphRunner at the runner's hook: the real bucket rule; 'replays' run the eager model on
-    the step's batch (or decline, like a shape whose capture failed)."""
+    the step's batch (or decline, like a shape whose capture failed); their greedy ids come from the sampler."""
 
     def __init__(self, model, cache, *, declines: bool) -> None:
         self.model, self.cache, self.declines = model, cache, declines
@@ -58,7 +59,11 @@ class _RecordingGraphs:
         if self.declines:
             return None
         self.ran += 1
-        return self.model(batch, self.cache)
+        self.logits = self.model(batch, self.cache)
+        return self.logits
+
+    def greedy_ids(self, num_seqs):  # a real decode graph computes them inside the replay, as the sampler does
+        return Sampler().greedy(self.logits.float())[:num_seqs]
 
 
 @pytest.mark.parametrize("declines", [False, True])

@@ -54,8 +54,10 @@ class StaticEagerGraphs(CudaGraphRunner):
         super().__init__(model, cache, device="cuda", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.device = torch.device("cpu")  # the constructor only checks the device type; nothing was allocated
 
-    def _record(self, forward):
+    def _record(self, forward, prepare=None):
         out = forward()
+        if prepare is not None:  # the static step's freeze, after the forward registered its plans
+            prepare()
         return _EagerReplay(forward, out), out
 
 

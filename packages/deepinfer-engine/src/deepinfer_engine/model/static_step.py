@@ -7,7 +7,8 @@ token and up to Q - 1 drafts).
 `StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints and every gather plan a
 forward asks for) and a pinned host twin of each; Engram row ids are computed inside the step from the token ids
 and the cache's device token ring (docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
-twins and copies them into the device buffers (one non-blocking copy per buffer); the captured kernels read the
+twins and copies them into the device buffers (one non-blocking copy per buffer; once `freeze`d into one arena,
+one copy in all plus one per memoised plan that changed; docs/cuda_graphs.md); the captured kernels read the
 device buffers in place. Row j of sequence i is row i * Q + j, at position ctx_i + j. Sequences past the real
 ones are padding: slot = the cache's scratch slot, positions 0 .. Q - 1, token 0; their ring writes land in the
 scratch slot and their compressed entries in the scratch page, which no request owns. Rows j >= n_i of a real
@@ -133,7 +134,8 @@ def static_paged_arrays(
 
 
 class _Buffer:
-    """A pinned host array and a device tensor of the same shape (on CPU one tensor serves as both)."""
+    """A pinned host array and a device tensor of the same shape (on CPU one tensor serves as both); or rows
+    [lo, hi) of another _Buffer (`part`)."""
 
     def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
         cuda = device.type == "cuda"
@@ -141,9 +143,30 @@ class _Buffer:
         self.dev = torch.zeros(shape, dtype=torch.int64, device=device) if cuda else self.host
         self.np = self.host.numpy()
 
+    def part(self, lo: int, hi: int) -> _Buffer:
+        out = _Buffer.__new__(_Buffer)
+        out.host, out.np = self.host[lo:hi], self.np[lo:hi]
+        out.dev = out.host if self.dev is self.host else self.dev[lo:hi]
+        return out
+
     def send(self) -> None:
         if self.dev is not self.host:
             self.dev.copy_(self.host, non_blocking=True)
+
+
+@dataclass
+class _Plan:
+    """One registered plan: its buffer (parts of `sizes` rows), how to rebuild its host arrays, the plan object
+    over the device views, and `memo` (None: rebuilt every step): bytes that determine the arrays, so that a
+    step whose memo equals the last build's skips the rebuild and the copy (the device buffer holds them)."""
+
+    buf: _Buffer
+    sizes: list[int]
+    build: Callable[[], list[np.ndarray]]
+    make: Callable[[list[Tensor]], object]
+    obj: object
+    memo: Callable[[], bytes] | None = None
+    last: bytes | None = None
 
 
 class StaticDecodeStep:
@@ -166,32 +189,74 @@ class StaticDecodeStep:
         T = self.num_rows = B * Q
         # one buffer, one copy per step: input ids | positions | real rows [T each] | ctx | qlen | start | slot [B each]
         self._seq = _Buffer((3 * T + 4 * B,), self.device)
-        self._plans: dict[tuple, tuple[_Buffer, list[int], Callable[[], list[np.ndarray]], object]] = {}
-        self._copied: torch.cuda.Event | None = None
+        self._plans: dict[tuple, _Plan] = {}
+        # recorded after each fill's copies: the next fill rewrites the pinned sources only once they ran
+        self._event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copied = False
         self._bt = np.full((B, 1), -1, dtype=np.int64)
+        self._ones = np.ones(B, dtype=np.int64)
         self._real = np.zeros(B, dtype=bool)
         self._lens = np.zeros(B, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
+        self._dynamic: _Buffer | None = None  # after freeze(): the arena part copied every step
+        a = self._seq.np
+        a[3 * T + B : 3 * T + 2 * B] = Q  # qlen and start never change (every sequence has Q rows)
+        a[3 * T + 2 * B : 3 * T + 3 * B] = np.arange(B, dtype=np.int64) * Q
+        self._arange = np.arange(max(B, T), dtype=np.int64)
+        self._seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
+        self._bind_seq()
+        self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
+                              input_ids=np.zeros(0, np.int64), block_tables=np.full((0, 1), -1, np.int64)))
+
+    def _bind_seq(self) -> None:
+        """The batch, sequence tensors and host views over the current `_seq` buffer."""
+        B, Q, T = self.batch_size, self.tokens, self.num_rows
         ids, pos, rows, ctx, qlen, start, slot = torch.split(self._seq.dev, [T, T, T, B, B, B, B])
+        a = self._seq.np
+        self._views = [a[:T], a[T : 2 * T], a[2 * T : 3 * T], *(a[3 * T + k * B : 3 * T + (k + 1) * B] for k in range(4))]
         self.seq_t = SeqTensors(ctx=ctx, qlen=qlen, start=start, slot=slot)
         # [T] int64: the rows of the real tokens in batch order (`rows_of`), then 0s: rows [:sum n_i] of a step's
         # outputs are its real rows, gathered on the device without another copy
         self.real_rows = rows
-        seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
         self.batch = ForwardBatch(
             input_ids=ids, positions=pos, query_lens=(Q,) * B,
             slots=tuple(range(B)),  # placeholders: the slots live in seq_t (the scratch slot repeats)
             block_tables=torch.full((B, 1), -1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(T, dtype=torch.int64, device=self.device), seq=self.seq_t,
-            seq_of_token=seq_of_token,
+            seq_of_token=self._seq_of_token,
         )  # fmt: skip
-        self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
-                              input_ids=np.zeros(0, np.int64), block_tables=np.full((0, 1), -1, np.int64)))
+
+    def freeze(self) -> None:
+        """Move the step's buffers into one arena, [sequence ints | plans rebuilt every step | memoised plans], so
+        that a fill sends one copy (plus one per memoised plan that changed) instead of one per buffer. Call it
+        after a warm-up forward registered every plan and before capturing: it replaces the device tensors (and
+        the batch, sequence tensors and plan objects over them), so nothing captured earlier may hold the old
+        ones. Later plan requests raise. Idempotent."""
+        if self._dynamic is not None:
+            return
+        plans = list(self._plans.values())
+        bufs = [self._seq, *(p.buf for p in plans if p.memo is None), *(p.buf for p in plans if p.memo is not None)]
+        lens = [int(b.np.shape[0]) for b in bufs]
+        arena = _Buffer((sum(lens),), self.device)
+        parts, o = [], 0
+        for b, n in zip(bufs, lens):
+            part = arena.part(o, o + n)
+            part.np[:] = b.np
+            if part.dev is not part.host:
+                part.dev.copy_(b.dev)  # stream-ordered after any pending copy into the old buffer
+            parts.append(part)
+            o += n
+        dynamic = sum(lens[: 1 + sum(p.memo is None for p in plans)])
+        self._seq = parts[0]
+        for p, part in zip([p for p in plans if p.memo is None] + [p for p in plans if p.memo is not None], parts[1:]):
+            p.buf = part
+            p.obj = p.make(list(torch.split(part.dev, p.sizes)))
+        self._bind_seq()
+        self._dynamic = arena.part(0, dynamic)
 
     # ------------------------------------------------------------------------------------ per step
     def _host_views(self) -> list[np.ndarray]:
-        B, T = self.batch_size, self.num_rows
-        a = self._seq.np
-        return [a[:T], a[T : 2 * T], a[2 * T : 3 * T], *(a[3 * T + k * B : 3 * T + (k + 1) * B] for k in range(4))]
+        """[ids, positions, real rows, ctx, qlen, start, slot]: views of the pinned host buffer (made once)."""
+        return self._views
 
     @property
     def seq_host(self) -> SeqHost:
@@ -210,74 +275,113 @@ class StaticDecodeStep:
 
         Waits (normally a query) for the previous step's copies before overwriting their pinned sources."""
         S, B, Q = int(facts.ctx.shape[0]), self.batch_size, self.tokens
-        lens = facts.lens
         if S > B:
             raise CapacityError(f"static decode step of {B} rows: found {S} sequences")
-        if S and (int(lens.min()) < 1 or int(lens.max()) > Q):
-            raise CapacityError(f"static decode step of {Q} tokens per sequence: found query lengths "
-                                f"{lens.tolist()}")  # fmt: skip
-        if int(facts.input_ids.shape[0]) != int(lens.sum()):
-            raise InputError(f"decode facts: found {facts.input_ids.shape[0]} input ids, expected {int(lens.sum())}")
+        if facts.query_lens is None:  # one token per sequence
+            lens = self._ones[:S]
+            if int(facts.input_ids.shape[0]) != S:
+                raise InputError(f"decode facts: found {facts.input_ids.shape[0]} input ids, expected {S}")
+        else:
+            lens = facts.lens
+            if S and (int(lens.min()) < 1 or int(lens.max()) > Q):
+                raise CapacityError(f"static decode step of {Q} tokens per sequence: found query lengths "
+                                    f"{lens.tolist()}")  # fmt: skip
+            if int(facts.input_ids.shape[0]) != int(lens.sum()):
+                raise InputError(f"decode facts: found {facts.input_ids.shape[0]} input ids, expected "
+                                 f"{int(lens.sum())}")  # fmt: skip
         if S and int(facts.ctx.max()) + Q > self.max_len:
             raise CapacityError(f"static decode step up to length {self.max_len}: a sequence reaches "
                                 f"{int(facts.ctx.max()) + Q}")  # fmt: skip
-        if self._copied is not None:
-            if not self._copied.query():
-                self._copied.synchronize()
-            self._copied = None
-        ids, pos, real_rows, ctx, qlen, start, slot = self._host_views()
-        rows = self.rows_of(lens)
-        ids[:] = 0
-        ids[rows] = facts.input_ids
-        real_rows[: rows.shape[0]], real_rows[rows.shape[0] :] = rows, 0
+        if self._copied:
+            if not self._event.query():
+                self._event.synchronize()
+            self._copied = False
+        ids, pos, real_rows, ctx, _, _, slot = self._views
         ctx[:S], ctx[S:] = facts.ctx, 0
-        pos[:] = (ctx[:, None] + np.arange(Q, dtype=np.int64)[None, :]).reshape(-1)
-        qlen[:] = Q
-        start[:] = np.arange(B, dtype=np.int64) * Q
+        if Q == 1:  # row i = sequence i at position ctx_i
+            ids[:S], ids[S:] = facts.input_ids, 0
+            real_rows[:S], real_rows[S:] = self._arange[:S], 0
+            pos[:] = ctx
+        else:
+            rows = self.rows_of(lens)
+            ids[:] = 0
+            ids[rows] = facts.input_ids
+            real_rows[: rows.shape[0]], real_rows[rows.shape[0] :] = rows, 0
+            pos[:] = (ctx[:, None] + self._arange[:Q][None, :]).reshape(-1)
         slot[:S], slot[S:] = facts.slots, self.cache.scratch_slot
         self._real[:S], self._real[S:] = True, False
         self._lens[:S], self._lens[S:] = lens, 0
         bt = np.asarray(facts.block_tables, dtype=np.int64)
         self._bt = np.full((B, max(1, bt.shape[1])), -1, dtype=np.int64)
         self._bt[:S, : bt.shape[1]] = bt
-        self._seq.send()
-        for buf, sizes, build, _ in self._plans.values():
-            self._write(buf, sizes, build())
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        frozen = self._dynamic is not None  # then the sequence ints and every-step plans go in one copy
+        if not frozen:
+            self._seq.send()
+        for plan in self._plans.values():
+            memo = plan.memo() if plan.memo is not None else None
+            if memo is None or memo != plan.last:
+                self._write(plan.buf, plan.sizes, plan.build(), send=not frozen or memo is not None)
+                plan.last = memo
+        if frozen:
+            self._dynamic.send()
+        if self._event is not None:
+            self._event.record()
+            self._copied = True
 
     @staticmethod
-    def _write(buf: _Buffer, sizes: list[int], parts: list[np.ndarray]) -> None:
+    def _write(buf: _Buffer, sizes: list[int], parts: list[np.ndarray], *, send: bool = True) -> None:
         o = 0
         for n, p in zip(sizes, parts):
             if p.shape[0] != n:
                 raise CapacityError(f"static plan part of {n} rows rebuilt with {p.shape[0]}")
             buf.np[o : o + n] = p
             o += n
-        buf.send()
+        if send:
+            buf.send()
 
-    def _register(self, key: tuple, build: Callable[[], list[np.ndarray]], make: Callable) -> object:
-        entry = self._plans.get(key)
-        if entry is None:
+    def _register(self, key: tuple, build: Callable[[], list[np.ndarray]], make: Callable,
+                  memo: Callable[[], bytes] | None = None) -> object:
+        plan = self._plans.get(key)
+        if plan is None:
             parts = build()
             sizes = [int(p.shape[0]) for p in parts]
             buf = _Buffer((sum(sizes),), self.device)
             self._write(buf, sizes, parts)
-            views = list(torch.split(buf.dev, sizes))
-            entry = (buf, sizes, build, make(views))
-            self._plans[key] = entry
-        return entry[3]
+            if self._dynamic is not None:
+                raise InputError(f"static decode step: plan {key} asked for after freeze(); every plan must be "
+                                 "registered by the warm-up forward before the step is frozen")
+            plan = _Plan(buf=buf, sizes=sizes, build=build, make=make, obj=make(list(torch.split(buf.dev, sizes))),
+                         memo=memo, last=memo() if memo is not None else None)
+            self._plans[key] = plan
+        return plan.obj
 
     # ------------------------------------------------------------------------------------ plans
     def ring_plan(self, ring_rows: int, max_back: int, *, write: bool) -> RingPlan:
-        B = self.batch_size
+        B, Q, R = self.batch_size, self.tokens, ring_rows
+        key = ("ring", ring_rows, max_back, write)
+        if key not in self._plans:  # the exact builder checks the ring holds max_back rows (CapacityError)
+            ring_plan_arrays(R, (max_back,) * B, self.seq_host, write=write, clip=False)
+        # ring_plan_arrays(clip=False) of this step's sequences: every sequence reads max_back rows and (qlen = Q,
+        # start = i * Q) writes its last k = min(Q, R) rows, so only ctx and slot vary; the rest is built once
+        # (tests/model/test_static_step.py checks the two builders agree)
+        seg = np.repeat(np.arange(B, dtype=np.int64), max_back)
+        j = np.tile(np.arange(max_back, dtype=np.int64), B)
+        hist_off = np.arange(B, dtype=np.int64) * max_back
+        k = min(Q, R)
+        kseg = np.repeat(np.arange(B, dtype=np.int64), k)
+        kj = np.tile(np.arange(k, dtype=np.int64), B) + (Q - k)
+        write_src = kseg * Q + kj
 
         def build() -> list[np.ndarray]:
-            return ring_plan_arrays(ring_rows, (max_back,) * B, self.seq_host, write=write, clip=False)
+            _, _, _, ctx, _, _, slot = self._host_views()
+            first = ctx - max_back
+            parts = [slot[seg] * R + (first[seg] + j) % R, hist_off, first]
+            if write:
+                parts += [slot[kseg] * R + (ctx[kseg] + kj) % R, write_src]
+            return parts
 
         pool_len = B * max_back + self.num_rows
-        return self._register(("ring", ring_rows, max_back, write), build,
+        return self._register(key, build,
                               lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len))  # type: ignore[return-value]
 
     def window_rows(self, plan: RingPlan, window: int) -> Tensor:
@@ -297,8 +401,11 @@ class StaticDecodeStep:
             rows = np.where(q < ctx, i * back + q - (ctx - back), plan.num_hist + i * Q + q - ctx)
             return [np.where(q >= 0, rows.clip(0, pool_len - 1), -1).reshape(-1)]
 
+        def memo() -> bytes:  # rows q - ctx_i do not depend on ctx_i; only the q >= 0 mask does, up to ctx_i = window
+            return np.minimum(self._host_views()[3], window).tobytes()
+
         key = ("win", plan.ring_rows, back, window)
-        return self._register(key, build, lambda v: v[0].view(B * Q, window))  # type: ignore[return-value]
+        return self._register(key, build, lambda v: v[0].view(B * Q, window), memo)  # type: ignore[return-value]
 
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)
@@ -319,7 +426,12 @@ class StaticDecodeStep:
                 offsets=tuple(range(0, B * width, width)), counts=(width,) * B, offsets_t=v[4],
             )  # fmt: skip
 
-        return self._register(("paged", ratio), build, make)  # type: ignore[return-value]
+        def memo() -> bytes:  # static_paged_arrays sees ctx only through the entries ctx // r and (ctx + n) // r
+            ctx = self._host_views()[3]
+            return b"".join(((ctx // ratio).tobytes(), ((ctx + self._lens) // ratio).tobytes(), self._real.tobytes(),
+                             self._bt.tobytes()))
+
+        return self._register(("paged", ratio), build, make, memo)  # type: ignore[return-value]
 
     def mark_written(self, facts: DecodeFacts) -> None:
         """Rollback marks of the rows this step writes: Q positions per real sequence, its padding rows included

@@ -32,7 +32,7 @@ from deepinfer_engine.errors import InputError
 from deepinfer_engine.worker.async_output import AsyncOutput
 from deepinfer_engine.worker.input_batch import StepInputs
 from deepinfer_engine.worker.model_runner import ModelRunner
-from deepinfer_engine.worker.sampler import SamplingBatch, to_device
+from deepinfer_engine.worker.sampler import SamplingBatch
 
 __all__ = ["AsyncModelRunner"]
 
@@ -110,8 +110,7 @@ class AsyncModelRunner(ModelRunner):
         if not rows:
             return
         src = self._source_rows(rids)
-        dev = inp.input_ids.device
-        src_dst = to_device([src, rows], torch.int64, dev)  # one small copy for both index vectors
+        src_dst = self.staging.tensor([src, rows], torch.int64)  # one small copy for both index vectors
         ids = self._prev.token_ids.index_select(0, src_dst[0]).clamp_(min=0)
         inp.input_ids.index_copy_(0, src_dst[1], ids)
         inp.host.input_ids[rows] = 0  # the real ids exist on the device only (nothing reads them on the host)
@@ -126,7 +125,7 @@ class AsyncModelRunner(ModelRunner):
         dev = output_ids.device
         extra = torch.full((output_ids.shape[0], 1), -1, dtype=torch.int64, device=dev)
         src = self._source_rows([chunks[i].req_id for i in pending])
-        src_dst = to_device([src, pending], torch.int64, dev)
+        src_dst = self.staging.tensor([src, pending], torch.int64)
         extra.index_copy_(0, src_dst[1], self._prev.token_ids.index_select(0, src_dst[0])[:, None])
         # the in-flight token goes last: -1 (an invalid sample) counts as padding
         return dataclasses.replace(sbatch, penalties=(prompt_ids, torch.cat([output_ids, extra], dim=1), *rest))

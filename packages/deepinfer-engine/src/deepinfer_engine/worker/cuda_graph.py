@@ -31,6 +31,7 @@ from torch import Tensor
 from deepinfer_engine.errors import ConfigError, InputError
 from deepinfer_engine.model.model import ModelOutput
 from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
+from deepinfer_engine.worker.sampler import Sampler
 
 __all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket",
            "verify_shape", "verify_token_sizes"]
@@ -140,10 +141,19 @@ class GraphStats:
 
 
 @dataclass
+class _DecodeOutputs:
+    """What a decode graph writes: the logits [B, V] float32 and their greedy ids [B] int64 (`Sampler.greedy`)."""
+
+    logits: Tensor
+    greedy: Tensor
+
+
+@dataclass
 class _Graph:
     step: StaticDecodeStep
     graph: torch.cuda.CUDAGraph
     logits: Tensor  # [B * Q, V] float32, written by every replay
+    greedy: Tensor | None = None  # decode graphs: [B] int64 greedy ids of the logits (INVALID_TOKEN: not finite)
     hidden: Tensor | None = None  # verify graphs: the final streams [B * Q, n, d]
     features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [B * Q, d]
     capture: tuple[int, ...] | None = None  # verify graphs: the feature layers they capture
@@ -168,6 +178,8 @@ class CudaGraphRunner:
         self._stream: torch.cuda.Stream | None = None
         self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
         self.last_shape: tuple[int, ...] | None = None  # the shape of the latest replay (benchmarks replay it)
+        self._greedy: Tensor | None = None  # the greedy ids of the latest decode replay
+        self.sampler = Sampler()  # the greedy argmax captured with each decode graph, as the runner's sampler runs it
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
         """(B, L) of a graph that can run this step, None when it must run eagerly."""
@@ -199,7 +211,14 @@ class CudaGraphRunner:
         g.graph.replay()
         self.stats.replays += 1
         self.last_shape = shape
+        self._greedy = g.greedy
         return g.logits[: batch.num_seqs]
+
+    def greedy_ids(self, num_seqs: int) -> Tensor:
+        """[num_seqs] int64 greedy ids (`Sampler.greedy`, INVALID_TOKEN where not finite) of the logits of the
+        latest decode replay (`run`), computed inside its graph: a greedy decode step launches nothing for its
+        sampling. A view into the graph's memory, valid until the next replay (copy it before that)."""
+        return self._greedy[:num_seqs]
 
     def verify_shape_of(self, batch: object, logit_rows: Sequence[int], max_tokens: int
                         ) -> tuple[int, int, int] | None:  # fmt: skip
@@ -291,10 +310,11 @@ class CudaGraphRunner:
     def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
         return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
-    def _record(self, forward: Callable[[], Any]) -> tuple[Any, Any]:
+    def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None) -> tuple[Any, Any]:
         """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
         (Triton compiles / autotunes there, plans register, lazies initialise); `graph.replay()` rewrites the
-        outputs in place."""
+        outputs in place. `prepare` runs after the first warm-up (the static step's `freeze`: its plans are
+        registered by then, and the second warm-up already runs on the frozen buffers)."""
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -302,8 +322,10 @@ class CudaGraphRunner:
             self._stream = torch.cuda.Stream(self.device)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            for _ in range(2):
+            for i in range(2):
                 forward()
+                if i == 0 and prepare is not None:
+                    prepare()
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -318,9 +340,14 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         # all rows padding while warming up and capturing: only the scratch slot / page are written
         step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
-        graph, out = self._record(lambda: self._forward(step, capture))
-        if capture is None:
-            return self._keep((B, L), _Graph(step=step, graph=graph, logits=out.logits), "", t0)
+        if capture is None:  # the decode graph samples greedily too (its ids are used for plain greedy steps)
+            def decode() -> _DecodeOutputs:
+                logits = self._forward(step, None).logits.float()
+                return _DecodeOutputs(logits=logits, greedy=self.sampler.greedy(logits))
+
+            graph, dec = self._record(decode, step.freeze)
+            return self._keep((B, L), _Graph(step=step, graph=graph, logits=dec.logits, greedy=dec.greedy), "", t0)
+        graph, out = self._record(lambda: self._forward(step, capture), step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
                    capture=tuple(capture))
         return self._keep((B, L, Q), g, "verify", t0)
@@ -376,7 +403,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         # the stages read the window rings only (no compressed entries): any length up to the model's positions
         step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
-        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step))
+        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step), step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
         return self._keep(("draft", B, N), g, "draft", t0)
 
@@ -425,6 +452,6 @@ class CudaGraphRunner:
             h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
             return m.head.f32_out(h)
 
-        graph, logits = self._record(forward)
+        graph, logits = self._record(forward, step.freeze)
         g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
         return self._keep(("mtp", B, Q), g, "mtp", t0)

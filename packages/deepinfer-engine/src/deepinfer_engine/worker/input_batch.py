@@ -1,10 +1,11 @@
 """The runner's persistent input batch: per-request block tables kept across steps and updated from the
 scheduler's diffs, host (pinned) staging buffers and static device buffers for the step's inputs.
 
-Per step the runner hands `prepare(chunks)` the scheduled chunks; it writes token ids, positions, logit rows and
-the block tables of the batch into pinned host buffers, issues one non-blocking copy per buffer into static
-device buffers (the ForwardBatch tensors are views of their first rows), and returns the host copy of the same
-facts (`StepHost`) so that the forward never reads them back. Shapes grow by doubling when a step needs more
+Per step the runner hands `prepare(chunks)` the scheduled chunks; it writes token ids, positions, logit rows,
+the per-sequence ints and the block tables of the batch into one pinned host buffer (int64 arrays, then the
+int32 tables at an 8-byte aligned offset), issues ONE non-blocking copy into a static device buffer (the
+ForwardBatch tensors are typed views of it), and returns the host copy of the same facts (`StepHost`) so that the
+forward never reads them back. Shapes grow by doubling when a step needs more
 (outside a captured graph; CUDA graphs would size them once for the largest bucket).
 
 Buffer reuse: the copies of step k read the pinned buffers asynchronously; step k + 1 waits for an event recorded
@@ -49,23 +50,27 @@ class StepInputs:
 
 
 class _Buffers:
-    """A flat pinned host buffer and a static device buffer of the same size (on CPU the host buffer is the
-    input itself). Views of their first elements are the step's tensors (contiguous, any 2-D shape)."""
+    """A flat pinned host byte buffer and a static device buffer of the same size (on CPU the host buffer is the
+    input itself). Typed views of byte ranges are the step's tensors (contiguous, any 2-D shape)."""
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.host = torch.zeros(size, dtype=dtype, pin_memory=device.type == "cuda")
-        self.dev = self.host if device.type == "cpu" else torch.zeros(size, dtype=dtype, device=device)
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        self.dev = self.host if device.type == "cpu" else torch.zeros(nbytes, dtype=torch.uint8, device=device)
         self.np = self.host.numpy()
 
     @property
     def size(self) -> int:
         return self.np.shape[0]
 
-    def send(self, lo: int, hi: int) -> Tensor:
-        """Copy host[lo:hi] into dev[lo:hi] (non-blocking) and return the device view."""
+    def send(self, nbytes: int) -> None:
+        """Copy host[:nbytes] into dev[:nbytes] (non-blocking)."""
         if self.dev is not self.host:
-            self.dev[lo:hi].copy_(self.host[lo:hi], non_blocking=True)
-        return self.dev[lo:hi]
+            self.dev[:nbytes].copy_(self.host[:nbytes], non_blocking=True)
+
+    def view(self, lo: int, n: int, dtype: torch.dtype, np_dtype: type) -> tuple[np.ndarray, Tensor]:
+        """(host, device) views of n elements of `dtype` from byte `lo` on."""
+        hi = lo + n * np.dtype(np_dtype).itemsize
+        return self.np[lo:hi].view(np_dtype), self.dev[lo:hi].view(dtype)
 
 
 class InputBatch:
@@ -74,9 +79,10 @@ class InputBatch:
     def __init__(self, device: torch.device | str, *, max_num_tokens: int = 256, max_table: int = 256) -> None:
         self.device = torch.device(device)
         self._tables: dict[str, list[int]] = {}  # req_id -> its block table (the concatenated page diffs)
-        self._tok = _Buffers(3 * max_num_tokens, torch.int64, self.device)  # ids | positions | logit rows
-        self._bt = _Buffers(max_table, torch.int32, self.device)  # [S, P] block tables, row-major
-        self._copied: torch.cuda.Event | None = None
+        # ids | positions | logit rows | per-sequence ints | token -> sequence (int64), then [S, P] int32 tables
+        self._buf = _Buffers(8 * 3 * max_num_tokens + 4 * max_table, self.device)
+        self._event = torch.cuda.Event() if self.device.type == "cuda" else None  # recorded after each copy
+        self._copied = False
 
     # ------------------------------------------------------------------------------------ diffs
     def update(self, sched: SchedulerOutput) -> None:
@@ -105,11 +111,9 @@ class InputBatch:
         return len(self._tables)
 
     # ------------------------------------------------------------------------------------ one step
-    def _grow(self, ints: int, table: int) -> None:
-        if ints > self._tok.size:
-            self._tok = _Buffers(_pow2(ints), torch.int64, self.device)
-        if table > self._bt.size:
-            self._bt = _Buffers(_pow2(table), torch.int32, self.device)
+    def _grow(self, nbytes: int) -> None:
+        if nbytes > self._buf.size:
+            self._buf = _Buffers(_pow2(nbytes), self.device)
 
     def prepare(self, chunks: Sequence[ScheduledChunk], logit_rows: Sequence[int]) -> StepInputs:
         """Inputs of the step that feeds `chunks` (batch order) and returns the logits of rows `logit_rows`."""
@@ -117,12 +121,13 @@ class InputBatch:
         qlens = tuple(c.num_tokens for c in chunks)
         T, N = sum(qlens), len(logit_rows)
         P = max(1, max((len(self._tables[c.req_id]) for c in chunks), default=1))
-        if self._copied is not None:
-            if not self._copied.query():  # the previous step's copies still read the pinned buffers
-                self._copied.synchronize()
-            self._copied = None
-        self._grow(3 * T + N + 4 * S, S * P)  # ids, positions, logit rows, per-sequence ints, token -> sequence
-        tok = self._tok.np
+        if self._copied:
+            if not self._event.query():  # the previous step's copy still reads the pinned buffer
+                self._event.synchronize()
+            self._copied = False
+        ints = 3 * T + N + 4 * S  # ids, positions, logit rows, per-sequence ints, token -> sequence
+        self._grow(8 * ints + 4 * S * P)
+        tok, packed = self._buf.view(0, ints, torch.int64, np.int64)
         ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
         tok[:T] = ids
         starts = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=S)
@@ -136,14 +141,15 @@ class InputBatch:
         tok[o + 2 * S : o + 3 * S] = offs
         tok[o + 3 * S : o + 4 * S] = [c.slot for c in chunks]
         tok[o + 4 * S : o + 4 * S + T] = np.repeat(np.arange(S, dtype=np.int64), q)
-        bt = self._bt.np[: S * P].reshape(S, P)
+        bt_np, bt_dev = self._buf.view(8 * ints, S * P, torch.int32, np.int32)
+        bt = bt_np.reshape(S, P)
         bt.fill(-1)
         for i, c in enumerate(chunks):
             table = self._tables[c.req_id]
             bt[i, : len(table)] = table
         host = StepHost(ctx_lens=tuple(int(c.start_position) for c in chunks), input_ids=ids,
                         block_tables=bt.copy())
-        packed = self._tok.send(0, o + 4 * S + T)  # ONE copy for every int of the step but the tables
+        self._buf.send(8 * ints + 4 * S * P)  # ONE copy for every int of the step, tables included
         seq = packed[o:]
         inputs = StepInputs(
             input_ids=packed[:T],
@@ -151,14 +157,14 @@ class InputBatch:
             logits_indices=packed[2 * T : o],
             seq=SeqTensors(ctx=seq[:S], qlen=seq[S : 2 * S], start=seq[2 * S : 3 * S], slot=seq[3 * S : 4 * S]),
             seq_of_token=seq[4 * S :],
-            block_tables=self._bt.send(0, S * P).view(S, P),
+            block_tables=bt_dev.view(S, P),
             query_lens=qlens,
             slots=tuple(c.slot for c in chunks),
             host=host,
         )
-        if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        if self._event is not None:
+            self._event.record()
+            self._copied = True
         return inputs
 
 

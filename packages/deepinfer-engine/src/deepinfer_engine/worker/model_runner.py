@@ -31,8 +31,9 @@ from deepinfer_engine.worker.sampler import (
     Sampler,
     SamplingBatch,
     build_sampling_batch,
-    to_device,
+    plain_greedy,
 )
+from deepinfer_engine.worker.staging import HostStaging
 
 
 @dataclass
@@ -95,6 +96,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.states: dict[str, _RequestState] = {}
         self.input_batch = InputBatch(self.device)
+        self.staging = HostStaging(self.device)  # the step's small host arrays (sampling, row indices)
         self.cuda_graphs = cuda_graphs  # worker.cuda_graph.CudaGraphRunner (decode steps replayed) or None
         self.spec = spec  # speculative decoding (worker/spec_decode.SpecDecoder) or None
 
@@ -170,6 +172,7 @@ class ModelRunner:
             seq_of_token=inp.seq_of_token, known_lens=tuple(known),
         )  # fmt: skip
         step = LaunchedStep(spec_round=rnd)
+        greedy_ids = None  # a graphed decode step's greedy ids of its rows (computed inside the graph)
         if rnd is not None:  # a speculative step: several rows per sequence, the draft model's features
             graphs, out = self.cuda_graphs, None
             shape = graphs.verify_shape_of(batch, logit_rows, self.spec.max_drafts + 1) if graphs is not None else None
@@ -185,6 +188,8 @@ class ModelRunner:
             logits = self.cuda_graphs.run(batch, graph) if graph is not None else None
             if logits is None:  # [len(logit_rows), V] float32; runs even with no rows (cache fill)
                 logits = self.model(batch, self.cache)
+            else:
+                greedy_ids = self.cuda_graphs.greedy_ids(batch.num_seqs)
         if not logit_rows:
             self._sampled([], None)
             return step
@@ -194,21 +199,30 @@ class ModelRunner:
             chunk_by_id = {c.req_id: c for c in chunks}
             chunks = [chunk_by_id[rid] for rid, _ in sample_at]
             states = [self.states[rid] for rid, _ in sample_at]
-            sbatch = build_sampling_batch(
-                [s.params for s in states],
-                [s.seed for s in states],
-                [c.output_index for c in chunks],
-                [s.prompt_ids for s in states],
-                [s.output_ids for s in states],
-                [self._banned(s, c.output_index) for s, c in zip(states, chunks)],
-                logits.device,
-            )
-            sbatch = self._complete_sampling(sbatch, chunks)
-            rows = to_device([i for _, i in sample_at], torch.int64, logits.device)
-            out = self.sampler(logits.index_select(0, rows), sbatch)
+            params = [s.params for s in states]
+            banned = [self._banned(s, c.output_index) for s, c in zip(states, chunks)]
+            at = [i for _, i in sample_at]
+            identity = at == list(range(logits.shape[0]))  # every logit row samples, in order: no gather
+            if plain_greedy(params, banned):
+                # the sampler's plain greedy path without building its per-row tensors; a graphed decode step
+                # computed the same argmax inside its graph (copied out: the next replay rewrites it)
+                if greedy_ids is not None and identity:
+                    tokens = greedy_ids.clone()
+                else:
+                    tokens = self.sampler.greedy(logits if identity else self._rows(logits, at))
+            else:
+                sbatch = build_sampling_batch(
+                    params, [s.seed for s in states], [c.output_index for c in chunks],
+                    [s.prompt_ids for s in states], [s.output_ids for s in states], banned, logits.device,
+                    staging=self.staging,
+                )  # fmt: skip
+                sbatch = self._complete_sampling(sbatch, chunks)
+                out = self.sampler(logits if identity else self._rows(logits, at), sbatch)
+                step.logprobs = out.logprobs
+                tokens = out.token_ids
             step.sampled = [(rid, c.output_index, s.params.logprobs) for (rid, _), s, c in zip(sample_at, states, chunks)]
-            step.token_ids, step.logprobs = out.token_ids, out.logprobs
-            self._sampled([rid for rid, _ in sample_at], out.token_ids)
+            step.token_ids = tokens
+            self._sampled([rid for rid, _ in sample_at], tokens)
         else:
             self._sampled([], None)
 
@@ -216,14 +230,17 @@ class ModelRunner:
             from deepinfer_kernels.sampling import logprobs_topk
 
             k_max = max(self.states[rid].params.prompt_logprobs for rid, _, _ in plp_at)
-            rows = to_device([i for _, i, _ in plp_at], torch.int64, logits.device)
-            targets = to_device([self.states[rid].prompt_ids[j] for rid, _, j in plp_at], torch.int64, logits.device)
+            rows, targets = self.staging.stage([([i for _, i, _ in plp_at], torch.int64),
+                                                ([self.states[rid].prompt_ids[j] for rid, _, j in plp_at], torch.int64)])
             step.prompt_logprobs = logprobs_topk(logits.index_select(0, rows), targets, k_max)
             for rid, _, j in plp_at:
                 st = self.states[rid]
                 step.prompt_targets.append((rid, st.prompt_ids[j], st.params.prompt_logprobs))
                 st.next_prompt_logprob = j + 1
         return step
+
+    def _rows(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return logits.index_select(0, self.staging.tensor(rows, torch.int64))
 
     def collect(self, step: LaunchedStep, drop: frozenset[str] = frozenset()) -> ModelRunnerOutput:
         """The step's `ModelRunnerOutput`: reads its ids (and logprobs) back, the one host sync of the step.
