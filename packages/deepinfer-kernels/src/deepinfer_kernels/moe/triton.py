@@ -104,25 +104,30 @@ def _per_word(m, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.const
     word of its group, [BLOCK_N, BLOCK_K/8] int32 in stored word order (CHUNKED: word 4c + g of a chunk belongs to
     group g; else words 4g .. 4g + 3)."""
     m2 = m | (m << 16)
-    if CHUNKED:
-        q = tl.broadcast_to(tl.reshape(m2, [BLOCK_N, BLOCK_K // 128, 1, 4]), [BLOCK_N, BLOCK_K // 128, 4, 4])
-        return tl.reshape(q, [BLOCK_N, BLOCK_K // 8])
-    return tl.reshape(tl.broadcast_to(m2[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    if CHUNKED:  # m [BLOCK_N, BLOCK_K/128, 4 (g)]; one return (a static if still traces what follows it)
+        w = tl.reshape(tl.broadcast_to(m2[:, :, None, :], [BLOCK_N, BLOCK_K // 128, 4, 4]), [BLOCK_N, BLOCK_K // 8])
+    else:
+        w = tl.reshape(tl.broadcast_to(m2[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    return w
 
 
 @triton.jit
 def _chunked_col(k):
     """Position k of a row in the chunked layout's word order (word 4c + g of a 128-column chunk holds columns
     8(4g + c) .. +7) -> the natural column it holds (elementwise on int tensors; `moe.fp4_layout`)."""
-    q = k % 128
-    return k - q + ((q >> 3) & 3) * 32 + (q >> 5) * 8 + (q & 7)
+    # divisions and remainders by powers of two only: Triton's axis analysis then still sees runs of 8 contiguous
+    # columns (16-byte activation loads, pipelined as cp.async)
+    return (k // 128) * 128 + ((k // 8) % 4) * 32 + ((k // 32) % 4) * 8 + k % 8
 
 
 @triton.jit
 def _e2m1_words_bf16(w, sb, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 (group order) ->
     [BLOCK_N, BLOCK_K] bf16 exact weights in stored column order (GPU only: inline PTX)."""
-    b = sb.to(tl.int32)
+    if CHUNKED:  # sb: scale words [BLOCK_N, BLOCK_K/128]; codes [BLOCK_N, BLOCK_K/128, 4] without a reshape
+        b = (sb[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
+    else:
+        b = sb.to(tl.int32)
     m1 = _per_word((tl.minimum(b, 128) + 126) << 7, CHUNKED, BLOCK_N, BLOCK_K)
     m2 = _per_word((tl.maximum(b, 128) - 1) << 7, CHUNKED, BLOCK_N, BLOCK_K)
     n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
@@ -147,12 +152,25 @@ def _a_cols(offs_k, CHUNKED: tl.constexpr):
 
 
 @triton.jit
-def _scale_offsets(ks, stride_sq, CHUNKED: tl.constexpr):
-    """Scale groups ks -> byte offsets inside a row's scales: consecutive in the checkpoint layout; in the chunked
-    layout the 4 groups of a chunk are one word and the chunks stride_sq bytes apart."""
-    if CHUNKED:
-        return (ks // 4) * stride_sq + ks % 4
-    return ks
+def _scale_cols(k0, stride_sq, CHUNKED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(offsets, mask columns) of the tile's scales inside a row: the checkpoint layout's bytes (one per group);
+    the chunked layout's 32-bit words (4 groups a word, chunks stride_sq words apart), which the pipeline copies
+    asynchronously (a single byte per row and group it cannot) and `_chunk_codes` splits."""
+    if CHUNKED:  # one return: the two branches' shapes differ
+        kq = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        offs = kq * stride_sq
+        cols = kq * 128
+    else:
+        offs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        cols = offs * 32
+    return offs, cols
+
+
+@triton.jit
+def _chunk_codes(sw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Scale words [BLOCK_N, BLOCK_K/128] int32 -> codes [BLOCK_N, BLOCK_K/32] int32 in group order."""
+    sh = (tl.arange(0, 4) * 8)[None, None, :]
+    return tl.reshape((sw[:, :, None] >> sh) & 255, [BLOCK_N, BLOCK_K // 32])
 
 
 @triton.jit
@@ -174,13 +192,16 @@ def _fp4_dot(
     scaled by 2^-14 (the caller multiplies once at the end); "asm" is exact. w_ptrs address bytes
     [BLOCK_N, BLOCK_K/2], or int32 words [BLOCK_N, BLOCK_K/8] for "asm", in stored order; s_ptrs the scale codes
     [BLOCK_N, BLOCK_K/32] in group order. CHUNKED: the weights are in the chunked layout (`moe.fp4_layout`), so
-    the tile's columns come out in its word order and a must be loaded in that order (`_chunked_col`)."""
+    the tile's columns come out in its word order and a must be loaded in that order (`_chunked_col`); s_ptrs
+    then address the scale words [BLOCK_N, BLOCK_K/128]."""
     if EVEN:  # the tile lies inside the weight: unmasked loads save the per-element predicates
         p = tl.load(w_ptrs)
         sb = tl.load(s_ptrs)
     else:
         p = tl.load(w_ptrs, mask=mask, other=0)
-        sb = tl.load(s_ptrs, mask=s_mask, other=127)
+        sb = tl.load(s_ptrs, mask=s_mask, other=127)  # masked weights are 0: any finite scale
+    if CHUNKED and VARIANT != "asm":
+        sb = _chunk_codes(sb, BLOCK_N, BLOCK_K)
     if VARIANT == "asm":
         acc = tl.dot(_e2m1_words_bf16(p, sb, CHUNKED, BLOCK_N, BLOCK_K), tl.trans(a.to(tl.bfloat16)), acc)
     else:
@@ -228,10 +249,10 @@ def _gate_up_kernel(
                 other=0.0,
             )
             kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sk, sc = _scale_cols(k0, stride_sq, CHUNKED, BLOCK_K)
+            sk = sk[None, :]
             wm = n_mask[:, None] & (kb[None, :] * PACK < K)
-            sm = n_mask[:, None] & (ks[None, :] * 32 < K)
-            sk = _scale_offsets(ks, stride_sq, CHUNKED)[None, :]
+            sm = n_mask[:, None] & (sc[None, :] < K)
             g = _fp4_dot(g, a, w1_ptr + w_off + kb[None, :], s1_ptr + s_off + sk, wm, sm,
                          VARIANT, DOT_F32, EVEN, CHUNKED, BLOCK_N, BLOCK_K)  # fmt: skip
             u = _fp4_dot(u, a, w3_ptr + w_off + kb[None, :], s3_ptr + s_off + sk, wm, sm,
@@ -275,10 +296,9 @@ def _down_kernel(
                 other=0.0,
             )
             kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            sk = _scale_offsets(ks, stride_sq, CHUNKED)[None, :]
-            acc = _fp4_dot(acc, a, w2_ptr + w_off + kb[None, :], s2_ptr + s_off + sk,
-                           n_mask[:, None] & (kb[None, :] * PACK < K), n_mask[:, None] & (ks[None, :] * 32 < K),
+            sk, sc = _scale_cols(k0, stride_sq, CHUNKED, BLOCK_K)
+            acc = _fp4_dot(acc, a, w2_ptr + w_off + kb[None, :], s2_ptr + s_off + sk[None, :],
+                           n_mask[:, None] & (kb[None, :] * PACK < K), n_mask[:, None] & (sc[None, :] < K),
                            VARIANT, DOT_F32, EVEN, CHUNKED, BLOCK_N, BLOCK_K)  # fmt: skip
         if VARIANT == "bits":
             acc = acc * _TWO_POW_14
@@ -417,9 +437,11 @@ def _decode(cfg: GemmConfig, dot_f32: bool) -> str:
 
 
 def _tile_scales(s: Tensor, chunked: bool) -> tuple[Tensor, int, int, int]:
-    """Scales -> (bytes, byte strides of an expert, a row and a 128-column chunk) for the tile kernels."""
-    _, se, sn, sq = fp4_grouped.scale_words(s, chunked)
-    return s.view(torch.uint8), 4 * se, 4 * sn, 4 * sq
+    """Scales -> (the tile kernels' view, strides of an expert, a row and a 128-column chunk in its elements):
+    bytes in the checkpoint layout, 32-bit words (4 groups) in the chunked one."""
+    if chunked:
+        return fp4_grouped.scale_words(s, True)
+    return s.view(torch.uint8), s.stride(0), s.stride(1), 4
 
 
 def _check_chunked(cfg: GemmConfig, chunked: bool) -> None:
