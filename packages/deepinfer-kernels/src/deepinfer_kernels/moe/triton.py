@@ -46,13 +46,23 @@ class GemmConfig:
     "bits" (portable integer decode; the CPU interpreter and fp32 activations) decode whole K-ordered tiles;
     "grouped" / "grouped_exact" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into
     the dot operand registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple
-    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128)."""
+    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128).
+    On the chunked layout (`moe.fp4_layout`) block_k must be a multiple of 128. ``max_regs``: a cap on the
+    registers per thread (ptxas ``.maxnreg``; None: ptxas decides), to fit more CTAs per SM."""
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     variant: str = "bits"
+    max_regs: int | None = None
+
+    def launch_options(self) -> dict:
+        """Compile options of a launch: warps, stages and the register cap when set."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_regs is not None:
+            opts["maxnreg"] = self.max_regs
+        return opts
 
 
 @triton.jit
@@ -483,7 +493,7 @@ def launch_gate_up(
     if cfg.variant.startswith("grouped"):
         fp4_grouped.launch_gate_up(
             x, w1, w3, s1, s3, pairs, bexp, h, topk, limit, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-            cfg.num_stages, _decode(cfg, dot_f32), h_perm, chunked,
+            cfg.num_stages, _decode(cfg, dot_f32), h_perm, chunked, cfg.max_regs,
         )  # fmt: skip
         return
     if h_perm:
@@ -502,7 +512,7 @@ def launch_gate_up(
         TOPK=topk, CLAMP=limit > 0, DOT_F32=dot_f32, VARIANT=cfg.variant, PACK=pack,
         EVEN=inter % cfg.block_n == 0 and d % cfg.block_k == 0, CHUNKED=chunked, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
 
 
@@ -525,7 +535,7 @@ def launch_down(
     if cfg.variant.startswith("grouped"):
         fp4_grouped.launch_down(
             h, w2, s2, pairs, bexp, rw, rows, block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-            _decode(cfg, dot_f32), chunked,
+            _decode(cfg, dot_f32), chunked, cfg.max_regs,
         )  # fmt: skip
         return
     p, d = rows.shape
@@ -536,8 +546,7 @@ def launch_down(
         h, u2, b2, pairs, bexp, rw, rows,
         p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), sse, ssn, ssq, rows.stride(0),
         DOT_F32=dot_f32, VARIANT=cfg.variant, PACK=pack, EVEN=d % cfg.block_n == 0 and inter % cfg.block_k == 0,
-        CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
 
 

@@ -16,6 +16,10 @@ so that the decoded registers already are that layout:
 The scale of a (row, group) is one byte, read as part of a 32-bit word of four groups, so one scale load per row
 and 128 columns, and the per-group multipliers are computed per row (a slice of the tile layout: no data movement).
 The portable decode (DECODE "bits", the CPU interpreter) runs the same tiling with an integer decode and fp32 dots.
+
+CHUNKED: the weights are in the chunked layout of `moe.fp4_layout` (word c of group g of a 128-column chunk at 4c + g,
+scale words chunk-major). A lane then copies word c of all four groups as one 16-byte vector and a warp whole rows,
+instead of 8-byte copies of half sectors; the chunk is loaded as one [BLOCK_N, 16] tile and split in registers.
 """
 
 from __future__ import annotations
@@ -368,16 +372,23 @@ def scale_words(s: Tensor, chunked: bool) -> tuple[Tensor, int, int, int]:
     return v, v.stride(0), 1, n
 
 
+def _options(num_warps: int, num_stages: int, max_regs: int | None) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_regs is not None:
+        opts["maxnreg"] = max_regs
+    return opts
+
+
 def launch_gate_up(
     x: Tensor, w1: Tensor, w3: Tensor, s1: Tensor, s3: Tensor, pairs: Tensor, bexp: Tensor, h: Tensor, topk: int,
     limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, decode: str,
-    h_perm: bool, chunked: bool = False,
+    h_perm: bool, chunked: bool = False, max_regs: int | None = None,
 ) -> None:  # fmt: skip
     """h [B * block_m, I] = clamped SwiGLU of gate / up per padded row; x [T, d] in natural column order (permuted
     here, one copy); h in dot order when h_perm (the grouped down kernel reads it so). decode: "fast" (PTX, one
     multiply per pair, a tile with a scale code > 128 redone exactly), "exact" (PTX, two multiplies) or "bits"
     (portable, fp32 dots). chunked: weights and scales in the chunked layout (`moe.fp4_layout`), else the
-    checkpoint's."""
+    checkpoint's. max_regs: ptxas's register cap per thread (None: ptxas decides)."""
     inter, d = w1.shape[1], x.shape[1]
     xp = permute_columns(x)
     u1, u3 = w1.view(torch.int32), w3.view(torch.int32)
@@ -391,16 +402,17 @@ def launch_gate_up(
         x.shape[0] * topk, inter, d, xp.stride(0), u1.stride(0), u1.stride(1), sse, ssn, ssq, h.stride(0),
         float(limit),
         TOPK=topk, CLAMP=limit > 0, DECODE=_DECODE[decode], FAST=decode == "fast", H_PERM=h_perm, CHUNKED=chunked,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, **_options(num_warps, num_stages, max_regs),
     )  # fmt: skip
 
 
 def launch_down(
     h: Tensor, w2: Tensor, s2: Tensor, pairs: Tensor, bexp: Tensor, rw: Tensor, rows: Tensor, block_m: int,
     block_n: int, block_k: int, num_warps: int, num_stages: int, decode: str, chunked: bool = False,
+    max_regs: int | None = None,
 ) -> None:  # fmt: skip
-    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair; h [B * block_m, I] in dot order. chunked: as in
-    `launch_gate_up`."""
+    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair; h [B * block_m, I] in dot order. chunked, max_regs:
+    as in `launch_gate_up`."""
     p, d = rows.shape
     inter = h.shape[1]
     u2 = w2.view(torch.int32)
@@ -409,5 +421,5 @@ def launch_down(
         h, u2, v2, pairs, bexp, rw, rows,
         p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), sse, ssn, ssq, rows.stride(0),
         DECODE=_DECODE[decode], FAST=decode == "fast", CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=_block_k(inter, block_k), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_K=_block_k(inter, block_k), **_options(num_warps, num_stages, max_regs),
     )  # fmt: skip
