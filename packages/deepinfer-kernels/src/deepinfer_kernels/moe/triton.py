@@ -110,9 +110,9 @@ _E2M1X8_TO_BF16 = tl.constexpr(_e2m1x8_ptx())
 
 @triton.jit
 def _per_word(m, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """bf16 bits [BLOCK_N, BLOCK_K/32] per 32-code scale group -> the bf16x2 word (both lanes) of every 8-code
-    word of its group, [BLOCK_N, BLOCK_K/8] int32 in stored word order (CHUNKED: word 4c + g of a chunk belongs to
-    group g; else words 4g .. 4g + 3)."""
+    """bf16 bits per 32-code scale group, [BLOCK_N, BLOCK_K/32] (CHUNKED: [BLOCK_N, BLOCK_K/128, 4]) -> the bf16x2
+    word (both lanes) of every 8-code word of its group, [BLOCK_N, BLOCK_K/8] int32 in stored word order (CHUNKED:
+    word 4c + g of a chunk belongs to group g; else words 4g .. 4g + 3)."""
     m2 = m | (m << 16)
     if CHUNKED:  # m [BLOCK_N, BLOCK_K/128, 4 (g)]; one return (a static if still traces what follows it)
         w = tl.reshape(tl.broadcast_to(m2[:, :, None, :], [BLOCK_N, BLOCK_K // 128, 4, 4]), [BLOCK_N, BLOCK_K // 8])
@@ -132,9 +132,10 @@ def _chunked_col(k):
 
 @triton.jit
 def _e2m1_words_bf16(w, sb, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 (group order) ->
-    [BLOCK_N, BLOCK_K] bf16 exact weights in stored column order (GPU only: inline PTX)."""
-    if CHUNKED:  # sb: scale words [BLOCK_N, BLOCK_K/128]; codes [BLOCK_N, BLOCK_K/128, 4] without a reshape
+    """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 in group order (CHUNKED:
+    the scale words [BLOCK_N, BLOCK_K/128] int32, 4 groups each) -> [BLOCK_N, BLOCK_K] bf16 exact weights in
+    stored column order (GPU only: inline PTX)."""
+    if CHUNKED:  # codes [BLOCK_N, BLOCK_K/128, 4] straight from the words, without a reshape
         b = (sb[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
     else:
         b = sb.to(tl.int32)
@@ -165,7 +166,7 @@ def _a_cols(offs_k, CHUNKED: tl.constexpr):
 def _scale_cols(k0, stride_sq, CHUNKED: tl.constexpr, BLOCK_K: tl.constexpr):
     """(offsets, mask columns) of the tile's scales inside a row: the checkpoint layout's bytes (one per group);
     the chunked layout's 32-bit words (4 groups a word, chunks stride_sq words apart), which the pipeline copies
-    asynchronously (a single byte per row and group it cannot) and `_chunk_codes` splits."""
+    asynchronously (a single byte per row and group it cannot) and the decode splits."""
     if CHUNKED:  # one return: the two branches' shapes differ
         kq = k0 // 128 + tl.arange(0, BLOCK_K // 128)
         offs = kq * stride_sq
@@ -210,7 +211,7 @@ def _fp4_dot(
     else:
         p = tl.load(w_ptrs, mask=mask, other=0)
         sb = tl.load(s_ptrs, mask=s_mask, other=127)  # masked weights are 0: any finite scale
-    if CHUNKED and VARIANT != "asm":
+    if CHUNKED and VARIANT != "asm":  # "asm" splits the scale words itself
         sb = _chunk_codes(sb, BLOCK_N, BLOCK_K)
     if VARIANT == "asm":
         acc = tl.dot(_e2m1_words_bf16(p, sb, CHUNKED, BLOCK_N, BLOCK_K), tl.trans(a.to(tl.bfloat16)), acc)
