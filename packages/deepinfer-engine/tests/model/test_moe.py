@@ -98,7 +98,7 @@ def _fp4_experts(e: int, d: int, inter: int, g: torch.Generator) -> tuple[object
 def test_chunked_expert_layout_in_place_slot_loads_and_moves():
     """The chunked layout (deepinfer_kernels.moe.fp4_layout) applied in place: the experts decode to the same
     weights and compute the same output; a later checkpoint load into a slot is repacked by the weight loader;
-    a whole-slot copy (what an EPLB move does) carries the expert along."""
+    an EPLB move (whole-slot copies) carries the experts along."""
     from deepinfer_engine.model.moe import chunk_model_experts
     from deepinfer_kernels.moe.fp4_layout import chunk_codes, chunk_scales
 
@@ -125,10 +125,14 @@ def test_chunked_expert_layout_in_place_slot_loads_and_moves():
     ex.w3.scale.weight_loader(ex.w3.scale, s, 1)
     assert torch.equal(ex.w3.weight[1], chunk_codes(q))
     assert torch.equal(ex.w3.scale[1].view(torch.uint8), chunk_scales(s).view(torch.uint8))
-    for t in ex.tensors():
-        t.data[2].copy_(t.data[0])
-    for a, b in zip(ex.stacked()[2], before[0], strict=True):
-        assert torch.equal(a, b)
+    # an EPLB move (single rank: a local permutation of whole slots) carries the chunked experts along
+    from deepinfer_parallel.eplb.shuffle import move_expert_weights
+    from deepinfer_parallel.state import ParallelState
+
+    move_expert_weights(ex.tensors(), torch.tensor([0, 1, 2]), torch.tensor([2, 0, 0]), ParallelState.single())
+    for slot, expert in enumerate((2, 0, 0)):
+        for a, b in zip(ex.stacked()[slot], before[expert], strict=True):
+            assert torch.equal(a, b)
     assert not ex.use_chunked_layout()  # already chunked: nothing to do
 
 
