@@ -136,7 +136,7 @@ def _e2m1_words_bf16(w, sb, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_
     the scale words [BLOCK_N, BLOCK_K/128] int32, 4 groups each) -> [BLOCK_N, BLOCK_K] bf16 exact weights in
     stored column order (GPU only: inline PTX)."""
     if CHUNKED:  # codes [BLOCK_N, BLOCK_K/128, 4] straight from the words, without a reshape
-        b = (sb[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
+        b = _word_codes(sb)
     else:
         b = sb.to(tl.int32)
     m1 = _per_word((tl.minimum(b, 128) + 126) << 7, CHUNKED, BLOCK_N, BLOCK_K)
@@ -178,10 +178,10 @@ def _scale_cols(k0, stride_sq, CHUNKED: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_codes(sw, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Scale words [BLOCK_N, BLOCK_K/128] int32 -> codes [BLOCK_N, BLOCK_K/32] int32 in group order."""
-    sh = (tl.arange(0, 4) * 8)[None, None, :]
-    return tl.reshape((sw[:, :, None] >> sh) & 255, [BLOCK_N, BLOCK_K // 32])
+def _word_codes(sw):
+    """Scale words [BLOCK_N, BLOCK_K/128] int32 -> codes [BLOCK_N, BLOCK_K/128, 4 (group)] int32 (byte g of a
+    chunk's word is its group g)."""
+    return (sw[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
 
 
 @triton.jit
@@ -211,14 +211,12 @@ def _fp4_dot(
     else:
         p = tl.load(w_ptrs, mask=mask, other=0)
         sb = tl.load(s_ptrs, mask=s_mask, other=127)  # masked weights are 0: any finite scale
-    if CHUNKED and VARIANT != "asm":  # "asm" splits the scale words itself
-        sb = _chunk_codes(sb, BLOCK_N, BLOCK_K)
     if VARIANT == "asm":
         acc = tl.dot(_e2m1_words_bf16(p, sb, CHUNKED, BLOCK_N, BLOCK_K), tl.trans(a.to(tl.bfloat16)), acc)
     else:
         v = _e2m1_x2pow14(p, BLOCK_N, BLOCK_K)
         if CHUNKED:  # stored order: chunk, c, g, 8 columns; the scale depends on (chunk, g)
-            sc = tl.reshape(_e8m0(sb), [BLOCK_N, BLOCK_K // 128, 1, 4, 1])
+            sc = _e8m0(_word_codes(sb))[:, :, None, :, None]
             w = tl.reshape(tl.reshape(v, [BLOCK_N, BLOCK_K // 128, 4, 4, 8]) * sc, [BLOCK_N, BLOCK_K])
         else:
             w = tl.reshape(
