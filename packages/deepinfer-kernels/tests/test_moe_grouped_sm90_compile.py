@@ -25,13 +25,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deepinfer_kernels.moe.fp4_grouped import triton as fg
 
-def compile_sm90(kernel, sig, consts, div16, num_warps, num_stages):
+def compile_sm90(kernel, sig, consts, div16, num_warps, num_stages, **options):
     names = kernel.arg_names
     full = dict(sig) | {k: "constexpr" for k in consts}
     src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 def loops(sass):
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
@@ -66,6 +66,7 @@ def report(c, weights_per_thread):
             "loop_cp_async_8b": sum(1 for b in body for t in b if "LDGSTS.E.64" in t),
             "loop_lds_128": sum(1 for b in body for t in b if "LDS.128" in t),
             "loop_ldsm": sum(1 for b in body for t in b if "LDSM" in t),
+            "loop_local_mem": sum(1 for b in body for t in b if re.search(r"\b(?:STL|LDL)\b", t)),
             "loop_wgmma_groups": sum(1 for b in body for t in b if "WARPGROUP.ARRIVE" in t),
             "converts_after_loop_start": loop_ir.count("ttg.convert_layout"),
             "stores_after_loop_start": loop_ir.count("ttg.local_store") + loop_ir.count("tt.store")}
@@ -92,12 +93,19 @@ for chunked in (False, True):
         c = compile_sm90(fg._down_grouped_kernel, down, {one: 1} | dict(DECODE="asm", FAST=fast, CHUNKED=chunked,
                          BLOCK_M=16, BLOCK_N=64, BLOCK_K=256), div(down), 4, 3)
         out[f"down 64x256 chunked={chunked} fast={fast}"] = report(c, 64 * 256 / 128)
-print(json.dumps(out))
+# the sweep's register-capped chunked gate/up (GemmConfig.max_regs = 128: 4 CTAs per SM instead of 3)
+c = compile_sm90(fg._gate_up_grouped_kernel, up, {one: 1} | dict(TOPK=6, CLAMP=True, DECODE="asm", FAST=True,
+                 H_PERM=True, CHUNKED=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), div(up), 4, 4, maxnreg=128)
+capped = report(c, 64 * 128 * 2 / 128)
+print(json.dumps({"kernels": out, "capped": capped}))
 """
 
 
 def test_grouped_kernels_feed_wgmma_from_registers_on_sm90():
-    report = run_compile_script(_SCRIPT)
+    both = run_compile_script(_SCRIPT)
+    report, capped = both["kernels"], both["capped"]
+    # spills of the capped kernel stay outside its loops
+    assert capped["regs"] <= 128 and capped["loop_local_mem"] == 0, capped
     assert len(report) == 8
     for name, r in report.items():
         fast = "fast=True" in name
