@@ -7,8 +7,12 @@ hit / copy bandwidth measured in the same run). Prints the best configs per T, t
 ("asm" / "bits": whole-tile decode) against the per-scale-group kernels ("grouped*", docs/moe_fp4_kernel.md) per
 T, kernel and the default whole-path time of each, and writes JSON.
 
+--layout checkpoint,chunked times every config on both weight layouts (the checkpoint's bytes, and the chunked
+layout of `deepinfer_kernels.moe.fp4_layout` that the engine can repack to at load) and prints them side by side;
+every row is checked against the reference of the checkpoint-layout experts.
+
     PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_moe_fp4.py \
-        [--tokens 1,8,64,256] [--quick] [--json out.json]
+        [--tokens 1,8,64,256] [--quick] [--layout checkpoint,chunked] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,7 +56,9 @@ def candidates(quick: bool) -> list[mt.GemmConfig]:
     if quick:
         old = [mt.GemmConfig(64, 128, 4, 3, "asm"), mt.GemmConfig(128, 256, 8, 3, "asm")]
         new = [mt.GemmConfig(n, k, w, s, "grouped") for n, k, w, s in ((64, 128, 4, 4), (64, 256, 4, 3), (128, 256, 8, 3))]
-        return old + new + [mt.GemmConfig(64, 256, 4, 3, "grouped_exact")]
+        # 128 registers: 4 CTAs per SM for the chunked gate/up kernel (149 registers uncapped, 3 CTAs)
+        capped = [mt.GemmConfig(64, 128, 4, 4, "grouped", max_regs=128)]
+        return old + new + capped + [mt.GemmConfig(64, 256, 4, 3, "grouped_exact")]
     grid = itertools.product((32, 64, 128), (128, 256, 512), (4, 8), (2, 3))
     asm = [mt.GemmConfig(n, k, w, s, "asm") for n, k, w, s in grid]
     grouped = [mt.GemmConfig(n, k, w, s, v) for v, n, k, w, s in
@@ -68,15 +74,23 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, limit: float) -> dict:
+def run_case(
+    st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, limit: float, layout: str = "checkpoint"
+) -> dict:
+    """One T on one weight layout; st: the checkpoint-layout experts (the reference's), repacked here for
+    layout "chunked"."""
+    ref = st
+    chunked = layout == "chunked"
+    if chunked:
+        st = st.chunked()
     g = torch.Generator(device="cuda").manual_seed(t)
     x = (torch.randn(t, D, device="cuda", generator=g) / 8).bfloat16()
     ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:TOPK] for _ in range(t)])
     w = torch.rand(t, TOPK, device="cuda", generator=g)
     hit = int(torch.unique(ids).numel())
-    want = reference.moe_experts(x, w, ids, st, limit)
-    block_m, d_up, d_down = mt.default_configs(t * TOPK, False, False)
-    new_defaults = mt.default_configs(t * TOPK, False, False, grouped=True)
+    want = reference.moe_experts(x, w, ids, ref, limit)
+    block_m, d_up, d_down = mt.default_configs(t * TOPK, False, False, chunked=chunked)
+    new_defaults = mt.default_configs(t * TOPK, False, False, grouped=True, chunked=chunked)
     _, n_up, n_down = new_defaults
     pairs, bexp = mt.align_pairs(ids, E, block_m)
     h = torch.empty((bexp.shape[0] * block_m, INTER), dtype=x.dtype, device="cuda")
@@ -86,12 +100,13 @@ def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, 
     down_bytes = hit * (INTER * D // 2 + INTER * D // 32)
 
     def up(cfg):  # a grouped gate/up writes h in the order the grouped down kernel reads
-        mt.launch_gate_up(x, st.w1, st.w3, st.s1, st.s3, pairs, bexp, h, TOPK, limit, block_m, cfg, False, is_new(cfg))
+        mt.launch_gate_up(x, st.w1, st.w3, st.s1, st.s3, pairs, bexp, h, TOPK, limit, block_m, cfg, False, is_new(cfg),
+                          chunked)  # fmt: skip
 
     def down(cfg):
-        mt.launch_down(h, st.w2, st.s2, pairs, bexp, rw, rows, block_m, cfg, False)
+        mt.launch_down(h, st.w2, st.s2, pairs, bexp, rw, rows, block_m, cfg, False, chunked)
 
-    res = {"T": t, "experts_hit": hit, "block_m": block_m, "gate_up": [], "down": []}
+    res = {"T": t, "layout": layout, "experts_hit": hit, "block_m": block_m, "gate_up": [], "down": []}
     for kind, fn, nbytes in (("gate_up", up, up_bytes), ("down", down, down_bytes)):
         for cfg in cands:
             row = {"config": cfg.__dict__, "bound_ms": nbytes / bw * 1e3}
@@ -107,10 +122,12 @@ def run_case(st: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float, 
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
             res[kind].append(row)
     args = (x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit)
-    res["default_total_ms"] = do_bench(partial(mt.moe_experts_fp4, *args), warmup=5, rep=25)
-    got = mt.moe_experts_fp4(*args, configs=new_defaults)
+    run = partial(mt.moe_experts_fp4, chunked=chunked)
+    res["default_rel_err"] = rel(run(*args), want)
+    res["default_total_ms"] = do_bench(partial(run, *args), warmup=5, rep=25)
+    got = run(*args, configs=new_defaults)
     res["grouped_default_rel_err"] = rel(got, want)
-    res["grouped_default_total_ms"] = do_bench(partial(mt.moe_experts_fp4, *args, configs=new_defaults), rep=25)
+    res["grouped_default_total_ms"] = do_bench(partial(run, *args, configs=new_defaults), rep=25)
     res["total_bound_ms"] = (up_bytes + down_bytes) / bw * 1e3
     return res
 
@@ -124,7 +141,8 @@ def fmt_cfg(r: dict | None) -> str:
     if r is None:
         return "-"
     c = r["config"]
-    return f"{c['variant']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}"
+    regs = f" r{c['max_regs']}" if c.get("max_regs") else ""
+    return f"{c['variant']} n{c['block_n']} k{c['block_k']} w{c['num_warps']} s{c['num_stages']}{regs}"
 
 
 def print_old_vs_new(cases: list[dict]) -> None:
@@ -138,12 +156,35 @@ def print_old_vs_new(cases: list[dict]) -> None:
             for r in (o, n):
                 cols += [fmt_cfg(r), f"{r['ms'] * 1e3:.1f}" if r else "-", f"{100 * r['of_bound']:.1f}" if r else "-"]
             speed = f"{o['ms'] / n['ms']:.2f}x" if o and n else "-"
-            print(f"| {case['T']} | {kind} | {bound:.1f} | " + " | ".join(cols) + f" | {speed} |")
+            print(f"| {case['T']} {case['layout']} | {kind} | {bound:.1f} | " + " | ".join(cols) + f" | {speed} |")
         tb = case["total_bound_ms"] * 1e3
         od, nd = case["default_total_ms"] * 1e3, case["grouped_default_total_ms"] * 1e3
-        print(f"| {case['T']} | whole path, defaults (grouped=False / True) | {tb:.1f} | default | {od:.1f} | "
+        print(f"| {case['T']} {case['layout']} | whole path, defaults (grouped=False / True) | {tb:.1f} | default | {od:.1f} | "
               f"{100 * tb / od:.1f} | grouped default (err {case['grouped_default_rel_err']:.1e}) | {nd:.1f} | "
               f"{100 * tb / nd:.1f} | {od / nd:.2f}x |")  # fmt: skip
+
+
+def print_layouts(cases: list[dict]) -> None:
+    """Checkpoint vs chunked layout, config by config (the same T), and the whole-path defaults."""
+    by = {(c["T"], c["layout"]): c for c in cases}
+    pairs = [(by[(t, "checkpoint")], by[(t, "chunked")]) for t, lay in by if lay == "checkpoint" and (t, "chunked") in by]
+    if not pairs:
+        return
+    print("\n| T | kernel | config | checkpoint us | chunked us | speedup | chunked err |")
+    print("|---|---|---|---|---|---|---|")
+    for a, b in pairs:
+        for kind in ("gate_up", "down"):
+            for ra, rb in zip(a[kind], b[kind], strict=True):
+                ta = f"{ra['ms'] * 1e3:.1f}" if "ms" in ra else ra.get("error", "-")[:30]
+                tb = f"{rb['ms'] * 1e3:.1f}" if "ms" in rb else rb.get("error", "-")[:30]
+                sp = f"{ra['ms'] / rb['ms']:.2f}x" if "ms" in ra and "ms" in rb else "-"
+                err = f"{rb['rel_err']:.1e}" if "rel_err" in rb else "-"
+                print(f"| {a['T']} | {kind} | {fmt_cfg(ra)} | {ta} | {tb} | {sp} | {err} |")
+        for key, name in (("default_total_ms", "default"), ("grouped_default_total_ms", "grouped default")):
+            ea = a[key.replace("total_ms", "rel_err")]
+            eb = b[key.replace("total_ms", "rel_err")]
+            print(f"| {a['T']} | whole path | {name} | {a[key] * 1e3:.1f} | {b[key] * 1e3:.1f} | "
+                  f"{a[key] / b[key]:.2f}x | {eb:.1e} (checkpoint {ea:.1e}) |")  # fmt: skip
 
 
 def main() -> None:
@@ -151,25 +192,27 @@ def main() -> None:
     ap.add_argument("--tokens", default="64,1,256,8")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layout", default="checkpoint", help="comma list of checkpoint, chunked")
     args = ap.parse_args()
+    layouts = args.layout.split(",")
+    if not set(layouts) <= {"checkpoint", "chunked"}:
+        ap.error(f"--layout {args.layout!r}: expected a comma list of checkpoint, chunked")
     t0 = time.time()
     bw = copy_bandwidth()
     st = experts()
     cands = candidates(args.quick)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "copy_bandwidth_GBps": bw / 1e9, "cases": []}  # fmt: skip
-    for t in (int(v) for v in args.tokens.split(",")):
-        case = run_case(st, t, cands, bw, 10.0)
+    for t, layout in itertools.product((int(v) for v in args.tokens.split(",")), layouts):
+        case = run_case(st, t, cands, bw, 10.0, layout)
         out["cases"].append(case)
-        print(f"T={t} hit={case['experts_hit']} default total {case['default_total_ms']:.3f} ms "
-              f"(bound {case['total_bound_ms']:.3f} ms)", flush=True)  # fmt: skip
+        print(f"T={t} layout={layout} hit={case['experts_hit']} default total {case['default_total_ms']:.3f} ms "
+              f"(bound {case['total_bound_ms']:.3f} ms, err {case['default_rel_err']:.1e})", flush=True)  # fmt: skip
         for kind in ("gate_up", "down"):
             ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
             bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
             for r in ok[:6]:
-                c = r["config"]
-                print(f"  {kind:7s} {c['variant']:6s} n{c['block_n']:<3d} k{c['block_k']:<3d} w{c['num_warps']} "
-                      f"s{c['num_stages']}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
+                print(f"  {kind:7s} {fmt_cfg(r):28s}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
                       f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
             for r in bad[:3]:
                 print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
@@ -181,6 +224,7 @@ def main() -> None:
                 json.dump(out, f, indent=1)
     print("\nall T:", end="")
     print_old_vs_new(out["cases"])
+    print_layouts(out["cases"])
 
 
 if __name__ == "__main__":

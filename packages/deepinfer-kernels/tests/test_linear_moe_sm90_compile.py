@@ -35,24 +35,28 @@ out["lm_head"] = rep(lt._linear_kernel, dict(sig, w_ptr="*bf16", y_ptr="*fp32"),
     num_warps=4, num_stages=4)
 g = {"x_ptr": "*bf16", "w1_ptr": "*u8", "w3_ptr": "*u8", "s1_ptr": "*u8", "s3_ptr": "*u8", "pairs_ptr": "*i32",
      "bexp_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "N": "i32", "K": "i32", "stride_x": "i32", "stride_we": "i32",
-     "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_h": "i32", "limit": "fp32"}
-for v, pack, wt in (("asm", 8, "*i32"), ("bits", 2, "*u8")):
-    out[f"moe gate_up {v}"] = rep(mt._gate_up_kernel, dict(g, w1_ptr=wt, w3_ptr=wt), dict(TOPK=6, CLAMP=True,
-        DOT_F32=False, VARIANT=v, PACK=pack, EVEN=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), num_warps=4,
-        num_stages=3)
+     "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_sq": "i32", "stride_h": "i32",
+     "limit": "fp32"}
+# chunked: the chunked FP4 layout, scales read as 32-bit words
+for v, pack, wt, ch in (("asm", 8, "*i32", False), ("bits", 2, "*u8", False), ("asm", 8, "*i32", True)):
+    st = "*i32" if ch else "*u8"
+    out[f"moe gate_up {v} chunked={ch}"] = rep(mt._gate_up_kernel, dict(g, w1_ptr=wt, w3_ptr=wt, s1_ptr=st, s3_ptr=st),
+        dict(TOPK=6, CLAMP=True, DOT_F32=False, VARIANT=v, PACK=pack, EVEN=True, CHUNKED=ch, BLOCK_M=16, BLOCK_N=64,
+        BLOCK_K=128), num_warps=4, num_stages=3)
 d = {"h_ptr": "*bf16", "w2_ptr": "*u8", "s2_ptr": "*u8", "pairs_ptr": "*i32", "bexp_ptr": "*i32", "rw_ptr": "*fp32",
      "out_ptr": "*fp32", "P": "i32", "N": "i32", "K": "i32", "stride_h": "i32", "stride_we": "i32", "stride_wn": "i32",
-     "stride_se": "i32", "stride_sn": "i32", "stride_o": "i32"}
-for v, pack, wt in (("asm", 8, "*i32"), ("bits", 2, "*u8")):
-    out[f"moe down {v}"] = rep(mt._down_kernel, dict(d, w2_ptr=wt), dict(DOT_F32=False, VARIANT=v, PACK=pack,
-        EVEN=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), num_warps=4, num_stages=3)
+     "stride_se": "i32", "stride_sn": "i32", "stride_sq": "i32", "stride_o": "i32"}
+for v, pack, wt, ch in (("asm", 8, "*i32", False), ("bits", 2, "*u8", False), ("asm", 8, "*i32", True)):
+    out[f"moe down {v} chunked={ch}"] = rep(mt._down_kernel, dict(d, w2_ptr=wt, s2_ptr="*i32" if ch else "*u8"),
+        dict(DOT_F32=False, VARIANT=v, PACK=pack, EVEN=True, CHUNKED=ch, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128),
+        num_warps=4, num_stages=3)
 print(json.dumps(out))
 """
 
 
 def test_quantized_gemm_kernels_compile_for_sm90():
     report = run_compile_script(_SCRIPT)
-    assert len(report) == 7
+    assert len(report) == 9
     for name, r in report.items():
         assert r["mma"] or r["wgmma"], (name, r)  # bf16 tensor-core dots
         assert r["shared"] <= 227 * 1024, (name, r)

@@ -2,7 +2,9 @@
 GPU. What the variant is for, checked in the compiled code of its K loops: the decoded weights feed wgmma from
 registers with no layout conversion (no `convert_layout`, no shared-memory store and no barrier inside a loop),
 the weight and scale tiles are pipelined by asynchronous copies, nothing spills to local memory, and the fast loop spends fewer
-instructions per weight than the exact one (one bf16x2 multiply per pair instead of two)."""
+instructions per weight than the exact one (one bf16x2 multiply per pair instead of two). On the chunked layout
+(`moe.fp4_layout`) the weights are copied 16 bytes a lane (no 8-byte copies) and read back from shared memory as
+16-byte vectors (no ldmatrix). Every loop issues its wgmmas in groups (ptxas did not serialise them)."""
 
 from __future__ import annotations
 
@@ -23,13 +25,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deepinfer_kernels.moe.fp4_grouped import triton as fg
 
-def compile_sm90(kernel, sig, consts, div16, num_warps, num_stages):
+def compile_sm90(kernel, sig, consts, div16, num_warps, num_stages, **options):
     names = kernel.arg_names
     full = dict(sig) | {k: "constexpr" for k in consts}
     src = ASTSource(kernel, full, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div16})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
 def loops(sass):
     ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
@@ -61,34 +63,57 @@ def report(c, weights_per_thread):
             "local_mem": len(re.findall(r"\b(?:STL|LDL)\b", sass)),
             "loop_hgmma": sum(1 for b in body for t in b if "HGMMA" in t),
             "loop_cp_async": sum(1 for b in body for t in b if "LDGSTS" in t),
+            "loop_cp_async_8b": sum(1 for b in body for t in b if "LDGSTS.E.64" in t),
+            "loop_lds_128": sum(1 for b in body for t in b if "LDS.128" in t),
+            "loop_ldsm": sum(1 for b in body for t in b if "LDSM" in t),
+            "loop_local_mem": sum(1 for b in body for t in b if re.search(r"\b(?:STL|LDL)\b", t)),
+            "loop_wgmma_groups": sum(1 for b in body for t in b if "WARPGROUP.ARRIVE" in t),
             "converts_after_loop_start": loop_ir.count("ttg.convert_layout"),
             "stores_after_loop_start": loop_ir.count("ttg.local_store") + loop_ir.count("tt.store")}
 
 up_sig = {"x_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*i32", "s3_ptr": "*i32",
           "pairs_ptr": "*i32", "bexp_ptr": "*i32", "h_ptr": "*bf16", "P": "i32", "N": "i32", "K": "i32",
           "stride_x": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32",
-          "stride_h": "i32", "limit": "fp32"}
+          "stride_sq": "i32", "stride_h": "i32", "limit": "fp32"}
 down_sig = {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*i32", "pairs_ptr": "*i32", "bexp_ptr": "*i32",
             "rw_ptr": "*fp32", "out_ptr": "*fp32", "P": "i32", "N": "i32", "K": "i32", "stride_h": "i32",
-            "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_o": "i32"}
-div = lambda sig: tuple(k for k in sig if k.endswith("_ptr") or k in ("N", "K") or k.startswith("stride"))
+            "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sn": "i32", "stride_sq": "i32",
+            "stride_o": "i32"}
 out = {}
-for fast in (True, False):
-    c = compile_sm90(fg._gate_up_grouped_kernel, up_sig, dict(TOPK=6, CLAMP=True, DECODE="asm", FAST=fast,
-                     H_PERM=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), div(up_sig), 4, 4)
-    out[f"gate_up fast={fast}"] = report(c, 64 * 128 * 2 / 128)
-    c = compile_sm90(fg._down_grouped_kernel, down_sig, dict(DECODE="asm", FAST=fast, BLOCK_M=16, BLOCK_N=64,
-                     BLOCK_K=128), div(down_sig), 4, 4)
-    out[f"down fast={fast}"] = report(c, 64 * 128 / 128)
-print(json.dumps(out))
+for chunked in (False, True):
+    # the JIT specialises a unit stride to a constant: the row stride of chunked scales, the chunk stride otherwise
+    one = "stride_sn" if chunked else "stride_sq"
+    up = {k: v for k, v in up_sig.items() if k != one}
+    down = {k: v for k, v in down_sig.items() if k != one}
+    div = lambda sig: tuple(k for k in sig if k.endswith("_ptr") or k in ("N", "K") or k.startswith("stride"))
+    for fast in (True, False):
+        c = compile_sm90(fg._gate_up_grouped_kernel, up, {one: 1} | dict(TOPK=6, CLAMP=True, DECODE="asm", FAST=fast,
+                         H_PERM=True, CHUNKED=chunked, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), div(up), 4, 4)
+        out[f"gate_up 64x128 chunked={chunked} fast={fast}"] = report(c, 64 * 128 * 2 / 128)
+        c = compile_sm90(fg._down_grouped_kernel, down, {one: 1} | dict(DECODE="asm", FAST=fast, CHUNKED=chunked,
+                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=256), div(down), 4, 3)
+        out[f"down 64x256 chunked={chunked} fast={fast}"] = report(c, 64 * 256 / 128)
+# the sweep's register-capped chunked gate/up (GemmConfig.max_regs = 128: 4 CTAs per SM instead of 3)
+c = compile_sm90(fg._gate_up_grouped_kernel, up, {one: 1} | dict(TOPK=6, CLAMP=True, DECODE="asm", FAST=True,
+                 H_PERM=True, CHUNKED=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128), div(up), 4, 4, maxnreg=128)
+capped = report(c, 64 * 128 * 2 / 128)
+print(json.dumps({"kernels": out, "capped": capped}))
 """
 
 
 def test_grouped_kernels_feed_wgmma_from_registers_on_sm90():
-    report = run_compile_script(_SCRIPT)
-    assert len(report) == 4
+    both = run_compile_script(_SCRIPT)
+    report, capped = both["kernels"], both["capped"]
+    # spills of the capped kernel stay outside its loops
+    assert capped["regs"] <= 128 and capped["loop_local_mem"] == 0, capped
+    assert len(report) == 8
     for name, r in report.items():
         fast = "fast=True" in name
+        # ptxas serialises every wgmma of a kernel (C7515: one wgmma per group, each waited for) when a loop's
+        # zero-trip path zeroes the accumulators after the loop; the kernels assume K > 0 to keep the groups
+        assert r["loop_hgmma"] >= 4 * r["loop_wgmma_groups"], (name, r)
+        if "chunked=True" in name:
+            assert r["loop_cp_async_8b"] == 0 and r["loop_lds_128"] > 0 and r["loop_ldsm"] == 0, (name, r)
         # no spill: no local-memory access at all (triton 3.9 reserves an unused 8-byte stack frame for the fast
         # gate/up kernel, so the frame size alone is not the test)
         assert r["local_mem"] == 0 and r["stack"] <= 16, (name, r)

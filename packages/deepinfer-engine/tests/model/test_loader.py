@@ -105,3 +105,14 @@ def test_checkpoint_shapes_not_matching_config(ckpt_v4, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"wq_a\.weight"):
         load_model(bad, torch.float32)
+
+
+def test_expert_layout_option(ckpt_v4):
+    """expert_layout is validated; "chunked" repacks FP4 experts on CUDA only (on CPU the experts keep the
+    checkpoint layout, which the torch reference decodes without an unpack; the CUDA repack: model/test_moe.py)."""
+    from deepinfer_engine.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="expert_layout 'tiled'"):
+        load_model(ckpt_v4, torch.float32, expert_layout="tiled")
+    m = load_model(ckpt_v4, torch.float32, expert_layout="chunked")
+    assert {layer.ffn.experts.w1.fmt for layer in m.layers} == {"fp4"}

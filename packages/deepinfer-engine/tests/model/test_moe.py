@@ -3,6 +3,7 @@ image-sentinel ids select with `bias_vl`; weights always from the unbiased score
 
 from __future__ import annotations
 
+import pytest
 import torch
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.moe import MoE
@@ -74,3 +75,94 @@ def test_routed_experts_go_through_the_dispatch_strategy():
                         hidden_size=a.hidden_size, top_k=plan.num_experts_per_tok, dtype=torch.float32)
     moe.dispatch = EPDispatch(disp)
     torch.testing.assert_close(moe(x, ids), local, atol=1e-5, rtol=1e-5)
+
+
+def _fp4_experts(e: int, d: int, inter: int, g: torch.Generator) -> tuple[object, dict]:
+    """Experts in the checkpoint FP4 format, every slot filled through its weight loader."""
+    from deepinfer_engine.model.moe import Experts
+    from deepinfer_kernels.quant import quant_fp4
+
+    ex = Experts(e, d, inter, 10.0, torch.float32)
+    ckpt = {}
+    for name, (o, i) in (("w1", (inter, d)), ("w3", (inter, d)), ("w2", (d, inter))):
+        w = getattr(ex, name)
+        w.use_checkpoint_format("fp4_e2m1x2", "f8_e8m0", (1, 32))
+        for slot in range(e):
+            q, s = quant_fp4(torch.randn(o, i, generator=g) / i**0.5)
+            w.weight.weight_loader(w.weight, q, slot)
+            w.scale.weight_loader(w.scale, s, slot)
+            ckpt[(name, slot)] = (q, s)
+    return ex, ckpt
+
+
+def test_chunked_expert_layout_in_place_slot_loads_and_moves():
+    """The chunked layout (deepinfer_kernels.moe.fp4_layout) applied in place: the experts decode to the same
+    weights and compute the same output; a later checkpoint load into a slot is repacked by the weight loader;
+    an EPLB move (whole-slot copies) carries the experts along."""
+    from deepinfer_engine.model.moe import chunk_model_experts
+    from deepinfer_kernels.moe.fp4_layout import chunk_codes, chunk_scales
+
+    g = torch.Generator().manual_seed(5)
+    e, d, inter = 3, 256, 128
+    ex, ckpt = _fp4_experts(e, d, inter, g)
+    before = [ex.stacked()[i] for i in range(e)]
+    x = torch.randn(4, d, generator=g)
+    weights = torch.rand(4, 2, generator=g)
+    ids = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2]])
+    out = ex(x, weights, ids)
+    assert chunk_model_experts(ex) == 0  # CPU experts keep the checkpoint layout
+    assert ex.use_chunked_layout() and ex.w1.fmt == ex.w2.fmt == ex.w3.fmt == "fp4_chunked"
+    st = ex.stacked()
+    assert st.fmt == "fp4_chunked" and st.w1.data_ptr() == ex.w1.weight.data_ptr()  # in place
+    assert not torch.equal(st.w1[0], ckpt[("w1", 0)][0])
+    for i in range(e):
+        for a, b in zip(st[i], before[i], strict=True):
+            assert torch.equal(a, b)
+    assert torch.equal(ex(x, weights, ids), out)
+    q, s = ckpt[("w3", 1)]
+    ex.w3.weight.data[1].zero_()
+    ex.w3.weight.weight_loader(ex.w3.weight, q, 1)
+    ex.w3.scale.weight_loader(ex.w3.scale, s, 1)
+    assert torch.equal(ex.w3.weight[1], chunk_codes(q))
+    assert torch.equal(ex.w3.scale[1].view(torch.uint8), chunk_scales(s).view(torch.uint8))
+    # an EPLB move (single rank: a local permutation of whole slots) carries the chunked experts along
+    from deepinfer_parallel.eplb.shuffle import move_expert_weights
+    from deepinfer_parallel.state import ParallelState
+
+    move_expert_weights(ex.tensors(), torch.tensor([0, 1, 2]), torch.tensor([2, 0, 0]), ParallelState.single())
+    for slot, expert in enumerate((2, 0, 0)):
+        for a, b in zip(ex.stacked()[slot], before[expert], strict=True):
+            assert torch.equal(a, b)
+    assert not ex.use_chunked_layout()  # already chunked: nothing to do
+
+
+def test_chunked_expert_layout_needs_whole_chunks():
+    from deepinfer_engine.errors import ModelConfigError
+
+    ex, _ = _fp4_experts(2, 96, 128, torch.Generator().manual_seed(6))  # d = 96: no whole 128-column chunks
+    assert not ex.use_chunked_layout() and ex.w1.fmt == "fp4"
+    with pytest.raises(ModelConfigError, match="multiple of 128"):
+        ex.w1.use_chunked_layout()
+
+
+@pytest.mark.gpu
+def test_chunk_model_experts_on_cuda_keeps_the_output():
+    """On CUDA the repacked experts run the FP4 kernels on the chunked layout (tile kernels at T = 1, grouped ones
+    from 48 pairs): the output stays within the kernels' bf16 tolerance of the torch reference (2e-2 of max |ref|,
+    as deepinfer-kernels' FP4 tests), before and after the repack."""
+    from deepinfer_engine.model.moe import chunk_model_experts
+    from deepinfer_kernels.moe import moe_experts
+
+    g = torch.Generator().manual_seed(7)
+    ex, _ = _fp4_experts(8, 256, 384, g)
+    ex = ex.cuda()
+    for t in (1, 16):
+        x = torch.randn(t, 256, generator=g).bfloat16().cuda()
+        weights = torch.rand(t, 6, generator=g).cuda()
+        ids = torch.stack([torch.randperm(8, generator=g)[:6] for _ in range(t)]).cuda()
+        ref = moe_experts(x, weights, ids, ex.stacked(), ex.limit, backend="torch")
+        scale = ref.abs().max()
+        assert float((ex(x, weights, ids) - ref).abs().max() / scale) <= 2e-2
+        if t == 1:
+            assert chunk_model_experts(ex) == 1 and ex.stacked().fmt == "fp4_chunked"
+        assert float((ex(x, weights, ids) - ref).abs().max() / scale) <= 2e-2

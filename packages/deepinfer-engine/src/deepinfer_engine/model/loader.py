@@ -23,6 +23,7 @@ from deepinfer_engine.model.inventory import optional_tensor_names
 from deepinfer_engine.model.linear import QUANTIZED_DTYPES, default_weight_loader
 from deepinfer_engine.model.linear_pair import fuse_model_pairs
 from deepinfer_engine.model.model import Transformer
+from deepinfer_engine.model.moe import EXPERT_LAYOUTS, chunk_model_experts
 from deepinfer_engine.model.weight_names import (
     MODULE_TO_CHECKPOINT,
     checkpoint_name,
@@ -98,6 +99,19 @@ def _is_scale_companion(name: str, stored: set[str]) -> bool:
     return name.endswith(".scale") and name[: -len("scale")] + "weight" in stored
 
 
+def _check_expert_layout(expert_layout: str) -> None:
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise CheckpointError(f"expert_layout {expert_layout!r}: expected one of {EXPERT_LAYOUTS}")
+
+
+def _after_load(model: torch.nn.Module, expert_layout: str) -> None:
+    """Post-load transformations, in place: same-input FP8 Linears into one buffer each (linear_pair.py), then
+    the FP4 routed experts on CUDA into the chunked layout when asked (moe.py `chunk_model_experts`)."""
+    fuse_model_pairs(model)
+    if expert_layout == "chunked":
+        chunk_model_experts(model)
+
+
 def _load_one(target: torch.Tensor, tensor: torch.Tensor, slot: int | None, ck: str) -> None:
     loader = getattr(target, "weight_loader", default_weight_loader)
     try:
@@ -122,9 +136,13 @@ def _materialize(model: torch.nn.Module, device: torch.device | str) -> None:
 
 
 @torch.no_grad()
-def load_weights(model: Transformer, weights: object, *, device: torch.device | str | None = None) -> None:
+def load_weights(
+    model: Transformer, weights: object, *, device: torch.device | str | None = None, expert_layout: str = "checkpoint"
+) -> None:
     """Load `(checkpoint name, tensor)` pairs (decoded float tensors, or stored ones for quantized parameters)
-    through the parameters' weight loaders; every tensor of the model must be given exactly once."""
+    through the parameters' weight loaders; every tensor of the model must be given exactly once. expert_layout:
+    as in `load_model`."""
+    _check_expert_layout(expert_layout)
     expected = expected_checkpoint_tensors(model)
     _materialize(model, device or "cpu")
     named = _named_tensors(model)
@@ -138,13 +156,17 @@ def load_weights(model: Transformer, weights: object, *, device: torch.device | 
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(f"{len(missing)} model tensors were not given: {missing[:6]}")
-    fuse_model_pairs(model)  # same-input FP8 Linears into one buffer each (linear_pair.py)
+    _after_load(model, expert_layout)
 
 
 @torch.no_grad()
-def load_state_into(model: Transformer, reader: object, *, device: torch.device | str = "cpu") -> None:
+def load_state_into(
+    model: Transformer, reader: object, *, device: torch.device | str = "cpu", expert_layout: str = "checkpoint"
+) -> None:
     """Fill every model tensor from `reader` (anything with `tensor_names()`, `load(name, dtype, device)` and
-    `load_raw(name)`): quantized parameters get the stored tensors, dense ones the decoded tensor."""
+    `load_raw(name)`): quantized parameters get the stored tensors, dense ones the decoded tensor. expert_layout:
+    as in `load_model`."""
+    _check_expert_layout(expert_layout)
     stored = set(reader.tensor_names())
     if not model.with_draft:
         stored = {n for n in stored if not n.startswith(DRAFT_PREFIX)}
@@ -172,7 +194,7 @@ def load_state_into(model: Transformer, reader: object, *, device: torch.device 
             )
         for pname, slot in places:
             _load_one(named[pname], t, slot, ck)
-    fuse_model_pairs(model)  # same-input FP8 Linears into one buffer each (linear_pair.py)
+    _after_load(model, expert_layout)
 
 
 def load_model(
@@ -186,6 +208,7 @@ def load_model(
     quantize_activations: bool = False,
     expert_slots: Callable[[int], Sequence[int]] | None = None,
     token_map_cache: str | os.PathLike[str] | None = "auto",
+    expert_layout: str = "checkpoint",
 ) -> Transformer:
     """Transformer holding the weights of `ckpt_dir` on `device`: in their checkpoint formats (quantized=True,
     the default) or decoded to `dtype`; float parameters in `dtype`, fp32 where the spec keeps fp32 (mHC,
@@ -194,7 +217,10 @@ def load_model(
     tokenizer.json (docs/model.md §C.6 token map), memoised on disk per tokenizer content in `token_map_cache`
     (`engram_hash.cached_token_map`; "auto": `engram-token-maps` in the deepinfer cache, None: rebuilt on every
     load: decoding the whole vocabulary takes seconds). expert_slots: expert parallelism, `layer id -> the checkpoint
-    experts of this rank's slots` for every backbone MoE layer; only those are read (draft layers keep all)."""
+    experts of this rank's slots` for every backbone MoE layer; only those are read (draft layers keep all).
+    expert_layout: "checkpoint" keeps the FP4 routed experts' bytes as stored; "chunked" repacks those on a CUDA
+    device once after loading, in place, into the layout the GPU kernels read with coalesced 16-byte loads
+    (deepinfer_kernels.moe.fp4_layout, docs/moe_fp4_kernel.md; same tensors, shapes and dtypes)."""
     from deepinfer_engine.model.checkpoint import CheckpointReader
 
     reader = CheckpointReader(ckpt_dir)
@@ -210,7 +236,7 @@ def load_model(
             for layer in model.layers:
                 experts = layer.ffn.experts
                 experts.hold_experts(expert_slots(layer.layer_id), len(experts))
-        load_state_into(model, reader, device=device)
+        load_state_into(model, reader, device=device, expert_layout=expert_layout)
     finally:
         reader.close()
     left = [n for n, v in _named_tensors(model).items() if v.is_meta]

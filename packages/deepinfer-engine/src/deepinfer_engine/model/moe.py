@@ -8,6 +8,7 @@ import torch
 from deepinfer_kernels.activation import swiglu
 from deepinfer_kernels.linear import linear_f32_out
 from deepinfer_kernels.moe import StackedExperts, moe_experts
+from deepinfer_kernels.moe.fp4_layout import CHUNK, chunk_codes_, chunk_scales_
 from deepinfer_kernels.routing import gate_scores, route_logits, select_experts
 from deepinfer_parallel.ep import LocalDispatch, MoEDispatch
 from torch import Tensor, nn
@@ -23,7 +24,23 @@ from deepinfer_engine.model.linear import (
 )
 from deepinfer_engine.model.linear_pair import linear_pair
 
-__all__ = ["Expert", "ExpertWeight", "Experts", "Gate", "MoE"]
+__all__ = ["EXPERT_LAYOUTS", "Expert", "ExpertWeight", "Experts", "Gate", "MoE", "chunk_model_experts"]
+
+# Memory layouts of FP4 routed experts: the checkpoint's bytes, or the chunked layout the GPU kernels read
+# coalesced (deepinfer_kernels.moe.fp4_layout, docs/moe_fp4_kernel.md), applied once after loading.
+EXPERT_LAYOUTS = ("checkpoint", "chunked")
+
+
+def _chunked_codes_loader(param: Tensor, loaded: Tensor, expert_id: int | None = None) -> None:
+    """`stacked_weight_loader` for codes held in the chunked layout: the checkpoint slot is repacked in place."""
+    stacked_weight_loader(param, loaded, expert_id)
+    chunk_codes_(param.data[expert_id])
+
+
+def _chunked_scales_loader(param: Tensor, loaded: Tensor, expert_id: int | None = None) -> None:
+    """`stacked_weight_loader` for scales held in the chunked layout."""
+    stacked_weight_loader(param, loaded, expert_id)
+    chunk_scales_(param.data[expert_id])
 
 
 class Gate(nn.Module):
@@ -126,15 +143,36 @@ class ExpertWeight(nn.Module):
         self.scale = new_param(scale_shape, stored_torch_dtype(scale_dtype), self.weight, stacked_weight_loader)
         self.block = (b0, b1)
 
+    def _loaders(self) -> tuple[object, object]:
+        if self.fmt == "fp4_chunked":
+            return _chunked_codes_loader, _chunked_scales_loader
+        return stacked_weight_loader, stacked_weight_loader
+
     def resize_slots(self, num_slots: int) -> None:
         """Hold `num_slots` stacked experts instead of all (expert parallelism: this rank's slots only), in the
         current format; call before the weights are loaded (the storage is replaced, uninitialized)."""
         self.shape = (num_slots, *self.shape[1:])
-        self.weight = new_param((num_slots, *self.weight.shape[1:]), self.weight.dtype, self.weight,
-                                stacked_weight_loader)
+        wl, sl = self._loaders()
+        self.weight = new_param((num_slots, *self.weight.shape[1:]), self.weight.dtype, self.weight, wl)
         if self.scale is not None:
-            self.scale = new_param((num_slots, *self.scale.shape[1:]), self.scale.dtype, self.weight,
-                                   stacked_weight_loader)
+            self.scale = new_param((num_slots, *self.scale.shape[1:]), self.scale.dtype, self.weight, sl)
+
+    def can_chunk(self) -> bool:
+        """FP4 in the checkpoint layout with whole 128-column chunks (the chunked layout's condition)."""
+        return self.fmt == "fp4" and self.shape[2] % CHUNK == 0 and self.block == (1, 32)
+
+    def use_chunked_layout(self) -> None:
+        """Repack the loaded FP4 codes and scales in place into the chunked layout (one expert matrix of temporary
+        memory at a time); later checkpoint loads into a slot are repacked by the weight loaders too."""
+        if not self.can_chunk():
+            raise ModelConfigError(
+                f"routed experts: chunked layout of fmt {self.fmt!r}, in_features {self.shape[2]}; expected fp4 "
+                f"with in_features a multiple of {CHUNK}"
+            )
+        chunk_codes_(self.weight.data)
+        chunk_scales_(self.scale.data)
+        self.fmt = "fp4_chunked"
+        self.weight.weight_loader, self.scale.weight_loader = self._loaders()  # type: ignore[union-attr]
 
 
 class Experts(nn.Module):
@@ -173,8 +211,19 @@ class Experts(nn.Module):
             raise ModelConfigError(f"hold_experts: expected expert ids in [0, {num_experts}), found {list(experts)}")
         self._held = experts
 
+    def use_chunked_layout(self) -> bool:
+        """Repack w1, w3 and w2 into the chunked FP4 layout when all three can be (else change nothing); returns
+        whether they were. Whole-slot copies (expert moves) stay valid: every slot holds the same layout."""
+        ws = (self.w1, self.w2, self.w3)
+        if not all(w.can_chunk() for w in ws):
+            return False
+        for w in ws:
+            w.use_chunked_layout()
+        return True
+
     def tensors(self) -> list[Tensor]:
-        """Every per-slot tensor (weights and scales), each `[slots, ...]`: what an expert move rewrites."""
+        """Every per-slot tensor (weights and scales), each `[slots, ...]`: what an expert move rewrites (in the
+        layout the slots hold, `ExpertWeight.fmt`)."""
         return [t for w in (self.w1, self.w2, self.w3) for t in (w.weight, w.scale) if t is not None]
 
     def stacked(self) -> StackedExperts:
@@ -211,3 +260,14 @@ class MoE(nn.Module):
         y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
         # fp32 + the shared expert's output: type promotion upcasts inside the add (no separate fp32 copy)
         return (y.float() + self.shared_experts(x)).to(x.dtype)
+
+
+def chunk_model_experts(model: nn.Module) -> int:
+    """Repack the FP4 routed experts that live on a CUDA device into the chunked layout, in place (after loading);
+    experts on other devices keep the checkpoint layout (the torch reference would only pay an unpack per step).
+    Returns the number of repacked `Experts`."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Experts) and m.w1.weight.is_cuda:
+            n += m.use_chunked_layout()
+    return n

@@ -1,9 +1,9 @@
 """MoE experts: clamped SwiGLU expert and the routed combine (docs/model.md §2, docs/model.md §A.8).
 
 `moe_experts` takes the experts either as a sequence of float ``(w1, w3, w2)`` or as one `StackedExperts`
-(``[E, ...]`` in the checkpoint format). Torch reference everywhere (per-call exact decode of the experts a step
-uses); on CUDA the FP4 experts run the Triton grouped W4A16 path (device-side permutation, fused SwiGLU, no host
-read).
+(``[E, ...]`` in the checkpoint format, or FP4 in the chunked layout of `fp4_layout`). Torch reference everywhere
+(per-call exact decode of the experts a step uses); on CUDA the FP4 experts run the Triton grouped W4A16 path
+(device-side permutation, fused SwiGLU, no host read).
 """
 
 from __future__ import annotations
@@ -42,20 +42,22 @@ def moe_experts(
     stacked = isinstance(experts, StackedExperts)
     ok = (
         stacked
-        and experts.fmt == "fp4"
+        and experts.fmt in ("fp4", "fp4_chunked")
         and x.dim() == 2
         and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and x.shape[1] == experts.hidden
         and x.shape[1] % 32 == 0
         and experts.inter % 32 == 0
     )
-    why = "needs StackedExperts in fp4 with d, I multiples of 32 and a float x"
+    why = "needs StackedExperts in fp4 / fp4_chunked with d, I multiples of 32 and a float x"
     tensors = (x, experts.w1) if stacked else (x,)
     if resolve_backend("moe_experts", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.moe import triton as triton_backend
 
         e = experts
-        return triton_backend.moe_experts_fp4(x, weights, ids, e.w1, e.w3, e.w2, e.s1, e.s3, e.s2, limit)
+        return triton_backend.moe_experts_fp4(
+            x, weights, ids, e.w1, e.w3, e.w2, e.s1, e.s3, e.s2, limit, chunked=e.fmt == "fp4_chunked"
+        )
     if ids.numel():
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read for both bounds
         if lo < 0 or hi >= len(experts):

@@ -46,13 +46,23 @@ class GemmConfig:
     "bits" (portable integer decode; the CPU interpreter and fp32 activations) decode whole K-ordered tiles;
     "grouped" / "grouped_exact" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into
     the dot operand registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple
-    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128)."""
+    of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128).
+    On the chunked layout (`moe.fp4_layout`) block_k must be a multiple of 128. ``max_regs``: a cap on the
+    registers per thread (ptxas ``.maxnreg``; None: ptxas decides), to fit more CTAs per SM."""
 
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
     variant: str = "bits"
+    max_regs: int | None = None
+
+    def launch_options(self) -> dict:
+        """Compile options of a launch: warps, stages and the register cap when set."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_regs is not None:
+            opts["maxnreg"] = self.max_regs
+        return opts
 
 
 @triton.jit
@@ -99,20 +109,38 @@ _E2M1X8_TO_BF16 = tl.constexpr(_e2m1x8_ptx())
 
 
 @triton.jit
-def _per_word(m, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """bf16 bits [BLOCK_N, BLOCK_K/32] per 32-code scale group -> the bf16x2 word (both lanes) of every 8-code
-    word of its group, [BLOCK_N, BLOCK_K/8] int32."""
+def _per_word(m, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """bf16 bits per 32-code scale group, [BLOCK_N, BLOCK_K/32] (CHUNKED: [BLOCK_N, BLOCK_K/128, 4]) -> the bf16x2
+    word (both lanes) of every 8-code word of its group, [BLOCK_N, BLOCK_K/8] int32 in stored word order (CHUNKED:
+    word 4c + g of a chunk belongs to group g; else words 4g .. 4g + 3)."""
     m2 = m | (m << 16)
-    return tl.reshape(tl.broadcast_to(m2[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    if CHUNKED:  # m [BLOCK_N, BLOCK_K/128, 4 (g)]; one return (a static if still traces what follows it)
+        w = tl.reshape(tl.broadcast_to(m2[:, :, None, :], [BLOCK_N, BLOCK_K // 128, 4, 4]), [BLOCK_N, BLOCK_K // 8])
+    else:
+        w = tl.reshape(tl.broadcast_to(m2[:, :, None], [BLOCK_N, BLOCK_K // 32, 4]), [BLOCK_N, BLOCK_K // 8])
+    return w
 
 
 @triton.jit
-def _e2m1_words_bf16(w, sb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 ->
-    [BLOCK_N, BLOCK_K] bf16 exact weights (GPU only: inline PTX)."""
-    b = sb.to(tl.int32)
-    m1 = _per_word((tl.minimum(b, 128) + 126) << 7, BLOCK_N, BLOCK_K)
-    m2 = _per_word((tl.maximum(b, 128) - 1) << 7, BLOCK_N, BLOCK_K)
+def _chunked_col(k):
+    """Position k of a row in the chunked layout's word order (word 4c + g of a 128-column chunk holds columns
+    8(4g + c) .. +7) -> the natural column it holds (elementwise on int tensors; `moe.fp4_layout`)."""
+    # divisions and remainders by powers of two only: Triton's axis analysis then still sees runs of 8 contiguous
+    # columns (16-byte activation loads, pipelined as cp.async)
+    return (k // 128) * 128 + ((k // 8) % 4) * 32 + ((k // 32) % 4) * 8 + k % 8
+
+
+@triton.jit
+def _e2m1_words_bf16(w, sb, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed words [BLOCK_N, BLOCK_K/8] int32 + scale codes [BLOCK_N, BLOCK_K/32] uint8 in group order (CHUNKED:
+    the scale words [BLOCK_N, BLOCK_K/128] int32, 4 groups each) -> [BLOCK_N, BLOCK_K] bf16 exact weights in
+    stored column order (GPU only: inline PTX)."""
+    if CHUNKED:  # codes [BLOCK_N, BLOCK_K/128, 4] straight from the words, without a reshape
+        b = _word_codes(sb)
+    else:
+        b = sb.to(tl.int32)
+    m1 = _per_word((tl.minimum(b, 128) + 126) << 7, CHUNKED, BLOCK_N, BLOCK_K)
+    m2 = _per_word((tl.maximum(b, 128) - 1) << 7, CHUNKED, BLOCK_N, BLOCK_K)
     n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
         _E2M1X8_TO_BF16,
         "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
@@ -127,6 +155,36 @@ def _e2m1_words_bf16(w, sb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _a_cols(offs_k, CHUNKED: tl.constexpr):
+    """Columns of the activations that meet the weight tile's stored column order."""
+    if CHUNKED:
+        return _chunked_col(offs_k)
+    return offs_k
+
+
+@triton.jit
+def _scale_cols(k0, stride_sq, CHUNKED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(offsets, mask columns) of the tile's scales inside a row: the checkpoint layout's bytes (one per group);
+    the chunked layout's 32-bit words (4 groups a word, chunks stride_sq words apart), which the pipeline copies
+    asynchronously (a single byte per row and group it cannot) and the decode splits."""
+    if CHUNKED:  # one return: the two branches' shapes differ
+        kq = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+        offs = kq * stride_sq
+        cols = kq * 128
+    else:
+        offs = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        cols = offs * 32
+    return offs, cols
+
+
+@triton.jit
+def _word_codes(sw):
+    """Scale words [BLOCK_N, BLOCK_K/128] int32 -> codes [BLOCK_N, BLOCK_K/128, 4 (group)] int32 (byte g of a
+    chunk's word is its group g)."""
+    return (sw[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
+
+
+@triton.jit
 def _fp4_dot(
     acc,
     a,
@@ -137,25 +195,33 @@ def _fp4_dot(
     VARIANT: tl.constexpr,
     DOT_F32: tl.constexpr,
     EVEN: tl.constexpr,
+    CHUNKED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ a^T, a [BLOCK_M, BLOCK_K]. "bits" leaves the result
     scaled by 2^-14 (the caller multiplies once at the end); "asm" is exact. w_ptrs address bytes
-    [BLOCK_N, BLOCK_K/2], or int32 words [BLOCK_N, BLOCK_K/8] for "asm"."""
+    [BLOCK_N, BLOCK_K/2], or int32 words [BLOCK_N, BLOCK_K/8] for "asm", in stored order; s_ptrs the scale codes
+    [BLOCK_N, BLOCK_K/32] in group order. CHUNKED: the weights are in the chunked layout (`moe.fp4_layout`), so
+    the tile's columns come out in its word order and a must be loaded in that order (`_chunked_col`); s_ptrs
+    then address the scale words [BLOCK_N, BLOCK_K/128]."""
     if EVEN:  # the tile lies inside the weight: unmasked loads save the per-element predicates
         p = tl.load(w_ptrs)
         sb = tl.load(s_ptrs)
     else:
         p = tl.load(w_ptrs, mask=mask, other=0)
-        sb = tl.load(s_ptrs, mask=s_mask, other=127)
+        sb = tl.load(s_ptrs, mask=s_mask, other=127)  # masked weights are 0: any finite scale
     if VARIANT == "asm":
-        acc = tl.dot(_e2m1_words_bf16(p, sb, BLOCK_N, BLOCK_K), tl.trans(a.to(tl.bfloat16)), acc)
+        acc = tl.dot(_e2m1_words_bf16(p, sb, CHUNKED, BLOCK_N, BLOCK_K), tl.trans(a.to(tl.bfloat16)), acc)
     else:
         v = _e2m1_x2pow14(p, BLOCK_N, BLOCK_K)
-        w = tl.reshape(
-            tl.reshape(v, [BLOCK_N, BLOCK_K // 32, 32]) * _e8m0(sb)[:, :, None], [BLOCK_N, BLOCK_K]
-        )
+        if CHUNKED:  # stored order: chunk, c, g, 8 columns; the scale depends on (chunk, g)
+            sc = _e8m0(_word_codes(sb))[:, :, None, :, None]
+            w = tl.reshape(tl.reshape(v, [BLOCK_N, BLOCK_K // 128, 4, 4, 8]) * sc, [BLOCK_N, BLOCK_K])
+        else:
+            w = tl.reshape(
+                tl.reshape(v, [BLOCK_N, BLOCK_K // 32, 32]) * _e8m0(sb)[:, :, None], [BLOCK_N, BLOCK_K]
+            )
         if DOT_F32:
             acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -166,9 +232,9 @@ def _fp4_dot(
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pairs_ptr, bexp_ptr, h_ptr,
-    P, N, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
+    P, N, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_sq, stride_h, limit,
     TOPK: tl.constexpr, CLAMP: tl.constexpr, DOT_F32: tl.constexpr, VARIANT: tl.constexpr, PACK: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, CHUNKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
@@ -187,18 +253,19 @@ def _gate_up_kernel(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(
-                x_ptr + tok[:, None] * stride_x + offs_k[None, :],
+                x_ptr + tok[:, None] * stride_x + _a_cols(offs_k, CHUNKED)[None, :],
                 mask=r_mask[:, None] & (offs_k[None, :] < K),
                 other=0.0,
             )
             kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            sk, sc = _scale_cols(k0, stride_sq, CHUNKED, BLOCK_K)
+            sk = sk[None, :]
             wm = n_mask[:, None] & (kb[None, :] * PACK < K)
-            sm = n_mask[:, None] & (ks[None, :] * 32 < K)
-            g = _fp4_dot(g, a, w1_ptr + w_off + kb[None, :], s1_ptr + s_off + ks[None, :], wm, sm,
-                         VARIANT, DOT_F32, EVEN, BLOCK_N, BLOCK_K)  # fmt: skip
-            u = _fp4_dot(u, a, w3_ptr + w_off + kb[None, :], s3_ptr + s_off + ks[None, :], wm, sm,
-                         VARIANT, DOT_F32, EVEN, BLOCK_N, BLOCK_K)  # fmt: skip
+            sm = n_mask[:, None] & (sc[None, :] < K)
+            g = _fp4_dot(g, a, w1_ptr + w_off + kb[None, :], s1_ptr + s_off + sk, wm, sm,
+                         VARIANT, DOT_F32, EVEN, CHUNKED, BLOCK_N, BLOCK_K)  # fmt: skip
+            u = _fp4_dot(u, a, w3_ptr + w_off + kb[None, :], s3_ptr + s_off + sk, wm, sm,
+                         VARIANT, DOT_F32, EVEN, CHUNKED, BLOCK_N, BLOCK_K)  # fmt: skip
         if VARIANT == "bits":
             g = g * _TWO_POW_14
             u = u * _TWO_POW_14
@@ -214,9 +281,9 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     h_ptr, w2_ptr, s2_ptr, pairs_ptr, bexp_ptr, rw_ptr, out_ptr,
-    P, N, K, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    DOT_F32: tl.constexpr, VARIANT: tl.constexpr, PACK: tl.constexpr, EVEN: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    P, N, K, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_sq, stride_o,
+    DOT_F32: tl.constexpr, VARIANT: tl.constexpr, PACK: tl.constexpr, EVEN: tl.constexpr, CHUNKED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -233,15 +300,15 @@ def _down_kernel(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(
-                h_ptr + hrow[:, None] * stride_h + offs_k[None, :],
+                h_ptr + hrow[:, None] * stride_h + _a_cols(offs_k, CHUNKED)[None, :],
                 mask=r_mask[:, None] & (offs_k[None, :] < K),
                 other=0.0,
             )
             kb = k0 // PACK + tl.arange(0, BLOCK_K // PACK)
-            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            acc = _fp4_dot(acc, a, w2_ptr + w_off + kb[None, :], s2_ptr + s_off + ks[None, :],
-                           n_mask[:, None] & (kb[None, :] * PACK < K), n_mask[:, None] & (ks[None, :] * 32 < K),
-                           VARIANT, DOT_F32, EVEN, BLOCK_N, BLOCK_K)  # fmt: skip
+            sk, sc = _scale_cols(k0, stride_sq, CHUNKED, BLOCK_K)
+            acc = _fp4_dot(acc, a, w2_ptr + w_off + kb[None, :], s2_ptr + s_off + sk[None, :],
+                           n_mask[:, None] & (kb[None, :] * PACK < K), n_mask[:, None] & (sc[None, :] < K),
+                           VARIANT, DOT_F32, EVEN, CHUNKED, BLOCK_N, BLOCK_K)  # fmt: skip
         if VARIANT == "bits":
             acc = acc * _TWO_POW_14
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
@@ -351,14 +418,16 @@ GROUPED_MIN_PAIRS = 48
 
 
 def default_configs(
-    pairs: int, interpreted: bool, fp32: bool, grouped: bool = GROUPED_DEFAULT
+    pairs: int, interpreted: bool, fp32: bool, grouped: bool = GROUPED_DEFAULT, chunked: bool = False
 ) -> tuple[int, GemmConfig, GemmConfig]:
     """(BLOCK_M, gate/up config, down config) for P = T * k routed pairs. GPU configs: the best of the H200 sweep
     at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path.
     grouped: bf16 / fp16 activations with at least GROUPED_MIN_PAIRS pairs take the per-scale-group kernels (the
-    caller checks `fp4_grouped.supports`)."""
+    caller checks `fp4_grouped.supports`). chunked: the weights are in the chunked layout (`moe.fp4_layout`),
+    whose tiles span whole 128-column chunks."""
     if interpreted:
-        return 16, GemmConfig(16, 32, 4, 1, "bits"), GemmConfig(16, 32, 4, 1, "bits")
+        bk = 128 if chunked else 32
+        return 16, GemmConfig(16, bk, 4, 1, "bits"), GemmConfig(16, bk, 4, 1, "bits")
     block_m = 16 if pairs < 4096 else 64
     if grouped and not fp32 and pairs >= GROUPED_MIN_PAIRS:  # the sweep's best grouped tiles at T = 8 .. 256
         return block_m, GemmConfig(64, 128, 4, 4, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
@@ -374,6 +443,22 @@ def _decode(cfg: GemmConfig, dot_f32: bool) -> str:
     if dot_f32 or cfg.variant == "grouped_bits":
         return "bits"
     return "exact" if cfg.variant == "grouped_exact" else "fast"
+
+
+def _tile_scales(s: Tensor, chunked: bool) -> tuple[Tensor, int, int, int]:
+    """Scales -> (the tile kernels' view, strides of an expert, a row and a 128-column chunk in its elements):
+    bytes in the checkpoint layout, 32-bit words (4 groups) in the chunked one."""
+    if chunked:
+        return fp4_grouped.scale_words(s, True)
+    return s.view(torch.uint8), s.stride(0), s.stride(1), 4
+
+
+def _check_chunked(cfg: GemmConfig, chunked: bool) -> None:
+    if chunked and not cfg.variant.startswith("grouped") and cfg.block_k % 128:
+        raise ValueError(
+            f"moe_experts_fp4: block_k {cfg.block_k} with the chunked layout; expected a multiple of 128 (a tile "
+            "spans whole 128-column chunks)"
+        )
 
 
 def _packed(cfg: GemmConfig, *ws: Tensor) -> tuple:
@@ -398,13 +483,16 @@ def launch_gate_up(
     cfg: GemmConfig,
     dot_f32: bool,
     h_perm: bool = False,
+    chunked: bool = False,
 ) -> None:
     """h [B * block_m, I] (x's dtype) = clamped SwiGLU of the gate / up projections of every padded row. h_perm:
-    store h in the column order the "grouped" down kernel reads (grouped gate/up configs only)."""  # fmt: skip
+    store h in the column order the "grouped" down kernel reads (grouped gate/up configs only). chunked: weights
+    and scales in the chunked layout (`moe.fp4_layout`), else the checkpoint's."""  # fmt: skip
+    _check_chunked(cfg, chunked)
     if cfg.variant.startswith("grouped"):
         fp4_grouped.launch_gate_up(
             x, w1, w3, s1, s3, pairs, bexp, h, topk, limit, block_m, cfg.block_n, cfg.block_k, cfg.num_warps,
-            cfg.num_stages, _decode(cfg, dot_f32), h_perm,
+            cfg.num_stages, _decode(cfg, dot_f32), h_perm, chunked, cfg.max_regs,
         )  # fmt: skip
         return
     if h_perm:
@@ -412,14 +500,18 @@ def launch_gate_up(
     p = x.shape[0] * topk
     inter, d = w1.shape[1], x.shape[1]
     pack, u1, u3 = _packed(cfg, w1, w3)
+    b1, sse, ssn, ssq = _tile_scales(s1, chunked)
+    b3, *strides3 = _tile_scales(s3, chunked)
+    if strides3 != [sse, ssn, ssq]:
+        raise ValueError(f"launch_gate_up: s1 and s3 strides differ: {(sse, ssn, ssq)} vs {tuple(strides3)}")
     _gate_up_kernel[(bexp.shape[0], cdiv(inter, cfg.block_n))](
-        x, u1, u3, s1.view(torch.uint8), s3.view(torch.uint8), pairs, bexp, h,
-        p, inter, d, x.stride(0), u1.stride(0), u1.stride(1), s1.stride(0), s1.stride(1), h.stride(0),
+        x, u1, u3, b1, b3, pairs, bexp, h,
+        p, inter, d, x.stride(0), u1.stride(0), u1.stride(1), sse, ssn, ssq, h.stride(0),
         float(limit),
         TOPK=topk, CLAMP=limit > 0, DOT_F32=dot_f32, VARIANT=cfg.variant, PACK=pack,
-        EVEN=inter % cfg.block_n == 0 and d % cfg.block_k == 0, BLOCK_M=block_m,
+        EVEN=inter % cfg.block_n == 0 and d % cfg.block_k == 0, CHUNKED=chunked, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
 
 
@@ -434,24 +526,26 @@ def launch_down(
     block_m: int,
     cfg: GemmConfig,
     dot_f32: bool,
+    chunked: bool = False,
 ) -> None:
     """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair. A "grouped" config reads h in the permuted column
-    order (`launch_gate_up(h_perm=True)`)."""  # fmt: skip
+    order (`launch_gate_up(h_perm=True)`). chunked: as in `launch_gate_up`."""  # fmt: skip
+    _check_chunked(cfg, chunked)
     if cfg.variant.startswith("grouped"):
         fp4_grouped.launch_down(
             h, w2, s2, pairs, bexp, rw, rows, block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
-            _decode(cfg, dot_f32),
+            _decode(cfg, dot_f32), chunked, cfg.max_regs,
         )  # fmt: skip
         return
     p, d = rows.shape
     inter = h.shape[1]
     pack, u2 = _packed(cfg, w2)
+    b2, sse, ssn, ssq = _tile_scales(s2, chunked)
     _down_kernel[(bexp.shape[0], cdiv(d, cfg.block_n))](
-        h, u2, s2.view(torch.uint8), pairs, bexp, rw, rows,
-        p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), s2.stride(0), s2.stride(1), rows.stride(0),
+        h, u2, b2, pairs, bexp, rw, rows,
+        p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), sse, ssn, ssq, rows.stride(0),
         DOT_F32=dot_f32, VARIANT=cfg.variant, PACK=pack, EVEN=d % cfg.block_n == 0 and inter % cfg.block_k == 0,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options(),
     )  # fmt: skip
 
 
@@ -467,11 +561,14 @@ def moe_experts_fp4(
     s2: Tensor,
     limit: float,
     configs: tuple[int, GemmConfig, GemmConfig] | None = None,
+    *,
+    chunked: bool = False,
 ) -> Tensor:
     """x [T, d]; weights [T, k] fp32; ids [T, k] int64; w1 / w3 [E, I, d/2] int8, w2 [E, d, I/2] int8; scales
     [E, I, d/32] / [E, d, I/32] e8m0 -> [T, d] float32 (Σ_k weight * expert(x)). Validated by the dispatcher.
     configs: (BLOCK_M, gate/up, down) instead of `default_configs` (tests, sweeps); grouped configs need d and I
-    multiples of 128 and fall back to the default tiles otherwise."""
+    multiples of 128 and fall back to the default tiles otherwise. chunked: weights and scales in the chunked
+    layout (`moe.fp4_layout`; d and I multiples of 128), else the checkpoint's."""
     t, d = x.shape
     k = ids.shape[1]
     e_count, inter = w1.shape[0], w1.shape[1]
@@ -482,15 +579,15 @@ def moe_experts_fp4(
         x = x.contiguous()
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
     dot_f32 = interp or x.dtype == torch.float32
-    block_m, cfg_up, cfg_down = configs or default_configs(p, interp, dot_f32)
+    block_m, cfg_up, cfg_down = configs or default_configs(p, interp, dot_f32, chunked=chunked)
     grouped = "grouped" in cfg_up.variant + cfg_down.variant
     if grouped and not fp4_grouped.supports(d, inter, w1, w3, w2, s1, s3, s2):
-        block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, grouped=False)
+        block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, grouped=False, chunked=chunked)
     pairs, bexp = align_pairs(ids, e_count, block_m)
     h = torch.empty((bexp.shape[0] * block_m, inter), dtype=x.dtype, device=x.device)
     h_perm = cfg_down.variant.startswith("grouped")
-    launch_gate_up(x, w1, w3, s1, s3, pairs, bexp, h, k, limit, block_m, cfg_up, dot_f32, h_perm)
+    launch_gate_up(x, w1, w3, s1, s3, pairs, bexp, h, k, limit, block_m, cfg_up, dot_f32, h_perm, chunked)
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
-    launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32)
+    launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32, chunked)
     return torch.sum(rows.view(t, k, d), dim=1)

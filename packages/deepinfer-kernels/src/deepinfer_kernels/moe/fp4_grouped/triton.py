@@ -16,6 +16,10 @@ so that the decoded registers already are that layout:
 The scale of a (row, group) is one byte, read as part of a 32-bit word of four groups, so one scale load per row
 and 128 columns, and the per-group multipliers are computed per row (a slice of the tile layout: no data movement).
 The portable decode (DECODE "bits", the CPU interpreter) runs the same tiling with an integer decode and fp32 dots.
+
+CHUNKED: the weights are in the chunked layout of `moe.fp4_layout` (word c of group g of a 128-column chunk at 4c + g,
+scale words chunk-major). A lane then copies word c of all four groups as one 16-byte vector and a warp whole rows,
+instead of 8-byte copies of half sectors; the chunk is loaded as one [BLOCK_N, 16] tile and split in registers.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["launch_down", "launch_gate_up", "permute_columns", "supports"]
+__all__ = ["launch_down", "launch_gate_up", "permute_columns", "scale_words", "supports"]
 
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
@@ -162,9 +166,12 @@ def _group_tile(w, sw, m, i: tl.constexpr, DECODE: tl.constexpr, FAST: tl.conste
 
 
 @triton.jit
-def _chunk_dot(acc, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += 128 columns: wp [BLOCK_N, 4] pointers to the first group's words (int32), sp
-    [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order."""
+def _chunk_dot(
+    acc, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, CHUNKED: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """acc [BLOCK_N, BLOCK_M] += 128 columns: wp pointers (int32) to the chunk's 16 words [BLOCK_N, 16] (CHUNKED:
+    word c of group g at 4c + g) or to the first group's 4 words [BLOCK_N, 4] (checkpoint: word c of group g at
+    4g + c), sp [BLOCK_N] pointers to the scale word, x [BLOCK_M, 128] activations in dot order."""
     sw = tl.load(sp)
     m0 = sw
     m1 = sw
@@ -174,10 +181,20 @@ def _chunk_dot(acc, wp, sp, x, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N
         m0, m1, m2, m3 = tl.inline_asm_elementwise(
             _FAST_MULTIPLIERS, "=r,=r,=r,=r,r", [sw], dtype=(tl.int32,) * 4, is_pure=True, pack=1
         )
-    t0 = _group_tile(tl.load(wp), sw, m0, 0, DECODE, FAST, BLOCK_N)
-    t1 = _group_tile(tl.load(wp + 4), sw, m1, 1, DECODE, FAST, BLOCK_N)
-    t2 = _group_tile(tl.load(wp + 8), sw, m2, 2, DECODE, FAST, BLOCK_N)
-    t3 = _group_tile(tl.load(wp + 12), sw, m3, 3, DECODE, FAST, BLOCK_N)
+    if CHUNKED:
+        # one 16-byte vector per lane (word c of the four groups), split in registers: position 4c + 2 g1 + g0
+        w02, w13 = tl.split(tl.reshape(tl.load(wp), [BLOCK_N, 4, 2, 2]))
+        w0, w2 = tl.split(w02)
+        w1, w3 = tl.split(w13)
+    else:
+        w0 = tl.load(wp)
+        w1 = tl.load(wp + 4)
+        w2 = tl.load(wp + 8)
+        w3 = tl.load(wp + 12)
+    t0 = _group_tile(w0, sw, m0, 0, DECODE, FAST, BLOCK_N)
+    t1 = _group_tile(w1, sw, m1, 1, DECODE, FAST, BLOCK_N)
+    t2 = _group_tile(w2, sw, m2, 2, DECODE, FAST, BLOCK_N)
+    t3 = _group_tile(w3, sw, m3, 3, DECODE, FAST, BLOCK_N)
     a = _cat_k(_cat_k(t0, t1, BLOCK_N, 32), _cat_k(t2, t3, BLOCK_N, 32), BLOCK_N, 64)
     if DECODE == "asm":
         acc = tl.dot(a, tl.trans(x.to(tl.bfloat16)), acc)
@@ -193,10 +210,14 @@ def _any_nan(t):
 
 @triton.jit
 def _gate_up_loop(
-    x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K,
-    DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, stride_sq,
+    DECODE: tl.constexpr, FAST: tl.constexpr, CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    cw = tl.arange(0, 4)
+    # K > 0 drops the zero-trip path: placed after the loop, its zeroing of the accumulators makes ptxas serialize
+    # every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers")
+    tl.assume(K > 0)
+    cw = tl.arange(0, 16 if CHUNKED else 4)
     c128 = tl.arange(0, 128)
     g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -205,18 +226,22 @@ def _gate_up_loop(
             kc = k0 + q * 128
             x = tl.load(x_rows + (kc + c128)[None, :])
             wp = w_off[:, None] + (kc // 8 + cw)[None, :]
-            sp = s_off + kc // 128
-            g = _chunk_dot(g, w1_ptr + wp, s1_ptr + sp, x, DECODE, FAST, BLOCK_N)
-            u = _chunk_dot(u, w3_ptr + wp, s3_ptr + sp, x, DECODE, FAST, BLOCK_N)
+            sp = s_off + (kc // 128) * stride_sq
+            g = _chunk_dot(g, w1_ptr + wp, s1_ptr + sp, x, DECODE, FAST, CHUNKED, BLOCK_N)
+            u = _chunk_dot(u, w3_ptr + wp, s3_ptr + sp, x, DECODE, FAST, CHUNKED, BLOCK_N)
     return g, u
 
 
 @triton.jit
 def _down_loop(
-    h_rows, w2_ptr, s2_ptr, w_off, s_off, K,
-    DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_rows, w2_ptr, s2_ptr, w_off, s_off, K, stride_sq,
+    DECODE: tl.constexpr, FAST: tl.constexpr, CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    cw = tl.arange(0, 4)
+    # K > 0 drops the zero-trip path: placed after the loop, its zeroing of the accumulators makes ptxas serialize
+    # every wgmma of the kernel (C7515, "non wgmma instructions defining accumulator registers")
+    tl.assume(K > 0)
+    cw = tl.arange(0, 16 if CHUNKED else 4)
     c128 = tl.arange(0, 128)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -224,19 +249,21 @@ def _down_loop(
             kc = k0 + q * 128
             x = tl.load(h_rows + (kc + c128)[None, :])
             wp = w_off[:, None] + (kc // 8 + cw)[None, :]
-            acc = _chunk_dot(acc, w2_ptr + wp, s2_ptr + s_off + kc // 128, x, DECODE, FAST, BLOCK_N)
+            sp = s_off + (kc // 128) * stride_sq
+            acc = _chunk_dot(acc, w2_ptr + wp, s2_ptr + sp, x, DECODE, FAST, CHUNKED, BLOCK_N)
     return acc
 
 
 @triton.jit
 def _gate_up_grouped_kernel(
     x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, pairs_ptr, bexp_ptr, h_ptr,
-    P, N, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h, limit,
+    P, N, K, stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_sq, stride_h, limit,
     TOPK: tl.constexpr, CLAMP: tl.constexpr, DECODE: tl.constexpr, FAST: tl.constexpr, H_PERM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """x [T, K] in dot order (`permute_columns`); w1 / w3 [E, N, K/8] int32 words; s1 / s3 [E, N, K/128] int32
-    (4 scale bytes each); h [B * BLOCK_M, N] (in dot order when H_PERM). K % BLOCK_K == 0, BLOCK_K % 128 == 0."""
+    """x [T, K] in dot order (`permute_columns`); w1 / w3 [E, N, K/8] int32 words (CHUNKED: the chunked layout,
+    `moe.fp4_layout`); s1 / s3 int32 scale words (4 groups each), word (n, q) of chunk q at n * stride_sn + q *
+    stride_sq; h [B * BLOCK_M, N] (in dot order when H_PERM). K % BLOCK_K == 0, BLOCK_K % 128 == 0."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_b)
@@ -250,15 +277,15 @@ def _gate_up_grouped_kernel(
         w_off = e.to(tl.int64) * stride_we + wrow * stride_wn
         s_off = e.to(tl.int64) * stride_se + wrow * stride_sn
         x_rows = x_ptr + tok[:, None] * stride_x
-        g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, FAST,
-                             BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+        g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, stride_sq, DECODE, FAST,
+                             CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         # The fast decode turns every scale code > 128 into an infinite multiplier, so a group holding one makes its
         # rows infinite or NaN whatever the activations (x * 0 is NaN exactly then): redo such a tile exactly.
         # Activations that are not finite themselves also take the redo, with the same result.
         if FAST:
             if _any_nan(g * 0.0 + u * 0.0):
-                g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, DECODE, False,
-                                     BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
+                g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, stride_sq, DECODE,
+                                     False, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if CLAMP:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -278,12 +305,12 @@ def _gate_up_grouped_kernel(
 @triton.jit
 def _down_grouped_kernel(
     h_ptr, w2_ptr, s2_ptr, pairs_ptr, bexp_ptr, rw_ptr, out_ptr,
-    P, N, K, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P, N, K, stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_sq, stride_o,
+    DECODE: tl.constexpr, FAST: tl.constexpr, CHUNKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """h [B * BLOCK_M, K] in dot order; w2 [E, N, K/8] int32; s2 [E, N, K/128] int32; out [P, N] fp32 rows
-    (routing weight applied)."""
+    """h [B * BLOCK_M, K] in dot order; w2 [E, N, K/8] int32 and s2 int32 scale words as in the gate/up kernel;
+    out [P, N] fp32 rows (routing weight applied)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_b)
@@ -297,12 +324,12 @@ def _down_grouped_kernel(
         w_off = e.to(tl.int64) * stride_we + wrow * stride_wn
         s_off = e.to(tl.int64) * stride_se + wrow * stride_sn
         h_rows = h_ptr + hrow[:, None] * stride_h
-        acc = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, FAST, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, stride_sq, DECODE, FAST, CHUNKED, BLOCK_M,
+                         BLOCK_N, BLOCK_K)  # fmt: skip
         if FAST:  # a scale code > 128 (see the gate/up kernel): redo the tile with the exact decode
             if _any_nan(acc * 0.0):
-                acc = _down_loop(
-                    h_rows, w2_ptr, s2_ptr, w_off, s_off, K, DECODE, False, BLOCK_M, BLOCK_N, BLOCK_K
-                )
+                acc = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, stride_sq, DECODE, False, CHUNKED,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
         op = out_ptr + tl.where(r_mask, rows, 0)[None, :].to(tl.int64) * stride_o + offs_n[:, None]
         tl.store(op, acc * wt[None, :], mask=r_mask[None, :] & n_mask[:, None])
@@ -329,41 +356,70 @@ def _block_k(k: int, want: int) -> int:
     return bk
 
 
+def scale_words(s: Tensor, chunked: bool) -> tuple[Tensor, int, int, int]:
+    """UE8M0 scales [E, N, K/32] (one byte each) -> (int32 words [E, N, K/128], stride of an expert, of a row and of
+    a chunk, in words). Chunked layout (`moe.fp4_layout`): a matrix's words are stored chunk-major ([K/128, N]), so
+    the row stride is 1 and the chunk stride N; the matrices must then be contiguous."""
+    v = s.view(torch.uint8).view(torch.int32)
+    if not chunked:
+        return v, v.stride(0), v.stride(1), v.stride(2)
+    n, q = v.shape[1], v.shape[2]
+    if v.stride(2) != 1 or v.stride(1) != q:
+        raise ValueError(
+            f"fp4 chunked scales: strides {tuple(v.stride())} (words) of shape {tuple(v.shape)}; expected "
+            "contiguous matrices (the chunked layout reorders the bytes inside each matrix)"
+        )
+    return v, v.stride(0), 1, n
+
+
+def _options(num_warps: int, num_stages: int, max_regs: int | None) -> dict:
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_regs is not None:
+        opts["maxnreg"] = max_regs
+    return opts
+
+
 def launch_gate_up(
     x: Tensor, w1: Tensor, w3: Tensor, s1: Tensor, s3: Tensor, pairs: Tensor, bexp: Tensor, h: Tensor, topk: int,
     limit: float, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, decode: str,
-    h_perm: bool,
+    h_perm: bool, chunked: bool = False, max_regs: int | None = None,
 ) -> None:  # fmt: skip
     """h [B * block_m, I] = clamped SwiGLU of gate / up per padded row; x [T, d] in natural column order (permuted
     here, one copy); h in dot order when h_perm (the grouped down kernel reads it so). decode: "fast" (PTX, one
     multiply per pair, a tile with a scale code > 128 redone exactly), "exact" (PTX, two multiplies) or "bits"
-    (portable, fp32 dots)."""
+    (portable, fp32 dots). chunked: weights and scales in the chunked layout (`moe.fp4_layout`), else the
+    checkpoint's. max_regs: ptxas's register cap per thread (None: ptxas decides)."""
     inter, d = w1.shape[1], x.shape[1]
     xp = permute_columns(x)
     u1, u3 = w1.view(torch.int32), w3.view(torch.int32)
-    v1, v3 = s1.view(torch.uint8).view(torch.int32), s3.view(torch.uint8).view(torch.int32)
+    v1, sse, ssn, ssq = scale_words(s1, chunked)
+    v3, *strides3 = scale_words(s3, chunked)
+    if strides3 != [sse, ssn, ssq]:
+        raise ValueError(f"launch_gate_up: s1 and s3 strides differ: {(sse, ssn, ssq)} vs {tuple(strides3)}")
     bk = _block_k(d, block_k)
     _gate_up_grouped_kernel[(bexp.shape[0], -(-inter // block_n))](
         xp, u1, u3, v1, v3, pairs, bexp, h,
-        x.shape[0] * topk, inter, d, xp.stride(0), u1.stride(0), u1.stride(1), v1.stride(0), v1.stride(1),
-        h.stride(0), float(limit),
-        TOPK=topk, CLAMP=limit > 0, DECODE=_DECODE[decode], FAST=decode == "fast", H_PERM=h_perm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=num_warps, num_stages=num_stages,
+        x.shape[0] * topk, inter, d, xp.stride(0), u1.stride(0), u1.stride(1), sse, ssn, ssq, h.stride(0),
+        float(limit),
+        TOPK=topk, CLAMP=limit > 0, DECODE=_DECODE[decode], FAST=decode == "fast", H_PERM=h_perm, CHUNKED=chunked,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, **_options(num_warps, num_stages, max_regs),
     )  # fmt: skip
 
 
 def launch_down(
     h: Tensor, w2: Tensor, s2: Tensor, pairs: Tensor, bexp: Tensor, rw: Tensor, rows: Tensor, block_m: int,
-    block_n: int, block_k: int, num_warps: int, num_stages: int, decode: str,
+    block_n: int, block_k: int, num_warps: int, num_stages: int, decode: str, chunked: bool = False,
+    max_regs: int | None = None,
 ) -> None:  # fmt: skip
-    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair; h [B * block_m, I] in dot order."""
+    """rows [P, d] fp32 = routing weight * (h @ w2^T) per pair; h [B * block_m, I] in dot order. chunked, max_regs:
+    as in `launch_gate_up`."""
     p, d = rows.shape
     inter = h.shape[1]
     u2 = w2.view(torch.int32)
-    v2 = s2.view(torch.uint8).view(torch.int32)
+    v2, sse, ssn, ssq = scale_words(s2, chunked)
     _down_grouped_kernel[(bexp.shape[0], -(-d // block_n))](
         h, u2, v2, pairs, bexp, rw, rows,
-        p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), v2.stride(0), v2.stride(1), rows.stride(0),
-        DECODE=_DECODE[decode], FAST=decode == "fast", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(inter, block_k),
-        num_warps=num_warps, num_stages=num_stages,
+        p, d, inter, h.stride(0), u2.stride(0), u2.stride(1), sse, ssn, ssq, rows.stride(0),
+        DECODE=_DECODE[decode], FAST=decode == "fast", CHUNKED=chunked, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=_block_k(inter, block_k), **_options(num_warps, num_stages, max_regs),
     )  # fmt: skip
