@@ -184,3 +184,18 @@ def test_llm_config_reports_the_resolved_async_scheduling(tiny_ckpt) -> None:
     llm = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", page_size=4, max_model_len=24)
     assert llm.config.scheduler.async_scheduling is False  # CPU: nothing to overlap
     assert llm.engine.config.scheduler.async_scheduling is False
+
+
+def test_expert_layout_option_resolves_per_device() -> None:
+    import torch
+    from deepinfer_engine.engine import AUTO_EXPERT_LAYOUT_CUDA, resolve_expert_layout
+
+    assert EngineConfig.from_options(expert_layout="chunked").model.expert_layout == "chunked"
+    with pytest.raises(ConfigError, match="expert_layout"):
+        EngineConfig.from_options(expert_layout="tiled")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # the chunked layout is read by the GPU kernels only: the CPU keeps the checkpoint bytes whatever was asked
+    assert [resolve_expert_layout(o, cpu) for o in ("auto", "checkpoint", "chunked")] == ["checkpoint"] * 3
+    assert resolve_expert_layout("auto", cuda) == AUTO_EXPERT_LAYOUT_CUDA
+    assert resolve_expert_layout("checkpoint", cuda) == "checkpoint"
+    assert resolve_expert_layout("chunked", cuda) == "chunked"

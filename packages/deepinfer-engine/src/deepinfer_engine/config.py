@@ -54,6 +54,10 @@ class ModelConfig:
     enforce_eager: bool = _opt(
         False, "run every step eagerly; otherwise decode steps on CUDA replay CUDA graphs captured per padded "
         "batch size and length (docs/cuda_graphs.md)")
+    expert_layout: Literal["auto", "checkpoint", "chunked"] = _opt(
+        "auto", "in-memory layout of the FP4 routed experts: checkpoint = the stored bytes; chunked = repacked once "
+        "at load so the GPU kernels' loads cover whole sectors (CUDA only; docs/moe_fp4_kernel.md); auto = "
+        "the measured-faster one for the device")
     prefill_truncation: Literal["off", "compact"] = _opt(
         "off", "decoder truncation in prefill (V4.1): compact runs the layers from the first ratio-1 layer on only "
         "the last prefill_truncation_keep rows of each prompt (fewer FLOPs; an approximation unless keep covers "
@@ -65,6 +69,8 @@ class ModelConfig:
         if self.prefill_truncation not in ("off", "compact"):
             raise ConfigError(f"prefill_truncation: found {self.prefill_truncation!r}, expected off or compact")
         _int_at_least("prefill_truncation_keep", self.prefill_truncation_keep, 1)
+        if self.expert_layout not in ("auto", "checkpoint", "chunked"):
+            raise ConfigError(f"expert_layout: found {self.expert_layout!r}, expected auto, checkpoint or chunked")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: found {self.dtype!r}, expected auto, float32, bfloat16 or float16")
         if self.max_model_len is not None and self.max_model_len < 2:

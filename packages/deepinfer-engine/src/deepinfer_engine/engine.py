@@ -220,7 +220,8 @@ class EngineCore:
         # (V4.1 at real widths), otherwise the model rounds through the same formats into a plain cache
         storage = "auto" if kv_dtype == "auto" and stores_records(args) else "bfloat16"
         model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto",
-                            expert_slots=expert_slots, token_map=token_map)
+                            expert_slots=expert_slots, token_map=token_map,
+                            expert_layout=resolve_expert_layout(mc.expert_layout, device))
         model.set_prefill_truncation(mc.prefill_truncation, mc.prefill_truncation_keep)
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))
@@ -393,13 +394,26 @@ def model_dir_of(config: EngineConfig) -> Path:
     return model_dir
 
 
+# what expert_layout="auto" picks on a CUDA device (the CPU keeps the checkpoint bytes: only the GPU kernels read
+# the chunked layout faster)
+AUTO_EXPERT_LAYOUT_CUDA = "checkpoint"
+
+
+def resolve_expert_layout(option: str, device: torch.device) -> str:
+    """ModelConfig.expert_layout -> the loader's layout: "chunked" only on CUDA (the repack is a GPU-kernel layout)."""
+    if device.type != "cuda":
+        return "checkpoint"
+    return AUTO_EXPERT_LAYOUT_CUDA if option == "auto" else option
+
+
 def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, *, deployed: bool, cache_records: bool,
-                expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None):
+                expert_slots: Callable[[int], Sequence[int]] | None = None, token_map: Any = None,
+                expert_layout: str = "checkpoint"):
     # deployed numerics: FP8 activation quantization before every FP8 GEMM and the KV record formats
     from deepinfer_engine.model.loader import load_model
 
     model = load_model(model_dir, dtype=dtype, device=device, quantize_activations=deployed,
-                       expert_slots=expert_slots, token_map=token_map)
+                       expert_slots=expert_slots, token_map=token_map, expert_layout=expert_layout)
     model.set_deployed_numerics(deployed, cache_records=cache_records)
     model.eval()
     return model
