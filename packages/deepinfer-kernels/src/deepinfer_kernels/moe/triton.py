@@ -429,6 +429,13 @@ def default_configs(
         bk = 128 if chunked else 32
         return 16, GemmConfig(16, bk, 4, 1, "bits"), GemmConfig(16, bk, 4, 1, "bits")
     block_m = 16 if pairs < 4096 else 64
+    if grouped and not fp32 and chunked:
+        # chunked layout, H200 sweep 2026-12-02 06:19 UTC (docs/perf.md "FP4 experts on the chunked layout"): the
+        # grouped kernels win at every T there; 64 x 256 gate/up tiles from T = 8 (243 vs 258 us at T = 8, 1,174 vs
+        # 1,276 at 64), and at T = 1 64 x 128 gate/up + 128 x 256 down (63 + 25 us against the tiles' 73 + 46)
+        if pairs >= GROUPED_MIN_PAIRS:
+            return block_m, GemmConfig(64, 256, 4, 3, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
+        return block_m, GemmConfig(64, 128, 4, 4, "grouped"), GemmConfig(128, 256, 8, 3, "grouped")
     if grouped and not fp32 and pairs >= GROUPED_MIN_PAIRS:  # the sweep's best grouped tiles at T = 8 .. 256
         return block_m, GemmConfig(64, 128, 4, 4, "grouped"), GemmConfig(64, 256, 4, 3, "grouped")
     variant = "bits" if fp32 else "asm"
