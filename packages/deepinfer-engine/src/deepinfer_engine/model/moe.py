@@ -183,9 +183,10 @@ class Experts(nn.Module):
             w1.weight, w3.weight, w2.weight, w1.scale, w3.scale, w2.scale, fmt=w1.fmt, block=w1.block
         )
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x))."""
-        return moe_experts(x, weights, ids, self.stacked(), self.limit, backend=self.kernel_backend)
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, shared: Tensor | None = None) -> Tensor:
+        """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x)); with
+        shared [T, d] (the shared expert's output): (Σ + shared) in x's dtype, combined in one pass."""
+        return moe_experts(x, weights, ids, self.stacked(), self.limit, shared=shared, backend=self.kernel_backend)
 
 
 class MoE(nn.Module):
@@ -208,6 +209,9 @@ class MoE(nn.Module):
         """x [T, d] (ffn_norm output), input_ids [T] raw ids (image_mask: their image positions [T] bool, if
         known) -> [T, d] in x's dtype."""
         weights, ids = self.gate(x, input_ids, image_mask)
+        if type(self.dispatch) is LocalDispatch:
+            # every expert is local: the routed k-sum, the shared expert's add and the cast run as one pass
+            return self.experts(x, weights, ids, shared=self.shared_experts(x))
         y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
         # fp32 + the shared expert's output: type promotion upcasts inside the add (no separate fp32 copy)
         return (y.float() + self.shared_experts(x)).to(x.dtype)
