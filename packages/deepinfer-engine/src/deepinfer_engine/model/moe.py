@@ -61,17 +61,17 @@ class Gate(nn.Module):
                 scores, self.topk, hash_ids=self.tid2eid[input_ids], route_scale=self.route_scale,
                 renormalize=self.renormalize, backend=self.kernel_backend,
             )  # fmt: skip
-        bias: Tensor = self.bias
+        is_img = None
         if self.bias_vl is not None:
-            # ids past the vocabulary, never text ids
+            # ids past the vocabulary, never text ids; the router picks bias_vl at those rows itself
             is_img = image_positions(input_ids, self.vocab_size) if image_mask is None else image_mask
-            bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
         # fp32 logits without widening the [E, d] weight to fp32 each step (the reference's x.float() @ W.float()ᵀ
         # up to the summation order); the score function, biased top-k and renormalisation in one routing call
         logits = linear_f32_out(x, self.weight, backend=self.kernel_backend, counters=split_counters(self, x.device))
         return route_logits(
-            logits, self.topk, score_func=self.score_func, bias=bias, route_scale=self.route_scale,
-            renormalize=self.renormalize, backend=self.kernel_backend,
+            logits, self.topk, score_func=self.score_func, bias=self.bias, route_scale=self.route_scale,
+            renormalize=self.renormalize, bias_alt=None if is_img is None else self.bias_vl, alt_rows=is_img,
+            backend=self.kernel_backend,
         )  # fmt: skip
 
 
