@@ -99,6 +99,16 @@ def test_static_decode_equals_exact_v4():
     assert _run(model, batch_size=4, max_len=64) == 12
 
 
+def test_static_ring_plans_are_disjoint_when_history_and_tokens_fit():
+    # the fixed-shape plans read max_back rows and write `tokens` per sequence: one ring_pool launch when they fit
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=2, num_pages=8, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 2, 64, "cpu")
+    assert step.ring_plan(8, 7, write=True).disjoint and not step.ring_plan(8, 8, write=True).disjoint
+    verify = StaticDecodeStep(cache, 2, 64, "cpu", tokens=3)
+    assert verify.ring_plan(8, 5, write=True).disjoint and not verify.ring_plan(8, 6, write=True).disjoint
+
+
 def test_static_paged_rows_scratch_and_completion():
     from deepinfer_engine.model.cache import SeqHost
 

@@ -260,7 +260,8 @@ def csa2_update_source(
         ring_plan = ctx.ring_plan(
             cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True, max_back=1
         )
-        both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
+        both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1),
+                                backend=compressor.kernel_backend)  # [H + T, 2, Dh]
     if paged.num_new:
         if r == 1:
             pooled = a_all  # entry w = position w: every new token completes one entry, in batch order

@@ -44,6 +44,7 @@ from deepinfer_engine.model.cache import (
     check_block_tables,
     ring_plan_arrays,
     ring_plan_from,
+    ring_rows_disjoint,
 )
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 
@@ -277,8 +278,11 @@ class StaticDecodeStep:
             return ring_plan_arrays(ring_rows, (max_back,) * B, self.seq_host, write=write, clip=False)
 
         pool_len = B * max_back + self.num_rows
+        # every sequence reads max_back rows and writes its Q (padding sequences: one position of the scratch slot)
+        disjoint = ring_rows_disjoint(ring_rows, np.array([max_back]), np.array([self.tokens]))
         return self._register(("ring", ring_rows, max_back, write), build,
-                              lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len))  # type: ignore[return-value]
+                              lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len, disjoint=disjoint),
+                              )  # type: ignore[return-value]
 
     def window_rows(self, plan: RingPlan, window: int) -> Tensor:
         """[B * Q, window] int64 causal window rows into the pool of `plan` (one of this step's ring plans), -1 =
