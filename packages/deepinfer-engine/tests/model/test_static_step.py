@@ -154,3 +154,26 @@ def test_static_window_rows_equal_the_device_computation():
         got = ctx.window_rows(plan, W, noncausal=False)
         want = dataclasses.replace(ctx, static=None, plans={}).window_rows(plan, W, noncausal=False)
         assert got.shape == (4, W) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_static_entry_rows_equal_the_device_computation(tokens):
+    """The host-built pool rows of each new entry's tokens (a ratio-2 source's state ring) equal
+    ForwardContext.entry_rows' device computation (RingPlan.pool_rows) over the same static plans: sequences at
+    even and odd positions, verify steps of 3 tokens, padding sequences."""
+    import dataclasses
+
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=3, num_pages=12, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 4, 64, "cpu", tokens=tokens)
+    for ctx_lens in ([0, 7, 20], [3, 40, 1]):
+        n = len(ctx_lens)
+        step.fill(DecodeFacts(ctx=np.asarray(ctx_lens, np.int64), slots=np.arange(n, dtype=np.int64),
+                              input_ids=np.zeros(n * tokens, np.int64), block_tables=np.arange(n * 4).reshape(n, 4),
+                              query_lens=None if tokens == 1 else np.full(n, tokens)))  # fmt: skip
+        ctx = step.context(cache)
+        plan = ctx.ring_plan(8, (1,) * 4, write=True, max_back=1)
+        paged = ctx.paged_plan(2)
+        got = ctx.entry_rows(plan, paged)
+        want = dataclasses.replace(ctx, static=None, plans={}).entry_rows(plan, paged)
+        assert got.shape == (4 * -(-tokens // 2), 2) and torch.equal(got, want)

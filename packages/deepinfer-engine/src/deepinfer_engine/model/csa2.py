@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels.compressor import pool_at_rows
 from deepinfer_kernels.indexer import (
     candidate_blocks,
     causal_mask,
@@ -269,10 +270,8 @@ def csa2_update_source(
                 st = ctx.seq_t
                 pooled = a_all.index_select(0, paged.new_w - st.ctx[paged.new_seq] + st.start[paged.new_seq])
         else:
-            seq = paged.new_seq[:, None].expand(-1, 2)
-            pos = paged.new_w[:, None] * 2 + torch.arange(2, device=x.device)[None, :]  # [M, 2] group tokens
-            g = both[ring_plan.pool_rows(seq, pos, ctx.seq_t)]  # [M, 2 tokens, (A, Z), Dh]
-            pooled = pool_ratio2(g[:, :, 0], g[:, :, 1])
+            # pool_ratio2 over each new entry's two token rows [M, 2] of the pool, cast to x's dtype: one launch
+            pooled = pool_at_rows(both, ctx.entry_rows(ring_plan, paged), x.dtype, backend=compressor.kernel_backend)
         # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
         latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps,
                           backend=compressor.kernel_backend)  # pre-RoPE latent

@@ -362,6 +362,24 @@ class ForwardContext:
             self.plans[key] = plan
         return plan  # type: ignore[return-value]
 
+    def entry_rows(self, plan: RingPlan, paged: PagedPlan) -> Tensor:
+        """[M, r] int64 pool rows (see RingPlan.gather) of the r token positions of each new entry of `paged`
+        (entry w of sequence new_seq: positions r*w .. r*w + r - 1); a fixed-shape step builds them on the host
+        with its other plans (no device op in the forward)."""
+        key = ("entry", id(plan), paged.ratio)  # plans live in self.plans for the whole forward
+        rows = self.plans.get(key)
+        if rows is not None:
+            return rows  # type: ignore[return-value]
+        r = paged.ratio
+        if self.static is not None:
+            rows = self.static.entry_rows(plan, r)
+        else:
+            seq = paged.new_seq[:, None].expand(-1, r)
+            pos = paged.new_w[:, None] * r + torch.arange(r, device=paged.new_w.device)[None, :]
+            rows = plan.pool_rows(seq, pos, self.seq_t)
+        self.plans[key] = rows
+        return rows
+
     def window_rows(self, plan: RingPlan, window: int, *, noncausal: bool) -> Tensor:
         """[T, K] int64 pool rows (see RingPlan.gather) of each query's window, -1 = none.
 

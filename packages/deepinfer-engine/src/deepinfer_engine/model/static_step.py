@@ -304,6 +304,28 @@ class StaticDecodeStep:
         key = ("win", plan.ring_rows, back, window)
         return self._register(key, build, lambda v: v[0].view(B * Q, window))  # type: ignore[return-value]
 
+    def entry_rows(self, plan: RingPlan, ratio: int) -> Tensor:
+        """[B * K, ratio] int64 pool rows of the token positions of each new-entry row of `paged_plan(ratio)` (K =
+        ceil(Q / ratio); entry ctx_i // ratio + k of sequence i): ForwardContext.entry_rows of a fixed-shape step,
+        RingPlan.pool_rows of those positions computed on the host (clamped into the pool like it)."""
+        B, Q = self.batch_size, self.tokens
+        back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
+        K = -(-Q // ratio)
+        num_hist, pool_len = plan.num_hist, plan.num_hist + self.num_rows
+
+        def build() -> list[np.ndarray]:
+            host = self.seq_host
+            seq = np.repeat(np.arange(B, dtype=np.int64), K)
+            c = host.ctx[seq][:, None]
+            w = host.ctx[seq] // ratio + np.tile(np.arange(K, dtype=np.int64), B)  # static_paged_arrays' new_w
+            pos = w[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]
+            hist = seq[:, None] * back + pos - (c - back)
+            fresh = num_hist + host.start[seq][:, None] + pos - c
+            return [np.where(pos < c, hist, fresh).clip(0, pool_len - 1).reshape(-1)]
+
+        key = ("entry", plan.ring_rows, back, ratio)
+        return self._register(key, build, lambda v: v[0].view(B * K, ratio))  # type: ignore[return-value]
+
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)
 
