@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 from deepinfer_kernels.compressor import compress_pool
-from deepinfer_kernels.indexer import topk_indices, visible_counts
+from deepinfer_kernels.indexer import topk_indices
 from deepinfer_kernels.norm_rope import (
     apply_rope,
     apply_rope_at,
@@ -190,7 +190,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         # padded entries (past a sequence's count) are beyond every query's visible count: masked here
         scores = padded_scores(q, w, view, ctx, backend=self.kernel_backend)
-        return topk_indices(scores, self.topk, visible_counts(pos, view.ratio), backend=self.kernel_backend)
+        return topk_indices(scores, self.topk, ctx.visible_counts(view.ratio), backend=self.kernel_backend)
 
 
 class Attention(nn.Module):
@@ -334,11 +334,10 @@ class Attention(nn.Module):
         view = CompressedView(
             store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r
         )
-        pos = ctx.batch.positions
         if self.kind == "hca":  # dense over all visible entries
             k = max(counts) if counts else 0
             w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
-            sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
+            sel = torch.where(w < ctx.visible_counts(r)[:, None], w, torch.full_like(w, -1))
         else:  # csa: lightning indexer top-k
             sel = self.indexer.select(x, qr, ctx, view, rope)
             ctx.topk[lid] = sel

@@ -28,7 +28,6 @@ from deepinfer_kernels.indexer import (
     causal_mask,
     index_scores,
     topk_indices,
-    visible_counts,
 )
 from deepinfer_kernels.linear import linear_f32_out
 from deepinfer_kernels.norm_rope import rms_norm  # fp32 math, input dtype out
@@ -387,7 +386,7 @@ def csa2_select(
         # [T, cmax] over the query's own sequence's entries
         scores = padded_scores(q_all, w_all, view, ctx, backend=backend)
         scores = numerics.index_scores(scores)
-        vis = visible_counts(ctx.batch.positions, r)
+        vis = ctx.visible_counts(r)
         # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded
         # into the top-k when no candidate step reads the masked scores)
         if plan.publishes_candidates or plan.consumes_candidates:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from deepinfer_kernels.indexer import store_rows
+from deepinfer_kernels.indexer import store_rows, visible_counts
 from torch import Tensor
 
 from deepinfer_engine.errors import InputError
@@ -361,6 +361,19 @@ class ForwardContext:
             )
             self.plans[key] = plan
         return plan  # type: ignore[return-value]
+
+    def visible_counts(self, ratio: int) -> Tensor:
+        """[T] int64 compressed entries of ratio `ratio` visible to each query, floor((position + 1) / ratio)
+        (`deepinfer_kernels.indexer.visible_counts`); once per forward and ratio, host-built in a fixed-shape step."""
+        key = ("vis", ratio)
+        vis = self.plans.get(key)
+        if vis is None:
+            if self.static is not None:
+                vis = self.static.visible_counts(ratio)
+            else:
+                vis = visible_counts(self.batch.positions, ratio)
+            self.plans[key] = vis
+        return vis  # type: ignore[return-value]
 
     def entry_rows(self, plan: RingPlan, paged: PagedPlan) -> Tensor:
         """[M, r] int64 pool rows (see RingPlan.gather) of the r token positions of each new entry of `paged`

@@ -304,6 +304,12 @@ class StaticDecodeStep:
         key = ("win", plan.ring_rows, back, window)
         return self._register(key, build, lambda v: v[0].view(B * Q, window))  # type: ignore[return-value]
 
+    def visible_counts(self, ratio: int) -> Tensor:
+        """[B * Q] int64 floor((position + 1) / ratio) of every row (padding rows too): ForwardContext.visible_counts
+        of a fixed-shape step, from the host positions."""
+        return self._register(("vis", ratio), lambda: [(self._host_views()[1] + 1) // ratio],
+                              lambda v: v[0])  # type: ignore[return-value]
+
     def entry_rows(self, plan: RingPlan, ratio: int) -> Tensor:
         """[B * K, ratio] int64 pool rows of the token positions of each new-entry row of `paged_plan(ratio)` (K =
         ceil(Q / ratio); entry ctx_i // ratio + k of sequence i): ForwardContext.entry_rows of a fixed-shape step,
