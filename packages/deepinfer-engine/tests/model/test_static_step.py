@@ -160,7 +160,7 @@ def test_static_window_rows_equal_the_device_computation():
 def test_static_entry_rows_equal_the_device_computation(tokens):
     """The host-built pool rows of each new entry's tokens (a ratio-2 source's state ring) equal
     ForwardContext.entry_rows' device computation (RingPlan.pool_rows) over the same static plans: sequences at
-    even and odd positions, verify steps of 3 tokens, padding sequences."""
+    even and odd positions, verify steps of 3 tokens, padding sequences. Same for the visible entry counts."""
     import dataclasses
 
     args = ModelArgs.from_config_dict(tiny_v4_config())
@@ -177,3 +177,5 @@ def test_static_entry_rows_equal_the_device_computation(tokens):
         got = ctx.entry_rows(plan, paged)
         want = dataclasses.replace(ctx, static=None, plans={}).entry_rows(plan, paged)
         assert got.shape == (4 * -(-tokens // 2), 2) and torch.equal(got, want)
+        exact = dataclasses.replace(ctx, static=None, plans={}).visible_counts(2)  # the device computation
+        assert torch.equal(ctx.visible_counts(2), exact) and exact.shape == (4 * tokens,)
