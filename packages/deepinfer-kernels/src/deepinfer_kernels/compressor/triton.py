@@ -15,7 +15,7 @@ __all__ = ["pool_at_rows"]
 _BLOCK_C = 256
 
 
-@triton.jit(do_not_specialize=["C"])
+@triton.jit
 def _pool_at_rows_kernel(pool_ptr, rows_ptr, out_ptr, C, K: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_C: tl.constexpr):  # fmt: skip
     m = tl.program_id(0).to(tl.int64)

@@ -181,7 +181,7 @@ def ring_step(
     return prev
 
 
-@triton.jit(do_not_specialize=["D"])
+@triton.jit
 def _lookup_rows_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, D, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     row = tl.load(ids_ptr + i)

@@ -459,7 +459,7 @@ def launch_down(
     )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["D", "stride_s", "stride_o"])
+@triton.jit  # d and the strides specialize: multiples of 16 give vector loads
 def _combine_kernel(rows_ptr, shared_ptr, out_ptr, D, stride_s, stride_o, K: tl.constexpr, HAS_SHARED: tl.constexpr,
                     BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)

@@ -14,7 +14,7 @@ from deepinfer_kernels._launch import check_launchable, next_pow2
 __all__ = ["ring_pool"]
 
 
-@triton.jit(do_not_specialize=["H", "T", "W", "skip"])
+@triton.jit(do_not_specialize=["H", "T", "skip"])
 def _ring_pool_kernel(flat_ptr, hist_ptr, fresh_ptr, dst_ptr, src_ptr, pool_ptr, H, T, W, skip,
                       BLOCK: tl.constexpr):  # fmt: skip
     i = tl.program_id(0) + skip
