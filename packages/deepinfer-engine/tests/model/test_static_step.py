@@ -160,7 +160,7 @@ def test_static_window_rows_equal_the_device_computation():
 def test_static_entry_rows_equal_the_device_computation(tokens):
     """The host-built pool rows of each new entry's tokens (a ratio-2 source's state ring) equal
     ForwardContext.entry_rows' device computation (RingPlan.pool_rows) over the same static plans: sequences at
-    even and odd positions, verify steps of 3 tokens, padding sequences. Same for the visible entry counts."""
+    even and odd positions, verify steps of 3 tokens, padding sequences. Same for the visible entry counts and the new entries' positions."""
     import dataclasses
 
     args = ModelArgs.from_config_dict(tiny_v4_config())
@@ -177,5 +177,7 @@ def test_static_entry_rows_equal_the_device_computation(tokens):
         got = ctx.entry_rows(plan, paged)
         want = dataclasses.replace(ctx, static=None, plans={}).entry_rows(plan, paged)
         assert got.shape == (4 * -(-tokens // 2), 2) and torch.equal(got, want)
-        exact = dataclasses.replace(ctx, static=None, plans={}).visible_counts(2)  # the device computation
-        assert torch.equal(ctx.visible_counts(2), exact) and exact.shape == (4 * tokens,)
+        exact = dataclasses.replace(ctx, static=None, plans={})  # the device computations
+        assert torch.equal(ctx.visible_counts(2), exact.visible_counts(2))
+        assert torch.equal(ctx.entry_positions(paged), exact.entry_positions(paged))
+        assert ctx.visible_counts(2).shape == (4 * tokens,) and ctx.entry_positions(paged).shape == (got.shape[0],)

@@ -274,7 +274,7 @@ def csa2_update_source(
         # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
         latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps,
                           backend=compressor.kernel_backend)  # pre-RoPE latent
-        entry_pos = paged.new_w * r  # RoPE at the group's first token
+        entry_pos = ctx.entry_positions(paged)  # RoPE at the group's first token
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
         cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))
         cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))

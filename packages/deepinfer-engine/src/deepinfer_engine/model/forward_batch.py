@@ -375,6 +375,16 @@ class ForwardContext:
             self.plans[key] = vis
         return vis  # type: ignore[return-value]
 
+    def entry_positions(self, paged: PagedPlan) -> Tensor:
+        """[M] int64 first token position of each new entry of `paged` (new_w * ratio: where the entry's RoPE
+        is applied); host-built in a fixed-shape step."""
+        key = ("entry_pos", paged.ratio)
+        pos = self.plans.get(key)
+        if pos is None:
+            pos = self.static.entry_positions(paged.ratio) if self.static is not None else paged.new_w * paged.ratio
+            self.plans[key] = pos
+        return pos  # type: ignore[return-value]
+
     def entry_rows(self, plan: RingPlan, paged: PagedPlan) -> Tensor:
         """[M, r] int64 pool rows (see RingPlan.gather) of the r token positions of each new entry of `paged`
         (entry w of sequence new_seq: positions r*w .. r*w + r - 1); a fixed-shape step builds them on the host

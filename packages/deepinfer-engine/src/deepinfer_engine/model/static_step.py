@@ -310,6 +310,17 @@ class StaticDecodeStep:
         return self._register(("vis", ratio), lambda: [(self._host_views()[1] + 1) // ratio],
                               lambda v: v[0])  # type: ignore[return-value]
 
+    def entry_positions(self, ratio: int) -> Tensor:
+        """[B * K] int64 new_w * ratio of `paged_plan(ratio)`'s new-entry rows (ForwardContext.entry_positions)."""
+        B, K = self.batch_size, -(-self.tokens // ratio)
+
+        def build() -> list[np.ndarray]:
+            ctx = self.seq_host.ctx
+            w = np.repeat(ctx // ratio, K) + np.tile(np.arange(K, dtype=np.int64), B)  # static_paged_arrays' new_w
+            return [w * ratio]
+
+        return self._register(("entry_pos", ratio), build, lambda v: v[0])  # type: ignore[return-value]
+
     def entry_rows(self, plan: RingPlan, ratio: int) -> Tensor:
         """[B * K, ratio] int64 pool rows of the token positions of each new-entry row of `paged_plan(ratio)` (K =
         ceil(Q / ratio); entry ctx_i // ratio + k of sequence i): ForwardContext.entry_rows of a fixed-shape step,
