@@ -178,12 +178,12 @@ def _fp8_table(n: int, d: int, group: int, seed: int, device: str = "cpu") -> tu
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 256, (n, d), generator=g, dtype=torch.int32).to(torch.uint8)
     codes[0, :256 if d >= 256 else d] = torch.arange(256, dtype=torch.int32)[: min(d, 256)].to(torch.uint8)
-    scale = torch.randint(100, 140, (n, d // group), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale = torch.randint(100, 140, (n, -(-d // group)), generator=g, dtype=torch.int32).to(torch.uint8)
     scale[0, 0] = 1  # tiny scale: results near the fp32 subnormal range
     return codes.view(torch.float8_e4m3fn).to(device), scale.view(torch.float8_e8m0fnu).to(device)
 
 
-@pytest.mark.parametrize("d,group", [(256, 32), (64, 8), (96, 32)], ids=str)
+@pytest.mark.parametrize("d,group", [(256, 32), (64, 8), (96, 32), (16, 32), (40, 32)], ids=str)  # D < group, ragged
 def test_lookup_rows_interpreter_equals_reference(interp, d, group):
     w, s = _fp8_table(7, d, group, seed=d)
     ids = torch.tensor([[0, 3, 6], [2, 0, 5]])

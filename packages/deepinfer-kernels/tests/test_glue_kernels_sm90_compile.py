@@ -36,7 +36,8 @@ for dt, w, block in (("*bf16", "512", 512), ("*fp32", "1024", 1024)):
 out["pool at rows"] = rep(ct._pool_at_rows_kernel, {"pool_ptr": "*fp32", "rows_ptr": "*i64", "out_ptr": "*bf16",
     "C": "i32"}, {"K": 2, "BLOCK_K": 2, "BLOCK_C": 256}, num_warps=2, divisible_by_16=("C",))
 out["lookup rows"] = rep(et._lookup_rows_kernel, {"w_ptr": "*u8", "s_ptr": "*u8", "ids_ptr": "*i64",
-    "out_ptr": "*bf16", "D": "i32"}, {"GROUP": 32, "BLOCK_D": 256}, num_warps=2, divisible_by_16=("D",))
+    "out_ptr": "*bf16", "D": "i32", "SG": "i32"}, {"GROUP": 32, "BLOCK_D": 256}, num_warps=2,
+    divisible_by_16=("D",))
 out["route alt bias"] = rep(rt._route_topk_kernel, {"x_ptr": "*fp32", "bias_ptr": "*fp32", "alt_bias_ptr": "*fp32",
     "alt_rows_ptr": "*u8", "w_ptr": "*fp32", "id_ptr": "*i64", "E": "i32", "stride_x": "i32", "stride_b": "i32",
     "route_scale": "fp32"}, {"K": 6, "BLOCK_E": 512, "BLOCK_K": 8, "SQRTSOFTPLUS": True, "HAS_BIAS": True,

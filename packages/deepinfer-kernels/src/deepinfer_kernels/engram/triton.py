@@ -182,7 +182,7 @@ def ring_step(
 
 
 @triton.jit
-def _lookup_rows_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, D, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
+def _lookup_rows_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, D, SG, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0).to(tl.int64)
     row = tl.load(ids_ptr + i)
     cols = tl.arange(0, BLOCK_D)
@@ -194,14 +194,14 @@ def _lookup_rows_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, D, GROUP: tl.constexpr, 
     sub = tl.where(x >= 0x80, -1.0, 1.0) * m.to(tl.float32) * 0.001953125  # e = 0: m * 2^-9
     v = tl.where(e == 0, sub, normal)
     v = tl.where((x & 0x7F) == 0x7F, float("nan"), v)
-    b = tl.load(s_ptr + row * (D // GROUP) + cols // GROUP, mask=ok, other=127).to(tl.int32)  # UE8M0: 2^(b - 127)
+    b = tl.load(s_ptr + row * SG + cols // GROUP, mask=ok, other=127).to(tl.int32)  # UE8M0: 2^(b - 127)
     sc = tl.where(b == 0, 0x00400000, b << 23).to(tl.float32, bitcast=True)
     sc = tl.where(b == 255, float("nan"), sc)
     tl.store(out_ptr + i * D + cols, (v * sc).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def lookup_rows(weight: Tensor, scale: Tensor, row_ids: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
-    """weight [N, D] e4m3 (contiguous), scale [N, D / group] e8m0, row_ids [...] int64 -> [..., D] out_dtype
+    """weight [N, D] e4m3, scale [N, ceil(D / group)] e8m0, row_ids [...] int64 -> [..., D] out_dtype
     (reference.lookup_rows). Validated by the dispatcher."""
     n, d = weight.shape
     flat = row_ids.reshape(-1).contiguous()
@@ -210,5 +210,6 @@ def lookup_rows(weight: Tensor, scale: Tensor, row_ids: Tensor, group: int, out_
         return out
     w, s = weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
     check_launchable("lookup_rows", _lookup_rows_kernel, w, s, flat)
-    _lookup_rows_kernel[(flat.numel(),)](w, s, flat, out, d, GROUP=group, BLOCK_D=next_pow2(d), num_warps=2)
+    _lookup_rows_kernel[(flat.numel(),)](w, s, flat, out, d, s.shape[1], GROUP=group, BLOCK_D=next_pow2(d),
+                                         num_warps=2)  # fmt: skip
     return out
