@@ -100,6 +100,22 @@ class Csa2Compressor(nn.Module):
         self.wgate = nn.Linear(dim, head_dim, bias=False) if ratio == 2 else None
         self.norm = _Norm(head_dim)
 
+    def same_input_dense(self) -> tuple[tuple[nn.Linear, nn.Linear], ...]:
+        """wkv and wgate read the same input: one weight buffer once fused (linear_pair.fuse_dense_pair)."""
+        return ((self.wkv, self.wgate),) if self.wgate is not None else ()
+
+    def project_stacked(self, x: Tensor) -> Tensor:
+        """Ratio 2: ``x [L, d]`` -> ``[L, 2, Dh] float32`` = stack(A, Z) (the state ring's row layout). One GEMM
+        launch and no stack when wkv / wgate share one buffer: the joint output [L, 2 * Dh] is that layout."""
+        from deepinfer_engine.model.linear_pair import dense_joint_weight
+
+        joint = dense_joint_weight(self.wkv, self.wgate) if self.wgate is not None else None
+        if joint is None:
+            a, z = self.project(x)
+            return torch.stack([a, z], dim=1)
+        y = linear_f32_out(x, joint, backend=self.kernel_backend, counters=split_counters(self, x.device))
+        return y.view(x.shape[0], 2, -1)
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``x [L, d]`` -> ``A [L, Dh] float32``, ``Z [L, Dh] float32 | None`` (fp32 math like the reference)."""
         # fp32 results without an fp32 copy of the weights each step (fp32 accumulation over their dtype)
@@ -253,15 +269,16 @@ def csa2_update_source(
     if r == 2 and not cache.has_state(lid, "main"):
         raise ModelConfigError(f"layer {lid}: ratio-2 kv source without a compressor state ring in the cache")
     paged = ctx.paged_plan(r)
-    a_all, z_all = compressor.project(x)  # [T, Dh] f32 each (z None for ratio 1)
     if r == 2:
         # rows of positions [p0 - back, p0 + n): back = 1 when a chunk starts inside a group; this step's rows
         # are stored in the ring for the next chunk
         ring_plan = ctx.ring_plan(
             cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True, max_back=1
         )
-        both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1),
-                                backend=compressor.kernel_backend)  # [H + T, 2, Dh]
+        az = compressor.project_stacked(x)  # [T, 2, Dh] f32: A, Z
+        both = cache.state_pool(lid, "main", ring_plan, az, backend=compressor.kernel_backend)  # [H + T, 2, Dh]
+    else:
+        a_all, _ = compressor.project(x)  # [T, Dh] f32
     if paged.num_new:
         if r == 1:
             pooled = a_all  # entry w = position w: every new token completes one entry, in batch order
