@@ -162,8 +162,14 @@ class Csa2Indexer(nn.Module):
                      backend=self.kernel_backend)
         return rope(k, positions)
 
+    @property
+    def weight_scale(self) -> float:
+        """The scale of the head weights, ``Di^-0.5 · H^-0.5`` (applied by `index_scores(w_scale=)`, in its kernel)."""
+        return self.index_head_dim**-0.5 * self.n_heads**-0.5
+
     def queries(self, qr: Tensor, x: Tensor, positions: Tensor, rope: RopeFn) -> tuple[Tensor, Tensor]:
-        """``qI [T, H, Di]`` (RoPE at the query position) and head weights ``wI [T, H] float32``."""
+        """``qI [T, H, Di]`` (RoPE at the query position) and head weights ``wI [T, H] float32`` BEFORE their scale
+        (`weight_scale`: the score kernel multiplies, one launch less)."""
         if self.wq_b is None or self.weights_proj is None:
             raise ModelConfigError(
                 "index_source_layer_ids: queries requested from a layer without attn.indexer.wq_b"
@@ -172,9 +178,7 @@ class Csa2Indexer(nn.Module):
         q = self.wq_b(qr).to(qr.dtype).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
         w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend,
-                           counters=split_counters(self, x.device)) * (
-            self.index_head_dim**-0.5 * self.n_heads**-0.5
-        )
+                           counters=split_counters(self, x.device))  # fmt: skip
         return q, w
 
 
@@ -324,9 +328,10 @@ _BATCHED_SCORE_CELLS = 1 << 16
 
 
 def padded_scores(
-    q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext, *, backend: str = "auto"
+    q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext, *, w_scale: float = 1.0, backend: str = "auto"
 ) -> Tensor:
-    """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0)."""
+    """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0); head
+    weights w times w_scale (`index_scores`)."""
     t = q.shape[0]
     cmax = max(view.seq_counts, default=0)
     keys = view.index_keys
@@ -334,23 +339,23 @@ def padded_scores(
     if cmax == 0:
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
-        return index_scores(q, w, keys, backend=backend)
+        return index_scores(q, w, keys, w_scale=w_scale, backend=backend)
     if ctx.static is not None:  # fixed-shape step: Q queries per sequence, cmax entry slots per sequence
         s = ctx.num_seqs
         per_seq = keys.view(s, cmax, -1)
         if t != s:  # verify steps (Q > 1): each query scores its own sequence's keys
             per_seq = per_seq.repeat_interleave(t // s, dim=0)
-        return index_scores(q, w, per_seq, backend=backend)
+        return index_scores(q, w, per_seq, w_scale=w_scale, backend=backend)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
     if t * e <= max(_BATCHED_SCORE_CELLS, 2 * useful):
-        return index_scores(q, w, keys, backend=backend).gather(1, col)
+        return index_scores(q, w, keys, w_scale=w_scale, backend=backend).gather(1, col)
     out = torch.zeros((t, cmax), dtype=torch.float32, device=q.device)
     for i in range(ctx.num_seqs):
         rows = ctx.seq_rows(i)
         off, count = view.seq_offsets[i], view.seq_counts[i]
-        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count], backend=backend)
+        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count], w_scale=w_scale, backend=backend)
     return out
 
 
@@ -401,7 +406,7 @@ def csa2_select(
         q_all = numerics.index_operand(q_all)
         t = x.shape[0]
         # [T, cmax] over the query's own sequence's entries
-        scores = padded_scores(q_all, w_all, view, ctx, backend=backend)
+        scores = padded_scores(q_all, w_all, view, ctx, w_scale=indexer.weight_scale, backend=backend)
         scores = numerics.index_scores(scores)
         vis = ctx.visible_counts(r)
         # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded
