@@ -4,6 +4,8 @@ Tolerance: the gate's sums run in another order (fp32, ~1e-6 relative), so fp32 
 rtol 1e-5 and bf16 outputs to 1 ULP (rtol 2^-7; the interpreter truncates instead of rounding). Covered: d not
 a multiple of the block (two passes of several blocks), image rows (gate 0: the streams unchanged, bit for
 bit), a zero dot (copysign keeps +0 / -0), strided keys / value views of one projection output, empty batches.
+lookup_rows (FP8 table rows): bit-exact in fp32 for every e4m3 code (NaN included) and a range of scale codes;
+bf16 out 1 ULP (the interpreter truncates).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.engram import engram_inject, hash_rows, reference, ring_step
+from deepinfer_kernels.engram import engram_inject, hash_rows, lookup_rows, reference, ring_step
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -170,3 +172,49 @@ def test_gpu_ring_step_equals_reference():
     want = reference.ring_step(want_ring, *step, 3, 2)
     assert torch.equal(ring_step(got_ring, *step, back=3, dump_slot=2, backend="triton"), want)
     assert torch.equal(got_ring[:2], want_ring[:2])
+
+
+def _fp8_table(n: int, d: int, group: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (n, d), generator=g, dtype=torch.int32).to(torch.uint8)
+    codes[0, :256 if d >= 256 else d] = torch.arange(256, dtype=torch.int32)[: min(d, 256)].to(torch.uint8)
+    scale = torch.randint(100, 140, (n, -(-d // group)), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale[0, 0] = 1  # tiny scale: results near the fp32 subnormal range
+    return codes.view(torch.float8_e4m3fn).to(device), scale.view(torch.float8_e8m0fnu).to(device)
+
+
+@pytest.mark.parametrize("d,group", [(256, 32), (64, 8), (96, 32), (16, 32), (40, 32)], ids=str)  # D < group, ragged
+def test_lookup_rows_interpreter_equals_reference(interp, d, group):
+    w, s = _fp8_table(7, d, group, seed=d)
+    ids = torch.tensor([[0, 3, 6], [2, 0, 5]])
+    want = reference.lookup_rows(w, s, ids, group, torch.float32)
+    got = interp.lookup_rows(w, s, ids, group, torch.float32)
+    assert got.shape == (2, 3, d) and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    gb = interp.lookup_rows(w, s, ids, group, torch.bfloat16)
+    wb = reference.lookup_rows(w, s, ids, group, torch.bfloat16)
+    # bf16 subnormals of the tiny-scale row: the interpreter flushes / truncates them (atol below 1e-37)
+    torch.testing.assert_close(gb.float().nan_to_num(), wb.float().nan_to_num(), atol=1e-37, rtol=2.0**-7)
+    assert interp.lookup_rows(w, s, ids[:0], group, torch.float32).shape == (0, 3, d)
+
+
+def test_lookup_rows_dispatcher(interp):
+    w, s = _fp8_table(4, 64, 32, seed=1)
+    ids = torch.tensor([3, 1])
+    want = reference.lookup_rows(w, s, ids, 32, torch.float32)
+    assert torch.equal(lookup_rows(w, s, ids, 32, torch.float32, backend="triton").nan_to_num(), want.nan_to_num())
+    with pytest.raises(ValueError, match="lookup_rows"):
+        lookup_rows(w, s[:, :1], ids, 32, torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_lookup_rows_equals_reference():
+    # V4.1 Engram table rows: head_dim 256 (assumed here), UE8M0 per 32 columns, 3 lookups of 8 tokens
+    w, s = _fp8_table(1000, 256, 32, seed=2, device="cuda")
+    ids = torch.randint(0, 1000, (8, 3), device="cuda")
+    ids[0, 0] = 0  # the row holding every e4m3 code
+    for dtype in (torch.float32, torch.bfloat16):
+        got = lookup_rows(w, s, ids, 32, dtype, backend="triton")
+        want = reference.lookup_rows(w, s, ids, 32, dtype)
+        # exact, but for results below the fp32 normal range (row 0's tiny scale), should the GPU flush them
+        torch.testing.assert_close(got, want, atol=1e-37, rtol=0, equal_nan=True)

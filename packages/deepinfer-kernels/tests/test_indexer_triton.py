@@ -77,6 +77,8 @@ def test_scores_interpreter_matches_reference(interp, t, h, d, n, dtype):
     q, w, keys, keys3 = _score_inputs(t, h, d, n, dtype)
     _close_scores(interp.index_scores(q, w, keys), reference.index_scores(q, w, keys))
     _close_scores(interp.index_scores(q, w, keys3), reference.index_scores_per_query(q, w, keys3))
+    # the head-weight scale folded into the kernel: the same fp32 multiply the caller did before the call
+    _close_scores(interp.index_scores(q, w, keys, 0.0883883), reference.index_scores(q, w * 0.0883883, keys))
 
 
 def test_scores_dispatcher():
@@ -85,6 +87,7 @@ def test_scores_dispatcher():
     torch.testing.assert_close(index_scores(q, w, keys3, backend="torch"),
                                torch.stack([reference.index_scores(q[i : i + 1], w[i : i + 1], keys3[i])[0]
                                             for i in range(2)]))  # fmt: skip
+    assert torch.equal(index_scores(q, w, keys, w_scale=0.25, backend="torch"), reference.index_scores(q, w * 0.25, keys))
     with pytest.raises(ValueError, match="expected"):
         index_scores(q, w, keys[:, :8])
     # mixed dtypes: the reference
@@ -146,7 +149,7 @@ for dt, hv in (("*fp32", True), ("*bf16", False)):
 for dt, f32 in (("*bf16", False), ("*fp32", True)):
     out[f"scores {dt}"] = rep(it._scores_kernel, {"q_ptr": dt, "w_ptr": "*fp32", "k_ptr": dt, "out_ptr": "*fp32",
         "H": "i32", "N": "i32", "D": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_wt": "i32",
-        "stride_kt": "i32", "stride_kn": "i32", "stride_ot": "i32"},
+        "stride_kt": "i32", "stride_kn": "i32", "stride_ot": "i32", "w_scale": "fp32"},
         {"DOT_F32": f32, "BLOCK_H": 64, "BLOCK_N": 64, "BLOCK_D": 64}, num_warps=8)
 out["store rows"] = rep(it._store_rows_kernel, {"sel_ptr": "*i64", "seq_ptr": "*i64", "off_ptr": "*i64",
     "rows_ptr": "*i64", "out_ptr": "*i64", "K": "i32", "E": "i32", "stride_s": "i32", "stride_o": "i32"},

@@ -5,7 +5,9 @@ small, random codes and scales).
 
 Tolerances (max |Δ| / max |ref|): fp32 1e-5 (exact fp32 dots; the reference sums a token's k rows in expert
 order, the kernel in slot order); bf16 2e-2 (the kernel keeps gate/up and the down projection in fp32, the
-reference rounds them to bf16).
+reference rounds them to bf16). The routed combine (`combine_rows`: k-row sum + shared add + cast in one launch)
+against `reference.combine_rows`: fp32 1e-6 relative (the k-sum's order), bf16 exact up to one bf16 ULP where the
+fp32 sums differ in their last bit across a rounding midpoint.
 """
 
 from __future__ import annotations
@@ -99,6 +101,48 @@ def test_fp4_grouped_interpreter():
         assert mod.moe_experts_fp4(
             x[:0], w[:0], ids[:0], st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5
         ).shape == (0, 64)
+        # with the shared experts' output: (routed + shared) in x's dtype, as the reference computes it
+        sh = torch.randn(3, 64, generator=g).bfloat16()
+        got = mod.moe_experts_fp4(xb, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, shared=sh,
+                                  out_dtype=torch.bfloat16)  # fmt: skip
+        want = (reference.moe_experts(xb, w, ids, st, 0.5) + sh.float()).bfloat16()
+        assert got.dtype == torch.bfloat16 and _rel(got, want) <= 2e-2
+
+
+def _combine_case(t: int, k: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(t * k, d, generator=g), torch.randn(t, d, generator=g)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.parametrize("t,k,d", [(1, 6, 640), (3, 2, 64), (5, 1, 100), (0, 6, 64)], ids=str)
+def test_combine_rows_interpreter_matches_reference(t, k, d):
+    rows, shared = _combine_case(t, k, d, t * 100 + k)
+    with triton_interpreter("deepinfer_kernels.moe.triton") as (mod,):
+        got = mod.combine_rows(rows, k)
+        want = reference.combine_rows(rows, k)
+        assert got.dtype == torch.float32 and got.shape == (t, d)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        for sh, dt in ((shared, torch.float32), (shared.bfloat16(), torch.bfloat16), (shared[:, :], torch.float16)):
+            got = mod.combine_rows(rows, k, sh, dt)
+            want = reference.combine_rows(rows, k, sh, dt)
+            assert got.dtype == dt and got.shape == (t, d)
+            torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=1e-6 if dt == torch.float32
+                                       else 2.0**-7)  # fmt: skip
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_moe_experts_dispatcher_adds_shared():
+    g = torch.Generator().manual_seed(5)
+    st, _ = _fp4_experts(4, 32, 64, g)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    w, ids = _routing(3, 2, 4, g)
+    sh = torch.randn(3, 64, generator=g).bfloat16()
+    want = (reference.moe_experts(x, w, ids, st, 0.5) + sh).bfloat16()
+    got = moe_experts(x, w, ids, st, 0.5, shared=sh, backend="torch")
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)  # the reference: the former caller's expression
+    with pytest.raises(ValueError, match="shared"):
+        moe_experts(x, w, ids, st, 0.5, shared=sh[:2], backend="torch")
 
 
 def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: str) -> StackedExperts:
@@ -129,6 +173,21 @@ def test_fp4_grouped_gpu_v41_widths(t):
     assert _rel(got, want) <= 1e-5
     gotb = moe_experts(x.bfloat16(), w, ids, st, 10.0, backend="triton")
     assert _rel(gotb, reference.moe_experts(x.bfloat16(), w, ids, st, 10.0)) <= 2e-2
+    sh = (torch.randn(t, 5120, generator=g) / 8).cuda().bfloat16()
+    got_sh = moe_experts(x.bfloat16(), w, ids, st, 10.0, shared=sh, backend="triton")
+    assert got_sh.dtype == torch.bfloat16 and _rel(got_sh, (gotb + sh.float()).bfloat16()) <= 2.0**-7
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64])
+def test_combine_rows_gpu_matches_reference(t):
+    from deepinfer_kernels.moe import triton as mt
+
+    rows, shared = (a.cuda() for a in _combine_case(t, 6, 5120, t))
+    torch.testing.assert_close(mt.combine_rows(rows, 6), reference.combine_rows(rows, 6), atol=1e-6, rtol=1e-6)
+    got = mt.combine_rows(rows, 6, shared.bfloat16(), torch.bfloat16)
+    want = reference.combine_rows(rows, 6, shared.bfloat16(), torch.bfloat16)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-6, rtol=2.0**-7)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,23 @@ def _check(got, want):
     torch.testing.assert_close(w, wr, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("shape", [(4, 384, 6), (3, 37, 4)], ids=lambda s: "x".join(map(str, s)))
+def test_interpreter_alt_bias_rows_match_reference(interp, shape):
+    # V4.1 bias_vl: rows flagged as image positions select with the alternative bias, picked in the kernel; the
+    # reference is the former caller's where() over [T, E]
+    t, e, k = shape
+    g = torch.Generator().manual_seed(t + e)
+    logits = torch.randn(t, e, generator=g) * 4
+    bias, alt = torch.randn(e, generator=g), torch.randn(e, generator=g) * 3
+    rows = torch.tensor([True, False, True, False][:t])
+    want = _ref(logits, k, torch.where(rows[:, None], alt[None], bias[None]), 2.5)
+    _check(interp.route_topk(logits, bias, k, route_scale=2.5, bias_alt=alt, alt_rows=rows), want)
+    _check(route_logits(logits, k, bias=bias, route_scale=2.5, bias_alt=alt, alt_rows=rows, backend="torch"), want)
+    assert not torch.equal(want[1], _ref(logits, k, bias, 2.5)[1])  # the case distinguishes the two biases
+    with pytest.raises(ValueError, match="go together"):
+        route_logits(logits, k, bias=bias, bias_alt=alt)
+
+
 # (T, E, k): V4.1-like 384 experts top-6 (E not a power of two), a small odd E, k = E.
 @pytest.mark.parametrize("shape", [(3, 384, 6), (5, 37, 4), (2, 8, 8)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("bias_kind", ["none", "shared", "per_token"])
@@ -89,3 +106,7 @@ def test_gpu_matches_reference(t):
     logits = torch.randn(t, 384, device="cuda", generator=g) * 3
     bias = torch.randn(384, device="cuda", generator=g) * 0.1
     _check(route_logits(logits, 6, bias=bias, route_scale=2.5, backend="triton"), _ref(logits, 6, bias, 2.5))
+    img = torch.rand(t, device="cuda", generator=g) < 0.5
+    alt = torch.randn(384, device="cuda", generator=g) * 0.1
+    _check(route_logits(logits, 6, bias=bias, route_scale=2.5, bias_alt=alt, alt_rows=img, backend="triton"),
+           _ref(logits, 6, torch.where(img[:, None], alt[None], bias[None]), 2.5))

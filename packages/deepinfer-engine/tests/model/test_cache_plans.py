@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from deepinfer_engine.errors import CapacityError
@@ -41,6 +43,33 @@ def test_ring_plan_gathers_history_then_writes_last_rows():
     assert vals[0].tolist() == [12, 13, 14]
     assert vals[5].tolist() == [17, 18, 19]
     assert vals[6].tolist() == [-1, -1, 0] and vals[7].tolist() == [-1, 0, 1]
+
+
+def test_ring_plan_disjoint_flag():
+    # a sequence reading b rows and writing n is disjoint modulo the ring exactly when b = 0 or b + n <= R
+    boot = torch.zeros(2, 1, dtype=torch.int32)
+    assert not _ctx([4, 0], [6, 2], [2, 0], boot).ring_plan(4, (3, 3), write=True).disjoint  # 3 + 6 > 4
+    assert _ctx([4, 2], [1, 1], [2, 0], boot).ring_plan(4, (3, 3), write=True).disjoint  # decode: 3 + 1, 2 + 1
+    assert not _ctx([4, 2], [2, 1], [2, 0], boot).ring_plan(4, (3, 3), write=True).disjoint  # 3 + 2 > 4
+    assert _ctx([0, 0], [9, 2], [2, 0], boot).ring_plan(4, (3, 3), write=True).disjoint  # prefill: no history
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_ring_plan_gather_one_launch_equals_torch():
+    # a decode-shaped plan (disjoint rows) through the ring_pool kernel (interpreter): same pool, same ring
+    from kernels_testing import triton_interpreter
+
+    g = torch.Generator().manual_seed(0)
+    ring = torch.randn(4, 6, 2, 3, generator=g)
+    fresh = torch.randn(3, 2, 3, generator=g)
+    ctx = _ctx([9, 4, 2], [1, 1, 1], [3, 1, 0], torch.zeros(3, 1, dtype=torch.int32))
+    plan = ctx.ring_plan(6, (5, 5, 5), write=True)
+    assert plan.disjoint and plan.num_hist == 5 + 4 + 2
+    want_ring = ring.clone()
+    want = plan.gather(want_ring, fresh, backend="torch")
+    with triton_interpreter("deepinfer_kernels.ring_pool.triton"):
+        got = plan.gather(ring, fresh, backend="triton")
+    assert torch.equal(got, want) and torch.equal(ring, want_ring)
 
 
 def test_ring_plan_rejects_history_longer_than_ring():

@@ -11,7 +11,13 @@ import importlib.util
 import pytest
 import torch
 from deepinfer_engine.model.linear import Linear, default_weight_loader
-from deepinfer_engine.model.linear_pair import fuse_model_pairs, fuse_same_input, joint_weight, linear_pair
+from deepinfer_engine.model.linear_pair import (
+    dense_joint_weight,
+    fuse_model_pairs,
+    fuse_same_input,
+    joint_weight,
+    linear_pair,
+)
 from deepinfer_kernels.quant import quant_fp8_block
 from torch import nn
 
@@ -140,13 +146,44 @@ def test_loaded_tiny_v41_is_fused_and_equals_unfused(tiny_ckpt):
         cache, bt = ModelCache.allocate_dense(model.args, [9], dtype=torch.float32)
         return model(ForwardBatch.single(ids, block_table=bt[0]), cache)
 
+    # the ratio-2 CSA2 compressors' dense wkv + wgate (one projection launch, no stack)
+    dense = [(layer.attn.compressor.wkv, layer.attn.compressor.wgate) for layer in model.layers
+             if layer.attn.compressor is not None and getattr(layer.attn.compressor, "wgate", None) is not None]
+    assert dense and all(dense_joint_weight(a, b) is not None for a, b in dense)
     fused = logits()
     for a, _ in pairs:
         _unfused(a)
+    for a, _ in dense:
+        a.weight = nn.Parameter(a.weight.detach().clone(), requires_grad=False)
     assert all(joint_weight(a, b) is None for a, b in pairs)
+    assert all(dense_joint_weight(a, b) is None for a, b in dense)
+    torch.testing.assert_close(fused, logits(), atol=0, rtol=1e-6)  # dense: one fp32 GEMM over N1 + N2 columns
+    assert fuse_model_pairs(model) == len(pairs) + len(dense)
     assert torch.equal(fused, logits())
-    assert fuse_model_pairs(model) == len(pairs)
-    assert torch.equal(fused, logits())
+
+
+def test_dense_pair_one_buffer_stacked_projection():
+    """Csa2Compressor.project_stacked: one GEMM over the fused [wkv; wgate] gives stack(A, Z) (fp32 GEMM over the
+    joint columns: equal up to fp32 summation order, 1e-6); names, shapes and write-through loads unchanged."""
+    from deepinfer_engine.model.csa2 import Csa2Compressor
+    from deepinfer_engine.model.linear_pair import fuse_dense_pair
+
+    g = torch.Generator().manual_seed(5)
+    comp = Csa2Compressor(dim=64, head_dim=16, ratio=2, eps=1e-6).to(torch.bfloat16)
+    for p in comp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g))
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    a, z = comp.project(x)
+    want = comp.project_stacked(x)
+    assert torch.equal(want, torch.stack([a, z], 1))
+    names = {k: (v.shape, v.dtype) for k, v in comp.state_dict().items()}
+    assert fuse_dense_pair(comp.wkv, comp.wgate) and dense_joint_weight(comp.wkv, comp.wgate) is not None
+    assert {k: (v.shape, v.dtype) for k, v in comp.state_dict().items()} == names
+    torch.testing.assert_close(comp.project_stacked(x), want, atol=0, rtol=1e-6)
+    new = torch.randn(16, 64, generator=g).bfloat16()
+    default_weight_loader(comp.wgate.weight, new)  # a load writes into the joint buffer
+    assert torch.equal(dense_joint_weight(comp.wkv, comp.wgate)[16:], new)
+    assert Csa2Compressor(dim=64, head_dim=16, ratio=1, eps=1e-6).same_input_dense() == ()
 
 
 @pytest.mark.gpu

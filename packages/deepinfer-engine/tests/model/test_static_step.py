@@ -102,6 +102,16 @@ def test_static_decode_equals_exact_v4():
     assert _run(model, batch_size=4, max_len=64) == 12
 
 
+def test_static_ring_plans_are_disjoint_when_history_and_tokens_fit():
+    # the fixed-shape plans read max_back rows and write `tokens` per sequence: one ring_pool launch when they fit
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=2, num_pages=8, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 2, 64, "cpu")
+    assert step.ring_plan(8, 7, write=True).disjoint and not step.ring_plan(8, 8, write=True).disjoint
+    verify = StaticDecodeStep(cache, 2, 64, "cpu", tokens=3)
+    assert verify.ring_plan(8, 5, write=True).disjoint and not verify.ring_plan(8, 6, write=True).disjoint
+
+
 def test_static_paged_rows_scratch_and_completion():
     from deepinfer_engine.model.cache import SeqHost
 
@@ -190,3 +200,30 @@ def test_static_plans_equal_fresh_builds_every_step(make_tiny_v41_model, tokens:
                 skipped += plan.last == before[key]
             assert np.array_equal(got, np.concatenate(want)), (k, key)
     assert skipped > 0  # some steps really kept a plan
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_static_entry_rows_equal_the_device_computation(tokens):
+    """The host-built pool rows of each new entry's tokens (a ratio-2 source's state ring) equal
+    ForwardContext.entry_rows' device computation (RingPlan.pool_rows) over the same static plans: sequences at
+    even and odd positions, verify steps of 3 tokens, padding sequences. Same for the visible entry counts and the new entries' positions."""
+    import dataclasses
+
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=3, num_pages=12, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 4, 64, "cpu", tokens=tokens)
+    for ctx_lens in ([0, 7, 20], [3, 40, 1]):
+        n = len(ctx_lens)
+        step.fill(DecodeFacts(ctx=np.asarray(ctx_lens, np.int64), slots=np.arange(n, dtype=np.int64),
+                              input_ids=np.zeros(n * tokens, np.int64), block_tables=np.arange(n * 4).reshape(n, 4),
+                              query_lens=None if tokens == 1 else np.full(n, tokens)))  # fmt: skip
+        ctx = step.context(cache)
+        plan = ctx.ring_plan(8, (1,) * 4, write=True, max_back=1)
+        paged = ctx.paged_plan(2)
+        got = ctx.entry_rows(plan, paged)
+        want = dataclasses.replace(ctx, static=None, plans={}).entry_rows(plan, paged)
+        assert got.shape == (4 * -(-tokens // 2), 2) and torch.equal(got, want)
+        exact = dataclasses.replace(ctx, static=None, plans={})  # the device computations
+        assert torch.equal(ctx.visible_counts(2), exact.visible_counts(2))
+        assert torch.equal(ctx.entry_positions(paged), exact.entry_positions(paged))
+        assert ctx.visible_counts(2).shape == (4 * tokens,) and ctx.entry_positions(paged).shape == (got.shape[0],)

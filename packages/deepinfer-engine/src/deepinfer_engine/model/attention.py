@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 from deepinfer_kernels.compressor import compress_pool
-from deepinfer_kernels.indexer import topk_indices, visible_counts
+from deepinfer_kernels.indexer import topk_indices
 from deepinfer_kernels.norm_rope import (
     apply_rope,
     apply_rope_at,
@@ -144,7 +144,8 @@ class Compressor(nn.Module):
         backs = tuple(c % r + (r if self.overlap else 0) for c in ctx.ctx_lens)
         ring = ctx.ring_plan(cache.state_rows(layer_id, state), backs, write=True,
                              max_back=r - 1 + (r if self.overlap else 0))
-        hist = cache.state_pool(layer_id, state, ring, torch.stack([a, z], dim=1))  # [H + T, 2, C]
+        hist = cache.state_pool(layer_id, state, ring, torch.stack([a, z], dim=1),
+                                backend=getattr(self, "kernel_backend", "auto"))  # [H + T, 2, C]
         paged = ctx.paged_plan(r)
         if paged.num_new:
             ws, seq = paged.new_w, paged.new_seq[:, None].expand(-1, r)
@@ -189,7 +190,7 @@ class Indexer(nn.Module):
         w = self.weights_proj(x).float() * (self.head_dim**-0.5 * self.n_heads**-0.5)
         # padded entries (past a sequence's count) are beyond every query's visible count: masked here
         scores = padded_scores(q, w, view, ctx, backend=self.kernel_backend)
-        return topk_indices(scores, self.topk, visible_counts(pos, view.ratio), backend=self.kernel_backend)
+        return topk_indices(scores, self.topk, ctx.visible_counts(view.ratio), backend=self.kernel_backend)
 
 
 class Attention(nn.Module):
@@ -280,7 +281,7 @@ class Attention(nn.Module):
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
         cache = ctx.cache
         plan = ctx.ring_plan(cache.window_rows(self.layer_id), (0,) * ctx.num_seqs, write=True, max_back=0)
-        cache.window_pool(self.layer_id, plan, kv)
+        cache.window_pool(self.layer_id, plan, kv, backend=self.kernel_backend)
 
     def _window(self, kv: Tensor, ctx: ForwardContext) -> tuple[Tensor, Tensor]:
         """Window pool [Sw, Dh] (all sequences) and per-query indices [T, K] into it (-1 = none).
@@ -293,7 +294,7 @@ class Attention(nn.Module):
         nc = ctx.block_noncausal
         back = W if nc else W - 1
         plan = ctx.ring_plan(cache.window_rows(self.layer_id), (back,) * ctx.num_seqs, write=not nc, max_back=back)
-        pool = cache.window_pool(self.layer_id, plan, kv, write=not nc)
+        pool = cache.window_pool(self.layer_id, plan, kv, write=not nc, backend=self.kernel_backend)
         return pool, ctx.window_rows(plan, W, noncausal=nc)
 
     def _compressed(
@@ -333,11 +334,10 @@ class Attention(nn.Module):
         view = CompressedView(
             store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r
         )
-        pos = ctx.batch.positions
         if self.kind == "hca":  # dense over all visible entries
             k = max(counts) if counts else 0
             w = torch.arange(k, device=x.device)[None, :].expand(x.shape[0], k)
-            sel = torch.where(w < visible_counts(pos, r)[:, None], w, torch.full_like(w, -1))
+            sel = torch.where(w < ctx.visible_counts(r)[:, None], w, torch.full_like(w, -1))
         else:  # csa: lightning indexer top-k
             sel = self.indexer.select(x, qr, ctx, view, rope)
             ctx.topk[lid] = sel

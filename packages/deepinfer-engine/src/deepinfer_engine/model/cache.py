@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from deepinfer_kernels.ring_pool import ring_pool
 from torch import Tensor
 
 from deepinfer_engine.core.kv_cache_spec import LayerCacheSpec, layer_cache_spec
@@ -207,13 +208,14 @@ class ModelCache:
         """Rows of layer `layer_id`'s window ring (sliding window + slack)."""
         return self.swa[layer_id].shape[1]
 
-    def window_pool(self, layer_id: int, plan: RingPlan, kv: Tensor, *, write: bool = True) -> Tensor:
+    def window_pool(self, layer_id: int, plan: RingPlan, kv: Tensor, *, write: bool = True,
+                    backend: str = "auto") -> Tensor:  # fmt: skip
         """Window pool [history + T, head_dim] of the step (see RingPlan.gather); stores kv if `write`.
         With window records the step's own rows are the decoded records (cast and cast back)."""
         ring = self.swa[layer_id]
         f = self.formats.get("window")
         if f is None:
-            return plan.gather(ring, kv, write=write)
+            return plan.gather(ring, kv, write=write, backend=backend)
         if ring.shape[1] != plan.ring_rows:
             raise CapacityError(f"ring plan for {plan.ring_rows} rows used on a ring of {ring.shape[1]} rows")
         rec = f.encode(kv)
@@ -234,9 +236,10 @@ class ModelCache:
         """Rows of a compressor state ring (CapacityError-free lookup: callers check has_state first)."""
         return self.comp_state[(layer_id, name)].shape[1]
 
-    def state_pool(self, layer_id: int, name: str, plan: RingPlan, fresh: Tensor) -> Tensor:
+    def state_pool(self, layer_id: int, name: str, plan: RingPlan, fresh: Tensor, *, backend: str = "auto"
+                   ) -> Tensor:  # fmt: skip
         """Raw compressor rows [history + T, 2, width] f32 of the step; stores this step's rows."""
-        return plan.gather(self.comp_state[(layer_id, name)], fresh)
+        return plan.gather(self.comp_state[(layer_id, name)], fresh, backend=backend)
 
     def _write(self, family: str, store: Tensor, plan: PagedPlan, values: Tensor) -> None:
         f = self.formats.get(family)
@@ -639,17 +642,25 @@ class RingPlan:
     # fixed-shape plans (static_step.py) also serve positions outside the pool (the padded entry of a sequence
     # that completes none this step): pool_rows clamps to [0, pool_len); None = exact plans, no clamp
     pool_len: int | None = None
+    # no ring row written is a row read (`ring_rows_disjoint`): the gather and the writes may run as one launch
+    disjoint: bool = False
 
     def capture(self, flat: Tensor, pool: Tensor) -> None:
         """Copy the captured pool rows into their state slots' ring rows (flat = ring.view(-1, *C))."""
         if self.capture_dst is not None:
             flat.index_copy_(0, self.capture_dst, pool.index_select(0, self.capture_src).to(flat.dtype))
 
-    def gather(self, ring: Tensor, fresh: Tensor, *, write: bool = True) -> Tensor:
-        """Pool [num_hist + T, *C] in fresh's dtype; then (if planned and write) stores this step's rows."""
+    def gather(self, ring: Tensor, fresh: Tensor, *, write: bool = True, backend: str = "auto") -> Tensor:
+        """Pool [num_hist + T, *C] in fresh's dtype; then (if planned and write) stores this step's rows.
+        backend: the kernel backend of `ring_pool` (one launch for the gather and the writes when the plan's
+        rows are disjoint and nothing is captured)."""
         if ring.shape[1] != self.ring_rows:
             raise CapacityError(f"ring plan for {self.ring_rows} rows used on a ring of {ring.shape[1]} rows")
         flat = ring.view(-1, *ring.shape[2:])
+        if not (write and self.capture_dst is not None):
+            w = write and self.write_dst is not None
+            return ring_pool(flat, self.hist_src, fresh, self.write_dst if w else None, self.write_src if w else None,
+                             disjoint=self.disjoint or not w, backend=backend)  # fmt: skip
         if self.num_hist:
             hist = flat.index_select(0, self.hist_src).to(fresh.dtype)
             pool = torch.cat([hist, fresh], 0)
@@ -731,13 +742,24 @@ def _capture_rows(R: int, first: np.ndarray, hist_off: np.ndarray, num_hist: int
     return [np.concatenate(dst), np.concatenate(src)]
 
 
-def ring_plan_from(ring_rows: int, parts: Sequence[Tensor], *, pool_len: int | None = None) -> RingPlan:
-    """RingPlan over device tensors laid out as ring_plan_arrays returns them."""
+def ring_rows_disjoint(ring_rows: int, backs: np.ndarray, qlen: np.ndarray) -> bool:
+    """Whether a written plan of ring_plan_arrays reads no ring row that it writes: sequence i reads positions
+    c_i - b_i .. c_i - 1 and writes its last min(n_i, R) of c_i .. c_i + n_i - 1, disjoint modulo R exactly when
+    b_i = 0 or b_i + n_i <= R (sequences own distinct slots; padding sequences of a fixed-shape step share the
+    scratch slot at one position, so they read and write the same rows as each other)."""
+    b, n = np.asarray(backs, dtype=np.int64), np.asarray(qlen, dtype=np.int64)
+    return bool(np.all((b == 0) | (b + n <= ring_rows)))
+
+
+def ring_plan_from(ring_rows: int, parts: Sequence[Tensor], *, pool_len: int | None = None,
+                   disjoint: bool = False) -> RingPlan:  # fmt: skip
+    """RingPlan over device tensors laid out as ring_plan_arrays returns them (disjoint: `ring_rows_disjoint`)."""
     write, cap = len(parts) >= 5, len(parts) == 7  # 7: with state-block captures (prefix cache)
     return RingPlan(
         ring_rows=ring_rows, num_hist=int(parts[0].shape[0]), hist_src=parts[0], hist_off=parts[1],
         hist_first=parts[2], write_dst=parts[3] if write else None, write_src=parts[4] if write else None,
         capture_dst=parts[5] if cap else None, capture_src=parts[6] if cap else None, pool_len=pool_len,
+        disjoint=disjoint,
     )  # fmt: skip
 
 
@@ -747,7 +769,9 @@ def build_ring_plan(
     """Plan for reading b_i = min(backs[i], ctx_i) history rows per sequence (and writing its last rows)."""
     parts = ring_plan_arrays(ring_rows, backs, seqs, write=write)
     sizes = [p.shape[0] for p in parts]
-    return ring_plan_from(ring_rows, _split(upload(np.concatenate(parts), device), sizes))  # one copy
+    b = np.minimum(np.asarray(backs, dtype=np.int64), seqs.ctx)  # the rows ring_plan_arrays reads (clip=True)
+    return ring_plan_from(ring_rows, _split(upload(np.concatenate(parts), device), sizes),  # one copy
+                          disjoint=ring_rows_disjoint(ring_rows, b, seqs.qlen))  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels.compressor import pool_at_rows
 from deepinfer_kernels.indexer import (
     candidate_blocks,
     causal_mask,
     index_scores,
     topk_indices,
-    visible_counts,
 )
 from deepinfer_kernels.linear import linear_f32_out
 from deepinfer_kernels.norm_rope import rms_norm  # fp32 math, input dtype out
@@ -100,6 +100,22 @@ class Csa2Compressor(nn.Module):
         self.wgate = nn.Linear(dim, head_dim, bias=False) if ratio == 2 else None
         self.norm = _Norm(head_dim)
 
+    def same_input_dense(self) -> tuple[tuple[nn.Linear, nn.Linear], ...]:
+        """wkv and wgate read the same input: one weight buffer once fused (linear_pair.fuse_dense_pair)."""
+        return ((self.wkv, self.wgate),) if self.wgate is not None else ()
+
+    def project_stacked(self, x: Tensor) -> Tensor:
+        """Ratio 2: ``x [L, d]`` -> ``[L, 2, Dh] float32`` = stack(A, Z) (the state ring's row layout). One GEMM
+        launch and no stack when wkv / wgate share one buffer: the joint output [L, 2 * Dh] is that layout."""
+        from deepinfer_engine.model.linear_pair import dense_joint_weight
+
+        joint = dense_joint_weight(self.wkv, self.wgate) if self.wgate is not None else None
+        if joint is None:
+            a, z = self.project(x)
+            return torch.stack([a, z], dim=1)
+        y = linear_f32_out(x, joint, backend=self.kernel_backend, counters=split_counters(self, x.device))
+        return y.view(x.shape[0], 2, -1)
+
     def project(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """``x [L, d]`` -> ``A [L, Dh] float32``, ``Z [L, Dh] float32 | None`` (fp32 math like the reference)."""
         # fp32 results without an fp32 copy of the weights each step (fp32 accumulation over their dtype)
@@ -146,8 +162,14 @@ class Csa2Indexer(nn.Module):
                      backend=self.kernel_backend)
         return rope(k, positions)
 
+    @property
+    def weight_scale(self) -> float:
+        """The scale of the head weights, ``Di^-0.5 · H^-0.5`` (applied by `index_scores(w_scale=)`, in its kernel)."""
+        return self.index_head_dim**-0.5 * self.n_heads**-0.5
+
     def queries(self, qr: Tensor, x: Tensor, positions: Tensor, rope: RopeFn) -> tuple[Tensor, Tensor]:
-        """``qI [T, H, Di]`` (RoPE at the query position) and head weights ``wI [T, H] float32``."""
+        """``qI [T, H, Di]`` (RoPE at the query position) and head weights ``wI [T, H] float32`` BEFORE their scale
+        (`weight_scale`: the score kernel multiplies, one launch less)."""
         if self.wq_b is None or self.weights_proj is None:
             raise ModelConfigError(
                 "index_source_layer_ids: queries requested from a layer without attn.indexer.wq_b"
@@ -156,9 +178,7 @@ class Csa2Indexer(nn.Module):
         q = self.wq_b(qr).to(qr.dtype).view(t, self.n_heads, self.index_head_dim)
         q = rope(q, positions)
         w = linear_f32_out(x, self.weights_proj.weight, backend=self.kernel_backend,
-                           counters=split_counters(self, x.device)) * (
-            self.index_head_dim**-0.5 * self.n_heads**-0.5
-        )
+                           counters=split_counters(self, x.device))  # fmt: skip
         return q, w
 
 
@@ -253,14 +273,16 @@ def csa2_update_source(
     if r == 2 and not cache.has_state(lid, "main"):
         raise ModelConfigError(f"layer {lid}: ratio-2 kv source without a compressor state ring in the cache")
     paged = ctx.paged_plan(r)
-    a_all, z_all = compressor.project(x)  # [T, Dh] f32 each (z None for ratio 1)
     if r == 2:
         # rows of positions [p0 - back, p0 + n): back = 1 when a chunk starts inside a group; this step's rows
         # are stored in the ring for the next chunk
         ring_plan = ctx.ring_plan(
             cache.state_rows(lid, "main"), tuple(c % 2 for c in ctx.ctx_lens), write=True, max_back=1
         )
-        both = cache.state_pool(lid, "main", ring_plan, torch.stack([a_all, z_all], dim=1))  # [H + T, 2, Dh]
+        az = compressor.project_stacked(x)  # [T, 2, Dh] f32: A, Z
+        both = cache.state_pool(lid, "main", ring_plan, az, backend=compressor.kernel_backend)  # [H + T, 2, Dh]
+    else:
+        a_all, _ = compressor.project(x)  # [T, Dh] f32
     if paged.num_new:
         if r == 1:
             pooled = a_all  # entry w = position w: every new token completes one entry, in batch order
@@ -268,14 +290,12 @@ def csa2_update_source(
                 st = ctx.seq_t
                 pooled = a_all.index_select(0, paged.new_w - st.ctx[paged.new_seq] + st.start[paged.new_seq])
         else:
-            seq = paged.new_seq[:, None].expand(-1, 2)
-            pos = paged.new_w[:, None] * 2 + torch.arange(2, device=x.device)[None, :]  # [M, 2] group tokens
-            g = both[ring_plan.pool_rows(seq, pos, ctx.seq_t)]  # [M, 2 tokens, (A, Z), Dh]
-            pooled = pool_ratio2(g[:, :, 0], g[:, :, 1])
+            # pool_ratio2 over each new entry's two token rows [M, 2] of the pool, cast to x's dtype: one launch
+            pooled = pool_at_rows(both, ctx.entry_rows(ring_plan, paged), x.dtype, backend=compressor.kernel_backend)
         # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
         latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps,
                           backend=compressor.kernel_backend)  # pre-RoPE latent
-        entry_pos = paged.new_w * r  # RoPE at the group's first token
+        entry_pos = ctx.entry_positions(paged)  # RoPE at the group's first token
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
         cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))
         cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
@@ -308,9 +328,10 @@ _BATCHED_SCORE_CELLS = 1 << 16
 
 
 def padded_scores(
-    q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext, *, backend: str = "auto"
+    q: Tensor, w: Tensor, view: CompressedView, ctx: ForwardContext, *, w_scale: float = 1.0, backend: str = "auto"
 ) -> Tensor:
-    """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0)."""
+    """[T, max count] float32 index scores of each query against its own sequence's entries (padding: 0); head
+    weights w times w_scale (`index_scores`)."""
     t = q.shape[0]
     cmax = max(view.seq_counts, default=0)
     keys = view.index_keys
@@ -318,23 +339,23 @@ def padded_scores(
     if cmax == 0:
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
-        return index_scores(q, w, keys, backend=backend)
+        return index_scores(q, w, keys, w_scale=w_scale, backend=backend)
     if ctx.static is not None:  # fixed-shape step: Q queries per sequence, cmax entry slots per sequence
         s = ctx.num_seqs
         per_seq = keys.view(s, cmax, -1)
         if t != s:  # verify steps (Q > 1): each query scores its own sequence's keys
             per_seq = per_seq.repeat_interleave(t // s, dim=0)
-        return index_scores(q, w, per_seq, backend=backend)
+        return index_scores(q, w, per_seq, w_scale=w_scale, backend=backend)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]
     col = (offs[:, None] + torch.arange(cmax, device=q.device)[None, :]).clamp(max=e - 1)
     useful = sum(n * c for n, c in zip(ctx.query_lens, view.seq_counts))
     if t * e <= max(_BATCHED_SCORE_CELLS, 2 * useful):
-        return index_scores(q, w, keys, backend=backend).gather(1, col)
+        return index_scores(q, w, keys, w_scale=w_scale, backend=backend).gather(1, col)
     out = torch.zeros((t, cmax), dtype=torch.float32, device=q.device)
     for i in range(ctx.num_seqs):
         rows = ctx.seq_rows(i)
         off, count = view.seq_offsets[i], view.seq_counts[i]
-        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count], backend=backend)
+        out[rows, :count] = index_scores(q[rows], w[rows], keys[off : off + count], w_scale=w_scale, backend=backend)
     return out
 
 
@@ -385,9 +406,9 @@ def csa2_select(
         q_all = numerics.index_operand(q_all)
         t = x.shape[0]
         # [T, cmax] over the query's own sequence's entries
-        scores = padded_scores(q_all, w_all, view, ctx, backend=backend)
+        scores = padded_scores(q_all, w_all, view, ctx, w_scale=indexer.weight_scale, backend=backend)
         scores = numerics.index_scores(scores)
-        vis = visible_counts(ctx.batch.positions, r)
+        vis = ctx.visible_counts(r)
         # entries past a sequence's count are padding; vis <= count, so the causal mask removes them too (folded
         # into the top-k when no candidate step reads the masked scores)
         if plan.publishes_candidates or plan.consumes_candidates:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from deepinfer_kernels.engram import engram_gate as _engram_gate
-from deepinfer_kernels.engram import engram_inject
+from deepinfer_kernels.engram import engram_inject, lookup_rows
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError, ModelConfigError
@@ -28,6 +28,8 @@ def engram_gate(r: Tensor, key: Tensor, q_weight: Tensor, k_weight: Tensor, eps:
 class _Table(nn.Module):
     """``engram.embed.weight [N, head_dim]``: dense, or as stored (FP8 e4m3 rows + ``embed.scale [N, head_dim/32]``
     UE8M0, decoded per looked-up row: the tables are the largest tensors of V4.1 and stay FP8 in memory)."""
+
+    kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
 
     def __init__(self, rows: int, dim: int) -> None:
         super().__init__()
@@ -47,11 +49,8 @@ class _Table(nn.Module):
         """row_ids [...] int64 -> rows [..., head_dim] in `dtype` (exact decode of the gathered rows only)."""
         if self.scale is None:
             return self.weight[row_ids].to(dtype)
-        from deepinfer_kernels.quant import dequant_fp8_block
-
-        w, s = self.weight[row_ids.reshape(-1)], self.scale[row_ids.reshape(-1)]
-        rows = dequant_fp8_block(w, s, (1, self.group))
-        return rows.view(*row_ids.shape, -1).to(dtype)
+        # gathers, decode, scale and cast in one launch where the kernel runs (deepinfer_kernels.engram)
+        return lookup_rows(self.weight, self.scale, row_ids, self.group, dtype, backend=self.kernel_backend)
 
 
 class Engram(nn.Module):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from deepinfer_kernels.indexer import store_rows
+from deepinfer_kernels.indexer import store_rows, visible_counts
 from torch import Tensor
 
 from deepinfer_engine.errors import InputError
@@ -361,6 +361,47 @@ class ForwardContext:
             )
             self.plans[key] = plan
         return plan  # type: ignore[return-value]
+
+    def visible_counts(self, ratio: int) -> Tensor:
+        """[T] int64 compressed entries of ratio `ratio` visible to each query, floor((position + 1) / ratio)
+        (`deepinfer_kernels.indexer.visible_counts`); once per forward and ratio, host-built in a fixed-shape step."""
+        key = ("vis", ratio)
+        vis = self.plans.get(key)
+        if vis is None:
+            if self.static is not None:
+                vis = self.static.visible_counts(ratio)
+            else:
+                vis = visible_counts(self.batch.positions, ratio)
+            self.plans[key] = vis
+        return vis  # type: ignore[return-value]
+
+    def entry_positions(self, paged: PagedPlan) -> Tensor:
+        """[M] int64 first token position of each new entry of `paged` (new_w * ratio: where the entry's RoPE
+        is applied); host-built in a fixed-shape step."""
+        key = ("entry_pos", paged.ratio)
+        pos = self.plans.get(key)
+        if pos is None:
+            pos = self.static.entry_positions(paged.ratio) if self.static is not None else paged.new_w * paged.ratio
+            self.plans[key] = pos
+        return pos  # type: ignore[return-value]
+
+    def entry_rows(self, plan: RingPlan, paged: PagedPlan) -> Tensor:
+        """[M, r] int64 pool rows (see RingPlan.gather) of the r token positions of each new entry of `paged`
+        (entry w of sequence new_seq: positions r*w .. r*w + r - 1); a fixed-shape step builds them on the host
+        with its other plans (no device op in the forward)."""
+        key = ("entry", id(plan), paged.ratio)  # plans live in self.plans for the whole forward
+        rows = self.plans.get(key)
+        if rows is not None:
+            return rows  # type: ignore[return-value]
+        r = paged.ratio
+        if self.static is not None:
+            rows = self.static.entry_rows(plan, r)
+        else:
+            seq = paged.new_seq[:, None].expand(-1, r)
+            pos = paged.new_w[:, None] * r + torch.arange(r, device=paged.new_w.device)[None, :]
+            rows = plan.pool_rows(seq, pos, self.seq_t)
+        self.plans[key] = rows
+        return rows
 
     def window_rows(self, plan: RingPlan, window: int, *, noncausal: bool) -> Tensor:
         """[T, K] int64 pool rows (see RingPlan.gather) of each query's window, -1 = none.

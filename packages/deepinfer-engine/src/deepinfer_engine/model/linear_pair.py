@@ -17,7 +17,10 @@ the graph records the joint buffer's address, which no later call changes. Wheth
 the parameters at each call (adjacent views of one storage, same format), so anything that replaces a parameter
 later (a format switch, ``module.to``) silently returns to two launches instead of reading stale memory.
 
-Not fused (two launches, same results): dense (unquantized) Linears, pairs whose formats differ, and pairs where
+Dense pairs (`fuse_dense_pair`, listed by a module's ``same_input_dense()``: the V4.1 ratio-2 compressor's ``wkv`` +
+``wgate``) share one buffer the same way; the module multiplies by `dense_joint_weight` once.
+
+Not fused by `fuse_same_input` (two launches, same results): dense (unquantized) Linears, pairs whose formats differ, and pairs where
 N1 is not a multiple of the scale block b0 (a scale row would straddle the two weights; tiny test configs only:
 the real configs have N1 = 1280 / 2304 with b0 = 32 or 128).
 
@@ -38,7 +41,7 @@ from torch import Tensor, nn
 
 from deepinfer_engine.model.linear import Linear, split_counters
 
-__all__ = ["fuse_model_pairs", "fuse_same_input", "joint_weight", "linear_pair"]
+__all__ = ["dense_joint_weight", "fuse_dense_pair", "fuse_model_pairs", "fuse_same_input", "joint_weight", "linear_pair"]
 
 
 def _compatible(a: Linear, b: Linear) -> bool:
@@ -119,6 +122,28 @@ def linear_pair(x: Tensor, a: Linear, b: Linear) -> tuple[Tensor, Tensor]:
     return y[..., :n1], y[..., n1:]
 
 
+def dense_joint_weight(a: nn.Module, b: nn.Module) -> Tensor | None:
+    """The [N1 + N2, K] weight that the dense weights of `a` and `b` are adjacent row views of (`fuse_dense_pair`),
+    else None."""
+    wa, wb = a.weight, b.weight
+    return _adjacent(wa, wb) if wa.dtype == wb.dtype else None
+
+
+@torch.no_grad()
+def fuse_dense_pair(a: nn.Module, b: nn.Module) -> bool:
+    """`fuse_same_input` for two dense (unquantized) weights [N1, K] / [N2, K] of one dtype and device: one buffer,
+    a's rows first, both `weight` parameters re-pointed to row views of it. Returns whether they are fused now."""
+    wa, wb = a.weight, b.weight
+    if wa.is_meta or wa.dtype != wb.dtype or wa.device != wb.device or wa.shape[1:] != wb.shape[1:]:
+        return False
+    if dense_joint_weight(a, b) is not None:
+        return True
+    w = torch.cat([wa.detach(), wb.detach()])
+    n1 = wa.shape[0]
+    a.weight, b.weight = _view_param(wa, w[:n1]), _view_param(wb, w[n1:])
+    return True
+
+
 def _pairs(model: nn.Module) -> Iterator[tuple[Linear, Linear]]:
     for m in model.modules():
         pairs = getattr(m, "same_input_linears", None)
@@ -127,6 +152,8 @@ def _pairs(model: nn.Module) -> Iterator[tuple[Linear, Linear]]:
 
 
 def fuse_model_pairs(model: nn.Module) -> int:
-    """`fuse_same_input` on every pair a module lists in its ``same_input_linears()``; the number fused. Call after
-    the weights are loaded and before a CUDA graph is captured."""
-    return sum(fuse_same_input(a, b) for a, b in _pairs(model))
+    """`fuse_same_input` on every pair a module lists in its ``same_input_linears()`` and `fuse_dense_pair` on every
+    pair it lists in ``same_input_dense()``; the number fused. Call after the weights are loaded and before a CUDA
+    graph is captured."""
+    dense = [p for m in model.modules() if hasattr(m, "same_input_dense") for p in m.same_input_dense()]
+    return sum(fuse_same_input(a, b) for a, b in _pairs(model)) + sum(fuse_dense_pair(a, b) for a, b in dense)

@@ -78,17 +78,17 @@ class Gate(nn.Module):
                 scores, self.topk, hash_ids=self.tid2eid[input_ids], route_scale=self.route_scale,
                 renormalize=self.renormalize, backend=self.kernel_backend,
             )  # fmt: skip
-        bias: Tensor = self.bias
+        is_img = None
         if self.bias_vl is not None:
-            # ids past the vocabulary, never text ids
+            # ids past the vocabulary, never text ids; the router picks bias_vl at those rows itself
             is_img = image_positions(input_ids, self.vocab_size) if image_mask is None else image_mask
-            bias = torch.where(is_img[:, None], self.bias_vl[None, :], self.bias[None, :])
         # fp32 logits without widening the [E, d] weight to fp32 each step (the reference's x.float() @ W.float()ᵀ
         # up to the summation order); the score function, biased top-k and renormalisation in one routing call
         logits = linear_f32_out(x, self.weight, backend=self.kernel_backend, counters=split_counters(self, x.device))
         return route_logits(
-            logits, self.topk, score_func=self.score_func, bias=bias, route_scale=self.route_scale,
-            renormalize=self.renormalize, backend=self.kernel_backend,
+            logits, self.topk, score_func=self.score_func, bias=self.bias, route_scale=self.route_scale,
+            renormalize=self.renormalize, bias_alt=None if is_img is None else self.bias_vl, alt_rows=is_img,
+            backend=self.kernel_backend,
         )  # fmt: skip
 
 
@@ -232,9 +232,10 @@ class Experts(nn.Module):
             w1.weight, w3.weight, w2.weight, w1.scale, w3.scale, w2.scale, fmt=w1.fmt, block=w1.block
         )
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
-        """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x))."""
-        return moe_experts(x, weights, ids, self.stacked(), self.limit, backend=self.kernel_backend)
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, shared: Tensor | None = None) -> Tensor:
+        """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x)); with
+        shared [T, d] (the shared expert's output): (Σ + shared) in x's dtype, combined in one pass."""
+        return moe_experts(x, weights, ids, self.stacked(), self.limit, shared=shared, backend=self.kernel_backend)
 
 
 class MoE(nn.Module):
@@ -257,6 +258,9 @@ class MoE(nn.Module):
         """x [T, d] (ffn_norm output), input_ids [T] raw ids (image_mask: their image positions [T] bool, if
         known) -> [T, d] in x's dtype."""
         weights, ids = self.gate(x, input_ids, image_mask)
+        if type(self.dispatch) is LocalDispatch:
+            # every expert is local: the routed k-sum, the shared expert's add and the cast run as one pass
+            return self.experts(x, weights, ids, shared=self.shared_experts(x))
         y = self.dispatch.run(x, weights, ids, self.experts, layer=self.layer_id)
         # fp32 + the shared expert's output: type promotion upcasts inside the add (no separate fp32 copy)
         return (y.float() + self.shared_experts(x)).to(x.dtype)

@@ -45,6 +45,7 @@ from deepinfer_engine.model.cache import (
     check_block_tables,
     ring_plan_arrays,
     ring_plan_from,
+    ring_rows_disjoint,
 )
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 
@@ -381,8 +382,11 @@ class StaticDecodeStep:
             return parts
 
         pool_len = B * max_back + self.num_rows
+        # every sequence reads max_back rows and writes its Q (padding sequences: one position of the scratch slot)
+        disjoint = ring_rows_disjoint(ring_rows, np.array([max_back]), np.array([self.tokens]))
         return self._register(key, build,
-                              lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len))  # type: ignore[return-value]
+                              lambda v: ring_plan_from(ring_rows, v, pool_len=pool_len, disjoint=disjoint),
+                              )  # type: ignore[return-value]
 
     def window_rows(self, plan: RingPlan, window: int) -> Tensor:
         """[B * Q, window] int64 causal window rows into the pool of `plan` (one of this step's ring plans), -1 =
@@ -406,6 +410,45 @@ class StaticDecodeStep:
 
         key = ("win", plan.ring_rows, back, window)
         return self._register(key, build, lambda v: v[0].view(B * Q, window), memo)  # type: ignore[return-value]
+
+    def visible_counts(self, ratio: int) -> Tensor:
+        """[B * Q] int64 floor((position + 1) / ratio) of every row (padding rows too): ForwardContext.visible_counts
+        of a fixed-shape step, from the host positions."""
+        return self._register(("vis", ratio), lambda: [(self._host_views()[1] + 1) // ratio],
+                              lambda v: v[0])  # type: ignore[return-value]
+
+    def entry_positions(self, ratio: int) -> Tensor:
+        """[B * K] int64 new_w * ratio of `paged_plan(ratio)`'s new-entry rows (ForwardContext.entry_positions)."""
+        B, K = self.batch_size, -(-self.tokens // ratio)
+
+        def build() -> list[np.ndarray]:
+            ctx = self.seq_host.ctx
+            w = np.repeat(ctx // ratio, K) + np.tile(np.arange(K, dtype=np.int64), B)  # static_paged_arrays' new_w
+            return [w * ratio]
+
+        return self._register(("entry_pos", ratio), build, lambda v: v[0])  # type: ignore[return-value]
+
+    def entry_rows(self, plan: RingPlan, ratio: int) -> Tensor:
+        """[B * K, ratio] int64 pool rows of the token positions of each new-entry row of `paged_plan(ratio)` (K =
+        ceil(Q / ratio); entry ctx_i // ratio + k of sequence i): ForwardContext.entry_rows of a fixed-shape step,
+        RingPlan.pool_rows of those positions computed on the host (clamped into the pool like it)."""
+        B, Q = self.batch_size, self.tokens
+        back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
+        K = -(-Q // ratio)
+        num_hist, pool_len = plan.num_hist, plan.num_hist + self.num_rows
+
+        def build() -> list[np.ndarray]:
+            host = self.seq_host
+            seq = np.repeat(np.arange(B, dtype=np.int64), K)
+            c = host.ctx[seq][:, None]
+            w = host.ctx[seq] // ratio + np.tile(np.arange(K, dtype=np.int64), B)  # static_paged_arrays' new_w
+            pos = w[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]
+            hist = seq[:, None] * back + pos - (c - back)
+            fresh = num_hist + host.start[seq][:, None] + pos - c
+            return [np.where(pos < c, hist, fresh).clip(0, pool_len - 1).reshape(-1)]
+
+        key = ("entry", plan.ring_rows, back, ratio)
+        return self._register(key, build, lambda v: v[0].view(B * K, ratio))  # type: ignore[return-value]
 
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)

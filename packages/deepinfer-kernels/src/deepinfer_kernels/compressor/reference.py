@@ -13,3 +13,9 @@ def compress_pool(a: Tensor, z: Tensor) -> Tensor:
     """
     w = torch.softmax(z.float(), dim=1)
     return (w * a.float()).sum(dim=1)
+
+
+def pool_at_rows(pool: Tensor, rows: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """pool [P, 2, C] fp32, rows [M, k] int64 -> [M, C] out_dtype (see compressor.pool_at_rows)."""
+    g = pool[rows]  # [M, k, 2, C]
+    return compress_pool(g[:, :, 0], g[:, :, 1]).to(out_dtype)

@@ -1,6 +1,6 @@
 """V4.1 Engram (docs/model.md §C.6): the device token ring's step (`ring_step`: predecessors, then the writes),
-n-gram row ids from token ids (`hash_rows`), the gate and the injection into the hc streams (`engram_inject`):
-torch references; Triton kernels for each."""
+n-gram row ids from token ids (`hash_rows`), the table rows they address decoded from FP8 (`lookup_rows`), the
+gate and the injection into the hc streams (`engram_inject`): torch references; Triton kernels for each."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from deepinfer_kernels._backend import resolve_backend
 from deepinfer_kernels.engram import reference
 from deepinfer_kernels.engram.reference import GATE_CLAMP, engram_gate
 
-__all__ = ["GATE_CLAMP", "engram_gate", "engram_inject", "hash_rows", "ring_step"]
+__all__ = ["GATE_CLAMP", "engram_gate", "engram_inject", "hash_rows", "lookup_rows", "ring_step"]
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -87,3 +87,23 @@ def ring_step(
 
         return triton_backend.ring_step(ring, *seqs, back, dump_slot)
     return reference.ring_step(ring, *seqs, back, dump_slot)
+
+
+def lookup_rows(
+    weight: Tensor, scale: Tensor, row_ids: Tensor, group: int, out_dtype: torch.dtype, *, backend: str = "auto"
+) -> Tensor:
+    """weight [N, D] float8_e4m3fn, scale [N, ceil(D / group)] UE8M0 (float8_e8m0fnu), row_ids [...] int64 in
+    [0, N) -> [..., D] out_dtype: the looked-up rows decoded exactly (code x 2^scale in fp32), then cast once.
+    backend: "auto" | "torch" | "triton" (D <= 16,384)."""
+    if weight.dim() != 2 or scale.dim() != 2 or scale.shape != (weight.shape[0], -(-weight.shape[1] // group)):
+        raise ValueError(f"lookup_rows: weight {tuple(weight.shape)}, scale {tuple(scale.shape)}, group {group}; "
+                         "expected scale [N, ceil(D / group)]")  # fmt: skip
+    d = weight.shape[1]
+    ok = (weight.dtype == torch.float8_e4m3fn and scale.dtype == torch.float8_e8m0fnu and out_dtype in _DTYPES
+          and 0 < d <= 16384 and group >= 1)  # fmt: skip
+    why = f"weight {weight.dtype}, scale {scale.dtype}, D {d}, group {group}; needs e4m3 + e8m0, D <= 16384"
+    if resolve_backend("lookup_rows", backend, weight, scale, row_ids, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.engram import triton as triton_backend
+
+        return triton_backend.lookup_rows(weight, scale, row_ids, group, out_dtype)
+    return reference.lookup_rows(weight, scale, row_ids, group, out_dtype)

@@ -90,3 +90,12 @@ def ring_step(
     dst = torch.where(keep, base, dump_slot * R) + positions.remainder(R)
     flat.index_copy_(0, dst, token_ids)
     return prev
+
+
+def lookup_rows(weight: Tensor, scale: Tensor, row_ids: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
+    """FP8 table rows at row_ids, decoded (see deepinfer_kernels.engram.lookup_rows)."""
+    from deepinfer_kernels.quant.reference import dequant_fp8_block
+
+    flat = row_ids.reshape(-1)
+    rows = dequant_fp8_block(weight[flat], scale[flat], (1, group))
+    return rows.view(*row_ids.shape, -1).to(out_dtype)

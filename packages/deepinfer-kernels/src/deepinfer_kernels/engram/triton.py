@@ -3,7 +3,9 @@
 predecessors, applies the DEAD rule and writes every layer's n-gram row ids (~25 torch integer ops in one launch).
 engram_inject: one program per token computes the n stream gates (dot, both sums of squares,
 sigmoid of the signed square root) and writes ``R_i + gate_i · val`` -- the ~27 torch ops of the reference in
-one launch. Two passes over d: the sums, then the update."""
+one launch. Two passes over d: the sums, then the update. lookup_rows: one program per looked-up row decodes
+its e4m3 codes and UE8M0 scales with integer bit operations (exact, no fp8 hardware path needed) and stores the
+rows in the caller's dtype (the reference's gathers, fp8 decode, scale expansion, multiply and cast)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import check_launchable, next_pow2
 
-__all__ = ["engram_inject", "hash_rows", "ring_step"]
+__all__ = ["engram_inject", "hash_rows", "lookup_rows", "ring_step"]
 
 
 @triton.jit
@@ -67,7 +69,11 @@ def engram_inject(
         return out
     r, keys, val = (x if x.stride(-1) == 1 else x.contiguous() for x in (r, keys, val))
     qw, kw = q_weight.contiguous(), k_weight.contiguous()
-    mask = image_mask.to(torch.uint8) if image_mask is not None else r
+    if image_mask is None:
+        mask = r
+    else:  # a bool mask is read as its bytes (a view, no conversion launch)
+        mask = image_mask.contiguous()
+        mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask.to(torch.uint8)
     check_launchable("engram_inject", _engram_kernel, r, keys, val, qw, kw)
     block_d = min(1024, next_pow2(d))
     _engram_kernel[(t,)](
@@ -173,3 +179,37 @@ def ring_step(
                                 BLOCK_B=max(2, next_pow2(back)), num_warps=1)  # fmt: skip
     _ring_write_kernel[(t,)](ring, ids, pos, seq, ctx, qlen, slot, R, int(dump_slot), num_warps=1)
     return prev
+
+
+@triton.jit
+def _lookup_rows_kernel(w_ptr, s_ptr, ids_ptr, out_ptr, D, SG, GROUP: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    row = tl.load(ids_ptr + i)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    x = tl.load(w_ptr + row * D + cols, mask=ok, other=0).to(tl.int32)  # e4m3 codes s eeee mmm, bias 7
+    e = (x >> 3) & 15
+    m = x & 7
+    normal = (((x & 0x80) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = tl.where(x >= 0x80, -1.0, 1.0) * m.to(tl.float32) * 0.001953125  # e = 0: m * 2^-9
+    v = tl.where(e == 0, sub, normal)
+    v = tl.where((x & 0x7F) == 0x7F, float("nan"), v)
+    b = tl.load(s_ptr + row * SG + cols // GROUP, mask=ok, other=127).to(tl.int32)  # UE8M0: 2^(b - 127)
+    sc = tl.where(b == 0, 0x00400000, b << 23).to(tl.float32, bitcast=True)
+    sc = tl.where(b == 255, float("nan"), sc)
+    tl.store(out_ptr + i * D + cols, (v * sc).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def lookup_rows(weight: Tensor, scale: Tensor, row_ids: Tensor, group: int, out_dtype: torch.dtype) -> Tensor:
+    """weight [N, D] e4m3, scale [N, ceil(D / group)] e8m0, row_ids [...] int64 -> [..., D] out_dtype
+    (reference.lookup_rows). Validated by the dispatcher."""
+    n, d = weight.shape
+    flat = row_ids.reshape(-1).contiguous()
+    out = torch.empty((*row_ids.shape, d), dtype=out_dtype, device=weight.device)
+    if flat.numel() == 0:
+        return out
+    w, s = weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
+    check_launchable("lookup_rows", _lookup_rows_kernel, w, s, flat)
+    _lookup_rows_kernel[(flat.numel(),)](w, s, flat, out, d, s.shape[1], GROUP=group, BLOCK_D=next_pow2(d),
+                                         num_warps=2)  # fmt: skip
+    return out

@@ -22,9 +22,10 @@ __all__ = ["candidate_blocks", "causal_mask", "index_scores", "store_rows", "top
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, backend: str = "auto") -> Tensor:
+def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, w_scale: float = 1.0, backend: str = "auto") -> Tensor:
     """Lightning-indexer scores ``score[t, n] = sum_h weights[t, h] * ReLU(q[t, h] . keys[n])`` -> ``[T, N]
-    float32``. q ``[T, H, D]`` (RoPE'd), weights ``[T, H]`` (scaled by the caller), keys ``[N, D]`` shared by every
+    float32``. q ``[T, H, D]`` (RoPE'd), weights ``[T, H]`` times ``w_scale`` (the head-weight scale: one fp32
+    multiply, inside the kernel, no separate launch; 1.0 = weights scaled by the caller), keys ``[N, D]`` shared by every
     query, or ``[T, N, D]``: each query its own keys (a fixed-shape decode step, one query per sequence).
     backend: "auto" | "torch" | "triton" (the kernel: q and keys of one dtype, bf16 / fp16 / fp32; equal to the
     reference up to fp32 summation order)."""
@@ -42,8 +43,8 @@ def index_scores(q: Tensor, weights: Tensor, keys: Tensor, *, backend: str = "au
     if resolve_backend("index_scores", backend, q, weights, keys, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.indexer import triton as triton_backend
 
-        return triton_backend.index_scores(q, weights, keys)
-    return ref_fn(q, weights, keys)
+        return triton_backend.index_scores(q, weights, keys, w_scale)
+    return ref_fn(q, weights if w_scale == 1.0 else weights * w_scale, keys)
 
 
 def topk_indices(scores: Tensor, k: int, visible: Tensor | None = None, *, backend: str = "auto") -> Tensor:

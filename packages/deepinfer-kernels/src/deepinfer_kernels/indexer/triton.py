@@ -136,7 +136,7 @@ def topk_indices(scores: Tensor, k: int, visible: Tensor | None = None) -> Tenso
 
 @triton.jit(do_not_specialize=["N"])
 def _scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, H, N, D, stride_qt, stride_qh, stride_wt, stride_kt, stride_kn,
-                   stride_ot, DOT_F32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                   stride_ot, w_scale, DOT_F32: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,14 +155,14 @@ def _scores_kernel(q_ptr, w_ptr, k_ptr, out_ptr, H, N, D, stride_qt, stride_qh, 
             acc += tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(q, tl.trans(k))
-    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32) * w_scale  # the caller's fp32 multiply
     score = tl.sum(tl.maximum(acc, 0.0) * w[:, None], axis=0)
     tl.store(out_ptr + t * stride_ot + offs_n, score, mask=n_ok)
 
 
-def index_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
+def index_scores(q: Tensor, weights: Tensor, keys: Tensor, w_scale: float = 1.0) -> Tensor:
     """q [T, H, D], weights [T, H], keys [N, D] (shared by every query) or [T, N, D] (each query its own) ->
-    [T, N] float32 = sum_h weights[t, h] * relu(q[t, h] . keys[(t,) n]). q and keys of one dtype (bf16 / fp16:
+    [T, N] float32 = sum_h (weights[t, h] * w_scale) * relu(q[t, h] . keys[(t,) n]). q and keys of one dtype (bf16 / fp16:
     tensor-core dots with fp32 accumulation; fp32: exact fp32 dots). Validated by the package dispatcher."""
     t, h, d = q.shape
     per_query = keys.dim() == 3
@@ -182,7 +182,7 @@ def index_scores(q: Tensor, weights: Tensor, keys: Tensor) -> Tensor:
     block_n = 64 if block_h <= 64 else 16
     _scores_kernel[(t, -(-n // block_n))](
         q, w, keys, out, h, n, d, q.stride(0), q.stride(1), w.stride(0), keys.stride(0) if per_query else 0,
-        keys.stride(-2), out.stride(0), DOT_F32=interp or q.dtype == torch.float32, BLOCK_H=block_h,
+        keys.stride(-2), out.stride(0), float(w_scale), DOT_F32=interp or q.dtype == torch.float32, BLOCK_H=block_h,
         BLOCK_N=block_n, BLOCK_D=block_d, num_warps=8,
     )  # fmt: skip
     return out

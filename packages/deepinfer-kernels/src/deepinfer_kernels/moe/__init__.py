@@ -28,10 +28,13 @@ def moe_experts(
     experts: Sequence[tuple[Tensor, Tensor, Tensor]] | StackedExperts,
     limit: float,
     *,
+    shared: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """x [T, d]; weights [T, k] fp32; ids [T, k] int64 in [0, E); experts[e] = (w1 [I,d], w3 [I,d], w2 [d,I])
-    or a `StackedExperts`. Returns [T, d] fp32 (sum of weighted expert outputs; shared experts are the caller's).
+    or a `StackedExperts`. Returns [T, d] fp32 (sum of weighted expert outputs), or, with shared [T, d] (the
+    shared experts' output, any float dtype), [T, d] in x's dtype = (routed sum + shared in fp32) rounded once:
+    the Triton path does the k-sum, the add and the cast in one launch (`triton.combine_rows`).
 
     backend: "auto" | "torch" | "triton" (Triton: FP4 stacked experts, x bf16 / fp16 / fp32, d and I multiples
     of 32). The reference checks the id range (one host read); the Triton path trusts the router's ids."""
@@ -39,6 +42,9 @@ def moe_experts(
         raise ValueError(
             f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}"
         )
+    if shared is not None and shared.shape != x.shape:
+        raise ValueError(f"moe_experts: shared {tuple(shared.shape)}, expected x's shape {tuple(x.shape)}")
+    out_dtype = None if shared is None else x.dtype
     stacked = isinstance(experts, StackedExperts)
     ok = (
         stacked
@@ -55,11 +61,11 @@ def moe_experts(
         from deepinfer_kernels.moe import triton as triton_backend
 
         e = experts
-        return triton_backend.moe_experts_fp4(
-            x, weights, ids, e.w1, e.w3, e.w2, e.s1, e.s3, e.s2, limit, chunked=e.fmt == "fp4_chunked"
-        )
+        return triton_backend.moe_experts_fp4(x, weights, ids, e.w1, e.w3, e.w2, e.s1, e.s3, e.s2, limit,
+                                              chunked=e.fmt == "fp4_chunked", shared=shared,
+                                              out_dtype=out_dtype)  # fmt: skip
     if ids.numel():
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read for both bounds
         if lo < 0 or hi >= len(experts):
             raise ValueError(f"moe_experts: expert ids must be in [0, {len(experts)}), found {lo}..{hi}")
-    return reference.moe_experts(x, weights, ids, experts, limit)
+    return reference.add_shared(reference.moe_experts(x, weights, ids, experts, limit), shared, out_dtype)

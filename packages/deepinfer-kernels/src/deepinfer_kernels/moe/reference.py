@@ -52,3 +52,19 @@ def moe_experts(
             start += n
     out.index_add_(0, tok, ys * weights.reshape(-1).float().index_select(0, order)[:, None])
     return out
+
+
+def combine_rows(rows: Tensor, topk: int, shared: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    """rows [T * k, d] fp32 (one weighted expert output per (token, slot) pair, token-major) -> [T, d]: the sum
+    of each token's k rows, plus shared [T, d] (any float dtype, upcast) when given, in out_dtype (None: fp32)."""
+    t = rows.shape[0] // topk if topk else 0
+    y = torch.sum(rows.view(t, topk, rows.shape[1]), dim=1)
+    return add_shared(y, shared, out_dtype)
+
+
+def add_shared(y: Tensor, shared: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+    """y [T, d] fp32 routed sum + shared [T, d] (type promotion upcasts inside the add: no fp32 copy of shared),
+    cast to out_dtype (None: fp32)."""
+    if shared is not None:
+        y = y + shared
+    return y if out_dtype is None or out_dtype == y.dtype else y.to(out_dtype)

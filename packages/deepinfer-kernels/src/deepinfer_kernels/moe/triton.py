@@ -8,7 +8,10 @@ Steps (all on the device):
    registers, two fp32 accumulators, then the clamped SwiGLU ``silu(min(g, L)) * clamp(u, -L, L)`` is applied in
    the epilogue and h is stored once (x's dtype).
 3. down grouped GEMM over h with w2 decoded the same way; the epilogue multiplies by the pair's routing weight
-   and stores fp32 rows per pair; the k rows of a token are summed by one torch reduction (deterministic).
+   and stores fp32 rows per pair.
+4. combine: one elementwise kernel sums each token's k rows in slot order (deterministic), adds the caller's
+   shared-expert output and stores the result in the caller's dtype (`combine_rows`: one launch instead of a
+   torch sum, an add and a cast).
 
 Both GEMMs compute the transposed product ``W_tile [BLOCK_N, K] @ A^T [K, BLOCK_M]`` ("swap AB"): at decode an
 expert sees a handful of rows, so the weight rows fill the MMA's M side and the token rows its narrow N side.
@@ -33,8 +36,9 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 from deepinfer_kernels.moe.fp4_grouped import triton as fp4_grouped
+from deepinfer_kernels.moe.reference import add_shared
 
-__all__ = ["GemmConfig", "align_pairs", "default_configs", "moe_experts_fp4"]
+__all__ = ["GemmConfig", "align_pairs", "combine_rows", "default_configs", "moe_experts_fp4"]
 
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 _TWO_POW_14 = tl.constexpr(16384.0)
@@ -556,6 +560,44 @@ def launch_down(
     )  # fmt: skip
 
 
+@triton.jit  # d and the strides specialize: multiples of 16 give vector loads
+def _combine_kernel(rows_ptr, shared_ptr, out_ptr, D, stride_s, stride_o, K: tl.constexpr, HAS_SHARED: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < D
+    base = rows_ptr + t * K * D + offs
+    acc = tl.load(base, mask=m, other=0.0)
+    for j in tl.static_range(1, K):
+        acc += tl.load(base + j * D, mask=m, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + t * stride_s + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+_COMBINE_BLOCK = 512  # d 5120 -> 10 programs a token: enough to spread a B = 1 step over a few SMs
+
+
+def combine_rows(rows: Tensor, topk: int, shared: Tensor | None = None, out_dtype: torch.dtype | None = None
+                 ) -> Tensor:
+    """rows [T * k, d] fp32 contiguous (token-major pairs) -> [T, d] out_dtype (None: fp32): Σ_j rows[t * k + j]
+    in slot order, + shared [T, d] (bf16 / fp16 / fp32, unit column stride) upcast to fp32 when given, then one
+    rounding to out_dtype (`reference.combine_rows`, up to the order of the k-sum)."""
+    p, d = rows.shape
+    t = p // topk
+    out = torch.empty((t, d), dtype=out_dtype or torch.float32, device=rows.device)
+    if t == 0 or d == 0:
+        return out
+    if shared is not None and shared.stride(-1) != 1:
+        shared = shared.contiguous()
+    check_launchable("combine_rows", _combine_kernel, rows, *(() if shared is None else (shared,)))
+    _combine_kernel[(t, cdiv(d, _COMBINE_BLOCK))](
+        rows, rows if shared is None else shared, out, d, 0 if shared is None else shared.stride(0), out.stride(0),
+        K=topk, HAS_SHARED=shared is not None, BLOCK=_COMBINE_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def moe_experts_fp4(
     x: Tensor,
     weights: Tensor,
@@ -570,9 +612,12 @@ def moe_experts_fp4(
     configs: tuple[int, GemmConfig, GemmConfig] | None = None,
     *,
     chunked: bool = False,
+    shared: Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """x [T, d]; weights [T, k] fp32; ids [T, k] int64; w1 / w3 [E, I, d/2] int8, w2 [E, d, I/2] int8; scales
-    [E, I, d/32] / [E, d, I/32] e8m0 -> [T, d] float32 (Σ_k weight * expert(x)). Validated by the dispatcher.
+    [E, I, d/32] / [E, d, I/32] e8m0 -> [T, d] out_dtype (None: fp32) = Σ_k weight * expert(x) (+ shared [T, d],
+    added in fp32 before the one rounding, when given). Validated by the dispatcher.
     configs: (BLOCK_M, gate/up, down) instead of `default_configs` (tests, sweeps); grouped configs need d and I
     multiples of 128 and fall back to the default tiles otherwise. chunked: weights and scales in the chunked
     layout (`moe.fp4_layout`; d and I multiples of 128), else the checkpoint's."""
@@ -581,7 +626,7 @@ def moe_experts_fp4(
     e_count, inter = w1.shape[0], w1.shape[1]
     p = t * k
     if p == 0:
-        return torch.zeros((t, d), dtype=torch.float32, device=x.device)
+        return add_shared(torch.zeros((t, d), dtype=torch.float32, device=x.device), shared, out_dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
@@ -597,4 +642,4 @@ def moe_experts_fp4(
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
     launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32, chunked)
-    return torch.sum(rows.view(t, k, d), dim=1)
+    return combine_rows(rows, k, shared, out_dtype)

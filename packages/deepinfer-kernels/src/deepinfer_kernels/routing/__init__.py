@@ -58,21 +58,38 @@ def route_logits(
     bias: Tensor | None = None,
     route_scale: float = 1.0,
     renormalize: bool = True,
+    bias_alt: Tensor | None = None,
+    alt_rows: Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """Gate logits [T, E] fp32 (x @ gate.weight^T) -> (weights [T, topk] fp32, ids [T, topk] int64): the score
     function, biased selection, renormalisation and scale in one step (= reference gate score + select_experts).
-    Triton fuses it all for score_func="sqrtsoftplus" (V4 / V4.1); other score functions use the reference."""
+    bias_alt [E] fp32 with alt_rows [T] bool (both or neither; bias [E] then): flagged rows select with bias_alt
+    instead of bias (V4.1 `bias_vl` at image positions), = bias `where(alt_rows[:, None], bias_alt, bias)`, picked
+    inside the kernel. Triton fuses it all for score_func="sqrtsoftplus" (V4 / V4.1); other score functions use
+    the reference."""
     if logits.dim() != 2 or topk < 1 or topk > logits.shape[-1]:
         raise ValueError(f"route_logits: expected logits [T, E] and 1 <= topk <= E; found {tuple(logits.shape)}, {topk}")
     if bias is not None and bias.shape[-1] != logits.shape[-1]:
         raise ValueError(f"route_logits: bias last dim {bias.shape[-1]}, expected {logits.shape[-1]}")
+    if (bias_alt is None) != (alt_rows is None):
+        raise ValueError("route_logits: bias_alt and alt_rows go together (found one of them)")
+    if bias_alt is not None:
+        if bias is None or bias.dim() != 1 or bias_alt.shape != bias.shape or alt_rows.shape != logits.shape[:1]:
+            raise ValueError(
+                f"route_logits: bias_alt needs bias [E] and alt_rows [T]; found bias "
+                f"{None if bias is None else tuple(bias.shape)}, bias_alt {tuple(bias_alt.shape)}, alt_rows "
+                f"{tuple(alt_rows.shape)}, logits {tuple(logits.shape)}"
+            )
     if score_func == "sqrtsoftplus" and _use_triton("route_logits", backend, logits, bias, None, topk):
         from deepinfer_kernels.routing import triton as triton_backend
 
         return triton_backend.route_topk(
-            logits, bias, topk, sqrtsoftplus=True, route_scale=route_scale, renormalize=renormalize
+            logits, bias, topk, sqrtsoftplus=True, route_scale=route_scale, renormalize=renormalize,
+            bias_alt=bias_alt, alt_rows=alt_rows,
         )
+    if bias_alt is not None:
+        bias = torch.where(alt_rows[:, None], bias_alt[None, :], bias[None, :])
     if score_func == "sqrtsoftplus":
         scores = torch.sqrt(torch.nn.functional.softplus(logits.float()))
     elif score_func == "sigmoid":

@@ -21,6 +21,8 @@ __all__ = ["route_topk"]
 def _route_topk_kernel(
     x_ptr,
     bias_ptr,
+    alt_bias_ptr,
+    alt_rows_ptr,
     w_ptr,
     id_ptr,
     E,
@@ -32,6 +34,7 @@ def _route_topk_kernel(
     BLOCK_K: tl.constexpr,
     SQRTSOFTPLUS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_ALT: tl.constexpr,
     RENORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -50,7 +53,11 @@ def _route_topk_kernel(
         score = x
     sel = score
     if HAS_BIAS:
-        sel = sel + tl.load(bias_ptr + t * stride_b + offs_e, mask=e_mask, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptr + t * stride_b + offs_e, mask=e_mask, other=0.0).to(tl.float32)
+        if HAS_ALT:  # rows flagged in alt_rows select with the alternative bias (V4.1 bias_vl at image positions)
+            alt = tl.load(alt_bias_ptr + offs_e, mask=e_mask, other=0.0).to(tl.float32)
+            b = tl.where(tl.load(alt_rows_ptr + t) != 0, alt, b)
+        sel = sel + b
     sel = tl.where(e_mask, sel, float("-inf"))
     offs_k = tl.arange(0, BLOCK_K)
     ws = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -77,9 +84,12 @@ def route_topk(
     sqrtsoftplus: bool = True,
     route_scale: float = 1.0,
     renormalize: bool = True,
+    bias_alt: Tensor | None = None,
+    alt_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """x [T, E] fp32 gate logits (sqrtsoftplus=True) or scores; bias [E] or [T, E] (selection only) ->
-    (weights [T, topk] fp32, ids [T, topk] int64). Validated by the package dispatcher."""
+    (weights [T, topk] fp32, ids [T, topk] int64). bias_alt [E] with alt_rows [T] bool: the rows flagged select
+    with bias_alt instead of bias (bias [E] then). Validated by the package dispatcher."""
     t, e = x.shape
     w = torch.empty((t, topk), dtype=torch.float32, device=x.device)
     ids = torch.empty((t, topk), dtype=torch.int64, device=x.device)
@@ -92,11 +102,18 @@ def route_topk(
         if bias.stride(-1) != 1:
             bias = bias.contiguous()
     stride_b = 0 if bias is None or bias.dim() == 1 else bias.stride(0)
-    check_launchable("route_topk", _route_topk_kernel, x, *(() if bias is None else (bias,)))
+    has_alt = bias is not None and bias_alt is not None and alt_rows is not None
+    if has_alt:
+        bias_alt = bias_alt.float().contiguous()
+        alt_rows = alt_rows.contiguous().view(torch.uint8) if alt_rows.dtype == torch.bool else alt_rows.contiguous()
+    extra = (bias, bias_alt, alt_rows) if has_alt else (() if bias is None else (bias,))
+    check_launchable("route_topk", _route_topk_kernel, x, *extra)
     block_e = next_pow2(e)
     _route_topk_kernel[(t,)](
         x,
         bias if bias is not None else x,
+        bias_alt if has_alt else x,
+        alt_rows if has_alt else x,
         w,
         ids,
         e,
@@ -108,6 +125,7 @@ def route_topk(
         BLOCK_K=max(2, next_pow2(topk)),
         SQRTSOFTPLUS=sqrtsoftplus,
         HAS_BIAS=bias is not None,
+        HAS_ALT=has_alt,
         RENORM=renormalize,
         num_warps=4 if block_e >= 1024 else 2 if block_e >= 256 else 1,
     )
