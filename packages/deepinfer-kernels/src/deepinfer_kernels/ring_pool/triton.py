@@ -22,19 +22,21 @@ def _ring_pool_kernel(flat_ptr, hist_ptr, fresh_ptr, dst_ptr, src_ptr, pool_ptr,
     for c0 in tl.range(0, W, BLOCK):
         cols = c0 + offs
         m = cols < W
+        # one name per branch: triton merges the names bound in both arms of an if, and the ring's dtype may differ
+        # from the step's (a bf16 ring fed fp32 rows)
         if i < H:  # a history row: ring -> pool
             row = tl.load(hist_ptr + i)
-            v = tl.load(flat_ptr + row * W + cols, mask=m)
-            tl.store(pool_ptr + i.to(tl.int64) * W + cols, v.to(pool_ptr.dtype.element_ty), mask=m)
+            hv = tl.load(flat_ptr + row * W + cols, mask=m)
+            tl.store(pool_ptr + i.to(tl.int64) * W + cols, hv.to(pool_ptr.dtype.element_ty), mask=m)
         elif i < H + T:  # a fresh row: the step's values -> pool
-            v = tl.load(fresh_ptr + (i - H).to(tl.int64) * W + cols, mask=m)
-            tl.store(pool_ptr + i.to(tl.int64) * W + cols, v, mask=m)
+            fv = tl.load(fresh_ptr + (i - H).to(tl.int64) * W + cols, mask=m)
+            tl.store(pool_ptr + i.to(tl.int64) * W + cols, fv, mask=m)
         else:  # a ring write: fresh row write_src[j] -> ring row write_dst[j]
             j = i - H - T
             src = tl.load(src_ptr + j)
             dst = tl.load(dst_ptr + j)
-            v = tl.load(fresh_ptr + src * W + cols, mask=m)
-            tl.store(flat_ptr + dst * W + cols, v.to(flat_ptr.dtype.element_ty), mask=m)
+            wv = tl.load(fresh_ptr + src * W + cols, mask=m)
+            tl.store(flat_ptr + dst * W + cols, wv.to(flat_ptr.dtype.element_ty), mask=m)
 
 
 def ring_pool(
