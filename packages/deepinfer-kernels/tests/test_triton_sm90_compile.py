@@ -94,9 +94,9 @@ out["rms_norm d5120"] = rep(
     dict(HAS_W=True, BLOCK_R=1, BLOCK_D=8192), num_warps=8)
 out["route_topk e384"] = rep(
     rt._route_topk_kernel,
-    {"x_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "id_ptr": "*i64", "E": "i32", "stride_x": "i32",
-     "stride_b": "i32", "route_scale": "fp32"},
-    dict(K=6, BLOCK_E=512, BLOCK_K=8, SQRTSOFTPLUS=True, HAS_BIAS=True, RENORM=True), num_warps=2)
+    {"x_ptr": "*fp32", "bias_ptr": "*fp32", "alt_bias_ptr": "*fp32", "alt_rows_ptr": "*u8", "w_ptr": "*fp32",
+     "id_ptr": "*i64", "E": "i32", "stride_x": "i32", "stride_b": "i32", "route_scale": "fp32"},
+    dict(K=6, BLOCK_E=512, BLOCK_K=8, SQRTSOFTPLUS=True, HAS_BIAS=True, HAS_ALT=False, RENORM=True), num_warps=2)
 print(json.dumps(out))
 """
 
