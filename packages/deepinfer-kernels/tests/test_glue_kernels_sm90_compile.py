@@ -6,13 +6,9 @@ V4.1 widths (d 5120, head_dim 512, 384 experts top-6, Engram head_dim 256 assume
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from kernels_testing import run_compile_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -48,14 +44,7 @@ print(json.dumps(out))
 
 
 def test_glue_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    support = str(Path(__file__).resolve().parent / "support")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (support, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=600, env=env, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = run_compile_script(_SCRIPT)
     assert len(report) == 7
     for name, r in report.items():
         assert r["stack"] == 0 and r["shared"] <= 227 * 1024, (name, r)  # no spills in these elementwise kernels
