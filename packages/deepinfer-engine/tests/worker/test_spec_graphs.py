@@ -9,7 +9,6 @@ The bucket rules of verify steps are checked on their own."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,48 +16,13 @@ import torch
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.model.writer import make_checkpoint
 from deepinfer_engine.worker.cuda_graph import (
-    CudaGraphRunner,
     graph_batch_sizes,
     verify_shape,
     verify_token_sizes,
 )
+from eager_graphs import EagerReplayGraphs
 
 PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18]]  # mixed lengths
-
-
-class _EagerReplay:
-    """Stands in for a captured graph: each replay reruns the fixed-shape forward and writes its outputs into the
-    tensors the capture returned (a graph's replay rewrites its output buffers in place)."""
-
-    def __init__(self, forward, outputs) -> None:
-        self.forward, self.outputs = forward, outputs
-
-    def replay(self) -> None:
-        out = self.forward()
-        if isinstance(out, torch.Tensor):
-            self.outputs.copy_(out)
-            return
-        for f in dataclasses.fields(out):
-            new, old = getattr(out, f.name), getattr(self.outputs, f.name)
-            if isinstance(new, torch.Tensor):
-                old.copy_(new)
-            elif isinstance(new, dict):
-                for k, v in new.items():
-                    old[k].copy_(v)
-
-
-class StaticEagerGraphs(CudaGraphRunner):
-    """CudaGraphRunner on CPU whose 'captures' run the fixed-shape forward eagerly (test harness only)."""
-
-    def __init__(self, model, cache, *, max_num_seqs: int, max_model_len: int) -> None:
-        super().__init__(model, cache, device="cuda", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
-        self.device = torch.device("cpu")  # the constructor only checks the device type; nothing was allocated
-
-    def _record(self, forward, prepare=None):
-        out = forward()
-        if prepare is not None:  # the static step's freeze, after the forward registered its plans
-            prepare()
-        return _EagerReplay(forward, out), out
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +42,9 @@ def _ids(outs) -> list[list[int]]:
     return [list(c.token_ids) for o in outs for c in o.outputs]
 
 
-def _with_static_graphs(llm: LLM) -> StaticEagerGraphs:
+def _with_static_graphs(llm: LLM) -> EagerReplayGraphs:
     eng = llm.engine
-    graphs = StaticEagerGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
+    graphs = EagerReplayGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
     eng.runner.cuda_graphs = graphs
     drafter = eng.runner.spec.drafter  # the draft pass too: DSpark's stages, or V4's MTP block
     drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
@@ -166,7 +130,7 @@ def test_cost_profile_times_the_graphed_verify_step() -> None:
     model = init_random_(Transformer(args, torch.float32), seed=0).eval()
     model.set_engram_token_map(synthetic_token_map(args.vocab_size, args.engram_compressed_vocab_size))
     cache = ModelCache.allocate(args, num_slots=4, num_pages=16, page_size=4, dtype=torch.float32)
-    graphs = StaticEagerGraphs(model, cache, max_num_seqs=4, max_model_len=256)
+    graphs = EagerReplayGraphs(model, cache, max_num_seqs=4, max_model_len=256)
     capture, block = tuple(args.dspark_target_layer_ids), int(args.dspark_block_size)
     forward = _profiled_forward(model, cache, graphs, capture, block + 1)
     seen = []
