@@ -22,30 +22,11 @@ from deepinfer_kernels.moe.fp4_layout import (
     unchunk_codes,
     unchunk_scales,
 )
-from deepinfer_kernels.quant import quant_fp4
 from kernels_testing import triton_interpreter
+from moe_testing import quantized_fp4_experts, random_fp4_stack, rel, routing
 
 _MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-def _fp4_experts(e: int, inter: int, d: int, g: torch.Generator) -> StackedExperts:
-    packed = {k: [] for k in ("w1", "w3", "w2", "s1", "s3", "s2")}
-    for _ in range(e):
-        for w, s, shape in (("w1", "s1", (inter, d)), ("w3", "s3", (inter, d)), ("w2", "s2", (d, inter))):
-            q, sc = quant_fp4(torch.randn(*shape, generator=g) / shape[1] ** 0.5)
-            packed[w].append(q)
-            packed[s].append(sc)
-    return StackedExperts(*(torch.stack(packed[k]) for k in ("w1", "w3", "w2", "s1", "s3", "s2")), fmt="fp4")
-
-
-def _routing(t: int, k: int, e: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    return torch.rand(t, k, generator=g), ids
 
 
 def test_chunked_positions_and_round_trip():
@@ -80,7 +61,7 @@ def test_chunked_layout_rejects_bad_input():
         chunk_scales(torch.zeros(4, 4, dtype=torch.float32))
     with pytest.raises(ValueError, match="contiguous"):
         chunk_codes(torch.zeros(64, 4, dtype=torch.int8).t())
-    st = _fp4_experts(2, 64, 96, torch.Generator().manual_seed(1))  # d = 96: no whole chunks
+    st = quantized_fp4_experts(2, 64, 96, torch.Generator().manual_seed(1))  # d = 96: no whole chunks
     with pytest.raises(ValueError, match="multiples of 128"):
         StackedExperts(st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, fmt="fp4_chunked")
     with pytest.raises(ValueError, match="expected 'fp4'"):
@@ -89,7 +70,7 @@ def test_chunked_layout_rejects_bad_input():
 
 def test_chunked_reference_decodes_the_exact_weights():
     g = torch.Generator().manual_seed(2)
-    st = _fp4_experts(3, 128, 256, g)
+    st = quantized_fp4_experts(3, 128, 256, g)
     ch = st.chunked()
     assert ch.fmt == "fp4_chunked" and ch.w1.shape == st.w1.shape and ch.s2.shape == st.s2.shape
     assert not torch.equal(ch.w1, st.w1)  # the bytes did move
@@ -97,7 +78,7 @@ def test_chunked_reference_decodes_the_exact_weights():
         for a, b in zip(ch[e], st[e], strict=True):
             assert torch.equal(a, b)
     x = torch.randn(4, 256, generator=g)
-    w, ids = _routing(4, 2, 3, g)
+    w, ids = routing(4, 2, 3, g)
     assert torch.equal(
         moe_experts(x, w, ids, ch, 3.0, backend="torch"), moe_experts(x, w, ids, st, 3.0, backend="torch")
     )
@@ -110,10 +91,10 @@ def test_chunked_interpreter_matches_reference():
     `test_dispatcher_routes_chunked_experts_to_the_kernels`)."""
     g = torch.Generator().manual_seed(3)
     e, inter, d, t, k = 4, 384, 256, 3, 2
-    st = _fp4_experts(e, inter, d, g)
+    st = quantized_fp4_experts(e, inter, d, g)
     ch = st.chunked()
     x = torch.randn(t, d, generator=g)
-    w, ids = _routing(t, k, e, g)
+    w, ids = routing(t, k, e, g)
     ids[1] = ids[0]  # two tokens share their experts
     args = (ch.w1, ch.w3, ch.w2, ch.s1, ch.s3, ch.s2)
     with triton_interpreter(*_MODULES) as (_, mod):
@@ -125,10 +106,10 @@ def test_chunked_interpreter_matches_reference():
         )
         for cfgs, limit in ((tiles, 0.5), (grouped, 0.0)):
             got = mod.moe_experts_fp4(x, w, ids, *args, limit, configs=cfgs, chunked=True)
-            assert _rel(got, reference.moe_experts(x, w, ids, st, limit)) <= 1e-5, (cfgs, limit)
+            assert rel(got, reference.moe_experts(x, w, ids, st, limit)) <= 1e-5, (cfgs, limit)
             xb = x.bfloat16()
             got = mod.moe_experts_fp4(xb, w, ids, *args, 0.5, configs=cfgs, chunked=True)
-            assert _rel(got, reference.moe_experts(xb, w, ids, st, 0.5)) <= 2e-2, cfgs
+            assert rel(got, reference.moe_experts(xb, w, ids, st, 0.5)) <= 2e-2, cfgs
         with pytest.raises(ValueError, match="multiple of 128"):
             small = (16, mod.GemmConfig(16, 32, 4, 1, "bits"), mod.GemmConfig(16, 32, 4, 1, "bits"))
             mod.moe_experts_fp4(x, w, ids, *args, 0.5, configs=small, chunked=True)
@@ -137,25 +118,13 @@ def test_chunked_interpreter_matches_reference():
 @needs_triton
 def test_dispatcher_routes_chunked_experts_to_the_kernels():
     g = torch.Generator().manual_seed(4)
-    st = _fp4_experts(3, 128, 128, g)
+    st = quantized_fp4_experts(3, 128, 128, g)
     ch = st.chunked()
     x = torch.randn(2, 128, generator=g)
-    w, ids = _routing(2, 2, 3, g)
+    w, ids = routing(2, 2, 3, g)
     with triton_interpreter(*_MODULES):
         got = moe_experts(x, w, ids, ch, 0.5, backend="triton")
-    assert _rel(got, reference.moe_experts(x, w, ids, st, 0.5)) <= 1e-5
-
-
-def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: str) -> StackedExperts:
-    def packed(o, i):
-        return torch.randint(-128, 128, (e, o, i // 2), generator=g, dtype=torch.int8).to(device)
-
-    def scale(o, i):
-        codes = torch.randint(122, 126, (e, o, i // 32), generator=g, dtype=torch.uint8)
-        return codes.view(torch.float8_e8m0fnu).to(device)
-
-    return StackedExperts(packed(inter, d), packed(inter, d), packed(d, inter), scale(inter, d), scale(inter, d),
-                          scale(d, inter), fmt="fp4")  # fmt: skip
+    assert rel(got, reference.moe_experts(x, w, ids, st, 0.5)) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -167,16 +136,16 @@ def test_chunked_gpu_v41_widths(t):
     from deepinfer_kernels.moe import triton as mt
 
     g = torch.Generator().manual_seed(200 + t)
-    st = _random_fp4_stack(32, 2304, 5120, g, "cuda")
+    st = random_fp4_stack(32, 2304, 5120, g, "cuda")
     ch = st.chunked()
     x = (torch.randn(t, 5120, generator=g) / 8).cuda()
-    w, ids = _routing(t, 6, 32, g)
+    w, ids = routing(t, 6, 32, g)
     w, ids = w.cuda(), ids.cuda()
     xb = x.bfloat16()
     want_b = reference.moe_experts(xb, w, ids, st, 10.0)
-    assert _rel(moe_experts(xb, w, ids, ch, 10.0, backend="triton"), want_b) <= 2e-2
+    assert rel(moe_experts(xb, w, ids, ch, 10.0, backend="triton"), want_b) <= 2e-2
     assert (
-        _rel(moe_experts(x, w, ids, ch, 10.0, backend="triton"), reference.moe_experts(x, w, ids, st, 10.0))
+        rel(moe_experts(x, w, ids, ch, 10.0, backend="triton"), reference.moe_experts(x, w, ids, st, 10.0))
         <= 1e-5
     )
     block_m = mt.default_configs(t * 6, False, False)[0]
@@ -186,7 +155,7 @@ def test_chunked_gpu_v41_widths(t):
         got = mt.moe_experts_fp4(
             xb, w, ids, ch.w1, ch.w3, ch.w2, ch.s1, ch.s3, ch.s2, 10.0, configs=cfgs, chunked=True
         )
-        assert _rel(got, want_b) <= 2e-2, cfgs
+        assert rel(got, want_b) <= 2e-2, cfgs
 
 
 @pytest.mark.gpu

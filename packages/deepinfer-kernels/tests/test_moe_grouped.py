@@ -13,26 +13,12 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.moe import StackedExperts, reference
-from deepinfer_kernels.quant import quant_fp4
+from deepinfer_kernels.moe import reference
 from kernels_testing import triton_interpreter
+from moe_testing import quantized_fp4_experts, random_fp4_stack, rel
 
 _MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
-
-
-def _fp4_experts(e: int, inter: int, d: int, g: torch.Generator) -> StackedExperts:
-    packed = {k: [] for k in ("w1", "w3", "w2", "s1", "s3", "s2")}
-    for _ in range(e):
-        for w, s, shape in (("w1", "s1", (inter, d)), ("w3", "s3", (inter, d)), ("w2", "s2", (d, inter))):
-            q, sc = quant_fp4(torch.randn(*shape, generator=g) / shape[1] ** 0.5)
-            packed[w].append(q)
-            packed[s].append(sc)
-    return StackedExperts(*(torch.stack(packed[k]) for k in ("w1", "w3", "w2", "s1", "s3", "s2")), fmt="fp4")
 
 
 @needs_triton
@@ -51,7 +37,7 @@ def test_permute_columns_is_the_dot_order():
 def test_grouped_bits_interpreter_matches_reference():
     g = torch.Generator().manual_seed(11)
     e, inter, d, t, k = 4, 384, 256, 3, 2
-    st = _fp4_experts(e, inter, d, g)
+    st = quantized_fp4_experts(e, inter, d, g)
     x = torch.randn(t, d, generator=g)
     w = torch.rand(t, k, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
@@ -67,10 +53,10 @@ def test_grouped_bits_interpreter_matches_reference():
             got = mod.moe_experts_fp4(
                 x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit, configs=cfgs
             )
-            assert _rel(got, reference.moe_experts(x, w, ids, st, limit)) <= 1e-5, limit
+            assert rel(got, reference.moe_experts(x, w, ids, st, limit)) <= 1e-5, limit
         xb = x.bfloat16()
         got = mod.moe_experts_fp4(xb, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, configs=cfgs)
-        assert _rel(got, reference.moe_experts(xb, w, ids, st, 0.5)) <= 2e-2
+        assert rel(got, reference.moe_experts(xb, w, ids, st, 0.5)) <= 2e-2
         # a grouped down kernel needs the permuted h, which only the grouped gate/up kernel writes
         mixed = (16, mod.GemmConfig(16, 32, 4, 1, "bits"), cfgs[2])
         with pytest.raises(ValueError, match="h_perm needs a grouped config"):
@@ -80,7 +66,7 @@ def test_grouped_bits_interpreter_matches_reference():
 @needs_triton
 def test_grouped_configs_fall_back_when_widths_are_not_multiples_of_128():
     g = torch.Generator().manual_seed(12)
-    st = _fp4_experts(3, 64, 96, g)  # I 64, d 96: multiples of 32 (FP4 groups), not of 128 (scale words)
+    st = quantized_fp4_experts(3, 64, 96, g)  # I 64, d 96: multiples of 32 (FP4 groups), not of 128 (scale words)
     x = torch.randn(2, 96, generator=g)
     w = torch.rand(2, 2, generator=g)
     ids = torch.tensor([[0, 2], [1, 2]])
@@ -90,19 +76,7 @@ def test_grouped_configs_fall_back_when_widths_are_not_multiples_of_128():
         got = mod.moe_experts_fp4(
             x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, configs=(16, cfg, cfg)
         )
-        assert _rel(got, reference.moe_experts(x, w, ids, st, 0.5)) <= 1e-5
-
-
-def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: str) -> StackedExperts:
-    def packed(o, i):
-        return torch.randint(-128, 128, (e, o, i // 2), generator=g, dtype=torch.int8).to(device)
-
-    def scale(o, i):
-        codes = torch.randint(122, 126, (e, o, i // 32), generator=g, dtype=torch.uint8)
-        return codes.view(torch.float8_e8m0fnu).to(device)
-
-    return StackedExperts(packed(inter, d), packed(inter, d), packed(d, inter), scale(inter, d), scale(inter, d),
-                          scale(d, inter), fmt="fp4")  # fmt: skip
+        assert rel(got, reference.moe_experts(x, w, ids, st, 0.5)) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -113,7 +87,7 @@ def test_grouped_gpu_v41_widths(t):
     from deepinfer_kernels.moe import triton as mt
 
     g = torch.Generator().manual_seed(100 + t)
-    st = _random_fp4_stack(32, 2304, 5120, g, "cuda")
+    st = random_fp4_stack(32, 2304, 5120, g, "cuda")
     x = (torch.randn(t, 5120, generator=g) / 8).cuda()
     w = torch.rand(t, 6, generator=g).cuda()
     ids = torch.stack([torch.randperm(32, generator=g)[:6] for _ in range(t)]).cuda()
@@ -123,10 +97,10 @@ def test_grouped_gpu_v41_widths(t):
     assert cfgs[0] == mt.default_configs(t * 6, False, False, grouped=True)[0]
     args = (w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 10.0)
     got = mt.moe_experts_fp4(x, *args, configs=cfgs)
-    assert _rel(got, reference.moe_experts(x, w, ids, st, 10.0)) <= 1e-5
+    assert rel(got, reference.moe_experts(x, w, ids, st, 10.0)) <= 1e-5
     xb = x.bfloat16()
     got = mt.moe_experts_fp4(xb, *args, configs=cfgs)
-    assert _rel(got, reference.moe_experts(xb, w, ids, st, 10.0)) <= 2e-2
+    assert rel(got, reference.moe_experts(xb, w, ids, st, 10.0)) <= 2e-2
 
 
 @pytest.mark.gpu

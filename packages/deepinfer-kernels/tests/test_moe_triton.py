@@ -19,10 +19,7 @@ import torch
 from deepinfer_kernels.moe import StackedExperts, moe_experts, reference
 from deepinfer_kernels.quant import quant_fp4
 from kernels_testing import triton_interpreter
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+from moe_testing import random_fp4_stack, rel, routing
 
 
 def _fp4_experts(e: int, inter: int, d: int, g: torch.Generator) -> tuple[StackedExperts, list]:
@@ -39,16 +36,11 @@ def _fp4_experts(e: int, inter: int, d: int, g: torch.Generator) -> tuple[Stacke
     return st, [st[i] for i in range(e)]
 
 
-def _routing(t: int, k: int, e: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    return torch.rand(t, k, generator=g), ids
-
-
 def test_stacked_reference_equals_per_expert_reference():
     g = torch.Generator().manual_seed(0)
     st, per = _fp4_experts(4, 32, 64, g)
     x = torch.randn(5, 64, generator=g)
-    w, ids = _routing(5, 2, 4, g)
+    w, ids = routing(5, 2, 4, g)
     assert torch.equal(
         moe_experts(x, w, ids, st, 3.0, backend="torch"), reference.moe_experts(x, w, ids, per, 3.0)
     )
@@ -85,7 +77,7 @@ def test_fp4_grouped_interpreter():
     g = torch.Generator().manual_seed(1)
     st, _ = _fp4_experts(4, 32, 64, g)
     x = torch.randn(3, 64, generator=g)
-    w, ids = _routing(3, 2, 4, g)
+    w, ids = routing(3, 2, 4, g)
     ids[1] = ids[0]  # two tokens share their experts (rows of one block)
     with triton_interpreter("deepinfer_kernels.moe.triton") as (mod,):
         pairs, bexp = mod.align_pairs(ids, 4, 16)
@@ -94,10 +86,10 @@ def test_fp4_grouped_interpreter():
         assert sorted(bexp[bexp >= 0].tolist()) == used  # one block per used expert here
         for limit in (0.0, 0.5):
             got = mod.moe_experts_fp4(x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit)
-            assert _rel(got, reference.moe_experts(x, w, ids, st, limit)) <= 1e-5, limit
+            assert rel(got, reference.moe_experts(x, w, ids, st, limit)) <= 1e-5, limit
         xb = x.bfloat16()
         got = mod.moe_experts_fp4(xb, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5)
-        assert _rel(got, reference.moe_experts(xb, w, ids, st, 0.5)) <= 2e-2
+        assert rel(got, reference.moe_experts(xb, w, ids, st, 0.5)) <= 2e-2
         assert mod.moe_experts_fp4(
             x[:0], w[:0], ids[:0], st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5
         ).shape == (0, 64)
@@ -106,7 +98,7 @@ def test_fp4_grouped_interpreter():
         got = mod.moe_experts_fp4(xb, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, shared=sh,
                                   out_dtype=torch.bfloat16)  # fmt: skip
         want = (reference.moe_experts(xb, w, ids, st, 0.5) + sh.float()).bfloat16()
-        assert got.dtype == torch.bfloat16 and _rel(got, want) <= 2e-2
+        assert got.dtype == torch.bfloat16 and rel(got, want) <= 2e-2
 
 
 def _combine_case(t: int, k: int, d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,7 +128,7 @@ def test_moe_experts_dispatcher_adds_shared():
     g = torch.Generator().manual_seed(5)
     st, _ = _fp4_experts(4, 32, 64, g)
     x = torch.randn(3, 64, generator=g).bfloat16()
-    w, ids = _routing(3, 2, 4, g)
+    w, ids = routing(3, 2, 4, g)
     sh = torch.randn(3, 64, generator=g).bfloat16()
     want = (reference.moe_experts(x, w, ids, st, 0.5) + sh).bfloat16()
     got = moe_experts(x, w, ids, st, 0.5, shared=sh, backend="torch")
@@ -145,37 +137,22 @@ def test_moe_experts_dispatcher_adds_shared():
         moe_experts(x, w, ids, st, 0.5, shared=sh[:2], backend="torch")
 
 
-def _random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: str) -> StackedExperts:
-    def packed(o, i):
-        return torch.randint(-128, 128, (e, o, i // 2), generator=g, dtype=torch.int8).to(device)
-
-    def scale(o, i):
-        return (
-            torch.randint(122, 126, (e, o, i // 32), generator=g, dtype=torch.uint8)
-            .view(torch.float8_e8m0fnu)
-            .to(device)
-        )
-
-    return StackedExperts(packed(inter, d), packed(inter, d), packed(d, inter), scale(inter, d), scale(inter, d),
-                          scale(d, inter), fmt="fp4")  # fmt: skip
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 32, 256])
 def test_fp4_grouped_gpu_v41_widths(t):
     g = torch.Generator().manual_seed(t)
-    st = _random_fp4_stack(32, 2304, 5120, g, "cuda")
+    st = random_fp4_stack(32, 2304, 5120, g, "cuda")
     x = (torch.randn(t, 5120, generator=g) / 8).cuda()
-    w, ids = _routing(t, 6, 32, g)
+    w, ids = routing(t, 6, 32, g)
     w, ids = w.cuda(), ids.cuda()
     want = reference.moe_experts(x, w, ids, st, 10.0)
     got = moe_experts(x, w, ids, st, 10.0, backend="triton")
-    assert _rel(got, want) <= 1e-5
+    assert rel(got, want) <= 1e-5
     gotb = moe_experts(x.bfloat16(), w, ids, st, 10.0, backend="triton")
-    assert _rel(gotb, reference.moe_experts(x.bfloat16(), w, ids, st, 10.0)) <= 2e-2
+    assert rel(gotb, reference.moe_experts(x.bfloat16(), w, ids, st, 10.0)) <= 2e-2
     sh = (torch.randn(t, 5120, generator=g) / 8).cuda().bfloat16()
     got_sh = moe_experts(x.bfloat16(), w, ids, st, 10.0, shared=sh, backend="triton")
-    assert got_sh.dtype == torch.bfloat16 and _rel(got_sh, (gotb + sh.float()).bfloat16()) <= 2.0**-7
+    assert got_sh.dtype == torch.bfloat16 and rel(got_sh, (gotb + sh.float()).bfloat16()) <= 2.0**-7
 
 
 @pytest.mark.gpu
