@@ -45,64 +45,57 @@ class AsyncStepLoop:
         return self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        if self.collect_first:
-            return self._step_collect_first()
         core = self.core
         t0 = time.perf_counter()
-        sched = core.scheduler.schedule()
-        pending: AsyncOutput | None = None
-        failure: Exception | None = None
-        try:
-            pending = core.runner.execute_async(sched)
-        except Exception as exc:  # noqa: BLE001 - a failing step must fail its requests, never the engine
-            failure = exc
         outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None:
-            prev, prev_out = self._in_flight
-            self._in_flight = None
-            outputs = self._finish(prev, prev_out)
-            core.account(prev, outputs, t0)
-            t0 = time.perf_counter()
+        if self.collect_first:  # read step N back (and apply it) before scheduling N + 1
+            outputs, t0 = self._collect(t0)
+            sched = core.scheduler.schedule()
+            pending, failure = self._launch(sched)
+        else:  # launch step N + 1, then read step N back while N + 1 runs
+            sched = core.scheduler.schedule()
+            pending, failure = self._launch(sched)
+            outputs, t0 = self._collect(t0)
+        outputs += self._settle(sched, pending, failure, t0)
+        if self.collect_first and self._in_flight is not None:
+            self._owners = {c.req_id: core.scheduler.requests[c.req_id] for c in sched.chunks}
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> tuple[AsyncOutput | None, Exception | None]:
+        try:
+            return self.core.runner.execute_async(sched), None
+        except Exception as exc:  # noqa: BLE001 - a failing step must fail its requests, never the engine
+            return None, exc
+
+    def _collect(self, t0: float) -> tuple[list[EngineCoreOutput], float]:
+        """The outputs of the step in flight (none: []) and the time the next step's accounting starts from."""
+        if self._in_flight is None:
+            return [], t0
+        core = self.core
+        prev, prev_out = self._in_flight
+        self._in_flight = None
+        drop: frozenset[str] = frozenset()
+        if self.collect_first:
+            requests = core.scheduler.requests
+            # finished (stop string, abort, error) or replaced by a new request of the same id since the launch
+            drop = frozenset(rid for rid, req in self._owners.items()
+                             if req.is_finished or requests.get(rid) is not req)
+        outputs = self._finish(prev, prev_out, drop)
+        core.account(prev, outputs, t0)
+        return outputs, time.perf_counter()
+
+    def _settle(self, sched: SchedulerOutput, pending: AsyncOutput | None, failure: Exception | None,
+                t0: float) -> list[EngineCoreOutput]:  # fmt: skip
+        """A step that failed to launch, or had nothing to run, ends now; a launched one stays in flight."""
+        core = self.core
         if failure is not None:
             core.fail_step(sched, failure)
         if failure is not None or sched.is_empty:
             done = core.scheduler.update_from_output(sched, ModelRunnerOutput())
             core.account(sched, done, t0)
-            outputs += done
-        else:
-            self._in_flight = (sched, pending)
-        return outputs
-
-    def _step_collect_first(self) -> list[EngineCoreOutput]:
-        core = self.core
-        t0 = time.perf_counter()
-        outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None:
-            prev, prev_out = self._in_flight
-            self._in_flight = None
-            requests = core.scheduler.requests
-            # finished (stop string, abort, error) or replaced by a new request of the same id since the launch
-            drop = frozenset(rid for rid, req in self._owners.items()
-                             if req.is_finished or requests.get(rid) is not req)
-            outputs = self._finish(prev, prev_out, drop)
-            core.account(prev, outputs, t0)
-            t0 = time.perf_counter()
-        sched = core.scheduler.schedule()
-        pending: AsyncOutput | None = None
-        failure: Exception | None = None
-        try:
-            pending = core.runner.execute_async(sched)
-        except Exception as exc:  # noqa: BLE001 - a failing step must fail its requests, never the engine
-            failure = exc
-            core.fail_step(sched, exc)
-        if failure is not None or sched.is_empty:
-            done = core.scheduler.update_from_output(sched, ModelRunnerOutput())
-            core.account(sched, done, t0)
-            outputs += done
-        else:
-            self._owners = {c.req_id: core.scheduler.requests[c.req_id] for c in sched.chunks}
-            self._in_flight = (sched, pending)
-        return outputs
+            return done
+        self._in_flight = (sched, pending)
+        return []
 
     def _finish(self, sched: SchedulerOutput, out: AsyncOutput, drop: frozenset[str] = frozenset()
                 ) -> list[EngineCoreOutput]:  # fmt: skip
