@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from profile_step import engine_options  # the --engine-option parser (this script's folder is on sys.path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,17 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-json")
     p.add_argument("--engine-option", action="append", default=[], help="extra LLM option key=value (JSON value)")
     return p.parse_args(argv)
-
-
-def engine_options(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kv in pairs:
-        k, _, v = kv.partition("=")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 class _Clock:
