@@ -43,6 +43,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fused/s160": {"num_splits": 160},  # one BLOCK_K=128 chunk per program at T=1 (the default caps at 128 splits)
     "products/tok1": {"mode": "products", "block_t": 1},
     "products/tok8": {"mode": "products", "block_t": 8},
+    # decode (T = 1) knobs: fewer warps shorten the cross-warp reductions of the serial Sinkhorn finish; fewer,
+    # longer splits shorten the finish's partial sum
+    "products/w1": {"mode": "products", "block_t": 1, "num_warps": 1},
+    "products/w2": {"mode": "products", "block_t": 1, "num_warps": 2},
+    "products/w8": {"mode": "products", "block_t": 1, "num_warps": 8},
+    "products/s32": {"mode": "products", "block_t": 1, "num_splits": 32},
+    "products/s64": {"mode": "products", "block_t": 1, "num_splits": 64},
+    "products/s64w2": {"mode": "products", "block_t": 1, "num_splits": 64, "num_warps": 2},
+    "products/k256s64": {"mode": "products", "block_t": 1, "block_k": 256, "num_splits": 64},
     "dot/k32": {"mode": "dot"},
     "bf16x3/tok16": {"mode": "bf16x3", "block_t": 16},
     "bf16x3/tok64": {"mode": "bf16x3", "block_t": 64},
