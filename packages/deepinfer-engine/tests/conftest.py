@@ -254,26 +254,27 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`arch -> directory` of the tiny random checkpoint of that architecture (seed 0), written once per session
-    (tests only read it)."""
+def tiny_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`(arch, preset="tiny", seed=0) -> directory` of that random checkpoint, written once per session (a write
+    takes seconds; tests only read it: a test that adds files copies it first). The directory is named after
+    `arch` ("v41" / "v4"): tests pick the page size by it."""
     from deepinfer_engine.model.writer import make_checkpoint
 
-    made: dict[str, Path] = {}
+    made: dict[tuple[str, str, int], Path] = {}
 
-    def get(arch: str) -> Path:
-        if arch not in made:
-            made[arch] = make_checkpoint(tmp_path_factory.mktemp(f"tiny_{arch}") / "ckpt", arch, "tiny", 0)
-        return made[arch]
+    def get(arch: str, preset: str = "tiny", seed: int = 0) -> Path:
+        key = (arch, preset, seed)
+        if key not in made:
+            made[key] = make_checkpoint(tmp_path_factory.mktemp(f"{preset}_{arch}_{seed}") / arch, arch, preset, seed)
+        return made[key]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def damage_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from deepinfer_engine.model.writer import make_checkpoint
-
-    return make_checkpoint(tmp_path_factory.mktemp("damage") / "base", "v41", "tiny", 0)
+def damage_base(tiny_ckpt: Callable[..., Path]) -> Path:
+    # cases copy it as hard links and replace (never write through) the files they damage
+    return tiny_ckpt("v41")
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,6 @@ from deepinfer_dspark import DraftBlock, DraftHeads
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.async_step import AsyncStepLoop
 from deepinfer_engine.core.async_scheduler import AsyncScheduler
-from deepinfer_engine.model.writer import make_checkpoint
 
 PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18], [0, 5, 6, 7, 8, 40]]
 # run one after the other after PROMPTS: the second hits the first one's cached pages (12 common tokens)
@@ -24,8 +23,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def v4_0731(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("spec_async") / "v4d", "v4", "tiny-dspark", 0)
+def v4_0731(tiny_ckpt):
+    return tiny_ckpt("v4", "tiny-dspark")
 
 
 def _llm(path, arch: str, *, spec: bool = True, async_scheduling: bool = False, device: str = "cpu", **kw) -> LLM:

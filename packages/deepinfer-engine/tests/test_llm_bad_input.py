@@ -15,7 +15,6 @@ import os
 import pytest
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.errors import DeepInferError, InputError
-from deepinfer_engine.model.writer import make_checkpoint
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -25,9 +24,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory) -> LLM:
-    ckpt = make_checkpoint(tmp_path_factory.mktemp("tiny_v41") / "ckpt", "v41", "tiny", 0)
-    return LLM(ckpt, device="cpu", dtype="float32", page_size=4, max_model_len=MAX_MODEL_LEN)
+def llm(tiny_ckpt) -> LLM:
+    return LLM(tiny_ckpt("v41"), device="cpu", dtype="float32", page_size=4, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.errors import ConfigError
-from deepinfer_engine.model.writer import make_checkpoint
 
 PROMPTS = [
     torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (45, 30, 9)
@@ -16,8 +15,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny_v41") / "ckpt", "v41", "tiny", 0)
+def ckpt(tiny_ckpt):
+    return tiny_ckpt("v41")
 
 
 def _run(path, **options):
@@ -50,11 +49,11 @@ def test_compact_equals_full_prefill_through_the_engine(ckpt) -> None:
         assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
 
 
-def test_bad_options_fail_before_loading(ckpt, tmp_path) -> None:
+def test_bad_options_fail_before_loading(ckpt, tiny_ckpt) -> None:
     with pytest.raises(ConfigError, match="prefill_truncation_keep: found 13"):
         LLM(str(ckpt), device="cpu", prefill_truncation="compact", prefill_truncation_keep=13)
     with pytest.raises(ConfigError, match="prefill_truncation: found 'mask'"):
         LLM(str(ckpt), device="cpu", prefill_truncation="mask")
-    v4 = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
+    v4 = tiny_ckpt("v4")
     with pytest.raises(ConfigError, match="arch 'v4'"):
         LLM(str(v4), device="cpu", prefill_truncation="compact")

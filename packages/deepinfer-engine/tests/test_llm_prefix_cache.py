@@ -8,24 +8,20 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model.writer import make_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 BASE = list(range(100, 137))  # 37 ids
 
 
 @pytest.fixture(scope="module")
-def llms(tmp_path_factory):
+def llms(tiny_ckpt):
     """`(arch, **options) -> LLM`, one per distinct configuration and module (loading dominates the runtime)."""
-    ckpts: dict[str, object] = {}
     made: dict[tuple, LLM] = {}
 
     def get(arch: str, **kw) -> LLM:
         key = (arch, tuple(sorted(kw.items())))
         if key not in made:
-            if arch not in ckpts:
-                ckpts[arch] = make_checkpoint(tmp_path_factory.mktemp(f"pc_{arch}") / "ckpt", arch, "tiny", 0)
-            made[key] = LLM(str(ckpts[arch]), device="cpu", dtype="float32", page_size=4 if arch == "v41" else 8,
+            made[key] = LLM(str(tiny_ckpt(arch)), device="cpu", dtype="float32", page_size=4 if arch == "v41" else 8,
                             **kw)
         return made[key]
 
@@ -161,12 +157,12 @@ def test_exact_replay_with_async_scheduling_equals_no_cache(llms, monkeypatch) -
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_forks_under_preemption_equal_no_cache(tmp_path, async_scheduling: bool) -> None:
+def test_forks_under_preemption_equal_no_cache(tiny_ckpt, async_scheduling: bool) -> None:
     """n = 2 seeded sampling with penalties in a 5-page cache (preemption, forks from running requests, state
     blocks) gives the ids of the uncached engine. Here a request once forked 8 tokens behind an unrelated source
     that had been resumed from a state block at position 8 (its rings held nothing a step at 1 reads) and got a
     different first token: forks now respect the source's resume floor."""
-    ckpt = make_checkpoint(tmp_path / "ckpt", "v41", "tiny", 0)
+    ckpt = tiny_ckpt("v41")
     prompts = [[0, 11, 12, 13], [0] + list(range(100, 113)), [0, 7], [0, 40, 41, 42, 43, 44, 45, 46], [0, 300, 301]]
     sp = SamplingParams(temperature=1.0, top_k=20, max_tokens=6, seed=3, n=2, repetition_penalty=1.3,
                         ignore_eos=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from deepinfer_engine.commands import inspect as inspect_cmd
 from deepinfer_engine.model import presets
-from deepinfer_engine.model.writer import make_checkpoint
 
 RATIO = 1.1
 
@@ -23,8 +22,8 @@ def _run(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize(("arch", "preset"), [("v41", "tiny"), ("v4", "tiny"), ("v4", "tiny-dspark")])
-def test_load_json_resident_bytes_within_checkpoint_bytes(arch, preset, tmp_path: Path, capsys) -> None:
-    d = make_checkpoint(tmp_path / "ck", arch, preset, 0)
+def test_load_json_resident_bytes_within_checkpoint_bytes(arch, preset, tiny_ckpt, capsys) -> None:
+    d = tiny_ckpt(arch, preset)
     assert _run([str(d), "--load", "--json", "--dtype", "bfloat16"]) == 0
     rep = json.loads(capsys.readouterr().out)
     ck, res = rep["checkpoint_bytes"], rep["resident_weight_bytes"]

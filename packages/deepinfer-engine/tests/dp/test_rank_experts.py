@@ -8,12 +8,11 @@ import torch
 from deepinfer_engine.dp.rank_experts import fp8_dispatch_block
 from deepinfer_engine.errors import ModelConfigError
 from deepinfer_engine.model.loader import load_model
-from deepinfer_engine.model.writer import make_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("tiny_v4") / "ckpt", "v4", "tiny", 0)
+def ckpt(tiny_ckpt):
+    return tiny_ckpt("v4")
 
 
 def test_a_rank_loads_only_its_experts_bit_for_bit(ckpt) -> None:

@@ -11,7 +11,6 @@ import sys
 
 import pytest
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model.writer import make_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # three Python processes: ~1 min on 2 busy cores
 
@@ -34,8 +33,8 @@ with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
 """
 
 
-def test_torchrun_world_serves_each_ranks_prompts_like_one_process(tmp_path) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt", "v41", "tiny", 0)
+def test_torchrun_world_serves_each_ranks_prompts_like_one_process(tiny_ckpt, tmp_path) -> None:
+    ckpt = tiny_ckpt("v41")
     script = tmp_path / "run.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

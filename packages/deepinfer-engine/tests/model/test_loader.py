@@ -16,8 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")
-def ckpt_v4(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("v4") / "ck", "v4", "tiny", 0)
+def ckpt_v4(tiny_ckpt):
+    return tiny_ckpt("v4")
 
 
 def test_v4_checkpoint_loads_exactly_the_stored_or_decoded_tensors(ckpt_v4):

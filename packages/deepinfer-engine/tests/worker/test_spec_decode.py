@@ -6,6 +6,7 @@ exact distribution, per-request metrics, and the typed configuration errors."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,16 +14,13 @@ import torch
 from deepinfer_dspark import DraftBlock, DraftHeads
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.errors import ConfigError
-from deepinfer_engine.model.writer import make_checkpoint
 
 PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18]]  # mixed lengths
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("spec")
-    return {"v41": make_checkpoint(root / "v41", "v41", "tiny", 0),
-            "v4-0731": make_checkpoint(root / "v4d", "v4", "tiny-dspark", 0)}
+def ckpts(tiny_ckpt) -> dict[str, Path]:
+    return {"v41": tiny_ckpt("v41"), "v4-0731": tiny_ckpt("v4", "tiny-dspark")}
 
 
 def _llm(path: Path, **kw) -> LLM:
@@ -201,14 +199,14 @@ def test_sampled_speculation_emits_the_target_distribution(ckpts) -> None:
     assert not math.isnan(chi2)
 
 
-def test_mtp_speculation_is_lossless_and_drafts_what_the_mtp_block_predicts(tmp_path) -> None:
+def test_mtp_speculation_is_lossless_and_drafts_what_the_mtp_block_predicts(tiny_ckpt) -> None:
     """V4 with its MTP block: greedy speculation == plain greedy (chunked prefill, mixed lengths); the draft the
     engine keeps after the last step equals the MTP block run over the whole sequence in one forward (the
     pure-torch path: full target forward, then forward_mtp over positions 1 .. L), within fp32 reordering."""
     from deepinfer_engine.model.cache import ModelCache
     from deepinfer_engine.model.forward_batch import ForwardBatch
 
-    path = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
+    path = tiny_ckpt("v4")
     sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     plain = _ids(_llm(path).generate(PROMPTS[:3], sp, use_tqdm=False))
     # no prefix cache: the second call below must recompute PROMPTS[2] so that the MTP block's own ring is fed
@@ -237,14 +235,14 @@ def test_mtp_speculation_is_lossless_and_drafts_what_the_mtp_block_predicts(tmp_
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_speculation_config_errors(ckpts, tmp_path) -> None:
+def test_speculation_config_errors(ckpts, tiny_ckpt) -> None:
     with pytest.raises(ConfigError, match="without a V4 MTP block"):
         _llm(ckpts["v41"], speculative_config={"method": "mtp"})
     with pytest.raises(ConfigError, match="dspark_block_size"):
         _llm(ckpts["v41"], speculative_config={"method": "dspark", "num_speculative_tokens": 9})
     with pytest.raises(ConfigError, match="speculative_latency"):
         _llm(ckpts["v41"], speculative_config={"method": "dspark", "latency": "affine:x"})
-    v4 = make_checkpoint(tmp_path / "v4", "v4", "tiny", 0)
+    v4 = tiny_ckpt("v4")
     with pytest.raises(ConfigError, match="without DSpark draft stages"):
         _llm(v4, speculative_config={"method": "dspark"})
     with pytest.raises(ConfigError, match="no Confidence Head"):
@@ -287,7 +285,7 @@ def test_non_finite_verify_logits_fail_only_that_request(v41_spec) -> None:
     assert again.error is None and len(again.outputs[0].token_ids) == 6
 
 
-def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp_path, v41_reference) -> None:
+def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp_path, ckpts, v41_reference) -> None:
     """dspark_confidence.safetensors (a greedy head + its STS set) and dspark_sts.json beside the weights: the drafter
     scores greedy requests with that head, sampled ones with the checkpoint's head; greedy output is unchanged.
     A head of the wrong size is a ConfigError."""
@@ -295,7 +293,7 @@ def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp
 
     from safetensors.torch import save_file
 
-    path = make_checkpoint(tmp_path / "v41", "v41", "tiny", 0)  # the same checkpoint as ckpts["v41"]
+    path = Path(shutil.copytree(ckpts["v41"], tmp_path / "v41"))  # a copy: the heads are written beside it
     text = json.loads((path / "config.json").read_text())["text_config"]
     width = text["hidden_size"] + text["dspark_markov_rank"]  # the Confidence Head reads [h ; e]
     head = torch.linspace(-1, 1, width).reshape(1, width)

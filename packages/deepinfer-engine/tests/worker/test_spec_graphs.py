@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model.writer import make_checkpoint
 from deepinfer_engine.worker.cuda_graph import (
     graph_batch_sizes,
     verify_shape,
@@ -26,11 +25,8 @@ PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16,
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("specgraphs")
-    return {"v41": make_checkpoint(root / "v41", "v41", "tiny", 0),
-            "v4-0731": make_checkpoint(root / "v4d", "v4", "tiny-dspark", 0),
-            "v4": make_checkpoint(root / "v4", "v4", "tiny", 0)}
+def ckpts(tiny_ckpt) -> dict[str, Path]:
+    return {"v41": tiny_ckpt("v41"), "v4-0731": tiny_ckpt("v4", "tiny-dspark"), "v4": tiny_ckpt("v4")}
 
 
 def _llm(path: Path, **kw) -> LLM:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.model.writer import make_checkpoint
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 FIRST = [0] + list(range(100, 145))  # 46 ids in 10-token prefill chunks: 30..39, 40..45
@@ -43,8 +42,8 @@ def _rounds(llm: LLM, prompt: list[int]) -> tuple[list[int], list[tuple], int]:
 
 @pytest.mark.parametrize(("arch", "size", "method", "page"), [
     ("v41", "tiny", "dspark", 4), ("v4", "tiny-dspark", "dspark", 8), ("v4", "tiny", "mtp", 8)])
-def test_a_prefix_hit_drafts_as_without_the_cache(tmp_path, arch: str, size: str, method: str, page: int) -> None:
-    path = make_checkpoint(tmp_path / arch, arch, size, 0)
+def test_a_prefix_hit_drafts_as_without_the_cache(tiny_ckpt, arch: str, size: str, method: str, page: int) -> None:
+    path = tiny_ckpt(arch, size)
     llm = LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_batched_tokens=10,
               speculative_config={"method": method})
     kv = llm.engine.scheduler.kv
