@@ -52,7 +52,8 @@ for name, bm, bn, bk, nw, pf, aq, f32, even in (("m1 bf16", 1, 16, 512, 4, 2, Fa
                                                  ("m8 bf16", 8, 16, 256, 4, 0, False, False, True)):
     s = dict(sig, x_ptr="*fp32", y_ptr="*fp32") if f32 else sig
     cx = dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=aq, X_KIND=2 if f32 else 0, ASM=True, PREFETCH=pf,
-              EVEN_K=even, VEC_K=True, SPLIT_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+              EVEN_K=even, VEC_K=True, SPLIT_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+              PDL=False)
     out[name] = rep(lt._gemv_linear_kernel, s, cx, num_warps=nw, num_stages=1, divisible_by_16=div)
     out[name]["loop_barriers"] = loop_barriers(lt._gemv_linear_kernel, s, cx, div, nw)
 print(json.dumps(out))

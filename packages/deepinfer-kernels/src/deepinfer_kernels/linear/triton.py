@@ -38,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
+from deepinfer_kernels._pdl import launch_kwargs, use_pdl
 
 __all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped", "launch", "linear_f32_out"]
 
@@ -583,6 +585,7 @@ def _gemv_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """FP8 block-scaled GEMV for few rows ("gemv" mode): no MMA and no shared memory in the loop.
 
@@ -594,7 +597,11 @@ def _gemv_linear_kernel(
     that sum (a power of two for UE8M0: exact) into acc [BLOCK_M, BLOCK_N, G, V], reduced across threads once
     after the loop. PREFETCH 1: the next K tile's words and scales are loaded before this tile is computed
     (loop-carried registers), so DRAM latency overlaps the decode and the FMAs; 2: its activations too (more
-    registers per row); 0: none."""
+    registers per row); 0: none.
+
+    PDL (launched as a programmatic dependent launch, docs/pdl.md): the first K tile's weight words and scales
+    (PREFETCH >= 1) are requested before the grid-dependency wait, so their DRAM latency overlaps the previous
+    kernel's tail; x is read and y, the workspace and the counters are written only after it."""
     G: tl.constexpr = BLOCK_K // B1
     V: tl.constexpr = B1 // 16
     WPT: tl.constexpr = BLOCK_K // 4  # words per K tile
@@ -639,6 +646,9 @@ def _gemv_linear_kernel(
     if PREFETCH >= 1:
         w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, t0 * WPT, one == 0, words, K, B1, SCALE_E8M0,
                                          ASM, EVEN_K)  # fmt: skip
+    if PDL:  # weights are constants; x may be the previous kernel's output
+        gdc_wait()
+        gdc_launch_dependents()
     if PREFETCH == 2:
         r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, t0 * WPT, one == 0, words, XW, X_KIND, ASM, EVEN_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N, G, V, 1], dtype=tl.float32)
@@ -739,11 +749,14 @@ def launch(
     config: LinearConfig | None = None,
     groups: int = 1,
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
     test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`).
     ``counters``: int32 zeros on x's device (`deepinfer_kernels.linear.split_k_counters`), used by a split-K launch instead of fresh
-    zeroed ones when it has room for the launch's tiles (left zero on return).
+    zeroed ones when it has room for the launch's tiles (left zero on return). ``pdl``: launch the "gemv" kernel as a
+    programmatic dependent launch where `deepinfer_kernels._pdl.use_pdl` allows (docs/pdl.md); the MMA kernel
+    always launches plainly.
 
     groups G > 1: x [M, G, K], w [G * R, K] block-diagonal -> y [M, G * R] with y[:, g R:(g+1) R] = x[:, g] @ W_gᵀ,
     one launch (the caller checks that every tile size of the config divides R)."""
@@ -788,7 +801,7 @@ def launch(
         s_arg, e8m0 = (s if s is not None else w), False
     if cfg.mode == "gemv":
         _launch_gemv(x, w, s_arg, y, ws, counters, (grid_n, grid_m, split), cfg, op=op, b0=b0, b1=b1, e8m0=e8m0,
-                     act_quant=act_quant, per=per, groups=groups, interp=interp)  # fmt: skip
+                     act_quant=act_quant, per=per, groups=groups, interp=interp, pdl=pdl)  # fmt: skip
         return y
     _linear_kernel[(grid_n, grid_m, split)](
         x,
@@ -829,7 +842,7 @@ def launch(
 
 def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, counters: Tensor, grid: tuple[int, ...],
                  cfg: LinearConfig, *, op: str, b0: int, b1: int, e8m0: bool, act_quant: bool, per: int, groups: int,
-                 interp: bool) -> None:  # fmt: skip
+                 interp: bool, pdl: bool = False) -> None:  # fmt: skip
     """`_gemv_linear_kernel` on the same operands as `_linear_kernel`: the weight as int32 words, bf16 / fp16 x as int64
     words of 4 values (fp32 x as is), strides in those units."""
     if w.stride(0) % 4 or w.storage_offset() % 4:
@@ -840,6 +853,7 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         x = x.contiguous()
     xv = x if x_kind == 2 else x.view(torch.int64)
     wv = w.view(torch.int32)
+    on = use_pdl(pdl, x.device, interpreted=interp)
     _gemv_linear_kernel[grid](
         xv,
         wv,
@@ -871,8 +885,10 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        PDL=on,
         num_warps=cfg.num_warps,
         num_stages=1 if interp else cfg.num_stages,
+        **launch_kwargs(on),
     )
 
 
@@ -885,11 +901,12 @@ def fp8_linear(
     act_quant: bool,
     config: LinearConfig | None = None,
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """x [M, K] (bf16 / fp16 / fp32), weight [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [M, N]
-    x's dtype. Validated by the package dispatcher."""
+    x's dtype. Validated by the package dispatcher. pdl: see `launch`."""
     return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear", config=config,
-                  counters=counters)
+                  counters=counters, pdl=pdl)
 
 
 def fp8_linear_grouped(
@@ -901,6 +918,7 @@ def fp8_linear_grouped(
     act_quant: bool,
     config: LinearConfig | None = None,
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor | None:
     """x [M, G, K], weight [G * R, K] e4m3 block-diagonal, scale [G * R / b0, ceil(K / b1)] -> [M, G * R] x's
     dtype in one launch; None when the default tiles do not divide R (the caller runs the groups one by one)."""
@@ -911,7 +929,7 @@ def fp8_linear_grouped(
     if (n // g) % cfg.block_n:
         return None
     return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear_grouped",
-                  config=cfg, groups=g, counters=counters)
+                  config=cfg, groups=g, counters=counters, pdl=pdl)
 
 
 def linear_f32_out(
