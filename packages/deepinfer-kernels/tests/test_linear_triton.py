@@ -495,17 +495,22 @@ def test_fp8_linear_gpu_gemv_pdl_chain_is_bit_identical():
     eager and captured in a CUDA graph, with pdl on equals pdl off bit for bit (a missing or misplaced wait would
     let a launch read a stale input or overwrite one still being read). On a device without PDL both are plain."""
     from deepinfer_kernels.linear import fp8_linear, split_k_counters
+    from deepinfer_kernels.linear import triton as lt
 
     g = torch.Generator().manual_seed(5)
     shapes = [(1280, 5120), (5120, 1280), (2304, 5120), (5120, 2304), (32768, 5120), (5120, 32768)]
     ws = [_random_fp8(n, k, (32, 32), g, "cuda") for n, k in shapes]
     cnt = split_k_counters("cuda")
     x = torch.randn(1, 5120, generator=g).cuda().bfloat16()
+    split = lt.LinearConfig(1, 16, 512, 4, 1, 8, False, "gemv")  # the last launch split-K: counters, workspace
 
     def chain(pdl: bool) -> list[torch.Tensor]:
         outs, h = [], x
-        for q, s in ws:
-            h = fp8_linear(h, q, s, (32, 32), backend="triton", counters=cnt, pdl=pdl)
+        for i, (q, s) in enumerate(ws):
+            if i == len(ws) - 1:
+                h = lt.fp8_linear(h, q, s, (32, 32), act_quant=False, config=split, counters=cnt, pdl=pdl)
+            else:
+                h = fp8_linear(h, q, s, (32, 32), backend="triton", counters=cnt, pdl=pdl)
             outs.append(h)
         return outs
 
