@@ -9,14 +9,15 @@ its RMSNorms, repeated for `--layers` layers, each layer with its own weights:
     -> shared w2 [5120 x 2304] -> the next layer
 
 (the attention, the activation and the experts between them are left out; a linear reads the previous output or a
-slice of it). The same chain is captured in CUDA graphs with pdl off and on, once per weight set (`--sets`; one set
-of 4 layers is ~670 MB, far above the 50 MB L2, so every replay streams its weights from DRAM), and the graphs are
-replayed in rotation. Checks before timing: the graph of each mode reproduces the eager chain bit for bit, and the
-pdl-on outputs of every step equal the pdl-off ones bit for bit. Also timed: the gemv-only chain (no norms between
+slice of it). The same chain is captured in CUDA graphs once per variant (`--variants`: pdl off, pdl on, and pdl on
+with the gemv's PDL knobs `LinearConfig.pdl_trigger` / `pdl_l2_tiles` changed) and weight set (`--sets`; one set of
+4 layers is ~670 MB, far above the 50 MB L2, so every replay streams its weights from DRAM), and the graphs are
+replayed in rotation. Checks: the first variant's graph reproduces the eager chain bit for bit, and every
+variant's outputs of every launch equal the first variant's bit for bit (before and after the timed replays). Also timed: the gemv-only chain (no norms between
 the linears), and per shape a graph of `--per-shape` launches of that linear over distinct weights reading one
 input (no data dependency; PDL still orders them).
 
-Printed: µs per chain (median over interleaved trials), µs per launch, the bytes bound (weight + scale + activation
+Printed: µs per chain per variant (median over interleaved trials), µs per launch, the bytes bound (weight + scale + activation
 bytes over the device copy bandwidth measured in the same run) and the share of it reached; `--output-json` writes
 the same. One H200: well under 90 s.
 
@@ -24,12 +25,13 @@ the same. One H200: well under 90 s.
         [--layers 4] [--sets 2] [--per-shape 16] [--output-json bench_pdl_chain.json]
 
 `--smoke-cpu` runs the chain logic at 1/32 of the widths on the Triton CPU interpreter (no graphs, no timing):
-eager pdl off vs on must agree bit for bit (on the interpreter the wait is compiled out, docs/pdl.md).
+every variant must agree bit for bit with the first (there the wait is compiled out, docs/pdl.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -69,6 +71,49 @@ LAYER = [
 ]
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One way to launch the chain: pdl off / on, and `LinearConfig` overrides of the gemv launches' PDL knobs
+    (where the next kernel may launch, how many K tiles go to L2 before the wait)."""
+
+    name: str
+    pdl: bool
+    fields: tuple[tuple[str, object], ...] = ()
+
+
+VARIANTS = [
+    Variant("off", False),
+    Variant("on", True),
+    Variant("on trigger=loop", True, (("pdl_trigger", "loop"),)),
+    Variant("on trigger=none", True, (("pdl_trigger", "none"),)),
+    Variant("on l2=2", True, (("pdl_l2_tiles", 2),)),
+    Variant("on l2=4", True, (("pdl_l2_tiles", 4),)),
+    Variant("on l2=all", True, (("pdl_l2_tiles", 64),)),
+    Variant("on trigger=loop l2=4", True, (("pdl_trigger", "loop"), ("pdl_l2_tiles", 4))),
+]
+
+
+def gemv_config(lin: Linear, variant: Variant):
+    """The default launch config of this linear at M = 1 with the variant's overrides (gemv configs only)."""
+    from deepinfer_kernels.linear import triton as lt
+
+    cfg = lt.default_config(1, lin.n, lin.k, BLOCK[1], torch.bfloat16)
+    return dataclasses.replace(cfg, **dict(variant.fields)) if cfg.mode == "gemv" else cfg
+
+
+def launch_linear(lin: Linear, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, counters: torch.Tensor,
+                  variant: Variant) -> torch.Tensor:  # fmt: skip
+    """x [1, groups * k] bf16 -> [1, n] through the Triton launcher with the variant's config and pdl."""
+    from deepinfer_kernels.linear import triton as lt
+
+    cfg = gemv_config(lin, variant)
+    if lin.groups > 1:
+        y = lt.fp8_linear_grouped(x.view(1, lin.groups, lin.k), q, s, BLOCK, act_quant=False, config=cfg,
+                                  counters=counters, pdl=variant.pdl)  # fmt: skip
+        return y.reshape(1, lin.n)
+    return lt.fp8_linear(x, q, s, BLOCK, act_quant=False, config=cfg, counters=counters, pdl=variant.pdl)
+
+
 def scaled(lin: Linear, div: int) -> Linear:
     """The same linear at 1/div of every width (CPU smoke run); groups kept."""
     return Linear(lin.name, lin.n // div, lin.k // div, lin.groups)
@@ -106,24 +151,17 @@ class Chain:
 
         self.counters = split_k_counters(dev)
 
-    def linear(self, i: int, layer: int, x: torch.Tensor, pdl: bool) -> torch.Tensor:
-        from deepinfer_kernels.linear import fp8_linear, fp8_linear_grouped
-
-        lin = self.lins[i]
+    def linear(self, i: int, layer: int, x: torch.Tensor, v: Variant) -> torch.Tensor:
         q, s = self.w[layer][i]
-        if lin.groups > 1:
-            y = fp8_linear_grouped(x.view(1, lin.groups, lin.k), q, s, BLOCK, backend="triton",
-                                   counters=self.counters, pdl=pdl)  # fmt: skip
-            return y.reshape(1, lin.n)
-        return fp8_linear(x, q, s, BLOCK, backend="triton", counters=self.counters, pdl=pdl)
+        return launch_linear(self.lins[i], x, q, s, self.counters, v)
 
-    def norm(self, j: int, layer: int, x: torch.Tensor, pdl: bool) -> torch.Tensor:
+    def norm(self, j: int, layer: int, x: torch.Tensor, v: Variant) -> torch.Tensor:
         from deepinfer_kernels.norm_rope import rms_norm
 
-        return rms_norm(x, self.norm_w[layer][j], EPS, backend="triton", pdl=pdl)
+        return rms_norm(x, self.norm_w[layer][j], EPS, backend="triton", pdl=v.pdl)
 
-    def run(self, x: torch.Tensor, pdl: bool, norms: bool) -> list[torch.Tensor]:
-        """One chain from x [1, hidden] bf16; every launch's output, in order."""
+    def run(self, x: torch.Tensor, v: Variant, norms: bool) -> list[torch.Tensor]:
+        """One chain from x [1, hidden] bf16 launched as variant v; every launch's output, in order."""
         outs: list[torch.Tensor] = []
 
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -132,18 +170,18 @@ class Chain:
 
         h = x
         for layer in range(len(self.w)):
-            a = keep(self.norm(0, layer, h, pdl)) if norms else h
-            qkv = keep(self.linear(0, layer, a, pdl))
+            a = keep(self.norm(0, layer, h, v)) if norms else h
+            qkv = keep(self.linear(0, layer, a, v))
             q = qkv[:, : self.q_rank]
             if norms:
-                q = keep(self.norm(1, layer, q, pdl))
-            qh = keep(self.linear(1, layer, q, pdl))
-            keep(self.linear(2, layer, q, pdl))
-            o = keep(self.linear(3, layer, qh, pdl))
-            h = keep(self.linear(4, layer, o, pdl))
-            f = keep(self.norm(2, layer, h, pdl)) if norms else h
-            w13 = keep(self.linear(5, layer, f, pdl))
-            h = keep(self.linear(6, layer, w13[:, : w13.shape[1] // 2], pdl))
+                q = keep(self.norm(1, layer, q, v))
+            qh = keep(self.linear(1, layer, q, v))
+            keep(self.linear(2, layer, q, v))
+            o = keep(self.linear(3, layer, qh, v))
+            h = keep(self.linear(4, layer, o, v))
+            f = keep(self.norm(2, layer, h, v)) if norms else h
+            w13 = keep(self.linear(5, layer, f, v))
+            h = keep(self.linear(6, layer, w13[:, : w13.shape[1] // 2], v))
         return outs
 
     def bytes_moved(self, norms: bool) -> int:
@@ -210,16 +248,17 @@ def check_equal(name: str, a: list[torch.Tensor], b: list[torch.Tensor]) -> None
         raise SystemExit(f"{name}: non-finite outputs (weight scales of the benchmark are off)")
 
 
-def smoke_cpu() -> None:
-    """The chain at 1/32 widths on the interpreter: eager pdl off vs on, bit for bit."""
+def smoke_cpu(variants: list[Variant]) -> None:
+    """The chain at 1/32 widths on the interpreter: eager, every variant bit for bit equal to the first."""
     os.environ["TRITON_INTERPRET"] = "1"
     g = torch.Generator().manual_seed(0)
-    chain = Chain(2, torch.device("cpu"), g, div=32)
+    chain = Chain(1, torch.device("cpu"), g, div=32)
     x = torch.randn(1, chain.hidden, generator=g).bfloat16()
     for norms in (True, False):
-        off, on = chain.run(x, False, norms), chain.run(x, True, norms)
-        check_equal(f"smoke norms={norms}", on, off)
-        print(f"smoke norms={norms}: {len(off)} launches, pdl on == off bit for bit")
+        first = chain.run(x, variants[0], norms)
+        for v in variants[1:]:
+            check_equal(f"smoke norms={norms} {v.name}", chain.run(x, v, norms), first)
+        print(f"smoke norms={norms}: {len(first)} launches, {len(variants)} variants bit for bit equal")
 
 
 def main() -> None:
@@ -230,10 +269,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--trials", type=int, default=9)
     ap.add_argument("--output-json", default="")
+    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
+                    help="comma-separated names of VARIANTS; the first is the baseline of the checks")
     ap.add_argument("--smoke-cpu", action="store_true")
     ns = ap.parse_args()
+    table = {v.name: v for v in VARIANTS}
+    variants = [table[name.strip()] for name in ns.variants.split(",")]
     if ns.smoke_cpu:
-        smoke_cpu()
+        smoke_cpu(variants)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_pdl_chain: needs a CUDA device (or --smoke-cpu)")
@@ -259,28 +302,42 @@ def main() -> None:
     chains = [Chain(ns.layers, dev, g) for _ in range(ns.sets)]
     x = torch.randn(1, HIDDEN, generator=g, device=dev).bfloat16()
     print(f"# weights ready at {time.perf_counter() - t0:.1f} s", flush=True)
+    base = variants[0].name
+    names = [v.name for v in variants]
+
+    def print_row(r: dict) -> None:
+        us = r["us"]
+        best = min(us, key=us.get)
+        cells = [f"{us[base]:.1f}"] + [f"{us[n]:.1f} ({(us[n] / us[base] - 1) * 100:+.1f}%)" for n in names[1:]]
+        print(f"| {r['name']} | {r['launches']} | {r['bound_us']:.1f} | " + " | ".join(cells)
+              + f" | {best} | {r['bound_us'] / us[best]:.1%} |", flush=True)
+
+    print("\n| graph | launches | bound µs | " + " | ".join(f"µs {n}" for n in names) + " | best | best of bound |")
+    print("|---|---|---|" + "---|" * len(names) + "---|---|", flush=True)
     rows = []
     for norms in (True, False):
         label = "norm+gemv chain" if norms else "gemv-only chain"
-        graphs: dict[str, list[torch.cuda.CUDAGraph]] = {"off": [], "on": []}
+        graphs: dict[str, list[torch.cuda.CUDAGraph]] = {v.name: [] for v in variants}
         keep = []
         for i, ch in enumerate(chains):
-            eager = ch.run(x, False, norms)
+            eager = ch.run(x, variants[0], norms)
             outs = {}
-            for mode in ("off", "on"):
-                gr, outs[mode] = capture(lambda ch=ch, mode=mode, norms=norms: ch.run(x, mode == "on", norms))
-                graphs[mode].append(gr)
-            check_equal(f"{label} set {i} graph off vs eager", outs["off"], eager)
-            check_equal(f"{label} set {i} pdl on vs off", outs["on"], outs["off"])
+            for v in variants:
+                gr, outs[v.name] = capture(lambda ch=ch, v=v, norms=norms: ch.run(x, v, norms))
+                graphs[v.name].append(gr)
+            check_equal(f"{label} set {i} graph {base} vs eager", outs[base], eager)
+            for v in variants[1:]:
+                check_equal(f"{label} set {i} {v.name} vs {base}", outs[v.name], outs[base])
             keep.append(outs)
-        launches = len(keep[0]["off"])
+        launches = len(keep[0][base])
         us = time_modes(graphs, ns.reps, ns.trials)
         # the outputs again after the timed replays: a race would show up as a difference
         for i, outs in enumerate(keep):
-            check_equal(f"{label} set {i} after timing", outs["on"], outs["off"])
+            for v in variants[1:]:
+                check_equal(f"{label} set {i} {v.name} after timing", outs[v.name], outs[base])
         bound = chains[0].bytes_moved(norms) / bw * 1e6
-        rows.append(dict(name=label, launches=launches, us_off=us["off"], us_on=us["on"], bound_us=bound))
-        print(f"# {label} done at {time.perf_counter() - t0:.1f} s", flush=True)
+        rows.append(dict(name=label, launches=launches, us=us, bound_us=bound))
+        print_row(rows[-1])
         del graphs, keep
     shape_rows = []
     if ns.per_shape:
@@ -288,37 +345,22 @@ def main() -> None:
             ws = [random_fp8(lin.n, lin.k, g, dev) for _ in range(ns.per_shape)]
             xi = torch.randn(1, lin.k * lin.groups, generator=g, device=dev).bfloat16()
             cnt = chains[0].counters
-
-            def run(pdl: bool, lin=lin, ws=ws, xi=xi, cnt=cnt) -> list[torch.Tensor]:
-                from deepinfer_kernels.linear import fp8_linear, fp8_linear_grouped
-
-                if lin.groups > 1:
-                    xg = xi.view(1, lin.groups, lin.k)
-                    return [fp8_linear_grouped(xg, q, s, BLOCK, backend="triton", counters=cnt, pdl=pdl)
-                            for q, s in ws]  # fmt: skip
-                return [fp8_linear(xi, q, s, BLOCK, backend="triton", counters=cnt, pdl=pdl) for q, s in ws]
-
             graphs = {}
             outs = {}
-            for mode in ("off", "on"):
-                gr, outs[mode] = capture(lambda run=run, mode=mode: run(mode == "on"))
-                graphs[mode] = [gr]
-            check_equal(f"{lin.name} x{ns.per_shape} pdl on vs off", outs["on"], outs["off"])
+            for v in variants:
+                gr, outs[v.name] = capture(
+                    lambda lin=lin, ws=ws, xi=xi, cnt=cnt, v=v: [launch_linear(lin, xi, q, s, cnt, v) for q, s in ws])
+                graphs[v.name] = [gr]
+            for v in variants[1:]:
+                check_equal(f"{lin.name} x{ns.per_shape} {v.name} vs {base}", outs[v.name], outs[base])
             us = time_modes(graphs, max(2, ns.reps // 4), ns.trials)
-            shape_rows.append(dict(name=f"{lin.name} [{lin.n} x {lin.k}]", launches=ns.per_shape, us_off=us["off"],
-                                   us_on=us["on"], bound_us=ns.per_shape * _linear_bytes(lin) / bw * 1e6))
+            shape_rows.append(dict(name=f"{lin.name} [{lin.n} x {lin.k}]", launches=ns.per_shape, us=us,
+                                   bound_us=ns.per_shape * _linear_bytes(lin) / bw * 1e6))
+            print_row(shape_rows[-1])
             del graphs, outs, ws
-    print()
-    print("| graph | launches | µs off | µs on | Δ | µs/launch off | µs/launch on | bound µs | of bound off | "
-          "of bound on |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows + shape_rows:
-        n = r["launches"]
-        print(f"| {r['name']} | {n} | {r['us_off']:.1f} | {r['us_on']:.1f} | "
-              f"{(r['us_on'] / r['us_off'] - 1) * 100:+.1f}% | {r['us_off'] / n:.2f} | {r['us_on'] / n:.2f} | "
-              f"{r['bound_us']:.1f} | {r['bound_us'] / r['us_off']:.1%} | {r['bound_us'] / r['us_on']:.1%} |")
+    print(f"\nµs per launch ({base}): " + ", ".join(f"{r['name']} {r['us'][base] / r['launches']:.2f}" for r in rows))
     wall = time.perf_counter() - t0
-    print(f"\n# wall {wall:.1f} s; outputs pdl on == off bit for bit in every graph", flush=True)
+    print(f"\n# wall {wall:.1f} s; every variant's outputs equal the {base} ones bit for bit in every graph", flush=True)
     if ns.output_json:
         with open(ns.output_json, "w") as f:
             json.dump(dict(meta, copy_GBps=bw / 1e9, chains=rows, per_shape=shape_rows, wall_s=wall), f, indent=1)

@@ -30,6 +30,7 @@ from deepinfer_kernels.linear import triton as lt
 def loop_barriers(kernel, sig, cx, div, num_warps):
     # bar.sync between the K loop's header and its back branch (the compile is a cache hit after rep)
     names = kernel.arg_names
+    cx = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | cx  # as a JIT launch
     src = ASTSource(kernel, dict(sig) | {k: "constexpr" for k in cx},
                     constexprs={(names.index(k),): v for k, v in cx.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
@@ -52,8 +53,7 @@ for name, bm, bn, bk, nw, pf, aq, f32, even in (("m1 bf16", 1, 16, 512, 4, 2, Fa
                                                  ("m8 bf16", 8, 16, 256, 4, 0, False, False, True)):
     s = dict(sig, x_ptr="*fp32", y_ptr="*fp32") if f32 else sig
     cx = dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=aq, X_KIND=2 if f32 else 0, ASM=True, PREFETCH=pf,
-              EVEN_K=even, VEC_K=True, SPLIT_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-              PDL=False)
+              EVEN_K=even, VEC_K=True, SPLIT_K=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     out[name] = rep(lt._gemv_linear_kernel, s, cx, num_warps=nw, num_stages=1, divisible_by_16=div)
     out[name]["loop_barriers"] = loop_barriers(lt._gemv_linear_kernel, s, cx, div, nw)
 print(json.dumps(out))

@@ -15,6 +15,7 @@ two calls give identical bits, and split vs unsplit results differ only by fp32 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -179,6 +180,28 @@ def test_fp8_linear_interpreter_gemv_pdl(interp, monkeypatch, m, n, k, block_k, 
     assert wait.calls == trigger.calls == programs
     interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)  # pdl off: no griddepcontrol at all
     assert wait.calls == programs
+
+
+@pytest.mark.parametrize(("trigger", "want"), [("wait", 1), ("loop", 1), ("none", 0)])
+def test_gemv_pdl_knobs_interpreter(interp, monkeypatch, trigger, want):
+    """The PDL variant with its knobs (where the next kernel may launch; L2 prefetch of later K tiles, a PTX
+    instruction the interpreter skips) gives the plain results; the trigger runs once per program unless "none"."""
+    g = torch.Generator().manual_seed(17)
+    q, s = quant_fp8_block(torch.randn(24, 256, generator=g) / 16, (32, 32))
+    x = torch.randn(1, 256, generator=g).bfloat16()
+    cfg = interp.LinearConfig(1, 16, 64, 4, 1, 2, False, "gemv")
+    plain = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)
+    wait, trig = _GdcCounter(), _GdcCounter()
+    monkeypatch.setattr(interp, "gdc_wait", wait)
+    monkeypatch.setattr(interp, "gdc_launch_dependents", trig)
+    monkeypatch.setattr(interp, "use_pdl", lambda requested, device, interpreted: requested)
+    knobs = dataclasses.replace(cfg, pdl_trigger=trigger, pdl_l2_tiles=2)
+    assert torch.equal(interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=knobs, pdl=True), plain)
+    assert wait.calls == 4 and trig.calls == want * 4  # 2 N tiles x 2 splits
+    with pytest.raises(ValueError, match="pdl_trigger"):
+        interp.LinearConfig(1, 16, 64, 4, 1, 2, False, "gemv", pdl_trigger="early")
+    with pytest.raises(ValueError, match="pdl_l2_tiles"):
+        interp.LinearConfig(1, 16, 64, 4, 1, 2, False, "gemv", pdl_l2_tiles=-1)
 
 
 def test_gemv_decode_is_exact(interp):

@@ -120,6 +120,7 @@ def test_default_configs_compile_for_sm90_without_spills():
 
 _PDL_SCRIPT = r"""
 import json
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -129,6 +130,7 @@ from deepinfer_kernels.norm_rope import triton as rn
 
 def ptx(kernel, sig, cx, num_warps, div=(), **opts):
     names = kernel.arg_names
+    cx = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | cx  # as a JIT launch
     src = ASTSource(kernel, dict(sig) | {k: "constexpr" for k in cx},
                     constexprs={(names.index(k),): v for k, v in cx.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
@@ -142,7 +144,7 @@ def facts(text):
     pre, post = (text, "") if cut < 0 else (text[:cut], text[cut:])
     out = {"wait": text.count("griddepcontrol.wait"), "trigger": text.count("griddepcontrol.launch_dependents")}
     for key, pat in (("ld_v4", "ld.global.v4"), ("ld_v2", "ld.global.v2"), ("ld_u8", "ld.global.u8"),
-                     ("ld", "ld.global"), ("st", "st.global"), ("atom", "atom.global")):
+                     ("ld", "ld.global"), ("st", "st.global"), ("atom", "atom.global"), ("l2", "prefetch.global.L2")):
         out[key + "_pre"], out[key + "_post"] = pre.count(pat), post.count(pat)
     return out
 
@@ -163,6 +165,18 @@ for pdl in (False, True):
         lt._gemv_linear_kernel, gemv_sig,
         dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=False, X_KIND=0, ASM=True, PREFETCH=2, EVEN_K=True, VEC_K=True,
              SPLIT_K=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, PDL=pdl), 8, gemv_div, launch_pdl=pdl))
+    if pdl:  # the measured knobs: launch_dependents after the K loop, 4 more K tiles prefetched into L2
+        gemv_cx = dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=False, X_KIND=0, ASM=True, PREFETCH=2, EVEN_K=True,
+                       VEC_K=True, SPLIT_K=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, PDL=True, PDL_TRIGGER=1,
+                       L2_TILES=4)
+        text = ptx(lt._gemv_linear_kernel, gemv_sig, gemv_cx, 8, gemv_div, launch_pdl=True)
+        # the K loop is the first loop after the wait (the L2 prefetch loop precedes it); it ends at the branch
+        # back to its header label
+        wait = text.find("griddepcontrol.wait")
+        head = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n?\s*// =>This Inner Loop Header").search(text, wait)
+        back = re.compile(r"bra\s+" + re.escape(head.group(1)) + ";").search(text, head.end())
+        out["gemv l2 trigger-after-loop pdl=True"] = dict(
+            facts(text), trigger_after_loop=text.find("griddepcontrol.launch_dependents") > back.start())
     out[f"rms_norm pdl={pdl}"] = facts(ptx(
         rn._rms_norm_kernel, norm_sig, dict(HAS_W=True, BLOCK_R=1, BLOCK_D=8192, PDL=pdl), 8, launch_pdl=pdl))
     out[f"rope_at pdl={pdl}"] = facts(ptx(
@@ -185,6 +199,8 @@ def test_pdl_kernels_wait_before_reading_activations_and_writing():
             continue
         assert r["st_pre"] == 0 and r["atom_pre"] == 0 and r["st_post"] > 0, (name, r)
         if name.startswith("gemv"):
+            assert r["l2_post"] == 0 and (r["l2_pre"] > 0) == ("l2" in name), (name, r)  # L2 prefetch before only
+            assert r.get("trigger_after_loop", True), (name, r)
             assert r["ld_v4_pre"] > 0 and r["ld_u8_pre"] > 0, (name, r)  # weight words and scales of tile 0
             assert r["ld_v2_pre"] == 0 and r["ld_v2_post"] > 0, (name, r)  # activations only after the wait
             assert r["ld_pre"] == r["ld_v4_pre"] + r["ld_u8_pre"], (name, r)

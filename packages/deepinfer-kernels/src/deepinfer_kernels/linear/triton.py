@@ -50,6 +50,8 @@ __all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped",
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
 # weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
 _MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3}
+# where a PDL "gemv" program lets the next kernel launch (`LinearConfig.pdl_trigger`, the kernel's PDL_TRIGGER)
+_PDL_TRIGGERS = {"wait": 0, "loop": 1, "none": 2}
 # split-K partials per output tile: the cap of an explicit split or a programs target
 MAX_SPLIT = 64
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
@@ -65,7 +67,11 @@ class LinearConfig:
     instead of the occupancy policy: S = ceil(programs / output tiles), at most MAX_SPLIT and the K tiles (0: the
     policy). ``mode`` "gemv" (FP8 weights only): `_gemv_linear_kernel`, CUDA-core FMAs on weights decoded in registers,
     for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
-    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it)."""
+    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it).
+    Only for a "gemv" launch with PDL on (docs/pdl.md): ``pdl_trigger`` where each program lets the next kernel
+    launch: "wait" right after its grid-dependency wait, "loop" after its K loop, "none" never (the next kernel
+    then launches when this one ends); ``pdl_l2_tiles``: K tiles after the first whose weight lines each program
+    also prefetches into L2 before the wait (0: none)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -77,6 +83,8 @@ class LinearConfig:
     mode: str = "group"
     programs: int = 0
     prefetch: int = 2
+    pdl_trigger: str = "wait"
+    pdl_l2_tiles: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -94,6 +102,9 @@ class LinearConfig:
             raise ValueError(f"LinearConfig: swap_ab is an MMA operand order; mode {self.mode!r} has none")
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"LinearConfig.prefetch: found {self.prefetch}; expected 0, 1 or 2")
+        if self.pdl_trigger not in _PDL_TRIGGERS or self.pdl_l2_tiles < 0:
+            raise ValueError(f"LinearConfig: pdl_trigger {self.pdl_trigger!r} / pdl_l2_tiles {self.pdl_l2_tiles}; "
+                             f"expected one of {tuple(_PDL_TRIGGERS)} / >= 0")
         if self.num_stages < 1 or not 0 <= self.split <= MAX_SPLIT or self.programs < 0:
             raise ValueError(
                 f"LinearConfig: num_stages {self.num_stages} / split {self.split} / programs {self.programs}; "
@@ -552,6 +563,23 @@ def _gemv_act_tile(x_rows, xm, kw, kq, kt, on, words, XW: tl.constexpr, X_KIND: 
     return _act_load(x_rows + (kt + kw) * XW, mask, X_KIND, ASM)
 
 
+_L2_PREFETCH = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def _l2_prefetch_tiles(w_ptr, offs_n, stride_wn, kt, words, N, tiles, WPT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Prefetch into L2 the weight lines (128 bytes = 32 words) of `tiles` K tiles starting at word kt of the
+    program's BLOCK_N rows (lines past K or N point at the row's first word instead: a harmless repeat)."""
+    LINES: tl.constexpr = (WPT + 31) // 32
+    line = tl.arange(0, LINES)[None, :] * 32
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    for t in range(0, tiles):
+        word = kt + t * WPT + line
+        ok = (offs_n[:, None] < N) & (word < words)
+        p = rows + tl.where(ok, word, 0)
+        tl.inline_asm_elementwise(_L2_PREFETCH, "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # same launch-invariant arguments as _linear_kernel: one compiled kernel per tile config and split / no split
 @triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split", "group_n", "stride_xg"])
 def _gemv_linear_kernel(
@@ -586,6 +614,8 @@ def _gemv_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = 0,
+    L2_TILES: tl.constexpr = 0,
 ):
     """FP8 block-scaled GEMV for few rows ("gemv" mode): no MMA and no shared memory in the loop.
 
@@ -600,8 +630,10 @@ def _gemv_linear_kernel(
     registers per row); 0: none.
 
     PDL (launched as a programmatic dependent launch, docs/pdl.md): the first K tile's weight words and scales
-    (PREFETCH >= 1) are requested before the grid-dependency wait, so their DRAM latency overlaps the previous
-    kernel's tail; x is read and y, the workspace and the counters are written only after it."""
+    (PREFETCH >= 1) are requested before the grid-dependency wait, and the weight lines of the next L2_TILES tiles
+    are prefetched into L2, so their DRAM latency overlaps the previous kernel's tail; x is read and y, the
+    workspace and the counters are written only after it. PDL_TRIGGER: launch_dependents after the wait (0),
+    after the K loop (1) or never (2)."""
     G: tl.constexpr = BLOCK_K // B1
     V: tl.constexpr = B1 // 16
     WPT: tl.constexpr = BLOCK_K // 4  # words per K tile
@@ -647,8 +679,12 @@ def _gemv_linear_kernel(
         w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, t0 * WPT, one == 0, words, K, B1, SCALE_E8M0,
                                          ASM, EVEN_K)  # fmt: skip
     if PDL:  # weights are constants; x may be the previous kernel's output
+        if L2_TILES > 0 and ASM:  # PTX prefetch: none on the interpreter
+            _l2_prefetch_tiles(w_ptr, offs_n, stride_wn, t0 * WPT + WPT, words, N,
+                               tl.minimum(n_tiles - 1, L2_TILES), WPT, BLOCK_N)  # fmt: skip
         gdc_wait()
-        gdc_launch_dependents()
+        if PDL_TRIGGER == 0:
+            gdc_launch_dependents()
     if PREFETCH == 2:
         r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, t0 * WPT, one == 0, words, XW, X_KIND, ASM, EVEN_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N, G, V, 1], dtype=tl.float32)
@@ -674,6 +710,8 @@ def _gemv_linear_kernel(
         f0, f1, f2, f3 = _e4m3_words_f32(w_cur, ASM)
         p = a0 * f0 + a1 * f1 + a2 * f2 + a3 * f3  # [BLOCK_M, BLOCK_N, G, V, 4]
         acc += tl.sum(p, axis=4, keep_dims=True) * s_cur
+    if PDL and PDL_TRIGGER == 1:
+        gdc_launch_dependents()
     out = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
     _write_tile(out, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
                 SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
@@ -886,6 +924,8 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         PDL=on,
+        PDL_TRIGGER=_PDL_TRIGGERS[cfg.pdl_trigger],
+        L2_TILES=cfg.pdl_l2_tiles,
         num_warps=cfg.num_warps,
         num_stages=1 if interp else cfg.num_stages,
         **launch_kwargs(on),
