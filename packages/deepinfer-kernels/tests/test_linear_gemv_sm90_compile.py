@@ -30,6 +30,7 @@ from deepinfer_kernels.linear import triton as lt
 def loop_barriers(kernel, sig, cx, div, num_warps):
     # bar.sync between the K loop's header and its back branch (the compile is a cache hit after rep)
     names = kernel.arg_names
+    cx = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | cx  # as a JIT launch
     src = ASTSource(kernel, dict(sig) | {k: "constexpr" for k in cx},
                     constexprs={(names.index(k),): v for k, v in cx.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})

@@ -15,10 +15,12 @@ two calls give identical bits, and split vs unsplit results differ only by fp32 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
 import torch
+from deepinfer_kernels._launch import next_pow2
 from deepinfer_kernels.linear import reference
 from deepinfer_kernels.quant import quant_fp8_block
 from kernels_testing import triton_interpreter
@@ -140,6 +142,66 @@ def test_fp8_linear_grouped_interpreter_gemv(interp):
     for g in range(groups):
         want = reference.fp8_linear(x[:, g].bfloat16(), q[g * rows : (g + 1) * rows], s[g : g + 1], block)
         torch.testing.assert_close(got[:, g], want, rtol=2**-7, atol=2e-2)
+
+
+class _GdcCounter:
+    """Stands in for triton's gdc_wait / gdc_launch_dependents on the interpreter, which cannot run griddepcontrol
+    (calling them there raises): counts the calls, so a test sees that every program reaches the wait."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block_k", "split", "prefetch"),
+                         [(1, 40, 200, 64, 3, 2), (1, 20, 384, 128, 2, 1), (2, 33, 96, 64, 1, 0)])  # fmt: skip
+def test_fp8_linear_interpreter_gemv_pdl(interp, monkeypatch, m, n, k, block_k, split, prefetch):
+    """pdl=True on the interpreter: launched plainly (`use_pdl` is False there, the wait compiled out), so the
+    result is bit-identical to pdl=False. Then the PDL variant itself (PDL=True constexpr, weight loads before the
+    wait) is run with the two griddepcontrol calls counted instead of executed: bit-identical again, equal to the
+    reference, and every program calls the wait and the trigger exactly once."""
+    g = torch.Generator().manual_seed(k + n + 1)
+    q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, (32, 32))
+    x = torch.randn(m, k, generator=g).bfloat16()
+    cfg = interp.LinearConfig(next_pow2(m), 16, block_k, 4, 1, split, False, "gemv", prefetch=prefetch)
+    plain = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)
+    assert torch.equal(interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg, pdl=True), plain)
+    wait, trigger = _GdcCounter(), _GdcCounter()
+    monkeypatch.setattr(interp, "gdc_wait", wait)
+    monkeypatch.setattr(interp, "gdc_launch_dependents", trigger)
+    monkeypatch.setattr(interp, "use_pdl", lambda requested, device, interpreted: requested)
+    got = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg, pdl=True)
+    assert torch.equal(got, plain)
+    torch.testing.assert_close(got, reference.fp8_linear(x, q, s, (32, 32)), rtol=2**-7, atol=2e-2)
+    k_tiles = -(-k // block_k)
+    programs = -(-n // 16) * -(-m // cfg.block_m) * -(-k_tiles // -(-k_tiles // split))
+    assert wait.calls == trigger.calls == programs
+    interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)  # pdl off: no griddepcontrol at all
+    assert wait.calls == programs
+
+
+@pytest.mark.parametrize(("trigger", "want"), [("wait", 1), ("loop", 1), ("none", 0)])
+def test_gemv_pdl_knobs_interpreter(interp, monkeypatch, trigger, want):
+    """The PDL variant with its knobs (where the next kernel may launch; L2 prefetch of later K tiles, a PTX
+    instruction the interpreter skips) gives the plain results; the trigger runs once per program unless "none"."""
+    g = torch.Generator().manual_seed(17)
+    q, s = quant_fp8_block(torch.randn(24, 256, generator=g) / 16, (32, 32))
+    x = torch.randn(1, 256, generator=g).bfloat16()
+    cfg = interp.LinearConfig(1, 16, 64, 4, 1, 2, False, "gemv")
+    plain = interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=cfg)
+    wait, trig = _GdcCounter(), _GdcCounter()
+    monkeypatch.setattr(interp, "gdc_wait", wait)
+    monkeypatch.setattr(interp, "gdc_launch_dependents", trig)
+    monkeypatch.setattr(interp, "use_pdl", lambda requested, device, interpreted: requested)
+    knobs = dataclasses.replace(cfg, pdl_trigger=trigger, pdl_l2_tiles=2)
+    assert torch.equal(interp.fp8_linear(x, q, s, (32, 32), act_quant=False, config=knobs, pdl=True), plain)
+    assert wait.calls == 4 and trig.calls == want * 4  # 2 N tiles x 2 splits
+    with pytest.raises(ValueError, match="pdl_trigger"):
+        interp.LinearConfig(1, 16, 64, 4, 1, 2, False, "gemv", pdl_trigger="early")
+    with pytest.raises(ValueError, match="pdl_l2_tiles"):
+        interp.LinearConfig(1, 16, 64, 4, 1, 2, False, "gemv", pdl_l2_tiles=-1)
 
 
 def test_gemv_decode_is_exact(interp):
@@ -448,3 +510,49 @@ def test_gemv_decode_is_exact_gpu():
         got = lt.fp8_linear(x.to(dt).cuda(), w.view(torch.float8_e4m3fn).cuda(), s.cuda(), (32, 32), act_quant=False,
                             config=lt.LinearConfig(1, 16, 64, 4, 1, 1, False, "gemv"))[0].cpu()  # fmt: skip
         assert torch.equal(got, codes.view(torch.float8_e4m3fn).float().to(dt)), dt
+
+
+@pytest.mark.gpu
+def test_fp8_linear_gpu_gemv_pdl_chain_is_bit_identical():
+    """A chain of M = 1 gemv launches at V4.1 shapes (each reading the previous output, split-K counters shared),
+    eager and captured in a CUDA graph, with pdl on equals pdl off bit for bit (a missing or misplaced wait would
+    let a launch read a stale input or overwrite one still being read). On a device without PDL both are plain."""
+    from deepinfer_kernels.linear import fp8_linear, split_k_counters
+    from deepinfer_kernels.linear import triton as lt
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [(1280, 5120), (5120, 1280), (2304, 5120), (5120, 2304), (32768, 5120), (5120, 32768)]
+    ws = [_random_fp8(n, k, (32, 32), g, "cuda") for n, k in shapes]
+    cnt = split_k_counters("cuda")
+    x = torch.randn(1, 5120, generator=g).cuda().bfloat16()
+    split = lt.LinearConfig(1, 16, 512, 4, 1, 8, False, "gemv")  # the last launch split-K: counters, workspace
+
+    def chain(pdl: bool) -> list[torch.Tensor]:
+        outs, h = [], x
+        for i, (q, s) in enumerate(ws):
+            if i == len(ws) - 1:
+                h = lt.fp8_linear(h, q, s, (32, 32), act_quant=False, config=split, counters=cnt, pdl=pdl)
+            else:
+                h = fp8_linear(h, q, s, (32, 32), backend="triton", counters=cnt, pdl=pdl)
+            outs.append(h)
+        return outs
+
+    eager_off, eager_on = chain(False), chain(True)
+    assert torch.isfinite(eager_off[-1].float()).all()  # ~70x growth per launch stays far inside bf16's range
+    for a, b in zip(eager_on, eager_off, strict=True):
+        assert torch.equal(a, b)
+    graphs = {}
+    for pdl in (False, True):
+        chain(pdl)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain(pdl)
+        graphs[pdl] = (graph, outs)
+    for _ in range(3):
+        graphs[True][0].replay()
+        graphs[False][0].replay()
+        torch.cuda.synchronize()
+        for a, b, e in zip(graphs[True][1], graphs[False][1], eager_off, strict=True):
+            assert torch.equal(a, b) and torch.equal(b, e)
+    assert not cnt.any()

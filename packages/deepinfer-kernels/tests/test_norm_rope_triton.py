@@ -233,3 +233,80 @@ def test_gpu_rope_at_positions_matches_reference(case, dtype, inverse):
     d = shape[-1] - rope_dim
     assert out.dtype == ref.dtype and torch.equal(out[..., :d], ref[..., :d])
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-5, rtol=_ULP[dtype] or 2.0**-23)
+
+
+# ------------------------------------------------------------------------------------------------ PDL
+class _GdcCounter:
+    """Stands in for triton's gdc_wait / gdc_launch_dependents on the interpreter, which cannot run griddepcontrol
+    (calling them there raises): counts the calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_pdl_interpreter_is_bit_identical(interp, monkeypatch):
+    """pdl=True on the interpreter launches plainly (the wait compiled out): bit-identical to pdl=False. Then the
+    PDL variants (PDL=True constexpr: the RMSNorm weight read before the wait) run with the griddepcontrol calls
+    counted instead of executed: bit-identical again, one wait and one trigger per program."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(9, 40, generator=g) * 3).bfloat16()
+    w = (torch.rand(40, generator=g) + 0.5).bfloat16()
+    xr, cos, sin = _inputs((3, 4, 32), 8, torch.bfloat16)
+    xp, pos, freqs = _positions_inputs((3, 4, 32), 8, torch.bfloat16)
+
+    def run(pdl: bool) -> list[torch.Tensor]:
+        return [interp.rms_norm(x, w, 1e-6, pdl=pdl), interp.rms_norm(x, None, 1e-6, pdl=pdl),
+                interp.apply_rope(xr, cos, sin, pdl=pdl), interp.apply_rope_at(xp, pos, freqs, pdl=pdl),
+                interp.apply_rope_at(xp, pos, freqs, norm=(None, 1e-6), pdl=pdl)]  # fmt: skip
+
+    plain = run(False)
+    for a, b in zip(run(True), plain, strict=True):
+        assert torch.equal(a, b)
+    wait, trigger = _GdcCounter(), _GdcCounter()
+    monkeypatch.setattr(interp, "gdc_wait", wait)
+    monkeypatch.setattr(interp, "gdc_launch_dependents", trigger)
+    monkeypatch.setattr(interp, "use_pdl", lambda requested, device, interpreted: requested)
+    for a, b in zip(run(True), plain, strict=True):
+        assert torch.equal(a, b)
+    # rms_norm [9, 40]: 8192 // 64 rows per program -> 1 program each; rope [12 rows]: 1 program each
+    assert wait.calls == trigger.calls == 5
+    _check(plain[0], reference.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_chain_is_bit_identical():
+    """Back-to-back RMSNorm and RoPE launches (each reading the previous output), eager and in a CUDA graph: pdl on
+    equals pdl off bit for bit (plain launches on a device without PDL)."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(1, 64, 512, generator=g).cuda().bfloat16()
+    w = (torch.rand(512, generator=g) + 0.5).cuda().bfloat16()
+    pos = torch.tensor([70000]).cuda()
+    freqs = rope_freqs(64, 160000.0, yarn_factor=16, original_max_pos=65536).cuda()
+
+    def chain(pdl: bool) -> list[torch.Tensor]:
+        outs, h = [], x
+        for _ in range(4):
+            h = rms_norm(h, w, 1e-6, backend="triton", pdl=pdl)
+            outs.append(h)
+            h = apply_rope_at(h, pos, freqs, backend="triton", pdl=pdl)
+            outs.append(h)
+            h = apply_rope_at(h, pos, freqs, norm=(w, 1e-6), inverse=True, backend="triton", pdl=pdl)
+            outs.append(h)
+        return outs
+
+    off = chain(False)
+    for a, b in zip(chain(True), off, strict=True):
+        assert torch.equal(a, b)
+    chain(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = chain(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(outs, off, strict=True):
+            assert torch.equal(a, b)

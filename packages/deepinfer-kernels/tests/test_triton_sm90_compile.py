@@ -116,3 +116,96 @@ def test_default_configs_compile_for_sm90_without_spills():
     for name in (n for n in report if n.startswith("sparse_attn") and "combine" not in n and "fp32" not in n):
         assert report[name]["wgmma"], report[name]  # tensor-core dots, M = 64 heads
         assert report[name]["cp_async"], report[name]  # the kv gather is software-pipelined
+
+
+_PDL_SCRIPT = r"""
+import json
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from deepinfer_kernels.linear import triton as lt
+from deepinfer_kernels.norm_rope import triton as rn
+
+
+def ptx(kernel, sig, cx, num_warps, div=(), **opts):
+    names = kernel.arg_names
+    cx = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default} | cx  # as a JIT launch
+    src = ASTSource(kernel, dict(sig) | {k: "constexpr" for k in cx},
+                    constexprs={(names.index(k),): v for k, v in cx.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=1, **opts)).asm["ptx"]
+
+
+def facts(text):
+    # instruction counts before / after the first grid-dependency wait (all "before" when there is none)
+    cut = text.find("griddepcontrol.wait")
+    pre, post = (text, "") if cut < 0 else (text[:cut], text[cut:])
+    out = {"wait": text.count("griddepcontrol.wait"), "trigger": text.count("griddepcontrol.launch_dependents")}
+    for key, pat in (("ld_v4", "ld.global.v4"), ("ld_v2", "ld.global.v2"), ("ld_u8", "ld.global.u8"),
+                     ("ld", "ld.global"), ("st", "st.global"), ("atom", "atom.global"), ("l2", "prefetch.global.L2")):
+        out[key + "_pre"], out[key + "_post"] = pre.count(pat), post.count(pat)
+    return out
+
+
+gemv_sig = {"x_ptr": "*i64", "w_ptr": "*i32", "s_ptr": "*u8", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+            "stride_ym": "i32", "stride_split": "i32", "k_tiles_per_split": "i32", "group_n": "i32",
+            "stride_xg": "i32"}
+gemv_div = ("x_ptr", "w_ptr", "s_ptr", "y_ptr", "ws_ptr", "stride_xm", "stride_wn", "K", "N", "stride_ym")
+norm_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "R": "i32", "D": "i32", "stride_x": "i32",
+            "stride_y": "i32", "eps": "fp32"}
+rope_sig = {"x_ptr": "*bf16", "cos_ptr": "*i64", "sin_ptr": "*fp32", "y_ptr": "*bf16", "w_ptr": "*bf16", "R": "i32",
+            "M": "i32", "D": "i32", "stride_x": "i32", "stride_y": "i32", "stride_c": "i32", "eps": "fp32"}
+out = {}
+for pdl in (False, True):
+    # wq_a at M = 1 (`_gemv_config`: 16 x 1024 tiles, 8 warps, prefetch 2), split-K so the atomics are there too
+    out[f"gemv pdl={pdl}"] = facts(ptx(
+        lt._gemv_linear_kernel, gemv_sig,
+        dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=False, X_KIND=0, ASM=True, PREFETCH=2, EVEN_K=True, VEC_K=True,
+             SPLIT_K=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, PDL=pdl), 8, gemv_div, launch_pdl=pdl))
+    if pdl:  # the measured knobs: launch_dependents after the K loop, 4 more K tiles prefetched into L2
+        gemv_cx = dict(B0=32, B1=32, SCALE_E8M0=True, ACT_QUANT=False, X_KIND=0, ASM=True, PREFETCH=2, EVEN_K=True,
+                       VEC_K=True, SPLIT_K=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024, PDL=True, PDL_TRIGGER=1,
+                       L2_TILES=4)
+        text = ptx(lt._gemv_linear_kernel, gemv_sig, gemv_cx, 8, gemv_div, launch_pdl=True)
+        # the K loop is the first loop after the wait (the L2 prefetch loop precedes it); it ends at the branch
+        # back to its header label
+        wait = text.find("griddepcontrol.wait")
+        head = re.compile(r"(\$L__BB\d+_\d+):[^\n]*\n?\s*// =>This Inner Loop Header").search(text, wait)
+        back = re.compile(r"bra\s+" + re.escape(head.group(1)) + ";").search(text, head.end())
+        out["gemv l2 trigger-after-loop pdl=True"] = dict(
+            facts(text), trigger_after_loop=text.find("griddepcontrol.launch_dependents") > back.start())
+    out[f"rms_norm pdl={pdl}"] = facts(ptx(
+        rn._rms_norm_kernel, norm_sig, dict(HAS_W=True, BLOCK_R=1, BLOCK_D=8192, PDL=pdl), 8, launch_pdl=pdl))
+    out[f"rope_at pdl={pdl}"] = facts(ptx(
+        rn._rope_kernel, rope_sig, dict(P=32, INVERSE=False, FROM_POS=True, NORM=True, HAS_W=True, BLOCK_R=8,
+                                        BLOCK_D=512, BLOCK_P=32, PDL=pdl), 4, launch_pdl=pdl, enable_fp_fusion=False))
+print(json.dumps(out))
+"""
+
+
+def test_pdl_kernels_wait_before_reading_activations_and_writing():
+    """PDL (docs/pdl.md) on sm_90a: with pdl on, the gemv, RMSNorm and RoPE kernels hold one griddepcontrol.wait
+    and one launch_dependents; with pdl off neither. The PTX order is the contract: before the wait the gemv issues
+    only its first tile's weight (16-byte) and UE8M0 scale loads, never an activation load (its 8-byte vector
+    loads) nor a store or atomic; the RMSNorm only its weight load; the RoPE nothing."""
+    report = run_compile_script(_PDL_SCRIPT)
+    for name, r in report.items():
+        on = name.endswith("pdl=True")
+        assert (r["wait"], r["trigger"]) == ((1, 1) if on else (0, 0)), (name, r)
+        if not on:
+            continue
+        assert r["st_pre"] == 0 and r["atom_pre"] == 0 and r["st_post"] > 0, (name, r)
+        if name.startswith("gemv"):
+            assert r["l2_post"] == 0 and (r["l2_pre"] > 0) == ("l2" in name), (name, r)  # L2 prefetch before only
+            assert r.get("trigger_after_loop", True), (name, r)
+            assert r["ld_v4_pre"] > 0 and r["ld_u8_pre"] > 0, (name, r)  # weight words and scales of tile 0
+            assert r["ld_v2_pre"] == 0 and r["ld_v2_post"] > 0, (name, r)  # activations only after the wait
+            assert r["ld_pre"] == r["ld_v4_pre"] + r["ld_u8_pre"], (name, r)
+            assert r["atom_post"] > 0, (name, r)
+        elif name.startswith("rms_norm"):
+            assert 0 < r["ld_pre"] == r["ld_post"], (name, r)  # the weight row before, the x row (same shape) after
+        else:
+            assert r["ld_pre"] == 0 and r["ld_post"] > 0, (name, r)

@@ -90,15 +90,19 @@ def sm90_compile_report(
     "cp_async" (some load was pipelined into asynchronous copies)}.
 
     signature: {arg name: triton type string ("*bf16", "i32", "fp32", ...)} for the runtime arguments;
-    constexprs: {name: value}; divisible_by_16: runtime arguments to compile as the JIT specialises pointers and
-    integers that are multiples of 16 (it decides the vector width of loads, hence whether a gather becomes
-    asynchronous copies). Works with triton 3.6 .. 3.9 (ASTSource + GPUTarget("cuda", 90, 32)).
+    constexprs: {name: value} (one with a declared default may be left out); divisible_by_16: runtime arguments to
+    compile as the JIT specialises pointers and integers that are multiples of 16 (it decides the vector width of
+    loads, hence whether a gather becomes asynchronous copies). Works with triton 3.6 .. 3.9 (ASTSource +
+    GPUTarget("cuda", 90, 32)).
     """
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     arg_names = kernel.arg_names  # type: ignore[attr-defined]
+    # constexprs left out take their declared defaults, as at a JIT launch (ASTSource itself needs every one)
+    params = kernel.params  # type: ignore[attr-defined]
+    constexprs = {p.name: p.default for p in params if p.is_constexpr and p.has_default} | dict(constexprs)
     sig = dict(signature) | {k: "constexpr" for k in constexprs}
     attrs = {(arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16}
     src = ASTSource(kernel, sig, constexprs={(arg_names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)

@@ -59,6 +59,7 @@ def fp8_linear(
     act_quant: bool = False,
     backend: str = "auto",
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """``y = x Wᵀ`` with W FP8 e4m3 block-scaled, decoded inside the kernel (no dequantized copy).
 
@@ -66,7 +67,9 @@ def fp8_linear(
     ``float8_e8m0fnu`` (UE8M0) or float32; block ``(b0, b1)`` (V4.1 (32, 32), V4 (128, 128)) -> ``[..., N]`` in x's
     dtype. ``act_quant``: quantize x to e4m3 with one power-of-two scale per 1 x b1 channels first (the deployed
     numerics; `deepinfer_kernels.quant.act_quant_fp8`). backend: "auto" | "torch" | "triton". counters: the
-    caller's `split_k_counters` (Triton split-K; the reference ignores them).
+    caller's `split_k_counters` (Triton split-K; the reference ignores them). ``pdl``: let the M = 1 "gemv" kernel
+    launch as a programmatic dependent launch on sm_90+ (its weight loads overlap the previous kernel's tail;
+    docs/pdl.md); ignored by the reference and by the other kernels, same results either way.
     """
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(
@@ -84,7 +87,8 @@ def fp8_linear(
     if resolve_backend("fp8_linear", backend, x2, weight, scale, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.linear import triton as triton_backend
 
-        y = triton_backend.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant, counters=counters)
+        y = triton_backend.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant, counters=counters,
+                                      pdl=pdl)
     else:
         y = reference.fp8_linear(x2, weight, scale, tuple(block), act_quant=act_quant)
     return y.reshape(*lead, weight.shape[0])
@@ -99,11 +103,13 @@ def fp8_linear_grouped(
     act_quant: bool = False,
     backend: str = "auto",
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """Block-diagonal `fp8_linear`: x ``[M, G, K]``, weight ``[G * R, K] float8_e4m3fn`` whose row group g multiplies
     x's group g, scale ``[G * R / b0, ceil(K / b1)]`` -> ``[M, G, R]`` in x's dtype (the grouped low-rank output
     projection). R must be a multiple of b0 (no scale block straddles two groups). On CUDA one launch covers every
-    group; otherwise, or when the kernel's tiles do not divide R, one `fp8_linear` per group."""
+    group; otherwise, or when the kernel's tiles do not divide R, one `fp8_linear` per group. pdl: as
+    `fp8_linear`."""
     if x.dim() != 3 or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"fp8_linear_grouped: x {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}; "
                          "expected x [M, G, K] and weight [G * R, K] float8_e4m3fn")
@@ -120,13 +126,13 @@ def fp8_linear_grouped(
         from deepinfer_kernels.linear import triton as triton_backend
 
         y = triton_backend.fp8_linear_grouped(x, weight, scale, tuple(block), act_quant=act_quant,
-                                              counters=counters)
+                                              counters=counters, pdl=pdl)
         if y is not None:
             return y.view(m, g, rows)
     b0 = block[0]
     outs = [
         fp8_linear(x[:, i], weight[i * rows : (i + 1) * rows], scale[i * rows // b0 : (i + 1) * rows // b0], block,
-                   act_quant=act_quant, backend=backend, counters=counters)
+                   act_quant=act_quant, backend=backend, counters=counters, pdl=pdl)
         for i in range(g)
     ]  # fmt: skip
     return torch.stack(outs, dim=1)

@@ -38,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
+from deepinfer_kernels._pdl import launch_kwargs, use_pdl
 
 __all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped", "launch", "linear_f32_out"]
 
@@ -48,6 +50,8 @@ __all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped",
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
 # weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
 _MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3}
+# where a PDL "gemv" program lets the next kernel launch (`LinearConfig.pdl_trigger`, the kernel's PDL_TRIGGER)
+_PDL_TRIGGERS = {"wait": 0, "loop": 1, "none": 2}
 # split-K partials per output tile: the cap of an explicit split or a programs target
 MAX_SPLIT = 64
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
@@ -63,7 +67,11 @@ class LinearConfig:
     instead of the occupancy policy: S = ceil(programs / output tiles), at most MAX_SPLIT and the K tiles (0: the
     policy). ``mode`` "gemv" (FP8 weights only): `_gemv_linear_kernel`, CUDA-core FMAs on weights decoded in registers,
     for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
-    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it)."""
+    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it).
+    Only for a "gemv" launch with PDL on (docs/pdl.md): ``pdl_trigger`` where each program lets the next kernel
+    launch: "wait" right after its grid-dependency wait, "loop" after its K loop, "none" never (the next kernel
+    then launches when this one ends); ``pdl_l2_tiles``: K tiles after the first whose weight lines each program
+    also prefetches into L2 before the wait (0: none)."""
 
     block_m: int = 16
     block_n: int = 64
@@ -75,6 +83,8 @@ class LinearConfig:
     mode: str = "group"
     programs: int = 0
     prefetch: int = 2
+    pdl_trigger: str = "wait"
+    pdl_l2_tiles: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -92,6 +102,9 @@ class LinearConfig:
             raise ValueError(f"LinearConfig: swap_ab is an MMA operand order; mode {self.mode!r} has none")
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"LinearConfig.prefetch: found {self.prefetch}; expected 0, 1 or 2")
+        if self.pdl_trigger not in _PDL_TRIGGERS or self.pdl_l2_tiles < 0:
+            raise ValueError(f"LinearConfig: pdl_trigger {self.pdl_trigger!r} / pdl_l2_tiles {self.pdl_l2_tiles}; "
+                             f"expected one of {tuple(_PDL_TRIGGERS)} / >= 0")
         if self.num_stages < 1 or not 0 <= self.split <= MAX_SPLIT or self.programs < 0:
             raise ValueError(
                 f"LinearConfig: num_stages {self.num_stages} / split {self.split} / programs {self.programs}; "
@@ -550,6 +563,23 @@ def _gemv_act_tile(x_rows, xm, kw, kq, kt, on, words, XW: tl.constexpr, X_KIND: 
     return _act_load(x_rows + (kt + kw) * XW, mask, X_KIND, ASM)
 
 
+_L2_PREFETCH = tl.constexpr("prefetch.global.L2 [$1];\nmov.u32 $0, 0;")
+
+
+@triton.jit
+def _l2_prefetch_tiles(w_ptr, offs_n, stride_wn, kt, words, N, tiles, WPT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Prefetch into L2 the weight lines (128 bytes = 32 words) of `tiles` K tiles starting at word kt of the
+    program's BLOCK_N rows (lines past K or N point at the row's first word instead: a harmless repeat)."""
+    LINES: tl.constexpr = (WPT + 31) // 32
+    line = tl.arange(0, LINES)[None, :] * 32
+    rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    for t in range(0, tiles):
+        word = kt + t * WPT + line
+        ok = (offs_n[:, None] < N) & (word < words)
+        p = rows + tl.where(ok, word, 0)
+        tl.inline_asm_elementwise(_L2_PREFETCH, "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # same launch-invariant arguments as _linear_kernel: one compiled kernel per tile config and split / no split
 @triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split", "group_n", "stride_xg"])
 def _gemv_linear_kernel(
@@ -583,6 +613,9 @@ def _gemv_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+    PDL_TRIGGER: tl.constexpr = 0,
+    L2_TILES: tl.constexpr = 0,
 ):
     """FP8 block-scaled GEMV for few rows ("gemv" mode): no MMA and no shared memory in the loop.
 
@@ -594,7 +627,13 @@ def _gemv_linear_kernel(
     that sum (a power of two for UE8M0: exact) into acc [BLOCK_M, BLOCK_N, G, V], reduced across threads once
     after the loop. PREFETCH 1: the next K tile's words and scales are loaded before this tile is computed
     (loop-carried registers), so DRAM latency overlaps the decode and the FMAs; 2: its activations too (more
-    registers per row); 0: none."""
+    registers per row); 0: none.
+
+    PDL (launched as a programmatic dependent launch, docs/pdl.md): the first K tile's weight words and scales
+    (PREFETCH >= 1) are requested before the grid-dependency wait, and the weight lines of the next L2_TILES tiles
+    are prefetched into L2, so their DRAM latency overlaps the previous kernel's tail; x is read and y, the
+    workspace and the counters are written only after it. PDL_TRIGGER: launch_dependents after the wait (0),
+    after the K loop (1) or never (2)."""
     G: tl.constexpr = BLOCK_K // B1
     V: tl.constexpr = B1 // 16
     WPT: tl.constexpr = BLOCK_K // 4  # words per K tile
@@ -639,6 +678,13 @@ def _gemv_linear_kernel(
     if PREFETCH >= 1:
         w_nxt, s_nxt = _gemv_weight_tile(w_ptrs, s_ptrs, wm, kq, gs, t0 * WPT, one == 0, words, K, B1, SCALE_E8M0,
                                          ASM, EVEN_K)  # fmt: skip
+    if PDL:  # weights are constants; x may be the previous kernel's output
+        if L2_TILES > 0 and ASM:  # PTX prefetch: none on the interpreter
+            _l2_prefetch_tiles(w_ptr, offs_n, stride_wn, t0 * WPT + WPT, words, N,
+                               tl.minimum(n_tiles - 1, L2_TILES), WPT, BLOCK_N)  # fmt: skip
+        gdc_wait()
+        if PDL_TRIGGER == 0:
+            gdc_launch_dependents()
     if PREFETCH == 2:
         r0n, r1n, r2n, r3n = _gemv_act_tile(x_rows, xm, kw, kq, t0 * WPT, one == 0, words, XW, X_KIND, ASM, EVEN_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N, G, V, 1], dtype=tl.float32)
@@ -664,6 +710,8 @@ def _gemv_linear_kernel(
         f0, f1, f2, f3 = _e4m3_words_f32(w_cur, ASM)
         p = a0 * f0 + a1 * f1 + a2 * f2 + a3 * f3  # [BLOCK_M, BLOCK_N, G, V, 4]
         acc += tl.sum(p, axis=4, keep_dims=True) * s_cur
+    if PDL and PDL_TRIGGER == 1:
+        gdc_launch_dependents()
     out = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
     _write_tile(out, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
                 SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
@@ -739,11 +787,14 @@ def launch(
     config: LinearConfig | None = None,
     groups: int = 1,
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
     test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`).
     ``counters``: int32 zeros on x's device (`deepinfer_kernels.linear.split_k_counters`), used by a split-K launch instead of fresh
-    zeroed ones when it has room for the launch's tiles (left zero on return).
+    zeroed ones when it has room for the launch's tiles (left zero on return). ``pdl``: launch the "gemv" kernel as a
+    programmatic dependent launch where `deepinfer_kernels._pdl.use_pdl` allows (docs/pdl.md); the MMA kernel
+    always launches plainly.
 
     groups G > 1: x [M, G, K], w [G * R, K] block-diagonal -> y [M, G * R] with y[:, g R:(g+1) R] = x[:, g] @ W_gᵀ,
     one launch (the caller checks that every tile size of the config divides R)."""
@@ -788,7 +839,7 @@ def launch(
         s_arg, e8m0 = (s if s is not None else w), False
     if cfg.mode == "gemv":
         _launch_gemv(x, w, s_arg, y, ws, counters, (grid_n, grid_m, split), cfg, op=op, b0=b0, b1=b1, e8m0=e8m0,
-                     act_quant=act_quant, per=per, groups=groups, interp=interp)  # fmt: skip
+                     act_quant=act_quant, per=per, groups=groups, interp=interp, pdl=pdl)  # fmt: skip
         return y
     _linear_kernel[(grid_n, grid_m, split)](
         x,
@@ -829,7 +880,7 @@ def launch(
 
 def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, counters: Tensor, grid: tuple[int, ...],
                  cfg: LinearConfig, *, op: str, b0: int, b1: int, e8m0: bool, act_quant: bool, per: int, groups: int,
-                 interp: bool) -> None:  # fmt: skip
+                 interp: bool, pdl: bool = False) -> None:  # fmt: skip
     """`_gemv_linear_kernel` on the same operands as `_linear_kernel`: the weight as int32 words, bf16 / fp16 x as int64
     words of 4 values (fp32 x as is), strides in those units."""
     if w.stride(0) % 4 or w.storage_offset() % 4:
@@ -840,6 +891,7 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         x = x.contiguous()
     xv = x if x_kind == 2 else x.view(torch.int64)
     wv = w.view(torch.int32)
+    on = use_pdl(pdl, x.device, interpreted=interp)
     _gemv_linear_kernel[grid](
         xv,
         wv,
@@ -871,8 +923,12 @@ def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, cou
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        PDL=on,
+        PDL_TRIGGER=_PDL_TRIGGERS[cfg.pdl_trigger],
+        L2_TILES=cfg.pdl_l2_tiles,
         num_warps=cfg.num_warps,
         num_stages=1 if interp else cfg.num_stages,
+        **launch_kwargs(on),
     )
 
 
@@ -885,11 +941,12 @@ def fp8_linear(
     act_quant: bool,
     config: LinearConfig | None = None,
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """x [M, K] (bf16 / fp16 / fp32), weight [N, K] e4m3, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [M, N]
-    x's dtype. Validated by the package dispatcher."""
+    x's dtype. Validated by the package dispatcher. pdl: see `launch`."""
     return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear", config=config,
-                  counters=counters)
+                  counters=counters, pdl=pdl)
 
 
 def fp8_linear_grouped(
@@ -901,6 +958,7 @@ def fp8_linear_grouped(
     act_quant: bool,
     config: LinearConfig | None = None,
     counters: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor | None:
     """x [M, G, K], weight [G * R, K] e4m3 block-diagonal, scale [G * R / b0, ceil(K / b1)] -> [M, G * R] x's
     dtype in one launch; None when the default tiles do not divide R (the caller runs the groups one by one)."""
@@ -911,7 +969,7 @@ def fp8_linear_grouped(
     if (n // g) % cfg.block_n:
         return None
     return launch(x, weight, scale, x.dtype, block=block, act_quant=act_quant, op="fp8_linear_grouped",
-                  config=cfg, groups=g, counters=counters)
+                  config=cfg, groups=g, counters=counters, pdl=pdl)
 
 
 def linear_f32_out(

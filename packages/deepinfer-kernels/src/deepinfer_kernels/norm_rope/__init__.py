@@ -25,9 +25,10 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_MAX_D = 16384  # == norm_rope.triton.MAX_D (kept here so the dispatcher does not import triton)
 
 
-def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, backend: str = "auto") -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, backend: str = "auto", pdl: bool = False) -> Tensor:
     """x [..., D] any float dtype; weight [D] or None; fp32 math; returns x's dtype.
-    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x with D <= 16384)."""
+    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x with D <= 16384).
+    pdl: launch the kernel as a programmatic dependent launch on sm_90+ (docs/pdl.md); same results either way."""
     if weight is not None and weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
     ok = x.dtype in _TRITON_DTYPES and 0 < x.shape[-1] <= _TRITON_MAX_D
@@ -36,7 +37,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, *, backend: str = "au
     if resolve_backend("rms_norm", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.norm_rope import triton as triton_backend
 
-        return triton_backend.rms_norm(x, weight, eps)
+        return triton_backend.rms_norm(x, weight, eps, pdl=pdl)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -49,9 +50,12 @@ def rope_cos_sin(positions: Tensor, freqs: Tensor) -> tuple[Tensor, Tensor]:
     return reference.rope_cos_sin(positions, freqs)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, backend: str = "auto") -> Tensor:
+def apply_rope(
+    x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, backend: str = "auto", pdl: bool = False
+) -> Tensor:
     """x [T, ..., D] (rope on the last 2P channels, interleaved pairs), cos/sin [T, P] fp32 -> x's shape and dtype.
-    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x; within 1 ULP of the reference)."""
+    backend: "auto" | "torch" | "triton" (the Triton kernel takes bf16/fp16/fp32 x; within 1 ULP of the reference).
+    pdl: as `rms_norm`."""
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != x.shape[0]:
         raise ValueError(
             f"apply_rope: cos/sin must be [T={x.shape[0]}, P]; found {tuple(cos.shape)}, {tuple(sin.shape)}"
@@ -65,7 +69,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, inverse: bool = False, ba
     if resolve_backend("apply_rope", backend, x, cos, sin, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.norm_rope import triton as triton_backend
 
-        return triton_backend.apply_rope(x, cos, sin, inverse=inverse)
+        return triton_backend.apply_rope(x, cos, sin, inverse=inverse, pdl=pdl)
     return reference.apply_rope(x, cos, sin, inverse=inverse)
 
 
@@ -105,19 +109,19 @@ def rope_at_uses_kernel(
 
 def apply_rope_at(
     x: Tensor, positions: Tensor, freqs: Tensor, *, inverse: bool = False,
-    norm: tuple[Tensor | None, float] | None = None, backend: str = "auto",
+    norm: tuple[Tensor | None, float] | None = None, backend: str = "auto", pdl: bool = False,
 ) -> Tensor:  # fmt: skip
     """``apply_rope(x, *rope_cos_sin(positions, freqs), inverse=inverse)``: x [T, ..., D], positions [T] int,
     freqs [P] fp32. ``norm`` (weight [D] | None, eps): ``rms_norm(x, weight, eps)`` first (its output dtype
     rounding kept), in the same kernel. The Triton kernel computes the fp32 angles and their cos / sin itself
     (cos/sin within 1 ULP of torch.polar's; the rotation as `apply_rope`, the norm as `rms_norm`).
-    backend: "auto" | "torch" | "triton"."""
+    backend: "auto" | "torch" | "triton". pdl: as `rms_norm`."""
     ok, why = _check_rope_at(x, positions, freqs, norm)
     tensors = _rope_at_tensors(x, positions, freqs, norm)
     if resolve_backend("apply_rope_at", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.norm_rope import triton as triton_backend
 
-        return triton_backend.apply_rope_at(x, positions, freqs, inverse=inverse, norm=norm)
+        return triton_backend.apply_rope_at(x, positions, freqs, inverse=inverse, norm=norm, pdl=pdl)
     if norm is not None:
         x = reference.rms_norm(x, norm[0], norm[1])
     cos, sin = reference.rope_cos_sin(positions, freqs)
