@@ -31,6 +31,8 @@ ops (`fp4_grouped`) and loads with ``tl.load``; it computes the same fp32 produc
 
 from __future__ import annotations
 
+import re
+
 import torch
 import triton
 import triton.language as tl
@@ -41,8 +43,16 @@ from deepinfer_kernels.moe.fp4_grouped import triton as fp4_grouped
 __all__ = ["aligned_rows", "launch_down", "launch_gate_up", "supports"]
 
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)  # UE8M0 code 0: 2^-127
-# the decode of one code word (`fp4_grouped`): four bf16 pairs value * 2^-126 times a bf16x2 multiplier
-_WORD = fp4_grouped._WORD_FAST
+# The decode of one code word is `fp4_grouped`'s (four bf16 pairs value * 2^-126 times a bf16x2 multiplier), with
+# each pair's two bf16 lanes widened to fp32 in the PTX (a shift and a mask) instead of 16-bit outputs that Triton
+# would extract and convert again: outputs (0, 4), (1, 5), (2, 6), (3, 7) as fp32 bits.
+_WORD_F32 = tl.constexpr(
+    re.sub(
+        r"mov\.b32 \{(\$\d+), (\$\d+)\}, t;",
+        r"shl.b32 \1, t, 16;\nand.b32 \2, t, 0xFFFF0000;",
+        fp4_grouped._word_ptx(False),
+    )
+)
 _nibble_f32 = fp4_grouped._nibble_f32
 # bf16 2^126 in both lanes: the decoded pairs become the exact e2m1 values (|v| <= 6)
 _TWO_POW_126_X2 = tl.constexpr(0x7E807E80)
@@ -137,11 +147,9 @@ def _word_dot(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     Σ_m x_m * code m (exact e2m1 values, fp32 products and sum), [BLOCK_T, BLOCK_N, Q, 4, 4]."""
     if ASM:
         mul = tl.full(w.shape, _TWO_POW_126_X2, tl.int32)
-        n0, n4, n1, n5, n2, n6, n3, n7 = tl.inline_asm_elementwise(
-            _WORD, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, mul], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
+        f0, f4, f1, f5, f2, f6, f3, f7 = tl.inline_asm_elementwise(
+            _WORD_F32, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [w, mul], dtype=(tl.float32,) * 8, is_pure=True, pack=1
         )
-        f0, f1, f2, f3 = n0.to(tl.float32), n1.to(tl.float32), n2.to(tl.float32), n3.to(tl.float32)
-        f4, f5, f6, f7 = n4.to(tl.float32), n5.to(tl.float32), n6.to(tl.float32), n7.to(tl.float32)
     else:
         f0, f1, f2, f3 = _nibble_f32(w, 0), _nibble_f32(w, 1), _nibble_f32(w, 2), _nibble_f32(w, 3)
         f4, f5, f6, f7 = _nibble_f32(w, 4), _nibble_f32(w, 5), _nibble_f32(w, 6), _nibble_f32(w, 7)
@@ -167,6 +175,11 @@ def _gemv_loop(
     xp = x_rows + col
     acc_a = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // 128, 4, 4], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // 128, 4, 4], dtype=tl.float32)
+    # offsets are tile index * per-tile step: the compiler then knows the code words of a lane are 16-byte aligned
+    # (a division of a column offset would lose that, and split the loads)
+    WT: tl.constexpr = BLOCK_K // 8  # code words per K tile
+    ST: tl.constexpr = BLOCK_K // 128  # scale words per K tile
+    n_tiles = K // BLOCK_K
     if PREFETCH:
         wa_n = tl.load(wpa)
         sa_n = _scale(spa, shift, ASM)
@@ -175,25 +188,25 @@ def _gemv_loop(
         if TWO:
             wb_n = tl.load(wpb)
             sb_n = _scale(spb, shift, ASM)
-    for k0 in range(0, K, BLOCK_K):
+    for kt in range(0, n_tiles):
         if PREFETCH:
             # the next tile (the last tile again at the end: in cache, and no mask) before this one is computed
-            kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)
+            nt = tl.minimum(kt + 1, n_tiles - 1)
             wa, sa, wb, sb = wa_n, sa_n, wb_n, sb_n
-            wa_n = tl.load(wpa + kn // 8)
-            sa_n = _scale(spa + (kn // 128) * stride_sq, shift, ASM)
+            wa_n = tl.load(wpa + nt * WT)
+            sa_n = _scale(spa + nt * ST * stride_sq, shift, ASM)
             if TWO:
-                wb_n = tl.load(wpb + kn // 8)
-                sb_n = _scale(spb + (kn // 128) * stride_sq, shift, ASM)
+                wb_n = tl.load(wpb + nt * WT)
+                sb_n = _scale(spb + nt * ST * stride_sq, shift, ASM)
         else:
-            wa = tl.load(wpa + k0 // 8)
-            sa = _scale(spa + (k0 // 128) * stride_sq, shift, ASM)
+            wa = tl.load(wpa + kt * WT)
+            sa = _scale(spa + kt * ST * stride_sq, shift, ASM)
             wb = wa
             sb = sa
             if TWO:
-                wb = tl.load(wpb + k0 // 8)
-                sb = _scale(spb + (k0 // 128) * stride_sq, shift, ASM)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(xp + k0, X_KIND, ASM)
+                wb = tl.load(wpb + kt * WT)
+                sb = _scale(spb + kt * ST * stride_sq, shift, ASM)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(xp + kt * BLOCK_K, X_KIND, ASM)
         acc_a += _word_dot(wa, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * sa
         if TWO:
             acc_b += _word_dot(wb, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * sb
