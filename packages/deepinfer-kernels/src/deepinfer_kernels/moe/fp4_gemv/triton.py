@@ -153,7 +153,15 @@ def _word_dot(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     else:
         f0, f1, f2, f3 = _nibble_f32(w, 0), _nibble_f32(w, 1), _nibble_f32(w, 2), _nibble_f32(w, 3)
         f4, f5, f6, f7 = _nibble_f32(w, 4), _nibble_f32(w, 5), _nibble_f32(w, 6), _nibble_f32(w, 7)
-    return x0 * f0 + x1 * f1 + x2 * f2 + x3 * f3 + x4 * f4 + x5 * f5 + x6 * f6 + x7 * f7
+    # explicit fmas: one instruction a product whatever the compiler's fp-fusion default
+    acc = x0 * f0
+    acc = tl.fma(x1, f1, acc)
+    acc = tl.fma(x2, f2, acc)
+    acc = tl.fma(x3, f3, acc)
+    acc = tl.fma(x4, f4, acc)
+    acc = tl.fma(x5, f5, acc)
+    acc = tl.fma(x6, f6, acc)
+    return tl.fma(x7, f7, acc)
 
 
 @triton.jit
@@ -207,9 +215,9 @@ def _gemv_loop(
                 wb = tl.load(wpb + kt * WT)
                 sb = _scale(spb + kt * ST * stride_sq, shift, ASM)
         x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(xp + kt * BLOCK_K, X_KIND, ASM)
-        acc_a += _word_dot(wa, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * sa
+        acc_a = tl.fma(_word_dot(wa, x0, x1, x2, x3, x4, x5, x6, x7, ASM), sa, acc_a)
         if TWO:
-            acc_b += _word_dot(wb, x0, x1, x2, x3, x4, x5, x6, x7, ASM) * sb
+            acc_b = tl.fma(_word_dot(wb, x0, x1, x2, x3, x4, x5, x6, x7, ASM), sb, acc_b)
     out_a = tl.sum(tl.sum(tl.sum(acc_a, axis=4), axis=3), axis=2)
     out_b = tl.sum(tl.sum(tl.sum(acc_b, axis=4), axis=3), axis=2)
     return out_a, out_b
