@@ -209,12 +209,12 @@ def print_gemv(cases: list[dict]) -> None:
             print(f"| {case['T']} | whole path | {tb:.1f} | default | {od:.1f} | {100 * tb / od:.1f} | "
                   f"{b['configs'][1]['variant']} (err {b['rel_err']:.1e}) | {b['ms'] * 1e3:.1f} | "
                   f"{100 * tb / (b['ms'] * 1e3):.1f} | {od / (b['ms'] * 1e3):.2f}x |")  # fmt: skip
-    print("\nsuggested gemv defaults (whole path faster than the grouped default):")
+    print("\nsuggested gemv defaults (whole path faster than the grouped default; rows of moe.triton.GEMV_TILES):")
     for case in cases:
         b = case["gemv_best_total"]
         win = b is not None and b["ms"] < case["default_total_ms"]
-        cf = "" if b is None else (f" block_m {b['configs'][0]}, up {mt.GemmConfig(**b['configs'][1])}, down "
-                                   f"{mt.GemmConfig(**b['configs'][2])}: {b['ms'] * 1e3:.1f} vs "
+        cf = "" if b is None else (f" ({case['T'] * TOPK}, {b['configs'][0]}, {mt.GemmConfig(**b['configs'][1])}, "
+                                   f"{mt.GemmConfig(**b['configs'][2])}): {b['ms'] * 1e3:.1f} vs "
                                    f"{case['default_total_ms'] * 1e3:.1f} us")  # fmt: skip
         print(f"  T={case['T']}: {'gemv' if win else 'grouped'}{cf}")
 

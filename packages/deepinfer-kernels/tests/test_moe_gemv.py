@@ -85,7 +85,7 @@ def test_gemv_configs_validate_and_fall_back():
         # the default stays off until the sweep; when on, only decode pair counts on the chunked layout take it
         assert mod.default_configs(6, False, False, chunked=True, gemv=True)[1].variant == "gemv"
         assert mod.default_configs(6, False, False, chunked=False, gemv=True)[1].variant != "gemv"
-        big = mod.GEMV_MAX_PAIRS + 1
+        big = mod.GEMV_TILES[-1][0] + 1
         assert mod.default_configs(big, False, False, chunked=True, gemv=True)[1].variant != "gemv"
 
 

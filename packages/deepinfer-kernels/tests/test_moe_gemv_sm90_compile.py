@@ -67,8 +67,8 @@ types = {"exp_ptr": "*i64", "pairs_ptr": "*i64", "P": "i32", "N": "i32", "K": "i
 out = {}
 for xdt, kind in (("*bf16", 0), ("*fp32", 2)):
     t = types | {"x_ptr": xdt, "h_ptr": xdt}
-    for name, kern, cfg, mats, extra in (("gate_up", fv._gate_up_gemv_kernel, mt.GEMV_UP, 2, {"TOPK": 6, "CLAMP": True}),
-                                         ("down", fv._down_gemv_kernel, mt.GEMV_DOWN, 1, {})):
+    for name, kern, cfg, mats, extra in (("gate_up", fv._gate_up_gemv_kernel, mt.GEMV_TILES[0][2], 2, {"TOPK": 6, "CLAMP": True}),
+                                         ("down", fv._down_gemv_kernel, mt.GEMV_TILES[0][3], 1, {})):
         consts = {"stride_sn": 1, "X_KIND": kind, "ASM": True, "CHUNKED": True, "PER_PAIR": True,
                   "PREFETCH": cfg.num_stages > 1, "BLOCK_T": 1, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k} | extra
         per_thread = mats * cfg.block_n * cfg.block_k / (32 * cfg.num_warps)

@@ -105,10 +105,10 @@ gemv_sig = {"w_ptr": "*i32", "s_ptr": "*i32", "exp_ptr": "*i64", "pairs_ptr": "*
 gemv_div = ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr", "x_ptr", "h_ptr", "out_ptr", "N", "K",
             "stride_x", "stride_h", "stride_o", "stride_we", "stride_wn", "stride_se", "stride_sq")
 for name, kern, cfg, extra in (
-    ("gate_up", fv._gate_up_gemv_kernel, mt.GEMV_UP,
+    ("gate_up", fv._gate_up_gemv_kernel, mt.GEMV_TILES[0][2],
      {"x_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*i32", "s3_ptr": "*i32", "h_ptr": "*bf16",
       "stride_x": "i32", "stride_h": "i32", "limit": "fp32"}),
-    ("down", fv._down_gemv_kernel, mt.GEMV_DOWN,
+    ("down", fv._down_gemv_kernel, mt.GEMV_TILES[0][3],
      {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*i32", "rw_ptr": "*fp32", "out_ptr": "*fp32",
       "stride_h": "i32", "stride_o": "i32"}),
 ):

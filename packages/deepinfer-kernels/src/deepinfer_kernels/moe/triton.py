@@ -425,12 +425,13 @@ GROUPED_DEFAULT = True
 # kernels, grouped vs tile"): at T = 1 (6 pairs) grouped was 0.75x / 0.82x (gate/up / down), at T = 8 (48 pairs)
 # 1.06x / 1.12x, at T = 64 and 256 1.09-1.12x.
 GROUPED_MIN_PAIRS = 48
-# Whether decode token counts (at most GEMV_MAX_PAIRS routed pairs) on the chunked layout take the CUDA-core gemv
-# kernels (`fp4_gemv`) with the tiles below. Off until an H200 sweep (benchmarks/sweep_moe_fp4.py) shows them faster.
+# Whether decode token counts on the chunked layout take the CUDA-core gemv kernels (`fp4_gemv`): rows (max routed
+# pairs, BLOCK_M, gate/up, down), the first row whose bound holds applies, above the last the grouped kernels run
+# (the cut-off). Off until an H200 sweep (benchmarks/sweep_moe_fp4.py --gemv) shows them faster.
 GEMV_DEFAULT = False
-GEMV_MAX_PAIRS = 24  # T = 4 at top-6
-GEMV_UP = GemmConfig(32, 256, 4, 2, "gemv")
-GEMV_DOWN = GemmConfig(64, 256, 4, 2, "gemv")
+GEMV_TILES: tuple[tuple[int, int, GemmConfig, GemmConfig], ...] = (
+    (24, 1, GemmConfig(32, 256, 4, 2, "gemv"), GemmConfig(64, 256, 4, 2, "gemv")),  # T <= 4 at top-6
+)
 
 
 def default_configs(
@@ -441,10 +442,12 @@ def default_configs(
     at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path.
     grouped: bf16 / fp16 activations with at least GROUPED_MIN_PAIRS pairs take the per-scale-group kernels (the
     caller checks `fp4_grouped.supports`). chunked: the weights are in the chunked layout (`moe.fp4_layout`),
-    whose tiles span whole 128-column chunks. gemv: on the chunked layout up to GEMV_MAX_PAIRS pairs take the
-    CUDA-core kernels (GEMV_UP / GEMV_DOWN; the caller checks `fp4_gemv.supports`)."""
-    if gemv and chunked and not interpreted and pairs <= GEMV_MAX_PAIRS:
-        return 1, GEMV_UP, GEMV_DOWN
+    whose tiles span whole 128-column chunks. gemv: on the chunked layout pair counts within GEMV_TILES take the
+    CUDA-core kernels with that table's tiles (the caller checks `fp4_gemv.supports`)."""
+    if gemv and chunked and not interpreted:
+        for max_pairs, bm, up, down in GEMV_TILES:
+            if pairs <= max_pairs:
+                return bm, up, down
     if interpreted:
         bk = 128 if chunked else 32
         return 16, GemmConfig(16, bk, 4, 1, "bits"), GemmConfig(16, bk, 4, 1, "bits")
