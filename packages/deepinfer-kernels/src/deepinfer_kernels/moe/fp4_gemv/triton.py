@@ -153,15 +153,16 @@ def _word_dot(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
     else:
         f0, f1, f2, f3 = _nibble_f32(w, 0), _nibble_f32(w, 1), _nibble_f32(w, 2), _nibble_f32(w, 3)
         f4, f5, f6, f7 = _nibble_f32(w, 4), _nibble_f32(w, 5), _nibble_f32(w, 6), _nibble_f32(w, 7)
-    # explicit fmas: one instruction a product whatever the compiler's fp-fusion default
+    # explicit fmas: one instruction a product whatever the compiler's fp-fusion default (operands broadcast by
+    # hand: older triton versions do not broadcast fma operands)
     acc = x0 * f0
-    acc = tl.fma(x1, f1, acc)
-    acc = tl.fma(x2, f2, acc)
-    acc = tl.fma(x3, f3, acc)
-    acc = tl.fma(x4, f4, acc)
-    acc = tl.fma(x5, f5, acc)
-    acc = tl.fma(x6, f6, acc)
-    return tl.fma(x7, f7, acc)
+    acc = tl.fma(tl.broadcast_to(x1, acc.shape), tl.broadcast_to(f1, acc.shape), acc)
+    acc = tl.fma(tl.broadcast_to(x2, acc.shape), tl.broadcast_to(f2, acc.shape), acc)
+    acc = tl.fma(tl.broadcast_to(x3, acc.shape), tl.broadcast_to(f3, acc.shape), acc)
+    acc = tl.fma(tl.broadcast_to(x4, acc.shape), tl.broadcast_to(f4, acc.shape), acc)
+    acc = tl.fma(tl.broadcast_to(x5, acc.shape), tl.broadcast_to(f5, acc.shape), acc)
+    acc = tl.fma(tl.broadcast_to(x6, acc.shape), tl.broadcast_to(f6, acc.shape), acc)
+    return tl.fma(tl.broadcast_to(x7, acc.shape), tl.broadcast_to(f7, acc.shape), acc)
 
 
 @triton.jit
@@ -215,9 +216,9 @@ def _gemv_loop(
                 wb = tl.load(wpb + kt * WT)
                 sb = _scale(spb + kt * ST * stride_sq, shift, ASM)
         x0, x1, x2, x3, x4, x5, x6, x7 = _load_x(xp + kt * BLOCK_K, X_KIND, ASM)
-        acc_a = tl.fma(_word_dot(wa, x0, x1, x2, x3, x4, x5, x6, x7, ASM), sa, acc_a)
+        acc_a = tl.fma(_word_dot(wa, x0, x1, x2, x3, x4, x5, x6, x7, ASM), tl.broadcast_to(sa, acc_a.shape), acc_a)
         if TWO:
-            acc_b = tl.fma(_word_dot(wb, x0, x1, x2, x3, x4, x5, x6, x7, ASM), sb, acc_b)
+            acc_b = tl.fma(_word_dot(wb, x0, x1, x2, x3, x4, x5, x6, x7, ASM), tl.broadcast_to(sb, acc_b.shape), acc_b)
     out_a = tl.sum(tl.sum(tl.sum(acc_a, axis=4), axis=3), axis=2)
     out_b = tl.sum(tl.sum(tl.sum(acc_b, axis=4), axis=3), axis=2)
     return out_a, out_b
