@@ -12,9 +12,10 @@ used: a program owns BLOCK_N weight rows of one expert and a few token slots, an
 * loads the next K tile's codes and scales before computing this one (``PREFETCH``), so DRAM latency overlaps the
   decode.
 
-Tiles are 5-D ``[BLOCK_T, BLOCK_N, Q, 4, 4]`` from their pointers on (Q = BLOCK_K / 128 chunks of 16 words, word
-``4a + b`` of a chunk): the weight load's coalesced layout is then the layout of the products and of the
-accumulators, with no layout conversion inside the loop. The activations and scale words are loaded by PTX (they
+Tiles are 3-D ``[BLOCK_T, BLOCK_N, BLOCK_K / 8]`` (code words along K, word ``4a + b`` of each 128-column chunk)
+from their pointers on: the weight load's coalesced layout (lanes along K first, 16-byte vectors) is then the layout
+of the products and of the accumulators, with no layout conversion inside the loop, and the rows a lane holds share
+its activations. The activations and scale words are loaded by PTX (they
 would otherwise get their own coalesced layout and be converted through shared memory every iteration). A word holds
 8 consecutive columns, so a token's activations for it are one 16-byte (bf16 / fp16) or two (fp32) vector loads,
 shared by the BLOCK_N rows of the lane.
@@ -73,24 +74,24 @@ _LOAD_B32 = tl.constexpr("ld.global.b32 $0, [$1];")
 
 @triton.jit
 def _tile_words(BLOCK_K: tl.constexpr, CHUNKED: tl.constexpr):
-    """(word offset [1, 1, Q, 4, 4] of each word of a K tile, its first column, the bit shift of its scale byte in
-    the chunk's scale word: [1, 1, 1, 1, 4] when chunked, [1, 1, 1, 4, 1] otherwise)."""
-    q = tl.arange(0, BLOCK_K // 128)[None, None, :, None, None]
-    a = tl.arange(0, 4)[None, None, None, :, None]
-    b = tl.arange(0, 4)[None, None, None, None, :]
-    word = q * 16 + a * 4 + b
+    """Word j of a K tile, [1, 1, BLOCK_K / 8] (word 4a + b of chunk q = j // 16) -> (j, its chunk q, its first
+    column, the bit shift of its group's byte in the chunk's scale word)."""
+    j = tl.arange(0, BLOCK_K // 8)[None, None, :]
+    q = j // 16
+    a = (j // 4) % 4
+    b = j % 4
     if CHUNKED:  # word a of group b
         col = q * 128 + b * 32 + a * 8
         shift = b * 8
     else:  # word b of group a
         col = q * 128 + a * 32 + b * 8
         shift = a * 8
-    return word, col, shift
+    return j, q, col, shift
 
 
 @triton.jit
 def _load_x(p, X_KIND: tl.constexpr, ASM: tl.constexpr):
-    """Pointers p [BLOCK_T, 1, Q, 4, 4] to the first of 8 consecutive activations -> the 8 as fp32 tensors."""
+    """Pointers p [BLOCK_T, 1, BLOCK_K / 8] to the first of 8 consecutive activations -> the 8 as fp32 tensors."""
     if ASM and X_KIND == 2:
         x0, x1, x2, x3, x4, x5, x6, x7 = tl.inline_asm_elementwise(
             _LOAD_V8, "=r,=r,=r,=r,=r,=r,=r,=r,l", [p], dtype=(tl.float32,) * 8, is_pure=True, pack=1
@@ -131,8 +132,8 @@ def _load_x(p, X_KIND: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _scale(p, shift, ASM: tl.constexpr):
-    """Scale-word pointers p [1, BLOCK_N, Q, 1, 1] and the byte shift of each word's group -> fp32 scales
-    2^(code - 127) (code 0: 2^-127), broadcast over the tile."""
+    """Scale-word pointers p [1, BLOCK_N, BLOCK_K / 8] (a word's chunk: the 4 words of a lane's vector share one
+    address, loaded once) and the byte shift of each word's group -> fp32 scales 2^(code - 127) (code 0: 2^-127)."""
     if ASM:
         sw = tl.inline_asm_elementwise(_LOAD_B32, "=r,l", [p], dtype=tl.int32, is_pure=True, pack=1)
     else:
@@ -143,8 +144,8 @@ def _scale(p, shift, ASM: tl.constexpr):
 
 @triton.jit
 def _word_dot(w, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
-    """Code words w [1, BLOCK_N, Q, 4, 4] int32 and the 8 activations of each word [BLOCK_T, 1, Q, 4, 4] ->
-    Σ_m x_m * code m (exact e2m1 values, fp32 products and sum), [BLOCK_T, BLOCK_N, Q, 4, 4]."""
+    """Code words w [1, BLOCK_N, BLOCK_K / 8] int32 and the 8 activations of each word [BLOCK_T, 1, BLOCK_K / 8]
+    -> Σ_m x_m * code m (exact e2m1 values, fp32 products and sum), [BLOCK_T, BLOCK_N, BLOCK_K / 8]."""
     if ASM:
         mul = tl.full(w.shape, _TWO_POW_126_X2, tl.int32)
         f0, f4, f1, f5, f2, f6, f3, f7 = tl.inline_asm_elementwise(
@@ -171,19 +172,18 @@ def _gemv_loop(
     TWO: tl.constexpr, X_KIND: tl.constexpr, ASM: tl.constexpr, CHUNKED: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Σ over K of x · W for one (TWO: two) weight matrices sharing the activations: x_rows [BLOCK_T, 1, 1, 1, 1]
-    row pointers, w_off [1, BLOCK_N, 1, 1, 1] word offsets of the weight rows, s_off the same for their scale words
-    (chunk q at + q * stride_sq) -> fp32 [BLOCK_T, BLOCK_N] (and the second matrix's; a zero tile when not TWO).
+    """Σ over K of x · W for one (TWO: two) weight matrices sharing the activations: x_rows [BLOCK_T, 1, 1] row
+    pointers, w_off [1, BLOCK_N, 1] word offsets of the weight rows, s_off the same for their scale words (chunk q at
+    + q * stride_sq) -> fp32 [BLOCK_T, BLOCK_N] (and the second matrix's; a zero tile when not TWO).
     K % BLOCK_K == 0."""
-    word, col, shift = _tile_words(BLOCK_K, CHUNKED)
-    qs = tl.arange(0, BLOCK_K // 128)[None, None, :, None, None]
+    word, qs, col, shift = _tile_words(BLOCK_K, CHUNKED)
     wpa = wa_ptr + w_off + word
     spa = sa_ptr + s_off + qs * stride_sq
     wpb = wb_ptr + w_off + word
     spb = sb_ptr + s_off + qs * stride_sq
     xp = x_rows + col
-    acc_a = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // 128, 4, 4], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // 128, 4, 4], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     # offsets are tile index * per-tile step: the compiler then knows the code words of a lane are 16-byte aligned
     # (a division of a column offset would lose that, and split the loads)
     WT: tl.constexpr = BLOCK_K // 8  # code words per K tile
@@ -219,8 +219,8 @@ def _gemv_loop(
         acc_a = tl.fma(_word_dot(wa, x0, x1, x2, x3, x4, x5, x6, x7, ASM), tl.broadcast_to(sa, acc_a.shape), acc_a)
         if TWO:
             acc_b = tl.fma(_word_dot(wb, x0, x1, x2, x3, x4, x5, x6, x7, ASM), tl.broadcast_to(sb, acc_b.shape), acc_b)
-    out_a = tl.sum(tl.sum(tl.sum(acc_a, axis=4), axis=3), axis=2)
-    out_b = tl.sum(tl.sum(tl.sum(acc_b, axis=4), axis=3), axis=2)
+    out_a = tl.sum(acc_a, axis=2)
+    out_b = tl.sum(acc_b, axis=2)
     return out_a, out_b
 
 
@@ -254,9 +254,9 @@ def _gate_up_gemv_kernel(
         tok = tl.where(real, pair // TOPK, 0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         wrow = tl.minimum(offs_n, N - 1).to(tl.int64)  # rows past N read row N - 1: no predicates in the loop
-        w_off = (e * stride_we + wrow * stride_wn)[None, :, None, None, None]
-        s_off = (e * stride_se + wrow * stride_sn)[None, :, None, None, None]
-        x_rows = x_ptr + (tok * stride_x)[:, None, None, None, None]
+        w_off = (e * stride_we + wrow * stride_wn)[None, :, None]
+        s_off = (e * stride_se + wrow * stride_sn)[None, :, None]
+        x_rows = x_ptr + (tok * stride_x)[:, None, None]
         g, u = _gemv_loop(x_rows, w1_ptr, s1_ptr, w3_ptr, s3_ptr, w_off, s_off, K, stride_sq, True, X_KIND, ASM,
                           CHUNKED, PREFETCH, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         if CLAMP:
@@ -280,9 +280,9 @@ def _down_gemv_kernel(
     if e >= 0:
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         wrow = tl.minimum(offs_n, N - 1).to(tl.int64)
-        w_off = (e * stride_we + wrow * stride_wn)[None, :, None, None, None]
-        s_off = (e * stride_se + wrow * stride_sn)[None, :, None, None, None]
-        h_rows = h_ptr + (slot * stride_h)[:, None, None, None, None]
+        w_off = (e * stride_we + wrow * stride_wn)[None, :, None]
+        s_off = (e * stride_se + wrow * stride_sn)[None, :, None]
+        h_rows = h_ptr + (slot * stride_h)[:, None, None]
         acc, _ = _gemv_loop(h_rows, w2_ptr, s2_ptr, w2_ptr, s2_ptr, w_off, s_off, K, stride_sq, False, X_KIND, ASM,
                             CHUNKED, PREFETCH, BLOCK_T, BLOCK_N, BLOCK_K)  # fmt: skip
         wt = tl.load(rw_ptr + pair, mask=real, other=0.0)
