@@ -15,10 +15,9 @@ used: a program owns BLOCK_N weight rows of one expert and a few token slots, an
 Tiles are 3-D ``[BLOCK_T, BLOCK_N, BLOCK_K / 8]`` (code words along K, word ``4a + b`` of each 128-column chunk)
 from their pointers on: the weight load's coalesced layout (lanes along K first, 16-byte vectors) is then the layout
 of the products and of the accumulators, with no layout conversion inside the loop, and the rows a lane holds share
-its activations. The activations and scale words are loaded by PTX (they
-would otherwise get their own coalesced layout and be converted through shared memory every iteration). A word holds
-8 consecutive columns, so a token's activations for it are one 16-byte (bf16 / fp16) or two (fp32) vector loads,
-shared by the BLOCK_N rows of the lane.
+its activations. The activations and scale words are loaded by PTX (they would otherwise get their own coalesced
+layout and be converted through shared memory every iteration). A word holds 8 consecutive columns, so a token's
+activations for it are one 16-byte (bf16 / fp16) or two (fp32) vector loads, shared by the BLOCK_N rows of the lane.
 
 Layouts (`moe.fp4_layout`): in the chunked layout word ``4a + b`` of a chunk is word a of scale group b; in the
 checkpoint layout it is word b of group a. Both are read the same way, only the column and scale byte of a word
