@@ -82,8 +82,9 @@ def test_gemv_configs_validate_and_fall_back():
         mixed = (1, cfg, mod.GemmConfig(64, 128, 4, 1, "gemv_expert"))
         with pytest.raises(ValueError, match="same variant"):
             mod.moe_experts_fp4(x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, 0.5, configs=mixed)
-        # the default stays off until the sweep; when on, only decode pair counts on the chunked layout take it
-        assert mod.default_configs(6, False, False, chunked=True, gemv=True)[1].variant == "gemv"
+        # on by default (H200 sweep): only decode pair counts on the chunked layout take it
+        assert mod.GEMV_DEFAULT and mod.default_configs(6, False, False, chunked=True)[1].variant == "gemv"
+        assert mod.default_configs(6, False, False, chunked=True, gemv=False)[1].variant != "gemv"
         assert mod.default_configs(6, False, False, chunked=False, gemv=True)[1].variant != "gemv"
         big = mod.GEMV_TILES[-1][0] + 1
         assert mod.default_configs(big, False, False, chunked=True, gemv=True)[1].variant != "gemv"

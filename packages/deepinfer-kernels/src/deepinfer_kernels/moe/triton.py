@@ -427,10 +427,13 @@ GROUPED_DEFAULT = True
 GROUPED_MIN_PAIRS = 48
 # Whether decode token counts on the chunked layout take the CUDA-core gemv kernels (`fp4_gemv`): rows (max routed
 # pairs, BLOCK_M, gate/up, down), the first row whose bound holds applies, above the last the grouped kernels run
-# (the cut-off). Off until an H200 sweep (benchmarks/sweep_moe_fp4.py --gemv) shows them faster.
-GEMV_DEFAULT = False
+# (the cut-off). H200 sweep 2026-12-02 09:47 UTC (`sweep_moe_fp4.py --gemv --quick`, docs/moe_fp4_kernel.md "H200
+# sweep"): whole path 98 vs 162 us at T = 1, 118 vs 218 at T = 2, 214 vs 237 at T = 4; 394 vs 353 at T = 8 (grouped).
+GEMV_DEFAULT = True
 GEMV_TILES: tuple[tuple[int, int, GemmConfig, GemmConfig], ...] = (
-    (24, 1, GemmConfig(32, 256, 4, 2, "gemv"), GemmConfig(64, 256, 4, 2, "gemv")),  # T <= 4 at top-6
+    (6, 1, GemmConfig(64, 256, 8, 2, "gemv"), GemmConfig(32, 256, 4, 2, "gemv")),  # T = 1 at top-6
+    (12, 1, GemmConfig(32, 256, 4, 2, "gemv"), GemmConfig(32, 512, 4, 2, "gemv")),  # T = 2
+    (24, 1, GemmConfig(32, 256, 4, 2, "gemv"), GemmConfig(32, 256, 2, 2, "gemv")),  # T = 3, 4
 )
 
 
