@@ -11,8 +11,14 @@ T, kernel and the default whole-path time of each, and writes JSON.
 layout of `deepinfer_kernels.moe.fp4_layout` that the engine can repack to at load) and prints them side by side;
 every row is checked against the reference of the checkpoint-layout experts.
 
+--gemv times the CUDA-core kernels (variants "gemv" / "gemv_expert", `deepinfer_kernels.moe.fp4_gemv`) on the
+chunked layout instead: every gemv candidate (block_n, block_k, warps, num_stages 1 / 2 = no / register prefetch)
+of each kernel, checked against the reference first (paired with the other kernel's reference gemv config), beside
+the grouped default configs of the same T, then the whole path (permutation, both GEMMs, combine) of the best gemv
+pair against the default, and the defaults it suggests.
+
     PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_moe_fp4.py \
-        [--tokens 1,8,64,256] [--quick] [--layout checkpoint,chunked] [--json out.json]
+        [--tokens 1,8,64,256] [--quick] [--layout checkpoint,chunked] [--gemv] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 import triton
 from deepinfer_kernels.moe import StackedExperts, reference
 from deepinfer_kernels.moe import triton as mt
+from deepinfer_kernels.moe.fp4_gemv import triton as fv
 from triton.testing import do_bench
 
 E, D, INTER, TOPK = 384, 5120, 2304, 6
@@ -64,6 +71,152 @@ def candidates(quick: bool) -> list[mt.GemmConfig]:
     grouped = [mt.GemmConfig(n, k, w, s, v) for v, n, k, w, s in
                itertools.product(("grouped",), (64, 128), (128, 256, 512), (4, 8), (2, 3, 4))]  # fmt: skip
     return asm + [mt.GemmConfig(64, 256, 4, 3, "bits")] + grouped + [mt.GemmConfig(64, 128, 4, 4, "grouped_exact")]
+
+
+def gemv_candidates(quick: bool) -> list[mt.GemmConfig]:
+    """(block_n, block_k, warps, stages) of the gemv kernels; a tile holds at least one 16-byte code vector a lane
+    (block_n * block_k >= 1024 * warps), else lanes would hold copies."""
+    if quick:
+        tiles = [(16, 256, 4, 2), (32, 128, 4, 2), (32, 256, 4, 2), (32, 256, 4, 1), (32, 512, 4, 2), (64, 128, 4, 2),
+                 (64, 256, 4, 2), (64, 256, 8, 2), (64, 512, 8, 2), (128, 256, 8, 2), (32, 256, 2, 2)]  # fmt: skip
+        return [mt.GemmConfig(n, k, w, s, "gemv") for n, k, w, s in tiles] + [
+            mt.GemmConfig(32, 256, 4, 2, "gemv_expert"), mt.GemmConfig(64, 256, 4, 2, "gemv_expert")
+        ]  # fmt: skip
+    grid = itertools.product((16, 32, 64, 128), (128, 256, 512), (2, 4, 8), (1, 2))
+    tiles = [(n, k, w, s) for n, k, w, s in grid if n * k >= 1024 * w]
+    return [mt.GemmConfig(n, k, w, s, v) for v in ("gemv", "gemv_expert") for n, k, w, s in tiles]
+
+
+GEMV_EXPERT_SLOTS = 2  # block_m of "gemv_expert": an expert's pairs two at a time (more take several programs)
+
+
+def run_gemv_case(st: StackedExperts, ck: StackedExperts, t: int, cands: list[mt.GemmConfig], bw: float,
+                  limit: float) -> dict:  # fmt: skip
+    """One T: the grouped default configs and every gemv candidate per kernel on the chunked experts ck (st: the
+    same experts in the checkpoint layout, the reference's), then the whole path of the best gemv pair."""
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = (torch.randn(t, D, device="cuda", generator=g) / 8).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:TOPK] for _ in range(t)])
+    w = torch.rand(t, TOPK, device="cuda", generator=g)
+    p = t * TOPK
+    hit = int(torch.unique(ids).numel())
+    want = reference.moe_experts(x, w, ids, st, limit)
+    rw = w.reshape(-1).float().contiguous()
+    rows = torch.empty((p, D), dtype=torch.float32, device="cuda")
+    up_bytes = hit * 2 * (INTER * D // 2 + INTER * D // 32)
+    down_bytes = hit * (INTER * D // 2 + INTER * D // 32)
+    res = {"T": t, "layout": "chunked", "experts_hit": hit, "gate_up": [], "down": []}
+
+    # the grouped defaults (what runs today), kernels alone
+    block_m, d_up, d_down = mt.default_configs(p, False, False, chunked=True, gemv=False)
+    pairs, bexp = mt.align_pairs(ids, E, block_m)
+    hg = torch.empty((bexp.shape[0] * block_m, INTER), dtype=x.dtype, device="cuda")
+    h_perm = d_down.variant.startswith("grouped")
+    slots = {}  # variant -> (exp, pairs, block_t, h)
+    for variant in ("gemv", "gemv_expert"):
+        if variant == "gemv":
+            slots[variant] = (ids.reshape(-1), None, 1)
+        else:
+            pp, ee = mt.align_pairs(ids, E, GEMV_EXPERT_SLOTS)
+            slots[variant] = (ee, pp, GEMV_EXPERT_SLOTS)
+        ex, _, bt = slots[variant]
+        slots[variant] += (torch.empty((ex.shape[0] * bt, INTER), dtype=x.dtype, device="cuda"),)
+
+    def up(cfg):
+        if not cfg.variant.startswith("gemv"):
+            mt.launch_gate_up(x, ck.w1, ck.w3, ck.s1, ck.s3, pairs, bexp, hg, TOPK, limit, block_m, cfg, False, h_perm,
+                              True)  # fmt: skip
+            return
+        ex, pp, bt, h = slots[cfg.variant]
+        fv.launch_gate_up(x, ck.w1, ck.w3, ck.s1, ck.s3, ex, pp, h, TOPK, limit, bt, cfg.block_n, cfg.block_k,
+                          cfg.num_warps, cfg.num_stages > 1, True, True)  # fmt: skip
+
+    def down(cfg):
+        if not cfg.variant.startswith("gemv"):
+            mt.launch_down(hg, ck.w2, ck.s2, pairs, bexp, rw, rows, block_m, cfg, False, True)
+            return
+        ex, pp, bt, h = slots[cfg.variant]
+        fv.launch_down(h, ck.w2, ck.s2, ex, pp, rw, rows, bt, cfg.block_n, cfg.block_k, cfg.num_warps,
+                       cfg.num_stages > 1, True, True)  # fmt: skip
+
+    def partner(cfg, kind):  # the other kernel of a checked pair: the same family's reference config
+        if not cfg.variant.startswith("gemv"):
+            return d_down if kind == "gate_up" else d_up
+        return mt.GemmConfig(64, 256, 4, 2, cfg.variant)
+
+    for kind, fn, nbytes in (("gate_up", up, up_bytes), ("down", down, down_bytes)):
+        for cfg in [d_up if kind == "gate_up" else d_down, *cands]:
+            row = {"config": cfg.__dict__, "bound_ms": nbytes / bw * 1e3, "grouped_default": not is_gemv(cfg)}
+            try:
+                rows.fill_(float("nan"))
+                up(cfg if kind == "gate_up" else partner(cfg, kind))
+                down(cfg if kind == "down" else partner(cfg, kind))
+                row["rel_err"] = rel(rows.view(t, TOPK, D).sum(1), want)
+                row["ms"] = do_bench(partial(fn, cfg), warmup=5, rep=25)
+                row["of_bound"] = row["bound_ms"] / row["ms"]
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile / fit is a sweep result
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            res[kind].append(row)
+
+    args = (x, w, ids, ck.w1, ck.w3, ck.w2, ck.s1, ck.s3, ck.s2, limit)
+    run = partial(mt.moe_experts_fp4, chunked=True)
+    default = mt.default_configs(p, False, False, chunked=True, gemv=False)
+    res["default_rel_err"] = rel(run(*args, configs=default), want)
+    res["default_total_ms"] = do_bench(partial(run, *args, configs=default), warmup=5, rep=25)
+    res["total_bound_ms"] = (up_bytes + down_bytes) / bw * 1e3
+    best_pair = None
+    for variant in ("gemv", "gemv_expert"):
+        bu = best_of(res["gate_up"], variant)
+        bd = best_of(res["down"], variant)
+        if bu is None or bd is None:
+            continue
+        cfgs = (slots[variant][2], mt.GemmConfig(**bu["config"]), mt.GemmConfig(**bd["config"]))
+        err = rel(run(*args, configs=cfgs), want)
+        ms = do_bench(partial(run, *args, configs=cfgs), warmup=5, rep=25)
+        res[f"{variant}_total"] = {"configs": [cfgs[0], cfgs[1].__dict__, cfgs[2].__dict__], "rel_err": err, "ms": ms}
+        if err < 2e-2 and (best_pair is None or ms < best_pair["ms"]):
+            best_pair = res[f"{variant}_total"]
+    res["gemv_best_total"] = best_pair
+    return res
+
+
+def is_gemv(cfg: mt.GemmConfig) -> bool:
+    return cfg.variant.startswith("gemv")
+
+
+def best_of(rows: list[dict], variant: str) -> dict | None:
+    ok = [r for r in rows if "ms" in r and r["rel_err"] < 2e-2 and r["config"]["variant"] == variant]
+    return min(ok, key=lambda r: r["ms"]) if ok else None
+
+
+def print_gemv(cases: list[dict]) -> None:
+    print("\n| T | kernel | bound us | grouped default | us | % | best gemv | us | % | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for case in cases:
+        for kind in ("gate_up", "down"):
+            d = next((r for r in case[kind] if r["grouped_default"] and "ms" in r), None)
+            ok = [r for r in case[kind] if not r["grouped_default"] and "ms" in r and r["rel_err"] < 2e-2]
+            n = min(ok, key=lambda r: r["ms"]) if ok else None
+            bound = case[kind][0]["bound_ms"] * 1e3
+            cols = []
+            for r in (d, n):
+                cols += [fmt_cfg(r), f"{r['ms'] * 1e3:.1f}" if r else "-", f"{100 * r['of_bound']:.1f}" if r else "-"]
+            speed = f"{d['ms'] / n['ms']:.2f}x" if d and n else "-"
+            print(f"| {case['T']} | {kind} | {bound:.1f} | " + " | ".join(cols) + f" | {speed} |")
+        b = case["gemv_best_total"]
+        tb, od = case["total_bound_ms"] * 1e3, case["default_total_ms"] * 1e3
+        if b:
+            print(f"| {case['T']} | whole path | {tb:.1f} | default | {od:.1f} | {100 * tb / od:.1f} | "
+                  f"{b['configs'][1]['variant']} (err {b['rel_err']:.1e}) | {b['ms'] * 1e3:.1f} | "
+                  f"{100 * tb / (b['ms'] * 1e3):.1f} | {od / (b['ms'] * 1e3):.2f}x |")  # fmt: skip
+    print("\nsuggested gemv defaults (whole path faster than the grouped default; rows of moe.triton.GEMV_TILES):")
+    for case in cases:
+        b = case["gemv_best_total"]
+        win = b is not None and b["ms"] < case["default_total_ms"]
+        cf = "" if b is None else (f" ({case['T'] * TOPK}, {b['configs'][0]}, {mt.GemmConfig(**b['configs'][1])}, "
+                                   f"{mt.GemmConfig(**b['configs'][2])}): {b['ms'] * 1e3:.1f} vs "
+                                   f"{case['default_total_ms'] * 1e3:.1f} us")  # fmt: skip
+        print(f"  T={case['T']}: {'gemv' if win else 'grouped'}{cf}")
 
 
 def is_new(cfg: mt.GemmConfig) -> bool:
@@ -193,6 +346,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--layout", default="checkpoint", help="comma list of checkpoint, chunked")
+    ap.add_argument("--gemv", action="store_true", help="the CUDA-core gemv kernels vs the grouped defaults (chunked)")
     args = ap.parse_args()
     layouts = args.layout.split(",")
     if not set(layouts) <= {"checkpoint", "chunked"}:
@@ -203,6 +357,9 @@ def main() -> None:
     cands = candidates(args.quick)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "copy_bandwidth_GBps": bw / 1e9, "cases": []}  # fmt: skip
+    if args.gemv:
+        main_gemv(args, out, st, bw, t0)
+        return
     for t, layout in itertools.product((int(v) for v in args.tokens.split(",")), layouts):
         case = run_case(st, t, cands, bw, 10.0, layout)
         out["cases"].append(case)
@@ -225,6 +382,31 @@ def main() -> None:
     print("\nall T:", end="")
     print_old_vs_new(out["cases"])
     print_layouts(out["cases"])
+
+
+def main_gemv(args: argparse.Namespace, out: dict, st: StackedExperts, bw: float, t0: float) -> None:
+    ck = st.chunked()
+    cands = gemv_candidates(args.quick)
+    for t in (int(v) for v in args.tokens.split(",")):
+        case = run_gemv_case(st, ck, t, cands, bw, 10.0)
+        out["cases"].append(case)
+        print(f"T={t} hit={case['experts_hit']} default total {case['default_total_ms'] * 1e3:.1f} us "
+              f"(bound {case['total_bound_ms'] * 1e3:.1f} us, err {case['default_rel_err']:.1e})", flush=True)  # fmt: skip
+        for kind in ("gate_up", "down"):
+            ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
+            bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
+            for r in ok[:6]:
+                print(f"  {kind:7s} {fmt_cfg(r):32s}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
+                      f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
+            for r in bad[:4]:
+                print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
+        out["wall_s"] = time.time() - t0
+        print(f"wall {out['wall_s']:.0f} s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+    print("\nall T:", end="")
+    print_gemv(out["cases"])
 
 
 if __name__ == "__main__":

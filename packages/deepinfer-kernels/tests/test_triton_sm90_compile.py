@@ -97,13 +97,33 @@ out["route_topk e384"] = rep(
     {"x_ptr": "*fp32", "bias_ptr": "*fp32", "alt_bias_ptr": "*fp32", "alt_rows_ptr": "*u8", "w_ptr": "*fp32",
      "id_ptr": "*i64", "E": "i32", "stride_x": "i32", "stride_b": "i32", "route_scale": "fp32"},
     dict(K=6, BLOCK_E=512, BLOCK_K=8, SQRTSOFTPLUS=True, HAS_BIAS=True, HAS_ALT=False, RENORM=True), num_warps=2)
+# the CUDA-core FP4 expert kernels (moe.fp4_gemv) at their default tiles: one pair a program, bf16, chunked layout
+from deepinfer_kernels.moe import triton as mt
+from deepinfer_kernels.moe.fp4_gemv import triton as fv
+gemv_sig = {"w_ptr": "*i32", "s_ptr": "*i32", "exp_ptr": "*i64", "pairs_ptr": "*i64", "P": "i32", "N": "i32",
+            "K": "i32", "stride_we": "i32", "stride_wn": "i32", "stride_se": "i32", "stride_sq": "i32"}
+gemv_div = ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "s2_ptr", "x_ptr", "h_ptr", "out_ptr", "N", "K",
+            "stride_x", "stride_h", "stride_o", "stride_we", "stride_wn", "stride_se", "stride_sq")
+for name, kern, cfg, extra in (
+    ("gate_up", fv._gate_up_gemv_kernel, mt.GEMV_TILES[0][2],
+     {"x_ptr": "*bf16", "w1_ptr": "*i32", "w3_ptr": "*i32", "s1_ptr": "*i32", "s3_ptr": "*i32", "h_ptr": "*bf16",
+      "stride_x": "i32", "stride_h": "i32", "limit": "fp32"}),
+    ("down", fv._down_gemv_kernel, mt.GEMV_TILES[0][3],
+     {"h_ptr": "*bf16", "w2_ptr": "*i32", "s2_ptr": "*i32", "rw_ptr": "*fp32", "out_ptr": "*fp32",
+      "stride_h": "i32", "stride_o": "i32"}),
+):
+    sig = {k: (gemv_sig | extra)[k] for k in kern.arg_names if k in gemv_sig | extra}
+    consts = dict(stride_sn=1, X_KIND=0, ASM=True, CHUNKED=True, PER_PAIR=True, PREFETCH=cfg.num_stages > 1,
+                  BLOCK_T=1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k) | ({"TOPK": 6, "CLAMP": True} if name == "gate_up" else {})
+    out[f"moe gemv {name}"] = rep(kern, sig, consts, num_warps=cfg.num_warps, num_stages=1,
+                                  divisible_by_16=tuple(k for k in gemv_div if k in sig))
 print(json.dumps(out))
 """
 
 
 def test_default_configs_compile_for_sm90_without_spills():
     report = run_compile_script(_SCRIPT)
-    assert len(report) == 20
+    assert len(report) == 22
     for name, r in report.items():
         # spill bytes: none, except the large-batch sparse attention (a [64, 512] fp32 accumulator in 8 warps):
         # the H200 sweep measured it faster than every spill-free configuration (docs/perf.md)

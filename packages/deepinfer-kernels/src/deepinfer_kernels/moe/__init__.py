@@ -3,7 +3,8 @@
 `moe_experts` takes the experts either as a sequence of float ``(w1, w3, w2)`` or as one `StackedExperts`
 (``[E, ...]`` in the checkpoint format, or FP4 in the chunked layout of `fp4_layout`). Torch reference everywhere
 (per-call exact decode of the experts a step uses); on CUDA the FP4 experts run the Triton grouped W4A16 path
-(device-side permutation, fused SwiGLU, no host read).
+(device-side permutation, fused SwiGLU, no host read), or, for decode token counts (T <= 4 at top-6) on the chunked
+layout, the CUDA-core gemv kernels of `moe.fp4_gemv` (`moe.triton.GEMV_TILES`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
+from deepinfer_kernels.moe.fp4_gemv import triton as fp4_gemv
 from deepinfer_kernels.moe.fp4_grouped import triton as fp4_grouped
 from deepinfer_kernels.moe.reference import add_shared
 
@@ -51,8 +52,13 @@ class GemmConfig:
     "grouped" / "grouped_exact" (PTX) and "grouped_bits" (portable) decode per 32-column scale group straight into
     the dot operand registers (`deepinfer_kernels.moe.fp4_grouped`; d and I multiples of 128, block_k a multiple
     of 128; "grouped" multiplies each weight pair once and redoes a tile exactly when a scale code is >= 128).
-    On the chunked layout (`moe.fp4_layout`) block_k must be a multiple of 128. ``max_regs``: a cap on the
-    registers per thread (ptxas ``.maxnreg``; None: ptxas decides), to fit more CTAs per SM."""
+    "gemv" / "gemv_expert" run both GEMMs on the CUDA cores (`deepinfer_kernels.moe.fp4_gemv`; decode token
+    counts; d and I multiples of 128; both configs of a call the same variant): "gemv" one program per (token, slot)
+    pair, "gemv_expert" one per expert run of BLOCK_M slots (`align_pairs`; an expert's weights read once for all
+    its tokens); for them num_stages 1 loads each K tile when it is computed, 2 loads the next one first (register
+    prefetch). On the chunked layout (`moe.fp4_layout`) block_k must be a multiple of 128. ``max_regs``: a cap on
+    the registers per thread (ptxas ``.maxnreg``; None: ptxas decides; ignored by the gemv variants), to fit more
+    CTAs per SM."""
 
     block_n: int = 64
     block_k: int = 128
@@ -419,16 +425,32 @@ GROUPED_DEFAULT = True
 # kernels, grouped vs tile"): at T = 1 (6 pairs) grouped was 0.75x / 0.82x (gate/up / down), at T = 8 (48 pairs)
 # 1.06x / 1.12x, at T = 64 and 256 1.09-1.12x.
 GROUPED_MIN_PAIRS = 48
+# Whether decode token counts on the chunked layout take the CUDA-core gemv kernels (`fp4_gemv`): rows (max routed
+# pairs, BLOCK_M, gate/up, down), the first row whose bound holds applies, above the last the grouped kernels run
+# (the cut-off). H200 sweep 2026-12-02 09:47 UTC (`sweep_moe_fp4.py --gemv --quick`, docs/moe_fp4_kernel.md "H200
+# sweep"): whole path 98 vs 162 us at T = 1, 118 vs 218 at T = 2, 214 vs 237 at T = 4; 394 vs 353 at T = 8 (grouped).
+GEMV_DEFAULT = True
+GEMV_TILES: tuple[tuple[int, int, GemmConfig, GemmConfig], ...] = (
+    (6, 1, GemmConfig(64, 256, 8, 2, "gemv"), GemmConfig(32, 256, 4, 2, "gemv")),  # T = 1 at top-6
+    (12, 1, GemmConfig(32, 256, 4, 2, "gemv"), GemmConfig(32, 512, 4, 2, "gemv")),  # T = 2
+    (24, 1, GemmConfig(32, 256, 4, 2, "gemv"), GemmConfig(32, 256, 2, 2, "gemv")),  # T = 3, 4
+)
 
 
 def default_configs(
-    pairs: int, interpreted: bool, fp32: bool, grouped: bool = GROUPED_DEFAULT, chunked: bool = False
+    pairs: int, interpreted: bool, fp32: bool, grouped: bool = GROUPED_DEFAULT, chunked: bool = False,
+    gemv: bool = GEMV_DEFAULT,
 ) -> tuple[int, GemmConfig, GemmConfig]:
     """(BLOCK_M, gate/up config, down config) for P = T * k routed pairs. GPU configs: the best of the H200 sweep
     at T = 1 and 64 (docs/perf.md "FP4 expert kernels"); fp32 activations keep the exact fp32-dot "bits" path.
     grouped: bf16 / fp16 activations with at least GROUPED_MIN_PAIRS pairs take the per-scale-group kernels (the
     caller checks `fp4_grouped.supports`). chunked: the weights are in the chunked layout (`moe.fp4_layout`),
-    whose tiles span whole 128-column chunks."""
+    whose tiles span whole 128-column chunks. gemv: on the chunked layout pair counts within GEMV_TILES take the
+    CUDA-core kernels with that table's tiles (the caller checks `fp4_gemv.supports`)."""
+    if gemv and chunked and not interpreted:
+        for max_pairs, bm, up, down in GEMV_TILES:
+            if pairs <= max_pairs:
+                return bm, up, down
     if interpreted:
         bk = 128 if chunked else 32
         return 16, GemmConfig(16, bk, 4, 1, "bits"), GemmConfig(16, bk, 4, 1, "bits")
@@ -632,6 +654,16 @@ def moe_experts_fp4(
     interp = check_launchable("moe_experts", _gate_up_kernel, x, w1, w3, w2)
     dot_f32 = interp or x.dtype == torch.float32
     block_m, cfg_up, cfg_down = configs or default_configs(p, interp, dot_f32, chunked=chunked)
+    if "gemv" in cfg_up.variant + cfg_down.variant:
+        if cfg_up.variant != cfg_down.variant:
+            raise ValueError(
+                f"moe_experts_fp4: gemv variants {cfg_up.variant!r} / {cfg_down.variant!r}; expected the same variant "
+                "for both GEMMs (they share the slots of h)"
+            )
+        if fp4_gemv.supports(d, inter, w1, w3, w2, s1, s3, s2):
+            return _gemv_experts(x, weights, ids, (w1, w3, w2, s1, s3, s2), limit, block_m, cfg_up, cfg_down,
+                                 not interp, chunked, shared, out_dtype)  # fmt: skip
+        block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, chunked=chunked, gemv=False)
     grouped = "grouped" in cfg_up.variant + cfg_down.variant
     if grouped and not fp4_grouped.supports(d, inter, w1, w3, w2, s1, s3, s2):
         block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, grouped=False, chunked=chunked)
@@ -642,4 +674,31 @@ def moe_experts_fp4(
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
     launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32, chunked)
+    return combine_rows(rows, k, shared, out_dtype)
+
+
+def _gemv_experts(
+    x: Tensor, weights: Tensor, ids: Tensor, packed: tuple[Tensor, ...], limit: float, block_m: int,
+    cfg_up: GemmConfig, cfg_down: GemmConfig, asm: bool, chunked: bool, shared: Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> Tensor:  # fmt: skip
+    """`moe_experts_fp4` on the CUDA-core kernels (`fp4_gemv`): "gemv" one program per pair, the expert read from
+    ids (no permutation); "gemv_expert" one per row block of `align_pairs` with block_m slots."""
+    w1, w3, w2, s1, s3, s2 = packed
+    t, d = x.shape
+    k = ids.shape[1]
+    if not fp4_gemv.aligned_rows(x):
+        x = x.clone()
+    if cfg_up.variant == "gemv":
+        exp, pairs, block_t = ids.reshape(-1), None, 1
+    else:
+        block_t = block_m
+        pairs, exp = align_pairs(ids, w1.shape[0], block_t)
+    h = torch.empty((exp.shape[0] * block_t, w1.shape[1]), dtype=x.dtype, device=x.device)
+    fp4_gemv.launch_gate_up(x, w1, w3, s1, s3, exp, pairs, h, k, limit, block_t, cfg_up.block_n, cfg_up.block_k,
+                            cfg_up.num_warps, cfg_up.num_stages > 1, asm, chunked)  # fmt: skip
+    rows = torch.empty((t * k, d), dtype=torch.float32, device=x.device)
+    rw = weights.reshape(-1).float().contiguous()
+    fp4_gemv.launch_down(h, w2, s2, exp, pairs, rw, rows, block_t, cfg_down.block_n, cfg_down.block_k,
+                         cfg_down.num_warps, cfg_down.num_stages > 1, asm, chunked)  # fmt: skip
     return combine_rows(rows, k, shared, out_dtype)
