@@ -259,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     sets = prompt_sets(args.ckpt, tb, args.seeds, biggest, args.prompt_len)
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     cache_bytes = args.kv_cache_bytes or ("1GiB" if cuda else None)
+    if cache_bytes is not None:
+        from deepinfer_engine.config import parse_bytes
+
+        cache_bytes = parse_bytes(cache_bytes)
     # no prefix cache: every policy reruns the same prompts, and a hit skips the prompt rows that fill the draft
     # rings (docs/prefix_cache.md), which would lower acceptance from the second run on
     common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
