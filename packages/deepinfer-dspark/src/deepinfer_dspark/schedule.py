@@ -367,23 +367,29 @@ def _padded(survival: Tensor | np.ndarray, m: np.ndarray, latency: LatencyModel,
     a[np.isnan(a)] = 1.0  # ranked first by the unpadded policy too
     np.minimum(np.maximum(a, 0.0, out=a), 1.0, out=a)
     a[np.arange(width)[None, :] >= m[:, None]] = 0.0
-    expected = np.concatenate(([0.0], np.cumsum(a.sum(0)))) + survival.shape[0]  # E(c), c = 0..N
-    seconds = np.array([latency.predict(padding.rows(c + 1)) for c in caps])
+    # a handful of NumPy calls on [B, N], then plain floats over the (at most a few) caps
+    expected = [float(survival.shape[0])]  # E(c), c = 0..N
+    for x in a.sum(0).tolist():
+        expected.append(expected[-1] + x)
+    seconds = [latency.predict(padding.rows(c + 1)) for c in caps]
+    rates = [expected[c] / t for c, t in zip(caps, seconds)]
     if not exact or deterministic:
-        return np.minimum(m, caps[int(np.argmax(expected[caps] / seconds))])
-    seconds = np.minimum.accumulate(seconds[::-1])[::-1]  # the non-decreasing lower envelope, as unpadded
+        return np.minimum(m, caps[rates.index(max(rates))])
+    for i in range(len(seconds) - 2, -1, -1):  # the non-decreasing lower envelope, as unpadded
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    # raising the cap from c to c' admits drafts c+1 .. c' together, on survivals up to draft c+1 only
+    # (non-anticipating): the deeper ones are extrapolated with each request's last conditional confidence
+    # r = a_{c+1} / a_c, i.e. a_{c+1} (1 + r + ... + r^(n-1)) for the n drafts request b gains
+    lo, hi = np.asarray(caps[:-1]), np.asarray(caps[1:])
+    first = a[:, lo]
+    prev = np.concatenate((np.ones((a.shape[0], 1)), a), 1)[:, lo]
+    r = np.divide(first, prev, out=np.zeros_like(first), where=prev > 0)
+    n = np.maximum(np.minimum(m[:, None], hi[None, :]) - lo[None, :], 0)
+    below = r < 1.0
+    series = np.where(below, (1.0 - r**n) / np.where(below, 1.0 - r, 1.0), n)
+    gain = (first * series).sum(0).tolist()
     i = 0
-    while i + 1 < len(caps):
-        c, nxt = caps[i], caps[i + 1]
-        # drafts c+1 .. nxt are admitted together, on survivals up to draft c+1 only (non-anticipating): the
-        # deeper ones are extrapolated with each request's last conditional confidence c_{c+1} = a_{c+1} / a_c
-        first = a[:, c]
-        prev = a[:, c - 1] if c > 0 else np.ones_like(first)
-        r = np.divide(first, prev, out=np.zeros_like(first), where=prev > 0)
-        n = np.clip(np.minimum(m, nxt) - c, 0, None).astype(np.float64)
-        series = np.where(r < 1.0, (1.0 - r**n) / np.where(r < 1.0, 1.0 - r, 1.0), n)
-        if (expected[c] + float((first * series).sum())) / seconds[i + 1] <= expected[c] / seconds[i]:
-            break
+    while i + 1 < len(caps) and (expected[caps[i]] + gain[i]) / seconds[i + 1] > expected[caps[i]] / seconds[i]:
         i += 1
     return np.minimum(m, caps[i])
 
