@@ -13,6 +13,9 @@ profiled curve (raw medians, non-decreasing fit, noise, flat), the per-round hos
 steps (draft pass / verify step / bookkeeping / the rest of the step) and the CUDA-graph counts of both engines.
 `--sync-report N` adds, per policy, short speculative runs of N prompts: the synchronising calls per round and per
 source line (torch's sync debug mode, CUDA) and the torch ops launched outside the graphed forwards per round.
+`--async-scheduling both` loads each engine twice, with synchronous and with asynchronous scheduling
+(`async_scheduling=False / True`), and times plain decoding and every policy in both (rows "NAME+async");
+`--prompts 32 128` runs both batch sizes on the same engines (max_num_seqs = the largest).
 """
 
 from __future__ import annotations
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", type=Path, default=ROOT / ".cache" / "dspark-testbed")
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--prompts", type=int, default=64, help="prompts per set")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[64],
+                    help="prompts per set (several: each batch size on the same engines)")
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
@@ -234,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
                          "that CUDA-graph captures and kernel compiles of its step shapes are not timed")
     ap.add_argument("--reprofile", action="store_true",
                     help="after the runs, time the start-up latency profile again on the warm engine")
+    ap.add_argument("--async-scheduling", choices=("default", "off", "on", "both"), default="default",
+                    help="the engines' scheduling: the engine's default (CUDA: asynchronous for plain decoding, "
+                         "synchronous with speculation), synchronous, asynchronous (async_scheduling=True), or both "
+                         "(each engine loaded twice; rows of the asynchronous engines are named NAME+async)")
+    ap.add_argument("--kv-cache-bytes", default=None,
+                    help="cache bytes per engine (default: 1GiB on CUDA, where the engine's default would give the "
+                         "first engine 90%% of the free memory; the engine's default elsewhere)")
     ap.add_argument("--sync-report", type=int, default=0, metavar="PROMPTS",
                     help="per policy, a speculative run of this many prompts: synchronising calls per round (CUDA) "
                          "and torch ops launched outside the graphed forwards per round (0 = off)")
@@ -244,21 +255,34 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.ckpt / "testbed.json").exists():
         raise SystemExit(f"{args.ckpt}: no testbed checkpoint; run scripts/dspark_testbed.py build --out {args.ckpt}")
     sts = ensure_calibration(args.ckpt, tb)
-    sets = prompt_sets(args.ckpt, tb, args.seeds, args.prompts, args.prompt_len)
+    biggest = max(args.prompts)
+    sets = prompt_sets(args.ckpt, tb, args.seeds, biggest, args.prompt_len)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    cache_bytes = args.kv_cache_bytes or ("1GiB" if cuda else None)
+    if cache_bytes is not None:
+        from deepinfer_engine.config import parse_bytes
+
+        cache_bytes = parse_bytes(cache_bytes)
     # no prefix cache: every policy reruns the same prompts, and a hit skips the prompt rows that fill the draft
     # rings (docs/prefix_cache.md), which would lower acceptance from the second run on
     common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
-                  max_num_seqs=args.prompts, num_cpu_threads=args.threads, enable_prefix_caching=False,
-                  enforce_eager=True if args.enforce_eager else None)
+                  max_num_seqs=biggest, num_cpu_threads=args.threads, enable_prefix_caching=False,
+                  enforce_eager=True if args.enforce_eager else None, kv_cache_memory_bytes=cache_bytes)
     common = {k: v for k, v in common.items() if v is not None}
-    plain = LLM(str(args.ckpt), **common)
-    spec_llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **common)
-    dec = spec_llm.engine.runner.spec
-    if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
-        dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
-    profiled = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds), noise=dec.latency.noise)
-    profiled.measured = dec.latency.measured
-    print("profiled T(Q): " + json.dumps(latency_info(profiled)), flush=True)
+    modes = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
+    plains, specs, decs, curves = {}, {}, {}, {}
+    for mode in modes:
+        sched = {} if mode is None else {"async_scheduling": mode}
+        plains[mode] = LLM(str(args.ckpt), **sched, **common)
+        specs[mode] = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **sched, **common)
+        dec = decs[mode] = specs[mode].engine.runner.spec
+        if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
+            dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
+        prof = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds), noise=dec.latency.noise)
+        prof.measured = dec.latency.measured
+        curves[mode] = prof
+        print(f"profiled T(Q){' async' if mode else ''}: " + json.dumps(latency_info(prof)), flush=True)
+    spec_llm, dec, profiled = specs[modes[0]], decs[modes[0]], curves[modes[0]]
     policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:
@@ -267,56 +291,74 @@ def main(argv: list[str] | None = None) -> int:
     # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
     for temp in args.temperature:
         warm = SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7)
-        plain.generate(sets[0], warm, use_tqdm=False)
-        spec_llm.generate(sets[0], warm, use_tqdm=False)
+        for mode in modes:
+            plains[mode].generate(sets[0], warm, use_tqdm=False)
+            specs[mode].generate(sets[0], warm, use_tqdm=False)
     rows = []
+    suffix = {None: "", False: "", True: "+async"}
     for temp in args.temperature:
-        for si, prompts in enumerate(sets):
-            sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True, seed=args.seeds[si])
-            for _ in range(args.warm_runs):
-                run(plain, prompts, sp)
-            for _name, pol, curve in policies:
-                # untimed runs of the same requests first: each policy verifies its own numbers of drafts, so
-                # it meets (batch, length, drafts) step shapes whose CUDA graphs / Triton kernels the others
-                # did not compile, and the first run would pay that (measured: seconds per policy)
-                for _ in range(args.warm_runs):
-                    apply_policy(dec, pol, curve, profiled)
-                    run(spec_llm, prompts, sp)
-            # timed runs round-robin over plain and the policies, `--repeats` times: one run is a fraction of a
-            # second, so clock and host noise between runs would otherwise decide the ranking
-            timed: dict[str, list] = {"plain": []}
-            ref = None
-            for _ in range(args.repeats):
-                tps, _, ref = run(plain, prompts, sp)
-                timed["plain"].append((tps, None, None, None))
-                for name, pol, curve in policies:
-                    lat = apply_policy(dec, pol, curve, profiled)
-                    timed.setdefault(name, []).append((*run(spec_llm, prompts, sp), lat))
-            all_tps = {name: [t[0] for t in runs] for name, runs in timed.items()}
-            rows.append({"policy": "plain", "temperature": temp, "seed": args.seeds[si],
-                         "tokens_per_s": statistics.median(all_tps["plain"]), "tokens_per_s_all": all_tps["plain"]})
-            for name, _pol, _curve in policies:
-                runs = sorted(timed[name], key=lambda t: t[0])
-                tps, st, out, lat = runs[len(runs) // 2]  # the median run (its own timing and curve)
-                rows.append({"policy": name, "temperature": temp, "seed": args.seeds[si],
-                             "tokens_per_s": statistics.median(all_tps[name]), "tokens_per_s_all": all_tps[name],
-                             "mean_accepted_length": st["mean_accepted_length"],
-                             "verified_per_request_step": st["num_verified_tokens"] / max(1, st["request_steps"]),
-                             "verified_per_step": st["verified_tokens_per_step"], "steps": st["steps"],
-                             "verification_efficiency": st["verification_efficiency"],
-                             "num_verified_tokens": st["num_verified_tokens"],
-                             "num_accepted_tokens": st["num_accepted_tokens"],
-                             "matches_plain": out == ref if temp == 0 else None,
-                             "timing": st["timing"], "wall_s": st["wall_s"],
-                             "latency_after": None if lat is None else latency_info(lat)})
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
-                      flush=True)
-            if args.json:  # partial results survive a run that is cut short
-                args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
-                                                 "rows": rows}, default=str) + "\n")
+        for count in args.prompts:
+            for si, full in enumerate(sets):
+                prompts = full[:count]
+                sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True,
+                                    seed=args.seeds[si])
+                for mode in modes:
+                    for _ in range(args.warm_runs):
+                        run(plains[mode], prompts, sp)
+                    for _name, pol, curve in policies:
+                        # untimed runs of the same requests first: each policy verifies its own numbers of
+                        # drafts, so it meets (batch, length, drafts) step shapes whose CUDA graphs / Triton
+                        # kernels the others did not compile, and the first run would pay that (measured:
+                        # seconds per policy)
+                        for _ in range(args.warm_runs):
+                            apply_policy(decs[mode], pol, curve, curves[mode])
+                            run(specs[mode], prompts, sp)
+                # timed runs round-robin over plain and the policies (and the scheduling modes), `--repeats`
+                # times: one run is a fraction of a second, so clock and host noise between runs would otherwise
+                # decide the ranking
+                timed: dict[str, list] = {}
+                ref = None
+                for _ in range(args.repeats):
+                    for mode in modes:
+                        tps, _, out = run(plains[mode], prompts, sp)
+                        ref = ref or out  # the synchronous plain run when there is one
+                        timed.setdefault("plain" + suffix[mode], []).append((tps, None, None, None))
+                        for name, pol, curve in policies:
+                            lat = apply_policy(decs[mode], pol, curve, curves[mode])
+                            timed.setdefault(name + suffix[mode], []).append((*run(specs[mode], prompts, sp), lat))
+                all_tps = {name: [t[0] for t in runs] for name, runs in timed.items()}
+                for mode in modes:
+                    pname = "plain" + suffix[mode]
+                    rows.append({"policy": pname, "temperature": temp, "seed": args.seeds[si], "prompts": count,
+                                 "async": mode, "tokens_per_s": statistics.median(all_tps[pname]),
+                                 "tokens_per_s_all": all_tps[pname]})
+                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                          flush=True)
+                for mode, (name, _pol, _curve) in [(m, p) for m in modes for p in policies]:
+                    name = name + suffix[mode]
+                    runs = sorted(timed[name], key=lambda t: t[0])
+                    tps, st, out, lat = runs[len(runs) // 2]  # the median run (its own timing and curve)
+                    rows.append({"policy": name, "temperature": temp, "seed": args.seeds[si], "prompts": count,
+                                 "async": mode,
+                                 "tokens_per_s": statistics.median(all_tps[name]), "tokens_per_s_all": all_tps[name],
+                                 "mean_accepted_length": st["mean_accepted_length"],
+                                 "verified_per_request_step": st["num_verified_tokens"] / max(1, st["request_steps"]),
+                                 "verified_per_step": st["verified_tokens_per_step"], "steps": st["steps"],
+                                 "verification_efficiency": st["verification_efficiency"],
+                                 "num_verified_tokens": st["num_verified_tokens"],
+                                 "num_accepted_tokens": st["num_accepted_tokens"],
+                                 "matches_plain": out == ref if temp == 0 else None,
+                                 "timing": st["timing"], "wall_s": st["wall_s"],
+                                 "latency_after": None if lat is None else latency_info(lat)})
+                    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+                          flush=True)
+                if args.json:  # partial results survive a run that is cut short
+                    args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
+                                                     "rows": rows}, default=str) + "\n")
     table = summarize(rows)
     print(format_table(table, spec_llm))
-    graphs = {"plain": graph_info(plain), "spec": graph_info(spec_llm)}
+    graphs = {f"{kind}{' async' if mode else ''}": graph_info(llm)
+              for mode in modes for kind, llm in (("plain", plains[mode]), ("spec", specs[mode]))}
     print("cuda graphs: " + json.dumps(graphs), flush=True)
     reprofiled = None
     if args.reprofile:  # the same start-up profile on the warm engine (no request holds cache rows now)
@@ -357,13 +399,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (temperature, policy): mean and min / max over prompt sets; verified and tau relative to verify_all."""
+    """Per (prompts, temperature, policy): mean and min / max over prompt sets; verified and tau relative to
+    verify_all, tokens/s relative to plain decoding, both of the same scheduling mode (NAME+async: asynchronous)."""
     out = []
-    keys = sorted({(r["temperature"], r["policy"]) for r in rows}, key=lambda k: (k[0], k[1] != "plain", k[1]))
-    for temp, pol in keys:
-        rs = [r for r in rows if r["temperature"] == temp and r["policy"] == pol]
-        base = {r["seed"]: r for r in rows if r["temperature"] == temp and r["policy"] == "verify_all"}
-        entry = {"temperature": temp, "policy": pol, "sets": len(rs)}
+    keys = sorted({(r.get("prompts", 0), r["temperature"], r["policy"]) for r in rows},
+                  key=lambda k: (k[0], k[1], not k[2].startswith("plain"), k[2]))
+    for count, temp, pol in keys:
+        same = [r for r in rows if r.get("prompts", 0) == count and r["temperature"] == temp]
+        rs = [r for r in same if r["policy"] == pol]
+        mode = "+async" if pol.endswith("+async") else ""
+        base = {r["seed"]: r for r in same if r["policy"] == "verify_all" + mode}
+        plain = {r["seed"]: r for r in same if r["policy"] == "plain" + mode}
+        entry = {"prompts": count, "temperature": temp, "policy": pol, "sets": len(rs)}
         for f in ("tokens_per_s", "mean_accepted_length", "verified_per_request_step", "verified_per_step"):
             vals = [r[f] for r in rs if f in r]
             if vals:
@@ -372,7 +419,10 @@ def summarize(rows: list[dict]) -> list[dict]:
             vals = [r["timing"][f] for r in rs if f in r.get("timing", {})]
             if vals:
                 entry[f] = (statistics.fmean(vals), min(vals), max(vals))
-        if pol != "plain" and base:
+        if plain:
+            ratio = [r["tokens_per_s"] / plain[r["seed"]]["tokens_per_s"] for r in rs if r["seed"] in plain]
+            entry["vs_plain"] = (statistics.fmean(ratio), min(ratio), max(ratio))
+        if not pol.startswith("plain") and base:
             tau = [r["mean_accepted_length"] / base[r["seed"]]["mean_accepted_length"] for r in rs]
             ver = [r["num_verified_tokens"] / base[r["seed"]]["num_verified_tokens"] - 1 for r in rs]
             entry["tau_vs_verify_all"] = (statistics.fmean(tau), min(tau), max(tau))
@@ -392,11 +442,13 @@ def format_table(table: list[dict], llm) -> str:
             return f"{m * 100:+.0f}% ({lo * 100:+.0f}..{hi * 100:+.0f})"
         return f"{m:{fmt}} ({lo:{fmt}}..{hi:{fmt}})"
 
-    lines = [f"DSpark policies on {llm.engine.runner.device} (mean (min..max) over prompt sets)",
-             f"{'T':>3} {'policy':<22} {'tokens/s':>24} {'tau':>20} {'tau vs all':>20} {'verified/req-step':>20} "
-             f"{'verified vs all':>20} {'ms/round draft+verify+rest':>28}"]
+    lines = [f"DSpark policies on {llm.engine.runner.device} (mean (min..max) over prompt sets; vs plain and vs all "
+             "within the same scheduling mode)",
+             f"{'P':>4} {'T':>3} {'policy':<28} {'tokens/s':>24} {'vs plain':>20} {'tau':>20} {'tau vs all':>20} "
+             f"{'verified/req-step':>20} {'verified vs all':>20} {'ms/round draft+verify+rest':>28}"]
     for e in table:
-        lines.append(f"{e['temperature']:>3g} {e['policy']:<22} {f(e, 'tokens_per_s', '.1f'):>24} "
+        lines.append(f"{e['prompts']:>4} {e['temperature']:>3g} {e['policy']:<28} {f(e, 'tokens_per_s', '.1f'):>24} "
+                     f"{f(e, 'vs_plain', '.3f'):>20} "
                      f"{f(e, 'mean_accepted_length', '.2f'):>20} {f(e, 'tau_vs_verify_all', '.3f'):>20} "
                      f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20} "
                      + (f"{e['draft_ms'][0]:>9.1f}+{e['verify_ms'][0]:.1f}+{e['finish_ms'][0]:.1f}" if "draft_ms" in e

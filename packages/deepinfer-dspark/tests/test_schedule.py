@@ -11,6 +11,7 @@ from deepinfer_dspark import (
     DSparkConfigError,
     DSparkInputError,
     LatencyModel,
+    StepPadding,
     VerifyPolicy,
     allocate,
     cost_budget,
@@ -218,10 +219,69 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_prunes_on_a_growing_
 
 def test_overhead_moves_the_level_not_the_growth():
     lat = LatencyModel([1, 100], [0.01, 0.02], ema=0.5)
-    lat.observe_overhead(0.04)
+    lat.observe_overhead(0.04)  # the first observation sets it, later ones move it by ema
+    lat.observe_overhead(0.0)
     assert lat.overhead == pytest.approx(0.02) and lat.predict(1) == pytest.approx(0.03)
     assert lat.curve(100)[100].item() == pytest.approx(0.04)
     lat.observe(100, 0.02)  # the forward alone, as profiled: no correction
     assert lat.seconds == pytest.approx([0.01, 0.02])
     with pytest.raises(DSparkInputError, match="overhead"):
         lat.observe_overhead(-1.0)
+
+
+def _padded_rate(a: torch.Tensor, counts: list[int], lat: LatencyModel, pad: StepPadding) -> float:
+    e = len(counts) + sum(float(a[b, :c].clamp(0, 1).sum()) for b, c in enumerate(counts))
+    return e / lat.predict(pad.rows(max(counts) + 1))
+
+
+def test_padded_step_prices_the_longest_chunk():
+    # one confident request and 7 doubtful ones in a graph of 8 x Q rows, Q in 1, 2, 4, 6: the unpadded policy
+    # drops the doubtful drafts (the step's Q stays 6, no time saved); the padded one verifies them for free
+    a = _survival([[0.95] * 5] + [[0.3, 0.5, 0.5, 0.5, 0.5]] * 7)
+    pad, lat, m = StepPadding(8, (1, 2, 4, 6)), LatencyModel.affine(0.01, 1e-4, 64), [5] * 8
+    pol = VerifyPolicy(kind="cost")
+    unpadded = schedule_verification(pol, m, survival=a, latency=lat).tolist()
+    assert unpadded[0] == 5 and sum(unpadded[1:]) < 7 * 5  # the step stays 8 x 6 rows
+    for greedy in (False, True):
+        padded = schedule_verification(pol, m, survival=a, latency=lat, padding=pad, deterministic=greedy).tolist()
+        assert padded == m
+        assert _padded_rate(a, padded, lat, pad) > _padded_rate(a, unpadded, lat, pad)
+    # a steep curve: a smaller bucket (cap 1: Q = 2) for every request, the longest chunk included
+    steep = LatencyModel.affine(0.004, 2e-4, 64)
+    got = schedule_verification(pol, m, survival=a, latency=steep, padding=pad, deterministic=True).tolist()
+    assert got == [1] * 8
+    assert schedule_verification(pol, [3, 0, 2, 1, 3, 3, 3, 3], survival=a, latency=lat, padding=pad).tolist() == [
+        3, 0, 2, 1, 3, 3, 3, 3]  # max_drafts 3: its own cap (a chunk of 4 rows)
+    with pytest.raises(DSparkConfigError, match="sizes"):
+        StepPadding(8, (2, 1))
+    with pytest.raises(DSparkInputError, match="padding"):
+        schedule_verification(pol, m, survival=a, latency=lat, padding=StepPadding(8, (1, 2, 4)))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_padded_global_is_optimal_and_exact_is_non_anticipating(seed: int):
+    rng = random.Random(100 + seed)
+    batch, width = rng.randint(1, 4), 5
+    conf = [[rng.choice([rng.random(), 1.0, 0.0, 0.9]) for _ in range(width)] for _ in range(batch)]
+    a = _survival(conf).double()
+    m = [rng.randint(0, width) for _ in range(batch)]
+    pad = StepPadding(rng.choice([batch, 4, 8]) if batch <= 4 else 8, (1, 2, 4, 6))
+    sizes = list(range(1, pad.batch * 6 + 2))
+    jagged = LatencyModel(sizes, [1.0 + 0.05 * q + rng.choice([0.0, 0.4, 0.9]) for q in sizes])
+    affine = LatencyModel.affine(rng.uniform(0.2, 2.0), rng.uniform(0.005, 0.3), 64)
+    for lat in (jagged, affine):
+        best = max(_padded_rate(a, list(c), lat, pad) for c in itertools.product(*(range(k + 1) for k in m)))
+        got = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad)
+        assert all(0 <= c <= k for c, k in zip(got.tolist(), m))
+        assert _padded_rate(a, got.tolist(), lat, pad) == pytest.approx(best, rel=1e-9)
+        # exact: whether draft j (1-based) of request b is verified must not depend on d_j, i.e. on the survivals
+        # of drafts j+1 .. N of b (columns j.. here), whatever they are
+        pol = VerifyPolicy(kind="cost")
+        base = schedule_verification(pol, m, survival=a, latency=lat, padding=pad).tolist()
+        for b in range(batch):
+            for j in range(1, width + 1):
+                for _ in range(3):
+                    other = a.clone()
+                    other[b, j:] = other[b, j - 1] * torch.cumprod(torch.rand(width - j, dtype=torch.float64), 0)
+                    got = schedule_verification(pol, m, survival=other, latency=lat, padding=pad).tolist()
+                    assert (got[b] >= j) == (base[b] >= j)

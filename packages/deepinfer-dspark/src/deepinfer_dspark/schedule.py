@@ -21,6 +21,15 @@ E(K) = S + (sum of the K largest survivals); its expected time is T(Q) from `Lat
   The early-stop search reads the largest non-decreasing curve below T (T'(Q) = min over Q' >= Q of T(Q')): a step
   over more tokens never takes less time, and interference only adds time, so a profiled point above a later one
   is noise; left in, such a peak makes E/T non-unimodal and stops the search at a false local optimum.
+padded steps (`StepPadding`, a replayed CUDA graph): every sequence of the step is padded to the longest chunk's
+  bucket Q (e.g. 1, 2, 4, 6 rows), so the step costs T(batch * Q) and a draft below the longest chunk costs
+  nothing. The choice is then a cap c per step (c + 1 a bucket, or the largest max_drafts): each request verifies
+  min(max_drafts, c), E(c) = S + (survivals of depth <= c), and the policy maximises E(c) / T(batch * (c + 1)).
+  Pruning the top-K candidates instead would lose accepted tokens whenever one request keeps a long chunk, and
+  save no time. The same three modes: deterministic / exact=False take the argmax over the caps; exact=True raises
+  c bucket by bucket while the rate improves, deciding to admit depths c+1..c' from survivals up to depth c+1 only
+  (a_{c+1} depends on the drafts up to d_c, all admitted), the deeper ones extrapolated with each request's last
+  conditional confidence: non-anticipating, as above.
   A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
   the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
   (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
@@ -44,6 +53,7 @@ __all__ = [
     "FLAT_SIGMAS",
     "POLICIES",
     "LatencyModel",
+    "StepPadding",
     "VerifyPolicy",
     "allocate",
     "cost_budget",
@@ -74,6 +84,32 @@ def isotonic(values: Sequence[float], weights: Sequence[float] | None = None) ->
             m1, w1, n1 = blocks.pop()
             blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
     return [m for m, _, n in blocks for _ in range(int(n))]
+
+
+@dataclass(frozen=True)
+class StepPadding:
+    """The shape a verify step runs in when every sequence is padded to a common length (a replayed CUDA graph):
+    `batch` sequences (the step's sequences rounded up to a graph batch size, non-speculating ones included) of
+    Q rows each, Q = the smallest of `sizes` (ascending tokens-per-sequence buckets) that holds the longest
+    chunk (1 + its drafts). The step then costs T(batch * Q) whatever the other chunks verify."""
+
+    batch: int
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        sizes = tuple(int(q) for q in self.sizes)
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise DSparkConfigError(f"StepPadding.batch: expected an int >= 1, found {self.batch!r}")
+        if not sizes or sizes[0] < 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise DSparkConfigError(f"StepPadding.sizes: expected strictly increasing ints >= 1, found {self.sizes!r}")
+        object.__setattr__(self, "sizes", sizes)
+
+    def rows(self, longest: int) -> int | None:
+        """Rows of the padded step whose longest chunk has `longest` tokens (None: no bucket holds it)."""
+        for q in self.sizes:
+            if q >= longest:
+                return self.batch * q
+        return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +163,7 @@ class LatencyModel:
         self.ema = ema
         self.noise = float(noise)
         self.overhead = 0.0
+        self.overhead_observations = 0
         self.observations = 0
         self.measured: list[float] | None = None
 
@@ -184,10 +221,12 @@ class LatencyModel:
         return rise <= FLAT_SIGMAS * math.sqrt(2.0) * self.noise
 
     def observe_overhead(self, seconds: float) -> None:
-        """Online correction of the per-step time spent outside the profiled forward (EMA with `ema`)."""
+        """Online correction of the per-step time spent outside the profiled forward: the first observation sets
+        it (an EMA from 0 would price the first tens of steps as if they had none), later ones move it by `ema`."""
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise DSparkInputError(f"LatencyModel.observe_overhead: expected seconds >= 0, found {seconds}")
-        self.overhead += self.ema * (seconds - self.overhead)
+        self.overhead += (1.0 if self.overhead_observations == 0 else self.ema) * (seconds - self.overhead)
+        self.overhead_observations += 1
 
     def _segment(self, q: float) -> tuple[int, float]:
         """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
@@ -312,6 +351,49 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
     return int(np.argmax(worse)) if bool(worse.any()) else count
 
 
+def _padded(survival: Tensor | np.ndarray, m: np.ndarray, latency: LatencyModel, padding: StepPadding, *,
+            exact: bool, deterministic: bool) -> np.ndarray:
+    """`[B] int64` drafts per request of a padded step (module docstring, "padded steps"): min(max_drafts, c) for
+    the cap c of the best bucket."""
+    width = survival.shape[1]
+    top = int(m.max()) if m.size else 0
+    if top == 0 or latency.flat():
+        return m
+    caps = [c for c in sorted({q - 1 for q in padding.sizes if 0 <= q - 1 < top} | {top})
+            if padding.rows(c + 1) is not None]
+    if not caps or caps[-1] != top:
+        raise DSparkInputError(f"padding: a chunk of {top + 1} tokens fits none of the sizes {padding.sizes}")
+    a = _host_array(survival).astype(np.float64)
+    a[np.isnan(a)] = 1.0  # ranked first by the unpadded policy too
+    np.minimum(np.maximum(a, 0.0, out=a), 1.0, out=a)
+    a[np.arange(width)[None, :] >= m[:, None]] = 0.0
+    # a handful of NumPy calls on [B, N], then plain floats over the (at most a few) caps
+    expected = [float(survival.shape[0])]  # E(c), c = 0..N
+    for x in a.sum(0).tolist():
+        expected.append(expected[-1] + x)
+    seconds = [latency.predict(padding.rows(c + 1)) for c in caps]
+    rates = [expected[c] / t for c, t in zip(caps, seconds)]
+    if not exact or deterministic:
+        return np.minimum(m, caps[rates.index(max(rates))])
+    for i in range(len(seconds) - 2, -1, -1):  # the non-decreasing lower envelope, as unpadded
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    # raising the cap from c to c' admits drafts c+1 .. c' together, on survivals up to draft c+1 only
+    # (non-anticipating): the deeper ones are extrapolated with each request's last conditional confidence
+    # r = a_{c+1} / a_c, i.e. a_{c+1} (1 + r + ... + r^(n-1)) for the n drafts request b gains
+    lo, hi = np.asarray(caps[:-1]), np.asarray(caps[1:])
+    first = a[:, lo]
+    prev = np.concatenate((np.ones((a.shape[0], 1)), a), 1)[:, lo]
+    r = np.divide(first, prev, out=np.zeros_like(first), where=prev > 0)
+    n = np.maximum(np.minimum(m[:, None], hi[None, :]) - lo[None, :], 0)
+    below = r < 1.0
+    series = np.where(below, (1.0 - r**n) / np.where(below, 1.0 - r, 1.0), n)
+    gain = (first * series).sum(0).tolist()
+    i = 0
+    while i + 1 < len(caps) and (expected[caps[i]] + gain[i]) / seconds[i + 1] > expected[caps[i]] / seconds[i]:
+        i += 1
+    return np.minimum(m, caps[i])
+
+
 def allocate(
     survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, budget: int | Tensor
 ) -> Tensor:
@@ -354,6 +436,7 @@ def schedule_verification(
     latency: LatencyModel | None = None,
     base_tokens: int = 0,
     deterministic: bool = False,
+    padding: StepPadding | None = None,
 ) -> Tensor:
     """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]), on survival's device (CPU without
     survivals).
@@ -362,6 +445,9 @@ def schedule_verification(
     survival: `[B, N]` a = cumprod(confidence) (`DraftProposal.survival()`); required by threshold and cost.
     latency: required by cost. base_tokens: the step's other query tokens (`cost_budget`).
     deterministic: every request of the step is greedy (`cost_budget`).
+    padding: cost only: the step runs padded (a replayed CUDA graph, `StepPadding`); the policy then picks a cap
+    on the drafts of every request (module docstring, "padded steps") and base_tokens is not read (the other
+    sequences are in padding.batch).
 
     survival and max_drafts may be NumPy arrays: the engine reads the survivals to the host with the drafts, and
     on the host every policy runs in NumPy and launches one torch op (the result tensor; a CPU tensor's `.numpy()`
@@ -391,6 +477,9 @@ def schedule_verification(
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
+    if padding is not None:
+        return _tensor(_padded(survival, m, latency, padding, exact=policy.exact, deterministic=deterministic),
+                       _device(survival))
     vals, req = _ranked(survival, m)
     k = _budget(vals, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
                 deterministic=deterministic)

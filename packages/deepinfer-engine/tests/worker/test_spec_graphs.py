@@ -44,6 +44,7 @@ def _with_static_graphs(llm: LLM) -> EagerReplayGraphs:
     eng.runner.cuda_graphs = graphs
     drafter = eng.runner.spec.drafter  # the draft pass too: DSpark's stages, or V4's MTP block
     drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
+    eng.runner.spec.graph_sizes = (graphs.batch_sizes, verify_token_sizes(eng.runner.spec.max_drafts + 1))
     return graphs
 
 
@@ -145,3 +146,48 @@ def test_cost_profile_times_the_graphed_verify_step() -> None:
                                  repeats=1)
     assert list(lat.sizes) == [1, 2, 4, 8] and set(seen) == {1, 2, 4, 8}
     assert graphs.stats.verify_replays == len(seen) and {b for b, _, _ in graphs.stats.verify_shapes} == {1, 2}
+    # padded: each size below the largest is a step the graphs run without padding rows (Q / 4 sequences of 4)
+    lens = []
+    profile_target_latency(lambda b: lens.append(b.query_lens) or forward(b), block_size=block, max_tokens=16,
+                           num_slots=cache.num_slots, pages=cache.num_pages, page_size=cache.page_size,
+                           device=torch.device("cpu"), repeats=1, padded=graphs.batch_sizes)
+    assert sorted(set(lens)) == [(1,), (2,), (4,), (4, 4), (6, 6, 4)]  # 16 = the largest: verify-shaped
+
+
+def test_cost_policy_prices_padded_steps_and_learns_at_their_rows(ckpts, monkeypatch) -> None:
+    """Through the graph path the cost policy prices a step by its padded rows: each step verifies
+    min(max_drafts, c) drafts per request for one cap c (the drafts below the longest chunk are free), the latency
+    model is corrected at the rows the graph ran, and the whole round's non-forward time becomes its overhead."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+    from deepinfer_engine.worker import spec_decode
+
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    plain = _ids(_llm(ckpts["v41"]).generate(PROMPTS, sp, use_tqdm=False))
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"}, enable_prefix_caching=False)
+    _with_static_graphs(llm)
+    spec = llm.engine.runner.spec
+    calls, rows = [], []
+    real = spec_decode.schedule_verification
+
+    def spy(policy, max_drafts, **kw):
+        got = real(policy, max_drafts, **kw)
+        calls.append((list(max_drafts), kw["padding"], got.tolist()))
+        return got
+
+    monkeypatch.setattr(spec_decode, "schedule_verification", spy)
+    launch = spec.launch_verify
+    monkeypatch.setattr(spec, "launch_verify", lambda rnd, out, n, r=None: rows.append((n, r)) or launch(rnd, out, n, r))
+    # a steep curve prunes; the padded pricing then cuts every request at one depth
+    spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 0.004, 64), online_latency=True)
+    assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == plain
+    padded = [(m, got) for m, pad, got in calls if pad is not None]
+    assert padded and any(sum(got) < sum(m) for m, got in padded)
+    for m, got in padded:
+        cap = max(got)
+        assert got == [min(k, cap) for k in m], (m, got)
+    assert all(r >= n for n, r in rows) and any(r > n for n, r in rows)  # padding rows counted
+    assert 0 < spec.latency.observations <= len(rows)
+    # the overhead is the rounds' whole non-forward time (draft pass, bookkeeping, scheduling), set by the first
+    # observation: not an EMA of the draft pass alone growing from 0 (about 0.2 of it after the 4-5 rounds here)
+    t = spec.timing
+    assert spec.latency.overhead > 0.5 * t.draft_s / t.rounds > 0

@@ -174,14 +174,15 @@ class ModelRunner:
         step = LaunchedStep(spec_round=rnd)
         greedy_ids = None  # a graphed decode step's greedy ids of its rows (computed inside the graph)
         if rnd is not None:  # a speculative step: several rows per sequence, the draft model's features
-            graphs, out = self.cuda_graphs, None
+            graphs, out, rows = self.cuda_graphs, None, batch.num_tokens
             shape = graphs.verify_shape_of(batch, logit_rows, self.spec.max_drafts + 1) if graphs is not None else None
             if shape is not None:  # replays the verify forward captured for its padded shape (None: eager)
                 out = graphs.run_verify(batch, shape, capture=self.spec.capture)
+                rows = shape[0] * shape[2]
             if out is None:
-                out = self.model.forward_features(batch, self.cache, capture=self.spec.capture)
+                out, rows = self.model.forward_features(batch, self.cache, capture=self.spec.capture), batch.num_tokens
             logits = out.logits
-            step.spec_packed = self.spec.launch_verify(rnd, out, batch.num_tokens)
+            step.spec_packed = self.spec.launch_verify(rnd, out, batch.num_tokens, rows)
         else:
             graph = self.cuda_graphs.shape_of(batch, logit_rows) if self.cuda_graphs is not None else None
             # a decode step replays the forward captured for its padded shape (None: not capturable, eager)

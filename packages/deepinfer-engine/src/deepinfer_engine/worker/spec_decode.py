@@ -38,6 +38,7 @@ from deepinfer_dspark import (
     DraftProposal,
     DSparkInputError,
     LatencyModel,
+    StepPadding,
     VerifyPolicy,
     propose,
     schedule_verification,
@@ -75,7 +76,8 @@ class SpecRound:
     results: dict[str, SpecResult] = field(default_factory=dict)
     hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
     features: dict[int, Tensor] = field(default_factory=dict)  # captured target features, until collected
-    num_tokens: int = 0  # query tokens of the step (the latency model's Q)
+    num_tokens: int = 0  # query tokens of the step
+    rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
     launched_at: float = 0.0  # perf_counter when the verification was enqueued
     timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
@@ -145,6 +147,9 @@ class SpecDecoder:
         # asynchronous scheduling reads a round back after other host work (worker/async_runner.py): its forward
         # is then timed by CUDA events (CPU: up to the end of the launch), not up to the host read
         self.deferred_reads = False
+        # (batch buckets, tokens-per-sequence buckets) of the CUDA graphs that replay verify steps (None: eager)
+        self.graph_sizes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._last_cycle: tuple[float, float] | None = None  # (start, forward span) of the previous round
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None) -> None:
@@ -173,6 +178,17 @@ class SpecDecoder:
         p = st.params
         return p.logprobs is None and not p.uses_penalties and len(st.output_ids) >= p.min_tokens
 
+    def padding(self, chunks: Sequence[ScheduledChunk], speculating: Mapping[str, int]) -> StepPadding | None:
+        """The padded shape the step's forward will replay (`graph_sizes`: a CUDA graph per batch bucket and
+        tokens-per-sequence bucket), None when it runs eagerly: a chunk other than a verify chunk or a one-token
+        decode chunk (a prefill chunk), or more sequences than the largest graph batch. The cost policy prices
+        a padded step by its padded rows (docs/dspark.md "Verification policies")."""
+        if self.graph_sizes is None or any(c.num_tokens != 1 for c in chunks if c.req_id not in speculating):
+            return None
+        batches, tokens = self.graph_sizes
+        b = next((x for x in batches if x >= len(chunks)), None)
+        return None if b is None else StepPadding(b, tokens)
+
     # ------------------------------------------------------------------------------------------ 1. propose
     @torch.no_grad()
     def begin(self, chunks: Sequence[ScheduledChunk], states: Mapping[str, Any], device: torch.device) -> SpecRound:
@@ -182,8 +198,14 @@ class SpecDecoder:
         if can_draft is not None:  # drafters whose draft comes from the previous step (MTP)
             picked = [c for c in picked if can_draft(c.slot, c.start_position)]
         rnd = SpecRound(chunks=tuple(chunks), index={c.req_id: b for b, c in enumerate(picked)})
+        last, self._last_cycle = self._last_cycle, None
         if not picked:
             return rnd
+        if last is not None and self.latency is not None and self.online_latency:
+            # the previous round's whole cycle (round start to this round's start) less its forward: the draft
+            # pass, the policy, the bookkeeping, the scheduler and the output processing. None of it grows with
+            # the verified drafts, but all of it is step time the policy trades a draft's cost against
+            self.latency.observe_overhead(max(started - last[0] - last[1], 0.0))
         sts = [states[c.req_id] for c in picked]
         rnd.req_ids = [c.req_id for c in picked]
         rnd.params = [s.params for s in sts]
@@ -215,7 +237,8 @@ class SpecDecoder:
             self.explored += 1
         m = schedule_verification(policy, host[:, 3],
                                   survival=None if surv is None else wide[:, n:].astype(np.float32),
-                                  latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy))
+                                  latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy),
+                                  padding=self.padding(chunks, rnd.index))
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.drafts_host = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
@@ -264,7 +287,7 @@ class SpecDecoder:
         return self.collect_verify(rnd, self.launch_verify(rnd, out, num_tokens))
 
     @torch.no_grad()
-    def launch_verify(self, rnd: SpecRound, out: Any, num_tokens: int) -> Tensor | None:
+    def launch_verify(self, rnd: SpecRound, out: Any, num_tokens: int, rows: int | None = None) -> Tensor | None:
         """Enqueue the round's verification; reads nothing back. Returns its packed device result
         `[B, 2 + N + 1] int64` (per request: accepted drafts, non-finite verify rows, emitted ids) or None when no
         request verifies. `collect_verify` reads it; until then the round keeps the step's captured features (the
@@ -273,10 +296,12 @@ class SpecDecoder:
 
         out: the target's `ModelOutput` of the step: logits rows (the round's rows at `rnd.logit_rows`, m + 1
         consecutive rows each), `features` `{layer: [T, d]}` captured over the step's T = num_tokens rows, the
-        final streams `hidden`.
+        final streams `hidden`. rows: the rows the forward ran (a replayed graph's padded rows; default
+        num_tokens), where the latency model is corrected.
         """
         logits = out.logits
         rnd.hidden, rnd.features, rnd.num_tokens = out.hidden, out.features, num_tokens
+        rnd.rows = num_tokens if rows is None else int(rows)
         if not rnd.req_ids:
             return None
         lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
@@ -332,8 +357,8 @@ class SpecDecoder:
             if self.latency is not None and self.online_latency:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
                 # overhead does not grow with the verified drafts, so it must not read as growth of T(Q)
-                self.latency.observe(rnd.num_tokens, max(span, 1e-9))
-                self.latency.observe_overhead(max(rnd.forward_started - rnd.started, 0.0))
+                self.latency.observe(rnd.rows, max(span, 1e-9))
+                self._last_cycle = (rnd.started, span)
             live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
             if live:
                 self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live])
@@ -415,22 +440,35 @@ class SpecDecoder:
 
 def profile_target_latency(
     forward: Callable[[ForwardBatch], object], *, block_size: int, max_tokens: int, num_slots: int, pages: int,
-    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5,
+    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5, padded: Sequence[int] = (),
 ) -> LatencyModel:
     """The cost policy's latency curve T(Q): the target forward over Q query tokens, timed at start-up (before
     any request holds cache rows) at Q = 1, 2, 4, ... up to `max_tokens`, as ceil(Q / (N + 1)) sequences of at
     most N + 1 tokens (a verify step's shape), each in its own slot and pages; `repeats` interleaved rounds, the
     median per size, a non-decreasing fit and its noise (`LatencyModel.profile`). `forward(batch)` runs the model;
-    the caller resets the slots afterwards."""
+    the caller resets the slots afterwards.
+
+    padded: the batch sizes of the CUDA graphs the forward replays (empty: eager). The graphs pad every sequence
+    to a power-of-two row count (or N + 1) and the batch to one of these sizes: Q then counts padded rows, and a
+    size below the largest is timed as Q / P sequences of P rows (P the largest power of two <= N + 1) when that
+    is a graph batch size, a shape the graphs run without padding. Sequences of N + 1 rows would be padded to a larger batch (64 query tokens: 11 sequences,
+    a graph of 16 x 6 rows), so the curve would price a small padded step like a larger one."""
     per = block_size + 1
     need = -(-per // page_size)
     cap = min(max_tokens, num_slots * per, (pages // need) * per)
     sizes = sorted({q for q in [1 << i for i in range(20)] + [cap] if 1 <= q <= cap})
     if len(sizes) < 2:
         sizes = [1, 2]
+    p2 = 1 << (per.bit_length() - 1)
+
+    def shape(q: int) -> list[int]:
+        if padded and q < cap and (q <= p2 or (q % p2 == 0 and q // p2 in padded
+                                               and q // p2 <= min(num_slots, pages // need))):
+            return [q] if q <= p2 else [p2] * (q // p2)
+        return [per] * (q // per) + ([q % per] if q % per else [])
 
     def step(q: int) -> None:
-        lens = [per] * (q // per) + ([q % per] if q % per else [])
+        lens = shape(q)
         s = len(lens)
         ids = np.full(q, 100, dtype=np.int64)
         pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
@@ -572,12 +610,16 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
             latency = profile_target_latency(
                 _profiled_forward(model, cache, graphs, capture, k + 1), block_size=block, max_tokens=min(
                     max_tokens, config.scheduler.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
-                pages=num_pages, page_size=cache.page_size, device=device)
+                pages=num_pages, page_size=cache.page_size, device=device, padded=() if graphs is None else tuple(graphs.batch_sizes))
             for s in range(cache.num_slots):  # no request holds these rows yet: leave every slot fresh
                 cache.reset_slot(s)
                 cache.high_water[s] = 0
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
+    if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
+        from deepinfer_engine.worker.cuda_graph import verify_token_sizes
+
+        decoder.graph_sizes = (tuple(graphs.batch_sizes), verify_token_sizes(min(k + 1, cache.slack + 2)))
     return decoder, k
 
 
