@@ -95,6 +95,28 @@ def test_interpreter_launch_variants(interp, qk_t, dv_split, num_splits):
         _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", torch.bfloat16)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dv_split", [1, 2])
+def test_interpreter_index_prefetch_and_even_d(interp, dv_split, num_splits):
+    """idx_ahead (next tile's indices loaded one iteration early) and even_d (no column mask, D a power of two):
+    one source with a ragged last tile, two sources with the per-tile source choice (K1 = 32) and two loops
+    (K1 = 37: the prefetch past each loop's end must read nothing)."""
+    kw = dict(num_splits=num_splits, block_n=16, dv_split=dv_split, idx_ahead=True, even_d=True)
+    q, kv, idx, sink = _case(3, 8, 32, 23, 45, torch.bfloat16, seed=21)
+    _check(interp.sparse_attn(q, kv, idx, sink, 0.2, **kw), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu",
+           torch.bfloat16)  # fmt: skip
+    for k1 in (32, 37):
+        q, kv, idx, sink = _case(2, 8, 32, 23, k1, torch.bfloat16, seed=22)
+        _, kv2, idx2, _ = _case(2, 8, 32, 50, 40, torch.bfloat16, seed=23)
+        idx2[1] = -1
+        out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, **kw)
+        _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", torch.bfloat16)
+    # D = 40 is not a power of two: even_d must fall back to the masked tile
+    q, kv, idx, sink = _case(2, 4, 40, 23, 37, torch.bfloat16, seed=24)
+    _check(interp.sparse_attn(q, kv, idx, sink, 0.2, **kw), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu",
+           torch.bfloat16)  # fmt: skip
+
+
 def test_interpreter_large_batch_config_and_bf16_partials(interp):
     """More than SMALL_BATCH_CONFIG['max_tokens'] tokens take DEFAULT_CONFIG; a bf16 split workspace rounds each
     partial output once more (tolerance: 2 bf16 ULPs of outputs of magnitude <= 2 on top of the usual)."""

@@ -11,6 +11,9 @@ Two dot orientations (constexpr QK_T):
 DV_SPLIT = 2 gives each program half the output columns (QK^T still runs over all of D, from both halves of the
 tile): half the accumulator registers, twice the programs, no merge, at the price of gathering each row twice
 (the second read mostly hits L2) and computing its scores twice.
+IDX_AHEAD loads each tile's indices one iteration before its gather (loop-carried): without it triton's pipeliner
+issues a synchronous index load right before every gather, and with 32-row tiles and 3-5 stages it then keeps 2-4
+gathers in flight instead of one.
 Scores and the online softmax run in fp32 in the log2 domain, and the sink enters as the initial running max /
 denominator of split 0 (so an all-invalid row gives exactly 0, as the reference). When the programs cannot fill
 the GPU (decode), the index list is split over programs (flash-decoding) and a second kernel merges the partial
@@ -42,6 +45,7 @@ DEFAULT_CONFIG: dict[str, int] = {
     "num_stages": 2,
     "qk_t": 0,
     "dv_split": 1,
+    "idx_ahead": 0,
     "fill": 1,
 }
 # fp32 inputs (exact dots; tests and fp32 runs): 16 heads x 32 rows per tile keep the fp32 Q and kv stages
@@ -53,6 +57,7 @@ FP32_CONFIG: dict[str, int] = {
     "num_stages": 2,
     "qk_t": 0,
     "dv_split": 1,
+    "idx_ahead": 0,
     "fill": 1,
 }
 # Up to max_tokens tokens (the GPU is filled by splits anyway): half the output columns per program, 4 warps.
@@ -64,8 +69,20 @@ SMALL_BATCH_CONFIG: dict[str, int] = {
     "num_stages": 3,
     "qk_t": 0,
     "dv_split": 2,
+    "idx_ahead": 0,
     "fill": 1,
 }
+
+
+@triton.jit
+def _tile_idx(start, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N: tl.constexpr, TILE_SRC: tl.constexpr):
+    """The indices of the tile of columns [start, start + BLOCK_N) (-1 past hi)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if TILE_SRC:
+        ip = tl.where(start >= K1, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
+    else:
+        ip = idx_row_ptr + (start - col0)
+    return tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
 
 
 @triton.jit
@@ -98,10 +115,16 @@ def _attend(
     QK_T: tl.constexpr,
     DV_SPLIT: tl.constexpr,
     TILE_SRC: tl.constexpr,
+    IDX_AHEAD: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False,
 ):
     """Online softmax over the index columns [lo, hi): column j reads idx_row_ptr[j - col0] over kv_ptr, or with
     TILE_SRC (K1 a multiple of BLOCK_N: no tile straddles the sources) columns j >= K1 read idx2_row_ptr[j - K1]
-    over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined)."""
+    over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined).
+    IDX_AHEAD: each iteration loads the next tile's indices (loop-carried in registers), so the gather of a tile
+    does not start with a dependent index load. EVEN_D: the tile spans exactly D columns (no column mask)."""
+    if IDX_AHEAD:
+        idx_nx = _tile_idx(lo, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if TILE_SRC:
@@ -109,15 +132,23 @@ def _attend(
             src = tl.where(in_b, kv2_ptr, kv_ptr)
             stride = tl.where(in_b, stride_kv2, stride_kv)
             limit = tl.where(in_b, s_rows2, s_rows)
-            ip = tl.where(in_b, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
-            idx = tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
+            if not IDX_AHEAD:
+                ip = tl.where(in_b, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
+                idx = tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
         else:
             src, stride, limit = kv_ptr, stride_kv, s_rows
-            idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
+            if not IDX_AHEAD:
+                idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
+        if IDX_AHEAD:
+            idx = idx_nx
+            idx_nx = _tile_idx(start + BLOCK_N, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
         # Out-of-range rows are treated as invalid so a bad index can never read outside its source.
         valid = (idx >= 0) & (idx < limit)
         rows = src + tl.where(valid, idx, 0) * stride
-        kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
+        if EVEN_D:
+            kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None], other=0.0)
+        else:
+            kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         if DV_SPLIT == 2:
@@ -204,6 +235,8 @@ def _sparse_attn_kernel(
     QK_T: tl.constexpr = False,
     DV_SPLIT: tl.constexpr = 1,
     TILE_SRC: tl.constexpr = False,
+    IDX_AHEAD: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False,
 ):
     # Axis 0 enumerates (token, head block, column half) with the programs of one token adjacent, so the
     # programs that gather the same kv rows run together and all but the first read them from L2.
@@ -218,7 +251,7 @@ def _sparse_attn_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     own = dh * DC + tl.arange(0, DC)  # the output columns of this program
-    own_mask = own < D
+    own_mask = own < (BLOCK_D if EVEN_D else D)  # EVEN_D: D == BLOCK_D, a mask the compiler folds away
     q_base = q_ptr + t * stride_qt
     if QK_T:  # loaded as Q^T [DC, BLOCK_H]: a B operand straight from a load is kept in shared memory
         q = tl.load(
@@ -232,7 +265,7 @@ def _sparse_attn_kernel(
         q = q.to(tl.float32)
     if DV_SPLIT == 2:  # the other half of D, for the scores only
         oth = (1 - dh) * DC + tl.arange(0, DC)
-        oth_mask = oth < D
+        oth_mask = oth < (BLOCK_D if EVEN_D else D)
         if QK_T:
             q2 = tl.load(
                 q_base + oth[:, None] + offs_h[None, :] * stride_qh,
@@ -271,18 +304,19 @@ def _sparse_attn_kernel(
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row,
             K1, n_lo, n_hi, own, own_mask, oth, oth_mask, qk_scale, BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, True,
+            IDX_AHEAD, EVEN_D,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
             n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, own_mask, oth, oth_mask, qk_scale,
-            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D,
         )  # fmt: skip
         if TWO:
             m_i, l_i, acc = _attend(
                 q, q2, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
                 idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, own_mask, oth, oth_mask, qk_scale,
-                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D,
             )  # fmt: skip
 
     if QK_T:
@@ -360,6 +394,8 @@ def sparse_attn(
     fill: float | None = None,
     tile_src: bool = True,
     partial_dtype: torch.dtype | None = None,
+    idx_ahead: bool | None = None,
+    even_d: bool = False,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
@@ -368,7 +404,9 @@ def sparse_attn(
     path): qk_t picks the dot orientation, dv_split in {1, 2} the output columns per program, fill the
     programs per SM below which the index list is split (flash-decoding) when num_splits is not given,
     tile_src=False forces the two-loop form of two sources, partial_dtype the dtype of the split workspace
-    (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more).
+    (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more),
+    idx_ahead loads each tile's indices one iteration ahead (loop-carried), even_d drops the column mask when D
+    is a power of two (both change only the generated code, not the result).
     Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens) or DEFAULT_CONFIG."""
     t, h, d = q.shape
     # an empty second source (no rows or no columns) adds only invalid entries: one source does the same
@@ -388,6 +426,7 @@ def sparse_attn(
     num_stages = num_stages or cfg["num_stages"]
     qk_t = bool(cfg["qk_t"] if qk_t is None else qk_t)
     fill = float(cfg["fill"] if fill is None else fill)
+    idx_ahead = bool(cfg["idx_ahead"] if idx_ahead is None else idx_ahead)
     block_d = max(16, next_pow2(d))
     dv_split = int(dv_split or cfg["dv_split"])
     if dv_split not in (1, 2):
@@ -464,6 +503,8 @@ def sparse_attn(
         QK_T=qk_t,
         DV_SPLIT=dv_split,
         TILE_SRC=two and tile_src and k1 % block_n == 0,
+        IDX_AHEAD=idx_ahead,
+        EVEN_D=even_d and d == block_d,
         num_warps=num_warps,
         num_stages=num_stages,
     )
