@@ -51,6 +51,7 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
         (0, 64, 16, 4, 3, 2),
         (0, 32, 32, 4, 2, 1),
         (1, 64, 128, 8, 1, 1),  # S^T with M = 128 rows: no head-replicated score dot across the warpgroups
+        (0, 64, 64, 8, 3, 1),  # 3 stages: the index loads become asynchronous copies 2 tiles ahead (triton 3.6)
     ]
 ]
 # split workspace in fp32 instead of the inputs' dtype; the two sources as two loops
