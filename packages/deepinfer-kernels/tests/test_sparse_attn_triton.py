@@ -117,6 +117,31 @@ def test_interpreter_index_prefetch_and_even_d(interp, dv_split, num_splits):
            torch.bfloat16)  # fmt: skip
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_interpreter_scores_one_tile_ahead(interp, dtype, num_splits):
+    """qk_next (each iteration computes the next tile's scores and runs the softmax / P V of its own on the scores
+    carried from the previous one): one source with a ragged last tile and an all-invalid tile, two sources with
+    the per-tile source choice (K1 = 32) and with two loops (K1 = 37); unsupported layouts raise."""
+    kw = dict(num_splits=num_splits, block_n=16, qk_next=True, dv_split=1)
+    q, kv, idx, sink = _case(3, 8, 32, 23, 61, dtype, seed=31)
+    idx[1, 16:32] = -1
+    _check(interp.sparse_attn(q, kv, idx, sink, 0.2, **kw), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu",
+           dtype)  # fmt: skip
+    for k1 in (32, 37):
+        q, kv, idx, sink = _case(2, 8, 32, 23, k1, dtype, seed=32)
+        _, kv2, idx2, _ = _case(2, 8, 32, 50, 40, dtype, seed=33)
+        idx2[1] = -1
+        out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, **kw)
+        _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", dtype)
+    for bad in (dict(qk_t=True), dict(dv_split=2)):
+        with pytest.raises(ValueError, match="qk_next"):
+            interp.sparse_attn(q, kv, idx, sink, 0.2, **(kw | bad))
+    q, kv, idx, sink = _case(2, 4, 40, 23, 37, dtype, seed=34)  # D = 40: not a power of two
+    with pytest.raises(ValueError, match="qk_next"):
+        interp.sparse_attn(q, kv, idx, sink, 0.2, **kw)
+
+
 def test_interpreter_large_batch_config_and_bf16_partials(interp):
     """More than SMALL_BATCH_CONFIG['max_tokens'] tokens take DEFAULT_CONFIG; a bf16 split workspace rounds each
     partial output once more (tolerance: 2 bf16 ULPs of outputs of magnitude <= 2 on top of the usual)."""
