@@ -14,6 +14,9 @@ tile): half the accumulator registers, twice the programs, no merge, at the pric
 IDX_AHEAD loads each tile's indices one iteration before its gather (loop-carried): without it triton's pipeliner
 issues a synchronous index load right before every gather, and with 32-row tiles and 3-5 stages it then keeps 2-4
 gathers in flight instead of one.
+QK_NEXT (S = Q K^T, whole rows, D a power of two) computes the next tile's scores in each iteration and runs the
+softmax and P V of its own tile on the scores carried from the previous one: a score dot that feeds another dot
+directly is repeated in both warpgroups by triton, one that only feeds the next iteration is split between them.
 Scores and the online softmax run in fp32 in the log2 domain, and the sink enters as the initial running max /
 denominator of split 0 (so an all-invalid row gives exactly 0, as the reference). When the programs cannot fill
 the GPU (decode), the index list is split over programs (flash-decoding) and a second kernel merges the partial
