@@ -134,6 +134,15 @@ def test_interpreter_scores_one_tile_ahead(interp, dtype, num_splits):
         idx2[1] = -1
         out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, **kw)
         _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", dtype)
+    # indices viewed from a wider buffer whose leading columns point at a NaN row: reading any index before a
+    # split's first column (the empty tile the loop starts with) would turn the output into NaN
+    q, kv, idx, sink = _case(3, 8, 32, 23, 45, dtype, seed=35)
+    kv[7] = float("nan")
+    idx[idx == 7] = 6
+    buf = torch.full((3, 16 + 45), 7, dtype=torch.int64)
+    buf[:, 16:] = idx
+    out = interp.sparse_attn(q, kv, buf[:, 16:], sink, 0.2, **kw)
+    _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu", dtype)
     for bad in (dict(qk_t=True), dict(dv_split=2)):
         with pytest.raises(ValueError, match="qk_next"):
             interp.sparse_attn(q, kv, idx, sink, 0.2, **(kw | bad))

@@ -250,8 +250,11 @@ def _attend_qk_next(
             kt_n = kt_n.to(tl.float32)
         qk_n = _scores(q, kt_n, valid_n, qk_scale, EXACT_F32)
         # this tile: softmax on the carried scores, P V on its rows read again
-        idx_cur = _tile_idx(start, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
-        rows, valid = _tile_rows(start, idx_cur, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC)
+        # (the first iteration's own tile, lo - BLOCK_N, is empty: its indices are never read)
+        cur = tl.maximum(start, lo)
+        idx_cur = _tile_idx(cur, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
+        idx_cur = tl.where(start >= lo, idx_cur, -1)
+        rows, valid = _tile_rows(cur, idx_cur, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC)
         v = tl.load(rows[:, None] + own[None, :], mask=valid[:, None], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
