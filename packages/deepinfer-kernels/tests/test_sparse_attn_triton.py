@@ -267,3 +267,26 @@ def test_gpu_split_counts(num_splits):
 
     out = triton_backend.sparse_attn(q, kv, idx, sink, 512**-0.5, num_splits=num_splits)
     _check(out, reference.sparse_attn(q, kv, idx, sink, 512**-0.5), "cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cfg",
+    [dict(block_n=32, num_stages=4, idx_ahead=True, even_d=True), dict(block_n=32, num_stages=3, qk_next=True)],
+    ids=["ahead-s4-even", "qk-next"],
+)
+def test_gpu_launch_knobs_match_reference(cfg):
+    """The sweep's prefetch / scores-ahead configurations at the V4.1 decode shape, one and two sources, split and
+    not (T = 3 splits the index list; T = 64 with num_splits=1 does not)."""
+    from deepinfer_kernels.sparse_attn import triton as triton_backend
+
+    kw = dict(cfg, block_h=64, num_warps=8, dv_split=1)
+    for t, splits in ((3, None), (64, 1)):
+        q, kv, idx, sink = _case(t, 64, 512, 4096, 640, torch.bfloat16, device="cuda", seed=40 + t)
+        out = triton_backend.sparse_attn(q, kv, idx, sink, 512**-0.5, num_splits=splits, **kw)
+        _check(out, reference.sparse_attn(q, kv, idx, sink, 512**-0.5), "cuda", torch.bfloat16)
+        out = triton_backend.sparse_attn(
+            q, kv, idx[:, :128], sink, 512**-0.5, kv2=kv, indices2=idx[:, 128:], num_splits=splits, **kw
+        )
+        _check(out, reference.sparse_attn(q, kv, idx[:, :128], sink, 512**-0.5, kv, idx[:, 128:]), "cuda",
+               torch.bfloat16)  # fmt: skip
