@@ -158,6 +158,10 @@ def test_interpreter_large_batch_config_and_bf16_partials(interp):
     q, kv, idx, sink = _case(t, 4, 16, 30, 50, torch.float32, seed=14)
     _check(interp.sparse_attn(q, kv, idx, sink, 0.3), reference.sparse_attn(q, kv, idx, sink, 0.3), "cpu",
            torch.float32)  # fmt: skip
+    # bf16 batches of LARGE_BATCH_CONFIG['min_tokens'] tokens take that tier (4 stages, indices ahead, no column mask)
+    q, kv, idx, sink = _case(interp.LARGE_BATCH_CONFIG["min_tokens"], 4, 16, 30, 40, torch.bfloat16, seed=16)
+    _check(interp.sparse_attn(q, kv, idx, sink, 0.3), reference.sparse_attn(q, kv, idx, sink, 0.3), "cpu",
+           torch.bfloat16)  # fmt: skip
     q, kv, idx, sink = _case(3, 4, 16, 30, 50, torch.bfloat16, seed=15)
     out = interp.sparse_attn(q, kv, idx, sink, 0.3, num_splits=3, block_n=16, partial_dtype=torch.bfloat16)
     ref = reference.sparse_attn(q, kv, idx, sink, 0.3)

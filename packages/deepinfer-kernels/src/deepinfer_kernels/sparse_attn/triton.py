@@ -35,7 +35,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["DEFAULT_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
+__all__ = ["DEFAULT_CONFIG", "LARGE_BATCH_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
 
 _LOG2E = 1.4426950408889634
 # Launch configurations from the H200 sweep (packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py; numbers in
@@ -50,6 +50,20 @@ DEFAULT_CONFIG: dict[str, int] = {
     "qk_t": 0,
     "dv_split": 1,
     "idx_ahead": 1,
+    "fill": 1,
+}
+# Batches of at least min_tokens tokens: 4 stages (3 gathers in flight) and no column mask (H200: 130.6 vs 135.6 us
+# at T = 256 and 67.4 vs 69.9 at T = 128 with two sources, a tie with one; slower at T = 64).
+LARGE_BATCH_CONFIG: dict[str, int] = {
+    "min_tokens": 128,
+    "block_h": 64,
+    "block_n": 32,
+    "num_warps": 8,
+    "num_stages": 4,
+    "qk_t": 0,
+    "dv_split": 1,
+    "idx_ahead": 1,
+    "even_d": 1,
     "fill": 1,
 }
 # fp32 inputs (exact dots; tests and fp32 runs): 16 heads x 32 rows per tile keep the fp32 Q and kv stages
@@ -488,7 +502,7 @@ def sparse_attn(
     tile_src: bool = True,
     partial_dtype: torch.dtype | None = None,
     idx_ahead: bool | None = None,
-    even_d: bool = False,
+    even_d: bool | None = None,
     qk_next: bool | None = None,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
@@ -501,7 +515,8 @@ def sparse_attn(
     (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more),
     idx_ahead loads each tile's indices one iteration ahead (loop-carried), even_d drops the column mask when D
     is a power of two (both change only the generated code, not the result).
-    Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens) or DEFAULT_CONFIG."""
+    Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens), LARGE_BATCH_CONFIG (T >= its min_tokens)
+    or DEFAULT_CONFIG."""
     t, h, d = q.shape
     # an empty second source (no rows or no columns) adds only invalid entries: one source does the same
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
@@ -510,7 +525,10 @@ def sparse_attn(
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    cfg = SMALL_BATCH_CONFIG if t <= SMALL_BATCH_CONFIG["max_tokens"] else DEFAULT_CONFIG
+    if t <= SMALL_BATCH_CONFIG["max_tokens"]:
+        cfg = SMALL_BATCH_CONFIG
+    else:
+        cfg = LARGE_BATCH_CONFIG if t >= LARGE_BATCH_CONFIG["min_tokens"] else DEFAULT_CONFIG
     if q.element_size() == 4:  # fp32 tiles are twice the bytes: the bf16 tiles would overflow shared memory
         cfg = FP32_CONFIG
     # heads per program: never wider than the (power-of-two padded) head count, >= 16 for the dots
@@ -521,6 +539,7 @@ def sparse_attn(
     qk_t = bool(cfg["qk_t"] if qk_t is None else qk_t)
     fill = float(cfg["fill"] if fill is None else fill)
     idx_ahead = bool(cfg["idx_ahead"] if idx_ahead is None else idx_ahead)
+    even_d = bool(cfg.get("even_d", 0) if even_d is None else even_d)
     qk_next = bool(cfg.get("qk_next", 0) if qk_next is None else qk_next)
     block_d = max(16, next_pow2(d))
     dv_split = int(dv_split or cfg["dv_split"])
