@@ -41,7 +41,7 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
         dict(qk_t=o, block_h=bh, block_n=bn, num_warps=w, num_stages=s, dv_split=dv),
     )
     for o, bh, bn, w, s, dv in [
-        (0, 64, 64, 8, 2, 1),  # DEFAULT_CONFIG (batches of more than 16 tokens)
+        (0, 64, 64, 8, 2, 1),  # DEFAULT_CONFIG before the index prefetch (batches of more than 16 tokens)
         (0, 64, 32, 4, 3, 2),  # SMALL_BATCH_CONFIG
         (1, 64, 64, 8, 2, 1),
         (0, 64, 32, 8, 3, 1),
@@ -51,6 +51,7 @@ CANDIDATES: list[tuple[str, dict[str, Any]]] = [
         (0, 64, 16, 4, 3, 2),
         (0, 32, 32, 4, 2, 1),
         (1, 64, 128, 8, 1, 1),  # S^T with M = 128 rows: no head-replicated score dot across the warpgroups
+        (0, 64, 64, 8, 3, 1),  # 3 stages: the index loads become asynchronous copies 2 tiles ahead (triton 3.6)
     ]
 ]
 # split workspace in fp32 instead of the inputs' dtype; the two sources as two loops
@@ -59,6 +60,24 @@ CANDIDATES += [
     ("o0 h64 n32 w4 s3 dv2 fp32-partials", dict(CANDIDATES[1][1], partial_dtype=torch.float32)),
     ("o0 h64 n64 w8 s2 dv1 two-loop", dict(CANDIDATES[0][1], tile_src=False)),
 ]
+# next tile's indices loaded one iteration ahead: with 32-row tiles and 3-5 stages triton 3.6 keeps 2-4 gathers in
+# flight with no dependent index load before each (offline sm_90a compile: 255 registers, no spill; the default
+# n64 s2 waits for all copies at the top of every iteration, so only one gather is ever in flight)
+CANDIDATES += [
+    (f"o0 h64 n{bn} w8 s{st} dv1 ahead{' even' if ev else ''}",
+     dict(qk_t=0, block_h=64, block_n=bn, num_warps=8, num_stages=st, dv_split=1, idx_ahead=True, even_d=ev))
+    for bn, st, ev in [(32, 4, False), (32, 5, False), (32, 3, False), (16, 8, False), (32, 4, True)]
+]  # fmt: skip
+# scores one tile ahead (the score dot no longer feeds its own P V dot, so it is split over the two warpgroups
+# instead of repeated in each; offline: 34 HGMMA per iteration instead of 66, 248-255 registers, no spill)
+CANDIDATES += [
+    (f"o0 h64 n{bn} w8 s{st} dv1 qknext",
+     dict(qk_t=0, block_h=64, block_n=bn, num_warps=8, num_stages=st, dv_split=1, qk_next=True))
+    for bn, st in [(32, 3), (32, 2), (16, 5)]
+]  # fmt: skip
+# max |out - reference| above which a candidate is reported as a mismatch and not timed (bf16 outputs of magnitude
+# <= ~2: a few ULPs; the measured configurations reach 2e-3 .. 4e-3)
+MAX_ABS_ERR = 0.05
 
 
 def _load_module(path: str, name: str):
@@ -196,7 +215,10 @@ def main() -> None:
                         out = fn(q, attn_sink=sink, softmax_scale=scale, **ins[0], **kw)
                         err = float((out.float() - ref).abs().max())
                         calls = [lambda i=i, kw=kw, fn=fn, q=q: fn(q, attn_sink=sink, softmax_scale=scale, **i, **kw) for i in ins]
-                        row.update(us=None if ns.smoke_cpu else _time_graph(calls), max_abs_err=err)
+                        if not err <= MAX_ABS_ERR:  # checked against the reference before timing (NaN fails too)
+                            row.update(us=None, max_abs_err=err, error=f"mismatch: max abs err {err:.3g}")
+                        else:
+                            row.update(us=None if ns.smoke_cpu else _time_graph(calls), max_abs_err=err)
                     except Exception as exc:
                         row.update(us=None, max_abs_err=None, error=f"{type(exc).__name__}: {str(exc)[:200]}")
                     rows.append(row)
@@ -205,7 +227,7 @@ def main() -> None:
                     print(f"{form:<4} {t:>4} {lab:<28} {str(row['splits']):>6} {us:>9} {e:>11}", flush=True)
     best = {}
     for r in rows:
-        if r["us"] is None or r["max_abs_err"] is None or r["max_abs_err"] > 0.05:
+        if r["us"] is None or r["max_abs_err"] is None or not r["max_abs_err"] <= MAX_ABS_ERR:
             continue
         key = f"{r['form']} T={r['T']}"
         if key not in best or r["us"] < best[key]["us"]:

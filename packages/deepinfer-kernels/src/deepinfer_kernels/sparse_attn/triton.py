@@ -11,6 +11,12 @@ Two dot orientations (constexpr QK_T):
 DV_SPLIT = 2 gives each program half the output columns (QK^T still runs over all of D, from both halves of the
 tile): half the accumulator registers, twice the programs, no merge, at the price of gathering each row twice
 (the second read mostly hits L2) and computing its scores twice.
+IDX_AHEAD loads each tile's indices one iteration before its gather (loop-carried): without it triton's pipeliner
+issues a synchronous index load right before every gather, and with 32-row tiles and 3-5 stages it then keeps 2-4
+gathers in flight instead of one.
+QK_NEXT (S = Q K^T, whole rows, D a power of two) computes the next tile's scores in each iteration and runs the
+softmax and P V of its own tile on the scores carried from the previous one: a score dot that feeds another dot
+directly is repeated in both warpgroups by triton, one that only feeds the next iteration is split between them.
 Scores and the online softmax run in fp32 in the log2 domain, and the sink enters as the initial running max /
 denominator of split 0 (so an all-invalid row gives exactly 0, as the reference). When the programs cannot fill
 the GPU (decode), the index list is split over programs (flash-decoding) and a second kernel merges the partial
@@ -29,19 +35,35 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 
-__all__ = ["DEFAULT_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
+__all__ = ["DEFAULT_CONFIG", "LARGE_BATCH_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
 
 _LOG2E = 1.4426950408889634
 # Launch configurations from the H200 sweep (packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py; numbers in
 # docs/perf.md "Sparse decode attention"). fill = programs per SM below which the index list is split.
-# Batches of more than SMALL_BATCH_CONFIG["max_tokens"] tokens: all 64 heads x 64 rows per tile, 8 warps.
+# Batches of more than SMALL_BATCH_CONFIG["max_tokens"] tokens: all 64 heads x 32 rows per tile, 8 warps, 3 stages
+# with the indices loaded one tile ahead (2 gathers in flight).
 DEFAULT_CONFIG: dict[str, int] = {
     "block_h": 64,
-    "block_n": 64,
+    "block_n": 32,
     "num_warps": 8,
-    "num_stages": 2,
+    "num_stages": 3,
     "qk_t": 0,
     "dv_split": 1,
+    "idx_ahead": 1,
+    "fill": 1,
+}
+# Batches of at least min_tokens tokens: 4 stages (3 gathers in flight) and no column mask (H200: 130.6 vs 135.6 us
+# at T = 256 and 67.4 vs 69.9 at T = 128 with two sources, a tie with one; slower at T = 64).
+LARGE_BATCH_CONFIG: dict[str, int] = {
+    "min_tokens": 128,
+    "block_h": 64,
+    "block_n": 32,
+    "num_warps": 8,
+    "num_stages": 4,
+    "qk_t": 0,
+    "dv_split": 1,
+    "idx_ahead": 1,
+    "even_d": 1,
     "fill": 1,
 }
 # fp32 inputs (exact dots; tests and fp32 runs): 16 heads x 32 rows per tile keep the fp32 Q and kv stages
@@ -53,6 +75,7 @@ FP32_CONFIG: dict[str, int] = {
     "num_stages": 2,
     "qk_t": 0,
     "dv_split": 1,
+    "idx_ahead": 0,
     "fill": 1,
 }
 # Up to max_tokens tokens (the GPU is filled by splits anyway): half the output columns per program, 4 warps.
@@ -64,8 +87,20 @@ SMALL_BATCH_CONFIG: dict[str, int] = {
     "num_stages": 3,
     "qk_t": 0,
     "dv_split": 2,
+    "idx_ahead": 0,
     "fill": 1,
 }
+
+
+@triton.jit
+def _tile_idx(start, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N: tl.constexpr, TILE_SRC: tl.constexpr):
+    """The indices of the tile of columns [start, start + BLOCK_N) (-1 past hi)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if TILE_SRC:
+        ip = tl.where(start >= K1, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
+    else:
+        ip = idx_row_ptr + (start - col0)
+    return tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
 
 
 @triton.jit
@@ -98,10 +133,16 @@ def _attend(
     QK_T: tl.constexpr,
     DV_SPLIT: tl.constexpr,
     TILE_SRC: tl.constexpr,
+    IDX_AHEAD: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False,
 ):
     """Online softmax over the index columns [lo, hi): column j reads idx_row_ptr[j - col0] over kv_ptr, or with
     TILE_SRC (K1 a multiple of BLOCK_N: no tile straddles the sources) columns j >= K1 read idx2_row_ptr[j - K1]
-    over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined)."""
+    over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined).
+    IDX_AHEAD: each iteration loads the next tile's indices (loop-carried in registers), so the gather of a tile
+    does not start with a dependent index load. EVEN_D: the tile spans exactly D columns (no column mask)."""
+    if IDX_AHEAD:
+        idx_nx = _tile_idx(lo, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         if TILE_SRC:
@@ -109,15 +150,23 @@ def _attend(
             src = tl.where(in_b, kv2_ptr, kv_ptr)
             stride = tl.where(in_b, stride_kv2, stride_kv)
             limit = tl.where(in_b, s_rows2, s_rows)
-            ip = tl.where(in_b, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
-            idx = tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
+            if not IDX_AHEAD:
+                ip = tl.where(in_b, idx2_row_ptr + (start - K1), idx_row_ptr + (start - col0))
+                idx = tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
         else:
             src, stride, limit = kv_ptr, stride_kv, s_rows
-            idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
+            if not IDX_AHEAD:
+                idx = tl.load(idx_row_ptr + (offs_n - col0), mask=offs_n < hi, other=-1)
+        if IDX_AHEAD:
+            idx = idx_nx
+            idx_nx = _tile_idx(start + BLOCK_N, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
         # Out-of-range rows are treated as invalid so a bad index can never read outside its source.
         valid = (idx >= 0) & (idx < limit)
         rows = src + tl.where(valid, idx, 0) * stride
-        kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
+        if EVEN_D:
+            kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None], other=0.0)
+        else:
+            kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
         if DV_SPLIT == 2:
@@ -164,6 +213,78 @@ def _attend(
     return m_i, l_i, acc
 
 
+@triton.jit
+def _tile_rows(start, idx, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC: tl.constexpr):
+    """Row pointers and validity of one tile's indices (out-of-range rows are invalid: never read)."""
+    if TILE_SRC:
+        in_b = start >= K1
+        src = tl.where(in_b, kv2_ptr, kv_ptr)
+        stride = tl.where(in_b, stride_kv2, stride_kv)
+        limit = tl.where(in_b, s_rows2, s_rows)
+    else:
+        src, stride, limit = kv_ptr, stride_kv, s_rows
+    valid = (idx >= 0) & (idx < limit)
+    return src + tl.where(valid, idx, 0) * stride, valid
+
+
+@triton.jit
+def _scores(q, kt, valid, qk_scale, EXACT_F32: tl.constexpr):
+    if EXACT_F32:
+        qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(kt))
+    return tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+
+
+@triton.jit
+def _attend_qk_next(
+    q, m_i, l_i, acc, kv_ptr, stride_kv, s_rows, idx_row_ptr, col0, kv2_ptr, stride_kv2, s_rows2, idx2_row_ptr, K1,
+    lo, hi, own, qk_scale,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, EXACT_F32: tl.constexpr, TILE_SRC: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """_attend with the scores one tile ahead (S = Q K^T orientation, whole rows, D == BLOCK_D): iteration i runs
+    the softmax and P V of tile i on scores computed in iteration i - 1, and the scores of tile i + 1. The score
+    dot then feeds the next iteration, not the P V dot of its own, so triton lays it out over both warpgroups
+    (each computes half the tile's columns once) instead of repeating it in each warpgroup. Each tile is gathered
+    twice (for its scores, then for P V one iteration later: the second read mostly hits L2)."""
+    # iteration "lo - BLOCK_N" only computes the first tile's scores (its own tile is empty: all -inf, no rows)
+    qk = tl.full([BLOCK_H, BLOCK_N], float("-inf"), tl.float32)
+    idx = tl.full([BLOCK_N], -1, tl.int64)
+    idx_nx = _tile_idx(lo, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
+    for start in range(lo - BLOCK_N, hi, BLOCK_N):
+        idx = idx_nx
+        idx_nx = _tile_idx(start + 2 * BLOCK_N, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
+        # the scores of the next tile (all -inf past hi)
+        rows_n, valid_n = _tile_rows(
+            start + BLOCK_N, idx, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC
+        )
+        kt_n = tl.load(rows_n[:, None] + own[None, :], mask=valid_n[:, None], other=0.0)
+        if UPCAST:
+            kt_n = kt_n.to(tl.float32)
+        qk_n = _scores(q, kt_n, valid_n, qk_scale, EXACT_F32)
+        # this tile: softmax on the carried scores, P V on its rows read again
+        # (the first iteration's own tile, lo - BLOCK_N, is empty: its indices are never read)
+        cur = tl.maximum(start, lo)
+        idx_cur = _tile_idx(cur, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
+        idx_cur = tl.where(start >= lo, idx_cur, -1)
+        rows, valid = _tile_rows(cur, idx_cur, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC)
+        v = tl.load(rows[:, None] + own[None, :], mask=valid[:, None], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if EXACT_F32:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+        qk = qk_n
+    return m_i, l_i, acc
+
+
 # Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
 @triton.jit(do_not_specialize=["K", "S_ROWS", "blocks_per_split", "stride_it", "K1", "S_ROWS2", "stride_it2"])
 def _sparse_attn_kernel(
@@ -204,6 +325,9 @@ def _sparse_attn_kernel(
     QK_T: tl.constexpr = False,
     DV_SPLIT: tl.constexpr = 1,
     TILE_SRC: tl.constexpr = False,
+    IDX_AHEAD: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False,
+    QK_NEXT: tl.constexpr = False,
 ):
     # Axis 0 enumerates (token, head block, column half) with the programs of one token adjacent, so the
     # programs that gather the same kv rows run together and all but the first read them from L2.
@@ -218,7 +342,7 @@ def _sparse_attn_kernel(
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     own = dh * DC + tl.arange(0, DC)  # the output columns of this program
-    own_mask = own < D
+    own_mask = own < (BLOCK_D if EVEN_D else D)  # EVEN_D: D == BLOCK_D, a mask the compiler folds away
     q_base = q_ptr + t * stride_qt
     if QK_T:  # loaded as Q^T [DC, BLOCK_H]: a B operand straight from a load is kept in shared memory
         q = tl.load(
@@ -232,7 +356,7 @@ def _sparse_attn_kernel(
         q = q.to(tl.float32)
     if DV_SPLIT == 2:  # the other half of D, for the scores only
         oth = (1 - dh) * DC + tl.arange(0, DC)
-        oth_mask = oth < D
+        oth_mask = oth < (BLOCK_D if EVEN_D else D)
         if QK_T:
             q2 = tl.load(
                 q_base + oth[:, None] + offs_h[None, :] * stride_qh,
@@ -267,22 +391,39 @@ def _sparse_attn_kernel(
     # pipeliner turns into asynchronous copies (a per-row select between the sources it does not pipeline).
     idx_row = idx_ptr + t * stride_it
     idx2_row = idx2_ptr + t * stride_it2
-    if TILE_SRC:
+    if QK_NEXT:  # (one orientation, whole rows, EVEN_D: checked by the launcher)
+        if TILE_SRC:
+            m_i, l_i, acc = _attend_qk_next(
+                q, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1,
+                n_lo, n_hi, own, qk_scale, BLOCK_N, UPCAST, EXACT_F32, True, BLOCK_H,
+            )  # fmt: skip
+        else:
+            m_i, l_i, acc = _attend_qk_next(
+                q, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
+                n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, qk_scale, BLOCK_N, UPCAST, EXACT_F32, False, BLOCK_H,
+            )  # fmt: skip
+            if TWO:
+                m_i, l_i, acc = _attend_qk_next(
+                    q, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
+                    idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, qk_scale, BLOCK_N, UPCAST, EXACT_F32, False, BLOCK_H,
+                )  # fmt: skip
+    elif TILE_SRC:
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row,
             K1, n_lo, n_hi, own, own_mask, oth, oth_mask, qk_scale, BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, True,
+            IDX_AHEAD, EVEN_D,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
             n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, own_mask, oth, oth_mask, qk_scale,
-            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D,
         )  # fmt: skip
         if TWO:
             m_i, l_i, acc = _attend(
                 q, q2, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
                 idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, own_mask, oth, oth_mask, qk_scale,
-                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False,
+                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D,
             )  # fmt: skip
 
     if QK_T:
@@ -360,6 +501,9 @@ def sparse_attn(
     fill: float | None = None,
     tile_src: bool = True,
     partial_dtype: torch.dtype | None = None,
+    idx_ahead: bool | None = None,
+    even_d: bool | None = None,
+    qk_next: bool | None = None,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
@@ -368,8 +512,11 @@ def sparse_attn(
     path): qk_t picks the dot orientation, dv_split in {1, 2} the output columns per program, fill the
     programs per SM below which the index list is split (flash-decoding) when num_splits is not given,
     tile_src=False forces the two-loop form of two sources, partial_dtype the dtype of the split workspace
-    (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more).
-    Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens) or DEFAULT_CONFIG."""
+    (default fp32: a bf16 workspace was slower on the H200 and rounds each partial output once more),
+    idx_ahead loads each tile's indices one iteration ahead (loop-carried), even_d drops the column mask when D
+    is a power of two (both change only the generated code, not the result).
+    Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens), LARGE_BATCH_CONFIG (T >= its min_tokens)
+    or DEFAULT_CONFIG."""
     t, h, d = q.shape
     # an empty second source (no rows or no columns) adds only invalid entries: one source does the same
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
@@ -378,7 +525,10 @@ def sparse_attn(
     out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    cfg = SMALL_BATCH_CONFIG if t <= SMALL_BATCH_CONFIG["max_tokens"] else DEFAULT_CONFIG
+    if t <= SMALL_BATCH_CONFIG["max_tokens"]:
+        cfg = SMALL_BATCH_CONFIG
+    else:
+        cfg = LARGE_BATCH_CONFIG if t >= LARGE_BATCH_CONFIG["min_tokens"] else DEFAULT_CONFIG
     if q.element_size() == 4:  # fp32 tiles are twice the bytes: the bf16 tiles would overflow shared memory
         cfg = FP32_CONFIG
     # heads per program: never wider than the (power-of-two padded) head count, >= 16 for the dots
@@ -388,12 +538,20 @@ def sparse_attn(
     num_stages = num_stages or cfg["num_stages"]
     qk_t = bool(cfg["qk_t"] if qk_t is None else qk_t)
     fill = float(cfg["fill"] if fill is None else fill)
+    idx_ahead = bool(cfg["idx_ahead"] if idx_ahead is None else idx_ahead)
+    even_d = bool(cfg.get("even_d", 0) if even_d is None else even_d)
+    qk_next = bool(cfg.get("qk_next", 0) if qk_next is None else qk_next)
     block_d = max(16, next_pow2(d))
     dv_split = int(dv_split or cfg["dv_split"])
     if dv_split not in (1, 2):
         raise ValueError(f"sparse_attn: dv_split {dv_split}, expected 1 or 2")
     if block_d < 32:  # each half must stay >= 16 wide for the dots
         dv_split = 1
+    if qk_next and (qk_t or dv_split != 1 or d != block_d):
+        raise ValueError(
+            f"sparse_attn: qk_next needs qk_t=False, dv_split=1 and a power-of-two D; found qk_t={qk_t}, "
+            f"dv_split={dv_split}, D={d}"
+        )
     if q.stride(2) != 1:
         q = q.contiguous()
     if kv.stride(1) != 1:
@@ -464,6 +622,9 @@ def sparse_attn(
         QK_T=qk_t,
         DV_SPLIT=dv_split,
         TILE_SRC=two and tile_src and k1 % block_n == 0,
+        IDX_AHEAD=idx_ahead,
+        EVEN_D=even_d and d == block_d,
+        QK_NEXT=qk_next,
         num_warps=num_warps,
         num_stages=num_stages,
     )
