@@ -17,21 +17,13 @@ pytestmark = [
 ]
 
 _SCRIPT = r"""
-import json, os, re, subprocess, tempfile
+import json, re
+from kernels_testing import cuobjdump, sass_loops as loops
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from deepinfer_kernels.moe import triton as mt
 from deepinfer_kernels.moe.fp4_gemv import triton as fv
-
-def loops(sass):
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    out = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:  # a backward branch closes a loop
-            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
-    return out
 
 def compile_report(kernel, types, consts, num_warps, weights_per_thread):
     names = kernel.arg_names
@@ -41,15 +33,7 @@ def compile_report(kernel, types, consts, num_warps, weights_per_thread):
     src = ASTSource(kernel, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in div})
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 1})
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(c.asm["cubin"])
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", path],
-                               capture_output=True, text=True, check=True).stdout
+    sass, usage = cuobjdump(c, "-sass"), cuobjdump(c, "--dump-resource-usage")
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
     body = [t for b in loops(sass) for t in b]
     return {"regs": int(regs), "stack": int(stack), "loops": len(loops(sass)),

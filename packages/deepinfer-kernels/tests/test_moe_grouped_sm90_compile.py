@@ -19,7 +19,8 @@ pytestmark = [
 ]
 
 _SCRIPT = r"""
-import json, os, re, subprocess, tempfile
+import json, re
+from kernels_testing import cuobjdump, sass_loops as loops
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -33,25 +34,8 @@ def compile_sm90(kernel, sig, consts, div16, num_warps, num_stages, **options):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages, **options})
 
-def loops(sass):
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    out = []
-    for addr, text in ins:
-        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:  # a backward branch closes a loop
-            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
-    return out
-
 def report(c, weights_per_thread):
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(c.asm["cubin"])
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
-        usage = subprocess.run([os.path.join(bindir, "cuobjdump"), "--dump-resource-usage", path],
-                               capture_output=True, text=True, check=True).stdout
+    sass, usage = cuobjdump(c, "-sass"), cuobjdump(c, "--dump-resource-usage")
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
     body = loops(sass)
     ttgir = c.asm["ttgir"]

@@ -75,6 +75,33 @@ def triton_interpreter(*module_names: str) -> Iterator[list[ModuleType]]:
                     setattr(parent, child, module)
 
 
+def cuobjdump(compiled: object, flag: str) -> str:
+    """The text `cuobjdump FLAG` ("-sass", "--dump-resource-usage") prints for a compiled kernel's cubin, with the
+    cuobjdump that ships in the triton wheel."""
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])  # type: ignore[attr-defined]
+        return subprocess.run(
+            [os.path.join(bin_dir, "cuobjdump"), flag, path], capture_output=True, text=True, check=True
+        ).stdout
+
+
+def sass_loops(sass: str) -> list[list[str]]:
+    """The instructions of every loop in a SASS listing: a backward branch closes a loop, whose body is every
+    instruction from the branch target to the branch."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    out = []
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            out.append([t for a, t in ins if int(m.group(1), 16) <= a <= addr])
+    return out
+
+
 def sm90_compile_report(
     kernel: object,
     signature: dict[str, str],
@@ -110,17 +137,7 @@ def sm90_compile_report(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages}
     )
     ptx = compiled.asm["ptx"]
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run(
-            [os.path.join(bin_dir, "cuobjdump"), "--dump-resource-usage", path],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
+    usage = cuobjdump(compiled, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", usage)
     if m is None:
         raise RuntimeError(f"sm90_compile_report: no resource line in cuobjdump output: {usage[-300:]!r}")
