@@ -117,40 +117,6 @@ def test_interpreter_index_prefetch_and_even_d(interp, dv_split, num_splits):
            torch.bfloat16)  # fmt: skip
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-def test_interpreter_scores_one_tile_ahead(interp, dtype, num_splits):
-    """qk_next (each iteration computes the next tile's scores and runs the softmax / P V of its own on the scores
-    carried from the previous one): one source with a ragged last tile and an all-invalid tile, two sources with
-    the per-tile source choice (K1 = 32) and with two loops (K1 = 37); unsupported layouts raise."""
-    kw = dict(num_splits=num_splits, block_n=16, qk_next=True, dv_split=1)
-    q, kv, idx, sink = _case(3, 8, 32, 23, 61, dtype, seed=31)
-    idx[1, 16:32] = -1
-    _check(interp.sparse_attn(q, kv, idx, sink, 0.2, **kw), reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu",
-           dtype)  # fmt: skip
-    for k1 in (32, 37):
-        q, kv, idx, sink = _case(2, 8, 32, 23, k1, dtype, seed=32)
-        _, kv2, idx2, _ = _case(2, 8, 32, 50, 40, dtype, seed=33)
-        idx2[1] = -1
-        out = interp.sparse_attn(q, kv, idx, sink, 0.2, kv2=kv2, indices2=idx2, **kw)
-        _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2, kv2, idx2), "cpu", dtype)
-    # indices viewed from a wider buffer whose leading columns point at a NaN row: reading any index before a
-    # split's first column (the empty tile the loop starts with) would turn the output into NaN
-    q, kv, idx, sink = _case(3, 8, 32, 23, 45, dtype, seed=35)
-    kv[7] = float("nan")
-    idx[idx == 7] = 6
-    buf = torch.full((3, 16 + 45), 7, dtype=torch.int64)
-    buf[:, 16:] = idx
-    out = interp.sparse_attn(q, kv, buf[:, 16:], sink, 0.2, **kw)
-    _check(out, reference.sparse_attn(q, kv, idx, sink, 0.2), "cpu", dtype)
-    for bad in (dict(qk_t=True), dict(dv_split=2)):
-        with pytest.raises(ValueError, match="qk_next"):
-            interp.sparse_attn(q, kv, idx, sink, 0.2, **(kw | bad))
-    q, kv, idx, sink = _case(2, 4, 40, 23, 37, dtype, seed=34)  # D = 40: not a power of two
-    with pytest.raises(ValueError, match="qk_next"):
-        interp.sparse_attn(q, kv, idx, sink, 0.2, **kw)
-
-
 def test_interpreter_large_batch_config_and_bf16_partials(interp):
     """More than SMALL_BATCH_CONFIG['max_tokens'] tokens take DEFAULT_CONFIG; a bf16 split workspace rounds each
     partial output once more (tolerance: 2 bf16 ULPs of outputs of magnitude <= 2 on top of the usual)."""
@@ -276,11 +242,11 @@ def test_gpu_split_counts(num_splits):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "cfg",
-    [dict(block_n=32, num_stages=4, idx_ahead=True, even_d=True), dict(block_n=32, num_stages=3, qk_next=True)],
-    ids=["ahead-s4-even", "qk-next"],
+    [dict(block_n=32, num_stages=4, idx_ahead=True, even_d=True), dict(block_n=32, num_stages=3, idx_ahead=True)],
+    ids=["ahead-s4-even", "ahead-s3"],
 )
 def test_gpu_launch_knobs_match_reference(cfg):
-    """The sweep's prefetch / scores-ahead configurations at the V4.1 decode shape, one and two sources, split and
+    """The sweep's index-prefetch configurations at the V4.1 decode shape, one and two sources, split and
     not (T = 3 splits the index list; T = 64 with num_splits=1 does not)."""
     from deepinfer_kernels.sparse_attn import triton as triton_backend
 

@@ -43,14 +43,13 @@ for tier, cfg in (("large", sa.DEFAULT_CONFIG), ("small", sa.SMALL_BATCH_CONFIG)
                 sa._sparse_attn_kernel, sa_sig,
                 dict(TWO=two, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
                      BLOCK_D=512, SPLIT=split, UPCAST=False, EXACT_F32=False, QK_T=bool(cfg["qk_t"]),
-                     DV_SPLIT=cfg["dv_split"], TILE_SRC=two, IDX_AHEAD=bool(cfg["idx_ahead"]), EVEN_D=False,
-                     QK_NEXT=False),
+                     DV_SPLIT=cfg["dv_split"], TILE_SRC=two, IDX_AHEAD=bool(cfg["idx_ahead"]), EVEN_D=False),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=sa_div)
 # the index-prefetch candidate of the sweep (32-row tiles, 4 stages: 3 gathers in flight), two sources as the engine
 out["sparse_attn large prefetch n32 s4"] = rep(
     sa._sparse_attn_kernel, sa_sig,
     dict(TWO=True, HEAD_BLOCKS=1, BLOCK_H=64, BLOCK_N=32, BLOCK_D=512, SPLIT=False, UPCAST=False, EXACT_F32=False,
-         QK_T=False, DV_SPLIT=1, TILE_SRC=True, IDX_AHEAD=True, EVEN_D=False, QK_NEXT=False),
+         QK_T=False, DV_SPLIT=1, TILE_SRC=True, IDX_AHEAD=True, EVEN_D=False),
     num_warps=8, num_stages=4, divisible_by_16=sa_div)
 # fp32 inputs (exact dots) take FP32_CONFIG: the bf16 tiles in fp32 need 279 KiB of shared memory
 cfg = sa.FP32_CONFIG
@@ -58,7 +57,7 @@ out["sparse_attn fp32"] = rep(
     sa._sparse_attn_kernel, {k: ("*fp32" if v == "*bf16" else v) for k, v in sa_sig.items()},
     dict(TWO=False, HEAD_BLOCKS=64 // cfg["block_h"], BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_D=512,
          SPLIT=True, UPCAST=False, EXACT_F32=True, QK_T=False, DV_SPLIT=1, TILE_SRC=False, IDX_AHEAD=False,
-         EVEN_D=False, QK_NEXT=False),
+         EVEN_D=False),
     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], divisible_by_16=sa_div)
 out["sparse_attn combine"] = rep(
     sa._sparse_attn_combine_kernel,

@@ -14,9 +14,6 @@ tile): half the accumulator registers, twice the programs, no merge, at the pric
 IDX_AHEAD loads each tile's indices one iteration before its gather (loop-carried): without it triton's pipeliner
 issues a synchronous index load right before every gather, and with 32-row tiles and 3-5 stages it then keeps 2-4
 gathers in flight instead of one.
-QK_NEXT (S = Q K^T, whole rows, D a power of two) computes the next tile's scores in each iteration and runs the
-softmax and P V of its own tile on the scores carried from the previous one: a score dot that feeds another dot
-directly is repeated in both warpgroups by triton, one that only feeds the next iteration is split between them.
 Scores and the online softmax run in fp32 in the log2 domain, and the sink enters as the initial running max /
 denominator of split 0 (so an all-invalid row gives exactly 0, as the reference). When the programs cannot fill
 the GPU (decode), the index list is split over programs (flash-decoding) and a second kernel merges the partial
@@ -227,64 +224,6 @@ def _tile_rows(start, idx, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_row
     return src + tl.where(valid, idx, 0) * stride, valid
 
 
-@triton.jit
-def _scores(q, kt, valid, qk_scale, EXACT_F32: tl.constexpr):
-    if EXACT_F32:
-        qk = tl.dot(q, tl.trans(kt), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(kt))
-    return tl.where(valid[None, :], qk * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
-
-
-@triton.jit
-def _attend_qk_next(
-    q, m_i, l_i, acc, kv_ptr, stride_kv, s_rows, idx_row_ptr, col0, kv2_ptr, stride_kv2, s_rows2, idx2_row_ptr, K1,
-    lo, hi, own, qk_scale,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, EXACT_F32: tl.constexpr, TILE_SRC: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """_attend with the scores one tile ahead (S = Q K^T orientation, whole rows, D == BLOCK_D): iteration i runs
-    the softmax and P V of tile i on scores computed in iteration i - 1, and the scores of tile i + 1. The score
-    dot then feeds the next iteration, not the P V dot of its own, so triton lays it out over both warpgroups
-    (each computes half the tile's columns once) instead of repeating it in each warpgroup. Each tile is gathered
-    twice (for its scores, then for P V one iteration later: the second read mostly hits L2)."""
-    # iteration "lo - BLOCK_N" only computes the first tile's scores (its own tile is empty: all -inf, no rows)
-    qk = tl.full([BLOCK_H, BLOCK_N], float("-inf"), tl.float32)
-    idx = tl.full([BLOCK_N], -1, tl.int64)
-    idx_nx = _tile_idx(lo, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
-    for start in range(lo - BLOCK_N, hi, BLOCK_N):
-        idx = idx_nx
-        idx_nx = _tile_idx(start + 2 * BLOCK_N, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
-        # the scores of the next tile (all -inf past hi)
-        rows_n, valid_n = _tile_rows(
-            start + BLOCK_N, idx, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC
-        )
-        kt_n = tl.load(rows_n[:, None] + own[None, :], mask=valid_n[:, None], other=0.0)
-        if UPCAST:
-            kt_n = kt_n.to(tl.float32)
-        qk_n = _scores(q, kt_n, valid_n, qk_scale, EXACT_F32)
-        # this tile: softmax on the carried scores, P V on its rows read again
-        # (the first iteration's own tile, lo - BLOCK_N, is empty: its indices are never read)
-        cur = tl.maximum(start, lo)
-        idx_cur = _tile_idx(cur, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N, TILE_SRC)
-        idx_cur = tl.where(start >= lo, idx_cur, -1)
-        rows, valid = _tile_rows(cur, idx_cur, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC)
-        v = tl.load(rows[:, None] + own[None, :], mask=valid[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT_F32:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_new
-        qk = qk_n
-    return m_i, l_i, acc
-
-
 # Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
 @triton.jit(do_not_specialize=["K", "S_ROWS", "blocks_per_split", "stride_it", "K1", "S_ROWS2", "stride_it2"])
 def _sparse_attn_kernel(
@@ -327,7 +266,6 @@ def _sparse_attn_kernel(
     TILE_SRC: tl.constexpr = False,
     IDX_AHEAD: tl.constexpr = False,
     EVEN_D: tl.constexpr = False,
-    QK_NEXT: tl.constexpr = False,
 ):
     # Axis 0 enumerates (token, head block, column half) with the programs of one token adjacent, so the
     # programs that gather the same kv rows run together and all but the first read them from L2.
@@ -391,23 +329,7 @@ def _sparse_attn_kernel(
     # pipeliner turns into asynchronous copies (a per-row select between the sources it does not pipeline).
     idx_row = idx_ptr + t * stride_it
     idx2_row = idx2_ptr + t * stride_it2
-    if QK_NEXT:  # (one orientation, whole rows, EVEN_D: checked by the launcher)
-        if TILE_SRC:
-            m_i, l_i, acc = _attend_qk_next(
-                q, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1,
-                n_lo, n_hi, own, qk_scale, BLOCK_N, UPCAST, EXACT_F32, True, BLOCK_H,
-            )  # fmt: skip
-        else:
-            m_i, l_i, acc = _attend_qk_next(
-                q, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
-                n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, qk_scale, BLOCK_N, UPCAST, EXACT_F32, False, BLOCK_H,
-            )  # fmt: skip
-            if TWO:
-                m_i, l_i, acc = _attend_qk_next(
-                    q, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
-                    idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, qk_scale, BLOCK_N, UPCAST, EXACT_F32, False, BLOCK_H,
-                )  # fmt: skip
-    elif TILE_SRC:
+    if TILE_SRC:
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row,
             K1, n_lo, n_hi, own, own_mask, oth, oth_mask, qk_scale, BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, True,
@@ -503,7 +425,6 @@ def sparse_attn(
     partial_dtype: torch.dtype | None = None,
     idx_ahead: bool | None = None,
     even_d: bool | None = None,
-    qk_next: bool | None = None,
 ) -> Tensor:
     """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
@@ -540,18 +461,12 @@ def sparse_attn(
     fill = float(cfg["fill"] if fill is None else fill)
     idx_ahead = bool(cfg["idx_ahead"] if idx_ahead is None else idx_ahead)
     even_d = bool(cfg.get("even_d", 0) if even_d is None else even_d)
-    qk_next = bool(cfg.get("qk_next", 0) if qk_next is None else qk_next)
     block_d = max(16, next_pow2(d))
     dv_split = int(dv_split or cfg["dv_split"])
     if dv_split not in (1, 2):
         raise ValueError(f"sparse_attn: dv_split {dv_split}, expected 1 or 2")
     if block_d < 32:  # each half must stay >= 16 wide for the dots
         dv_split = 1
-    if qk_next and (qk_t or dv_split != 1 or d != block_d):
-        raise ValueError(
-            f"sparse_attn: qk_next needs qk_t=False, dv_split=1 and a power-of-two D; found qk_t={qk_t}, "
-            f"dv_split={dv_split}, D={d}"
-        )
     if q.stride(2) != 1:
         q = q.contiguous()
     if kv.stride(1) != 1:
@@ -624,7 +539,6 @@ def sparse_attn(
         TILE_SRC=two and tile_src and k1 % block_n == 0,
         IDX_AHEAD=idx_ahead,
         EVEN_D=even_d and d == block_d,
-        QK_NEXT=qk_next,
         num_warps=num_warps,
         num_stages=num_stages,
     )
