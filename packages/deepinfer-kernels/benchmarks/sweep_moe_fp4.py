@@ -365,14 +365,7 @@ def main() -> None:
         out["cases"].append(case)
         print(f"T={t} layout={layout} hit={case['experts_hit']} default total {case['default_total_ms']:.3f} ms "
               f"(bound {case['total_bound_ms']:.3f} ms, err {case['default_rel_err']:.1e})", flush=True)  # fmt: skip
-        for kind in ("gate_up", "down"):
-            ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
-            bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
-            for r in ok[:6]:
-                print(f"  {kind:7s} {fmt_cfg(r):28s}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
-                      f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
-            for r in bad[:3]:
-                print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
+        print_best(case, width=28, failed=3)
         print_old_vs_new([case])
         out["wall_s"] = time.time() - t0
         print(f"wall {out['wall_s']:.0f} s", flush=True)
@@ -384,6 +377,18 @@ def main() -> None:
     print_layouts(out["cases"])
 
 
+def print_best(case: dict, *, width: int, failed: int) -> None:
+    """Per GEMM of one case: the 6 fastest configurations that matched the reference, then the first failures."""
+    for kind in ("gate_up", "down"):
+        ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
+        bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
+        for r in ok[:6]:
+            print(f"  {kind:7s} {fmt_cfg(r):{width}s}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
+                  f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
+        for r in bad[:failed]:
+            print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
+
+
 def main_gemv(args: argparse.Namespace, out: dict, st: StackedExperts, bw: float, t0: float) -> None:
     ck = st.chunked()
     cands = gemv_candidates(args.quick)
@@ -392,14 +397,7 @@ def main_gemv(args: argparse.Namespace, out: dict, st: StackedExperts, bw: float
         out["cases"].append(case)
         print(f"T={t} hit={case['experts_hit']} default total {case['default_total_ms'] * 1e3:.1f} us "
               f"(bound {case['total_bound_ms'] * 1e3:.1f} us, err {case['default_rel_err']:.1e})", flush=True)  # fmt: skip
-        for kind in ("gate_up", "down"):
-            ok = sorted((r for r in case[kind] if "ms" in r and r["rel_err"] < 2e-2), key=lambda r: r["ms"])
-            bad = [r for r in case[kind] if "ms" not in r or r["rel_err"] >= 2e-2]
-            for r in ok[:6]:
-                print(f"  {kind:7s} {fmt_cfg(r):32s}  {r['ms'] * 1e3:8.1f} us  bound {r['bound_ms'] * 1e3:7.1f} us  "
-                      f"{100 * r['of_bound']:5.1f}%  err {r['rel_err']:.1e}")  # fmt: skip
-            for r in bad[:4]:
-                print(f"  {kind:7s} FAILED {r['config']} {r.get('error') or r.get('rel_err')}")
+        print_best(case, width=32, failed=4)
         out["wall_s"] = time.time() - t0
         print(f"wall {out['wall_s']:.0f} s", flush=True)
         if args.json:
