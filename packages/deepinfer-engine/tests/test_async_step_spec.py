@@ -10,11 +10,10 @@ CUDA graphs on."""
 from __future__ import annotations
 
 import pytest
-import torch
-from deepinfer_dspark import DraftBlock, DraftHeads
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.async_step import AsyncStepLoop
 from deepinfer_engine.core.async_scheduler import AsyncScheduler
+from oracle_drafter import OracleDrafter
 
 PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18], [0, 5, 6, 7, 8, 40]]
 # run one after the other after PROMPTS: the second hits the first one's cached pages (12 common tokens)
@@ -37,35 +36,9 @@ def _llm(path, arch: str, *, spec: bool = True, async_scheduling: bool = False, 
                speculative_config={"method": "dspark"} if spec else None, async_scheduling=async_scheduling, **kw)
 
 
-class ReferenceDrafter:
-    """A stand-in `DraftModel` proposing each request's known continuation (`seq_of_slot(slot)`: prompt + plain
-    greedy output), wrong at positions q with q % 4 == 0 or q % 7 == 1, so rounds accept 0 .. 3 drafts; past the
-    known sequence (sampled requests) it proposes id 7."""
-
-    def __init__(self, vocab: int, seq_of_slot, block_size: int = 5) -> None:
-        self.block_size, self.vocab, self.seq_of_slot = block_size, vocab, seq_of_slot
-        w = torch.zeros(vocab, 2)
-        self.heads = DraftHeads(markov_embed=w, markov_head=w, confidence=torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
-        self.slots = None
-        self.round_host = None
-
-    def draft_block(self, anchor_ids, anchor_positions) -> DraftBlock:
-        b, n = anchor_ids.shape[0], self.block_size
-        logits, hidden = torch.zeros(b, n, self.vocab), torch.zeros(b, n, 2)
-        for i, (slot, p) in enumerate(zip(self.slots.tolist(), anchor_positions.tolist())):
-            seq = self.seq_of_slot(slot)
-            for j in range(n):
-                q = p + 1 + j
-                right = q < len(seq) and q % 4 != 0 and q % 7 != 1
-                tok = seq[q] if q < len(seq) else 7
-                logits[i, j, tok if right else (tok + 1) % self.vocab] = 30.0
-                hidden[i, j, 0] = 4.0 if right else -4.0
-        return DraftBlock(base_logits=logits, hidden=hidden)
-
-
 def _run(llm: LLM, requests: dict, *, known: dict | None = None, abort_after: dict | None = None) -> dict:
     """Drive the engine step by step: {request id: final RequestOutput}. known: {id: full sequence} for the
-    ReferenceDrafter; abort_after: {id: n} aborts the request once it has n output tokens."""
+    OracleDrafter; abort_after: {id: n} aborts the request once it has n output tokens."""
     eng = llm.engine
     if known is not None:
         def seq_of_slot(slot: int) -> list[int]:
@@ -73,7 +46,7 @@ def _run(llm: LLM, requests: dict, *, known: dict | None = None, abort_after: di
             (rid,) = [r for r in eng.scheduler.requests if r in kv._slots and kv.slot(r) == slot]
             return known.get(rid, [])
 
-        eng.runner.spec.drafter = ReferenceDrafter(int(eng.args.vocab_size), seq_of_slot)
+        eng.runner.spec.drafter = OracleDrafter(int(eng.args.vocab_size), seq_of_slot)
     for rid, (prompt, sp) in requests.items():
         eng.add_request(rid, prompt, sp)
     done, aborted = {}, set()

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepinfer_dspark import DraftBlock, DraftHeads
+from deepinfer_dspark import DraftBlock
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.errors import ConfigError
+from oracle_drafter import OracleDrafter
 
 PROMPTS = [[0, 5, 6, 7], [0, 9], list(range(3, 20)), [0, 11, 12, 13, 14, 15, 16, 17, 18]]  # mixed lengths
 
@@ -73,34 +74,6 @@ def test_greedy_speculation_equals_plain_greedy_with_checkpoint_drafter(ckpts, v
     plain = _ids(_llm(ckpts["v4-0731"]).generate(PROMPTS[:3], sp, use_tqdm=False))
     llm = _llm(ckpts["v4-0731"], max_num_batched_tokens=8, speculative_config={"method": "dspark"})
     assert _ids(llm.generate(PROMPTS[:3], sp, use_tqdm=False)) == plain
-
-
-class OracleDrafter:
-    """A stand-in `DraftModel`: proposes the reference continuation of each request, wrong at positions
-    q with q % 4 == 0 or q % 7 == 1, so rounds accept 0 .. 3 drafts. `seq_of_slot(slot)` gives the full reference
-    token sequence of the request in that cache slot."""
-
-    def __init__(self, vocab: int, seq_of_slot, *, block_size: int = 5) -> None:
-        self.block_size, self.vocab, self.seq_of_slot = block_size, vocab, seq_of_slot
-        w = torch.zeros(vocab, 2)
-        conf = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # hidden[0] carries a confidence logit
-        self.heads = DraftHeads(markov_embed=w, markov_head=w, confidence=conf)
-        self.slots = None
-        self.round_host = None
-
-    def draft_block(self, anchor_ids, anchor_positions) -> DraftBlock:
-        b, n = anchor_ids.shape[0], self.block_size
-        logits = torch.zeros(b, n, self.vocab)
-        hidden = torch.zeros(b, n, 2)
-        for i, (slot, p) in enumerate(zip(self.slots.tolist(), anchor_positions.tolist())):
-            seq = self.seq_of_slot(slot)
-            for j in range(n):
-                q = p + 1 + j
-                right = q < len(seq) and q % 4 != 0 and q % 7 != 1
-                tok = seq[q] if q < len(seq) else 7
-                logits[i, j, tok if right else (tok + 1) % self.vocab] = 30.0
-                hidden[i, j, 0] = 4.0 if right else -4.0
-        return DraftBlock(base_logits=logits, hidden=hidden)
 
 
 def _oracle_run(llm: LLM, prompts, sp, reference) -> list[list[int]]:
