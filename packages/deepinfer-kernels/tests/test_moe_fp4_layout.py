@@ -23,7 +23,7 @@ from deepinfer_kernels.moe.fp4_layout import (
     unchunk_scales,
 )
 from kernels_testing import triton_interpreter
-from moe_testing import quantized_fp4_experts, random_fp4_stack, rel, routing
+from moe_testing import column_probe, quantized_fp4_experts, random_fp4_stack, rel, routing
 
 _MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -175,15 +175,7 @@ def test_chunked_ptx_decode_is_exact_for_every_code(codes):
     s2 = table[torch.randint(0, len(table), (e, d, inter // 32), generator=g)].view(torch.float8_e8m0fnu)
     want = torch.stack([dequant_fp4(w2[i], s2[i], block=32) for i in range(e)])
     cw2, cs2 = chunk_codes(w2).cuda(), chunk_scales(s2).cuda()
-    t = 2 * inter  # token t reads column t % inter of expert t % 2
-    ids = (torch.arange(t) % e).view(t, 1).cuda()
-    pairs, bexp = mt.align_pairs(ids, e, 16)
-    h = torch.zeros((bexp.numel() * 16, inter), dtype=torch.bfloat16, device="cuda")
-    valid = pairs < t
-    h[valid.nonzero().squeeze(1), (pairs[valid] // e).long() % inter] = 1.0
-    rows = torch.empty((t, d), dtype=torch.float32, device="cuda")
-    ones = torch.ones(t, device="cuda")
-    tok = torch.arange(t)
+    tok, pairs, bexp, h, rows, ones = column_probe(e, d, inter, "cuda")  # token t reads one column of expert t % e
     for cfg in (
         mt.GemmConfig(64, 128, 4, 3, "asm"),
         mt.GemmConfig(128, 256, 8, 3, "asm"),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from deepinfer_kernels.moe import reference
 from kernels_testing import triton_interpreter
-from moe_testing import quantized_fp4_experts, random_fp4_stack, rel
+from moe_testing import column_probe, quantized_fp4_experts, random_fp4_stack, rel
 
 _MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -122,16 +122,8 @@ def test_grouped_ptx_decode_is_exact_for_every_code(codes):
         .view(torch.float8_e8m0fnu)
         .cuda()
     )
-    t = 2 * inter  # token t reads column t % inter of expert t % 2
-    ids = (torch.arange(t) % e).view(t, 1).cuda()
-    pairs, bexp = mt.align_pairs(ids, e, 16)
-    h = torch.zeros((bexp.numel() * 16, inter), dtype=torch.bfloat16, device="cuda")
-    valid = pairs < t
-    h[valid.nonzero().squeeze(1), (pairs[valid] // e).long() % inter] = 1.0
-    rows = torch.empty((t, d), dtype=torch.float32, device="cuda")
-    ones = torch.ones(t, device="cuda")
+    tok, pairs, bexp, h, rows, ones = column_probe(e, d, inter, "cuda")  # token t reads one column of expert t % e
     want = torch.stack([dequant_fp4(w2[i].cpu(), s2[i].cpu(), block=32) for i in range(e)])
-    tok = torch.arange(t)
     for cfg in (
         mt.GemmConfig(64, 128, 4, 4, "grouped"),
         mt.GemmConfig(64, 256, 4, 3, "grouped"),

@@ -19,7 +19,7 @@ import torch
 from deepinfer_kernels.moe import StackedExperts, moe_experts, reference
 from deepinfer_kernels.quant import quant_fp4
 from kernels_testing import triton_interpreter
-from moe_testing import random_fp4_stack, rel, routing
+from moe_testing import column_probe, random_fp4_stack, rel, routing
 
 
 def _fp4_experts(e: int, inter: int, d: int, g: torch.Generator) -> tuple[StackedExperts, list]:
@@ -183,17 +183,9 @@ def test_fp4_asm_decode_is_exact_for_every_code():
         .view(torch.float8_e8m0fnu)
         .cuda()
     )
-    t = 2 * inter  # token t reads column t % inter of expert t % 2
-    ids = (torch.arange(t) % e).view(t, 1).cuda()
-    pairs, bexp = mt.align_pairs(ids, e, 16)
-    h = torch.zeros((bexp.numel() * 16, inter), dtype=torch.bfloat16, device="cuda")
-    valid = pairs < t
-    h[valid.nonzero().squeeze(1), (pairs[valid] // e).long() % inter] = 1.0
-    rows = torch.empty((t, d), dtype=torch.float32, device="cuda")
-    ones = torch.ones(t, device="cuda")
+    tok, pairs, bexp, h, rows, ones = column_probe(e, d, inter, "cuda")  # token t reads one column of expert t % e
     mt.launch_down(h, w2, s2, pairs, bexp, ones, rows, 16, mt.GemmConfig(64, 128, 4, 3, "asm"), False)
     want = torch.stack([dequant_fp4(w2[i].cpu(), s2[i].cpu(), block=32) for i in range(e)])  # [e, d, inter]
-    tok = torch.arange(t)
     assert torch.equal(rows.cpu(), want[tok % e, :, (tok // e) % inter])
 
 

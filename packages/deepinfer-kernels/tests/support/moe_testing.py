@@ -45,3 +45,21 @@ def random_fp4_stack(e: int, inter: int, d: int, g: torch.Generator, device: str
 
     return StackedExperts(packed(inter, d), packed(inter, d), packed(d, inter), scale(inter, d), scale(inter, d),
                           scale(d, inter), fmt="fp4")  # fmt: skip
+
+
+def column_probe(e: int, d: int, inter: int, device: str) -> tuple:
+    """Inputs of a down-GEMM launch that read back single weight columns: t = 2 * inter tokens, token t routed to
+    expert t % e with one-hot activations at column (t // e) % inter, so output row t is that column of its expert
+    (exact in any accumulation order). Returns (tok [t] cpu, pairs, bexp (`align_pairs` with 16-row blocks),
+    h [blocks * 16, inter] bf16, rows [t, d] fp32 empty, ones [t] routing weights) on device; the expected rows are
+    `want[tok % e, :, (tok // e) % inter]` for the dense experts want [e, d, inter]."""
+    from deepinfer_kernels.moe import triton as mt
+
+    t = 2 * inter
+    ids = (torch.arange(t) % e).view(t, 1).to(device)
+    pairs, bexp = mt.align_pairs(ids, e, 16)
+    h = torch.zeros((bexp.numel() * 16, inter), dtype=torch.bfloat16, device=device)
+    valid = pairs < t
+    h[valid.nonzero().squeeze(1), (pairs[valid] // e).long() % inter] = 1.0
+    rows = torch.empty((t, d), dtype=torch.float32, device=device)
+    return torch.arange(t), pairs, bexp, h, rows, torch.ones(t, device=device)
