@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 import torch
+from deepinfer_kernels.device_rates import measure_copy_bandwidth
 
 L2_BYTES = 60 * 2**20
 N, D = 4, 5120
@@ -56,28 +57,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16x3/tok16": {"mode": "bf16x3", "block_t": 16},
     "bf16x3/tok64": {"mode": "bf16x3", "block_t": 64},
 }
-
-
-def _copy_bandwidth(dev: torch.device, nbytes: int = 1 << 30) -> float:
-    """Bytes/s (read + write) of a device-to-device copy of nbytes, median of graph-replayed copies."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(5):
-            dst.copy_(src)
-    samples = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        samples.append(5 * 2 * nbytes / (a.elapsed_time(b) * 1e-3))
-    del g, src, dst
-    return statistics.median(samples)
 
 
 def _inputs(t: int, sets: int, d: int, dev: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -172,7 +151,7 @@ def main() -> int:
     from deepinfer_kernels.hyper_conn import triton as hc
 
     t_start = time.perf_counter()
-    bw = _copy_bandwidth(dev) if dev.type == "cuda" else None
+    bw = measure_copy_bandwidth(dev) if dev.type == "cuda" else None
     info: dict[str, Any] = {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor(),
         "torch": torch.__version__,

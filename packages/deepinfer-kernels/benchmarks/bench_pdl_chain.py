@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from deepinfer_kernels.device_rates import measure_copy_bandwidth
 
 BLOCK = (32, 32)
 HIDDEN = 5120
@@ -192,23 +193,6 @@ class Chain:
         return per_layer * len(self.w)
 
 
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write of a 1 GiB buffer, median of CUDA-event timings)."""
-    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    samples = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e-3)
-    return 2 * a.numel() / statistics.median(samples)
-
-
 def capture(fn: Callable[[], list[torch.Tensor]]) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
     fn()  # compile + warm outside the capture
     torch.cuda.synchronize()
@@ -296,7 +280,7 @@ def main() -> None:
     print("# " + json.dumps(meta), flush=True)
     if not pdl_on:
         print("# WARNING: PDL is not available here: the 'on' rows launch plainly", flush=True)
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth("cuda")
     print(f"# copy bandwidth {bw / 1e9:.1f} GB/s", flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     chains = [Chain(ns.layers, dev, g) for _ in range(ns.sets)]

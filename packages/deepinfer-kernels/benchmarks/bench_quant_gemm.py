@@ -16,6 +16,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
+from deepinfer_kernels.device_rates import measure_copy_bandwidth
 from deepinfer_kernels.linear import fp8_linear, linear_f32_out
 from deepinfer_kernels.moe import StackedExperts, moe_experts
 from triton.testing import do_bench
@@ -28,13 +29,6 @@ DENSE = {  # name: (N, K, block) - V4.1 attention / shared expert; one V4 shape 
     "shared_w2": (5120, 2304, (32, 32)),
     "v4_wo_a": (8192, 4096, (128, 128)),
 }
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench(partial(b.copy_, a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)  # bytes read + written per second
 
 
 def rand_fp8(n: int, k: int, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +114,7 @@ def bench_moe(bw: float) -> list[dict]:
 
 
 def main() -> None:
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth("cuda")
     res = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,

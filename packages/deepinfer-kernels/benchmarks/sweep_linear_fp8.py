@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from deepinfer_kernels._launch import next_pow2
+from deepinfer_kernels.device_rates import measure_copy_bandwidth
 
 L2_BYTES = 60 * 2**20
 BLOCK = (32, 32)
@@ -137,15 +138,6 @@ def load_module(path: str, name: str):
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def copy_bandwidth() -> float:
-    from triton.testing import do_bench
-
-    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def random_fp8(n: int, k: int, g: torch.Generator, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +290,7 @@ def main() -> None:
     print(f"# compiled {len(jobs)} jobs in {time.time() - t_start:.1f} s", flush=True)
 
     dev = torch.device("cpu" if ns.smoke_cpu else "cuda")
-    bw = 0.0 if ns.smoke_cpu else copy_bandwidth()
+    bw = 0.0 if ns.smoke_cpu else measure_copy_bandwidth("cuda")
     base = load_module(ns.baseline_module, "sweep_baseline_linear") if ns.baseline_module else None
     g = torch.Generator(device=dev).manual_seed(0)
     out: dict[str, Any] = dict(

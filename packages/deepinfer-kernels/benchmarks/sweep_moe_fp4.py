@@ -31,19 +31,13 @@ from functools import partial
 
 import torch
 import triton
+from deepinfer_kernels.device_rates import measure_copy_bandwidth
 from deepinfer_kernels.moe import StackedExperts, reference
 from deepinfer_kernels.moe import triton as mt
 from deepinfer_kernels.moe.fp4_gemv import triton as fv
 from triton.testing import do_bench
 
 E, D, INTER, TOPK = 384, 5120, 2304, 6
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = do_bench(partial(b.copy_, a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def experts() -> StackedExperts:
@@ -352,7 +346,7 @@ def main() -> None:
     if not set(layouts) <= {"checkpoint", "chunked"}:
         ap.error(f"--layout {args.layout!r}: expected a comma list of checkpoint, chunked")
     t0 = time.time()
-    bw = copy_bandwidth()
+    bw = measure_copy_bandwidth("cuda")
     st = experts()
     cands = candidates(args.quick)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

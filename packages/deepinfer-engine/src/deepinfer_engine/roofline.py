@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Literal
+
+from deepinfer_kernels.device_rates import measure_copy_bandwidth, measure_matmul_rate
 
 from deepinfer_engine.core.kv_cache_spec import RecordFormat, record_bytes
 from deepinfer_engine.model.args import ModelArgs
@@ -114,45 +116,3 @@ def decode_step_bytes(args: ModelArgs, batch: int, context_len: int, kv_format: 
     return StepBytes(dense_weights=dense, routed_experts=experts, embed_rows=embed, engram_rows=engram,
                      kv_window=int(batch * window), kv_compressed=int(batch * compressed),
                      index_keys=int(batch * index))
-
-
-def measure_copy_bandwidth(device: Any, nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Bytes read + written per second of a device-to-device copy of `nbytes` (CUDA events, median of `iters`)."""
-    import torch
-
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / _median_seconds(lambda: dst.copy_(src), device, iters)
-
-
-def measure_matmul_rate(device: Any, n: int = 8192, iters: int = 10) -> float:
-    """FLOP/s of an n x n x n bf16 matrix product on random inputs (median of `iters`)."""
-    import torch
-
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    return 2 * n**3 / _median_seconds(lambda: a @ b, device, iters)
-
-
-def _median_seconds(fn: Any, device: Any, iters: int) -> float:
-    import statistics
-    import time
-
-    import torch
-
-    dev = torch.device(device)
-    fn()  # warm-up: allocation, handle creation, kernel selection
-    times = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
