@@ -111,3 +111,34 @@ def test_gemv_gpu_v41_widths(t, variant):
     for xt, tol in ((x, 1e-5), (x.bfloat16(), 2e-2), (x.half(), 2e-2)):
         got = mt.moe_experts_fp4(xt, *args, configs=cfgs, chunked=True)
         assert rel(got, reference.moe_experts(xt, w, ids, st, 10.0)) <= tol, xt.dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 4, 64])
+def test_shared_from_a_side_stream_joins_before_the_combine(t):
+    # the shared expert's output written on another stream, slowly (a long matmul chain first): with shared_ready
+    # the combine waits for it, so the result equals the one-stream call bit for bit at every T (gemv at T <= 4,
+    # the grouped kernels above)
+    from deepinfer_kernels.moe import moe_experts
+
+    g = torch.Generator().manual_seed(t)
+    st = random_fp4_stack(16, 2304, 5120, g, "cuda")
+    w, ids = _case(t, 6, 16, g)
+    w, ids = w.cuda(), ids.cuda()
+    x = (torch.randn(t, 5120, generator=g) / 8).cuda().bfloat16()
+    sh_src = torch.randn(t, 5120, generator=g).cuda().bfloat16()
+    ck = st.chunked()
+    want = moe_experts(x, w, ids, ck, 10.0, shared=sh_src)
+    side = torch.cuda.Stream()
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(20):  # keeps the side stream busy well past the routed GEMMs
+                busy = (busy @ busy).tanh_()
+            shared = sh_src * 1.0  # written only after the chain
+            done = torch.cuda.Event()
+            done.record(side)
+        got = moe_experts(x, w, ids, ck, 10.0, shared=shared, shared_ready=done)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(got, want)

@@ -30,6 +30,7 @@ from deepinfer_engine.model.forward_batch import CompressedSelection, Compressed
 from deepinfer_engine.model.kv_numerics import KVNumerics
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.linear_pair import linear_pair
+from deepinfer_engine.model.overlap import join, run_beside
 
 __all__ = ["Attention", "Compressor", "Indexer", "Linear", "RMSNorm", "Rope"]
 
@@ -263,8 +264,12 @@ class Attention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """project_q after wq_a: xq = wq_a(x) [T, Rq] (rows may be strided)."""
         qr = self.q_norm(xq)
-        q = self.wq_b(qr).view(xq.shape[0], self.n_heads, self.head_dim)
-        return (rope or self.rope_fn())(q, positions, norm=(None, self.eps) if self.q_head_norm else None), qr
+        return self._q_from_normed(qr, positions, rope), qr
+
+    def _q_from_normed(self, qr: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None) -> Tensor:
+        """q [T, H, Dh] (rotated) of the normed latent qr [T, Rq]."""
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
+        return (rope or self.rope_fn())(q, positions, norm=(None, self.eps) if self.q_head_norm else None)
 
     def project_kv(self, x: Tensor, positions: Tensor, rope: Callable[..., Tensor] | None = None) -> Tensor:
         """Window K=V entries [T, Dh] at the given positions (rotated). DSpark context KV uses this too."""
@@ -352,10 +357,20 @@ class Attention(nn.Module):
         t = x.shape[0]
         rope = self.rope_fn(ctx)
         xq, xkv = linear_pair(x, self.wq_a, self.wkv)  # one GEMM launch when the pair is fused
-        q, qr = self._q_from_latent(xq, pos, rope)
-        kv = self._kv_from_projection(xkv, pos, rope)
+        side = None if ctx.side_streams is None else ctx.side_streams.query
+        if side is None:
+            q, qr = self._q_from_latent(xq, pos, rope)
+            kv = self._kv_from_projection(xkv, pos, rope)
+        else:
+            # the query's wq_b (the largest attention weight) beside the KV path and the compressed selection;
+            # the window KV is roped first, so whatever rope state it sets up exists before the fork
+            qr = self.q_norm(xq)
+            kv = self._kv_from_projection(xkv, pos, rope)
+            q_side = run_beside(side, self._q_from_normed, qr, pos, rope)
         pool, idx = self._window(kv, ctx)
         sel = self._compressed(x, qr, ctx, rope)
+        if side is not None:
+            q = join(q_side)
         kv2 = idx2 = None
         if sel is not None and sel.indices.shape[1] > 0:
             # window pool + the compressed cache read in place through store rows (one softmax over both);

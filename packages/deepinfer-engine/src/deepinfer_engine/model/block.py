@@ -24,6 +24,7 @@ from deepinfer_engine.model.mhc import (
     hc_pre,
 )
 from deepinfer_engine.model.moe import MoE
+from deepinfer_engine.model.overlap import join, run_beside
 
 __all__ = ["Block", "MTPBlock"]
 
@@ -91,7 +92,8 @@ class Block(nn.Module):
             r = hc_post(y, r, post_a, comb_a, backend=self.kernel_backend)
             pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
             x = hc_pre(r, pre_f, backend=self.kernel_backend)
-        y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids, ctx.image_mask)
+        side = None if ctx.side_streams is None else ctx.side_streams.shared_expert
+        y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids, ctx.image_mask, side=side)
         if collapse_next and self.delayed:
             r, x_next = hc_post_pre(y, r, post_f, comb_f, pre_f, backend=self.kernel_backend)
             return r, pre_f, x_next
@@ -104,15 +106,25 @@ class Block(nn.Module):
         pre_a = None if self.delayed else apply_hc_mix(self, "hc_attn", r, self.args)[0]
         return self.attn_norm(self._collapse(r, pre_a, pre_prev))
 
-    def _engram(self, r: Tensor, ctx: ForwardContext) -> Tensor:
-        if self.engram is None:
-            return r
+    def prefetch_engram(self, ctx: ForwardContext, stream: torch.cuda.Stream) -> None:
+        """Start this layer's Engram key/value projection on `stream` (it reads token ids only: the model calls this
+        while the previous layer runs); the layer's forward joins it."""
+        ctx.engram_kv[self.layer_id] = run_beside(stream, self.engram.project, self._engram_rows(ctx))
+
+    def _engram_rows(self, ctx: ForwardContext) -> Tensor:
         if ctx.engram_rows is None:
             raise ModelConfigError(
                 f"layer {self.layer_id} has Engram but the forward has no Engram row ids "
                 "(set Transformer.engram_hasher, e.g. via load_model or set_engram_token_map)"
             )
-        return self.engram(r, ctx.engram_rows[:, self.engram_col], ctx.image_mask)
+        return ctx.engram_rows[:, self.engram_col]
+
+    def _engram(self, r: Tensor, ctx: ForwardContext) -> Tensor:
+        if self.engram is None:
+            return r
+        ahead = ctx.engram_kv.pop(self.layer_id, None)
+        kv = self.engram.project(self._engram_rows(ctx)) if ahead is None else join(ahead)
+        return self.engram.inject(r, kv, ctx.image_mask)
 
     def _collapse(self, r: Tensor, pre_a: Tensor | None, pre_prev: Tensor | None) -> Tensor:
         """The attention input before its norm: V4 collapses with its own pre, V4.1 (delayed) with the previous

@@ -76,13 +76,23 @@ class Engram(nn.Module):
     def forward(self, r: Tensor, row_ids: Tensor, image_mask: Tensor | None) -> Tensor:
         """r: ``[T, hc, d]`` streams; row_ids: ``[T, num_lookups] int64`` (this layer's column of
         ``engram_row_ids``); image_mask: ``[T] bool`` or None. Returns ``R_i + gate_i · val`` in ``r.dtype``."""
-        t = r.shape[0]
-        if row_ids.shape != (t, self.num_lookups):
+        return self.inject(r, self.project(row_ids), image_mask)
+
+    def project(self, row_ids: Tensor) -> Tensor:
+        """row_ids ``[T, num_lookups] int64`` -> kv ``[T, hc_mult + 1, d]`` in wkv's dtype (the keys of the streams,
+        then the value). Token ids only: a decode step runs it beside the previous layer (overlap.py)."""
+        t = row_ids.shape[0]
+        if row_ids.dim() != 2 or row_ids.shape[1] != self.num_lookups:
             raise InputError(
-                f"engram row_ids: found {tuple(row_ids.shape)}, expected [{t}, {self.num_lookups}]"
+                f"engram row_ids: found {tuple(row_ids.shape)}, expected [T, {self.num_lookups}]"
             )
         e = self.embed.lookup(row_ids, self.wkv.dtype).reshape(t, -1)  # [T, lookups * head_dim], model dtype
-        kv = self.wkv(e).view(t, self.hc_mult + 1, self.dim)
+        return self.wkv(e).view(t, self.hc_mult + 1, self.dim)
+
+    def inject(self, r: Tensor, kv: Tensor, image_mask: Tensor | None) -> Tensor:
+        """r ``[T, hc, d]``, kv from `project` of the same rows -> ``R_i + gate_i · val`` in ``r.dtype``."""
+        if kv.shape[0] != r.shape[0]:
+            raise InputError(f"engram kv: found {kv.shape[0]} rows, expected the streams' {r.shape[0]}")
         keys, val = kv[:, : self.hc_mult], kv[:, self.hc_mult]
         # gate [T, hc] (0 at image positions: they pass through unchanged), then R_i + gate_i * val
         return engram_inject(r, keys, val, self.q_weight, self.k_weight, self.eps, image_mask,

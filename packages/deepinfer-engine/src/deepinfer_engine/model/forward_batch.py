@@ -28,6 +28,7 @@ from deepinfer_engine.model.cache import (
     check_block_tables,
     upload,
 )
+from deepinfer_engine.model.overlap import Overlapped, SideStreams
 
 __all__ = ["CompressedSelection", "CompressedView", "ForwardBatch", "ForwardContext", "StepHost"]
 
@@ -231,6 +232,8 @@ class ForwardContext:
     engram_rows:      [T, num_engram_layers, (max_ngram-1)*n_heads] int64 hashed row ids (computed on the device from
                       batch.input_ids and the cache's device token ring, once per forward: engram_hash_device.py)
     image_mask:       [T] bool positions carrying image-sentinel ids
+    side_streams:     overlap.SideStreams of a decode-sized CUDA step (work beside the main stream), or None
+    engram_kv:        Engram projections started one layer ahead on a side stream (key = engram layer id)
     window_floor:     per sequence, the lowest position a ring may be read at (prefill truncation: the decoder
                       rings hold nothing below a request's first kept position; approximate prefix replay: nothing
                       below the replay start was cached), or None: ring plans read no history row below it and
@@ -252,6 +255,8 @@ class ForwardContext:
     window_floor: tuple[int, ...] | None = None
     engram_rows: Tensor | None = None  # [T, num_engram_layers, lookups] int64 rows into each engram.embed
     image_mask: Tensor | None = None  # [T] bool image-sentinel positions (Engram gate 0)
+    side_streams: SideStreams | None = None
+    engram_kv: dict[int, Overlapped] = field(default_factory=dict)
     compressed: dict[int, CompressedView] = field(default_factory=dict)
     topk: dict[int, Tensor] = field(default_factory=dict)
     candidates: dict[int, Tensor] = field(default_factory=dict)

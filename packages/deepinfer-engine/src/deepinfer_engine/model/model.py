@@ -25,6 +25,7 @@ from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, S
 from deepinfer_engine.model.image_ids import image_positions, max_input_id
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
+from deepinfer_engine.model.overlap import OVERLAP_MAX_TOKENS, SideStreams
 from deepinfer_engine.model.static_step import StaticDecodeStep
 from deepinfer_engine.model.token_ring import ring_step
 from deepinfer_engine.model.truncation import plan_truncation
@@ -105,6 +106,8 @@ class Transformer(nn.Module):
 
         self.set_kernel_backend(backend_from_env())
         self.decoder_split = None  # prefill truncation off (set_prefill_truncation)
+        self.overlap = True  # side streams in decode-sized CUDA steps (set_overlap)
+        self._streams: SideStreams | None = None  # made on first use on the step's device
 
     def set_prefill_truncation(self, mode: str, keep: int = 140) -> None:
         """Decoder truncation in prefill (truncation.py): "off" runs every row through every layer; "compact"
@@ -199,6 +202,23 @@ class Transformer(nn.Module):
             dev = self._engram_device = DeviceEngramHasher(self.engram_hasher, ids.device)
         return dev.rows(ids, prev, backend=self.kernel_backend)
 
+    def set_overlap(self, on: bool) -> None:
+        """Run independent work of decode-sized CUDA steps on side streams (overlap.py: the shared experts, the
+        Engram projections one layer ahead); same kernels, same results. On by default."""
+        self.overlap = bool(on)
+
+    def _side_streams(self, batch: ForwardBatch) -> SideStreams | None:
+        dev = batch.input_ids.device
+        if not self.overlap or dev.type != "cuda" or batch.num_tokens > OVERLAP_MAX_TOKENS:
+            return None
+        dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+        s = self._streams
+        if s is None or s.device != dev:
+            if torch.cuda.is_current_stream_capturing():
+                return None  # streams are created outside captures (the graph runner warms up eagerly first)
+            s = self._streams = SideStreams.create(dev)
+        return s
+
     def host_step(self, batch: ForwardBatch, cache: ModelCache) -> None:
         """The host half of a forward, for a caller that replays the device half (a captured fixed-shape step):
         the input checks and the rollback marks. Exactly what forward_features does on the host for the same
@@ -224,13 +244,15 @@ class Transformer(nn.Module):
             ctx.engram_rows = self._engram_rows(ctx)
             batch = ctx.batch
         a = self.args
+        # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
+        cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
+        if cut is None:  # side work covers every row of the step (truncation would run later layers on fewer)
+            ctx.side_streams = self._side_streams(batch)
         img = image_positions(batch.input_ids, a.vocab_size)
         ctx.image_mask = img  # read by Engram (gate 0) and by the MoE gates with bias_vl: computed once per forward
         # image ids lie past the vocabulary: their token embedding is 0 (a vision tower would replace it)
         r = embed_streams(batch.input_ids, self.embed.weight, a.hc_mult, backend=self.kernel_backend)  # [T, n, d]
         pre: Tensor | None = None
-        # a fixed-shape step is a decode step: every row is kept, no window reaches below a truncation floor
-        cut = plan_truncation(self.decoder_split, batch, host) if static is None else None
         c = ctx  # the context of the rows still running (the decoder's kept rows after the boundary)
         # V4.1 fixed-shape steps chain the collapses: each layer's last combine also collapses its output with the
         # next layer's pre (its own pre_f), unless the next layer's Engram changes the streams first
@@ -238,6 +260,9 @@ class Transformer(nn.Module):
         x_next: Tensor | None = None
         for i, layer in enumerate(self.layers):
             lid = layer.layer_id
+            nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
+            if ctx.side_streams is not None and nxt is not None and nxt.engram is not None:
+                nxt.prefetch_engram(ctx, ctx.side_streams.prefetch)  # token ids only: beside this layer
             if cut is not None and lid == cut.split.boundary:
                 r, pre, c = cut.enter(layer, r, pre, ctx)
                 if not c.num_seqs:
@@ -246,7 +271,6 @@ class Transformer(nn.Module):
                 # fp32 accumulation inside the reduction (no fp32 copy of the streams first): 2 launches, not 3
                 c.features[lid] = r.mean(dim=1, dtype=torch.float32).to(r.dtype)
             if chain:
-                nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
                 r, pre, x_next = layer.forward_chained(r, c, pre, collapsed=x_next,
                                                        collapse_next=nxt is None or nxt.engram is None)
             else:

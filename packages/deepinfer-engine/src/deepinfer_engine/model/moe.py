@@ -23,6 +23,7 @@ from deepinfer_engine.model.linear import (
     stored_torch_dtype,
 )
 from deepinfer_engine.model.linear_pair import linear_pair
+from deepinfer_engine.model.overlap import run_beside
 
 __all__ = ["EXPERT_LAYOUTS", "Expert", "ExpertWeight", "Experts", "Gate", "MoE", "chunk_model_experts"]
 
@@ -232,10 +233,15 @@ class Experts(nn.Module):
             w1.weight, w3.weight, w2.weight, w1.scale, w3.scale, w2.scale, fmt=w1.fmt, block=w1.block
         )
 
-    def forward(self, x: Tensor, weights: Tensor, ids: Tensor, shared: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, weights: Tensor, ids: Tensor, shared: Tensor | None = None,
+        shared_ready: torch.cuda.Event | None = None,
+    ) -> Tensor:
         """x [T, d], routing weights [T, k] f32, ids [T, k] -> [T, d] f32 (Σ_k w_k Expert_{id_k}(x)); with
-        shared [T, d] (the shared expert's output): (Σ + shared) in x's dtype, combined in one pass."""
-        return moe_experts(x, weights, ids, self.stacked(), self.limit, shared=shared, backend=self.kernel_backend)
+        shared [T, d] (the shared expert's output): (Σ + shared) in x's dtype, combined in one pass.
+        shared_ready: the event that completes `shared` on a side stream (joined right before the combine)."""
+        return moe_experts(x, weights, ids, self.stacked(), self.limit, shared=shared, shared_ready=shared_ready,
+                           backend=self.kernel_backend)  # fmt: skip
 
 
 class MoE(nn.Module):
@@ -254,9 +260,16 @@ class MoE(nn.Module):
         self.layer_id = plan.layer_id
         self.dispatch: MoEDispatch = LocalDispatch()
 
-    def forward(self, x: Tensor, input_ids: Tensor, image_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, input_ids: Tensor, image_mask: Tensor | None = None, side: torch.cuda.Stream | None = None
+    ) -> Tensor:
         """x [T, d] (ffn_norm output), input_ids [T] raw ids (image_mask: their image positions [T] bool, if
-        known) -> [T, d] in x's dtype."""
+        known) -> [T, d] in x's dtype. side: a CUDA stream the shared expert runs on, beside the router and the
+        routed experts (overlap.py; same kernels, same result)."""
+        if side is not None and type(self.dispatch) is LocalDispatch:
+            shared = run_beside(side, self.shared_experts, x)
+            weights, ids = self.gate(x, input_ids, image_mask)
+            return self.experts(x, weights, ids, shared=shared.value, shared_ready=shared.done)
         weights, ids = self.gate(x, input_ids, image_mask)
         if type(self.dispatch) is LocalDispatch:
             # every expert is local: the routed k-sum, the shared expert's add and the cast run as one pass

@@ -30,6 +30,7 @@ def moe_experts(
     limit: float,
     *,
     shared: Tensor | None = None,
+    shared_ready: torch.cuda.Event | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """x [T, d]; weights [T, k] fp32; ids [T, k] int64 in [0, E); experts[e] = (w1 [I,d], w3 [I,d], w2 [d,I])
@@ -38,7 +39,11 @@ def moe_experts(
     the Triton path does the k-sum, the add and the cast in one launch (`triton.combine_rows`).
 
     backend: "auto" | "torch" | "triton" (Triton: FP4 stacked experts, x bf16 / fp16 / fp32, d and I multiples
-    of 32). The reference checks the id range (one host read); the Triton path trusts the router's ids."""
+    of 32). The reference checks the id range (one host read); the Triton path trusts the router's ids.
+
+    shared_ready: CUDA event after which `shared` is complete, when a caller computes the shared expert on another
+    stream; the current stream waits on it right before the combine reads `shared`, so the routed GEMMs run
+    beside the shared expert."""
     if weights.shape != ids.shape or ids.shape[0] != x.shape[0]:
         raise ValueError(
             f"moe_experts: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}"
@@ -64,9 +69,11 @@ def moe_experts(
         e = experts
         return triton_backend.moe_experts_fp4(x, weights, ids, e.w1, e.w3, e.w2, e.s1, e.s3, e.s2, limit,
                                               chunked=e.fmt == "fp4_chunked", shared=shared,
-                                              out_dtype=out_dtype)  # fmt: skip
+                                              out_dtype=out_dtype, shared_ready=shared_ready)  # fmt: skip
     if ids.numel():
         lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one host read for both bounds
         if lo < 0 or hi >= len(experts):
             raise ValueError(f"moe_experts: expert ids must be in [0, {len(experts)}), found {lo}..{hi}")
-    return reference.add_shared(reference.moe_experts(x, weights, ids, experts, limit), shared, out_dtype)
+    y = reference.moe_experts(x, weights, ids, experts, limit)
+    reference.wait_shared(shared_ready)
+    return reference.add_shared(y, shared, out_dtype)

@@ -62,6 +62,13 @@ def combine_rows(rows: Tensor, topk: int, shared: Tensor | None = None, out_dtyp
     return add_shared(y, shared, out_dtype)
 
 
+def wait_shared(shared_ready: torch.cuda.Event | None) -> None:
+    """Make the current stream wait for `shared_ready` (the shared expert may run on another stream: docs of
+    `moe_experts`); nothing when None."""
+    if shared_ready is not None:
+        torch.cuda.current_stream().wait_event(shared_ready)
+
+
 def add_shared(y: Tensor, shared: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
     """y [T, d] fp32 routed sum + shared [T, d] (type promotion upcasts inside the add: no fp32 copy of shared),
     cast to out_dtype (None: fp32)."""

@@ -37,7 +37,7 @@ from torch import Tensor
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 from deepinfer_kernels.moe.fp4_gemv import triton as fp4_gemv
 from deepinfer_kernels.moe.fp4_grouped import triton as fp4_grouped
-from deepinfer_kernels.moe.reference import add_shared
+from deepinfer_kernels.moe.reference import add_shared, wait_shared
 
 __all__ = ["GemmConfig", "align_pairs", "combine_rows", "default_configs", "moe_experts_fp4"]
 
@@ -636,18 +636,20 @@ def moe_experts_fp4(
     chunked: bool = False,
     shared: Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    shared_ready: torch.cuda.Event | None = None,
 ) -> Tensor:
     """x [T, d]; weights [T, k] fp32; ids [T, k] int64; w1 / w3 [E, I, d/2] int8, w2 [E, d, I/2] int8; scales
     [E, I, d/32] / [E, d, I/32] e8m0 -> [T, d] out_dtype (None: fp32) = Σ_k weight * expert(x) (+ shared [T, d],
     added in fp32 before the one rounding, when given). Validated by the dispatcher.
     configs: (BLOCK_M, gate/up, down) instead of `default_configs` (tests, sweeps); grouped configs need d and I
     multiples of 128 and fall back to the default tiles otherwise. chunked: weights and scales in the chunked
-    layout (`moe.fp4_layout`; d and I multiples of 128), else the checkpoint's."""
+    layout (`moe.fp4_layout`; d and I multiples of 128), else the checkpoint's. shared_ready: as `moe_experts`."""
     t, d = x.shape
     k = ids.shape[1]
     e_count, inter = w1.shape[0], w1.shape[1]
     p = t * k
     if p == 0:
+        wait_shared(shared_ready)
         return add_shared(torch.zeros((t, d), dtype=torch.float32, device=x.device), shared, out_dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -662,7 +664,7 @@ def moe_experts_fp4(
             )
         if fp4_gemv.supports(d, inter, w1, w3, w2, s1, s3, s2):
             return _gemv_experts(x, weights, ids, (w1, w3, w2, s1, s3, s2), limit, block_m, cfg_up, cfg_down,
-                                 not interp, chunked, shared, out_dtype)  # fmt: skip
+                                 not interp, chunked, shared, out_dtype, shared_ready)  # fmt: skip
         block_m, cfg_up, cfg_down = default_configs(p, interp, dot_f32, chunked=chunked, gemv=False)
     grouped = "grouped" in cfg_up.variant + cfg_down.variant
     if grouped and not fp4_grouped.supports(d, inter, w1, w3, w2, s1, s3, s2):
@@ -674,13 +676,14 @@ def moe_experts_fp4(
     rows = torch.empty((p, d), dtype=torch.float32, device=x.device)
     rw = weights.reshape(-1).float().contiguous()
     launch_down(h, w2, s2, pairs, bexp, rw, rows, block_m, cfg_down, dot_f32, chunked)
+    wait_shared(shared_ready)
     return combine_rows(rows, k, shared, out_dtype)
 
 
 def _gemv_experts(
     x: Tensor, weights: Tensor, ids: Tensor, packed: tuple[Tensor, ...], limit: float, block_m: int,
     cfg_up: GemmConfig, cfg_down: GemmConfig, asm: bool, chunked: bool, shared: Tensor | None,
-    out_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None, shared_ready: torch.cuda.Event | None = None,
 ) -> Tensor:  # fmt: skip
     """`moe_experts_fp4` on the CUDA-core kernels (`fp4_gemv`): "gemv" one program per pair, the expert read from
     ids (no permutation); "gemv_expert" one per row block of `align_pairs` with block_m slots."""
@@ -701,4 +704,5 @@ def _gemv_experts(
     rw = weights.reshape(-1).float().contiguous()
     fp4_gemv.launch_down(h, w2, s2, exp, pairs, rw, rows, block_t, cfg_down.block_n, cfg_down.block_k,
                          cfg_down.num_warps, cfg_down.num_stages > 1, asm, chunked)  # fmt: skip
+    wait_shared(shared_ready)
     return combine_rows(rows, k, shared, out_dtype)
