@@ -17,19 +17,33 @@ from equality import run_batched, run_chunked
 
 
 class _Recorder:
-    """Stands in for overlap.run_beside / join on the CPU: runs the work inline, records the order of events."""
+    """Stands in for overlap.run_beside / join on the CPU: runs the work inline and records ("start", kind, n) and
+    ("join", kind, n) events, n numbering the side works."""
+
+    KINDS = {"shared": "shared", "prefetch": "engram", "query": "query", "mix": "mix"}
 
     def __init__(self) -> None:
-        self.events: list[tuple[str, object]] = []
+        self.events: list[tuple[str, str, int]] = []
+        self._kind: dict[int, tuple[str, int]] = {}  # id(work) -> (kind, n); ids of freed works are reused
+        self._n = 0
 
-    def run_beside(self, stream: object, fn, *args):  # noqa: ANN001, ANN202
-        name = {"shared": "shared", "prefetch": "engram", "query": "query"}[stream]
-        self.events.append((f"start {name}", getattr(fn, "__self__", None)))
-        return Overlapped(fn(*args), None)  # done=None: wait_shared / join wait for nothing on the CPU
+    def run_beside(self, stream: str, fn, *args):  # noqa: ANN001, ANN202
+        n, self._n = self._n, self._n + 1
+        self.events.append(("start", self.KINDS[stream], n))
+        work = Overlapped(fn(*args), None)  # done=None: wait_shared / join wait for nothing on the CPU
+        self._kind[id(work)] = (self.KINDS[stream], n)
+        return work
 
     def join(self, work: Overlapped) -> object:
-        self.events.append(("join", None))
+        self.events.append(("join", *self._kind[id(work)]))
         return work.value
+
+    def between(self, n: int) -> list[tuple[str, str, int]]:
+        """The events after side work n started and before it was joined."""
+        i = next(i for i, e in enumerate(self.events) if e[0] == "start" and e[2] == n)
+        j = next(j for j, e in enumerate(self.events) if e[0] == "join" and e[2] == n)
+        assert i < j
+        return self.events[i + 1 : j]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +53,7 @@ def model(tiny_ckpt) -> Transformer:
 
 def _with_side_path(monkeypatch: pytest.MonkeyPatch, m: Transformer) -> _Recorder:
     rec = _Recorder()
-    fake = SideStreams(torch.device("cpu"), "shared", "prefetch", "query")  # type: ignore[arg-type]
+    fake = SideStreams(torch.device("cpu"), "shared", "prefetch", "query", "mix")  # type: ignore[arg-type]
     small = lambda batch: fake if batch.num_tokens <= OVERLAP_MAX_TOKENS else None  # noqa: E731
     monkeypatch.setattr(m, "_side_streams", small)
     monkeypatch.setattr(moe_mod, "run_beside", rec.run_beside)
@@ -60,23 +74,21 @@ def test_side_path_is_taken_and_changes_no_logit(model: Transformer, monkeypatch
 
     engram_layers = [b for b in model.layers if b.engram is not None]
     assert engram_layers and engram_layers[0].layer_id > 0  # the tiny V4.1 config has Engram at layers 1 and 3
-    shared = [e for e in rec.events if e[0] == "start shared"]
-    assert len(shared) == len(chunks) * len(model.layers)  # every layer's shared expert, every step
-    starts = [e for e in rec.events if e[0] == "start engram"]
-    assert len(starts) == len(chunks) * len(engram_layers)
-    assert {e[1] for e in starts} == {b.engram for b in engram_layers}
-    queries = [e for e in rec.events if e[0] == "start query"]
-    assert len(queries) == len(chunks) * len(model.layers)  # every layer's query projection, every step
-    # every side start is joined (shared experts join inside the combine: not recorded here); an Engram
-    # projection is joined only after the previous layer's shared expert started (it ran beside that layer),
-    # a query projection right after its own layer's KV path
-    kinds = [k for k, _ in rec.events if k != "start shared"]
-    assert kinds.count("join") == len(starts) + len(queries)
-    for i, k in enumerate(rec.events):
-        if k[0] == "start engram":
-            nxt = next(j for j in range(i + 1, len(rec.events)) if rec.events[j][0] == "join"
-                       and rec.events[j - 1][0] != "start query")  # fmt: skip
-            assert any(e[0] == "start shared" for e in rec.events[i:nxt])
+    starts = [e for e in rec.events if e[0] == "start"]
+    count = {k: sum(e[1] == k for e in starts) for k in _Recorder.KINDS.values()}
+    steps, layers = len(chunks), len(model.layers)
+    # every layer's shared expert and query projection, both sub-layers' mixes (delayed mHC), every step; the
+    # Engram projections of the Engram layers
+    assert count == {"shared": steps * layers, "query": steps * layers, "mix": 2 * steps * layers,
+                     "engram": steps * len(engram_layers)}  # fmt: skip
+    for kind, n in ((e[1], e[2]) for e in starts):
+        if kind == "shared":
+            continue  # joined inside the MoE combine (shared_ready), not through join
+        ran = {e[1] for e in rec.between(n) if e[0] == "start"}
+        if kind == "engram":
+            assert "shared" in ran  # the previous layer's FFN ran while the projection was in flight
+        if kind == "mix":
+            assert ran & {"query", "shared"}  # the sub-layer (attention or FFN) ran beside its mixes
 
 
 def test_batched_varlen_with_side_path_equals_without(model: Transformer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,7 +24,7 @@ from deepinfer_engine.model.mhc import (
     hc_pre,
 )
 from deepinfer_engine.model.moe import MoE
-from deepinfer_engine.model.overlap import join, run_beside
+from deepinfer_engine.model.overlap import SideStreams, join, run_beside
 
 __all__ = ["Block", "MTPBlock"]
 
@@ -79,6 +79,11 @@ class Block(nn.Module):
         also return hc_pre(r', pre_f) [T, d], the next layer's (or the head's) collapse; None when not delayed.
         """
         r = self._engram(r, ctx)
+        streams = ctx.side_streams
+        if self.delayed and streams is not None:
+            # delayed mHC: a sub-layer's input is collapsed with the previous sub-layer's pre, so its own mixes
+            # are needed only when its output is combined; they run beside the sub-layer (overlap.py)
+            return self._forward_delayed_beside(r, ctx, pre_prev, collapsed, collapse_next, streams)
         pre_a, post_a, comb_a = apply_hc_mix(self, "hc_attn", r, self.args)
         if collapsed is not None and self.delayed and self.engram is None:
             x = collapsed
@@ -92,9 +97,28 @@ class Block(nn.Module):
             r = hc_post(y, r, post_a, comb_a, backend=self.kernel_backend)
             pre_f, post_f, comb_f = apply_hc_mix(self, "hc_ffn", r, self.args)
             x = hc_pre(r, pre_f, backend=self.kernel_backend)
-        side = None if ctx.side_streams is None else ctx.side_streams.shared_expert
+        side = None if streams is None else streams.shared_expert
         y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids, ctx.image_mask, side=side)
         if collapse_next and self.delayed:
+            r, x_next = hc_post_pre(y, r, post_f, comb_f, pre_f, backend=self.kernel_backend)
+            return r, pre_f, x_next
+        return hc_post(y, r, post_f, comb_f, backend=self.kernel_backend), pre_f, None
+
+    def _forward_delayed_beside(
+        self, r: Tensor, ctx: ForwardContext, pre_prev: Tensor | None, collapsed: Tensor | None,
+        collapse_next: bool, streams: SideStreams,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """forward_chained of a delayed-mHC layer (after Engram) with each sub-layer's mixes on the mix stream
+        beside it: the same ops on the same inputs as the one-stream path."""
+        mix_a = run_beside(streams.mix, apply_hc_mix, self, "hc_attn", r, self.args)
+        x = collapsed if collapsed is not None and self.engram is None else self._collapse(r, None, pre_prev)
+        y = self.attn(self.attn_norm(x), ctx)
+        pre_a, post_a, comb_a = join(mix_a)
+        r, x = hc_post_pre(y, r, post_a, comb_a, pre_a, backend=self.kernel_backend)
+        mix_f = run_beside(streams.mix, apply_hc_mix, self, "hc_ffn", r, self.args)
+        y = self.ffn(self.ffn_norm(x), ctx.batch.input_ids, ctx.image_mask, side=streams.shared_expert)
+        pre_f, post_f, comb_f = join(mix_f)
+        if collapse_next:
             r, x_next = hc_post_pre(y, r, post_f, comb_f, pre_f, backend=self.kernel_backend)
             return r, pre_f, x_next
         return hc_post(y, r, post_f, comb_f, backend=self.kernel_backend), pre_f, None

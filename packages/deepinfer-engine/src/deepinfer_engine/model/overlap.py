@@ -7,7 +7,9 @@ latest results can fill that idle time:
 - the shared expert of a MoE layer beside the router and the routed experts (joined at the combine);
 - the attention query's up-projection (wq_b, the largest attention weight) and rope beside the window KV write and
   the compressed-entry selection (compressor, indexer; joined before the attention kernel);
-- the Engram key/value projection of the next layer (its inputs are token ids only) beside the current layer.
+- the Engram key/value projection of the next layer (its inputs are token ids only) beside the current layer;
+- with delayed mHC (V4.1), each sub-layer's mHC mixes beside the sub-layer itself: its input was collapsed with the
+  previous sub-layer's pre, so its own pre / post / comb are needed only when its output is combined.
 
 Fork / join are CUDA events, so a captured CUDA graph records them as parallel branches. Memory stays safe without
 `record_stream` because every side segment starts with a fork from the main stream (it is ordered after every main
@@ -36,10 +38,11 @@ class SideStreams:
     shared_expert: torch.cuda.Stream
     prefetch: torch.cuda.Stream
     query: torch.cuda.Stream
+    mix: torch.cuda.Stream
 
     @classmethod
     def create(cls, device: torch.device) -> SideStreams:
-        return cls(device, *(torch.cuda.Stream(device) for _ in range(3)))
+        return cls(device, *(torch.cuda.Stream(device) for _ in range(4)))
 
 
 @dataclass(frozen=True)
