@@ -161,7 +161,8 @@ def test_engine_options_are_one_flat_validated_table() -> None:
 
 def test_pdl_option_reaches_the_model_and_changes_no_output(tiny_ckpt) -> None:
     """The engine option `pdl` (default on) is handed to every module of the loaded model; greedy outputs are the
-    same with it off (on the CPU no kernel uses PDL: this proves the plumbing; worker/test_cuda_graph_pdl_cuda.py the GPU)."""
+    same with it off (on the CPU no kernel uses PDL: this proves the plumbing; the numbers on the GPU:
+    worker/test_cuda_graph_pdl_cuda.py)."""
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = {}
     for on in (True, False):

@@ -199,7 +199,7 @@ class Attention(nn.Module):
     """`layers.{l}.attn.*` / `mtp.{k}.attn.*` of any layer kind (plan.kind: swa | csa | hca | csa2)."""
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
-    pdl = False  # programmatic dependent launch of this layer's rope (and rope + norm) kernels (Transformer.set_pdl; docs/pdl.md)
+    pdl = False  # programmatic dependent launch of this layer's rope kernels (Transformer.set_pdl; docs/pdl.md)
 
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__()
