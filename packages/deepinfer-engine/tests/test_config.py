@@ -199,3 +199,32 @@ def test_expert_layout_option_resolves_per_device() -> None:
     assert resolve_expert_layout("auto", cuda) == AUTO_EXPERT_LAYOUT_CUDA
     assert resolve_expert_layout("checkpoint", cuda) == "checkpoint"
     assert resolve_expert_layout("chunked", cuda) == "chunked"
+
+
+def test_pdl_option_default_validation_and_flags() -> None:
+    """`pdl` (programmatic dependent launch, docs/pdl.md): on by default (a launch-order hint, same results), off
+    with pdl=False or --no-pdl; the engine hands it to the model once (Transformer.set_pdl)."""
+    assert EngineConfig.from_options().model.pdl is True
+    cfg = EngineConfig.from_options(pdl=False)
+    assert cfg.model.pdl is False and cfg.to_options()["pdl"] is False
+    assert EngineConfig.from_options(**cfg.to_options()) == cfg
+    assert cfg.replace(pdl=True).model.pdl is True
+    for bad in ("no", 0, None):
+        with pytest.raises(ConfigError, match="pdl: found"):
+            EngineConfig.from_options(pdl=bad)
+    from deepinfer_engine.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="pdl: found 'off', expected True or False"):
+        ModelConfig(pdl="off")  # built directly, without the option table's type check
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert EngineConfig.from_cli(parser.parse_args([])).model.pdl is True  # no flag: the dataclass default
+    assert EngineConfig.from_cli(parser.parse_args(["--no-pdl"])).model.pdl is False
+    assert EngineConfig.from_cli(parser.parse_args(["--pdl"])).model.pdl is True
+
+
+def test_bench_latency_takes_no_pdl() -> None:
+    from deepinfer_engine.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "latency", "--no-pdl", "--batch-size", "1,64"])
+    assert EngineConfig.from_cli(ns).model.pdl is False and ns.batch_size == [1, 64]

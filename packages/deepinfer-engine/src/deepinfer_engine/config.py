@@ -54,6 +54,10 @@ class ModelConfig:
     enforce_eager: bool = _opt(
         False, "run every step eagerly; otherwise decode steps on CUDA replay CUDA graphs captured per padded "
         "batch size and length (docs/cuda_graphs.md)")
+    pdl: bool = _opt(
+        True, "launch the decode step's FP8 linears, RMSNorms and rope kernels as programmatic dependent launches "
+        "(each may start while the previous kernel finishes; CUDA sm_90+ only, ignored elsewhere; same results "
+        "either way; docs/pdl.md)")
     expert_layout: Literal["auto", "checkpoint", "chunked"] = _opt(
         "auto", "in-memory layout of the FP4 routed experts: checkpoint = the stored bytes; chunked = repacked once "
         "at load so the GPU kernels' loads cover whole sectors (CUDA only; docs/moe_fp4_kernel.md); auto = "
@@ -77,6 +81,8 @@ class ModelConfig:
             raise ConfigError(f"max_model_len: found {self.max_model_len}, expected >= 2")
         if self.num_cpu_threads is not None and self.num_cpu_threads < 1:
             raise ConfigError(f"num_cpu_threads: found {self.num_cpu_threads}, expected >= 1")
+        if not isinstance(self.pdl, bool):
+            raise ConfigError(f"pdl: found {self.pdl!r}, expected True or False")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: found {self.seed!r}, expected an integer")
 

@@ -39,6 +39,7 @@ class RMSNorm(nn.Module):
     """Weighted RMSNorm, fp32 math, result in the input dtype (§2)."""
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+    pdl = False  # programmatic dependent launch where the kernel supports it (Transformer.set_pdl; docs/pdl.md)
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -46,7 +47,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, backend=self.kernel_backend)
+        return rms_norm(x, self.weight, self.eps, backend=self.kernel_backend, pdl=self.pdl)
 
 
 class Rope:
@@ -94,17 +95,18 @@ class Rope:
 
     def __call__(
         self, x: Tensor, positions: Tensor, inverse: bool = False, *, norm: tuple[Tensor | None, float] | None = None,
-        tables: dict | None = None, backend: str = "auto",
+        tables: dict | None = None, backend: str = "auto", pdl: bool = False,
     ) -> Tensor:
-        """norm (weight | None, eps): RMSNorm over x's last dim first (`rms_norm`), in the rope kernel when it runs."""
+        """norm (weight | None, eps): RMSNorm over x's last dim first (`rms_norm`), in the rope kernel when it runs.
+        pdl: launch the kernels as programmatic dependent launches where they can (docs/pdl.md; same results)."""
         if self.freqs.device != positions.device:
             self.freqs = self.freqs.to(positions.device)
         if rope_at_uses_kernel(x, positions, self.freqs, norm=norm, backend=backend):  # angles in the kernel
-            return apply_rope_at(x, positions, self.freqs, inverse=inverse, norm=norm, backend=backend)
+            return apply_rope_at(x, positions, self.freqs, inverse=inverse, norm=norm, backend=backend, pdl=pdl)
         if norm is not None:
-            x = rms_norm(x, norm[0], norm[1], backend=backend)
+            x = rms_norm(x, norm[0], norm[1], backend=backend, pdl=pdl)
         cos, sin = self.cos_sin(positions, tables)
-        return apply_rope(x, cos, sin, inverse=inverse, backend=backend)
+        return apply_rope(x, cos, sin, inverse=inverse, backend=backend, pdl=pdl)
 
 
 class Compressor(nn.Module):
@@ -198,6 +200,7 @@ class Attention(nn.Module):
     """`layers.{l}.attn.*` / `mtp.{k}.attn.*` of any layer kind (plan.kind: swa | csa | hca | csa2)."""
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+    pdl = False  # programmatic dependent launch of this layer's rope kernels (Transformer.set_pdl; docs/pdl.md)
 
     def __init__(self, args: object, plan: object, dtype: torch.dtype) -> None:
         super().__init__()
@@ -246,8 +249,10 @@ class Attention(nn.Module):
 
     # ---------------------------------------------------------------------------------------------- pieces
     def rope_fn(self, ctx: ForwardContext | None = None) -> Callable[..., Tensor]:
-        """This layer's rope with the model's kernel backend, sharing cos/sin tables through ctx.rope_cache."""
-        return partial(self.rope, tables=None if ctx is None else ctx.rope_cache, backend=self.kernel_backend)
+        """This layer's rope with the model's kernel backend and PDL switch, sharing cos/sin tables through
+        ctx.rope_cache."""
+        return partial(self.rope, tables=None if ctx is None else ctx.rope_cache, backend=self.kernel_backend,
+                       pdl=self.pdl)
 
     def same_input_linears(self) -> tuple[tuple[Linear, Linear], ...]:
         """The Linears that read the same input: wq_a and wkv (one GEMM once fused, linear_pair.py)."""

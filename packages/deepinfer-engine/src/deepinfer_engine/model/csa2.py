@@ -89,6 +89,7 @@ class Csa2Compressor(nn.Module):
     """``attn.compressor.{wkv, wgate (ratio 2 only), norm}`` of a kv-source layer (docs/model.md §C.3)."""
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+    pdl = False  # programmatic dependent launch where the kernel supports it (Transformer.set_pdl; docs/pdl.md)
 
     def __init__(self, *, dim: int, head_dim: int, ratio: int, eps: float) -> None:
         super().__init__()
@@ -130,6 +131,7 @@ class Csa2Indexer(nn.Module):
     """``attn.indexer.{wk, k_norm}`` (kv sources) and ``attn.indexer.{wq_b, weights_proj}`` (index sources)."""
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+    pdl = False  # programmatic dependent launch where the kernel supports it (Transformer.set_pdl; docs/pdl.md)
 
     def __init__(
         self,
@@ -159,7 +161,7 @@ class Csa2Indexer(nn.Module):
                 "kv_source_layer_ids: index keys requested from a layer without attn.indexer.wk"
             )
         k = rms_norm(latent @ self.wk.weight.to(latent.dtype).T, self.k_norm.weight, self.eps,
-                     backend=self.kernel_backend)
+                     backend=self.kernel_backend, pdl=self.pdl)
         return rope(k, positions)
 
     @property
@@ -294,7 +296,7 @@ def csa2_update_source(
             pooled = pool_at_rows(both, ctx.entry_rows(ring_plan, paged), x.dtype, backend=compressor.kernel_backend)
         # [I] V4 casts the pooled value to the model dtype before the norm; we do the same for V4.1.
         latent = rms_norm(pooled.to(x.dtype), compressor.norm.weight, plan.eps,
-                          backend=compressor.kernel_backend)  # pre-RoPE latent
+                          backend=compressor.kernel_backend, pdl=compressor.pdl)  # pre-RoPE latent
         entry_pos = ctx.entry_positions(paged)  # RoPE at the group's first token
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
         cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))

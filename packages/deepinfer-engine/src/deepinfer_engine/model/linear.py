@@ -100,6 +100,7 @@ class Linear(nn.Module):
     """
 
     kernel_backend = "auto"  # the model-wide backend resolved at build (Transformer.set_kernel_backend)
+    pdl = False  # programmatic dependent launch where the kernel supports it (Transformer.set_pdl; docs/pdl.md)
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -137,7 +138,7 @@ class Linear(nn.Module):
         if self.scale is None:
             return F.linear(x, self.weight)
         return fp8_linear(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
-                          backend=self.kernel_backend, counters=split_counters(self, x.device))
+                          backend=self.kernel_backend, counters=split_counters(self, x.device), pdl=self.pdl)
 
     def f32_out(self, x: Tensor) -> Tensor:
         """``x Wᵀ`` as float32 over the dense weight in its own dtype (fp32 accumulation, W never widened): the LM
@@ -162,4 +163,4 @@ class Linear(nn.Module):
                 x = fake_quant_act_fp8(x, self.block[1]).to(self.dtype)
             return torch.einsum("tgi,gri->tgr", x, w.view(groups, rows, -1))
         return fp8_linear_grouped(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
-                                  backend=self.kernel_backend, counters=split_counters(self, x.device))
+                                  backend=self.kernel_backend, counters=split_counters(self, x.device), pdl=self.pdl)

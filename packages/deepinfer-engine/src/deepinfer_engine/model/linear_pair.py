@@ -117,7 +117,7 @@ def linear_pair(x: Tensor, a: Linear, b: Linear) -> tuple[Tensor, Tensor]:
     w, s = joint
     x = x.to(a.dtype)
     y = fp8_linear(x, w, s, a.block, act_quant=a.quantize_activations, backend=a.kernel_backend,
-                   counters=split_counters(a, x.device))
+                   counters=split_counters(a, x.device), pdl=a.pdl)
     n1 = a.out_features
     return y[..., :n1], y[..., n1:]
 

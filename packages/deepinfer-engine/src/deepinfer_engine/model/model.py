@@ -57,6 +57,8 @@ class Transformer(nn.Module):
     (engine option ``kv_cache_dtype="auto"``, kv_numerics.py); False keeps full-precision KV.
     """
 
+    pdl = False  # programmatic dependent launch off until set_pdl (the engine's `pdl` option turns it on)
+
     def __init__(
         self,
         args: object,
@@ -126,6 +128,15 @@ class Transformer(nn.Module):
         self.kernel_backend = backend
         for m in self.modules():
             m.kernel_backend = backend
+
+    def set_pdl(self, on: bool) -> None:
+        """Give every module the programmatic dependent launch switch (docs/pdl.md) its kernels are called with: the
+        FP8 linears (`Linear`, `linear_pair`), the RMSNorms and the rope kernels. A speed hint only: the kernels use
+        PDL where it is possible (compiled on a CUDA device of sm_90 or later) and the results are the same either
+        way. Set it before a CUDA graph is captured: a graph keeps the launches it recorded."""
+        self.pdl = bool(on)
+        for m in self.modules():
+            m.pdl = self.pdl
 
     def set_deployed_numerics(self, on: bool, *, cache_records: bool = False) -> None:
         """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back.
