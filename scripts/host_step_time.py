@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=4, help="decode steps skipped per batch")
     p.add_argument("--profile", type=int, default=0, help="print the N top functions of a cProfile")
     p.add_argument("--output-json")
+    p.add_argument("--sort", default="cumulative", help="cProfile order: cumulative | tottime")
     p.add_argument("--engine-option", action="append", default=[], help="extra LLM option key=value (JSON value)")
     return p.parse_args(argv)
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['host_ms']:>8.3f} {r['host_ms_min']:>8.3f}")
     if prof is not None:
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(ns.profile)
+        pstats.Stats(prof, stream=s).sort_stats(ns.sort).print_stats(ns.profile)
         print(s.getvalue())
     if ns.output_json:
         info = {"model": ns.model, "options": opts, "device": device, "torch": torch.__version__,
