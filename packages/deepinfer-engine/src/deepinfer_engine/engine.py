@@ -106,7 +106,7 @@ def resolve_async_scheduling(config: EngineConfig, device: torch.device, *, as_r
     data-parallel world (`as_rank`: this engine core is a rank of one), off otherwise. On CUDA the host half of a decode step (sampled-id read, stop checks,
     scheduling, the next batch's inputs) is as long as a graphed forward at small batch, and overlapping it is what
     brings the engine's step to its forward (docs/async_scheduling.md); on the CPU there is nothing to overlap.
-    Speculation runs under an explicit True (its overlap is the output processing only, unmeasured on a GPU), and
+    Speculation runs under an explicit True (its overlap is the output processing only; mixed on the H200), and
     data-parallel ranks step synchronously. An explicit True / False is kept (and refused below where it cannot
     run)."""
     if config.scheduler.async_scheduling is not None:
