@@ -228,3 +228,17 @@ def test_bench_latency_takes_no_pdl() -> None:
 
     ns = build_parser().parse_args(["bench", "latency", "--no-pdl", "--batch-size", "1,64"])
     assert EngineConfig.from_cli(ns).model.pdl is False and ns.batch_size == [1, 64]
+
+
+def test_side_streams_option_default_validation_and_flags() -> None:
+    """`side_streams` (docs/overlap.md): on by default (same results), off with side_streams=False or
+    --no-side-streams (also on `bench latency`); the engine hands it to the model once (Transformer.set_overlap)."""
+    from deepinfer_engine.cli import build_parser
+
+    assert EngineConfig.from_options().model.side_streams is True
+    cfg = EngineConfig.from_options(side_streams=False)
+    assert cfg.model.side_streams is False and EngineConfig.from_options(**cfg.to_options()) == cfg
+    with pytest.raises(ConfigError, match="side_streams: found"):
+        EngineConfig.from_options(side_streams="no")
+    ns = build_parser().parse_args(["bench", "latency", "--no-side-streams", "--batch-size", "1"])
+    assert EngineConfig.from_cli(ns).model.side_streams is False

@@ -160,14 +160,16 @@ def test_engine_options_are_one_flat_validated_table() -> None:
 
 
 def test_pdl_option_reaches_the_model_and_changes_no_output(tiny_ckpt) -> None:
-    """The engine option `pdl` (default on) is handed to every module of the loaded model; greedy outputs are the
+    """The engine options `pdl` and `side_streams` (default on) reach the loaded model; greedy outputs are the
     same with it off (on the CPU no kernel uses PDL: this proves the plumbing; the numbers on the GPU:
     worker/test_cuda_graph_pdl_cuda.py)."""
     sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = {}
     for on in (True, False):
-        llm = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", page_size=4, max_model_len=24, pdl=on)
-        assert llm.config.model.pdl is on
+        llm = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", page_size=4, max_model_len=24, pdl=on,
+                  side_streams=on)
+        assert llm.config.model.pdl is on and llm.config.model.side_streams is on
         assert {m.pdl for m in llm.engine.runner.model.modules()} == {on}
+        assert llm.engine.runner.model.overlap is on  # side streams (CPU: the model never makes any)
         outs[on] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], sp, use_tqdm=False)]
     assert outs[True] == outs[False]

@@ -58,6 +58,10 @@ class ModelConfig:
         True, "launch the decode step's FP8 linears, RMSNorms and rope kernels as programmatic dependent launches "
         "(each may start while the previous kernel finishes; CUDA sm_90+ only, ignored elsewhere; same results "
         "either way; docs/pdl.md)")
+    side_streams: bool = _opt(
+        True, "run independent work of decode-sized CUDA steps on side streams: the shared expert beside the routed "
+        "experts, the query projection beside the KV path, the V4.1 mHC mixes beside their sub-layer, the Engram "
+        "projection one layer ahead (same results either way; docs/overlap.md)")
     expert_layout: Literal["auto", "checkpoint", "chunked"] = _opt(
         "auto", "in-memory layout of the FP4 routed experts: checkpoint = the stored bytes; chunked = repacked once "
         "at load so the GPU kernels' loads cover whole sectors (CUDA only; docs/moe_fp4_kernel.md); auto = "
@@ -83,6 +87,8 @@ class ModelConfig:
             raise ConfigError(f"num_cpu_threads: found {self.num_cpu_threads}, expected >= 1")
         if not isinstance(self.pdl, bool):
             raise ConfigError(f"pdl: found {self.pdl!r}, expected True or False")
+        if not isinstance(self.side_streams, bool):
+            raise ConfigError(f"side_streams: found {self.side_streams!r}, expected True or False")
         if not isinstance(self.seed, int):
             raise ConfigError(f"seed: found {self.seed!r}, expected an integer")
 

@@ -224,6 +224,7 @@ class EngineCore:
                             expert_layout=resolve_expert_layout(mc.expert_layout, device))
         model.set_prefill_truncation(mc.prefill_truncation, mc.prefill_truncation_keep)
         model.set_pdl(mc.pdl)  # before any CUDA graph is captured (they record the launches)
+        model.set_overlap(mc.side_streams)  # likewise: graphs record the streams' fork / join
         ratios = [int(p.ratio) for p in args.layer_plans]
         page_size = config.cache.page_size or default_page_size(ratios, int(args.hidden_size))
         bad = [r for r in ratios if r > 0 and page_size % r]
