@@ -138,6 +138,13 @@ class Transformer(nn.Module):
         for m in self.modules():
             m.pdl = self.pdl
 
+    def set_overlap(self, on: bool) -> None:
+        """Run independent work of decode-sized CUDA steps on side streams (overlap.py, docs/overlap.md: the shared
+        experts, the query projections, the V4.1 mHC mixes, the Engram projections one layer ahead); the same
+        kernels on the same inputs, so the same results. On by default (engine option `side_streams`). Set it
+        before a CUDA graph is captured: a graph keeps the streams it recorded."""
+        self.overlap = bool(on)
+
     def set_deployed_numerics(self, on: bool, *, cache_records: bool = False) -> None:
         """Switch every attention module (backbone and drafts) to the deployed KV numerics, or back.
         `cache_records`: the cache stores the deployed records itself (kv_numerics.kv_numerics)."""
@@ -212,11 +219,6 @@ class Transformer(nn.Module):
         if dev is None or dev.device != ids.device or dev.source is not self.engram_hasher:
             dev = self._engram_device = DeviceEngramHasher(self.engram_hasher, ids.device)
         return dev.rows(ids, prev, backend=self.kernel_backend)
-
-    def set_overlap(self, on: bool) -> None:
-        """Run independent work of decode-sized CUDA steps on side streams (overlap.py: the shared experts, the
-        Engram projections one layer ahead); same kernels, same results. On by default."""
-        self.overlap = bool(on)
 
     def _side_streams(self, batch: ForwardBatch) -> SideStreams | None:
         dev = batch.input_ids.device
