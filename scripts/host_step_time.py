@@ -16,6 +16,9 @@ On CPU the forward is the device work, so host ms is the engine's own overhead; 
 graph fill + replay call, so host + fwd is the host time of the step. Medians over the measured steps.
 `--profile N` also prints the N most expensive functions (cumulative) of a cProfile of the measured steps, the
 model's eager forward left out (a graph replay's fill and launch are host work and stay in).
+`--phases` adds, per batch size, the median µs per measured step spent inside each of the engine's host phases
+(`PHASES`: wall-clock wrappers around those methods, ~1 µs each, so unlike cProfile they do not inflate the Python
+work); the phases nest (`launch` holds `prepare`, `fill`, `replay`), each is inclusive.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="print the N top functions of a cProfile")
     p.add_argument("--output-json")
     p.add_argument("--sort", default="cumulative", help="cProfile order: cumulative | tottime")
+    p.add_argument("--phases", action="store_true", help="time the engine's host phases per step (PHASES)")
     p.add_argument("--engine-option", action="append", default=[], help="extra LLM option key=value (JSON value)")
     return p.parse_args(argv)
 
@@ -114,6 +118,54 @@ class _Clock:
         return orig
 
 
+# (name, module, class, method) of the host phases `--phases` times; inclusive wall time per call
+PHASES = (
+    ("schedule", "deepinfer_engine.core.scheduler", "Scheduler", "schedule"),
+    ("update", "deepinfer_engine.core.scheduler", "Scheduler", "update_from_output"),
+    ("launch", "deepinfer_engine.worker.model_runner", "ModelRunner", "launch"),
+    ("prepare", "deepinfer_engine.worker.input_batch", "InputBatch", "prepare"),
+    ("host_step", "deepinfer_engine.model.model", "Transformer", "host_step"),
+    ("fill", "deepinfer_engine.model.static_step", "StaticDecodeStep", "fill"),
+    ("replay", "torch.cuda.graphs", "CUDAGraph", "replay"),
+    ("sampler", "deepinfer_engine.worker.sampler", "Sampler", "__call__"),
+    ("async_output", "deepinfer_engine.worker.async_output", "AsyncOutput", "__init__"),
+    ("read_back", "deepinfer_engine.worker.async_output", "AsyncOutput", "result"),
+    ("collect", "deepinfer_engine.worker.model_runner", "ModelRunner", "collect"),
+    ("outputs", "deepinfer_engine.output_processor", "OutputProcessor", "process"),
+)
+
+
+class _Phases:
+    """Wall time per host phase (PHASES) since the last `take()`; the wrappers stay for the process."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+
+    def install(self) -> None:
+        import importlib
+
+        for name, module, cls, method in PHASES:
+            owner = getattr(importlib.import_module(module), cls)
+            setattr(owner, method, self._wrap(name, getattr(owner, method)))
+
+    def _wrap(self, name: str, fn: Any) -> Any:
+        sums = self.sums
+
+        def timed(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sums[name] = sums.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.sums)
+        self.sums.clear()
+        return out
+
+
 class _TimedSampler:
     """The runner's sampler with its calls' wall time added to the clock's forward time (CPU runs)."""
 
@@ -136,7 +188,7 @@ class _TimedSampler:
 
 
 def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, warmup: int,
-            prof: cProfile.Profile | None) -> dict[str, Any]:
+            prof: cProfile.Profile | None, phases: _Phases | None = None) -> dict[str, Any]:
     from deepinfer_engine import SamplingParams
 
     eng = llm.engine
@@ -146,9 +198,12 @@ def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, war
         ids = [(7 * i + 13 * k) % (vocab - 3) + 3 for k in range(input_len)]
         eng.add_request(f"host-{batch}-{i}", ids, sp)
     rows: list[tuple[float, float, float]] = []
+    per_phase: list[dict[str, float]] = []
     seen = 0
     while eng.has_unfinished_requests():
         clock.take()
+        if phases is not None:
+            phases.take()
         clock.decode = False
         before = eng.total.prefill_tokens
         measuring = seen >= warmup and len(rows) < steps
@@ -168,6 +223,8 @@ def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, war
         seen += 1
         if measuring:
             rows.append((dt, fwd, wait))
+            if phases is not None:
+                per_phase.append(phases.take())
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -177,7 +234,9 @@ def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, war
     host = [(r[0] - r[1] - r[2]) * 1e3 for r in rows]
     return {"batch": batch, "steps": len(rows), "step_ms": med(0), "fwd_ms": med(1), "wait_ms": med(2),
             "host_ms": statistics.median(host) if host else float("nan"),
-            "host_ms_min": min(host) if host else float("nan")}
+            "host_ms_min": min(host) if host else float("nan"),
+            "phases_us": {name: statistics.median(p.get(name, 0.0) for p in per_phase) * 1e6
+                          for name, *_ in PHASES} if per_phase else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,9 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     clock = _Clock()
     clock.install(llm.engine.runner)
     clock.install_wait()
+    phases = None
+    if ns.phases:
+        phases = _Phases()
+        phases.install()
     measure(llm, clock, 1, 8, 3, 0, None)  # warm-up: allocations, compilation, graph captures of B = 1
     prof = cProfile.Profile() if ns.profile else None
-    results = [measure(llm, clock, int(b), ns.input_len, ns.steps, ns.warmup, prof) for b in ns.batch.split(",") if b]
+    results = [measure(llm, clock, int(b), ns.input_len, ns.steps, ns.warmup, prof, phases)
+               for b in ns.batch.split(",") if b]
     device = str(llm.engine.runner.device)
     print(f"host time per decode step: {ns.model or 'default tiny model'}, input {ns.input_len}, {device}, "
           f"async_scheduling={llm.config.scheduler.async_scheduling}")
@@ -199,6 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"{r['batch']:>4} {r['steps']:>5} {r['step_ms']:>8.3f} {r['fwd_ms']:>8.3f} {r['wait_ms']:>8.3f} "
               f"{r['host_ms']:>8.3f} {r['host_ms_min']:>8.3f}")
+    if phases is not None:
+        print("host phases, median µs per measured step (inclusive; launch holds prepare / host_step / fill / replay):")
+        print(f"{'B':>4} " + " ".join(f"{name:>12}" for name, *_ in PHASES))
+        for r in results:
+            print(f"{r['batch']:>4} " + " ".join(f"{r['phases_us'][name]:>12.1f}" for name, *_ in PHASES))
     if prof is not None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(ns.sort).print_stats(ns.profile)
