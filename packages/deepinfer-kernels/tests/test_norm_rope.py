@@ -64,10 +64,21 @@ def test_rope_cos_sin_angles() -> None:
     assert torch.allclose(sin[0], torch.zeros(2))
 
 
+def _torch_pow_base(dim: int, theta: float) -> np.ndarray:
+    """theta ** (i / dim) as torch computes it in fp32 (what the reference's own torch code gets on this machine)."""
+    return (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)).numpy()
+
+
 def _np_inv_freq(dim: int, theta: float, factor: float | None, l0: int) -> np.ndarray:
-    """Independent fp32 (numpy) inverse frequencies, written from the reference's formula."""
+    """Independent fp32 (numpy) inverse frequencies, written from the reference's formula. The fp32 `pow` is a libm
+    call whose last bit depends on the implementation (numpy's AVX-512 pow and torch's differ by 1 ulp on some
+    CPUs), so its values come from torch, checked here against the correctly rounded pow within 1 ulp; every later
+    step is an IEEE basic operation, exactly rounded everywhere, and must agree bit for bit."""
     f32 = np.float32
-    base = f32(theta) ** (np.arange(0, dim, 2, dtype=f32) / f32(dim))
+    exponent = np.arange(0, dim, 2, dtype=f32) / f32(dim)
+    base = _torch_pow_base(dim, theta)
+    exact = (np.float64(f32(theta)) ** exponent.astype(np.float64)).astype(f32)
+    assert np.abs(base.view(np.int32) - exact.view(np.int32)).max() <= 1  # within 1 ulp of the exact pow
     extra = f32(1.0) / base
     if factor is None:
         return extra
