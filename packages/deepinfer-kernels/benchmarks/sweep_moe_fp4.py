@@ -140,16 +140,9 @@ def run_gemv_case(st: StackedExperts, ck: StackedExperts, t: int, cands: list[mt
 
     for kind, fn, nbytes in (("gate_up", up, up_bytes), ("down", down, down_bytes)):
         for cfg in [d_up if kind == "gate_up" else d_down, *cands]:
-            row = {"config": cfg.__dict__, "bound_ms": nbytes / bw * 1e3, "grouped_default": not is_gemv(cfg)}
-            try:
-                rows.fill_(float("nan"))
-                up(cfg if kind == "gate_up" else partner(cfg, kind))
-                down(cfg if kind == "down" else partner(cfg, kind))
-                row["rel_err"] = rel(rows.view(t, TOPK, D).sum(1), want)
-                row["ms"] = do_bench(partial(fn, cfg), warmup=5, rep=25)
-                row["of_bound"] = row["bound_ms"] / row["ms"]
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile / fit is a sweep result
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            pair = (cfg if kind == "gate_up" else partner(cfg, kind), cfg if kind == "down" else partner(cfg, kind))
+            row = time_config(cfg, fn, pair, up, down, rows, want, nbytes / bw * 1e3)
+            row["grouped_default"] = not is_gemv(cfg)
             res[kind].append(row)
 
     args = (x, w, ids, ck.w1, ck.w3, ck.w2, ck.s1, ck.s3, ck.s2, limit)
@@ -217,6 +210,24 @@ def is_new(cfg: mt.GemmConfig) -> bool:
     return cfg.variant.startswith("grouped")
 
 
+def time_config(cfg: mt.GemmConfig, fn, pair: tuple, up, down, rows: torch.Tensor, want: torch.Tensor,
+                bound_ms: float) -> dict:
+    """One sweep row: the expert path run once with (gate/up, down) configs `pair` and checked against `want`
+    (rows [T * k, d] cleared first, so a kernel that writes nothing cannot pass), then `fn(cfg)` timed; a config
+    that does not compile or fit is recorded as an error row."""
+    row = {"config": cfg.__dict__, "bound_ms": bound_ms}
+    try:
+        rows.fill_(float("nan"))
+        up(pair[0])
+        down(pair[1])
+        row["rel_err"] = rel(rows.view(-1, TOPK, D).sum(1), want)
+        row["ms"] = do_bench(partial(fn, cfg), warmup=5, rep=25)
+        row["of_bound"] = row["bound_ms"] / row["ms"]
+    except Exception as exc:  # noqa: BLE001 - a config that does not compile / fit is a sweep result
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return row
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -256,18 +267,9 @@ def run_case(
     res = {"T": t, "layout": layout, "experts_hit": hit, "block_m": block_m, "gate_up": [], "down": []}
     for kind, fn, nbytes in (("gate_up", up, up_bytes), ("down", down, down_bytes)):
         for cfg in cands:
-            row = {"config": cfg.__dict__, "bound_ms": nbytes / bw * 1e3}
-            try:
-                up_cfg = cfg if kind == "gate_up" else (n_up if is_new(cfg) else d_up)
-                down_cfg = cfg if kind == "down" else (n_down if is_new(cfg) else d_down)
-                up(up_cfg)
-                down(down_cfg)
-                row["rel_err"] = rel(rows.view(t, TOPK, D).sum(1), want)
-                row["ms"] = do_bench(partial(fn, cfg), warmup=5, rep=25)
-                row["of_bound"] = row["bound_ms"] / row["ms"]
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile / fit is a sweep result
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            res[kind].append(row)
+            pair = (cfg if kind == "gate_up" else (n_up if is_new(cfg) else d_up),
+                    cfg if kind == "down" else (n_down if is_new(cfg) else d_down))
+            res[kind].append(time_config(cfg, fn, pair, up, down, rows, want, nbytes / bw * 1e3))
     args = (x, w, ids, st.w1, st.w3, st.w2, st.s1, st.s3, st.s2, limit)
     run = partial(mt.moe_experts_fp4, chunked=chunked)
     res["default_rel_err"] = rel(run(*args), want)
