@@ -19,18 +19,28 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 def _spy(llm: LLM) -> list[int]:
-    """Counts the placeholder rows the async runner resolves (rows fed from the previous step's device ids)."""
+    """Counts the placeholder rows the async runner resolves (rows fed from the previous step's device ids), and
+    the steps that resolved them in place (row i from the previous step's row i) / by a gather: [rows, in place,
+    gathered]."""
     runner = llm.engine.runner
     assert isinstance(runner, AsyncModelRunner)
-    seen = [0]
-    inner = runner._placeholder_rows
+    seen = [0, 0, 0]
+    inner, source = runner._placeholder_rows, runner._source_rows
+    last: list[list[int]] = [[]]
 
     def counted(chunks):
         rows, rids = inner(chunks)
         seen[0] += len(rows)
+        last[0] = rows
         return rows, rids
 
+    def sourced(rids):
+        src = source(rids)
+        seen[1 if src == last[0] == list(range(len(src))) else 2] += 1
+        return src
+
     runner._placeholder_rows = counted
+    runner._source_rows = sourced
     return seen
 
 
@@ -60,7 +70,7 @@ def _both(make_fake_engine, model, prompts, sp, **kw):
     assert seen[0] > 0, "no placeholder row: the async path did not run"
     _clean(sync)
     _clean(asy)
-    return a, b, sync, asy
+    return a, b, sync, asy, seen
 
 
 CASES = {
@@ -80,8 +90,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_async_outputs_equal_sync(make_fake_engine, fake_model, fake_tokenizer, case: str) -> None:
     sp, kw = CASES[case]
-    a, b, sync, asy = _both(make_fake_engine, fake_model, PROMPTS, sp, tokenizer=fake_tokenizer, **kw)
+    a, b, sync, asy, seen = _both(make_fake_engine, fake_model, PROMPTS, sp, tokenizer=fake_tokenizer, **kw)
     assert _view(a) == _view(b)
+    assert seen[1] > 0, "no step resolved its placeholders in place"
+    if case in ("sampled_penalties_min_tokens_n2", "preemption_and_chunked_prefill", "max_model_len"):
+        assert seen[2] > 0, "no step gathered its placeholders from other rows"
     assert asy.engine.scheduler.num_preemptions > 0 if case == "preemption_and_chunked_prefill" else True
     if case == "max_model_len":  # length stops are known when scheduling: no extra row is ever computed
         assert {c.finish_reason for o in b for c in o.outputs} == {"length"}
@@ -104,7 +117,7 @@ def test_late_stops_discard_the_extra_row(make_fake_engine, fake_model, fake_tok
            SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop_id], ignore_eos=True),
            SamplingParams(temperature=0, max_tokens=6, stop=[stop_str], ignore_eos=True),
            SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[min_stop], min_tokens=k, ignore_eos=True)]
-    a, b, sync, asy = _both(make_fake_engine, fake_model, PROMPTS[:4], sps, tokenizer=fake_tokenizer, eos=(eos,))
+    a, b, sync, asy, _ = _both(make_fake_engine, fake_model, PROMPTS[:4], sps, tokenizer=fake_tokenizer, eos=(eos,))
     assert _view(a) == _view(b)
     assert [o.outputs[0].finish_reason for o in b] == ["stop"] * 4
     assert b[1].outputs[0].stop_reason == stop_id and b[2].outputs[0].stop_reason == stop_str

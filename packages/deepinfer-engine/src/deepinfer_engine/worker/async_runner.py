@@ -29,7 +29,7 @@ import torch
 from deepinfer_engine.core.async_scheduler import PLACEHOLDER_TOKEN
 from deepinfer_engine.core.sched_output import ModelRunnerOutput, ScheduledChunk, SchedulerOutput
 from deepinfer_engine.errors import InputError
-from deepinfer_engine.worker.async_output import AsyncOutput
+from deepinfer_engine.worker.async_output import AsyncOutput, ReadbackPool
 from deepinfer_engine.worker.input_batch import StepInputs
 from deepinfer_engine.worker.model_runner import ModelRunner
 from deepinfer_engine.worker.sampler import SamplingBatch
@@ -53,6 +53,7 @@ class AsyncModelRunner(ModelRunner):
         self._prev: _Feed | None = None  # during a launch: the step before it
         self._launched: tuple[list[str], torch.Tensor] | None = None
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._readback = ReadbackPool() if self.device.type == "cuda" else None
         self._last: AsyncOutput | None = None  # the last launched step
         if self.spec is not None:
             self.spec.deferred_reads = True
@@ -72,7 +73,7 @@ class AsyncModelRunner(ModelRunner):
             step = self.launch(sched)
         finally:
             self._prev = None
-        out = AsyncOutput(step, self.collect, copy_stream=self._copy_stream)
+        out = AsyncOutput(step, self.collect, copy_stream=self._copy_stream, pool=self._readback)
         self._last = out
         if self._launched is not None:
             ids, tokens = self._launched
@@ -110,9 +111,13 @@ class AsyncModelRunner(ModelRunner):
         if not rows:
             return
         src = self._source_rows(rids)
-        src_dst = self.staging.tensor([src, rows], torch.int64)  # one small copy for both index vectors
-        ids = self._prev.token_ids.index_select(0, src_dst[0]).clamp_(min=0)
-        inp.input_ids.index_copy_(0, src_dst[1], ids)
+        k = len(rows)
+        if src == rows == list(range(k)):  # steady decode: row i takes the previous step's row i, one launch
+            torch.clamp(self._prev.token_ids[:k], min=0, out=inp.input_ids[:k])
+        else:
+            src_dst = self.staging.tensor([src, rows], torch.int64)  # one small copy for both index vectors
+            ids = self._prev.token_ids.index_select(0, src_dst[0]).clamp_(min=0)
+            inp.input_ids.index_copy_(0, src_dst[1], ids)
         inp.host.input_ids[rows] = 0  # the real ids exist on the device only (nothing reads them on the host)
 
     def _complete_sampling(self, sbatch: SamplingBatch, chunks: list[ScheduledChunk]) -> SamplingBatch:
