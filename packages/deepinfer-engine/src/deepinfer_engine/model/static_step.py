@@ -49,7 +49,7 @@ from deepinfer_engine.model.cache import (
 )
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 
-__all__ = ["DecodeFacts", "StaticDecodeStep", "static_paged_arrays"]
+__all__ = ["DecodeFacts", "StaticDecodeStep", "paged_grid", "static_paged_arrays"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,9 +88,24 @@ class DecodeFacts:
         )  # fmt: skip
 
 
+def paged_grid(ratio: int, page_size: int, block_tables: np.ndarray, width: int, scratch_row: int) -> np.ndarray:
+    """[B, width] int64 page row of every entry slot w of each sequence's block table (entry w lives in page
+    table[w // per_page], row w % per_page of it), `scratch_row` where the table has no page. It depends on the
+    tables only, so a fixed-shape step rebuilds it when a table changed (a new page), not every step."""
+    per_page = page_size // ratio
+    bt = np.asarray(block_tables, dtype=np.int64)
+    B, width_pages = bt.shape
+    npages = -(-width // per_page)
+    table = np.full((B, npages), -1, dtype=np.int64)
+    k = min(npages, width_pages)
+    table[:, :k] = bt[:, :k]
+    grid = (table[:, :, None] * per_page + np.arange(per_page, dtype=np.int64)).reshape(B, -1)[:, :width]
+    return np.where(grid >= 0, grid, scratch_row)  # a row is negative exactly where its page is -1
+
+
 def static_paged_arrays(
     ratio: int, page_size: int, block_tables: np.ndarray, seqs: SeqHost, real: np.ndarray, width: int,
-    scratch_row: int, *, real_lens: np.ndarray | None = None, tokens: int = 1,
+    scratch_row: int, *, real_lens: np.ndarray | None = None, tokens: int = 1, grid: np.ndarray | None = None,
 ) -> list[np.ndarray]:
     """Host arrays of a fixed-size PagedPlan for B sequences of `tokens` (Q) rows each: [read_rows [B*width],
     write_rows [B*K], new_w [B*K], new_seq [B*K], offsets [B]] with K = ceil(Q / ratio) new-entry rows per
@@ -100,36 +115,24 @@ def static_paged_arrays(
     each; rows past n_i are padding). Entry slot w of sequence i reads its page row while w < count_i =
     (ctx_i + n_i) // ratio, else `scratch_row`. New-entry row k of i is entry ctx_i // ratio + k: its page row
     when that entry is below count_i (completed by the sequence's real tokens), else `scratch_row` (an entry in
-    progress, or one only padding rows complete, is computed and dropped there)."""
-    r, P = ratio, page_size
-    per_page = P // r
+    progress, or one only padding rows complete, is computed and dropped there). grid: `paged_grid` of these
+    tables (computed here when None)."""
+    r = ratio
     B = seqs.ctx.shape[0]
-    bt = np.asarray(block_tables, dtype=np.int64)
-    width_pages = bt.shape[1]
     n = np.ones(B, dtype=np.int64) if real_lens is None else np.asarray(real_lens, dtype=np.int64)
-
-    def rows(seq: np.ndarray, w: np.ndarray, ok: np.ndarray) -> np.ndarray:
-        tok = w * r
-        page = np.where(ok, tok // P, 0).clip(0, max(0, width_pages - 1))
-        pid = bt[seq, page] if width_pages else np.full(seq.shape, -1, dtype=np.int64)
-        ok = ok & (pid >= 0)
-        return np.where(ok, pid * per_page + (tok % P) // r, scratch_row)
-
     counts = np.where(real, (seqs.ctx + n) // r, 0)
     if int(counts.max(initial=0)) > width:
         raise CapacityError(f"fixed-shape step of {width} entries per sequence: a sequence has {int(counts.max())}")
-    # entry w lives in page table[w // per_page], row w % per_page of it: one broadcast over the table, no gather
-    npages = -(-width // per_page)
-    table = np.full((B, npages), -1, dtype=np.int64)
-    k = min(npages, width_pages)
-    table[:, :k] = bt[:, :k]
-    grid = (table[:, :, None] * per_page + np.arange(per_page, dtype=np.int64)).reshape(B, -1)[:, :width]
-    valid = (np.arange(width, dtype=np.int64) < counts[:, None]) & (grid >= 0)
-    read_rows = np.where(valid, grid, scratch_row).reshape(-1)
+    if grid is None:
+        grid = paged_grid(ratio, page_size, block_tables, width, scratch_row)
+    read_rows = np.where(np.arange(width, dtype=np.int64) < counts[:, None], grid, scratch_row).reshape(-1)
     K = -(-int(tokens) // r)
     new_seq = np.repeat(np.arange(B, dtype=np.int64), K)
     new_w = (seqs.ctx // r)[new_seq] + np.tile(np.arange(K, dtype=np.int64), B)
-    write_rows = rows(new_seq, new_w, real[new_seq] & (new_w < counts[new_seq]))
+    # an entry below count_i lies within the width (count_i <= width), so its grid row exists
+    done = real[new_seq] & (new_w < counts[new_seq])
+    write_rows = np.where(done, grid[new_seq, np.minimum(new_w, width - 1)], scratch_row) if width else (
+        np.full(B * K, scratch_row, dtype=np.int64))
     offsets = np.arange(B, dtype=np.int64) * width
     return [read_rows, write_rows, new_w, new_seq, offsets]
 
@@ -459,9 +462,16 @@ class StaticDecodeStep:
         scratch_row = cache.scratch_page * (cache.page_size // ratio)
         num_new = B * -(-self.tokens // ratio)
 
+        grids: dict[bytes, np.ndarray] = {}  # the latest tables' paged_grid
+
         def build() -> list[np.ndarray]:
+            key = self._bt.tobytes()
+            grid = grids.get(key)
+            if grid is None:
+                grids.clear()
+                grid = grids[key] = paged_grid(ratio, cache.page_size, self._bt, width, scratch_row)
             return static_paged_arrays(ratio, cache.page_size, self._bt, self.seq_host, self._real, width,
-                                       scratch_row, real_lens=self._lens, tokens=self.tokens)  # fmt: skip
+                                       scratch_row, real_lens=self._lens, tokens=self.tokens, grid=grid)
 
         def make(v: list[Tensor]) -> PagedPlan:
             return PagedPlan(
