@@ -18,7 +18,8 @@ graph fill + replay call, so host + fwd is the host time of the step. Medians ov
 model's eager forward left out (a graph replay's fill and launch are host work and stay in).
 `--phases` adds, per batch size, the median µs per measured step spent inside each of the engine's host phases
 (`PHASES`: wall-clock wrappers around those methods, ~1 µs each, so unlike cProfile they do not inflate the Python
-work); the phases nest (`launch` holds `prepare`, `fill`, `replay`), each is inclusive.
+work); the phases nest (`launch` holds `prepare`, `resolve`, `graph_run`, which holds `host_step`, `fill`,
+`replay`), each is inclusive.
 """
 
 from __future__ import annotations
@@ -123,8 +124,14 @@ PHASES = (
     ("schedule", "deepinfer_engine.core.scheduler", "Scheduler", "schedule"),
     ("update", "deepinfer_engine.core.scheduler", "Scheduler", "update_from_output"),
     ("launch", "deepinfer_engine.worker.model_runner", "ModelRunner", "launch"),
+    ("inputs_update", "deepinfer_engine.worker.input_batch", "InputBatch", "update"),
     ("prepare", "deepinfer_engine.worker.input_batch", "InputBatch", "prepare"),
+    ("resolve", "deepinfer_engine.worker.async_runner", "AsyncModelRunner", "_resolve_placeholders"),
+    ("batch", "deepinfer_engine.model.forward_batch", "ForwardBatch", "__post_init__"),
+    ("shape_of", "deepinfer_engine.worker.cuda_graph", "CudaGraphRunner", "shape_of"),
+    ("graph_run", "deepinfer_engine.worker.cuda_graph", "CudaGraphRunner", "run"),
     ("host_step", "deepinfer_engine.model.model", "Transformer", "host_step"),
+    ("check_tables", "deepinfer_engine.model.static_step", "StaticDecodeStep", "check_tables"),
     ("fill", "deepinfer_engine.model.static_step", "StaticDecodeStep", "fill"),
     ("replay", "torch.cuda.graphs", "CUDAGraph", "replay"),
     ("sampler", "deepinfer_engine.worker.sampler", "Sampler", "__call__"),
@@ -264,10 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['batch']:>4} {r['steps']:>5} {r['step_ms']:>8.3f} {r['fwd_ms']:>8.3f} {r['wait_ms']:>8.3f} "
               f"{r['host_ms']:>8.3f} {r['host_ms_min']:>8.3f}")
     if phases is not None:
-        print("host phases, median µs per measured step (inclusive; launch holds prepare / host_step / fill / replay):")
-        print(f"{'B':>4} " + " ".join(f"{name:>12}" for name, *_ in PHASES))
-        for r in results:
-            print(f"{r['batch']:>4} " + " ".join(f"{r['phases_us'][name]:>12.1f}" for name, *_ in PHASES))
+        print("host phases, median µs per measured step (inclusive; launch holds prepare / resolve / graph_run, which "
+              "holds host_step / fill / replay):")
+        rows = [r for r in results if r.get("phases_us")]
+        print(f"{'phase':>14} " + " ".join(f"{'B=' + str(r['batch']):>10}" for r in rows))
+        for name, *_ in PHASES:
+            print(f"{name:>14} " + " ".join(f"{r['phases_us'][name]:>10.1f}" for r in rows))
     if prof is not None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(ns.sort).print_stats(ns.profile)
