@@ -171,3 +171,59 @@ def test_errors():
                      seeds=torch.tensor([1, 2]))
     with pytest.raises(DSparkInputError, match="anchor"):
         sample_block(block, heads, torch.tensor([0]), torch.tensor([0, 1]))
+
+
+def test_the_capturable_core_equals_sample_block_bit_for_bit():
+    """What a CUDA graph of the draft round captures (`sample_core` with device temperatures and seeds, the mixed
+    formulation for any sampled batch, STS divisors made beforehand) gives exactly `sample_block`'s proposal for
+    all-sampled, mixed and all-greedy batches, with per-position STS sets and a greedy head."""
+    from deepinfer_dspark import sample_core, sts_divisors
+
+    block, heads = _random_case(4, width=5, vocab=7, seed=8)
+    g = torch.Generator().manual_seed(2)
+    both = DraftHeads(markov_embed=heads.markov_embed, markov_head=heads.markov_head, confidence=heads.confidence,
+                      sts=(1.0, 2.0, 0.5, 0.8, 1.1), greedy_confidence=torch.randn(1, 5, generator=g), greedy_sts=0.9)
+    anchors, pos, seeds = torch.tensor([0, 6, 2, 3]), torch.tensor([4, 8, 15, 16]), torch.tensor([3, -5, 11, 1 << 40])
+    divisors = {flag: sts_divisors(both, 5, flag, torch.device("cpu")) for flag in (False, True)}
+    for temp in (torch.tensor([0.7, 1.0, 2.0, 1.3]), torch.tensor([0.0, 1.0, 0.0, 0.8]), torch.zeros(4)):
+        want = sample_block(block, both, anchors, pos, temperature=temp, seeds=seeds)
+        sampled = bool((temp > 0).any())
+        got = sample_core(block, both, anchors, pos, temp=temp if sampled else None, seeds=seeds if sampled else None,
+                          divisors=divisors)
+        assert torch.equal(got.draft_ids, want.draft_ids)
+        assert torch.equal(got.confidence, want.confidence)
+        assert (got.draft_probs is None) == (want.draft_probs is None)
+        if want.draft_probs is not None:
+            assert torch.equal(got.draft_probs, want.draft_probs)
+
+
+def test_propose_takes_a_fused_round_and_falls_back_when_declined():
+    from deepinfer_dspark import propose
+
+    block, heads = _random_case(2, width=3, seed=1)
+    calls = []
+
+    class Model:
+        block_size = 3
+
+        def __init__(self, fused):
+            self.heads, self.fused = heads, fused
+
+        def draft_block(self, anchor_ids, anchor_positions):
+            calls.append("pass")
+            return block
+
+        def propose_block(self, anchor_ids, anchor_positions, *, temperature=None, seeds=None):
+            calls.append("fused")
+            if not self.fused:
+                return None
+            return sample_block(block, heads, anchor_ids, anchor_positions, temperature=temperature, seeds=seeds)
+
+    anchors, pos = torch.tensor([1, 2]), torch.tensor([5, 6])
+    want = sample_block(block, heads, anchors, pos)
+    for fused, path in ((True, ["fused"]), (False, ["fused", "pass"])):
+        calls.clear()
+        got = propose(Model(fused), anchors, pos)
+        assert calls == path and torch.equal(got.draft_ids, want.draft_ids)
+    with pytest.raises(DSparkInputError, match="seeds"):  # checked before the fused path too
+        propose(Model(True), anchors, pos, temperature=torch.tensor([1.0, 0.0]))

@@ -5,7 +5,16 @@ from importlib.metadata import PackageNotFoundError, version
 from deepinfer_dspark.calibrate import fit_sts
 from deepinfer_dspark.config import DSparkConfig
 from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
-from deepinfer_dspark.propose import block_confidence, confidence, markov_bias, propose, sample_block
+from deepinfer_dspark.propose import (
+    block_confidence,
+    check_sampling,
+    confidence,
+    markov_bias,
+    propose,
+    sample_block,
+    sample_core,
+    sts_divisors,
+)
 from deepinfer_dspark.protocol import DraftBlock, DraftHeads, DraftModel, DraftProposal
 from deepinfer_dspark.rng import (
     DRAW_ACCEPT,
@@ -61,6 +70,7 @@ __all__ = [
     "__version__",
     "allocate",
     "block_confidence",
+    "check_sampling",
     "confidence",
     "cost_budget",
     "counter_uniforms",
@@ -72,7 +82,9 @@ __all__ = [
     "propose",
     "rejection_accept",
     "sample_block",
+    "sample_core",
     "schedule_verification",
+    "sts_divisors",
     "verify",
     "verify_counter_uniforms",
     "verify_uniforms",

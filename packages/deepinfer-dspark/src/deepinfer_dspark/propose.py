@@ -24,7 +24,8 @@ from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.protocol import DraftBlock, DraftHeads, DraftModel, DraftProposal
 from deepinfer_dspark.rng import DRAW_DRAFT, counter_uniforms
 
-__all__ = ["block_confidence", "confidence", "markov_bias", "propose", "sample_block"]
+__all__ = ["block_confidence", "check_sampling", "confidence", "markov_bias", "propose", "sample_block", "sample_core",
+           "sts_divisors"]
 
 
 def markov_bias(heads: DraftHeads, prev: Tensor) -> tuple[Tensor, Tensor]:
@@ -50,24 +51,30 @@ def confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, position: int, gree
     return torch.where(greedy.to(c.device), cg, c)
 
 
-def block_confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, greedy: Tensor | bool | None = None
-                     ) -> Tensor | None:  # fmt: skip
+def sts_divisors(heads: DraftHeads, width: int, greedy_set: bool, device: torch.device) -> float | Tensor:
+    """The STS temperatures of block positions 0..width-1 (the greedy set or not): one float when they are all
+    equal, else a `[width] float32` tensor on `device` (made here, once; a CUDA graph takes it as a constant)."""
+    temps = [heads.sts_temperature(i, greedy=greedy_set) for i in range(width)]
+    if len(set(temps)) == 1:  # one temperature: a scalar, no host-built tensor to copy over
+        return temps[0]
+    return torch.tensor(temps, dtype=torch.float32).to(device, non_blocking=True)
+
+
+def block_confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, greedy: Tensor | bool | None = None, *,
+                     divisors: dict[bool, float | Tensor] | None = None) -> Tensor | None:  # fmt: skip
     """`[B, N] float32` `confidence` of every block position at once; None without a confidence head.
 
     hidden `[B, N, d]` pre-norm head inputs, e `[B, N, r]` the markov embed of the token before each drafted one,
     greedy as in `confidence` (`[B] bool`), or True when every row is greedy. Position i is divided by its own
-    STS temperature."""
+    STS temperature. divisors: `sts_divisors` of the sets by greedy flag (made here when None)."""
     if heads.confidence is None:
         return None
     width = hidden.shape[1]
     x = torch.cat([hidden.float(), e.float()], dim=-1)
 
     def scored(w: Tensor, greedy_set: bool) -> Tensor:
-        temps = [heads.sts_temperature(i, greedy=greedy_set) for i in range(width)]
-        z = x @ w.float().reshape(-1)
-        if len(set(temps)) == 1:  # one temperature: a scalar, no host-built tensor to copy over
-            return torch.sigmoid(z / temps[0])
-        return torch.sigmoid(z / torch.tensor(temps, dtype=torch.float32).to(z.device, non_blocking=True))
+        d = divisors[greedy_set] if divisors is not None else sts_divisors(heads, width, greedy_set, x.device)
+        return torch.sigmoid((x @ w.float().reshape(-1)) / d)
 
     if greedy is None or greedy is False or not heads.has_greedy_head:
         return scored(heads.confidence, False)
@@ -82,6 +89,19 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     cdf = torch.cumsum(probs, dim=-1)
     idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def check_sampling(batch: int, temperature: Tensor | None, seeds: Tensor | None) -> tuple[bool, bool]:
+    """(any_sampled, all_sampled) of a round of `batch` requests; DSparkInputError on a bad temperature / seeds.
+    temperature: `[B] float32` (0 = greedy) or None (all greedy), read where the caller keeps it (a host tensor
+    costs no device sync)."""
+    given = torch.zeros(batch) if temperature is None else temperature.to(torch.float32)
+    if given.shape != (batch,) or bool((given < 0).any()):
+        raise DSparkInputError(f"temperature: expected [{batch}] values >= 0, found {temperature!r}")
+    any_sampled = bool((given > 0).any())
+    if any_sampled and seeds is None:
+        raise DSparkInputError("seeds: required when a request samples (temperature > 0), found None")
+    return any_sampled, any_sampled and bool((given > 0).all())
 
 
 def sample_block(
@@ -104,8 +124,8 @@ def sample_block(
     Returns a DraftProposal with draft_ids `[B, N]`, draft_probs `[B, N, V]` (None when every request is greedy;
     one-hot rows for greedy requests in a mixed batch), confidence `[B, N]` (None without a confidence head).
     """
-    base, hidden = block.base_logits, block.hidden
-    batch, width, vocab = base.shape
+    base = block.base_logits
+    batch, _, vocab = base.shape
     if anchor_ids.shape != (batch,) or anchor_positions.shape != (batch,):
         raise DSparkInputError(
             f"anchor_ids / anchor_positions: expected shape ({batch},), found {tuple(anchor_ids.shape)} / "
@@ -113,27 +133,38 @@ def sample_block(
         )
     if heads.markov_head.shape[0] != vocab:
         raise DSparkInputError(f"heads.markov_head: expected [{vocab}, r] rows = vocab, found {tuple(heads.markov_head.shape)}")
+    any_sampled, all_sampled = check_sampling(batch, temperature, seeds)
     device = base.device
-    # the checks and the greedy / sampled split read `temperature` where the caller keeps it: a host tensor (the
-    # engine's) costs no device sync; it is copied to the device once, without blocking
-    given = torch.zeros(batch) if temperature is None else temperature.to(torch.float32)
-    if given.shape != (batch,) or bool((given < 0).any()):
-        raise DSparkInputError(f"temperature: expected [{batch}] values >= 0, found {temperature!r}")
-    any_sampled = bool((given > 0).any())
-    all_sampled = any_sampled and bool((given > 0).all())
-    if any_sampled and seeds is None:
-        raise DSparkInputError("seeds: required when a request samples (temperature > 0), found None")
-    pos = anchor_positions.to(device, torch.int64)
-    prev = anchor_ids.to(device, torch.int64)
+    # the greedy / sampled split was read on the host; the temperatures are copied to the device once, without
+    # blocking
+    temp = temperature.to(torch.float32).to(device, non_blocking=True) if any_sampled else None
+    return sample_core(block, heads, anchor_ids.to(device, torch.int64), anchor_positions.to(device, torch.int64),
+                       temp=temp, seeds=seeds.to(device) if any_sampled else None, all_sampled=all_sampled,
+                       keep_logits=keep_logits)
+
+
+def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor, *, temp: Tensor | None,
+                seeds: Tensor | None, all_sampled: bool = False, keep_logits: bool = False,
+                divisors: dict[bool, float | Tensor] | None = None) -> DraftProposal:  # fmt: skip
+    """`sample_block` after its checks: device work only, no host read, so a CUDA graph can capture it.
+
+    prev / pos: `[B] int64` anchor ids and positions on the device. temp: `[B] float32` on the device (0 = greedy
+    row), or None when every row is greedy; seeds `[B] int64` on the device (with temp). all_sampled: every temp
+    is > 0, so greedy-row fixes are skipped; False gives the same values for such a batch (the fixes touch no
+    sampled row: probabilities + 0.0, the sampled rows' confidence), which is what a graph captured for any
+    sampled batch uses. divisors: `sts_divisors` by greedy flag (made per call when None)."""
+    base, hidden = block.base_logits, block.hidden
+    batch, width, _ = base.shape
+    device = base.device
     # the loop is sequential (each draft conditions the next bias) and runs eagerly, one launch per op: everything
     # that does not depend on the previous draft is done once per block instead of once per position
     w2t = heads.markov_head.float().T
+    any_sampled = temp is not None
     if any_sampled:
-        temp = given.to(device, non_blocking=True)
         sampled = temp > 0
         safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
         offsets = torch.arange(1, width + 1, device=device)
-        u = counter_uniforms(seeds.to(device), pos[:, None] + offsets[None, :], DRAW_DRAFT)  # [B, N]
+        u = counter_uniforms(seeds, pos[:, None] + offsets[None, :], DRAW_DRAFT)  # [B, N]
     ids, embeds, probs, greedy_ids, logits_out = [], [], [], [], []
     for i in range(width):
         e = heads.markov_embed[prev]
@@ -165,7 +196,7 @@ def sample_block(
         draft_ids=torch.stack(ids, 1),
         draft_probs=draft_probs,
         draft_logits=torch.stack(logits_out, 1) if keep_logits else None,
-        confidence=block_confidence(heads, hidden, torch.stack(embeds, 1), greedy=greedy_rows),
+        confidence=block_confidence(heads, hidden, torch.stack(embeds, 1), greedy=greedy_rows, divisors=divisors),
     )
 
 
@@ -177,7 +208,15 @@ def propose(
     temperature: Tensor | None = None,
     seeds: Tensor | None = None,
 ) -> DraftProposal:
-    """One round of drafts for B requests: the model's parallel pass, then `sample_block`."""
+    """One round of drafts for B requests: the model's parallel pass, then `sample_block`. A model with a
+    `propose_block` (the pass and the sampling as one CUDA graph replay) gives the same proposal through it; it
+    may decline a round (None), which then takes the two steps."""
+    fused = getattr(model, "propose_block", None)
+    if fused is not None:
+        check_sampling(anchor_ids.shape[0], temperature, seeds)
+        prop = fused(anchor_ids, anchor_positions, temperature=temperature, seeds=seeds)
+        if prop is not None:
+            return prop
     block = model.draft_block(anchor_ids, anchor_positions)
     if block.base_logits.shape[:2] != (anchor_ids.shape[0], model.block_size):
         raise DSparkInputError(

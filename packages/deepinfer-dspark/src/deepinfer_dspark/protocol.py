@@ -194,3 +194,8 @@ class DraftModel(Protocol):
         Must not write any cache row that the target reads later (the block's own KV stays local).
         """
         ...
+
+    # Optional: `propose_block(anchor_ids, anchor_positions, *, temperature=None, seeds=None) -> DraftProposal |
+    # None`, the parallel pass and `sample_block` in one go (the engine replays both as one CUDA graph). It must
+    # give exactly `sample_block(draft_block(...), heads, ...)`'s proposal, or None to decline the round;
+    # `propose` checks temperature / seeds before calling it. Not a protocol member: most drafters lack it.

@@ -2,7 +2,9 @@
 speculation with `enforce_eager` == plain decoding, token for token (fp32), for DSpark on V4.1 (every verification
 policy: mixed verify lengths per step) and on V4-0731, and for MTP on V4, with mixed prompt lengths and requests
 finishing at different steps; verify steps replay captured (B, L, Q) graphs (`GraphStats.verify_replays`), the
-draft passes theirs (`draft_replays` for the DSpark stages, `mtp_replays` for the MTP block), no capture fails."""
+draft passes theirs (`draft_replays` for the DSpark stages, `mtp_replays` for the MTP block), no capture fails.
+A DSpark round's pass + Markov sampling replayed as one graph gives the eager sampling's proposal bit for bit
+(greedy, mixed and all-sampled rounds)."""
 
 from __future__ import annotations
 
@@ -59,3 +61,49 @@ def test_greedy_speculation_with_graphs_equals_eager_and_plain(ckpts, name: str)
             assert st.draft_replays >= 10 and st.draft_eager_steps == 0, st
         else:  # the MTP block after every step without a prefill chunk
             assert st.mtp_replays >= 10, st
+
+
+def test_fused_draft_round_equals_the_pass_then_eager_sampling(ckpts) -> None:
+    """`StageDrafter.propose_block` (one graph: the stages' pass, the Markov loop, the confidence) == the pass's
+    graph followed by the eager `sample_block`, bit for bit, for greedy, mixed and all-sampled rounds of 3
+    requests (bucket 4: one padding block), with a greedy head and per-position STS sets. The fused graphs are
+    captured after the engine's verify graphs (new heads after a generate), and every other graph is replayed
+    between the fused round and the comparison, as the round's verify forward is: their proposal outputs must
+    survive that (the verify reads them)."""
+    import torch
+    from deepinfer_dspark import propose
+
+    llm = _llm(ckpts["v41"], "dspark", eager=False)
+    spec, graphs = llm.engine.runner.spec, llm.engine.runner.cuda_graphs
+    _generate(llm)  # verify graphs of several shapes, captured before the fused graphs below
+    drafter = spec.drafter
+    g = torch.Generator().manual_seed(0)
+    width = drafter.heads.confidence.numel()
+    drafter.set_heads(sts=(1.0, 0.5, 2.0, 0.8, 1.3)[: drafter.block_size], greedy_sts=0.7,
+                      greedy_confidence=torch.randn(1, width, generator=g))
+    slots, anchors, positions = [2, 0, 1], [17, 300, 5], [9, 40, 23]
+    dev = torch.device("cuda")
+    drafter.slots = torch.tensor(slots, device=dev)
+    drafter.round_host = (slots, anchors, positions)
+    a, p = torch.tensor(anchors, device=dev), torch.tensor(positions, device=dev)
+    seeds = torch.tensor([3, -7, 1 << 40], device=dev)
+    fused = drafter.proposal_runner
+    for temp in ([0.0, 0.0, 0.0], [0.0, 0.9, 0.0], [0.7, 1.0, 1.6]):
+        t = torch.tensor(temp)
+        sampled = any(x > 0 for x in temp)
+        drafter.proposal_runner = fused
+        before = graphs.stats.draft_replays
+        got = propose(drafter, a, p, temperature=t, seeds=seeds if sampled else None)
+        others = [k for k in graphs.graphs if not (k[0] == "draft" and len(k) == 5)]
+        assert any(len(k) == 3 and k[0] != "draft" for k in others), others  # verify graphs exist
+        for k in others:
+            graphs.graphs[k].graph.replay()
+        drafter.proposal_runner = None
+        want = propose(drafter, a, p, temperature=t, seeds=seeds if sampled else None)
+        assert graphs.stats.draft_replays == before + 2  # fused, then the pass alone
+        assert torch.equal(got.draft_ids, want.draft_ids), temp
+        assert torch.equal(got.confidence, want.confidence), temp
+        assert (got.draft_probs is None) == (want.draft_probs is None), temp
+        assert got.draft_probs is None or torch.equal(got.draft_probs, want.draft_probs), temp
+    drafter.proposal_runner = fused
+    assert not graphs.failed

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from deepinfer_dspark import DraftBlock, DraftHeads
+from deepinfer_dspark import DraftBlock, DraftHeads, DraftProposal
 from torch import Tensor, nn
 
 from deepinfer_engine.errors import InputError
@@ -54,6 +54,10 @@ class StageDrafter:
         # optional replay of the parallel pass (the engine's CUDA graphs, worker/cuda_graph.py): batch ->
         # dspark.DraftOutput of its rows, or None (then the pass runs eagerly); used when round_host is given
         self.block_runner: Callable[[ForwardBatch], dspark.DraftOutput | None] | None = None
+        # optional replay of the pass AND the Markov sampling (one CUDA graph, `propose_block`): (batch, heads,
+        # heads version, host temperatures or None, device seeds or None) -> DraftProposal of its rows, or None
+        self.proposal_runner: Callable[..., DraftProposal | None] | None = None
+        self.heads_version = 0  # bumped by set_heads: graphs that baked the heads in are keyed by it
 
     def _make_heads(self, sts: float | tuple[float, ...]) -> DraftHeads:
         last = self._last
@@ -78,6 +82,7 @@ class StageDrafter:
         )
         self._greedy_sts = greedy_sts
         self._heads = self._make_heads(sts)
+        self.heads_version = getattr(self, "heads_version", -1) + 1
 
     @property
     def block_size(self) -> int:
@@ -88,9 +93,8 @@ class StageDrafter:
     def heads(self) -> DraftHeads:
         return self._heads
 
-    def draft_block(self, anchor_ids: Tensor, anchor_positions: Tensor) -> DraftBlock:
-        """anchor_ids / anchor_positions `[B] int64` (request b in cache slot `slots[b]`) -> base logits
-        `[B, N, V] float32` and pre-norm hidden `[B, N, d]`; the rings are read, never written."""
+    def _round_batch(self, anchor_ids: Tensor, anchor_positions: Tensor) -> tuple[ForwardBatch, bool]:
+        """The round's ForwardBatch of B blocks of N rows, and whether it carries the caller's host facts."""
         b, n = anchor_ids.shape[0], self.block_size
         if anchor_positions.shape != (b,) or self.slots.shape != (b,):
             raise InputError(
@@ -117,10 +121,27 @@ class StageDrafter:
             query_lens=(n,) * b, slots=tuple(int(s) for s in slots), block_tables=tables,
             logits_indices=torch.zeros(1, dtype=torch.int64, device=anchor_ids.device), host=host,
         )  # fmt: skip
-        out = self.block_runner(batch) if self.block_runner is not None and host is not None else None
+        return batch, host is not None
+
+    def draft_block(self, anchor_ids: Tensor, anchor_positions: Tensor) -> DraftBlock:
+        """anchor_ids / anchor_positions `[B] int64` (request b in cache slot `slots[b]`) -> base logits
+        `[B, N, V] float32` and pre-norm hidden `[B, N, d]`; the rings are read, never written."""
+        b, n = anchor_ids.shape[0], self.block_size
+        batch, has_host = self._round_batch(anchor_ids, anchor_positions)
+        out = self.block_runner(batch) if self.block_runner is not None and has_host else None
         if out is None:
             out = dspark.draft_block(self.model, batch, self.cache)
         return DraftBlock(base_logits=out.base_logits.view(b, n, -1), hidden=out.hidden.view(b, n, -1))
+
+    def propose_block(self, anchor_ids: Tensor, anchor_positions: Tensor, *, temperature: Tensor | None = None,
+                      seeds: Tensor | None = None) -> DraftProposal | None:  # fmt: skip
+        """The pass and the Markov sampling as one replay (`proposal_runner`), exactly `sample_block(draft_block(
+        ...))`'s proposal; None (the caller takes the two steps) without a runner or the caller's host facts, or
+        when the runner declines the round. temperature: the host `[B]` float32 the caller checked."""
+        if self.proposal_runner is None or self.round_host is None:
+            return None
+        batch, _ = self._round_batch(anchor_ids, anchor_positions)
+        return self.proposal_runner(batch, self._heads, self.heads_version, temperature, seeds)
 
     def insert_context(self, batch: ForwardBatch, features: dict[int, Tensor]) -> Tensor:
         """Write the draft rings for the accepted positions of `batch` from the target's captured features

@@ -157,6 +157,9 @@ class _Graph:
     hidden: Tensor | None = None  # verify graphs: the final streams [B * Q, n, d]
     features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [B * Q, d]
     capture: tuple[int, ...] | None = None  # verify graphs: the feature layers they capture
+    proposal: Any = None  # draft-round graphs: the DraftProposal of all B rows, written by every replay
+    sampling: tuple[Tensor, Tensor, Tensor] | None = None  # their static [B] temperatures (device, pinned host), seeds
+    copied: torch.cuda.Event | None = None  # recorded after the copy out of the pinned temperatures
 
 
 class CudaGraphRunner:
@@ -174,6 +177,10 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, ...], _Graph] = {}  # (B, L): decode graphs; (B, L, Q): verify graphs
         self.stats = GraphStats()
         self._pool = None
+        # the draft-round graphs' own pool: their proposal outputs are read by the verify forward replayed after
+        # them, so no other graph's intermediates may share their memory (graphs of one pool may overwrite the
+        # outputs of graphs captured before them)
+        self._draft_pool = None
         self._pools: list = []  # every pool graphs were captured into (a failed capture starts a new one)
         self._stream: torch.cuda.Stream | None = None
         self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
@@ -272,7 +279,7 @@ class CudaGraphRunner:
             # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
             # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
             # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
-            self._pool = self._stream = None
+            self._pool = self._stream = self._draft_pool = None
             self.failed[shape] = f"{type(exc).__name__}: {exc}"
             logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
             return None
@@ -310,16 +317,22 @@ class CudaGraphRunner:
     def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
         return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
-    def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None) -> tuple[Any, Any]:
+    def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None, *,
+                draft_pool: bool = False) -> tuple[Any, Any]:  # fmt: skip
         """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
         (Triton compiles / autotunes there, plans register, lazies initialise); `graph.replay()` rewrites the
         outputs in place. `prepare` runs after the first warm-up (the static step's `freeze`: its plans are
-        registered by then, and the second warm-up already runs on the frozen buffers)."""
+        registered by then, and the second warm-up already runs on the frozen buffers). draft_pool: capture into
+        the draft-round graphs' pool instead of the shared one."""
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._pools.append(self._pool)
             self._stream = torch.cuda.Stream(self.device)
+        if draft_pool and self._draft_pool is None:
+            self._draft_pool = torch.cuda.graph_pool_handle()
+            self._pools.append(self._draft_pool)
+        pool = self._draft_pool if draft_pool else self._pool
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for i in range(2):
@@ -329,7 +342,7 @@ class CudaGraphRunner:
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
+        with torch.cuda.graph(graph, pool=pool, stream=self._stream):
             out = forward()
         torch.cuda.synchronize(self.device)
         return graph, out
@@ -406,6 +419,81 @@ class CudaGraphRunner:
         graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step), step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
         return self._keep(("draft", B, N), g, "draft", t0)
+
+    def run_draft_proposal(self, batch: object, heads: Any, version: int, temperature: Tensor | None,
+                           seeds: Tensor | None) -> Any:  # fmt: skip
+        """The DSpark round's parallel pass AND its Markov sampling and confidence (`deepinfer_dspark.sample_core`)
+        as one replay: the `DraftProposal` that `sample_block(dspark.draft_block(...))` gives for the round's S
+        real blocks (rows of the graph's buffers, valid until its next replay), or None (the caller takes the two
+        steps: `run_draft`, then the eager sampling).
+
+        heads: the drafter's `DraftHeads`, baked into the graph (its STS temperatures are constants there), so
+        graphs are keyed by the drafter's `version` of them. temperature: host `[S]` float32 (0 = greedy row;
+        None = all greedy), checked by the caller; seeds: device `[S]` int64 (with a temperature). A round with
+        a sampled row replays the graph of the mixed formulation (greedy rows one-hot), which gives an
+        all-sampled round's values bit for bit; an all-greedy round replays the greedy graph (no softmax)."""
+        from deepinfer_dspark import DraftProposal
+
+        S = batch.num_seqs
+        N = batch.query_lens[0] if S else 0
+        B = pick_bucket(S, self.batch_sizes)
+        if B is None or batch.host is None or any(n != N for n in batch.query_lens):
+            return None  # `run_draft` counts the eager step when the caller falls back
+        sampled = temperature is not None and bool((temperature > 0).any())
+        key = ("draft", B, N, "sampled" if sampled else "greedy", int(version))
+        facts = DecodeFacts.of(batch, N)
+        if key in self.failed or int(facts.ctx.max()) + N > int(self.model.args.max_position_embeddings):
+            return None
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._try_capture(key, lambda: self._capture_proposal(B, N, sampled, heads, key))
+            if g is None:
+                return None
+        g.step.fill(facts)
+        T = batch.num_tokens
+        g.step.batch.input_ids[:T].copy_(batch.input_ids)  # every sequence has N rows: real rows are [:T]
+        if sampled:
+            temp, temp_host, seed = g.sampling
+            if g.copied is not None and not g.copied.query():  # the last round's copy still reads the buffer
+                g.copied.synchronize()
+            t = temp_host.numpy()
+            t[:S], t[S:] = temperature.to(torch.float32).numpy(), 0.0  # padding rows: greedy
+            temp.copy_(temp_host, non_blocking=True)
+            g.copied = g.copied or torch.cuda.Event()
+            g.copied.record()
+            seed[:S].copy_(seeds)
+        g.graph.replay()
+        self.stats.draft_replays += 1
+        p = g.proposal
+        return DraftProposal(draft_ids=p.draft_ids[:S], confidence=None if p.confidence is None else p.confidence[:S],
+                             draft_probs=None if p.draft_probs is None else p.draft_probs[:S])
+
+    def _capture_proposal(self, B: int, N: int, sampled: bool, heads: Any, key: tuple) -> _Graph:
+        from deepinfer_dspark import DraftBlock, sample_core, sts_divisors
+
+        from deepinfer_engine.model import dspark
+
+        t0 = time.perf_counter()
+        step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
+        dev = self.device
+        sampling = None
+        if sampled:
+            sampling = (torch.zeros(B, dtype=torch.float32, device=dev), torch.zeros(B, dtype=torch.float32,
+                        pin_memory=True), torch.zeros(B, dtype=torch.int64, device=dev))  # fmt: skip
+        # the STS divisors as constants made outside the capture (a host tensor cannot be copied inside one)
+        divisors = {flag: sts_divisors(heads, N, flag, dev) for flag in (False, True)}
+
+        def forward() -> Any:
+            out = dspark.draft_block(self.model, None, self.cache, static=step)
+            block = DraftBlock(base_logits=out.base_logits.view(B, N, -1), hidden=out.hidden.view(B, N, -1))
+            batch = step.batch  # read here: freeze() replaces the step's tensors after the first warm-up
+            anchors, positions = batch.input_ids.view(B, N)[:, 0], batch.positions.view(B, N)[:, 0]
+            return sample_core(block, heads, anchors, positions, temp=None if sampling is None else sampling[0],
+                               seeds=None if sampling is None else sampling[2], divisors=divisors)
+
+        graph, prop = self._record(forward, step.freeze, draft_pool=True)
+        g = _Graph(step=step, graph=graph, logits=prop.draft_ids, proposal=prop, sampling=sampling)
+        return self._keep(key, g, "draft", t0)
 
     # ------------------------------------------------------------------------------------ V4 MTP draft pass
     def run_mtp(self, batch: object, hidden: Tensor, max_tokens: int = 2) -> Tensor | None:

@@ -594,8 +594,9 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     except DSparkInputError as err:
         raise ConfigError(f"{model_dir}: the shipped Confidence Head calibration does not fit this checkpoint "
                           f"({err}); fix: rebuild it for this checkpoint or delete {STS_FILE} / {CONFIDENCE_FILE}") from err
-    if graphs is not None:  # the stages' parallel pass replays a CUDA graph per batch bucket
+    if graphs is not None:  # the stages' parallel pass (and the Markov sampling) replay a CUDA graph per bucket
         drafter.block_runner = graphs.run_draft
+        drafter.proposal_runner = graphs.run_draft_proposal
     if policy.kind in ("threshold", "cost") and drafter.heads.confidence is None:
         raise ConfigError(f"speculative_policy: found {policy.kind!r}, but the checkpoint has no Confidence Head; "
                           "use verify_all")
