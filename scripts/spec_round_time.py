@@ -7,9 +7,10 @@ Runs `LLM(..., speculative_config={"method": "dspark", "policy": ...})` (synchro
 default) over the testbed's held-out prompts and reports, per round, the median over `--repeats` runs of the
 inclusive wall time spent inside each phase (`PHASES`: wall-clock wrappers around the engine's methods, ~1 µs
 each). Phases nest: `begin` (the draft pass and the policy) holds `propose` (`draft_block` = the draft stages'
-forward, `sample_block` = the Markov loop and confidence) and `policy` (`schedule_verification`; `begin`'s
+forward, `sample_block` = the Markov loop and confidence; `propose_block` = both as one graph replay) and `policy` (`schedule_verification`; `begin`'s
 remainder holds the host read of the drafts); `launch_verify` holds `verify`; `collect_verify` holds `insert_context` (the draft rings'
-update from the step's target features). Phases that wait for the device (the read of the drafts, the read of the
+update from the step's target features: `ic_stages` the stages' part, which holds `ic_project_kv` and `ic_write`;
+`ic_context` counts every `ForwardContext.build`, the eager forwards' included). Phases that wait for the device (the read of the drafts, the read of the
 verification result) hold the device work queued before them.
 `--profile` adds a torch profile of one run: CUDA kernel launches, graph launches, host syncs and summed kernel
 time per round, and the top device kernels.
@@ -40,6 +41,7 @@ PHASES = (
     ("launch", "deepinfer_engine.worker.model_runner", "ModelRunner", "launch"),
     ("begin", "deepinfer_engine.worker.spec_decode", "SpecDecoder", "begin"),
     ("propose", "deepinfer_engine.worker.spec_decode", None, "propose"),
+    ("propose_block", "deepinfer_engine.model.dspark_drafter", "StageDrafter", "propose_block"),
     ("draft_block", "deepinfer_engine.model.dspark_drafter", "StageDrafter", "draft_block"),
     ("sample_block", "deepinfer_dspark.propose", None, "sample_block"),
     ("policy", "deepinfer_engine.worker.spec_decode", None, "schedule_verification"),
@@ -50,6 +52,10 @@ PHASES = (
     ("collect", "deepinfer_engine.worker.model_runner", "ModelRunner", "collect"),
     ("collect_verify", "deepinfer_engine.worker.spec_decode", "SpecDecoder", "collect_verify"),
     ("insert_context", "deepinfer_engine.worker.spec_decode", "SpecDecoder", "insert_context"),
+    ("ic_stages", "deepinfer_engine.model.dspark", None, "insert_context"),
+    ("ic_context", "deepinfer_engine.model.forward_batch", "ForwardContext", "build"),
+    ("ic_project_kv", "deepinfer_engine.model.attention", "Attention", "project_kv"),
+    ("ic_write", "deepinfer_engine.model.attention", "Attention", "write_window"),
     ("outputs", "deepinfer_engine.output_processor", "OutputProcessor", "process"),
 )
 
@@ -155,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--engine-option", action="append", default=[], help="extra LLM option key=value (JSON value)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="draft rounds take the pass's graph + the eager sampling (no fused proposal graph)")
     ap.add_argument("--output-json")
     args = ap.parse_args(argv)
 
@@ -170,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu":
         opts.setdefault("kv_cache_memory_bytes", 1 << 30)
     llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": args.policy}, **opts)
+    if args.unfused:
+        llm.engine.runner.spec.drafter.proposal_runner = None
     phases = Phases()
     phases.install()
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
-                              "prompts": args.prompts, "policy": args.policy, "runs": {}}
+                              "prompts": args.prompts, "policy": args.policy, "unfused": args.unfused, "runs": {}}
     for temp in args.temperature:
         sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True, seed=args.seed)
         for _ in range(2):  # compiles and captures for this temperature's shapes
