@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from profile_step import engine_options  # the --engine-option parser (this script's folder is on sys.path)
+from phase_timer import PhaseTimer  # this script's folder is on sys.path
+from profile_step import engine_options  # the --engine-option parser
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,37 +143,6 @@ PHASES = (
 )
 
 
-class _Phases:
-    """Wall time per host phase (PHASES) since the last `take()`; the wrappers stay for the process."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-
-    def install(self) -> None:
-        import importlib
-
-        for name, module, cls, method in PHASES:
-            owner = getattr(importlib.import_module(module), cls)
-            setattr(owner, method, self._wrap(name, getattr(owner, method)))
-
-    def _wrap(self, name: str, fn: Any) -> Any:
-        sums = self.sums
-
-        def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                sums[name] = sums.get(name, 0.0) + time.perf_counter() - t0
-
-        return timed
-
-    def take(self) -> dict[str, float]:
-        out = dict(self.sums)
-        self.sums.clear()
-        return out
-
-
 class _TimedSampler:
     """The runner's sampler with its calls' wall time added to the clock's forward time (CPU runs)."""
 
@@ -195,7 +165,7 @@ class _TimedSampler:
 
 
 def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, warmup: int,
-            prof: cProfile.Profile | None, phases: _Phases | None = None) -> dict[str, Any]:
+            prof: cProfile.Profile | None, phases: PhaseTimer | None = None) -> dict[str, Any]:
     from deepinfer_engine import SamplingParams
 
     eng = llm.engine
@@ -231,7 +201,7 @@ def measure(llm: Any, clock: _Clock, batch: int, input_len: int, steps: int, war
         if measuring:
             rows.append((dt, fwd, wait))
             if phases is not None:
-                per_phase.append(phases.take())
+                per_phase.append(phases.take()[0])
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -257,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     clock.install_wait()
     phases = None
     if ns.phases:
-        phases = _Phases()
+        phases = PhaseTimer(PHASES)
         phases.install()
     measure(llm, clock, 1, 8, 3, 0, None)  # warm-up: allocations, compilation, graph captures of B = 1
     prof = cProfile.Profile() if ns.profile else None

@@ -19,7 +19,6 @@ time per round, and the top device kernels.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
@@ -31,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dspark_policies import _testbed, ensure_calibration, prompt_sets  # noqa: E402
+from phase_timer import PhaseTimer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,41 +60,7 @@ PHASES = (
 )
 
 
-class Phases:
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-
-    def install(self) -> None:
-        for name, module, owner, attr in PHASES:
-            mod = importlib.import_module(module)
-            target = mod if owner is None else getattr(mod, owner, None)
-            if target is None or not hasattr(target, attr):
-                print(f"phase {name}: {module}.{owner}.{attr} not found, not timed", file=sys.stderr)
-                continue
-            setattr(target, attr, self._wrap(name, getattr(target, attr)))
-
-    def _wrap(self, name: str, fn: Any) -> Any:
-        sums, calls = self.sums, self.calls
-
-        def timed(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                sums[name] = sums.get(name, 0.0) + time.perf_counter() - t0
-                calls[name] = calls.get(name, 0) + 1
-
-        return timed
-
-    def take(self) -> tuple[dict[str, float], dict[str, int]]:
-        out = dict(self.sums), dict(self.calls)
-        self.sums.clear()
-        self.calls.clear()
-        return out
-
-
-def one_run(llm: Any, prompts: list[list[int]], sp: Any, phases: Phases) -> dict[str, Any]:
+def one_run(llm: Any, prompts: list[list[int]], sp: Any, phases: PhaseTimer) -> dict[str, Any]:
     spec = llm.engine.runner.spec
     spec.reset_stats()
     spec.timing.rounds = 0
@@ -180,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": args.policy}, **opts)
     if args.unfused:
         llm.engine.runner.spec.drafter.proposal_runner = None
-    phases = Phases()
+    phases = PhaseTimer(PHASES)
     phases.install()
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
                               "prompts": args.prompts, "policy": args.policy, "unfused": args.unfused, "runs": {}}
