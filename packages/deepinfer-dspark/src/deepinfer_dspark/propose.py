@@ -156,8 +156,8 @@ def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor,
     base, hidden = block.base_logits, block.hidden
     batch, width, _ = base.shape
     device = base.device
-    # the loop is sequential (each draft conditions the next bias) and runs eagerly, one launch per op: everything
-    # that does not depend on the previous draft is done once per block instead of once per position
+    # the loop is sequential (each draft conditions the next bias): eagerly one launch per op (a graph replays the
+    # whole of it at once), so everything that does not depend on the previous draft is done once per block
     w2t = heads.markov_head.float().T
     any_sampled = temp is not None
     if any_sampled:
