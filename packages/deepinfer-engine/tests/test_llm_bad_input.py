@@ -4,8 +4,11 @@ Every call mixes fixed valid greedy requests with random prompts and random Samp
 invalid). After every call: nothing but a typed error escaped (construction of SamplingParams: its ValueError;
 `LLM.generate`: InputError, raised only when one of the random requests is inadmissible on its own, and then
 nothing of the call ran); when the call returned, the valid requests have exactly the outputs they have alone;
-the engine is clean (no queued or tracked leftovers, every cache page free) and a fresh valid call works.
-CI runs 10 examples; DEEPINFER_FUZZ_EXAMPLES=N runs N.
+the engine is clean (no queued or tracked leftovers, every cache page free) and a fresh valid call works. The
+random calls run on four engines: the default one, asynchronous scheduling, DSpark speculation (cost policy on a fixed latency curve: no start-up profile) and
+DSpark with asynchronous scheduling (threshold policy); the valid requests' outputs are those of the default
+engine alone on every one of them (fp32: speculation and asynchronous scheduling are exact).
+CI runs 10 examples per engine; DEEPINFER_FUZZ_EXAMPLES=N runs N.
 """
 
 from __future__ import annotations
@@ -31,6 +34,26 @@ def llm(tiny_ckpt) -> LLM:
 @pytest.fixture(scope="module")
 def alone(llm: LLM) -> list[list[int]]:
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in VALID]
+
+
+ENGINES = {
+    "default": {},
+    "async": dict(async_scheduling=True),
+    "dspark": dict(speculative_config={"method": "dspark", "policy": "cost", "latency": "affine:0.02,0.0005"}),
+    "dspark_async": dict(speculative_config={"method": "dspark", "policy": "threshold"}, async_scheduling=True),
+}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def any_llm(request, llm: LLM, tiny_ckpt) -> LLM:
+    """The default engine, or one with the scheduling / speculation options of ENGINES on the same checkpoint."""
+    if not ENGINES[request.param]:
+        return llm
+    out = LLM(tiny_ckpt("v41"), device="cpu", dtype="float32", page_size=4, max_model_len=MAX_MODEL_LEN,
+              **ENGINES[request.param])
+    assert (out.engine.runner.spec is not None) == request.param.startswith("dspark")
+    assert out.config.scheduler.async_scheduling == request.param.endswith("async")
+    return out
 
 
 def _vocab(llm: LLM) -> int:
@@ -94,7 +117,8 @@ def _inadmissible(llm: LLM, prompt, sp) -> bool:
 @settings(max_examples=int(os.environ.get("DEEPINFER_FUZZ_EXAMPLES", "10")), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(data=st.data())
-def test_random_requests_never_break_the_engine(llm: LLM, alone: list[list[int]], data) -> None:
+def test_random_requests_never_break_the_engine(any_llm: LLM, alone: list[list[int]], data) -> None:
+    llm = any_llm
     v = _vocab(llm)
     randoms = data.draw(st.lists(_random_request(v), min_size=1, max_size=3), label="random requests")
     built = []
