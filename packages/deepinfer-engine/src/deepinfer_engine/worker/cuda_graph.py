@@ -446,6 +446,9 @@ class CudaGraphRunner:
             return None
         g = self.graphs.get(key)
         if g is None:
+            # graphs of earlier heads are never replayed again: their memory goes back to the draft pool
+            for old in [k for k in self.graphs if k[0] == "draft" and len(k) == 5 and k[4] != key[4]]:
+                del self.graphs[old]
             g = self._try_capture(key, lambda: self._capture_proposal(B, N, sampled, heads, key))
             if g is None:
                 return None
