@@ -152,7 +152,7 @@ class _DecodeOutputs:
 class _Graph:
     step: StaticDecodeStep
     graph: torch.cuda.CUDAGraph
-    logits: Tensor  # [B * Q, V] float32, written by every replay
+    logits: Tensor | None  # [B * Q, V] float32, written by every replay (None: draft-round graphs)
     greedy: Tensor | None = None  # decode graphs: [B] int64 greedy ids of the logits (INVALID_TOKEN: not finite)
     hidden: Tensor | None = None  # verify graphs: the final streams [B * Q, n, d]
     features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [B * Q, d]
@@ -495,7 +495,7 @@ class CudaGraphRunner:
                                seeds=None if sampling is None else sampling[2], divisors=divisors)
 
         graph, prop = self._record(forward, step.freeze, draft_pool=True)
-        g = _Graph(step=step, graph=graph, logits=prop.draft_ids, proposal=prop, sampling=sampling)
+        g = _Graph(step=step, graph=graph, logits=None, proposal=prop, sampling=sampling)
         return self._keep(key, g, "draft", t0)
 
     # ------------------------------------------------------------------------------------ V4 MTP draft pass
