@@ -126,6 +126,14 @@ def _warm(job: tuple[str | None, dict[str, Any]]) -> str:
         return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
+def _tiny_inputs():
+    """q, kv, indices, sink of one decode token at the V4.1 head shape (a first call compiles the kernel)."""
+    dev = torch.device("cuda")
+    q = torch.randn(1, H, D, device=dev).to(torch.bfloat16)
+    kv = torch.randn(256, D, device=dev).to(torch.bfloat16)
+    return q, kv, torch.arange(128, device=dev)[None, :], torch.randn(H, device=dev)
+
+
 def _split_choices(t: int) -> list[int | None]:
     """None = the kernel's own choice; explicit counts where the programs alone cannot fill the GPU."""
     return {1: [None, 10], 8: [None, 4], 64: [None, 1], 256: [None]}.get(t, [None])
@@ -141,6 +149,7 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=110.0)
     p.add_argument("--output-json", default="sweep_sparse_attn.json")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes in the triton interpreter (no timings)")
+    p.add_argument("--tilelang", default="", help="also time the TileLang kernel at these rows per tile, e.g. 64,32")
     ns = p.parse_args()
     t_start = time.time()
     global H, D, WINDOW, TOPK, POOL_ROWS
@@ -162,6 +171,17 @@ def main() -> None:
             cands.insert(1, ("before h64 n32 w8 s2", ns.baseline_module, dict(block_h=64, block_n=32, num_warps=8)))
     keep = set(ns.only.split(",")) if ns.only else None
     cands += [(lab, None, cfg) for lab, cfg in CANDIDATES if keep is None or lab in keep]
+    tl_cands: list[tuple[str, str | None, dict[str, Any]]] = []
+    if ns.tilelang:  # compiled in this process (tilelang's own cache), not by the triton workers
+        from deepinfer_kernels.sparse_attn import tilelang as tl_sa
+
+        for rows in [int(x) for x in ns.tilelang.split(",")]:
+            t0 = time.time()
+            q1, kv1, idx1, sink1 = _tiny_inputs()
+            tl_sa.sparse_attn(q1, kv1, idx1, sink1, D**-0.5, block_rows=rows)
+            tl_sa.sparse_attn(q1, kv1, idx1, sink1, D**-0.5, kv2=kv1, indices2=idx1, block_rows=rows)
+            print(f"# tilelang kernels (rows {rows}) compiled in {time.time() - t0:.1f} s", flush=True)
+            tl_cands.append((f"tilelang ws rows {rows}", "tilelang", dict(block_rows=rows)))
 
     # compile everything in parallel first (separate processes: triton's on-disk cache is shared)
     if ns.workers > 0:
@@ -173,7 +193,7 @@ def main() -> None:
     for (lab, _, _), st in zip(cands, status):
         if st != "ok":
             print(f"# {lab}: {st}", flush=True)
-    cands = [c for c, st in zip(cands, status) if st == "ok"]
+    cands = [c for c, st in zip(cands, status) if st == "ok"] + tl_cands
     print(f"# compiled {len(cands)} candidates in {time.time() - t_start:.1f} s", flush=True)
 
     dev = torch.device("cpu" if ns.smoke_cpu else "cuda")
@@ -182,6 +202,8 @@ def main() -> None:
     sink = torch.randn(H, device=dev, generator=g)
     scale = D**-0.5
     mods = {None: tk}
+    if ns.tilelang:
+        mods["tilelang"] = sys.modules["deepinfer_kernels.sparse_attn.tilelang"]
     if ns.baseline_module:
         mods[ns.baseline_module] = sys.modules["sweep_baseline_backend"]
     rows: list[dict[str, Any]] = []
@@ -196,7 +218,7 @@ def main() -> None:
                 q, ins[0]["kv"], ins[0]["indices"], sink, scale, ins[0].get("kv2"), ins[0].get("indices2")
             ).float()
             for lab, path, cfg in cands:
-                for splits in _split_choices(t):
+                for splits in ([None] if path == "tilelang" else _split_choices(t)):
                     if time.time() - t_start > ns.budget_s:
                         break
                     kw = dict(cfg)

@@ -42,3 +42,24 @@ def test_second_source_equals_one_concatenated_pool() -> None:
     flat = torch.cat([idx, torch.where(idx2 >= 0, idx2 + S, idx2)], 1)
     torch.testing.assert_close(out, sparse_attn(q, pool, flat, sink, 0.4), atol=1e-6, rtol=1e-6)
     assert torch.equal(out[2], torch.zeros(H, D))
+
+
+def test_tilelang_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
+    """backend="tilelang" names the missing piece and the fix: tilelang not installed, or inputs it has no kernel
+    for (CPU tensors, other head counts); "auto" never picks it on the CPU."""
+    import pytest
+    from deepinfer_kernels._backend import KernelBackendError
+    from deepinfer_kernels.sparse_attn import tilelang as tl_sa
+
+    q, kv = torch.randn(2, 64, 512).bfloat16(), torch.randn(8, 512).bfloat16()
+    idx, sink = torch.zeros(2, 4, dtype=torch.int64), torch.zeros(64)
+    monkeypatch.setattr(tl_sa, "tilelang_available", lambda: False)
+    with pytest.raises(KernelBackendError, match=r"not importable; install deepinfer-kernels\[tilelang\]"):
+        sparse_attn(q, kv, idx, sink, 0.1, backend="tilelang")
+    monkeypatch.setattr(tl_sa, "tilelang_available", lambda: True)
+    with pytest.raises(KernelBackendError, match="needs bf16 q \\[T, 64, 512\\] and kv on an sm_90 GPU"):
+        sparse_attn(q, kv, idx, sink, 0.1, backend="tilelang")
+    assert not tl_sa.supports(q, kv, idx, None)
+    assert not tl_sa.supports(q[:, :8], kv, idx, None)
+    ref = sparse_attn(q, kv, idx, sink, 0.1, backend="torch")
+    assert torch.equal(sparse_attn(q.repeat(64, 1, 1), kv, idx.repeat(64, 1), sink, 0.1)[:2], ref)

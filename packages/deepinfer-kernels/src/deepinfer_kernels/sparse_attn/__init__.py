@@ -1,16 +1,21 @@
-"""Sparse MQA attention over indexed kv rows with attn_sink (docs/model.md §A.4): torch reference + Triton."""
+"""Sparse MQA attention over indexed kv rows with attn_sink (docs/model.md §A.4): torch reference, Triton, and a
+warp-specialised TileLang kernel for decode batches at the V4.1 head shape (docs/kernels.md)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from deepinfer_kernels._backend import resolve_backend
+from deepinfer_kernels._backend import KernelBackendError, resolve_backend
 from deepinfer_kernels.sparse_attn import reference
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# From this many tokens on, "auto" runs the TileLang kernel where it applies (bf16, 64 heads x 512, sm_90, tilelang
+# installed): one CTA per token, so below about one wave of SMs the Triton kernel's index-list splits win
+# (H200 measurements in docs/perf.md "Sparse decode attention, warp-specialised").
+TILELANG_MIN_TOKENS = 128
 
-__all__ = ["sparse_attn"]
+__all__ = ["TILELANG_MIN_TOKENS", "sparse_attn"]
 
 
 def sparse_attn(
@@ -29,9 +34,11 @@ def sparse_attn(
     kv2 [S2, D] (same dtype) / indices2 [T, K2] int64: an optional second source read in place (e.g. a paged
     compressed cache viewed as [pages * rows, D], addressed by store rows): each token's list is indices[t]
     over kv followed by indices2[t] over kv2, one softmax over both (FlashMLA-style window + sparse extra KV).
-    backend: "auto" | "torch" | "triton" (deepinfer_kernels._backend.resolve_backend). The triton kernel needs q
-    and kv of one dtype in {bf16, fp16, fp32} and D <= 1024; it treats indices >= S like -1 instead of raising
-    (the range check below would cost a device sync per call)."""
+    backend: "auto" | "torch" | "triton" | "tilelang" (deepinfer_kernels._backend.resolve_backend; "tilelang" is
+    this op's own explicit choice). The triton kernel needs q and kv of one dtype in {bf16, fp16, fp32} and
+    D <= 1024; the tilelang kernel bf16, 64 heads, D = 512 on sm_90 (`tilelang.supports`), and "auto" takes it
+    from TILELANG_MIN_TOKENS tokens on. Both treat indices >= S like -1 instead of raising (the range check below
+    would cost a device sync per call)."""
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         raise ValueError(
             f"sparse_attn: expected q [T,H,D], kv [S,D], indices [T,K]; found {tuple(q.shape)}, "
@@ -54,9 +61,29 @@ def sparse_attn(
             f"sparse_attn: second source kv2 {tuple(kv2.shape)} {kv2.dtype}, indices2 {tuple(indices2.shape)} "
             f"{indices2.dtype}; expected kv2 [S2, {kv.shape[1]}] {kv.dtype} and indices2 [{q.shape[0]}, K2] int64"
         )
+    if backend == "tilelang":
+        from deepinfer_kernels.sparse_attn import tilelang as tilelang_backend
+
+        if not tilelang_backend.tilelang_available():
+            raise KernelBackendError(
+                "sparse_attn: backend='tilelang' but tilelang is not importable; install deepinfer-kernels[tilelang]"
+            )
+        if not tilelang_backend.supports(q, kv, indices, kv2):
+            raise KernelBackendError(
+                f"sparse_attn: backend='tilelang' has no kernel for q {tuple(q.shape)} {q.dtype} on {q.device}, kv "
+                f"{kv.dtype}; it needs bf16 q [T, 64, 512] and kv on an sm_90 GPU; use 'triton' or 'torch'"
+            )
+        return tilelang_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2)
     ok = q.dtype in _TRITON_DTYPES and kv.dtype == q.dtype and q.shape[2] <= 1024
     why = f"q {q.dtype}, kv {kv.dtype}, D {q.shape[2]}; needs one dtype in bf16/fp16/fp32 and D <= 1024"
     if resolve_backend("sparse_attn", backend, q, kv, indices, attn_sink, triton_ok=ok, why_not=why) == "triton":
+        if backend in ("auto", "device") and q.shape[0] >= TILELANG_MIN_TOKENS:
+            from deepinfer_kernels.sparse_attn import tilelang as tilelang_backend
+
+            if tilelang_backend.tilelang_available() and tilelang_backend.supports(q, kv, indices, kv2):
+                return tilelang_backend.sparse_attn(
+                    q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2
+                )
         from deepinfer_kernels.sparse_attn import triton as triton_backend
 
         return triton_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2)
