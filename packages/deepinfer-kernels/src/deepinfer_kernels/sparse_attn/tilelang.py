@@ -15,8 +15,8 @@ While warpgroup 1 multiplies tile j, warpgroup 0 already scores tile j + 1 and t
 Shapes: q [T, H, D] bf16 with H == 64 and D == 512 (one CTA holds all heads of a token: every gathered row feeds
 M = 64 tensor-core rows), kv [S, D] bf16, indices [T, K] int64; an optional second source kv2 [S2, D] /
 indices2 [T, K2] extends each token's list (the window ring + the compressed store at decode). Indices < 0 or past
-their source's rows are invalid: their score is -inf and the row read is row 0 (so shared memory never holds
-uninitialised values that 0 * NaN would carry into the output). The sink enters as the initial running max and
+their source's rows are invalid: their score is -inf and their tile row is zero-filled by the copy itself (no read;
+shared memory then never holds uninitialised values that 0 * NaN would carry into the output). The sink enters as the initial running max and
 denominator, as in the Triton kernel and the torch reference. Scores and softmax are fp32 in the log2 domain; P is
 rounded to bf16 for the value dot (FlashAttention's convention, as the Triton kernel).
 
@@ -143,7 +143,6 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
             if two_sources:
                 x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
                 in2 = col >= k1 and col < k1 + k2 and x2 >= 0 and x2 < T.cast(s2, i64)
-                # an invalid row reads row 0 of the first source: shared memory holds finite values
                 v.idx[r] = T.if_then_else(in1, x1, T.if_then_else(in2, x2, T.int64(0)))
                 v.src[r] = T.if_then_else(in1, 1, T.if_then_else(in2, 2, 0))
             else:
@@ -153,7 +152,9 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
         for r in T.unroll(passes):
             row = r * rows_per_pass + v.lane // row_threads
             ok[row] = v.src[r] > 0
-            # 16-byte cp.async per (thread, chunk); the mbarrier arrive below completes when they have landed
+            # 16-byte cp.async per (thread, chunk); an invalid row is zero-filled without a read (a shared
+            # dummy row would become a hot spot: short sequences have mostly -1 indices). The mbarrier arrive
+            # below completes when every copy has landed.
             for u in T.unroll(chunks):
                 cl = u * 64 + v.c0
                 if two_sources and v.src[r] == 2:
@@ -162,9 +163,12 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
                         T.access_ptr(k_r[row, cl], "w", 8), T.access_ptr(v.KV2[v.idx[r], D2 + cl], "r", 8), 8
                     )
                 else:
-                    T.ptx_cp_async(T.access_ptr(k_l[row, cl], "w", 8), T.access_ptr(v.KV[v.idx[r], cl], "r", 8), 8)
+                    live = v.src[r] > 0
                     T.ptx_cp_async(
-                        T.access_ptr(k_r[row, cl], "w", 8), T.access_ptr(v.KV[v.idx[r], D2 + cl], "r", 8), 8
+                        T.access_ptr(k_l[row, cl], "w", 8), T.access_ptr(v.KV[v.idx[r], cl], "r", 8), 8, live
+                    )
+                    T.ptx_cp_async(
+                        T.access_ptr(k_r[row, cl], "w", 8), T.access_ptr(v.KV[v.idx[r], D2 + cl], "r", 8), 8, live
                     )
         T.cp_async_barrier_noinc(ready)
 
