@@ -125,6 +125,7 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
     def value_tile(v, ready, ok, k_l, k_r, free, p, j):
         T.barrier_arrive(v.p_ready)
         T.barrier_wait(v.p_ready, j & 1)
+        T.fence_proxy_async()  # the tile's rows were written by cp.async (generic proxy); wgmma reads them
         for h, d in T.Parallel(H, D2):
             v.acc_r[h, d] = v.acc_r[h, d] * v.alpha_sh[h]
         T.gemm(v.p_sh, k_r, v.acc_r)
@@ -170,6 +171,9 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
                     T.ptx_cp_async(
                         T.access_ptr(k_r[row, cl], "w", 8), T.access_ptr(v.KV[v.idx[r], D2 + cl], "r", 8), 8, live
                     )
+        # Two arrivals per producer thread complete a buffer's phase: a plain arrive (release: the validity flags
+        # written above) and the copy-tracking one (fires when this thread's copies have landed).
+        T.barrier_arrive(ready)
         T.cp_async_barrier_noinc(ready)
 
     @T.prim_func
@@ -203,7 +207,7 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
             idx = T.alloc_local([passes], i64)
             src = T.alloc_local([passes], "int32")
 
-            ready = [T.alloc_barrier(arrive_count=128) for _ in range(n_buf)]
+            ready = [T.alloc_barrier(arrive_count=256) for _ in range(n_buf)]
             free = [T.alloc_barrier(arrive_count=256) for _ in range(n_buf)]
             p_ready = T.alloc_barrier(arrive_count=256)
             p_free = T.alloc_barrier(arrive_count=256)
