@@ -11,9 +11,9 @@ from deepinfer_kernels.sparse_attn import reference
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # From this many tokens on, "auto" runs the TileLang kernel where it applies (bf16, 64 heads x 512, sm_90, tilelang
-# installed): one CTA per token, so below about one wave of SMs the Triton kernel's index-list splits win
-# (H200 measurements in docs/perf.md "Sparse decode attention, warp-specialised").
-TILELANG_MIN_TOKENS = 128
+# installed): one CTA per token, so at 16 tokens and fewer the Triton kernel's index-list splits win (H200: 24.5 vs
+# 22.6 us at 16 tokens, 25.0 vs 28.4 at 32; docs/perf.md "Sparse decode attention, warp-specialised").
+TILELANG_MIN_TOKENS = 32
 
 __all__ = ["TILELANG_MIN_TOKENS", "sparse_attn"]
 
