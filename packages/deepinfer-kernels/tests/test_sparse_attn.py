@@ -63,3 +63,26 @@ def test_tilelang_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
     assert not tl_sa.supports(q[:, :8], kv, idx, None)
     ref = sparse_attn(q, kv, idx, sink, 0.1, backend="torch")
     assert torch.equal(sparse_attn(q.repeat(64, 1, 1), kv, idx.repeat(64, 1), sink, 0.1)[:2], ref)
+
+
+def test_auto_takes_tilelang_only_without_an_explicit_triton_request(monkeypatch) -> None:
+    """On the GPU path, "auto" runs the TileLang kernel from TILELANG_MIN_TOKENS tokens on where it applies, but not
+    under DEEPINFER_KERNEL_BACKEND=triton nor below the threshold (the kernels are stubbed: this checks routing)."""
+    import deepinfer_kernels.sparse_attn as sa
+    from deepinfer_kernels.sparse_attn import tilelang as tl_sa
+    from deepinfer_kernels.sparse_attn import triton as tr_sa
+
+    calls = []
+    monkeypatch.setattr(sa, "resolve_backend", lambda *a, **k: "triton")
+    monkeypatch.setattr(tl_sa, "tilelang_available", lambda: True)
+    monkeypatch.setattr(tl_sa, "supports", lambda *a: True)
+    monkeypatch.setattr(tl_sa, "sparse_attn", lambda *a, **k: calls.append("tilelang"))
+    monkeypatch.setattr(tr_sa, "sparse_attn", lambda *a, **k: calls.append("triton"))
+    kv, sink = torch.randn(8, 512).bfloat16(), torch.zeros(64)
+    n = sa.TILELANG_MIN_TOKENS
+    for t, env, backend in [(n, "", "auto"), (n - 1, "", "auto"), (n, "triton", "auto"), (n, "", "device"),
+                            (n, "", "triton-where-supported")]:  # fmt: skip
+        monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", env)
+        q, idx = torch.randn(t, 64, 512).bfloat16(), torch.zeros(t, 4, dtype=torch.int64)
+        sparse_attn(q, kv, idx, sink, 0.1, backend=backend)
+    assert calls == ["tilelang", "triton", "triton", "tilelang", "triton"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepinfer_kernels._backend import KernelBackendError, resolve_backend
+from deepinfer_kernels._backend import KernelBackendError, backend_from_env, resolve_backend
 from deepinfer_kernels.sparse_attn import reference
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -77,7 +77,9 @@ def sparse_attn(
     ok = q.dtype in _TRITON_DTYPES and kv.dtype == q.dtype and q.shape[2] <= 1024
     why = f"q {q.dtype}, kv {kv.dtype}, D {q.shape[2]}; needs one dtype in bf16/fp16/fp32 and D <= 1024"
     if resolve_backend("sparse_attn", backend, q, kv, indices, attn_sink, triton_ok=ok, why_not=why) == "triton":
-        if backend in ("auto", "device") and q.shape[0] >= TILELANG_MIN_TOKENS:
+        # "auto" under DEEPINFER_KERNEL_BACKEND=triton is an explicit request for the Triton kernels
+        auto = backend == "device" or (backend == "auto" and backend_from_env() == "device")
+        if auto and q.shape[0] >= TILELANG_MIN_TOKENS:
             from deepinfer_kernels.sparse_attn import tilelang as tilelang_backend
 
             if tilelang_backend.tilelang_available() and tilelang_backend.supports(q, kv, indices, kv2):
