@@ -4,8 +4,8 @@ Why a second backend: the Triton kernel (triton.py) runs every role in the same 
 dot, softmax and value dot follow each other and at most a few gathers are in flight; at 256 tokens it stays well
 behind FlashMLA (docs/perf.md "Sparse decode attention"). Here the roles run in separate warpgroups that meet at
 mbarriers, the structure of FlashMLA's sparse decode:
-- warpgroup 2 (producer, few registers) gathers the rows of tile j into one of two shared buffers with cp.async,
-  reading each row's index itself (so the index list never passes through the consumers);
+- warpgroup 2 (producer, few registers) gathers the rows of tile j into one of the shared tile buffers with
+  cp.async, reading each row's index itself (so the index list never passes through the consumers);
 - warpgroup 0 computes the scores S = Q K^T of the tile over all of D, the online softmax, and its half of the
   output columns O[:, :D/2] += P V[:, :D/2];
 - warpgroup 1 rescales and accumulates the other half O[:, D/2:] += P V[:, D/2:] from the P and the rescale factor
@@ -16,8 +16,8 @@ Shapes: q [T, H, D] bf16 with H == 64 and D == 512 (one CTA holds all heads of a
 M = 64 tensor-core rows), kv [S, D] bf16, indices [T, K] int64; an optional second source kv2 [S2, D] /
 indices2 [T, K2] extends each token's list (the window ring + the compressed store at decode). Indices < 0 or past
 their source's rows are invalid: their score is -inf and their tile row is zero-filled by the copy itself (no read;
-shared memory then never holds uninitialised values that 0 * NaN would carry into the output). The sink enters as the initial running max and
-denominator, as in the Triton kernel and the torch reference. Scores and softmax are fp32 in the log2 domain; P is
+shared memory then never holds uninitialised values that 0 * NaN would carry into the output). The sink enters as
+the initial running max and denominator, as in the Triton kernel and the torch reference. Scores and softmax are fp32 in the log2 domain; P is
 rounded to bf16 for the value dot (FlashAttention's convention, as the Triton kernel).
 
 tilelang is an optional dependency (`deepinfer-kernels[tilelang]`), imported only inside functions; kernels are
@@ -32,7 +32,17 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-__all__ = ["BLOCK_ROWS", "BUFFER_ROWS", "HEADS", "HEAD_DIM", "build_kernel", "sparse_attn", "supports", "tilelang_available"]
+__all__ = [
+    "BLOCK_ROWS",
+    "BUFFER_ROWS",
+    "HEADS",
+    "HEAD_DIM",
+    "build_kernel",
+    "pass_configs",
+    "sparse_attn",
+    "supports",
+    "tilelang_available",
+]
 
 HEADS = 64
 HEAD_DIM = 512
@@ -264,7 +274,8 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
 def pass_configs() -> dict:
     """TileLang pass options of this kernel. The gathers' row indices are data: the safe-memory pass cannot prove
     them in bounds and would turn every cp.async into a guarded synchronous load, so it is off (the producer
-    range-checks each index itself)."""
+    range-checks each index itself). TIR_USE_ASYNC_COPY is the setting every measurement ran with; the gathers
+    issue their cp.async explicitly either way."""
     import tilelang
 
     return {
@@ -305,7 +316,7 @@ def sparse_attn(
     if block_rows not in (16, 32, 64):
         raise ValueError(f"sparse_attn (tilelang): block_rows {block_rows}, expected 16, 32 or 64")
     t = q.shape[0]
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if t == 0:
         return out
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
