@@ -51,6 +51,7 @@ BUFFER_ROWS = 128  # rows of all tile buffers together: 128 KiB, + Q 64 KiB + P 
 _LOG2E = 1.4426950408889634
 
 
+@functools.cache  # a failed import is not cached by Python: without this every eager call would search sys.path
 def tilelang_available() -> bool:
     """True when `import tilelang` succeeds (it is an optional extra)."""
     try:
