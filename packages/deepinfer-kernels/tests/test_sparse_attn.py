@@ -57,7 +57,7 @@ def test_tilelang_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
     with pytest.raises(KernelBackendError, match=r"not importable; install deepinfer-kernels\[tilelang\]"):
         sparse_attn(q, kv, idx, sink, 0.1, backend="tilelang")
     monkeypatch.setattr(tl_sa, "tilelang_available", lambda: True)
-    with pytest.raises(KernelBackendError, match="needs bf16 q \\[T, 64, 512\\] and kv on an sm_90 GPU"):
+    with pytest.raises(KernelBackendError, match="needs bf16 q \\[T, 64, 512\\] and kv on an sm_90 GPU and a non-empty first index list"):
         sparse_attn(q, kv, idx, sink, 0.1, backend="tilelang")
     assert not tl_sa.supports(q, kv, idx, None)
     assert not tl_sa.supports(q[:, :8], kv, idx, None)

@@ -70,8 +70,9 @@ def sparse_attn(
             )
         if not tilelang_backend.supports(q, kv, indices, kv2):
             raise KernelBackendError(
-                f"sparse_attn: backend='tilelang' has no kernel for q {tuple(q.shape)} {q.dtype} on {q.device}, kv "
-                f"{kv.dtype}; it needs bf16 q [T, 64, 512] and kv on an sm_90 GPU; use 'triton' or 'torch'"
+                f"sparse_attn: backend='tilelang' has no kernel for q {tuple(q.shape)} {q.dtype} on {q.device}, "
+                f"kv {kv.dtype}, indices {tuple(indices.shape)}; it needs bf16 q [T, 64, 512] and kv on an sm_90 "
+                "GPU and a non-empty first index list; use 'triton' or 'torch'"
             )
         return tilelang_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2)
     ok = q.dtype in _TRITON_DTYPES and kv.dtype == q.dtype and q.shape[2] <= 1024
