@@ -1,4 +1,4 @@
-"""Sweep of the Triton sparse decode attention at the V4.1 shapes on one GPU (CUDA only; 30-40 s on an H200).
+"""Sweep of the Triton sparse decode attention (and, with --tilelang ROWS, the TileLang kernel) at the V4.1 shapes on one GPU
 
 Run from the repo root:
     PYTHONPATH=packages/deepinfer-kernels/src python3 packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py \

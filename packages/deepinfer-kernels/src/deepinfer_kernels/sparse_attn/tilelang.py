@@ -46,7 +46,7 @@ __all__ = [
 
 HEADS = 64
 HEAD_DIM = 512
-BLOCK_ROWS = 64  # rows per gathered tile (16, 32 or 64)
+BLOCK_ROWS = 64  # rows per gathered tile: 64 or 32 (both checked against the reference on the H200; 64 faster)
 BUFFER_ROWS = 128  # rows of all tile buffers together: 128 KiB, + Q 64 KiB + P fill 200 KiB of an SM's 227 KiB
 _LOG2E = 1.4426950408889634
 
@@ -312,10 +312,10 @@ def sparse_attn(
 ) -> Tensor:
     """q [T, 64, 512] bf16; kv [S, 512] bf16; indices [T, K] int64 (-1 / out of range = none); attn_sink [64];
     kv2 [S2, 512] / indices2 [T, K2]: an optional second source -> [T, 64, 512] bf16. Inputs are validated by
-    the package dispatcher, which also checks `supports` first. block_rows (16, 32, 64): rows per gathered tile,
+    the package dispatcher, which also checks `supports` first. block_rows (32 or 64): rows per gathered tile,
     with BUFFER_ROWS // block_rows tiles in flight (benchmark sweeps)."""
-    if block_rows not in (16, 32, 64):
-        raise ValueError(f"sparse_attn (tilelang): block_rows {block_rows}, expected 16, 32 or 64")
+    if block_rows not in (32, 64):  # 16-row tiles compile (slowly) but were never run on a GPU
+        raise ValueError(f"sparse_attn (tilelang): block_rows {block_rows}, expected 32 or 64")
     t = q.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if t == 0:
