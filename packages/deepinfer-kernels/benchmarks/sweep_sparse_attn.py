@@ -1,4 +1,5 @@
-"""Sweep of the Triton sparse decode attention (and, with --tilelang ROWS, the TileLang kernel) at the V4.1 shapes on one GPU
+"""Sweep of the Triton sparse decode attention (and, with --tilelang ROWS, the TileLang kernel) at the V4.1
+shapes on one GPU (CUDA only; 30-40 s on an H200 for Triton, plus about 10 s per TileLang variant to compile).
 
 Run from the repo root:
     PYTHONPATH=packages/deepinfer-kernels/src python3 packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py \
