@@ -7,7 +7,9 @@ Run from the repo root:
 
 Shapes: T queries (one per sequence) x 64 heads x head dim 512, 640 indices per query (128 window + 512
 compressed), bf16, in the two forms the engine uses: "one" (a single pool, window rows then top-k rows) and
-"two" (window pool kv [T * 128, 512] + a paged compressed store kv2 read in place through store rows). Each
+"two" (window pool kv [T * 128, 512] + a paged compressed store kv2 read in place through store rows), and "rec":
+"two" over the deployed records of kv_cache_dtype="auto" (MXFP8 window rows of 528 bytes, NVFP4 compressed rows of
+288 bytes, decoded in the kernel's gather; Triton only). Each
 candidate launch configuration (dot orientation, heads / rows per tile, column halves, warps, stages, split
 count) is checked against the torch reference (max abs error) and timed as device time per call from CUDA-graph
 replay over rotating input sets (each call reads its kv rows cold from HBM, as a decode step does). Kernels are
@@ -67,7 +69,7 @@ CANDIDATES += [
 CANDIDATES += [
     (f"o0 h64 n{bn} w8 s{st} dv1 ahead{' even' if ev else ''}",
      dict(qk_t=0, block_h=64, block_n=bn, num_warps=8, num_stages=st, dv_split=1, idx_ahead=True, even_d=ev))
-    for bn, st, ev in [(32, 4, False), (32, 5, False), (32, 3, False), (16, 8, False), (32, 4, True)]
+    for bn, st, ev in [(32, 4, False), (32, 5, False), (32, 3, False), (16, 8, False), (32, 4, True), (16, 4, True)]
 ]  # fmt: skip
 # max |out - reference| above which a candidate is reported as a mismatch and not timed (bf16 outputs of magnitude
 # <= ~2: a few ULPs; the measured configurations reach 2e-3 .. 4e-3)
@@ -82,11 +84,28 @@ def _load_module(path: str, name: str):
     return mod
 
 
-def _inputs(t: int, form: str, sets: int, g: torch.Generator, pool: torch.Tensor) -> list[dict[str, Any]]:
-    """Index sets (and the window pools of form "two") for `sets` rotating calls."""
+def _records(x: torch.Tensor, fmt) -> torch.Tensor:
+    from deepinfer_kernels.quant.kv_formats import quantize
+
+    codes, scales = quantize(x, fmt)
+    return torch.cat([codes, scales], 1)
+
+
+def _inputs(t: int, form: str, sets: int, g: torch.Generator, pool: torch.Tensor,
+            pool_rec: torch.Tensor | None = None) -> list[dict[str, Any]]:  # fmt: skip
+    """Index sets (and the window pools of forms "two" / "rec") for `sets` rotating calls."""
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1
+
     dev = pool.device
     out = []
     for _ in range(sets):
+        if form == "rec":  # the engine's two sources over records: MXFP8 window pool, NVFP4 paged store
+            top = torch.randint(0, POOL_ROWS, (t, TOPK), device=dev, generator=g).sort(-1).values
+            wrec = _records(torch.randn(t * WINDOW, D, device=dev, generator=g), MXFP8_E4M3)
+            win = torch.arange(t * WINDOW, device=dev).view(t, WINDOW)
+            out.append(dict(kv=wrec, indices=win, kv2=pool_rec, indices2=top.contiguous(), kv_format=MXFP8_E4M3,
+                            kv2_format=NVFP4_E2M1))  # fmt: skip
+            continue
         top = torch.randint(0, POOL_ROWS, (t, TOPK), device=dev, generator=g).sort(-1).values
         if form == "one":  # window: 128 consecutive pool rows, then 512 distinct sorted rows
             start = torch.randint(0, POOL_ROWS - WINDOW, (t, 1), device=dev, generator=g)
@@ -200,6 +219,11 @@ def main() -> None:
     dev = torch.device("cpu" if ns.smoke_cpu else "cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     pool = torch.randn(POOL_ROWS, D, device=dev, generator=g).to(torch.bfloat16)
+    pool_rec = None
+    if "rec" in ns.forms.split(","):
+        from deepinfer_kernels.quant.kv_formats import NVFP4_E2M1
+
+        pool_rec = torch.cat([_records(c.float(), NVFP4_E2M1) for c in pool.split(16384)])
     sink = torch.randn(H, device=dev, generator=g)
     scale = D**-0.5
     mods = {None: tk}
@@ -214,11 +238,13 @@ def main() -> None:
             nbytes = t * (WINDOW + TOPK) * D * 2
             sets = max(2, min(64, math.ceil(3 * L2_BYTES / nbytes)))
             q = torch.randn(t, H, D, device=dev, generator=g).to(torch.bfloat16)
-            ins = _inputs(t, form, 2 if ns.smoke_cpu else sets, g, pool)
-            ref = reference.sparse_attn(
-                q, ins[0]["kv"], ins[0]["indices"], sink, scale, ins[0].get("kv2"), ins[0].get("indices2")
-            ).float()
+            ins = _inputs(t, form, 2 if ns.smoke_cpu else sets, g, pool, pool_rec)
+            i0 = ins[0]
+            ref = reference.sparse_attn(q, i0["kv"], i0["indices"], sink, scale, i0.get("kv2"), i0.get("indices2"),
+                                        i0.get("kv_format"), i0.get("kv2_format")).float()  # fmt: skip
             for lab, path, cfg in cands:
+                if form == "rec" and path is not None:  # records: this tree's Triton kernel only
+                    continue
                 for splits in ([None] if path == "tilelang" else _split_choices(t)):
                     if time.time() - t_start > ns.budget_s:
                         break

@@ -86,3 +86,65 @@ def test_auto_takes_tilelang_only_without_an_explicit_triton_request(monkeypatch
         q, idx = torch.randn(t, 64, 512).bfloat16(), torch.zeros(t, 4, dtype=torch.int64)
         sparse_attn(q, kv, idx, sink, 0.1, backend=backend)
     assert calls == ["tilelang", "triton", "triton", "tilelang", "triton"]
+
+
+def _records(x, fmt):
+    from deepinfer_kernels.quant.kv_formats import quantize
+
+    codes, scales = quantize(x, fmt)
+    return torch.cat([codes, scales], 1)
+
+
+def _decoded(rec, fmt, dim):
+    from deepinfer_kernels.quant.kv_formats import dequantize
+
+    cb = fmt.code_bytes(dim)
+    return dequantize(rec[:, :cb], rec[:, cb:], fmt)
+
+
+def test_record_sources_equal_attention_over_their_decoded_values() -> None:
+    """kv_format / kv2_format: uint8 records read in place == the same rows decoded first (the decoded values are
+    exact in bf16, so fp32 and bf16 agree with a bf16 cache holding the decoded values)."""
+    from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1
+
+    g = torch.Generator().manual_seed(3)
+    T, H, D, S, S2 = 3, 4, 64, 10, 12
+    q, kv, kv2 = torch.randn(T, H, D, generator=g), torch.randn(S, D, generator=g), torch.randn(S2, D, generator=g)
+    idx, idx2 = torch.randint(-1, S, (T, 7), generator=g), torch.randint(-1, S2, (T, 5), generator=g)
+    sink = torch.randn(H, generator=g)
+    for f1, f2 in ((MXFP8_E4M3, NVFP4_E2M1), (MXFP4_E2M1, None), (None, NVFP4_E2M1)):
+        a = kv if f1 is None else _records(kv, f1)
+        b = kv2 if f2 is None else _records(kv2, f2)
+        da = kv if f1 is None else _decoded(a, f1, D)
+        db = kv2 if f2 is None else _decoded(b, f2, D)
+        for dt in (torch.float32, torch.bfloat16):
+            got = sparse_attn(q.to(dt), a if f1 else a.to(dt), idx, sink, 0.2, kv2=b if f2 else b.to(dt),
+                              indices2=idx2, kv_format=f1, kv2_format=f2)  # fmt: skip
+            want = sparse_attn(q.to(dt), da.to(dt), idx, sink, 0.2, kv2=db.to(dt), indices2=idx2)
+            assert torch.equal(got, want), (f1, f2, dt)
+
+
+def test_record_sources_are_checked() -> None:
+    """A record source of the wrong dtype or width, a format without a decoder, or records with backend="tilelang"
+    each get a clear error naming the fix."""
+    import dataclasses
+
+    import pytest
+    from deepinfer_kernels._backend import KernelBackendError
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1
+
+    q, idx, sink = torch.randn(2, 4, 64), torch.zeros(2, 3, dtype=torch.int64), torch.zeros(4)
+    rec = _records(torch.randn(5, 64), MXFP8_E4M3)
+    with pytest.raises(ValueError, match=r"not a set of mxfp8_e4m3 records of 64 channels; expected uint8 \[S, 66\]"):
+        sparse_attn(q, rec[:, :-1], idx, sink, 0.1, kv_format=MXFP8_E4M3)
+    with pytest.raises(ValueError, match="not a set of nvfp4_e2m1 records"):
+        sparse_attn(q, rec, idx, sink, 0.1, kv_format=NVFP4_E2M1)
+    with pytest.raises(ValueError, match="not a set of mxfp8_e4m3 records"):
+        sparse_attn(q, torch.randn(5, 66), idx, sink, 0.1, kv_format=MXFP8_E4M3)
+    odd = dataclasses.replace(MXFP8_E4M3, name="fp8_per_64", block=64)
+    with pytest.raises(ValueError, match="fp8_per_64 has no decoder"):
+        sparse_attn(q, rec, idx, sink, 0.1, kv_format=odd)
+    with pytest.raises(ValueError, match=r"expected kv2 \[S2, 64\] torch.float32 \(or uint8 records with kv2_format\)"):
+        sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3, kv2=rec, indices2=idx)
+    with pytest.raises(KernelBackendError, match="reads bf16 rows only"):
+        sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3, backend="tilelang")

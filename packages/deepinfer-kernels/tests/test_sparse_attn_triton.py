@@ -198,6 +198,72 @@ def test_dispatcher_routes_to_interpreter(interp, monkeypatch):
     assert called == [1]
 
 
+def _records(x, fmt):
+    from deepinfer_kernels.quant.kv_formats import quantize
+
+    codes, scales = quantize(x.float(), fmt)
+    return torch.cat([codes, scales], 1)
+
+
+def _decoded(rec, fmt, dim, dtype):
+    from deepinfer_kernels.quant.kv_formats import dequantize
+
+    cb = fmt.code_bytes(dim)
+    return dequantize(rec[:, :cb], rec[:, cb:], fmt, dtype)
+
+
+def _record_pair(t, h, d, s, s2, k, k2, device="cpu", seed=0):
+    """A window source of MXFP8 records and a compressed source of NVFP4 records (V4.1's cache), with values
+    over a wide range of magnitudes (2^-12 to 2^1 per 16 channels: subnormal e4m3 scales and codes included)."""
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(t, h, d, generator=g)
+    mag = 2.0 ** torch.randint(-12, 2, (s + s2, d // 16), generator=g).float().repeat_interleave(16, 1)
+    vals = torch.randn(s + s2, d, generator=g) * mag
+    r1, r2 = _records(vals[:s], MXFP8_E4M3), _records(vals[s:], NVFP4_E2M1)
+    idx, idx2 = torch.randint(-1, s, (t, k), generator=g), torch.randint(-1, s2, (t, k2), generator=g)
+    sink = torch.randn(h, generator=g)
+    return [x.to(device) for x in (q, r1, r2, idx, idx2, sink)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_splits,dv_split", [(1, 1), (3, 1), (1, 2), (3, 2)], ids=str)
+def test_interpreter_records_read_in_place(interp, dtype, num_splits, dv_split):
+    """MXFP8 window + NVFP4 compressed records decoded in the gather == the kernel over the decoded values
+    (bitwise: the decoded values are exact in bf16) and the reference within the tolerances above."""
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1
+
+    q, r1, r2, idx, idx2, sink = _record_pair(3, 20, 64, 40, 30, 33, 12, seed=num_splits + 10 * dv_split)
+    q = q.to(dtype)
+    d1, d2 = _decoded(r1, MXFP8_E4M3, 64, dtype), _decoded(r2, NVFP4_E2M1, 64, dtype)
+    kw = dict(num_splits=num_splits, dv_split=dv_split)
+    got = interp.sparse_attn(q, r1, idx, sink, 0.125, kv2=r2, indices2=idx2, kv_format=MXFP8_E4M3,
+                             kv2_format=NVFP4_E2M1, **kw)  # fmt: skip
+    assert torch.equal(got, interp.sparse_attn(q, d1, idx, sink, 0.125, kv2=d2, indices2=idx2, **kw))
+    _check(got, reference.sparse_attn(q, d1, idx, sink, 0.125, d2, idx2), "cpu", dtype)
+
+
+def test_interpreter_record_formats_alone_and_mixed(interp):
+    """Each decoder alone (one source), and records beside plain values in either order."""
+    from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1
+
+    q, _, _, idx, idx2, sink = _record_pair(2, 8, 64, 24, 16, 20, 9, seed=5)
+    g = torch.Generator().manual_seed(6)
+    vals, vals2 = torch.randn(24, 64, generator=g), torch.randn(16, 64, generator=g)
+    for fmt in (MXFP8_E4M3, NVFP4_E2M1, MXFP4_E2M1):
+        rec = _records(vals, fmt)
+        dec = _decoded(rec, fmt, 64, torch.float32)
+        got = interp.sparse_attn(q, rec, idx, sink, 0.125, kv_format=fmt)
+        _check(got, reference.sparse_attn(q, dec, idx, sink, 0.125), "cpu", torch.float32)
+        got = interp.sparse_attn(q, rec, idx, sink, 0.125, kv2=vals2, indices2=idx2, kv_format=fmt)
+        _check(got, reference.sparse_attn(q, dec, idx, sink, 0.125, vals2, idx2), "cpu", torch.float32)
+        rec2 = _records(vals2, fmt)
+        got = interp.sparse_attn(q, vals, idx, sink, 0.125, kv2=rec2, indices2=idx2, kv2_format=fmt)
+        want = reference.sparse_attn(q, vals, idx, sink, 0.125, _decoded(rec2, fmt, 64, torch.float32), idx2)
+        _check(got, want, "cpu", torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------ GPU (H200)
 _GPU_SHAPES = [
     (1, 64, 512, 4096, 640),
@@ -260,3 +326,20 @@ def test_gpu_launch_knobs_match_reference(cfg):
         )
         _check(out, reference.sparse_attn(q, kv, idx[:, :128], sink, 512**-0.5, kv, idx[:, 128:]), "cuda",
                torch.bfloat16)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 8, 64, 256])
+def test_gpu_records_read_in_place(t):
+    """V4.1 decode shape over the deployed records: 128 MXFP8 window rows + 512 NVFP4 compressed rows per token,
+    every launch tier (small / default / large batch); == the kernel over the decoded bf16 values, bitwise."""
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1
+
+    q, r1, r2, idx, idx2, sink = _record_pair(t, 64, 512, t * 136, 4096, 128, 512, device="cuda", seed=t)
+    q = q.bfloat16()
+    d1, d2 = _decoded(r1, MXFP8_E4M3, 512, torch.bfloat16), _decoded(r2, NVFP4_E2M1, 512, torch.bfloat16)
+    got = sparse_attn(q, r1, idx, sink, 512**-0.5, kv2=r2, indices2=idx2, kv_format=MXFP8_E4M3,
+                      kv2_format=NVFP4_E2M1, backend="triton")  # fmt: skip
+    plain = sparse_attn(q, d1, idx, sink, 512**-0.5, kv2=d2, indices2=idx2, backend="triton")
+    _check(got, reference.sparse_attn(q, d1, idx, sink, 512**-0.5, d2, idx2), "cuda", torch.bfloat16)
+    assert torch.equal(got, plain)

@@ -39,6 +39,7 @@ __all__ = [
     "MXFP8_E4M3",
     "NVFP4_E2M1",
     "KVFormat",
+    "decode_records",
     "dequantize",
     "fake_quant",
     "quantize",
@@ -66,6 +67,13 @@ class KVFormat:
     def record_bytes(self, dim: int) -> int:
         """Bytes of one row record: codes followed by one byte per scale."""
         return self.code_bytes(dim) + dim // self.block
+
+    def record_dim(self, nbytes: int) -> int:
+        """Channels of a record of `nbytes` bytes (the inverse of record_bytes); ValueError if none fits."""
+        per_block = self.code_bytes(self.block) + 1
+        if nbytes % per_block:
+            raise ValueError(f"{self.name}: {nbytes} bytes is not a whole number of {per_block}-byte blocks")
+        return nbytes // per_block * self.block
 
 
 # amax floors keep an all-zero block's scale finite and normal: 1e-4 for FP8, 6 * 2^-126 (scale 2^-126)
@@ -112,9 +120,13 @@ def _block_scales(xb: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.
 def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """float32 values (already divided by the scale) -> e2m1 codes 0..15, nearest with ties to the even code."""
     mag = v.abs().clamp_max(FP4_E2M1_MAX)
-    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=v.device)
-    lower = torch.bucketize(mag, mids)  # a value equal to a midpoint lands on the lower neighbour
-    on_tie = mids[lower.clamp_max(len(_E2M1_MIDPOINTS) - 1)] == mag
+    # comparisons with Python floats, not a device tensor of midpoints: building one is a host-to-device copy,
+    # which a CUDA graph capture (the engine's decode steps write records) does not allow
+    lower = torch.zeros(mag.shape, dtype=torch.long, device=mag.device)
+    on_tie = torch.zeros(mag.shape, dtype=torch.bool, device=mag.device)
+    for m in _E2M1_MIDPOINTS:
+        lower += mag > m  # the lower neighbour's code: a value equal to a midpoint lands below it
+        on_tie |= mag == m
     code = lower + (on_tie & (lower % 2 == 1)).long()
     return (code + 8 * torch.signbit(v).long()).to(torch.uint8)
 
@@ -161,6 +173,15 @@ def dequantize(
         vals = unpack_fp4(codes)
     out = vals.reshape(rows, dim // fmt.block, fmt.block) * _scale_values(scales, fmt).unsqueeze(-1)
     return out.reshape(rows, dim).to(dtype)
+
+
+def decode_records(rec: torch.Tensor, fmt: KVFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Record rows ``[..., record_bytes] uint8`` (codes, then scale bytes: the caches' row layout) -> values
+    ``[..., dim]`` in ``dtype``."""
+    dim = fmt.record_dim(rec.shape[-1])
+    flat = rec.reshape(-1, rec.shape[-1])
+    cb = fmt.code_bytes(dim)
+    return dequantize(flat[:, :cb], flat[:, cb:], fmt, dtype).reshape(*rec.shape[:-1], dim)
 
 
 def fake_quant(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:

@@ -22,6 +22,7 @@ __all__ = [
     "dequant_fp4",
     "dequant_fp8_block",
     "e2m1_lut",
+    "e2m1_values",
     "e8m0_to_float",
     "fake_quant_act_fp8",
     "float_to_e8m0",
@@ -122,8 +123,18 @@ def dequant_fp8_block(
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """``[..., in/2] int8`` (two e2m1 codes per byte, low nibble first) -> ``[..., in] float32`` code values."""
     u = _as_uint8(packed)
-    codes = torch.stack([u & 0x0F, u >> 4], dim=-1).long()  # [..., in/2, 2]: low nibble first
-    return e2m1_lut(u.device)[codes].flatten(-2)
+    codes = torch.stack([u & 0x0F, u >> 4], dim=-1).to(torch.int32)  # [..., in/2, 2]: low nibble first
+    return e2m1_values(codes).flatten(-2)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Integer e2m1 codes 0..15 -> float32 values (the `e2m1_lut` values, -0.0 for code 8), by arithmetic on
+    the bits: no lookup table, so no host-to-device copy inside a CUDA graph capture (decode steps read records)."""
+    c = codes.to(torch.int32)
+    e = (c >> 1) & 3
+    m = (c & 1).to(torch.float32)
+    mag = torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2((e - 1).to(torch.float32)))
+    return torch.where(c >= 8, -mag, mag)
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,16 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
+from deepinfer_kernels.quant.kv_formats import KVFormat
 
-__all__ = ["DEFAULT_CONFIG", "LARGE_BATCH_CONFIG", "SMALL_BATCH_CONFIG", "sparse_attn"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "LARGE_BATCH_CONFIG",
+    "RECORD_SMALL_BATCH_CONFIG",
+    "SMALL_BATCH_CONFIG",
+    "record_format_code",
+    "sparse_attn",
+]
 
 _LOG2E = 1.4426950408889634
 # Launch configurations from the H200 sweep (packages/deepinfer-kernels/benchmarks/sweep_sparse_attn.py; numbers in
@@ -88,6 +96,22 @@ SMALL_BATCH_CONFIG: dict[str, int] = {
     "fill": 1,
 }
 
+# Record sources (kv_format / kv2_format) up to SMALL_BATCH_CONFIG["max_tokens"] tokens: the decode in the gather
+# makes the whole-column tiles of 16 rows with the index prefetch the fastest (H200, 128 MXFP8 + 512 NVFP4 rows
+# per token: 27.1 against 36.0 us at T = 8, 19.7 against 21.6 at T = 1; docs/perf.md "KV records read in place").
+# Larger batches keep DEFAULT_CONFIG / LARGE_BATCH_CONFIG, which were also the fastest there.
+RECORD_SMALL_BATCH_CONFIG: dict[str, int] = {
+    "block_h": 64,
+    "block_n": 16,
+    "num_warps": 8,
+    "num_stages": 4,
+    "qk_t": 0,
+    "dv_split": 1,
+    "idx_ahead": 1,
+    "even_d": 1,
+    "fill": 1,
+}
+
 
 @triton.jit
 def _tile_idx(start, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N: tl.constexpr, TILE_SRC: tl.constexpr):
@@ -98,6 +122,63 @@ def _tile_idx(start, hi, idx_row_ptr, col0, idx2_row_ptr, K1, BLOCK_N: tl.conste
     else:
         ip = idx_row_ptr + (start - col0)
     return tl.load(ip + tl.arange(0, BLOCK_N), mask=offs_n < hi, other=-1)
+
+
+# Record formats of a kv source (the cache's deployed rows, decoded in the gather; docs/kernels.md §8):
+# 0 = plain values in q's dtype family; 1 = MXFP8 (e4m3 codes, UE8M0 scale per 32); 2 = NVFP4 (e2m1 nibbles, e4m3
+# scale per 16); 3 = MXFP4 (e2m1 nibbles, UE8M0 scale per 32). A record row is its codes followed by its scale bytes.
+FMT_PLAIN, FMT_MXFP8, FMT_NVFP4, FMT_MXFP4 = 0, 1, 2, 3
+_FORMAT_CODES = {("e4m3", "ue8m0", 32): FMT_MXFP8, ("e2m1", "e4m3", 16): FMT_NVFP4, ("e2m1", "ue8m0", 32): FMT_MXFP4}
+
+
+@triton.jit
+def _e4m3_to_f32(c):
+    """e4m3 bit patterns (int32, 0..255; no NaN codes) -> float32, exactly (subnormals included). Integer
+    arithmetic rather than an fp8 cast: the CPU interpreter runs it too, and the values are the same."""
+    e = (c >> 3) & 15
+    m = c & 7
+    normal = (((c & 128) << 24) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # m * 2^-9
+    return tl.where(e == 0, tl.where(c >= 128, -sub, sub), normal)
+
+
+@triton.jit
+def _e2m1_to_f32(n):
+    """e2m1 codes (int32, 0..15; bit 3 the sign) -> float32: 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives."""
+    e = (n >> 1) & 3
+    m = n & 1
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True))
+    return tl.where(n >= 8, -mag, mag)
+
+
+@triton.jit
+def _load_tile(rows, cols, col0, mask, D, FMT: tl.constexpr, BLOCK_N: tl.constexpr, DC: tl.constexpr):
+    """The [BLOCK_N, DC] values of a gathered tile, columns cols = col0 + arange(DC): plain loads, or record rows
+    decoded in registers to float32 (codes x block scale, exact; the caller casts to the dot dtype, which holds
+    these products exactly). Record codes and scales are loaded as contiguous byte runs per row (vectorised), the
+    scales once per block and broadcast through a [rows, blocks, block] view; records need DC = the whole
+    power-of-two slice (no column mask)."""
+    if FMT == 0:
+        t = tl.load(rows[:, None] + cols[None, :], mask=mask, other=0.0)
+    else:
+        if FMT == 1:
+            QB: tl.constexpr = 32
+            v = _e4m3_to_f32(tl.load(rows[:, None] + cols[None, :], mask=mask, other=0).to(tl.int32))
+            sb = tl.load(rows[:, None] + (D + col0 // QB) + tl.arange(0, DC // QB)[None, :], mask=mask, other=0)
+        else:
+            QB: tl.constexpr = 16 if FMT == 2 else 32
+            byte = tl.load(rows[:, None] + col0 // 2 + tl.arange(0, DC // 2)[None, :], mask=mask, other=0)
+            byte = byte.to(tl.int32)
+            # low nibble = even column, high nibble = odd column: join + reshape interleaves them
+            v = tl.reshape(tl.join(_e2m1_to_f32(byte & 15), _e2m1_to_f32(byte >> 4)), [BLOCK_N, DC])
+            sb = tl.load(rows[:, None] + (D // 2 + col0 // QB) + tl.arange(0, DC // QB)[None, :], mask=mask, other=0)
+        sb = sb.to(tl.int32)
+        if FMT == 2:
+            scale = _e4m3_to_f32(sb)
+        else:
+            scale = (sb << 23).to(tl.float32, bitcast=True)  # UE8M0: the byte is the float32 exponent field
+        t = tl.reshape(tl.reshape(v, [BLOCK_N, DC // QB, QB]) * scale[:, :, None], [BLOCK_N, DC])
+    return t
 
 
 @triton.jit
@@ -132,10 +213,15 @@ def _attend(
     TILE_SRC: tl.constexpr,
     IDX_AHEAD: tl.constexpr = False,
     EVEN_D: tl.constexpr = False,
+    D=0,
+    FMT: tl.constexpr = 0,
+    own0=0,
+    oth0=0,
 ):
     """Online softmax over the index columns [lo, hi): column j reads idx_row_ptr[j - col0] over kv_ptr, or with
     TILE_SRC (K1 a multiple of BLOCK_N: no tile straddles the sources) columns j >= K1 read idx2_row_ptr[j - K1]
     over kv2_ptr, the source picked once per tile (scalar selects keep the gather pipelined).
+    FMT: the record format of the source(s) read here (FMT_*; the values of a tile are decoded after the gather).
     IDX_AHEAD: each iteration loads the next tile's indices (loop-carried in registers), so the gather of a tile
     does not start with a dependent index load. EVEN_D: the tile spans exactly D columns (no column mask)."""
     if IDX_AHEAD:
@@ -160,14 +246,22 @@ def _attend(
         # Out-of-range rows are treated as invalid so a bad index can never read outside its source.
         valid = (idx >= 0) & (idx < limit)
         rows = src + tl.where(valid, idx, 0) * stride
-        if EVEN_D:
-            kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None], other=0.0)
+        DC: tl.constexpr = own.shape[0]
+        if EVEN_D or FMT != 0:
+            kt = _load_tile(rows, own, own0, valid[:, None], D, FMT, BLOCK_N, DC)
         else:
-            kt = tl.load(rows[:, None] + own[None, :], mask=valid[:, None] & own_mask[None, :], other=0.0)
+            kt = _load_tile(rows, own, own0, valid[:, None] & own_mask[None, :], D, FMT, BLOCK_N, DC)
+        if FMT != 0:
+            kt = kt.to(q.dtype)
         if UPCAST:
             kt = kt.to(tl.float32)
         if DV_SPLIT == 2:
-            kt2 = tl.load(rows[:, None] + oth[None, :], mask=valid[:, None] & oth_mask[None, :], other=0.0)
+            if FMT != 0:
+                kt2 = _load_tile(rows, oth, oth0, valid[:, None], D, FMT, BLOCK_N, DC)
+            else:
+                kt2 = _load_tile(rows, oth, oth0, valid[:, None] & oth_mask[None, :], D, FMT, BLOCK_N, DC)
+            if FMT != 0:
+                kt2 = kt2.to(q.dtype)
             if UPCAST:
                 kt2 = kt2.to(tl.float32)
         if QK_T:
@@ -266,6 +360,8 @@ def _sparse_attn_kernel(
     TILE_SRC: tl.constexpr = False,
     IDX_AHEAD: tl.constexpr = False,
     EVEN_D: tl.constexpr = False,
+    FMT: tl.constexpr = 0,
+    FMT2: tl.constexpr = 0,
 ):
     # Axis 0 enumerates (token, head block, column half) with the programs of one token adjacent, so the
     # programs that gather the same kv rows run together and all but the first read them from L2.
@@ -279,7 +375,8 @@ def _sparse_attn_kernel(
     num_splits = tl.num_programs(1)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    own = dh * DC + tl.arange(0, DC)  # the output columns of this program
+    own0 = dh * DC
+    own = own0 + tl.arange(0, DC)  # the output columns of this program
     own_mask = own < (BLOCK_D if EVEN_D else D)  # EVEN_D: D == BLOCK_D, a mask the compiler folds away
     q_base = q_ptr + t * stride_qt
     if QK_T:  # loaded as Q^T [DC, BLOCK_H]: a B operand straight from a load is kept in shared memory
@@ -293,7 +390,8 @@ def _sparse_attn_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     if DV_SPLIT == 2:  # the other half of D, for the scores only
-        oth = (1 - dh) * DC + tl.arange(0, DC)
+        oth0 = (1 - dh) * DC
+        oth = oth0 + tl.arange(0, DC)
         oth_mask = oth < (BLOCK_D if EVEN_D else D)
         if QK_T:
             q2 = tl.load(
@@ -310,7 +408,7 @@ def _sparse_attn_kernel(
         if UPCAST:
             q2 = q2.to(tl.float32)
     else:  # unused placeholders of the helper's arguments
-        oth, oth_mask, q2 = own, own_mask, q
+        oth0, oth, oth_mask, q2 = own0, own, own_mask, q
     # The sink logit is one extra softmax column with no value row: start split 0 from it.
     sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
     first = s == 0
@@ -333,19 +431,19 @@ def _sparse_attn_kernel(
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv2_ptr, stride_kv2, S_ROWS2, idx2_row,
             K1, n_lo, n_hi, own, own_mask, oth, oth_mask, qk_scale, BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, True,
-            IDX_AHEAD, EVEN_D,
+            IDX_AHEAD, EVEN_D, D, FMT, own0, oth0,
         )  # fmt: skip
     else:
         m_i, l_i, acc = _attend(
             q, q2, m_i, l_i, acc, kv_ptr, stride_kv, S_ROWS, idx_row, 0, kv_ptr, stride_kv, S_ROWS, idx_row, K1,
             n_lo, tl.minimum(n_hi, K1) if TWO else n_hi, own, own_mask, oth, oth_mask, qk_scale,
-            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D,
+            BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D, D, FMT, own0, oth0,
         )  # fmt: skip
         if TWO:
             m_i, l_i, acc = _attend(
                 q, q2, m_i, l_i, acc, kv2_ptr, stride_kv2, S_ROWS2, idx2_row, K1, kv2_ptr, stride_kv2, S_ROWS2,
                 idx2_row, K1, tl.maximum(n_lo, K1), n_hi, own, own_mask, oth, oth_mask, qk_scale,
-                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D,
+                BLOCK_N, UPCAST, EXACT_F32, QK_T, DV_SPLIT, False, IDX_AHEAD, EVEN_D, D, FMT2, own0, oth0,
             )  # fmt: skip
 
     if QK_T:
@@ -404,6 +502,19 @@ def _sparse_attn_combine_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
+def record_format_code(fmt: KVFormat | None) -> int:
+    """The kernel's FMT constexpr of a record format (None: plain values)."""
+    if fmt is None:
+        return FMT_PLAIN
+    code = _FORMAT_CODES.get((fmt.element, fmt.scale, fmt.block))
+    if code is None:
+        raise ValueError(
+            f"sparse_attn: no in-kernel decoder for record format {fmt.name} ({fmt.element}, {fmt.scale} scale per "
+            f"{fmt.block}); supported: MXFP8_E4M3, NVFP4_E2M1, MXFP4_E2M1"
+        )
+    return code
+
+
 def sparse_attn(
     q: Tensor,
     kv: Tensor,
@@ -425,8 +536,12 @@ def sparse_attn(
     partial_dtype: torch.dtype | None = None,
     idx_ahead: bool | None = None,
     even_d: bool | None = None,
+    kv_format: KVFormat | None = None,
+    kv2_format: KVFormat | None = None,
 ) -> Tensor:
-    """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype; indices [T, K] int (-1 / out of range = none);
+    """q [T, H, D] bf16|fp16|fp32; kv [S, D] same dtype, or with kv_format [S, record bytes] uint8 records
+    (`deepinfer_kernels.quant.kv_formats`, decoded in the gather; kv2_format likewise for kv2);
+    indices [T, K] int (-1 / out of range = none);
     attn_sink [H] -> [T, H, D] in q's dtype; kv2 [S2, D] / indices2 [T, K2]: an optional second source whose
     index lists extend each token's list (one softmax over both). Inputs are validated by the package
     dispatcher; the keyword arguments override the launch configuration (benchmark sweeps, tests of the split
@@ -439,6 +554,7 @@ def sparse_attn(
     Unset options come from SMALL_BATCH_CONFIG (T <= its max_tokens), LARGE_BATCH_CONFIG (T >= its min_tokens)
     or DEFAULT_CONFIG."""
     t, h, d = q.shape
+    fmt1, fmt2 = record_format_code(kv_format), record_format_code(kv2_format)
     # an empty second source (no rows or no columns) adds only invalid entries: one source does the same
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
     k1 = indices.shape[1]
@@ -447,7 +563,7 @@ def sparse_attn(
     if t == 0:
         return out
     if t <= SMALL_BATCH_CONFIG["max_tokens"]:
-        cfg = SMALL_BATCH_CONFIG
+        cfg = RECORD_SMALL_BATCH_CONFIG if fmt1 or fmt2 else SMALL_BATCH_CONFIG
     else:
         cfg = LARGE_BATCH_CONFIG if t >= LARGE_BATCH_CONFIG["min_tokens"] else DEFAULT_CONFIG
     if q.element_size() == 4:  # fp32 tiles are twice the bytes: the bf16 tiles would overflow shared memory
@@ -467,6 +583,11 @@ def sparse_attn(
         raise ValueError(f"sparse_attn: dv_split {dv_split}, expected 1 or 2")
     if block_d < 32:  # each half must stay >= 16 wide for the dots
         dv_split = 1
+    if fmt1 or fmt2:  # record tiles are whole scale blocks of a power-of-two D: no column mask
+        if d != block_d or d < 32:
+            raise ValueError(f"sparse_attn: kv records need D a power of two >= 32, found D = {d}")
+        if d // dv_split < 32:
+            dv_split = 1
     if q.stride(2) != 1:
         q = q.contiguous()
     if kv.stride(1) != 1:
@@ -536,9 +657,11 @@ def sparse_attn(
         EXACT_F32=exact or interp,
         QK_T=qk_t,
         DV_SPLIT=dv_split,
-        TILE_SRC=two and tile_src and k1 % block_n == 0,
+        TILE_SRC=two and tile_src and k1 % block_n == 0 and fmt1 == fmt2,
         IDX_AHEAD=idx_ahead,
         EVEN_D=even_d and d == block_d,
+        FMT=fmt1,
+        FMT2=fmt2 if two else fmt1,
         num_warps=num_warps,
         num_stages=num_stages,
     )
