@@ -17,7 +17,7 @@ from deepinfer_engine.model.engram_hash import synthetic_token_map
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config, tiny_v41_config, v41_flash_config
-from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, fake_quant
+from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, decode_records, fake_quant
 from equality import init_random_, max_rel_err
 
 
@@ -70,12 +70,43 @@ def test_window_rows_are_stored_as_fp8_records_and_read_back_decoded():
     ctx = ForwardContext.build(ForwardBatch.single(torch.zeros(8, dtype=torch.int64), block_table=bt[0]), cache)
     pool = cache.window_pool(0, ctx.ring_plan(cache.window_rows(0), (W - 1,), write=True), kv[:8])
     want = fake_quant(kv, MXFP8_E4M3)
-    assert torch.equal(pool, want[:8])  # the writing step sees the decoded records too
+    # the pool holds the records themselves (the attention decodes them in its gather), this step's rows too
+    assert pool.dtype == torch.uint8 and cache.window_format() is MXFP8_E4M3
+    assert torch.equal(decode_records(pool, MXFP8_E4M3), want[:8])
     ctx = ForwardContext.build(
         ForwardBatch.single(torch.zeros(4, dtype=torch.int64), start_pos=8, block_table=bt[0]), cache
     )
     pool = cache.window_pool(0, ctx.ring_plan(cache.window_rows(0), (W - 1,), write=True), kv[8:])
-    assert torch.equal(pool, want[max(0, 8 - (W - 1)) :])  # history from the records, then this step
+    # history from the stored records, then this step
+    assert torch.equal(decode_records(pool, MXFP8_E4M3), want[max(0, 8 - (W - 1)) :])
+
+
+@torch.no_grad()
+def test_records_read_in_place_equal_the_deployed_numerics_over_a_plain_cache():
+    """The attention reads the MXFP8 window and NVFP4 entry records in place (decoded in its gather), the indexer
+    decodes its MXFP4 keys: the logits equal the same deployed numerics applied as rounding into a plain fp32
+    cache, in full, chunked and batched feeding."""
+    a = _args()
+    model = init_random_(Transformer(a, torch.float32, with_draft=False), seed=5)
+    model.set_engram_token_map(synthetic_token_map(a.vocab_size, a.engram_compressed_vocab_size))
+    ids = torch.randint(3, a.vocab_size, (29,), generator=torch.Generator().manual_seed(2))
+
+    def run(records, chunks):
+        model.set_deployed_numerics(True, cache_records=records)
+        cache, bt = ModelCache.allocate_dense(a, [ids.numel()], dtype=torch.float32,
+                                              kv_cache_dtype="auto" if records else "bfloat16")  # fmt: skip
+        assert (cache.entry_format() is not None) == records
+        out, s = [], 0
+        for c in chunks:
+            out.append(model(ForwardBatch.single(ids[s : s + c], start_pos=s, block_table=bt[0]), cache))
+            s += c
+        return torch.cat(out)
+
+    try:
+        for chunks in ([29], [6, 1, 9, 13], [1] * 29):
+            assert max_rel_err(run(True, chunks), run(False, chunks)) < 1e-5, chunks
+    finally:
+        model.set_deployed_numerics(False)
 
 
 @torch.no_grad()

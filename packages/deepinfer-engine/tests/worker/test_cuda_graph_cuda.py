@@ -88,3 +88,28 @@ def test_roofline_sets_the_engine_step_against_its_graph_replayed_alone(ckpt) ->
         # the replay is the forward alone: never slower than the whole engine step that contains it
         assert 0 < row["forward_s"] <= row["step_s"] and row["engine_overhead"] >= 0, row
     assert "overhead" in format_roofline(r)
+
+
+@pytest.fixture(scope="module")
+def records_ckpt(tmp_path_factory):
+    """Tiny V4.1 with index_head_dim 32, so that kv_cache_dtype="auto" stores every family as records (tiny's 16
+    is not a multiple of MXFP4's 32-channel block)."""
+    from deepinfer_engine.model.presets import preset_config
+    from deepinfer_engine.model.writer import write_checkpoint
+
+    cfg = preset_config("v41", "tiny")
+    cfg["text_config"]["index_head_dim"] = 32
+    return write_checkpoint(tmp_path_factory.mktemp("v41rec"), cfg, 0)
+
+
+def test_record_cache_greedy_with_graphs_equals_eager(records_ckpt) -> None:
+    """kv_cache_dtype="auto" on a model whose cache stores records: the decode graphs capture the record writes
+    (encode) and the attention's in-place record reads, and give the eager outputs."""
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=8, kv_cache_dtype="auto")
+    eager = _generate(LLM(str(records_ckpt), enforce_eager=True, **kw))
+    llm = LLM(str(records_ckpt), **kw)
+    assert llm.engine.runner.cache.entry_format() is not None
+    out = _generate(llm)
+    assert out == eager
+    graphs = llm.engine.runner.cuda_graphs
+    assert graphs.stats.replays >= 20 and not graphs.failed, (graphs.stats, graphs.failed)

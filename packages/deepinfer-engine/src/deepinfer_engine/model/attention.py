@@ -342,7 +342,8 @@ class Attention(nn.Module):
             keys = cache.read_index_keys(lid, paged)
         store, rows = cache.entry_source(lid, paged)
         view = CompressedView(
-            store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r
+            store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r,
+            kv_format=cache.entry_format(),
         )
         if self.kind == "hca":  # dense over all visible entries
             k = max(counts) if counts else 0
@@ -353,7 +354,7 @@ class Attention(nn.Module):
             ctx.topk[lid] = sel
         ctx.compressed[lid] = view
         rows = view.store_rows(sel, ctx.seq_of_token, paged.offsets_t, backend=self.kernel_backend)
-        return CompressedSelection(kv=view.store, indices=rows)
+        return CompressedSelection(kv=view.store, indices=rows, kv_format=view.kv_format)
 
     # ---------------------------------------------------------------------------------------------- forward
     def forward(self, x: Tensor, ctx: ForwardContext) -> Tensor:
@@ -376,13 +377,17 @@ class Attention(nn.Module):
         sel = self._compressed(x, qr, ctx, rope)
         if side is not None:
             q = join(q_side)
-        kv2 = idx2 = None
+        kv2 = idx2 = fmt2 = None
+        fmt = ctx.cache.window_format()
         if sel is not None and sel.indices.shape[1] > 0:
             # window pool + the compressed cache read in place through store rows (one softmax over both);
-            # a cache kept in another dtype than the activations is cast (a copy: only tests mix dtypes)
-            kv2, idx2 = sel.kv if sel.kv.dtype == pool.dtype else sel.kv.to(pool.dtype), sel.indices
-        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2,
-                        backend=self.kernel_backend)  # [T, H, Dh]
+            # records are decoded in the kernel's gather; a plain cache kept in another dtype than the
+            # activations is cast (a copy: only tests mix dtypes)
+            kv2, idx2, fmt2 = sel.kv, sel.indices, sel.kv_format
+            if fmt2 is None and kv2.dtype != q.dtype:
+                kv2 = kv2.to(q.dtype)
+        o = sparse_attn(q, pool, idx, self.attn_sink, self.head_dim**-0.5, kv2=kv2, indices2=idx2, kv_format=fmt,
+                        kv2_format=fmt2, backend=self.kernel_backend)  # [T, H, Dh]
         o = rope(o, pos, inverse=True)  # de-rotate at the query position (V carries rotated rope dims)
         o = o.reshape(t, self.n_groups, -1)
         z = self.wo_a.grouped(o, self.n_groups)

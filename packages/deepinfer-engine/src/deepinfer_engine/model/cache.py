@@ -211,23 +211,21 @@ class ModelCache:
     def window_pool(self, layer_id: int, plan: RingPlan, kv: Tensor, *, write: bool = True,
                     backend: str = "auto") -> Tensor:  # fmt: skip
         """Window pool [history + T, head_dim] of the step (see RingPlan.gather); stores kv if `write`.
-        With window records the step's own rows are the decoded records (cast and cast back)."""
-        ring = self.swa[layer_id]
+        With window records (`window_format` not None) the pool is the records themselves, [history + T, record
+        bytes] uint8 (the step's own rows encoded), for the attention to decode in its gather: the values it
+        sees are the decoded records, in this step as in later ones."""
         f = self.formats.get("window")
-        if f is None:
-            return plan.gather(ring, kv, write=write, backend=backend)
-        if ring.shape[1] != plan.ring_rows:
-            raise CapacityError(f"ring plan for {plan.ring_rows} rows used on a ring of {ring.shape[1]} rows")
-        rec = f.encode(kv)
-        fresh = f.decode(rec, kv.dtype)
-        flat = ring.view(-1, ring.shape[-1])
-        hist = flat.index_select(0, plan.hist_src) if plan.num_hist else None
-        pool = torch.cat([f.decode(hist, kv.dtype), fresh]) if hist is not None else fresh
-        if write and plan.capture_dst is not None:  # state blocks store the records themselves
-            plan.capture(flat, torch.cat([hist, rec]) if hist is not None else rec)
-        if write and plan.write_dst is not None:
-            flat.index_copy_(0, plan.write_dst, rec.index_select(0, plan.write_src))
-        return pool
+        return plan.gather(self.swa[layer_id], kv if f is None else f.encode(kv), write=write, backend=backend)
+
+    def window_format(self) -> object | None:
+        """The KVFormat of the window records the pool holds (None: plain values in the cache dtype)."""
+        f = self.formats.get("window")
+        return None if f is None else f.fmt
+
+    def entry_format(self) -> object | None:
+        """The KVFormat of the compressed-entry records `entry_source` hands out (None: plain values)."""
+        f = self.formats.get("entries")
+        return None if f is None else f.fmt
 
     def has_state(self, layer_id: int, name: str = "main") -> bool:
         return (layer_id, name) in self.comp_state
@@ -259,15 +257,11 @@ class ModelCache:
         return self._read("entries", self.compressed_kv[layer_id], plan)
 
     def entry_source(self, layer_id: int, plan: PagedPlan) -> tuple[Tensor, Tensor]:
-        """(store [N, head_dim], rows [E] int64): where the attention reads the layer's entries.
-
-        Plain storage: the paged cache viewed flat and each entry's store row (read in place, no copy).
-        Records: the entries decoded into [E, head_dim] and rows 0..E-1 (a record kernel would read in place)."""
+        """(store [N, width], rows [E] int64): where the attention reads the layer's entries, in place: the paged
+        cache viewed flat and each entry's store row. width = head_dim values, or with entry records
+        (`entry_format` not None) the record bytes (uint8), decoded by the attention in its gather."""
         store = self.compressed_kv[layer_id]
-        if "entries" not in self.formats:
-            return store.view(-1, store.shape[-1]), plan.read_rows
-        vals = self.read_entries(layer_id, plan)
-        return vals, torch.arange(vals.shape[0], device=vals.device)
+        return store.view(-1, store.shape[-1]), plan.read_rows
 
     def write_index_keys(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
         self._write("index_keys", self.index_keys[layer_id], plan, values)

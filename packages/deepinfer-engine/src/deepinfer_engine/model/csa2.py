@@ -319,6 +319,7 @@ def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedVie
         seq_offsets=paged.offsets,
         seq_counts=paged.counts,
         ratio=ratio,
+        kv_format=cache.entry_format(),
     )
 
 
@@ -436,4 +437,5 @@ def csa2_select(
         ctx.topk[lid] = sel
     # per-sequence entry ids -> rows of the source's store (read in place by the attention kernel)
     offs = ctx.paged_plan(view.ratio).offsets_t
-    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, ctx.seq_of_token, offs, backend=backend))
+    return CompressedSelection(kv=view.store, indices=view.store_rows(sel, ctx.seq_of_token, offs, backend=backend),
+                               kv_format=view.kv_format)  # fmt: skip

@@ -176,7 +176,8 @@ class ForwardBatch:
 class CompressedView:
     """Compressed entries of one kv-source layer for this forward (all sequences), read IN PLACE from the cache.
 
-    store:       [N, head_dim] the source's paged cache viewed flat (rotated entries, the cache's dtype)
+    store:       [N, head_dim] the source's paged cache viewed flat (rotated entries, the cache's dtype), or
+                 [N, record bytes] uint8 records of `kv_format` (kv_cache_dtype="auto")
     rows:        [E_total] int64 store row of each entry, sequence-major (entry w of sequence i at seq_offsets[i] + w)
     index_keys:  [E_total, index_head_dim] gathered indexer keys, or None (V4 HCA / sources without keys)
     seq_offsets: per sequence, first position in `rows` of its entry w = 0
@@ -190,11 +191,18 @@ class CompressedView:
     seq_offsets: tuple[int, ...]
     seq_counts: tuple[int, ...]
     ratio: int
+    kv_format: object | None = None  # deepinfer_kernels.quant.kv_formats.KVFormat of the store's records
 
     @property
     def kv(self) -> Tensor:
-        """[E_total, head_dim] the entries gathered (tests and tools; attention reads `store` through rows)."""
-        return self.store.index_select(0, self.rows)
+        """[E_total, head_dim] the entries gathered (tests and tools; attention reads `store` through rows),
+        records decoded to float32."""
+        rows = self.store.index_select(0, self.rows)
+        if self.kv_format is None:
+            return rows
+        from deepinfer_kernels.quant.kv_formats import decode_records
+
+        return decode_records(rows, self.kv_format)
 
     def store_rows(self, sel: Tensor, seq_of_token: Tensor, seq_offsets: Tensor, *, backend: str = "auto") -> Tensor:
         """[T, K] store rows of per-sequence entry ids `sel` (-1 = none); seq_of_token [T] and seq_offsets [S] (the
@@ -207,12 +215,14 @@ class CompressedSelection:
     """What a layer's compressed path hands to the attention core.
 
     kv:      [N, head_dim] the kv source's store (CompressedView.store), read in place by the attention kernel
+             (uint8 records of `kv_format` when it is set)
     indices: [T, K] int64 rows of `kv` each query attends to in addition to its window; -1 = none.
              Must respect causality (entry w visible to query t iff w < floor((t+1)/ratio)).
     """
 
     kv: Tensor
     indices: Tensor
+    kv_format: object | None = None
 
 
 @dataclass(kw_only=True)
