@@ -15,6 +15,10 @@ draft model's target features and the final streams asked) replays a graph captu
 smallest tokens-per-sequence bucket >= the step's longest chunk (1, 2, 4, ... below k + 1, then k + 1), each
 sequence's rows past its chunk padded (static_step.py); the outputs of the real rows are gathered in batch order
 after the replay (`run_verify`), so the speculative decoder reads them exactly as an eager forward's.
+
+The DSpark draft passes (`run_draft`, `run_draft_proposal`), V4's MTP block (`run_mtp`) and DSpark's draft-ring
+writes of a step's kept positions (`run_insert`, one graph per batch bucket over k + 1 rows per sequence whose
+padding rows write the scratch slot: `dspark.StaticInsert`) replay graphs of their own.
 """
 
 from __future__ import annotations
