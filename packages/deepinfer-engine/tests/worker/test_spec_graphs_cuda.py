@@ -61,8 +61,9 @@ def test_greedy_speculation_with_graphs_equals_eager_and_plain(ckpts, name: str)
         assert st.replays == 0 and not graphs.failed, (st, graphs.failed)  # no plain decode graph here
         if method == "dspark":  # the stages' parallel pass of every round
             assert st.draft_replays >= 10 and st.draft_eager_steps == 0, st
-            # the draft-ring writes of every step keeping <= k + 1 rows per sequence (every graphed verify step)
-            assert st.insert_replays >= st.verify_replays and st.insert_eager_steps >= 1, st  # prefill: eager
+            # the draft-ring writes of every step keeping <= k + 1 rows per sequence (not comparable with
+            # verify_replays: the cost policy's start-up profile replays verify graphs without a round)
+            assert st.insert_replays >= 10 and st.insert_eager_steps >= 1, st  # prefill steps: eager
         else:  # the MTP block after every step without a prefill chunk
             assert st.mtp_replays >= 10, st
 
