@@ -241,9 +241,9 @@ def test_async_mtp_speculation_equals_sync_and_plain(tiny_ckpt) -> None:
 
 @pytest.mark.gpu
 def test_async_speculation_equals_sync_and_plain_on_cuda_with_graphs(tiny_ckpt) -> None:
-    """CUDA float32 with CUDA graphs (verify steps and the draft pass replayed), prefix cache on: async speculation
-    == synchronous speculation (ids, finish reasons, metrics; seeded sampling included) and greedy == plain
-    decoding, with mixed prompt lengths and requests finishing at different steps."""
+    """CUDA float32 with CUDA graphs (verify steps, the draft pass and the draft-ring writes replayed), prefix
+    cache on: async speculation == synchronous speculation (ids, finish reasons, metrics; seeded sampling
+    included) and greedy == plain decoding, with mixed prompt lengths and requests finishing at different steps."""
     ckpt = tiny_ckpt("v41")
     prompts = [[5 + (7 * i + j) % 900 for j in range(n)] for i, n in enumerate((7, 12, 3, 30, 17, 1))]
     sps = [GREEDY.replace(max_tokens=m) for m in (20, 6, 13, 9, 16, 3)]
@@ -265,5 +265,5 @@ def test_async_speculation_equals_sync_and_plain_on_cuda_with_graphs(tiny_ckpt) 
     greedy = [k for k in requests if k != "2"]
     assert {k: _view(asy)[k] for k in greedy} == {k: _view(want)[k] for k in greedy}
     st = llm.engine.runner.cuda_graphs.stats
-    assert st.verify_replays >= 5 and st.draft_replays >= 5, st
+    assert st.verify_replays >= 5 and st.draft_replays >= 5 and st.insert_replays >= 5, st
     assert llm.engine.spec_stats().num_verified_tokens > 0

@@ -112,6 +112,24 @@ def test_static_ring_plans_are_disjoint_when_history_and_tokens_fit():
     assert verify.ring_plan(8, 5, write=True).disjoint and not verify.ring_plan(8, 6, write=True).disjoint
 
 
+@pytest.mark.parametrize("write_padding", [True, False])
+def test_static_ring_writes_of_padding_rows(write_padding: bool):
+    """A verify-shaped step writes the ring rows of all Q rows of each real sequence into its slot; with
+    write_padding=False (the DSpark context insertion) the rows past each sequence's real tokens go to the scratch
+    slot, as the padding sequences' rows always do. Ring of 8 rows, Q = 3, sequences at ctx 5 (2 real tokens) and
+    ctx 9 (3), one padding sequence."""
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=4, num_pages=8, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 3, 64, "cpu", tokens=3, write_padding=write_padding)
+    plan = step.ring_plan(8, 0, write=True)
+    step.fill(DecodeFacts(ctx=np.array([5, 9]), slots=np.array([2, 0]), input_ids=np.arange(5),
+                          block_tables=np.full((2, 1), -1), query_lens=np.array([2, 3])))
+    s = cache.scratch_slot
+    own = [2 * 8 + 5, 2 * 8 + 6, (2 if write_padding else s) * 8 + 7, 0 * 8 + 1, 0 * 8 + 2, 0 * 8 + 3]
+    assert plan.write_dst.tolist() == own + [s * 8 + 0, s * 8 + 1, s * 8 + 2]
+    assert plan.write_src.tolist() == list(range(9))
+
+
 def test_static_paged_rows_scratch_and_completion():
     from deepinfer_engine.model.cache import SeqHost
 

@@ -36,7 +36,7 @@ class EagerReplayGraphs(CudaGraphRunner):
         super().__init__(model, cache, device="cuda", max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.device = torch.device("cpu")  # the constructor only checks the device type; nothing was allocated
 
-    def _record(self, forward, prepare=None):
+    def _record(self, forward, prepare=None, *, pool: str = "shared"):  # one eager "pool": nothing is shared
         out = forward()
         if prepare is not None:  # the static step's freeze, after the forward registered its plans
             prepare()

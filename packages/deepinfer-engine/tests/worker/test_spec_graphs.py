@@ -2,9 +2,10 @@
 (`CudaGraphRunner.verify_shape_of` / `run_verify`) with the capture replaced by the same StaticDecodeStep forward
 run eagerly on every "replay", so that the padded (B, L, Q) shapes, the gather of the real rows, the captured
 features / final streams handed to the drafters and the rollback of padding rows are exercised without a GPU.
-The DSpark draft pass takes the same path (`run_draft`). Greedy speculation through it equals plain greedy
-decoding token for token (DSpark on V4.1 and V4-0731, MTP on V4, every verification policy on V4.1: mixed verify
-lengths per step), and verify steps and draft passes really took that path.
+The DSpark draft pass and draft-ring writes take the same path (`run_draft`, `run_insert`). Greedy speculation
+through it equals plain greedy decoding token for token (DSpark on V4.1 and V4-0731, MTP on V4, every verification
+policy on V4.1: mixed verify lengths per step), and verify steps, draft passes and draft-ring writes really took
+that path (the rings equal the eager engine's).
 The bucket rules of verify steps are checked on their own."""
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def _with_static_graphs(llm: LLM) -> EagerReplayGraphs:
     eng.runner.cuda_graphs = graphs
     drafter = eng.runner.spec.drafter  # the draft pass too: DSpark's stages, or V4's MTP block
     drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
+    if not hasattr(drafter, "after_step"):  # and DSpark's draft-ring writes
+        eng.runner.spec.insert_runner = graphs.run_insert
     eng.runner.spec.graph_sizes = (graphs.batch_sizes, verify_token_sizes(eng.runner.spec.max_drafts + 1))
     return graphs
 
@@ -77,6 +80,12 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
             got = spec.stats
             assert (got.num_verified_tokens, got.num_accepted_tokens) == (
                 want.num_verified_tokens, want.num_accepted_tokens), name
+        if policy == "verify_all" and method == "dspark":  # ... and the same draft rings, every request slot
+            mine, ref = llm.engine.runner.cache, eager.engine.runner.cache
+            for st in llm.engine.runner.model.mtp:
+                lid = st.attn.layer_id
+                torch.testing.assert_close(mine.swa[lid][: mine.num_slots], ref.swa[lid][: ref.num_slots],
+                                           rtol=1e-4, atol=1e-4)
         if method == "mtp":  # the drafts the block left for each request's next step: equal to the eager pass's
             mine, ref = spec.drafter._pending, eager.engine.runner.spec.drafter._pending
             assert mine.keys() == ref.keys() and mine
@@ -90,6 +99,9 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
     if method == "dspark":
         assert st.draft_replays > 0 and st.draft_eager_steps == 0, st  # every draft pass replayed
         assert {n for _, n in st.draft_shapes} == {spec.block_size}, st.draft_shapes
+        # the draft-ring writes of every step keeping at most k + 1 rows per sequence; prefill steps: eager
+        assert st.insert_replays >= st.verify_replays > 0 and st.insert_eager_steps > 0, st
+        assert {q for _, q in st.insert_shapes} == {spec.max_drafts + 1}, st.insert_shapes
     else:  # steps with a prefill chunk run the MTP block eagerly (more than 2 rows per sequence)
         assert st.mtp_replays > 0 and {q for _, q in st.mtp_shapes} <= {1, 2}, st
 

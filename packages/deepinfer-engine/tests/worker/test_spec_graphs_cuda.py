@@ -2,9 +2,11 @@
 speculation with `enforce_eager` == plain decoding, token for token (fp32), for DSpark on V4.1 (every verification
 policy: mixed verify lengths per step) and on V4-0731, and for MTP on V4, with mixed prompt lengths and requests
 finishing at different steps; verify steps replay captured (B, L, Q) graphs (`GraphStats.verify_replays`), the
-draft passes theirs (`draft_replays` for the DSpark stages, `mtp_replays` for the MTP block), no capture fails.
+draft passes theirs (`draft_replays` for the DSpark stages, `mtp_replays` for the MTP block), DSpark's draft-ring
+writes theirs (`insert_replays`), no capture fails.
 A DSpark round's pass + Markov sampling replayed as one graph gives the eager sampling's proposal bit for bit
-(greedy, mixed and all-sampled rounds)."""
+(greedy, mixed and all-sampled rounds). The draft-ring writes replayed as a graph equal the eager ones on the same
+features (ring rows and next drafts)."""
 
 from __future__ import annotations
 
@@ -59,6 +61,9 @@ def test_greedy_speculation_with_graphs_equals_eager_and_plain(ckpts, name: str)
         assert st.replays == 0 and not graphs.failed, (st, graphs.failed)  # no plain decode graph here
         if method == "dspark":  # the stages' parallel pass of every round
             assert st.draft_replays >= 10 and st.draft_eager_steps == 0, st
+            # the draft-ring writes of every step keeping <= k + 1 rows per sequence (not comparable with
+            # verify_replays: the cost policy's start-up profile replays verify graphs without a round)
+            assert st.insert_replays >= 10 and st.insert_eager_steps >= 1, st  # prefill steps: eager
         else:  # the MTP block after every step without a prefill chunk
             assert st.mtp_replays >= 10, st
 
@@ -94,7 +99,9 @@ def test_fused_draft_round_equals_the_pass_then_eager_sampling(ckpts) -> None:
         drafter.proposal_runner = fused
         before = graphs.stats.draft_replays
         got = propose(drafter, a, p, temperature=t, seeds=seeds if sampled else None)
-        others = [k for k in graphs.graphs if not (k[0] == "draft" and len(k) == 5)]
+        # (not the insertion graphs: a replay writes its last round's ring rows again, stale by now; they share
+        # no pool with the proposal)
+        others = [k for k in graphs.graphs if not (k[0] == "draft" and len(k) == 5) and k[0] != "insert"]
         assert any(len(k) == 3 and k[0] != "draft" for k in others), others  # verify graphs exist
         for k in others:
             graphs.graphs[k].graph.replay()
@@ -107,3 +114,28 @@ def test_fused_draft_round_equals_the_pass_then_eager_sampling(ckpts) -> None:
         assert got.draft_probs is None or torch.equal(got.draft_probs, want.draft_probs), temp
     drafter.proposal_runner = fused
     assert not graphs.failed
+
+
+def test_insert_graph_writes_the_eager_rings(ckpts) -> None:
+    """`CudaGraphRunner.run_insert` (the draft-ring writes of a step's kept positions, one captured graph per batch
+    bucket) == the eager `insert_context` on the same features: the same ring rows of every request slot and the
+    same next draft passes (support/insert_rounds.py: kept lengths 0, 1, partial and N + 1, buckets with padding
+    rows and padding sequences), every round replayed, no capture failed. fp32 with full-precision matmuls:
+    only the GEMM row counts differ (B * Q rows against the kept ones)."""
+    import torch
+    from deepinfer_engine.model.loader import load_model
+    from deepinfer_engine.worker.cuda_graph import CudaGraphRunner
+    from insert_rounds import insert_cache, insert_rounds
+
+    dev = torch.device("cuda")
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # TF32 would cost ~1e-3 and hide real differences
+    try:
+        model = load_model(ckpts["v41"], torch.float32, device=dev).eval()
+        cache, bt = insert_cache(model, dev)
+        graphs = CudaGraphRunner(model, cache, device=dev, max_num_seqs=4, max_model_len=256)
+        rounds = insert_rounds(model, graphs, bt, dev, tol=1e-4)
+    finally:
+        torch.set_float32_matmul_precision(old)
+    st = graphs.stats
+    assert st.insert_replays == len(rounds) and st.insert_captures == 2 and not graphs.failed, (st, graphs.failed)

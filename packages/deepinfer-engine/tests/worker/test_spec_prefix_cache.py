@@ -40,12 +40,27 @@ def _rounds(llm: LLM, prompt: list[int]) -> tuple[list[int], list[tuple], int]:
     return list(out.outputs[0].token_ids), rounds, out.num_cached_tokens
 
 
-@pytest.mark.parametrize(("arch", "size", "method", "page"), [
-    ("v41", "tiny", "dspark", 4), ("v4", "tiny-dspark", "dspark", 8), ("v4", "tiny", "mtp", 8)])
-def test_a_prefix_hit_drafts_as_without_the_cache(tiny_ckpt, arch: str, size: str, method: str, page: int) -> None:
+@pytest.mark.parametrize(("arch", "size", "method", "page", "graphs"), [
+    ("v41", "tiny", "dspark", 4, False), ("v4", "tiny-dspark", "dspark", 8, False), ("v4", "tiny", "mtp", 8, False),
+    ("v41", "tiny", "dspark", 4, True)])
+def test_a_prefix_hit_drafts_as_without_the_cache(tiny_ckpt, arch: str, size: str, method: str, page: int,
+                                                  graphs: bool) -> None:  # fmt: skip
+    """graphs: verify steps, draft passes and draft-ring writes through the runner's fixed-shape path (its capture
+    replaced by an eager run, as in test_spec_graphs.py), with prefill chunks of 6 = k + 1 tokens, so that the
+    steps whose state-block captures are armed could take the insertion graph: they must leave the draft-ring
+    writes to the eager insertion, which serves the captures (without that check the drafts after a hit differ)."""
     path = tiny_ckpt(arch, size)
-    llm = LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_batched_tokens=10,
+    llm = LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_batched_tokens=6 if graphs else 10,
               speculative_config={"method": method})
+    if graphs:
+        from deepinfer_engine.worker.cuda_graph import verify_token_sizes
+        from eager_graphs import EagerReplayGraphs
+
+        eng = llm.engine
+        g = EagerReplayGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
+        eng.runner.cuda_graphs, spec = g, eng.runner.spec
+        spec.drafter.block_runner, spec.insert_runner = g.run_draft, g.run_insert
+        spec.graph_sizes = (g.batch_sizes, verify_token_sizes(spec.max_drafts + 1))
     kv = llm.engine.scheduler.kv
     want = []
     for prompt in (INSIDE, AT_END):  # the references: computed from position 0
@@ -60,3 +75,6 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_ckpt, arch: str, size: st
         assert len(want_rounds) >= 3 and [r[:2] for r in got_rounds] == [r[:2] for r in want_rounds]
         for (_, _, got), (_, _, ref) in zip(got_rounds, want_rounds):  # fp32: prefill chunks split differently
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    if graphs:
+        st = llm.engine.runner.cuda_graphs.stats
+        assert st.insert_replays > 0 and st.verify_replays > 0, st

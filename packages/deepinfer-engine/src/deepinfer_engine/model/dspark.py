@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -26,12 +27,14 @@ from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext
 from deepinfer_engine.model.linear import Linear
 from deepinfer_engine.model.mhc import add_hc_head_params, apply_hc_head, hc_pre
+from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
 
 __all__ = [
     "ConfidenceHead",
     "DSparkStage",
     "DraftOutput",
     "MarkovHead",
+    "StaticInsert",
     "build_stages",
     "draft_block",
     "draft_block_ids",
@@ -146,20 +149,119 @@ def target_features(features: dict[int, Tensor], target_ids: tuple[int, ...]) ->
 
 
 @torch.no_grad()  # inference only: no autograd graph whatever the caller's grad mode
-def insert_context(model: nn.Module, batch: ForwardBatch, cache: ModelCache, features: Tensor) -> Tensor:
+def insert_context(model: nn.Module, batch: ForwardBatch | None, cache: ModelCache, features: Tensor, *,
+                   static: object = None) -> Tensor:  # fmt: skip
     """Write the stages' context KV for the batch's positions; features ``[T, n_targets·d]``.
 
     ``batch`` carries the accepted positions (input_ids are not used). Returns ``m [T, d]``.
+    static: a fixed-shape step (static_step.StaticDecodeStep made with ``write_padding=False``; `StaticInsert`)
+    whose batch and ring plans replace ``batch``: every row is projected, only the rows of each sequence's real
+    tokens are written to its rings (the others go to the scratch slot). It serves no prefix-cache captures.
     """
     stages = draft_stages(model)
-    ctx = ForwardContext.build(batch, cache, draft_captures=True)
-    if ctx.seq_host.captures:  # state blocks (prefix cache): the plans below capture this step's rows only
-        cache.capture_history([st.attn.layer_id for st in stages], ctx.seq_host)
+    if static is None:
+        ctx = ForwardContext.build(batch, cache, draft_captures=True)
+        if ctx.seq_host.captures:  # state blocks (prefix cache): the plans below capture this step's rows only
+            cache.capture_history([st.attn.layer_id for st in stages], ctx.seq_host)
+    else:
+        if static.write_padding:
+            raise InputError("DSpark insert_context: found a fixed-shape step with write_padding=True, expected "
+                             "write_padding=False (see StaticInsert: padding rows must not reach the rings)")
+        ctx = static.context(cache)
+        batch = ctx.batch
     s0 = stages[0]
     m = s0.main_norm(s0.main_proj(features))
     for st in stages:
         st.attn.write_window(st.attn.project_kv(m, batch.positions), ctx)
     return m
+
+
+class StaticInsert:
+    """`insert_context` of one step over a fixed shape, the form a CUDA graph captures (worker/cuda_graph.py
+    `run_insert`) and that runs eagerly anywhere (tests): `batch_size` sequences x `tokens` (Q) rows, row j of
+    sequence i at position ctx_i + j (the verify step's layout, static_step.StaticDecodeStep); sequence i's first
+    n_i <= Q rows are its kept positions.
+
+    `fill` writes a step's facts into static buffers: the step's (positions, slots, write plan) and, per target
+    layer, a `[B * Q, d]` feature buffer gathered from the step's captured features. `forward` then only reads
+    those buffers, the weights and the rings and writes the rings: no host read, nothing sized by the step.
+
+    Only the kept rows reach the rings: the step is made with `write_padding=False`, so the padding rows (rows
+    j >= n_i, and the padding sequences) write into the scratch slot. Writing every row into the sequence's own
+    ring would be harmless only while Q <= slack + 1. A draft ring has R = W + slack rows (ModelCache.allocate),
+    and a draft pass anchored at p reads positions [p - W, p) (`Attention._window`, block_noncausal). A round at
+    ctx that keeps n >= 1 rows moves the next anchor to p = ctx + n, and its row j lands on the ring row of
+    position ctx + j - R, which that pass reads iff ctx + j - R >= p - W, i.e. j >= n + slack (a later pass,
+    larger p, only for a larger j). With j <= Q - 1 and n = 1 (no draft accepted) this first happens at
+    Q = slack + 2, which the verify graphs allow (k <= slack + 1 drafts: the target's rings read back only
+    W - 1 rows). Nothing else would catch it: `ModelCache.check_resume` guards rollbacks against the target's
+    `high_water`, not the draft rings, and the prefix cache's state blocks copy ring rows as they are. Masking
+    costs nothing (the write plan is rebuilt on the host every fill either way) and leaves every ring row as the
+    eager insertion leaves it; nothing is written past the positions the target step itself wrote."""
+
+    def __init__(self, model: nn.Module, cache: ModelCache, batch_size: int, tokens: int,
+                 like: dict[int, Tensor]) -> None:  # fmt: skip
+        """like: the captured features of a step (their dtype, width and device size the feature buffers)."""
+        draft_stages(model)
+        a = model.args
+        self.model, self.cache = model, cache
+        self.target_ids = tuple(a.dspark_target_layer_ids)
+        dev = like[self.target_ids[0]].device
+        # the stages own window rings only (no compressed entries): any length up to the model's positions
+        self.step = StaticDecodeStep(cache, batch_size, int(a.max_position_embeddings), dev, tokens=tokens,
+                                     write_padding=False)  # fmt: skip
+        T = self.step.num_rows
+        self.features = {lid: torch.zeros((T, *like[lid].shape[1:]), dtype=like[lid].dtype, device=dev)
+                         for lid in self.target_ids}  # fmt: skip
+        cuda = dev.type == "cuda"
+        self._src_host = torch.zeros(T, dtype=torch.int64, pin_memory=cuda)
+        self._src = torch.zeros(T, dtype=torch.int64, device=dev) if cuda else self._src_host
+        self._copied = torch.cuda.Event() if cuda else None  # recorded after the copy out of _src_host
+        self._pending = False
+
+    @property
+    def tokens(self) -> int:
+        return self.step.tokens
+
+    def accepts(self, features: dict[int, Tensor]) -> bool:
+        """Whether `features` fit the buffers (every target layer, same dtype and width)."""
+        return all(lid in features and features[lid].dtype == buf.dtype and features[lid].shape[1:] == buf.shape[1:]
+                   for lid, buf in self.features.items())
+
+    def fill(self, ctx: np.ndarray, slots: np.ndarray, lens: np.ndarray, first_rows: np.ndarray,
+             features: dict[int, Tensor]) -> None:  # fmt: skip
+        """One step's S <= batch_size sequences: first kept position ctx [S], cache slot [S], kept rows n_i [S]
+        (1..Q) and the row of the step's features holding position ctx_i (first_rows [S]; its n_i rows follow
+        it); features: {layer: [T, d]} of the step (every target layer)."""
+        S, Q = int(ctx.shape[0]), self.step.tokens
+        lens = np.asarray(lens, dtype=np.int64)
+        self.step.fill(DecodeFacts(
+            ctx=np.asarray(ctx, dtype=np.int64), slots=np.asarray(slots, dtype=np.int64),
+            input_ids=np.zeros(int(lens.sum()), dtype=np.int64), block_tables=np.full((S, 1), -1, dtype=np.int64),
+            query_lens=lens,
+        ))  # fmt: skip
+        if self._pending:  # the last fill's copy still reads the pinned rows: wait before rewriting them
+            if not self._copied.query():
+                self._copied.synchronize()
+            self._pending = False
+        src = self._src_host.numpy()
+        # a padding row repeats its sequence's last kept row and a padding sequence reads row 0: real, finite
+        # features (their rows are projected like the others, then written to the scratch slot)
+        j = np.arange(Q, dtype=np.int64)
+        src[: S * Q] = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.minimum(j[None, :], lens[:, None] - 1)
+                        ).reshape(-1)
+        src[S * Q :] = 0
+        if self._src is not self._src_host:
+            self._src.copy_(self._src_host, non_blocking=True)
+            self._copied.record()
+            self._pending = True
+        for lid, buf in self.features.items():
+            torch.index_select(features[lid], 0, self._src, out=buf)
+
+    def forward(self) -> Tensor:
+        """The insertion over the filled buffers (the captured part): m `[B * Q, d]`."""
+        return insert_context(self.model, None, self.cache, target_features(self.features, self.target_ids),
+                              static=self.step)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,8 @@ scratch slot and their compressed entries in the scratch page, which no request 
 sequence feeding n_i < Q tokens are padding too (token 0 at the next positions): they write ring rows past the
 sequence's end, as rejected drafts do (overwritten when the sequence gets there; the cache's rollback slack
 covers Q - 1 rows), no compressed entry (entries only its real tokens complete are written), and their logits
-are dropped.
+are dropped. A step made with `write_padding=False` (the DSpark context insertion) sends the ring writes of
+those rows to the scratch slot instead, so that it writes exactly the rows the exact forward writes.
 
 Plans differ from the exact ones of `ForwardContext` (cache.py) only in size, never in the rows a real query
 attends to:
@@ -177,17 +178,22 @@ class StaticDecodeStep:
     """Static inputs + plans of a step of `batch_size` sequences x `tokens` rows whose sequences end before
     position `max_len` (tokens = 1: a plain decode step; > 1: a speculative verify step).
 
+    write_padding: whether the ring rows of a real sequence's padding rows (j >= n_i) go to the sequence's
+    own slot (True: the verify step, where they roll back like rejected drafts) or to the scratch slot (False:
+    ring plans then write exactly the rows of each sequence's real tokens; only ring writes are affected).
+
     The forward run with `static=this` (Transformer.forward_features) takes every plan from here; plans are
     registered on first request (the warm-up run before capture) and rebuilt by every later `fill`.
     """
 
     def __init__(self, cache: object, batch_size: int, max_len: int, device: torch.device | str, *,
-                 tokens: int = 1) -> None:  # fmt: skip
+                 tokens: int = 1, write_padding: bool = True) -> None:  # fmt: skip
         if batch_size < 1 or max_len < 1 or tokens < 1:
             raise InputError(f"static decode step: batch_size {batch_size}, max_len {max_len}, tokens {tokens}; "
                              "expected >= 1")  # fmt: skip
         self.cache = cache
         self.batch_size, self.max_len, self.tokens = int(batch_size), int(max_len), int(tokens)
+        self.write_padding = bool(write_padding)
         self.device = torch.device(device)
         B, Q = self.batch_size, self.tokens
         T = self.num_rows = B * Q
@@ -375,13 +381,15 @@ class StaticDecodeStep:
         kseg = np.repeat(np.arange(B, dtype=np.int64), k)
         kj = np.tile(np.arange(k, dtype=np.int64), B) + (Q - k)
         write_src = kseg * Q + kj
+        scratch = int(self.cache.scratch_slot)
 
         def build() -> list[np.ndarray]:
             _, _, _, ctx, _, _, slot = self._host_views()
             first = ctx - max_back
             parts = [slot[seg] * R + (first[seg] + j) % R, hist_off, first]
             if write:
-                parts += [slot[kseg] * R + (ctx[kseg] + kj) % R, write_src]
+                dst = slot[kseg] if self.write_padding else np.where(kj < self._lens[kseg], slot[kseg], scratch)
+                parts += [dst * R + (ctx[kseg] + kj) % R, write_src]
             return parts
 
         pool_len = B * max_back + self.num_rows

@@ -15,6 +15,10 @@ draft model's target features and the final streams asked) replays a graph captu
 smallest tokens-per-sequence bucket >= the step's longest chunk (1, 2, 4, ... below k + 1, then k + 1), each
 sequence's rows past its chunk padded (static_step.py); the outputs of the real rows are gathered in batch order
 after the replay (`run_verify`), so the speculative decoder reads them exactly as an eager forward's.
+
+The DSpark draft passes (`run_draft`, `run_draft_proposal`), V4's MTP block (`run_mtp`) and DSpark's draft-ring
+writes of a step's kept positions (`run_insert`, one graph per batch bucket over k + 1 rows per sequence whose
+padding rows write the scratch slot: `dspark.StaticInsert`) replay graphs of their own.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -119,7 +124,8 @@ def verify_shape(
 @dataclass
 class GraphStats:
     """captures / replays / eager_steps / shapes: plain decode steps, shapes (B, L); verify_*: speculative steps,
-    shapes (B, L, Q); draft_*: DSpark draft passes, shapes (B, N); mtp_*: V4 MTP draft passes, shapes (B, Q)."""
+    shapes (B, L, Q); draft_*: DSpark draft passes, shapes (B, N); mtp_*: V4 MTP draft passes, shapes (B, Q);
+    insert_*: DSpark draft-ring writes (context insertion) of a step's kept positions, shapes (B, Q)."""
 
     captures: int = 0
     replays: int = 0
@@ -138,6 +144,10 @@ class GraphStats:
     mtp_replays: int = 0
     mtp_eager_steps: int = 0
     mtp_shapes: list[tuple[int, int]] = field(default_factory=list)
+    insert_captures: int = 0
+    insert_replays: int = 0
+    insert_eager_steps: int = 0
+    insert_shapes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -160,6 +170,7 @@ class _Graph:
     proposal: Any = None  # draft-round graphs: the DraftProposal of all B rows, written by every replay
     sampling: tuple[Tensor, Tensor, Tensor] | None = None  # their static [B] temperatures (device, pinned host), seeds
     copied: torch.cuda.Event | None = None  # recorded after the copy out of the pinned temperatures
+    insert: Any = None  # insertion graphs: their dspark.StaticInsert (static step and feature buffers)
 
 
 class CudaGraphRunner:
@@ -181,6 +192,12 @@ class CudaGraphRunner:
         # them, so no other graph's intermediates may share their memory (graphs of one pool may overwrite the
         # outputs of graphs captured before them)
         self._draft_pool = None
+        # the insertion graphs' own pool (`run_insert`): in a shared pool their intermediates could sit on the
+        # outputs of graphs captured after them (a pool hands the blocks one capture freed to the next), and an
+        # insertion replayed between such a graph's replay and the read of its outputs would overwrite them.
+        # The engine's order (verify outputs are gathered before the insertion) avoids that today; an own pool
+        # avoids it whatever the order, for the price of intermediates of [B * Q, d] size not shared
+        self._insert_pool = None
         self._pools: list = []  # every pool graphs were captured into (a failed capture starts a new one)
         self._stream: torch.cuda.Stream | None = None
         self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
@@ -279,7 +296,7 @@ class CudaGraphRunner:
             # a capture that died inside cudaStreamEndCapture leaves the allocator recording into the pool
             # from the capture stream ("beginAllocateToPool: already recording" for every later capture, seen
             # on the H200): later captures take a fresh pool and stream; the graphs captured so far keep theirs
-            self._pool = self._stream = self._draft_pool = None
+            self._pool = self._stream = self._draft_pool = self._insert_pool = None
             self.failed[shape] = f"{type(exc).__name__}: {exc}"
             logger.warning("cuda graphs: capturing %s failed, that shape runs eagerly: %s", shape, exc)
             return None
@@ -318,21 +335,24 @@ class CudaGraphRunner:
         return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
 
     def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None, *,
-                draft_pool: bool = False) -> tuple[Any, Any]:  # fmt: skip
+                pool: str = "shared") -> tuple[Any, Any]:  # fmt: skip
         """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
         (Triton compiles / autotunes there, plans register, lazies initialise); `graph.replay()` rewrites the
         outputs in place. `prepare` runs after the first warm-up (the static step's `freeze`: its plans are
-        registered by then, and the second warm-up already runs on the frozen buffers). draft_pool: capture into
-        the draft-round graphs' pool instead of the shared one."""
+        registered by then, and the second warm-up already runs on the frozen buffers). pool: "shared", "draft"
+        (the draft-round graphs' pool) or "insert" (the insertion graphs' pool)."""
         torch.cuda.synchronize(self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._pools.append(self._pool)
             self._stream = torch.cuda.Stream(self.device)
-        if draft_pool and self._draft_pool is None:
+        if pool == "draft" and self._draft_pool is None:
             self._draft_pool = torch.cuda.graph_pool_handle()
             self._pools.append(self._draft_pool)
-        pool = self._draft_pool if draft_pool else self._pool
+        if pool == "insert" and self._insert_pool is None:
+            self._insert_pool = torch.cuda.graph_pool_handle()
+            self._pools.append(self._insert_pool)
+        pool = {"shared": self._pool, "draft": self._draft_pool, "insert": self._insert_pool}[pool]
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for i in range(2):
@@ -494,7 +514,7 @@ class CudaGraphRunner:
             return sample_core(block, heads, anchors, positions, temp=None if sampling is None else sampling[0],
                                seeds=None if sampling is None else sampling[2], divisors=divisors)
 
-        graph, prop = self._record(forward, step.freeze, draft_pool=True)
+        graph, prop = self._record(forward, step.freeze, pool="draft")
         g = _Graph(step=step, graph=graph, logits=None, proposal=prop, sampling=sampling)
         return self._keep(key, g, "draft", t0)
 
@@ -546,3 +566,52 @@ class CudaGraphRunner:
         graph, logits = self._record(forward, step.freeze)
         g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
         return self._keep(("mtp", B, Q), g, "mtp", t0)
+
+    # ------------------------------------------------------------------------------------ DSpark context insertion
+    def run_insert(self, ctx: Sequence[int], slots: Sequence[int], lens: Sequence[int], first_rows: Sequence[int],
+                   features: dict[int, Tensor], tokens: int) -> bool:  # fmt: skip
+        """The DSpark draft-ring writes of a step's kept positions (`dspark.insert_context`) as the replay of the
+        graph of (B, Q): B = the batch bucket of the S sequences that keep rows, Q = `tokens` (k + 1, the
+        longest verify chunk). Sequence i keeps lens[i] >= 1 positions from ctx[i] in cache slot slots[i],
+        whose features are rows first_rows[i] .. of `features` ({layer: [T, d]}, the step's captured rows in
+        batch order). Returns whether it replayed; False (the caller runs the eager insertion): a sequence keeps
+        more than Q rows (a prefill chunk), no bucket holds S, positions past the model, features the buffers do
+        not fit, a failed capture, or prefix-cache captures armed (the eager insertion serves and disarms them:
+        this check only reads them)."""
+        S, Q = len(lens), int(tokens)
+        cache, a = self.cache, self.model.args
+        B = pick_bucket(S, self.batch_sizes)
+        if (not S or B is None or Q < 1 or max(lens) > Q or min(lens) < 1 or cache.draft_captures or cache.captures
+                or max(ctx) + Q > int(a.max_position_embeddings)
+                or any(lid not in features for lid in a.dspark_target_layer_ids)):  # eager raises the error
+            self.stats.insert_eager_steps += 1
+            return False
+        key = ("insert", B, Q)
+        if key in self.failed:
+            self.stats.insert_eager_steps += 1
+            return False
+        g = self.graphs.get(key)
+        if g is None:
+            g = self._try_capture(key, lambda: self._capture_insert(B, Q, features))
+            if g is None:
+                self.stats.insert_eager_steps += 1
+                return False
+        if not g.insert.accepts(features):
+            self.stats.insert_eager_steps += 1
+            return False
+        g.insert.fill(np.asarray(ctx, dtype=np.int64), np.asarray(slots, dtype=np.int64),
+                      np.asarray(lens, dtype=np.int64), np.asarray(first_rows, dtype=np.int64), features)
+        g.graph.replay()
+        self.stats.insert_replays += 1
+        return True
+
+    def _capture_insert(self, B: int, Q: int, like: dict[int, Tensor]) -> _Graph:
+        from deepinfer_engine.model.dspark import StaticInsert
+
+        t0 = time.perf_counter()
+        # made unfilled: every row is padding while warming up and capturing, so only the scratch slot is written
+        ins = StaticInsert(self.model, self.cache, B, Q, like)
+        graph, m = self._record(ins.forward, ins.step.freeze, pool="insert")
+        # nobody reads m; it stays referenced (as `logits`) so that the blocks this graph writes stay its own
+        g = _Graph(step=ins.step, graph=graph, logits=m, insert=ins)
+        return self._keep(("insert", B, Q), g, "insert", t0)

@@ -11,7 +11,8 @@ decode chunk's one token (the golden token g at position p). Per step, for the d
 3. `finish`: exact verification (`deepinfer_dspark.verify`: greedy argmax agreement, or rejection sampling
    against the target distribution after temperature / top-k / top-p / min-p), statistics, the latency model's
    online correction, and the draft context: the target features of every position this step made part of a
-   sequence (all rows of prefill / plain chunks, rows 0 .. num_accepted of verify chunks) go into the draft rings.
+   sequence (all rows of prefill / plain chunks, rows 0 .. num_accepted of verify chunks) go into the draft rings
+   (a CUDA graph replay when the step keeps at most k + 1 rows per sequence, `insert_runner`).
 
 Rollback needs no copying: every cache family is addressed by absolute position, so the rows the verify forward
 wrote for rejected drafts (window rings, compressor state, compressed pages, index keys, Engram token ring) are
@@ -149,6 +150,9 @@ class SpecDecoder:
         self.deferred_reads = False
         # (batch buckets, tokens-per-sequence buckets) of the CUDA graphs that replay verify steps (None: eager)
         self.graph_sizes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
+        # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
+        self.insert_runner: Callable[..., bool] | None = None
         self._last_cycle: tuple[float, float] | None = None  # (start, forward span) of the previous round
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
@@ -407,10 +411,12 @@ class SpecDecoder:
     def insert_context(self, chunks: Sequence[ScheduledChunk], keep: Mapping[str, int],
                        features: Mapping[int, Tensor]) -> None:
         """Draft rings <- target features of the first keep[req] rows of each chunk (positions that are now
-        part of the sequence). Rows of rejected drafts are never inserted."""
+        part of the sequence). Rows of rejected drafts are never inserted. With `insert_runner` (CUDA graphs)
+        a step whose sequences each keep at most max_drafts + 1 rows replays the insertion's graph (the same
+        ring writes: `dspark.StaticInsert`); other steps, or when the runner declines, insert eagerly."""
         if not self.capture or not hasattr(self.drafter, "insert_context"):
             return
-        starts, lens, slots, rows = [], [], [], []
+        starts, lens, slots, firsts = [], [], [], []
         row = 0
         for c in chunks:
             k = keep.get(c.req_id, 0)
@@ -418,11 +424,16 @@ class SpecDecoder:
                 starts.append(c.start_position)
                 lens.append(k)
                 slots.append(c.slot)
-                rows.append(np.arange(row, row + k, dtype=np.int64))
+                firsts.append(row)
             row += c.num_tokens
         if not lens:
             return
-        rows_np = np.concatenate(rows)
+        # every sequence padded to max_drafts + 1 rows, the longest a verify chunk keeps: one graph per batch
+        # bucket (the runner declines steps that keep more, e.g. prefill chunks)
+        if self.insert_runner is not None and self.insert_runner(starts, slots, lens, firsts, features,
+                                                                 self.max_drafts + 1):
+            return
+        rows_np = np.concatenate([np.arange(f, f + k, dtype=np.int64) for f, k in zip(firsts, lens)])
         pos_np = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lens)])
         device = next(iter(features.values())).device
         packed = torch.from_numpy(np.concatenate([rows_np, pos_np])).to(device, non_blocking=device.type == "cuda")
@@ -621,6 +632,7 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         from deepinfer_engine.worker.cuda_graph import verify_token_sizes
 
         decoder.graph_sizes = (tuple(graphs.batch_sizes), verify_token_sizes(min(k + 1, cache.slack + 2)))
+        decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
     return decoder, k
 
 
