@@ -9,7 +9,7 @@ Shapes: T queries (one per sequence) x 64 heads x head dim 512, 640 indices per 
 compressed), bf16, in the two forms the engine uses: "one" (a single pool, window rows then top-k rows) and
 "two" (window pool kv [T * 128, 512] + a paged compressed store kv2 read in place through store rows), and "rec":
 "two" over the deployed records of kv_cache_dtype="auto" (MXFP8 window rows of 528 bytes, NVFP4 compressed rows of
-288 bytes, decoded in the kernel's gather; Triton only). Each
+288 bytes, decoded in the kernel's gather or the TileLang producer). Each
 candidate launch configuration (dot orientation, heads / rows per tile, column halves, warps, stages, split
 count) is checked against the torch reference (max abs error) and timed as device time per call from CUDA-graph
 replay over rotating input sets (each call reads its kv rows cold from HBM, as a decode step does). Kernels are
@@ -243,7 +243,7 @@ def main() -> None:
             ref = reference.sparse_attn(q, i0["kv"], i0["indices"], sink, scale, i0.get("kv2"), i0.get("indices2"),
                                         i0.get("kv_format"), i0.get("kv2_format")).float()  # fmt: skip
             for lab, path, cfg in cands:
-                if form == "rec" and path is not None:  # records: this tree's Triton kernel only
+                if form == "rec" and path not in (None, "tilelang"):  # records: this tree's kernels only
                     continue
                 for splits in ([None] if path == "tilelang" else _split_choices(t)):
                     if time.time() - t_start > ns.budget_s:

@@ -57,7 +57,7 @@ def test_tilelang_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
     with pytest.raises(KernelBackendError, match=r"not importable; install deepinfer-kernels\[tilelang\]"):
         sparse_attn(q, kv, idx, sink, 0.1, backend="tilelang")
     monkeypatch.setattr(tl_sa, "tilelang_available", lambda: True)
-    with pytest.raises(KernelBackendError, match="needs bf16 q \\[T, 64, 512\\] and kv on an sm_90 GPU and a non-empty first index list"):
+    with pytest.raises(KernelBackendError, match="needs bf16 q \\[T, 64, 512\\] and kv on an sm_90 GPU .* and a non-empty first index list"):
         sparse_attn(q, kv, idx, sink, 0.1, backend="tilelang")
     assert not tl_sa.supports(q, kv, idx, None)
     assert not tl_sa.supports(q[:, :8], kv, idx, None)
@@ -86,6 +86,18 @@ def test_auto_takes_tilelang_only_without_an_explicit_triton_request(monkeypatch
         q, idx = torch.randn(t, 64, 512).bfloat16(), torch.zeros(t, 4, dtype=torch.int64)
         sparse_attn(q, kv, idx, sink, 0.1, backend=backend)
     assert calls == ["tilelang", "triton", "triton", "tilelang", "triton"]
+    # record sources: their own threshold, and the formats reach the kernel
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3
+
+    calls.clear()
+    monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "")
+    monkeypatch.setattr(tl_sa, "sparse_attn", lambda *a, **k: calls.append(("tilelang", k["kv_format"])))
+    rec = torch.zeros(8, 528, dtype=torch.uint8)
+    m = sa.TILELANG_MIN_TOKENS_RECORDS
+    for t in (m, m - 1):
+        q, idx = torch.randn(t, 64, 512).bfloat16(), torch.zeros(t, 4, dtype=torch.int64)
+        sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3)
+    assert calls == [("tilelang", MXFP8_E4M3), "triton"]
 
 
 def _records(x, fmt):
@@ -124,9 +136,9 @@ def test_record_sources_equal_attention_over_their_decoded_values() -> None:
             assert torch.equal(got, want), (f1, f2, dt)
 
 
-def test_record_sources_are_checked() -> None:
-    """A record source of the wrong dtype or width, a format without a decoder, or records with backend="tilelang"
-    each get a clear error naming the fix."""
+def test_record_sources_are_checked(monkeypatch) -> None:
+    """A record source of the wrong dtype or width, a format without a decoder, or records backend="tilelang" has
+    no kernel for, each get a clear error naming the fix."""
     import dataclasses
 
     import pytest
@@ -146,5 +158,8 @@ def test_record_sources_are_checked() -> None:
         sparse_attn(q, rec, idx, sink, 0.1, kv_format=odd)
     with pytest.raises(ValueError, match=r"expected kv2 \[S2, 64\] torch.float32 \(or uint8 records with kv2_format\)"):
         sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3, kv2=rec, indices2=idx)
-    with pytest.raises(KernelBackendError, match="reads bf16 rows only"):
-        sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3, backend="tilelang")
+    from deepinfer_kernels.sparse_attn import tilelang as tl_sa
+
+    monkeypatch.setattr(tl_sa, "tilelang_available", lambda: True)
+    with pytest.raises(KernelBackendError, match="16-byte aligned MXFP8 / NVFP4 records"):
+        sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3, backend="tilelang")  # CPU tensors

@@ -15,8 +15,11 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # installed): one CTA per token, so at 16 tokens and fewer the Triton kernel's index-list splits win (H200: 24.5 vs
 # 22.6 us at 16 tokens, 25.0 vs 28.4 at 32; docs/perf.md "Sparse decode attention, warp-specialised").
 TILELANG_MIN_TOKENS = 32
+# The same threshold for record sources (kv_format / kv2_format), whose Triton kernel decodes in its gather and
+# is 2-3x slower than over bf16 rows (docs/perf.md "KV records read in place").
+TILELANG_MIN_TOKENS_RECORDS = 8
 
-__all__ = ["TILELANG_MIN_TOKENS", "sparse_attn"]
+__all__ = ["TILELANG_MIN_TOKENS", "TILELANG_MIN_TOKENS_RECORDS", "sparse_attn"]
 
 
 def sparse_attn(
@@ -44,7 +47,8 @@ def sparse_attn(
     would cost a device sync per call).
     kv_format / kv2_format (`deepinfer_kernels.quant.kv_formats.KVFormat`, default None = plain values): that
     source is the cache's deployed records, uint8 [S, fmt.record_bytes(D)] (codes, then scale bytes), read in
-    place and decoded in the gather (MXFP8_E4M3, NVFP4_E2M1, MXFP4_E2M1); torch and triton only."""
+    place and decoded in the gather (MXFP8_E4M3, NVFP4_E2M1, MXFP4_E2M1; the tilelang kernel MXFP8 and NVFP4, and
+    "auto" takes it from TILELANG_MIN_TOKENS_RECORDS tokens on)."""
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
         raise ValueError(
             f"sparse_attn: expected q [T,H,D], kv [S,D], indices [T,K]; found {tuple(q.shape)}, "
@@ -73,11 +77,6 @@ def sparse_attn(
             f"[{q.shape[0]}, K2] int64"
         )
     records = kv_format is not None or kv2_format is not None
-    if backend == "tilelang" and records:
-        raise KernelBackendError(
-            "sparse_attn: backend='tilelang' reads bf16 rows only; kv records (kv_format / kv2_format) are decoded "
-            "in the gather by 'triton' or 'torch'"
-        )
     if backend == "tilelang":
         from deepinfer_kernels.sparse_attn import tilelang as tilelang_backend
 
@@ -85,13 +84,15 @@ def sparse_attn(
             raise KernelBackendError(
                 "sparse_attn: backend='tilelang' but tilelang is not importable; install deepinfer-kernels[tilelang]"
             )
-        if not tilelang_backend.supports(q, kv, indices, kv2):
+        if not tilelang_backend.supports(q, kv, indices, kv2, kv_format, kv2_format):
             raise KernelBackendError(
                 f"sparse_attn: backend='tilelang' has no kernel for q {tuple(q.shape)} {q.dtype} on {q.device}, "
                 f"kv {kv.dtype}, indices {tuple(indices.shape)}; it needs bf16 q [T, 64, 512] and kv on an sm_90 "
-                "GPU and a non-empty first index list; use 'triton' or 'torch'"
+                "GPU (or 16-byte aligned MXFP8 / NVFP4 records) and a non-empty first index list; use 'triton' or "
+                "'torch'"
             )
-        return tilelang_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2)
+        return tilelang_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2,
+                                            kv_format=kv_format, kv2_format=kv2_format)  # fmt: skip
     ok = q.dtype in _TRITON_DTYPES and (kv.dtype == q.dtype or kv_format is not None) and d <= 1024
     ok = ok and (not records or (d >= 32 and d & (d - 1) == 0))
     why = (f"q {q.dtype}, kv {kv.dtype}, D {d}; needs one dtype in bf16/fp16/fp32 (or kv records) and D <= 1024 "
@@ -99,13 +100,14 @@ def sparse_attn(
     if resolve_backend("sparse_attn", backend, q, kv, indices, attn_sink, triton_ok=ok, why_not=why) == "triton":
         # "auto" under DEEPINFER_KERNEL_BACKEND=triton is an explicit request for the Triton kernels
         auto = backend == "device" or (backend == "auto" and backend_from_env() == "device")
-        if auto and not records and q.shape[0] >= TILELANG_MIN_TOKENS:
+        if auto and q.shape[0] >= (TILELANG_MIN_TOKENS_RECORDS if records else TILELANG_MIN_TOKENS):
             from deepinfer_kernels.sparse_attn import tilelang as tilelang_backend
 
-            if tilelang_backend.tilelang_available() and tilelang_backend.supports(q, kv, indices, kv2):
-                return tilelang_backend.sparse_attn(
-                    q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2
-                )
+            if tilelang_backend.tilelang_available() and tilelang_backend.supports(
+                q, kv, indices, kv2, kv_format, kv2_format
+            ):
+                return tilelang_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2,
+                                                    indices2=indices2, kv_format=kv_format, kv2_format=kv2_format)
         from deepinfer_kernels.sparse_attn import triton as triton_backend
 
         return triton_backend.sparse_attn(q, kv, indices, attn_sink, softmax_scale, kv2=kv2, indices2=indices2,

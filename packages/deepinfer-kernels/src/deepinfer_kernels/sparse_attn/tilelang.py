@@ -20,8 +20,15 @@ shared memory then never holds uninitialised values that 0 * NaN would carry int
 the initial running max and denominator, as in the Triton kernel and the torch reference. Scores and softmax are fp32 in the log2 domain; P is
 rounded to bf16 for the value dot (FlashAttention's convention, as the Triton kernel).
 
+Record sources (kv_format / kv2_format): either source may instead be the cache's deployed records, uint8
+[S, 528] MXFP8_E4M3 (the window) or [S, 288] NVFP4_E2M1 (the compressed store), rows of codes then scale bytes
+(`deepinfer_kernels.quant.kv_formats`). The producer then loads each row's bytes with plain vector loads into
+registers, decodes them and stores the bf16 tile the consumers already read (FlashMLA's structure for FP8 KV): the
+gather moves 528 or 288 bytes per row instead of 1,024, and no decoded copy of the cache is written first. The
+decoded values equal `decode_records(rec, fmt, torch.bfloat16)` (the product code x scale is exact in bf16).
+
 tilelang is an optional dependency (`deepinfer-kernels[tilelang]`), imported only inside functions; kernels are
-compiled once per (heads, dim, scale) in this process and on disk by tilelang's own cache.
+compiled once per (heads, dim, scale, sources, formats) in this process and on disk by tilelang's own cache.
 """
 
 # No `from __future__ import annotations`: TileLang evaluates the kernel's parameter annotations, which name
@@ -32,9 +39,14 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1, KVFormat
+
 __all__ = [
     "BLOCK_ROWS",
     "BUFFER_ROWS",
+    "FMT_BF16",
+    "FMT_MXFP8",
+    "FMT_NVFP4",
     "HEADS",
     "HEAD_DIM",
     "build_kernel",
@@ -50,6 +62,92 @@ BLOCK_ROWS = 64  # rows per gathered tile: 64 or 32 (both checked against the re
 BUFFER_ROWS = 128  # rows of all tile buffers together: 128 KiB, + Q 64 KiB + P fill 200 KiB of an SM's 227 KiB
 _LOG2E = 1.4426950408889634
 
+# Row formats of a source in build_kernel (fmt1 / fmt2): bf16 values, or uint8 records of that KVFormat.
+FMT_BF16, FMT_MXFP8, FMT_NVFP4 = 0, 1, 2
+_FORMATS = {FMT_MXFP8: MXFP8_E4M3, FMT_NVFP4: NVFP4_E2M1}
+# Producer registers (setmaxnreg). The three warpgroups start at the launch bound's 168 and can only trade among
+# themselves (384 x 168 is the CTA's whole allocation), so 240 + 168 + producer <= 3 x 168: at most 96. The copy
+# producer needs few; the record producer holds two passes of row bytes (2 x 20 words) plus its addresses.
+_PRODUCER_REGS = 80
+_PRODUCER_REGS_RECORDS = 96
+# Record passes whose loads are issued together before any of them is decoded: latency hiding against registers.
+# Two passes = 32 rows (17 KB of MXFP8) in flight per SM, the most that 96 producer registers hold without a spill
+# in ptxas (the words alone of four passes would take 80).
+_RECORD_PASSES_IN_FLIGHT = 2
+_RECORD_WORDS = 20  # 32-bit registers per pass: MXFP8 16 code + 4 scale words; NVFP4 8 code + 8 scale words
+
+# Decode of one thread's 8-column chunk, in CUDA (the kernel's prelude): TileLang has no e4m3x2 conversion
+# intrinsic, and the 16-byte shared store must be one st.shared.v4. e4m3 goes through cvt.rn.f16x2.e4m3x2 (exact,
+# subnormals included: every e4m3 value is a normal f16), then float32 times the scale, then one rounding to bf16
+# (exact: a 4-bit e4m3 or 2-bit e2m1 significand times a power of two or 4-bit e4m3 scale fits bf16's 8 bits).
+# sm_90 has no e2m1 conversion: an e2m1 nibble (s, e1 e0, m) becomes the e4m3 code (s, 00 e1 e0, m 00), whose
+# value is the e2m1 value times 2^-6 for normal and subnormal codes alike, and the scale carries the 2^6 back.
+# Under fast math the float32 product flushes results below 2^-126 to zero (the torch decode keeps them); the
+# quantizer's amax floors keep every scale at or above 2^-22, so no decoded value comes near that.
+_DECODE_CUDA = r"""
+// Predicated in-place loads through the read-only path: where pred is false the words keep their value, so a
+// two-format kernel loads each row through both formats' loads into the same registers (exactly one applies).
+__device__ __forceinline__ void dk_ldg32(unsigned *w, const void *p, int pred) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q ld.global.nc.u32 %0, [%1];\n}"
+               : "+r"(w[0]) : "l"(p), "r"(pred));
+}
+__device__ __forceinline__ void dk_ldg64(unsigned *w, const void *p, int pred) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q ld.global.nc.v2.u32 {%0, %1}, [%2];\n}"
+               : "+r"(w[0]), "+r"(w[1]) : "l"(p), "r"(pred));
+}
+__device__ __forceinline__ void dk_ldg128(unsigned *w, const void *p, int pred) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %5, 0;\n@q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
+               : "+r"(w[0]), "+r"(w[1]), "+r"(w[2]), "+r"(w[3]) : "l"(p), "r"(pred));
+}
+__device__ __forceinline__ void dk_sts128(void *dst, unsigned a, unsigned b, unsigned c, unsigned d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void dk_f16x2_f32(unsigned h, float &lo, float &hi) {
+  asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, u;\n}"
+      : "=f"(lo), "=f"(hi) : "r"(h));
+}
+__device__ __forceinline__ unsigned dk_bf16x2(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// 4 e4m3 codes (byte i = column i) times s -> 4 bf16 in 2 words, column 0 in the low half of w0
+__device__ __forceinline__ void dk_e4m3x4(unsigned c, float s, unsigned &w0, unsigned &w1) {
+  unsigned h0, h1;
+  asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, u;\n}"
+      : "=r"(h0), "=r"(h1) : "r"(c));
+  float f0, f1, f2, f3;
+  dk_f16x2_f32(h0, f0, f1);
+  dk_f16x2_f32(h1, f2, f3);
+  w0 = dk_bf16x2(f0 * s, f1 * s);
+  w1 = dk_bf16x2(f2 * s, f3 * s);
+}
+// MXFP8: 8 e4m3 codes (c03: columns 0-3, c47: columns 4-7); the UE8M0 byte in bits 0-7 of `scale`
+__device__ __forceinline__ void dk_st_mxfp8(void *dst, unsigned c03, unsigned c47, unsigned scale) {
+  float s = __uint_as_float((scale & 0xFFu) << 23);
+  unsigned w0, w1, w2, w3;
+  dk_e4m3x4(c03, s, w0, w1);
+  dk_e4m3x4(c47, s, w2, w3);
+  dk_sts128(dst, w0, w1, w2, w3);
+}
+// NVFP4: 8 e2m1 codes (byte i: column 2i in the low nibble, 2i + 1 in the high); the e4m3 byte in bits 0-7 of `scale`
+__device__ __forceinline__ void dk_st_nvfp4(void *dst, unsigned codes, unsigned scale) {
+  unsigned even = ((codes << 4) & 0x80808080u) | ((codes << 2) & 0x1C1C1C1Cu);
+  unsigned odd = (codes & 0x80808080u) | ((codes >> 2) & 0x1C1C1C1Cu);
+  unsigned hs;
+  asm("{\n.reg .b16 l, u;\nmov.b32 {l, u}, %1;\ncvt.rn.f16x2.e4m3x2 %0, l;\n}" : "=r"(hs) : "r"(scale & 0xFFu));
+  float s, unused;
+  dk_f16x2_f32(hs, s, unused);
+  s *= 64.0f;
+  unsigned w0, w1, w2, w3;
+  dk_e4m3x4(__byte_perm(even, odd, 0x5140), s, w0, w1);
+  dk_e4m3x4(__byte_perm(even, odd, 0x7362), s, w2, w3);
+  dk_sts128(dst, w0, w1, w2, w3);
+}
+__device__ __forceinline__ void dk_st_zero(void *dst) { dk_sts128(dst, 0u, 0u, 0u, 0u); }
+"""
+
 
 @functools.cache  # a failed import is not cached by Python: without this every eager call would search sys.path
 def tilelang_available() -> bool:
@@ -61,14 +159,23 @@ def tilelang_available() -> bool:
     return True
 
 
-def supports(q: Tensor, kv: Tensor, indices: Tensor, kv2: Tensor | None) -> bool:
-    """Whether this kernel handles these inputs: CUDA sm_90, bf16, H == 64, D == 512, a non-empty first source and
-    index list (the producer's clamped index loads read column 0 of it)."""
+def supports(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    kv2: Tensor | None,
+    kv_format: KVFormat | None = None,
+    kv2_format: KVFormat | None = None,
+) -> bool:
+    """Whether this kernel handles these inputs: CUDA sm_90, bf16 q with H == 64, D == 512, a non-empty first source
+    and index list (the producer's clamped index loads read column 0 of it), and each source either bf16 [S, 512]
+    (format None) or uint8 records of MXFP8_E4M3 [S, 528] / NVFP4_E2M1 [S, 288] whose rows are 16-byte aligned
+    (the producer's vector loads)."""
     return (
         q.is_cuda
         and q.dtype == torch.bfloat16
-        and kv.dtype == torch.bfloat16
-        and (kv2 is None or kv2.dtype == torch.bfloat16)
+        and _source_ok(kv, kv_format)
+        and (kv2 is None or _source_ok(kv2, kv2_format))
         and q.dim() == 3
         and q.shape[1] == HEADS
         and q.shape[2] == HEAD_DIM
@@ -78,9 +185,38 @@ def supports(q: Tensor, kv: Tensor, indices: Tensor, kv2: Tensor | None) -> bool
     )
 
 
-def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, block_rows: int = BLOCK_ROWS):
-    """The TileLang prim_func for (heads, dim, softmax_scale, two_sources); T, S, S2, K, K2 stay symbolic (the
-    one-source kernel never reads kv2 / indices2).
+def _source_ok(src: Tensor, fmt: KVFormat | None) -> bool:
+    if fmt is None:
+        return src.dtype == torch.bfloat16
+    if fmt not in _FORMATS.values():
+        return False
+    # a non-contiguous source is copied by sparse_attn (aligned); a contiguous one is read where it lies
+    aligned = not src.is_contiguous() or src.data_ptr() % 16 == 0
+    return src.dtype == torch.uint8 and src.dim() == 2 and src.shape[1] == fmt.record_bytes(HEAD_DIM) and aligned
+
+
+def _format_code(fmt: KVFormat | None) -> int:
+    if fmt is None:
+        return FMT_BF16
+    for code, f in _FORMATS.items():
+        if f == fmt:
+            return code
+    raise ValueError(f"sparse_attn (tilelang): record format {fmt.name} is not decoded here; MXFP8_E4M3 or NVFP4_E2M1")
+
+
+def build_kernel(
+    heads: int,
+    dim: int,
+    softmax_scale: float,
+    two_sources: bool,
+    block_rows: int = BLOCK_ROWS,
+    fmt1: int = FMT_BF16,
+    fmt2: int = FMT_BF16,
+):
+    """The TileLang prim_func for (heads, dim, softmax_scale, two_sources, fmt1, fmt2); T, S, S2, K, K2 stay symbolic
+    (the one-source kernel never reads kv2 / indices2, and declares it in kv's format: the caller passes kv again).
+    fmt1 / fmt2: FMT_BF16 (kv [S, D] bf16), FMT_MXFP8 (uint8 [S, 528]) or FMT_NVFP4 (uint8 [S, 288]); records
+    need D == 512.
     Arguments of the compiled kernel: q, kv, indices, kv2, indices2, sink, out (out is written, not returned)."""
     import tilelang.language as T
 
@@ -94,6 +230,20 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
     rows_per_pass = 128 // row_threads
     passes = BI // rows_per_pass
     chunks = D2 // (8 * row_threads)  # 16-byte copies per thread per row half
+    if not two_sources:
+        fmt2 = fmt1
+    if fmt1 not in (FMT_BF16, *_FORMATS) or fmt2 not in (FMT_BF16, *_FORMATS):
+        raise ValueError(f"build_kernel: formats {fmt1}, {fmt2}; expected FMT_BF16, FMT_MXFP8 or FMT_NVFP4")
+    # record rows are decoded by the producer (st.shared); bf16 rows keep their cp.async copies
+    records = fmt1 != FMT_BF16 or (two_sources and fmt2 != FMT_BF16)
+    copies = fmt1 == FMT_BF16 or (two_sources and fmt2 == FMT_BF16)
+    if records and (D != HEAD_DIM or row_threads * 8 * chunks * 2 != D):
+        raise ValueError(f"build_kernel: record sources need D == {HEAD_DIM}, found {D}")
+    row_width = {f: (D, bf16) if f == FMT_BF16 else (_FORMATS[f].record_bytes(D), "uint8") for f in (fmt1, fmt2)}
+    # 32-row tiles (four buffers, whose addresses also take producer registers): one pass at a time, as two
+    # spilled 28 bytes in ptxas
+    group = min(_RECORD_PASSES_IN_FLIGHT, passes) if n_buf <= 2 else 1
+    load_groups = [list(range(g, min(g + group, passes))) for g in range(0, passes, group)]
 
     # The macros below are expanded in place once per buffer, so every buffer index is static in the generated
     # code; `v` carries the kernel's buffers and thread values (a namespace built inside the kernel).
@@ -105,6 +255,9 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
     @T.macro
     def score_tile(v, ready, ok, k_l, k_r, free, p, j):
         T.barrier_wait(ready, p & 1)
+        # The tile's rows were written through the generic proxy (cp.async or the record decode's st.shared) and
+        # wgmma reads them through the async proxy. TileLang's own fence covers only the first buffer here.
+        T.fence_proxy_async()
         for h, n in T.Parallel(H, BI):
             v.acc_s[h, n] = T.if_then_else(ok[n], 0, -T.infinity(f32))
         T.wgmma_gemm(v.q_l, k_l, v.acc_s, transpose_B=True)
@@ -136,7 +289,7 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
     def value_tile(v, ready, ok, k_l, k_r, free, p, j):
         T.barrier_arrive(v.p_ready)
         T.barrier_wait(v.p_ready, j & 1)
-        T.fence_proxy_async()  # the tile's rows were written by cp.async (generic proxy); wgmma reads them
+        T.fence_proxy_async()  # the tile's rows were written through the generic proxy; wgmma reads them
         for h, d in T.Parallel(H, D2):
             v.acc_r[h, d] = v.acc_r[h, d] * v.alpha_sh[h]
         T.gemm(v.p_sh, k_r, v.acc_r)
@@ -145,7 +298,7 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
             T.barrier_arrive(v.p_free)
 
     @T.macro
-    def gather_tile(v, ready, ok, k_l, k_r, free, p, j):
+    def load_indices(v, j):
         # The tile's indices first: unconditional (clamped) loads that are all in flight together and overlap the
         # wait for the buffer; a dependent index load before each row's copies would serialise their latencies.
         for r in T.unroll(passes):
@@ -160,6 +313,25 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
             else:
                 v.idx[r] = T.if_then_else(in1, x1, T.int64(0))
                 v.src[r] = T.if_then_else(in1, 1, 0)
+
+    @T.macro
+    def load_rows(v, j):
+        # load_indices for the record producer, whose registers are scarce: one int32 per row, the row of kv
+        # (>= 0), none (-1) or the row x of kv2 as -2 - x. Row counts fit int32 (the kernel's sizes are int32).
+        for r in T.unroll(passes):
+            col = j * BI + r * rows_per_pass + v.lane // row_threads
+            x1 = v.Idx[v.bx, T.min(col, k1 - 1)]
+            in1 = col < k1 and x1 >= 0 and x1 < T.cast(s1, i64)
+            if two_sources:
+                x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
+                in2 = col >= k1 and col < k1 + k2 and x2 >= 0 and x2 < T.cast(s2, i64)
+                v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), T.if_then_else(in2, -2 - T.cast(x2, "int32"), -1))
+            else:
+                v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), -1)
+
+    @T.macro
+    def gather_tile(v, ready, ok, k_l, k_r, free, p, j):
+        load_indices(v, j)
         T.barrier_wait(free, (p & 1) ^ 1)
         for r in T.unroll(passes):
             row = r * rows_per_pass + v.lane // row_threads
@@ -187,17 +359,94 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
         T.barrier_arrive(ready)
         T.cp_async_barrier_noinc(ready)
 
+    # Python lists: a loop over them is expanded while the kernel is built (`range` would become a TIR loop), so
+    # every register word index below is a constant and the words stay in registers.
+    row_chunks = [(k // chunks, k % chunks) for k in range(2 * chunks)]  # this thread's chunks: (half, u)
+
+    @T.macro
+    def load_words(v, X, x, col, live, n, k):
+        """n words into w[k:k + n] from X[x, col:...] where `live` (one vector load)."""
+        T.call_extern(
+            "handle", f"dk_ldg{32 * n}", T.access_ptr(v.w[k], "rw", n), T.access_ptr(X[x, col], "r", 4 * n), live
+        )
+
+    @T.macro
+    def load_record(v, X, fmt, x, live, w0):
+        """Issues one row's loads (where `live`) into words w0.. of this thread's registers, no dependent use yet."""
+        if fmt == FMT_MXFP8:  # per chunk its 8 code bytes (one 64-bit load); the row's 16 scale bytes (one 128-bit)
+            for k, (half, u) in enumerate(row_chunks):
+                load_words(v, X, x, half * D2 + u * 64 + v.c0, live, 2, w0 + 2 * k)
+            load_words(v, X, x, D, live, 4, w0 + 16)
+        else:  # per chunk its 4 code bytes; the row's 32 scale bytes (two 128-bit loads)
+            for k, (half, u) in enumerate(row_chunks):
+                load_words(v, X, x, (half * D2 + u * 64) // 2 + v.c0 // 2, live, 1, w0 + k)
+            load_words(v, X, x, D // 2, live, 4, w0 + 8)
+            load_words(v, X, x, D // 2 + 16, live, 4, w0 + 12)
+
+    @T.macro
+    def store_chunk(v, fmt, X, x, k_half, row, k, half, u, w0):
+        """Writes the row's 8 columns half * D2 + u * 64 + c0.. (this thread's chunk k) into k_half[row, ...]."""
+        cb = half * D2 + u * 64  # static; c0 < 64 adds the thread's offset within the 64 columns
+        if fmt == FMT_BF16:
+            T.ptx_cp_async(T.access_ptr(k_half[row, u * 64 + v.c0], "w", 8), T.access_ptr(X[x, cb + v.c0], "r", 8), 8)
+        elif fmt == FMT_MXFP8:  # scale byte (col // 32) of 16: word cb // 128, byte (cb % 128) // 32 + c0 // 32
+            scale = v.w[w0 + 16 + cb // 128] >> T.cast(8 * ((cb % 128) // 32) + 8 * (v.c0 // 32), "uint32")
+            T.call_extern(
+                "handle", "dk_st_mxfp8", T.access_ptr(k_half[row, u * 64 + v.c0], "w", 8), v.w[w0 + 2 * k],
+                v.w[w0 + 2 * k + 1], scale,
+            )  # fmt: skip
+        else:  # scale byte (col // 16) of 32: word cb // 64, byte c0 // 16
+            scale = v.w[w0 + 8 + cb // 64] >> T.cast(8 * (v.c0 // 16), "uint32")
+            T.call_extern("handle", "dk_st_nvfp4", T.access_ptr(k_half[row, u * 64 + v.c0], "w", 8), v.w[w0 + k], scale)
+
+    @T.macro
+    def store_record(v, fmt, X, x, k_l, k_r, row, w0):
+        for k, (half, u) in enumerate(row_chunks):
+            store_chunk(v, fmt, X, x, k_r if half else k_l, row, k, half, u, w0)
+
+    @T.macro
+    def gather_records(v, ready, ok, k_l, k_r, free, p, j):
+        # Rows of record sources are loaded into registers (group by group: each group's loads are all issued
+        # before any is decoded) and decoded into the tile; rows of a bf16 source keep their cp.async copies.
+        # The first group's loads only fill registers, so they are issued before the wait for the buffer.
+        load_rows(v, j)
+        for g, rs in enumerate(load_groups):
+            for i, r in enumerate(rs):
+                if fmt1 != FMT_BF16:
+                    load_record(v, v.KV, fmt1, T.cast(v.rid[r], i64), v.rid[r] >= 0, i * _RECORD_WORDS)
+                if two_sources and fmt2 != FMT_BF16:
+                    load_record(v, v.KV2, fmt2, T.cast(-2 - v.rid[r], i64), v.rid[r] <= -2, i * _RECORD_WORDS)
+            if g == 0:
+                T.barrier_wait(free, (p & 1) ^ 1)
+            for i, r in enumerate(rs):
+                row = r * rows_per_pass + v.lane // row_threads
+                ok[row] = v.rid[r] != -1
+                if v.rid[r] >= 0:
+                    store_record(v, fmt1, v.KV, T.cast(v.rid[r], i64), k_l, k_r, row, i * _RECORD_WORDS)
+                elif two_sources and v.rid[r] <= -2:
+                    store_record(v, fmt2, v.KV2, T.cast(-2 - v.rid[r], i64), k_l, k_r, row, i * _RECORD_WORDS)
+                else:  # explicit zeros: the buffer may hold anything, NaN patterns included
+                    for half, u in row_chunks:
+                        k_half = k_r if half else k_l
+                        T.call_extern("handle", "dk_st_zero", T.access_ptr(k_half[row, u * 64 + v.c0], "w", 8))
+        # The decode's stores are generic-proxy writes that wgmma reads through the async proxy: the writer's proxy
+        # fence, then the arrive (a release). One plain arrival per thread unless copies are also tracked.
+        T.fence_proxy_async()
+        T.barrier_arrive(ready)
+        if copies:
+            T.cp_async_barrier_noinc(ready)
+
     @T.prim_func
     def kernel(
         Q: T.Tensor([n_tok, H, D], bf16),
-        KV: T.Tensor([s1, D], bf16),
+        KV: T.Tensor([s1, row_width[fmt1][0]], row_width[fmt1][1]),
         Idx: T.Tensor([n_tok, k1], i64),
-        KV2: T.Tensor([s2, D], bf16),
+        KV2: T.Tensor([s2, row_width[fmt2][0]], row_width[fmt2][1]),
         Idx2: T.Tensor([n_tok, k2], i64),
         Sink: T.Tensor([H], f32),
         Out: T.Tensor([n_tok, H, D], bf16),
     ):
-        with T.Kernel(n_tok, threads=384) as bx:
+        with T.Kernel(n_tok, threads=384, prelude=_DECODE_CUDA if records else None) as bx:
             q_l = T.alloc_shared([H, D2], bf16)
             q_r = T.alloc_shared([H, D2], bf16)
             k_l = [T.alloc_shared([BI, D2], bf16) for _ in range(n_buf)]
@@ -217,8 +466,11 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
             l_i = T.alloc_fragment([H], f32)
             idx = T.alloc_local([passes], i64)
             src = T.alloc_local([passes], "int32")
+            rid = T.alloc_local([passes], "int32")
+            w = T.alloc_local([group * _RECORD_WORDS if records else 1], "uint32")
 
-            ready = [T.alloc_barrier(arrive_count=256) for _ in range(n_buf)]
+            # per producer thread: two arrivals (plain + cp.async tracking) when copies are tracked, else one
+            ready = [T.alloc_barrier(arrive_count=256 if copies else 128) for _ in range(n_buf)]
             free = [T.alloc_barrier(arrive_count=256) for _ in range(n_buf)]
             p_ready = T.alloc_barrier(arrive_count=256)
             p_free = T.alloc_barrier(arrive_count=256)
@@ -233,7 +485,7 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
                 q_l=q_l, q_r=q_r, acc_s=acc_s, acc_l=acc_l, acc_r=acc_r, m_i=m_i, m_prev=m_prev, alpha=alpha,
                 row_sum=row_sum, l_i=l_i, alpha_sh=alpha_sh, p_sh=p_sh, p_ready=p_ready, p_free=p_free, idx=idx,
                 src=src, Idx=Idx, Idx2=Idx2, KV=KV, KV2=KV2, bx=bx, lane=lane, c0=(lane % row_threads) * 8,
-                k_l=k_l, k_r=k_r, ok=ok, ready=ready, free=free, last=n_buf * n_groups - 1,
+                k_l=k_l, k_r=k_r, ok=ok, ready=ready, free=free, last=n_buf * n_groups - 1, rid=rid, w=w,
             )
 
             if tx < 128:  # scores, softmax, left half of the output
@@ -265,9 +517,9 @@ def build_kernel(heads: int, dim: int, softmax_scale: float, two_sources: bool, 
                 T.copy(acc_r, q_r)
                 T.copy(q_r, Out[bx, 0:H, D2:D])
             else:  # producer: gathers tile j into buffer j % n_buf
-                T.set_max_nreg(80, 0)
+                T.set_max_nreg(_PRODUCER_REGS_RECORDS if records else _PRODUCER_REGS, 0)
                 for g in T.serial(n_groups):
-                    each_buffer(gather_tile, v, g)
+                    each_buffer(gather_records if records else gather_tile, v, g)
 
     return kernel
 
@@ -287,10 +539,10 @@ def pass_configs() -> dict:
 
 
 @functools.cache
-def _compiled(heads: int, dim: int, softmax_scale: float, two_sources: bool, block_rows: int):
+def _compiled(heads: int, dim: int, softmax_scale: float, two_sources: bool, block_rows: int, fmt1: int, fmt2: int):
     import tilelang
 
-    func = build_kernel(heads, dim, softmax_scale, two_sources, block_rows)
+    func = build_kernel(heads, dim, softmax_scale, two_sources, block_rows, fmt1, fmt2)
     return tilelang.compile(
         func,
         out_idx=None,
@@ -309,21 +561,25 @@ def sparse_attn(
     kv2: Tensor | None = None,
     indices2: Tensor | None = None,
     block_rows: int = BLOCK_ROWS,
+    kv_format: KVFormat | None = None,
+    kv2_format: KVFormat | None = None,
 ) -> Tensor:
     """q [T, 64, 512] bf16; kv [S, 512] bf16; indices [T, K] int64 (-1 / out of range = none); attn_sink [64];
-    kv2 [S2, 512] / indices2 [T, K2]: an optional second source -> [T, 64, 512] bf16. Inputs are validated by
-    the package dispatcher, which also checks `supports` first. block_rows (32 or 64): rows per gathered tile,
-    with BUFFER_ROWS // block_rows tiles in flight (benchmark sweeps)."""
+    kv2 [S2, 512] / indices2 [T, K2]: an optional second source -> [T, 64, 512] bf16. kv_format / kv2_format
+    (MXFP8_E4M3, NVFP4_E2M1 or None): that source is uint8 records [S, fmt.record_bytes(512)] instead of bf16
+    rows. Inputs are validated by the package dispatcher, which also checks `supports` first. block_rows (32 or
+    64): rows per gathered tile, with BUFFER_ROWS // block_rows tiles in flight (benchmark sweeps)."""
     if block_rows not in (32, 64):  # 16-row tiles compile (slowly) but were never run on a GPU
         raise ValueError(f"sparse_attn (tilelang): block_rows {block_rows}, expected 32 or 64")
     t = q.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if t == 0:
         return out
+    fmt1, fmt2 = _format_code(kv_format), _format_code(kv2_format)
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
-    if not two:  # placeholders the one-source kernel never reads
-        kv2, indices2 = kv, indices
-    kernel = _compiled(q.shape[1], q.shape[2], float(softmax_scale), two, block_rows)
+    if not two:  # placeholders the one-source kernel never reads (declared in kv's format)
+        kv2, indices2, fmt2 = kv, indices, fmt1
+    kernel = _compiled(q.shape[1], q.shape[2], float(softmax_scale), two, block_rows, fmt1, fmt2)
     kernel(
         q.contiguous(),
         kv.contiguous(),
