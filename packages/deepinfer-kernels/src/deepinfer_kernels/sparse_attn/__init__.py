@@ -15,9 +15,10 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # installed): one CTA per token, so at 16 tokens and fewer the Triton kernel's index-list splits win (H200: 24.5 vs
 # 22.6 us at 16 tokens, 25.0 vs 28.4 at 32; docs/perf.md "Sparse decode attention, warp-specialised").
 TILELANG_MIN_TOKENS = 32
-# The same threshold for record sources (kv_format / kv2_format), whose Triton kernel decodes in its gather and
-# is 2-3x slower than over bf16 rows (docs/perf.md "KV records read in place").
-TILELANG_MIN_TOKENS_RECORDS = 8
+# The threshold for record sources (kv_format / kv2_format): the TileLang producer decodes at most 32 rows per SM
+# at a time, so it wins later (H200, MXFP8 window + NVFP4 compressed rows: 61.5 vs 56.1 us at 32 tokens, 63.3 vs
+# 94.2 at 64; docs/perf.md "KV records read in place").
+TILELANG_MIN_TOKENS_RECORDS = 64
 
 __all__ = ["TILELANG_MIN_TOKENS", "TILELANG_MIN_TOKENS_RECORDS", "sparse_attn"]
 
