@@ -102,8 +102,8 @@ class CacheConfig:
         parse=lambda s: parse_bytes(s))
     gpu_memory_utilization: float = _opt(0.9, "fraction of free CUDA memory given to the caches")
     num_kv_pages: int | None = _opt(None, "override the number of cache pages (testing / debugging)")
-    # default bfloat16: the deployed formats lose precision against the full-precision cache and, until the paged
-    # cache stores the compact records, cost compute without saving memory (docs/fidelity.md §5)
+    # default bfloat16: the deployed formats lose precision against the full-precision cache, and the attention over
+    # their records (read in place) is slower than over bf16 rows on the H200 (docs/fidelity.md §5)
     kv_cache_dtype: Literal["auto", "bfloat16"] = _opt(
         "bfloat16", "KV numerics: auto = the checkpoint's deployment record formats (V4.1: FP8 window KV, FP4 "
         "compressed KV and indexer), bfloat16 = full-precision KV in the compute dtype")
