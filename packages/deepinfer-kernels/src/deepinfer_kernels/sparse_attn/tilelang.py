@@ -298,16 +298,24 @@ def build_kernel(
             T.barrier_arrive(v.p_free)
 
     @T.macro
+    def row_sources(v, j, r):
+        """(x1, in1, x2, in2) of this thread's row in pass r of tile j: its index in each list (clamped loads) and
+        whether that index is a valid row of its source (x2 / in2 None for one source)."""
+        col = j * BI + r * rows_per_pass + v.lane // row_threads
+        x1 = v.Idx[v.bx, T.min(col, k1 - 1)]
+        in1 = col < k1 and x1 >= 0 and x1 < T.cast(s1, i64)
+        if not two_sources:
+            return x1, in1, None, None
+        x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
+        return x1, in1, x2, col >= k1 and col < k1 + k2 and x2 >= 0 and x2 < T.cast(s2, i64)
+
+    @T.macro
     def load_indices(v, j):
         # The tile's indices first: unconditional (clamped) loads that are all in flight together and overlap the
         # wait for the buffer; a dependent index load before each row's copies would serialise their latencies.
         for r in T.unroll(passes):
-            col = j * BI + r * rows_per_pass + v.lane // row_threads
-            x1 = v.Idx[v.bx, T.min(col, k1 - 1)]
-            in1 = col < k1 and x1 >= 0 and x1 < T.cast(s1, i64)
+            x1, in1, x2, in2 = row_sources(v, j, r)
             if two_sources:
-                x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
-                in2 = col >= k1 and col < k1 + k2 and x2 >= 0 and x2 < T.cast(s2, i64)
                 v.idx[r] = T.if_then_else(in1, x1, T.if_then_else(in2, x2, T.int64(0)))
                 v.src[r] = T.if_then_else(in1, 1, T.if_then_else(in2, 2, 0))
             else:
@@ -319,12 +327,8 @@ def build_kernel(
         # load_indices for the record producer, whose registers are scarce: one int32 per row, the row of kv
         # (>= 0), none (-1) or the row x of kv2 as -2 - x. Row counts fit int32 (the kernel's sizes are int32).
         for r in T.unroll(passes):
-            col = j * BI + r * rows_per_pass + v.lane // row_threads
-            x1 = v.Idx[v.bx, T.min(col, k1 - 1)]
-            in1 = col < k1 and x1 >= 0 and x1 < T.cast(s1, i64)
+            x1, in1, x2, in2 = row_sources(v, j, r)
             if two_sources:
-                x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
-                in2 = col >= k1 and col < k1 + k2 and x2 >= 0 and x2 < T.cast(s2, i64)
                 v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), T.if_then_else(in2, -2 - T.cast(x2, "int32"), -1))
             else:
                 v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), -1)
