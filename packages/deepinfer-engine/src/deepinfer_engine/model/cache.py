@@ -2,7 +2,7 @@
 
 Which layer owns what comes from ONE derivation, `core.kv_cache_spec.layer_cache_spec(args, plan)`; the
 storage below is private to this module's methods (layers call `window_pool`, `state_pool`, `write_entries`,
-`read_entries`, ... with the forward's plans, never index the dicts).
+`entry_source`, ... with the forward's plans, never index the dicts).
 
 Slot families (one row block per running sequence, `slot` index from the ForwardBatch):
   swa[l]           [num_slots, ring, head_dim]            window K=V ring, row = position mod ring (ring = W + slack)
@@ -74,10 +74,9 @@ class RecordFormat:
 
     def decode(self, rec: Tensor, dtype: torch.dtype) -> Tensor:
         """[rows, nbytes] uint8 -> [rows, dim] in dtype."""
-        from deepinfer_kernels.quant.kv_formats import dequantize
+        from deepinfer_kernels.quant.kv_formats import decode_records
 
-        cb = self.fmt.code_bytes(self.dim)
-        return dequantize(rec[:, :cb], rec[:, cb:], self.fmt, dtype)
+        return decode_records(rec, self.fmt, dtype)
 
 
 def stores_records(args: object) -> bool:
@@ -251,10 +250,6 @@ class ModelCache:
     def write_entries(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
         """Store the compressed entries completed this step (values [M, head_dim], plan.new_w order)."""
         self._write("entries", self.compressed_kv[layer_id], plan, values)
-
-    def read_entries(self, layer_id: int, plan: PagedPlan) -> Tensor:
-        """Every sequence's entries 0..count-1 [E, head_dim] (sequence-major, plan.offsets), gathered."""
-        return self._read("entries", self.compressed_kv[layer_id], plan)
 
     def entry_source(self, layer_id: int, plan: PagedPlan) -> tuple[Tensor, Tensor]:
         """(store [N, width], rows [E] int64): where the attention reads the layer's entries, in place: the paged

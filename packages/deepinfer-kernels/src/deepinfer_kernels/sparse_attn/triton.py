@@ -304,20 +304,6 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit
-def _tile_rows(start, idx, kv_ptr, stride_kv, s_rows, kv2_ptr, stride_kv2, s_rows2, K1, TILE_SRC: tl.constexpr):
-    """Row pointers and validity of one tile's indices (out-of-range rows are invalid: never read)."""
-    if TILE_SRC:
-        in_b = start >= K1
-        src = tl.where(in_b, kv2_ptr, kv_ptr)
-        stride = tl.where(in_b, stride_kv2, stride_kv)
-        limit = tl.where(in_b, s_rows2, s_rows)
-    else:
-        src, stride, limit = kv_ptr, stride_kv, s_rows
-    valid = (idx >= 0) & (idx < limit)
-    return src + tl.where(valid, idx, 0) * stride, valid
-
-
 # Per-call sizes are not specialised (one compile serves every batch / index count / pool size).
 @triton.jit(do_not_specialize=["K", "S_ROWS", "blocks_per_split", "stride_it", "K1", "S_ROWS2", "stride_it2"])
 def _sparse_attn_kernel(
