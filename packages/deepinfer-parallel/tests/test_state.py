@@ -70,3 +70,26 @@ def test_from_env_joins_a_torchrun_world():
                 p.kill()
     assert got == [(0, False), (0, 2, "gloo", 3.0, True), (1, False), (1, 2, "gloo", 3.0, True)]
     assert all(p.exitcode == 0 for p in procs)
+
+
+def test_destroy_frees_the_process_groups_and_later_reads_raise():
+    # a gloo group that outlives destroy keeps worker threads that can abort the process at interpreter exit
+    import gc
+    import weakref
+
+    state = ParallelState.initialize(rank=0, world_size=1, store=dist.HashStore(), backend="gloo", timeout_s=30)
+    try:
+        assert state.is_distributed and state.ep_group is state.world_group is state.cpu_group
+        t = torch.ones(2)
+        dist.all_reduce(t, group=state.ep_group)
+        freed = weakref.ref(state.world_group)
+    finally:
+        state.destroy()
+    gc.collect()
+    assert freed() is None and not dist.is_initialized()
+    state.destroy()  # idempotent
+    for name in ("world_group", "ep_group", "cpu_group"):
+        with pytest.raises(ParallelConfigError, match=f"{name}.*destroy"):
+            getattr(state, name)
+    with pytest.raises(ParallelConfigError, match="destroy"):
+        _ = state.is_distributed

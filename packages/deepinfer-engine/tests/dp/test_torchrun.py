@@ -41,7 +41,9 @@ def test_torchrun_world_serves_each_ranks_prompts_like_one_process(tiny_ckpt, tm
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
            str(ckpt), str(tmp_path), json.dumps(PROMPTS), json.dumps(ONE)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    # both ends of stderr: a rank that aborts says why first, the launcher's summary comes last
+    err = proc.stderr if len(proc.stderr) <= 8000 else proc.stderr[:4000] + "\n[...]\n" + proc.stderr[-4000:]
+    assert proc.returncode == 0, err
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     sp = SamplingParams(temperature=0, max_tokens=4)
     ref = LLM(str(ckpt), device="cpu", dtype="float32", page_size=4)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from deepinfer_parallel.config import ParallelConfig
 from deepinfer_parallel.errors import ParallelConfigError
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ParallelState"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ParallelState", "ProcessGroups"]
 
 # Collective timeout: a rank blocked on a dead peer raises after this long instead of hanging (gloo honours it;
 # NCCL honours it with async error handling, which torch enables by default).
@@ -49,6 +49,41 @@ def _resolve_backend(backend: str | None, device: torch.device | str | None) -> 
     return backend
 
 
+class ProcessGroups:
+    """The process groups one ParallelState uses, held in one place so that `destroy` can let go of them.
+
+    Why a holder: `dist.destroy_process_group` forgets the groups but does not free them while anyone still refers
+    to them, and a live gloo group keeps its worker threads. Freed at interpreter exit instead, such a worker that
+    finishes its last operation then needs the GIL to drop a Python tensor, and Python's finalisation ends that
+    thread through a C++ frame that must not unwind: the process aborts ("terminate called without an active
+    exception") after its work is done. Dropping the last references in `destroy` joins the workers while the
+    interpreter is alive. Reading a group after that raises instead of acting as a one-process state.
+    """
+
+    __slots__ = ("_groups", "_released")
+
+    def __init__(self, world: dist.ProcessGroup | None = None, ep: dist.ProcessGroup | None = None,
+                 cpu: dist.ProcessGroup | None = None) -> None:
+        self._groups = {"world": world, "ep": ep, "cpu": cpu}
+        self._released = False
+
+    def get(self, name: str) -> dist.ProcessGroup | None:
+        if self._released:
+            raise ParallelConfigError(
+                f"ParallelState.{name}_group: expected a live process group, found one released by destroy(); "
+                "create a new ParallelState (and the objects built on it) to communicate again"
+            )
+        return self._groups[name]
+
+    def release(self) -> None:
+        self._groups = {k: None for k in self._groups}
+        self._released = True
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelState:
     """Rank facts and process groups of this process.
@@ -68,10 +103,21 @@ class ParallelState:
     ep_rank: int
     device: torch.device
     backend: str
-    world_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    ep_group: dist.ProcessGroup | None = field(default=None, repr=False)
-    cpu_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    groups: ProcessGroups = field(default_factory=ProcessGroups, repr=False)
     owns_process_group: bool = False
+
+    # -- process groups (see ProcessGroups) -----------------------------------------------------------------------
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        return self.groups.get("world")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        return self.groups.get("ep")
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup | None:
+        return self.groups.get("cpu")
 
     # -- facts --------------------------------------------------------------------------------------------------
     @property
@@ -214,13 +260,16 @@ class ParallelState:
                     ep_group = pg
         cpu_group = world_group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
         return cls(world_size=world, rank=rank, local_rank=local_rank, ep_size=config.ep_size,
-                   ep_rank=config.ep_rank_of(rank), device=device, backend=backend, world_group=world_group,
-                   ep_group=ep_group, cpu_group=cpu_group, owns_process_group=owns)
+                   ep_rank=config.ep_rank_of(rank), device=device, backend=backend,
+                   groups=ProcessGroups(world_group, ep_group, cpu_group), owns_process_group=owns)
 
     # -- teardown -----------------------------------------------------------------------------------------------
     def destroy(self) -> None:
-        """Destroy the process groups this state created (idempotent; a no-op for `single` / `from_existing`)."""
-        if self.owns_process_group and dist.is_initialized():
+        """Destroy the process groups this state created and free them (idempotent; a no-op for `single` /
+        `from_existing`). Objects built on this state (an EPDispatcher, a rank core) must not communicate after."""
+        if not self.owns_process_group or self.groups.released:
+            return
+        if dist.is_initialized():
             if self.world_size > 1 and self.cpu_group is not None:
                 # every rank leaves its last collective before any rank closes its connections: a rank that tears
                 # its gloo pairs down while a peer still exchanges the last step's flags can abort that peer at exit
@@ -229,6 +278,7 @@ class ParallelState:
                 except RuntimeError:  # a peer is already gone: nothing left to wait for
                     pass
             dist.destroy_process_group()
+        self.groups.release()
 
     def __enter__(self) -> ParallelState:
         return self

@@ -115,7 +115,6 @@ class EPDispatcher:
                 f"{num_physical_experts}"
             )
         self.state = state
-        self.group = state.ep_group
         self.ep_size = state.ep_size
         self.num_physical_experts = num_physical_experts
         self.slots_per_rank = num_physical_experts // state.ep_size
@@ -148,7 +147,7 @@ class EPDispatcher:
             out.copy_(inp)
             return
         dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
+                               group=self.state.ep_group)
 
     def _encode(self, rows: Tensor) -> Tensor:
         if self.fp8_block is None:
