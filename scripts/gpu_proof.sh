@@ -15,6 +15,13 @@
 #            truncation, a data-parallel world of 1 on NCCL, all with CUDA graphs), then on V4.1 layers-4 with 32
 #            experts: device idle between decode steps with async scheduling off / on, and the shared-prefix
 #            workload with the prefix cache on / off
+#     records V4.1 layers-4 with all experts, kv_cache_dtype bfloat16 vs auto (the deployed MXFP8 / NVFP4 records,
+#            read in place): decode step against the bytes bound and 64 x 1,024-token prefill for each
+#     records-kernels  the sparse-attention record tests (GPU) and the records sweep
+#            records and records-kernels take TileLang from $TILELANG_SITE_TARBALL when it is set (an xz tarball of a
+#            site-packages folder holding tilelang and its dependencies); without it the Triton kernels run
+#     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
+#            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -40,6 +47,14 @@ step() {  # step NAME LIMIT_S CMD...
     tail -n 25 "$OUT/$name.log"
 }
 
+
+use_tilelang_site() {  # TileLang is not installed on the lent machines: unpack a carried site folder if given
+    if [ -n "${TILELANG_SITE_TARBALL:-}" ] && [ -f "$TILELANG_SITE_TARBALL" ]; then
+        mkdir -p /tmp/tl && tar xJf "$TILELANG_SITE_TARBALL" -C /tmp/tl
+        export PYTHONPATH="$PYTHONPATH:/tmp/tl" CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+    fi
+    python3 -c "import tilelang" 2>/dev/null && echo "tilelang: importable" || echo "tilelang: absent (Triton only)"
+}
 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 case "$MODE" in
@@ -94,5 +109,33 @@ runtime)
     step shared_prefix 120 python3 -m deepinfer_engine bench throughput --workload shared-prefix --shared-fraction 0.9 \
         --num-prompts 64 --input-len 2048 --output-len 64 --model $CK/v41-l4-e32 --device cuda \
         --output-json "$OUT/shared_prefix_v41.json"
+    ;;
+records)
+    use_tilelang_site
+    step make_v41_full 240 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    for kv in bfloat16 auto; do
+        step latency_v41_$kv 240 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
+            --kv-cache-dtype $kv --batch-size 1,8,32,64 --input-len 1024 --output-len 4 --num-iters 1 \
+            --num-iters-warmup 1 --decode-steps 16 --output-json "$OUT/latency_v41_$kv.json"
+        step prefill_v41_$kv 180 python3 -m deepinfer_engine bench throughput --model $CK/v41-l4 --device cuda \
+            --kv-cache-dtype $kv --num-prompts 64 --input-len 1024 --output-len 1 --output-json "$OUT/prefill_v41_$kv.json"
+    done
+    rm -rf $CK/v41-l4
+    ;;
+records-kernels)
+    use_tilelang_site
+    step records_tests 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -k "record" \
+        packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py packages/deepinfer-kernels/tests/test_sparse_attn_triton.py
+    step records_sweep 150 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
+        --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64 --workers 0 --budget-s 115"
+    ;;
+dspark)
+    step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
+        --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats 3 --warm-runs 1 --async-scheduling off \
+        --json "$OUT/dspark_policies.json"
+    ;;
+*)
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, dspark)" >&2
+    exit 2
     ;;
 esac
