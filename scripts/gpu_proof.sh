@@ -126,8 +126,8 @@ records-kernels)
     use_tilelang_site
     step records_tests 300 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -k "record" \
         packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py packages/deepinfer-kernels/tests/test_sparse_attn_triton.py
-    step records_sweep 150 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
-        --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64 --workers 0 --budget-s 115"
+    step records_sweep 260 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
+        --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 200"
     ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \

@@ -170,6 +170,8 @@ def main() -> None:
     p.add_argument("--output-json", default="sweep_sparse_attn.json")
     p.add_argument("--smoke-cpu", action="store_true", help="tiny shapes in the triton interpreter (no timings)")
     p.add_argument("--tilelang", default="", help="also time the TileLang kernel at these rows per tile, e.g. 64,32")
+    p.add_argument("--tilelang-staged", action="store_true",
+                   help="also time the TileLang kernel's staged record producer (form rec only; 32-row tiles)")
     ns = p.parse_args()
     t_start = time.time()
     global H, D, WINDOW, TOPK, POOL_ROWS
@@ -202,6 +204,8 @@ def main() -> None:
             tl_sa.sparse_attn(q1, kv1, idx1, sink1, D**-0.5, kv2=kv1, indices2=idx1, block_rows=rows)
             print(f"# tilelang kernels (rows {rows}) compiled in {time.time() - t0:.1f} s", flush=True)
             tl_cands.append((f"tilelang ws rows {rows}", "tilelang", dict(block_rows=rows)))
+        if ns.tilelang_staged:
+            tl_cands.append(("tilelang staged rows 32", "tilelang", dict(block_rows=32, staged=True)))
 
     # compile everything in parallel first (separate processes: triton's on-disk cache is shared)
     if ns.workers > 0:
@@ -244,6 +248,8 @@ def main() -> None:
                                         i0.get("kv_format"), i0.get("kv2_format")).float()  # fmt: skip
             for lab, path, cfg in cands:
                 if form == "rec" and path not in (None, "tilelang"):  # records: this tree's kernels only
+                    continue
+                if cfg.get("staged") and form != "rec":  # the staged producer reads record sources only
                     continue
                 for splits in ([None] if path == "tilelang" else _split_choices(t)):
                     if time.time() - t_start > ns.budget_s:

@@ -163,3 +163,22 @@ def test_record_sources_are_checked(monkeypatch) -> None:
     monkeypatch.setattr(tl_sa, "tilelang_available", lambda: True)
     with pytest.raises(KernelBackendError, match="16-byte aligned MXFP8 / NVFP4 records"):
         sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3, backend="tilelang")  # CPU tensors
+
+
+def test_tilelang_staged_producer_takes_record_sources_in_32_row_tiles_only() -> None:
+    """staged=True is refused, before any compile, for a bf16 source or tiles other than 32 rows."""
+    import pytest
+    from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3
+    from deepinfer_kernels.sparse_attn import tilelang as tl_sa
+
+    q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 4, dtype=torch.int64)
+    sink = torch.zeros(64)
+    rec = torch.zeros(8, 528, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="staged=True reads record sources only"):
+        tl_sa.sparse_attn(q, torch.zeros(8, 512, dtype=torch.bfloat16), idx, sink, 0.1, block_rows=32, staged=True)
+    with pytest.raises(ValueError, match="staged=True reads record sources only"):
+        tl_sa.sparse_attn(q, rec, idx, sink, 0.1, block_rows=64, kv_format=MXFP8_E4M3, staged=True)
+    with pytest.raises(ValueError, match="staged=True reads record sources only"):
+        tl_sa.sparse_attn(q, rec, idx, sink, 0.1, kv2=torch.zeros(8, 512, dtype=torch.bfloat16), indices2=idx,
+                          block_rows=32, kv_format=MXFP8_E4M3, staged=True)

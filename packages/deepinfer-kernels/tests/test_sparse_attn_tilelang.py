@@ -147,14 +147,15 @@ def _record_case(t, s1, k1, s2, k2, seed, fmt1, fmt2):
     return q, kv, idx, kv2, idx2, sink, ref_idx, ref_idx2
 
 
-def _check_records(case, fmt1, fmt2, block_rows=64):
+def _check_records(case, fmt1, fmt2, block_rows=64, staged=False):
     from deepinfer_kernels.sparse_attn import tilelang as tl_sa
 
     q, kv, idx, kv2, idx2, sink, ref_idx, ref_idx2 = case
     assert tl_sa.supports(q, kv, idx, kv2, fmt1, fmt2)
     out = tl_sa.sparse_attn(
-        q, kv, idx, sink, D**-0.5, kv2=kv2, indices2=idx2, block_rows=block_rows, kv_format=fmt1, kv2_format=fmt2
-    )
+        q, kv, idx, sink, D**-0.5, kv2=kv2, indices2=idx2, block_rows=block_rows, kv_format=fmt1, kv2_format=fmt2,
+        staged=staged,
+    )  # fmt: skip
     _check(out, reference.sparse_attn(q, kv, ref_idx, sink, D**-0.5, kv2, ref_idx2, kv_format=fmt1, kv2_format=fmt2))
     same = tl_sa.sparse_attn(
         q, _decoded(kv, fmt1), idx, sink, D**-0.5, kv2=_decoded(kv2, fmt2), indices2=idx2, block_rows=block_rows
@@ -199,6 +200,22 @@ def test_records_32_row_tiles():
     """32-row tiles (four buffers; the producer then decodes one pass of rows at a time)."""
     case = _record_case(64, 64 * 128, 128, 3000, 256, seed=3, fmt1=MXFP8_E4M3, fmt2=NVFP4_E2M1)
     _check_records(case, MXFP8_E4M3, NVFP4_E2M1, block_rows=32)
+
+
+@pytest.mark.skipif(not _sm90(), reason="the TileLang kernel is built for sm_90a")
+@pytest.mark.parametrize(
+    "t, s1, k1, s2, k2, fmts",
+    [(1, 128, 128, 5000, 300, (MXFP8_E4M3, NVFP4_E2M1)), (200, 200 * 128, 128, 20000, 512, (MXFP8_E4M3, NVFP4_E2M1)),
+     (5, 700, 333, 1, 0, (MXFP8_E4M3, None)), (5, 700, 333, 1, 0, (NVFP4_E2M1, None)),
+     (9, 1200, 150, 900, 170, (NVFP4_E2M1, MXFP8_E4M3))],
+    ids=["decode-t1", "decode-t200", "one-mxfp8", "one-nvfp4", "swapped"],
+)  # fmt: skip
+def test_records_staged_producer(t, s1, k1, s2, k2, fmts):
+    """The staged record producer (raw rows cp.async'd into shared slots tiles ahead, decoded from there) equals the
+    reference, and bit for bit the bf16 kernel over the decoded rows with the same 32-row tiles: lists shorter than
+    the copy lookahead, lists off the tile grid, one source of each format and the formats swapped."""
+    case = _record_case(t, s1, k1, s2, k2, seed=40 + t, fmt1=fmts[0], fmt2=fmts[1])
+    _check_records(case, *fmts, block_rows=32, staged=True)
 
 
 @pytest.mark.skipif(not _sm90(), reason="the TileLang kernel is built for sm_90a")

@@ -49,6 +49,8 @@ __all__ = [
     "FMT_NVFP4",
     "HEADS",
     "HEAD_DIM",
+    "STAGED_BLOCK_ROWS",
+    "STAGE_SLOTS",
     "build_kernel",
     "pass_configs",
     "sparse_attn",
@@ -75,6 +77,13 @@ _PRODUCER_REGS_RECORDS = 96
 # in ptxas (the words alone of four passes would take 80).
 _RECORD_PASSES_IN_FLIGHT = 2
 _RECORD_WORDS = 20  # 32-bit registers per pass: MXFP8 16 code + 4 scale words; NVFP4 8 code + 8 scale words
+# The staged record producer (build_kernel(staged=True)): raw record rows go global -> shared by cp.async into
+# STAGE_SLOTS slots of one tile each, issued STAGE_SLOTS - 1 tiles ahead of the tile being decoded, so up to
+# 4 x 32 rows per SM are in flight without holding registers. Its shared memory: Q 64 KiB + two 32-row bf16 tiles
+# 64 KiB + the slots 4 x 32 x 528 B = 66 KiB + P 4 KiB, within an SM's 227 KiB.
+STAGE_SLOTS = 4
+STAGED_BLOCK_ROWS = 32
+STAGED_BUFFER_ROWS = 64
 
 # Decode of one thread's 8-column chunk, in CUDA (the kernel's prelude): TileLang has no e4m3x2 conversion
 # intrinsic, and the 16-byte shared store must be one st.shared.v4. e4m3 goes through cvt.rn.f16x2.e4m3x2 (exact,
@@ -147,6 +156,26 @@ __device__ __forceinline__ void dk_st_nvfp4(void *dst, unsigned codes, unsigned 
 }
 __device__ __forceinline__ void dk_st_zero(void *dst) { dk_sts128(dst, 0u, 0u, 0u, 0u); }
 """
+# The staged producer's decodes (appended to the prelude of staged kernels only): the same as above, reading one
+# record row that cp.async left in shared memory (`row` points at its first byte; col = the chunk's first column,
+# a multiple of 8).
+_DECODE_STAGED_CUDA = r"""
+// cp.async groups as plain PTX: TileLang's own wait-group op is followed by a thread-range barrier of its choosing
+// (0.1.15 emitted one with warpgroup 0's barrier id inside the producer branch); the producer orders its lanes itself.
+__device__ __forceinline__ void dk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void dk_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void dk_ds_mxfp8(void *dst, const void *row, int col) {
+  const unsigned char *r = (const unsigned char *)row;
+  uint2 c = *(const uint2 *)(r + col);
+  dk_st_mxfp8(dst, c.x, c.y, (unsigned)r[512 + (col >> 5)]);
+}
+__device__ __forceinline__ void dk_ds_nvfp4(void *dst, const void *row, int col) {
+  const unsigned char *r = (const unsigned char *)row;
+  dk_st_nvfp4(dst, *(const unsigned *)(r + (col >> 1)), (unsigned)r[256 + (col >> 4)]);
+}
+"""
 
 
 @functools.cache  # a failed import is not cached by Python: without this every eager call would search sys.path
@@ -212,16 +241,19 @@ def build_kernel(
     block_rows: int = BLOCK_ROWS,
     fmt1: int = FMT_BF16,
     fmt2: int = FMT_BF16,
+    staged: bool = False,
 ):
     """The TileLang prim_func for (heads, dim, softmax_scale, two_sources, fmt1, fmt2); T, S, S2, K, K2 stay symbolic
     (the one-source kernel never reads kv2 / indices2, and declares it in kv's format: the caller passes kv again).
     fmt1 / fmt2: FMT_BF16 (kv [S, D] bf16), FMT_MXFP8 (uint8 [S, 528]) or FMT_NVFP4 (uint8 [S, 288]); records
-    need D == 512.
+    need D == 512. staged (record sources only, 32-row tiles): the producer stages raw record rows in shared
+    memory with cp.async several tiles ahead and decodes them from there (STAGE_SLOTS), instead of loading a
+    few passes of rows into registers at a time.
     Arguments of the compiled kernel: q, kv, indices, kv2, indices2, sink, out (out is written, not returned)."""
     import tilelang.language as T
 
     H, D, BI = heads, dim, block_rows
-    n_buf = BUFFER_ROWS // BI
+    n_buf = (STAGED_BUFFER_ROWS if staged else BUFFER_ROWS) // BI
     D2 = D // 2
     qk_scale = float(softmax_scale) * _LOG2E
     bf16, f32, i64 = "bfloat16", "float32", "int64"
@@ -239,6 +271,14 @@ def build_kernel(
     copies = fmt1 == FMT_BF16 or (two_sources and fmt2 == FMT_BF16)
     if records and (D != HEAD_DIM or row_threads * 8 * chunks * 2 != D):
         raise ValueError(f"build_kernel: record sources need D == {HEAD_DIM}, found {D}")
+    if staged and (copies or BI != STAGED_BLOCK_ROWS):
+        raise ValueError(
+            f"build_kernel: staged needs record sources only and {STAGED_BLOCK_ROWS}-row tiles, found formats "
+            f"{fmt1}, {fmt2} and {BI} rows"
+        )
+    # one slot row holds the widest record of the kernel's formats (528 and 288 are multiples of 16: cp.async rows)
+    stage_bytes = max(_FORMATS[f].record_bytes(D) for f in (fmt1, fmt2) if f != FMT_BF16) if records else 16
+    lookahead = STAGE_SLOTS - 1
     row_width = {f: (D, bf16) if f == FMT_BF16 else (_FORMATS[f].record_bytes(D), "uint8") for f in (fmt1, fmt2)}
     # 32-row tiles (four buffers, whose addresses also take producer registers): one pass at a time, as two
     # spilled 28 bytes in ptxas
@@ -298,16 +338,32 @@ def build_kernel(
             T.barrier_arrive(v.p_free)
 
     @T.macro
-    def row_sources(v, j, r):
-        """(x1, in1, x2, in2) of this thread's row in pass r of tile j: its index in each list (clamped loads) and
-        whether that index is a valid row of its source (x2 / in2 None for one source)."""
+    def row_sources(v, j, r, x1=None, x2=None):
+        """(x1, in1, x2, in2) of this thread's row in pass r of tile j: its index in each list (clamped loads, or
+        the values given, loaded earlier) and whether that index is a valid row of its source (x2 / in2 None for
+        one source)."""
         col = j * BI + r * rows_per_pass + v.lane // row_threads
-        x1 = v.Idx[v.bx, T.min(col, k1 - 1)]
+        if x1 is None:
+            x1 = v.Idx[v.bx, T.min(col, k1 - 1)]
         in1 = col < k1 and x1 >= 0 and x1 < T.cast(s1, i64)
         if not two_sources:
             return x1, in1, None, None
-        x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
+        if x2 is None:
+            x2 = v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
         return x1, in1, x2, col >= k1 and col < k1 + k2 and x2 >= 0 and x2 < T.cast(s2, i64)
+
+    @T.macro
+    def load_stage_indices(v, t):
+        """Issues the (clamped) index load of each of tile t's rows into nx; nothing uses them before the next tile
+        step, so their latency hides behind that step's decode instead of stalling the copies."""
+        for r in T.unroll(passes):
+            col = t * BI + r * rows_per_pass + v.lane // row_threads
+            if two_sources:  # one index per row: the list its column falls in (one register pair, not two)
+                v.nx[r] = T.if_then_else(
+                    col < k1, v.Idx[v.bx, T.min(col, k1 - 1)], v.Idx2[v.bx, T.max(T.min(col - k1, k2 - 1), 0)]
+                )
+            else:
+                v.nx[r] = v.Idx[v.bx, T.min(col, k1 - 1)]
 
     @T.macro
     def load_indices(v, j):
@@ -440,6 +496,86 @@ def build_kernel(
         if copies:
             T.cp_async_barrier_noinc(ready)
 
+    @T.macro
+    def issue_stage(v, t):
+        """cp.async of tile t's raw record rows into slot t % STAGE_SLOTS and their row ids (load_rows' encoding)
+        into srid, from the indices load_stage_indices(v, t) left in nx (a row's one index is checked against the
+        list its column falls in, as row_sources does): this thread copies 16-byte chunks
+        lane % 8 + 8 i of each of its rows; rows past the lists get -1 and no copy. Committed by the caller as one
+        group."""
+        slot_row = (t % STAGE_SLOTS) * BI
+        t8 = v.lane % row_threads
+        for r in T.unroll(passes):
+            row = r * rows_per_pass + v.lane // row_threads
+            x1, in1, x2, in2 = row_sources(v, t, r, v.nx[r], v.nx[r] if two_sources else None)
+            if two_sources:
+                v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), T.if_then_else(in2, -2 - T.cast(x2, "int32"), -1))
+            else:
+                v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), -1)
+            rid = v.rid[r]
+            if t8 == 0:
+                v.srid[slot_row + row] = rid
+            for src_id, X, fmt in ((1, v.KV, fmt1), (2, v.KV2, fmt2)):
+                if src_id == 2 and not two_sources:
+                    continue
+                n16 = _FORMATS[fmt].record_bytes(D) // 16
+                x = T.cast(rid, i64) if src_id == 1 else T.cast(-2 - rid, i64)
+                take = rid >= 0 if src_id == 1 else rid <= -2
+                if take:
+                    for i in T.unroll(n16 // row_threads):  # chunks below the last full round: all 8 lanes
+                        c = t8 + row_threads * i
+                        T.ptx_cp_async(
+                            T.access_ptr(v.stage[slot_row + row, c * 16], "w", 16),
+                            T.access_ptr(X[x, c * 16], "r", 16), 16,
+                        )  # fmt: skip
+                    if n16 % row_threads:  # the tail (MXFP8: chunk 32, the scales; NVFP4: chunks 16-17)
+                        c = t8 + row_threads * (n16 // row_threads)
+                        if t8 < n16 % row_threads:
+                            T.ptx_cp_async(
+                                T.access_ptr(v.stage[slot_row + row, c * 16], "w", 16),
+                                T.access_ptr(X[x, c * 16], "r", 16), 16,
+                            )  # fmt: skip
+
+    @T.macro
+    def decode_staged(v, fmt, slot_row, k_l, k_r, row):
+        for half, u in row_chunks:
+            k_half = k_r if half else k_l
+            T.call_extern(
+                "handle", "dk_ds_mxfp8" if fmt == FMT_MXFP8 else "dk_ds_nvfp4",
+                T.access_ptr(k_half[row, u * 64 + v.c0], "w", 8),
+                T.access_ptr(v.stage[slot_row + row, 0], "r", stage_bytes), half * D2 + u * 64 + v.c0,
+            )  # fmt: skip
+
+    @T.macro
+    def gather_staged(v, ready, ok, k_l, k_r, free, p, j):
+        # Slot (j + lookahead) % STAGE_SLOTS is the one tile j - 1 was decoded from: every lane of this warp must be
+        # past that decode (a row's eight lanes read each other's chunks) before the new copies overwrite it.
+        T.sync_warp()
+        issue_stage(v, j + lookahead)
+        load_stage_indices(v, j + lookahead + 1)
+        T.call_extern("handle", "dk_cp_async_commit")
+        T.call_extern("handle", f"dk_cp_async_wait<{lookahead}>")  # this thread's copies of tile j have landed ...
+        T.sync_warp()  # ... and, past this, those of the other lanes of its rows (all in this warp)
+        slot_row = (j % STAGE_SLOTS) * BI
+        T.barrier_wait(free, (p & 1) ^ 1)
+        for r in T.unroll(passes):
+            row = r * rows_per_pass + v.lane // row_threads
+            v.rid[r] = v.srid[slot_row + row]
+            rid = v.rid[r]
+            ok[row] = rid != -1
+            if rid >= 0:
+                decode_staged(v, fmt1, slot_row, k_l, k_r, row)
+            elif two_sources and rid <= -2:
+                decode_staged(v, fmt2, slot_row, k_l, k_r, row)
+            else:
+                for half, u in row_chunks:
+                    k_half = k_r if half else k_l
+                    T.call_extern("handle", "dk_st_zero", T.access_ptr(k_half[row, u * 64 + v.c0], "w", 8))
+        T.fence_proxy_async()
+        T.barrier_arrive(ready)
+
+    prelude = (_DECODE_CUDA + (_DECODE_STAGED_CUDA if staged else "")) if records else None
+
     @T.prim_func
     def kernel(
         Q: T.Tensor([n_tok, H, D], bf16),
@@ -450,7 +586,7 @@ def build_kernel(
         Sink: T.Tensor([H], f32),
         Out: T.Tensor([n_tok, H, D], bf16),
     ):
-        with T.Kernel(n_tok, threads=384, prelude=_DECODE_CUDA if records else None) as bx:
+        with T.Kernel(n_tok, threads=384, prelude=prelude) as bx:
             q_l = T.alloc_shared([H, D2], bf16)
             q_r = T.alloc_shared([H, D2], bf16)
             k_l = [T.alloc_shared([BI, D2], bf16) for _ in range(n_buf)]
@@ -471,7 +607,10 @@ def build_kernel(
             idx = T.alloc_local([passes], i64)
             src = T.alloc_local([passes], "int32")
             rid = T.alloc_local([passes], "int32")
-            w = T.alloc_local([group * _RECORD_WORDS if records else 1], "uint32")
+            w = T.alloc_local([group * _RECORD_WORDS if records and not staged else 1], "uint32")
+            stage = T.alloc_shared([STAGE_SLOTS * BI, stage_bytes], "uint8") if staged else None
+            srid = T.alloc_shared([STAGE_SLOTS * BI], "int32") if staged else None
+            nx = T.alloc_local([passes], i64) if staged else None
 
             # per producer thread: two arrivals (plain + cp.async tracking) when copies are tracked, else one
             ready = [T.alloc_barrier(arrive_count=256 if copies else 128) for _ in range(n_buf)]
@@ -490,6 +629,7 @@ def build_kernel(
                 row_sum=row_sum, l_i=l_i, alpha_sh=alpha_sh, p_sh=p_sh, p_ready=p_ready, p_free=p_free, idx=idx,
                 src=src, Idx=Idx, Idx2=Idx2, KV=KV, KV2=KV2, bx=bx, lane=lane, c0=(lane % row_threads) * 8,
                 k_l=k_l, k_r=k_r, ok=ok, ready=ready, free=free, last=n_buf * n_groups - 1, rid=rid, w=w,
+                stage=stage, srid=srid, nx=nx,
             )
 
             if tx < 128:  # scores, softmax, left half of the output
@@ -522,8 +662,14 @@ def build_kernel(
                 T.copy(q_r, Out[bx, 0:H, D2:D])
             else:  # producer: gathers tile j into buffer j % n_buf
                 T.set_max_nreg(_PRODUCER_REGS_RECORDS if records else _PRODUCER_REGS, 0)
+                if staged:
+                    for t in range(lookahead):  # the first tiles' copies, one group each, before any decode
+                        load_stage_indices(v, t)
+                        issue_stage(v, t)
+                        T.call_extern("handle", "dk_cp_async_commit")
+                    load_stage_indices(v, lookahead)
                 for g in T.serial(n_groups):
-                    each_buffer(gather_records if records else gather_tile, v, g)
+                    each_buffer(gather_staged if staged else gather_records if records else gather_tile, v, g)
 
     return kernel
 
@@ -543,10 +689,11 @@ def pass_configs() -> dict:
 
 
 @functools.cache
-def _compiled(heads: int, dim: int, softmax_scale: float, two_sources: bool, block_rows: int, fmt1: int, fmt2: int):
+def _compiled(heads: int, dim: int, softmax_scale: float, two_sources: bool, block_rows: int, fmt1: int, fmt2: int,
+              staged: bool = False):
     import tilelang
 
-    func = build_kernel(heads, dim, softmax_scale, two_sources, block_rows, fmt1, fmt2)
+    func = build_kernel(heads, dim, softmax_scale, two_sources, block_rows, fmt1, fmt2, staged)
     return tilelang.compile(
         func,
         out_idx=None,
@@ -567,14 +714,21 @@ def sparse_attn(
     block_rows: int = BLOCK_ROWS,
     kv_format: KVFormat | None = None,
     kv2_format: KVFormat | None = None,
+    staged: bool = False,
 ) -> Tensor:
     """q [T, 64, 512] bf16; kv [S, 512] bf16; indices [T, K] int64 (-1 / out of range = none); attn_sink [64];
     kv2 [S2, 512] / indices2 [T, K2]: an optional second source -> [T, 64, 512] bf16. kv_format / kv2_format
     (MXFP8_E4M3, NVFP4_E2M1 or None): that source is uint8 records [S, fmt.record_bytes(512)] instead of bf16
     rows. Inputs are validated by the package dispatcher, which also checks `supports` first. block_rows (32 or
-    64): rows per gathered tile, with BUFFER_ROWS // block_rows tiles in flight (benchmark sweeps)."""
+    64): rows per gathered tile, with BUFFER_ROWS // block_rows tiles in flight (benchmark sweeps). staged: the
+    staged record producer (build_kernel; record sources only, block_rows 32); not taken by the dispatcher."""
     if block_rows not in (32, 64):  # 16-row tiles compile (slowly) but were never run on a GPU
         raise ValueError(f"sparse_attn (tilelang): block_rows {block_rows}, expected 32 or 64")
+    if staged and (block_rows != STAGED_BLOCK_ROWS or kv_format is None or (kv2 is not None and kv2_format is None)):
+        raise ValueError(
+            f"sparse_attn (tilelang): staged=True reads record sources only, in {STAGED_BLOCK_ROWS}-row tiles; found "
+            f"block_rows {block_rows}, formats {kv_format and kv_format.name}, {kv2_format and kv2_format.name}"
+        )
     t = q.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, whatever q's strides
     if t == 0:
@@ -583,7 +737,7 @@ def sparse_attn(
     two = kv2 is not None and kv2.shape[0] > 0 and indices2.shape[1] > 0
     if not two:  # placeholders the one-source kernel never reads (declared in kv's format)
         kv2, indices2, fmt2 = kv, indices, fmt1
-    kernel = _compiled(q.shape[1], q.shape[2], float(softmax_scale), two, block_rows, fmt1, fmt2)
+    kernel = _compiled(q.shape[1], q.shape[2], float(softmax_scale), two, block_rows, fmt1, fmt2, staged)
     kernel(
         q.contiguous(),
         kv.contiguous(),
