@@ -499,7 +499,7 @@ def build_kernel(
     @T.macro
     def issue_stage(v, t):
         """cp.async of tile t's raw record rows into slot t % STAGE_SLOTS and their row ids (load_rows' encoding)
-        into srid, from the indices load_stage_indices(v, t) left in nx (a row's one index is checked against the
+        into this thread's entries of srid, from the indices load_stage_indices(v, t) left in nx (a row's one index is checked against the
         list its column falls in, as row_sources does): this thread copies 16-byte chunks
         lane % 8 + 8 i of each of its rows; rows past the lists get -1 and no copy. Committed by the caller as one
         group."""
@@ -513,8 +513,7 @@ def build_kernel(
             else:
                 v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), -1)
             rid = v.rid[r]
-            if t8 == 0:
-                v.srid[slot_row + row] = rid
+            v.srid[(t % STAGE_SLOTS) * 128 * passes + r * 128 + v.lane] = rid  # this thread's own entry
             for src_id, X, fmt in ((1, v.KV, fmt1), (2, v.KV2, fmt2)):
                 if src_id == 2 and not two_sources:
                     continue
@@ -560,7 +559,7 @@ def build_kernel(
         T.barrier_wait(free, (p & 1) ^ 1)
         for r in T.unroll(passes):
             row = r * rows_per_pass + v.lane // row_threads
-            v.rid[r] = v.srid[slot_row + row]
+            v.rid[r] = v.srid[(j % STAGE_SLOTS) * 128 * passes + r * 128 + v.lane]
             rid = v.rid[r]
             ok[row] = rid != -1
             if rid >= 0:
@@ -609,7 +608,8 @@ def build_kernel(
             rid = T.alloc_local([passes], "int32")
             w = T.alloc_local([group * _RECORD_WORDS if records and not staged else 1], "uint32")
             stage = T.alloc_shared([STAGE_SLOTS * BI, stage_bytes], "uint8") if staged else None
-            srid = T.alloc_shared([STAGE_SLOTS * BI], "int32") if staged else None
+            # the producer threads' row ids per slot, one entry per thread (written and read by that thread only)
+            srid = T.alloc_shared([STAGE_SLOTS * passes * 128], "int32") if staged else None
             nx = T.alloc_local([passes], i64) if staged else None
 
             # per producer thread: two arrivals (plain + cp.async tracking) when copies are tracked, else one
