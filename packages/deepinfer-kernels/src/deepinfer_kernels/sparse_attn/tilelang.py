@@ -499,8 +499,8 @@ def build_kernel(
     @T.macro
     def issue_stage(v, t):
         """cp.async of tile t's raw record rows into slot t % STAGE_SLOTS and their row ids (load_rows' encoding)
-        into this thread's entries of srid, from the indices load_stage_indices(v, t) left in nx (a row's one index is checked against the
-        list its column falls in, as row_sources does): this thread copies 16-byte chunks
+        into this thread's entries of srid, from the indices load_stage_indices(v, t) left in nx (a row's one index
+        is checked against the list its column falls in, as row_sources does): this thread copies 16-byte chunks
         lane % 8 + 8 i of each of its rows; rows past the lists get -1 and no copy. Committed by the caller as one
         group."""
         slot_row = (t % STAGE_SLOTS) * BI
