@@ -28,8 +28,13 @@ with LLM(ckpt, data_parallel_size=2, enable_expert_parallel=True, device="cpu", 
     mine = [o.outputs[0].token_ids for o in llm.generate(prompts[rank::2], sp, use_tqdm=False)]
     # rank 1 has nothing in this call: it steps with empty MoE steps until rank 0 is done
     second = [o.outputs[0].token_ids for o in llm.generate([one] if rank == 0 else [], sp, use_tqdm=False)]
+try:  # closed: refused with a typed error before anything is queued
+    llm.generate([one], sp, use_tqdm=False)
+    closed = "generated"
+except Exception as e:
+    closed = f"{type(e).__name__}: {e}"
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-    json.dump({"mine": mine, "second": second}, f)
+    json.dump({"mine": mine, "second": second, "closed": closed}, f)
 """
 
 
@@ -51,3 +56,5 @@ def test_torchrun_world_serves_each_ranks_prompts_like_one_process(tiny_ckpt, tm
     want_one = ref.generate([ONE], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert got[0]["mine"] == want[0::2] and got[1]["mine"] == want[1::2]
     assert got[0]["second"] == [want_one] and got[1]["second"] == []
+    for r in range(2):
+        assert got[r]["closed"].startswith("RankFailedError") and "engine is closed" in got[r]["closed"], got[r]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepinfer_parallel import ParallelState, agree_step
+from deepinfer_parallel import ParallelState, RankFailedError, agree_step
 
 from deepinfer_engine.config import EngineConfig
 from deepinfer_engine.core.request import EngineCoreRequest
@@ -120,6 +120,9 @@ class DPRankCore:
         return self.core.total
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.state.groups.released:  # refused before it is queued: nothing of the call is left behind
+            raise RankFailedError(self.state.rank, None, "this rank's engine is closed (LLM.close() or the end of its "
+                                  "with-block); create a new LLM to generate again")
         self.core.add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
