@@ -19,7 +19,8 @@
 #            read in place): decode step against the bytes bound and 64 x 1,024-token prefill for each
 #     records-kernels  the sparse-attention record tests (GPU) and the records sweep
 #            records and records-kernels take TileLang from $TILELANG_SITE_TARBALL when it is set (an xz tarball of a
-#            site-packages folder holding tilelang and its dependencies); without it the Triton kernels run
+#            site-packages folder holding tilelang and its dependencies: scripts/tilelang_site.sh); without it the
+#            Triton kernels run
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
