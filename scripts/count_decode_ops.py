@@ -140,14 +140,15 @@ def layers4_like_config() -> dict:
     drafts = tc["compress_ratios"][tc["num_hidden_layers"]:]
     tc.update(num_hidden_layers=4, compress_ratios=[0, 0, 2, 2] + drafts, kv_source_layer_ids=[2],
               index_source_layer_ids=[2], engram_layer_ids=[1], engram_num_embeddings=[462],
-              num_attention_heads=8, o_groups=8, o_lora_rank=32)
+              num_attention_heads=8, o_groups=8, o_lora_rank=32,
+              index_head_dim=32)  # a multiple of the 32-channel MXFP4 block: the records of kv_cache_dtype="auto"
     for k in ("candidate_source_layer_id", "candidate_topk_blocks", "candidate_block_size"):
         tc.pop(k)
     tc["dspark_target_layer_ids"] = [1, 2, 3]
     return cfg
 
 
-def run(batch_sizes: list[int], steps: int, dtype: torch.dtype) -> dict:
+def run(batch_sizes: list[int], steps: int, dtype: torch.dtype, kv_cache_dtype: str = "bfloat16") -> dict:
     from deepinfer_engine.model.cache import ModelCache
     from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
     from deepinfer_engine.model.loader import load_model
@@ -168,7 +169,8 @@ def run(batch_sizes: list[int], steps: int, dtype: torch.dtype) -> dict:
     page, max_len = 16, 64
     results = {}
     for B in batch_sizes:
-        cache = ModelCache.allocate(a, num_slots=B, num_pages=B * (max_len // page), page_size=page, dtype=dtype)
+        cache = ModelCache.allocate(a, num_slots=B, num_pages=B * (max_len // page), page_size=page, dtype=dtype,
+                                    kv_cache_dtype=kv_cache_dtype)
         tables = np.arange(B * (max_len // page), dtype=np.int32).reshape(B, -1)
         gen = torch.Generator().manual_seed(1)
         lens = [11 + 3 * i for i in range(B)]
@@ -220,13 +222,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--json")
     p.add_argument("--ops", action="store_true", help="also list the ops of each category")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "auto"),
+                   help="the cache's storage: plain, or V4.1's deployed records (read in place by the attention)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     bs = [int(b) for b in args.batch.split(",")]
-    res = run(bs, args.steps, torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    res = run(bs, args.steps, torch.bfloat16 if args.dtype == "bf16" else torch.float32, args.kv_cache_dtype)
     backend = os.environ.get("DEEPINFER_KERNEL_BACKEND", "auto")
     print(f"kernel launches per decode step (CPU proxy; backend={backend}, "
-          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}, dtype={args.dtype})")
+          f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '')}, dtype={args.dtype}, kv_cache_dtype={args.kv_cache_dtype})")
     print(f"{'module':<14}" + "".join(f"{'B=' + str(b):>8}" for b in bs))
     for cat in CATEGORIES:
         print(f"{cat:<14}" + "".join(f"{res[b]['counts'][cat]:>8.0f}" for b in bs))

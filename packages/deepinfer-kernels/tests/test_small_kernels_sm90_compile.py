@@ -35,13 +35,27 @@ for from_pos, norm in ((False, False), (True, False), (True, True)):
         "R": "i32", "M": "i32", "D": "i32", "stride_x": "i32", "stride_y": "i32", "stride_c": "i32", "eps": "fp32"},
         {"P": 32, "INVERSE": False, "FROM_POS": from_pos, "NORM": norm, "HAS_W": norm, "BLOCK_R": 8, "BLOCK_D": 512,
         "BLOCK_P": 32}, num_warps=4)
+from deepinfer_kernels.kv_records import triton as kr
+# the deployed KV records of a decode step: window rows (MXFP8, 512), compressed entries (NVFP4, 512), indexer
+# keys (MXFP4, 128) encoded; indexer queries rounded (MXFP4, 128, bf16 values)
+for name, dim, block, e4m3, ue8m0, fake in (("mxfp8 512", 512, 32, True, True, False),
+                                            ("nvfp4 512", 512, 16, False, False, False),
+                                            ("mxfp4 128", 128, 32, False, True, False),
+                                            ("mxfp4 128 fake", 128, 32, False, True, True)):
+    out[f"kv records {name}"] = rep(kr._records_kernel, {"x_ptr": "*bf16", "out_ptr": "*bf16" if fake else "*u8",
+        "rows": "i32", "stride_x": "i32", "stride_o": "i32", "amax_floor": "fp32", "inv6": "fp32"},
+        {"DIM": dim, "BLOCK": block, "E4M3": e4m3, "UE8M0": ue8m0, "FAKE": fake, "R": 2048 // dim}, num_warps=4,
+        divisible_by_16=("x_ptr", "out_ptr"))
+out["kv records decode mxfp4 128"] = rep(kr._decode_kernel, {"rec_ptr": "*u8", "out_ptr": "*bf16", "rows": "i32",
+    "stride_r": "i32", "stride_o": "i32"}, {"DIM": 128, "BLOCK": 32, "E4M3": False, "UE8M0": True, "R": 16},
+    num_warps=4, divisible_by_16=("rec_ptr", "out_ptr"))
 print(json.dumps(out))
 """
 
 
 def test_small_decode_kernels_compile_for_sm90():
     report = run_compile_script(_SCRIPT)
-    assert len(report) == 8
+    assert len(report) == 13
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 227 * 1024, (name, r)  # align pairs keeps 8 bytes on the stack
 

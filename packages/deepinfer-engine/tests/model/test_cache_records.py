@@ -134,3 +134,23 @@ def test_full_equals_chunked_and_decode_with_records():
     # the records really change the numbers (the size of the change is measured in docs/kv_cache.md, not bounded
     # here: on random tiny weights FP4 keys flip indexer selections)
     assert max_rel_err(full, plain) > 0
+
+
+def test_record_format_takes_the_kernel_backend():
+    """RecordFormat.encode / decode go through deepinfer_kernels.kv_records: with backend="triton" (the interpreter
+    here, one launch each on the GPU) the records and the decoded values are the torch reference's, byte for byte."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    from deepinfer_engine.model.cache import _record_formats
+    from kernels_testing import triton_interpreter
+
+    a = _args()
+    g = torch.Generator().manual_seed(0)
+    with triton_interpreter("deepinfer_kernels.kv_records.triton"):
+        for family, f in _record_formats(a, "auto").items():
+            x = torch.randn(9, f.dim, generator=g) * 3
+            rec = f.encode(x, "triton")
+            assert torch.equal(rec, f.encode(x, "torch")), family
+            assert torch.equal(f.decode(rec, torch.float32, "triton"), f.decode(rec, torch.float32, "torch")), family

@@ -285,7 +285,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """project_kv after wkv: xkv = wkv(x) [T, Dh] (rows may be strided)."""
         kv = (rope or self.rope_fn())(xkv, positions, norm=(self.kv_norm.weight, self.kv_norm.eps))
-        return self.numerics.window_kv(kv)
+        return self.numerics.window_kv(kv, backend=self.kernel_backend)
 
     def write_window(self, kv: Tensor, ctx: ForwardContext) -> None:
         """Store kv [T, Dh] of the batch's tokens into this layer's ring without attending (DSpark context)."""
@@ -339,7 +339,7 @@ class Attention(nn.Module):
         keys = None
         if self.kind == "csa":
             self.indexer.compressor.update(x, ctx, lid, "indexer", rope, x.dtype)
-            keys = cache.read_index_keys(lid, paged)
+            keys = cache.read_index_keys(lid, paged, backend=self.kernel_backend)
         store, rows = cache.entry_source(lid, paged)
         view = CompressedView(
             store=store, rows=rows, index_keys=keys, seq_offsets=paged.offsets, seq_counts=counts, ratio=r,

@@ -65,18 +65,17 @@ class RecordFormat:
     def nbytes(self) -> int:
         return self.fmt.record_bytes(self.dim)
 
-    def encode(self, x: Tensor) -> Tensor:
-        """x [rows, dim] float -> [rows, nbytes] uint8."""
-        from deepinfer_kernels.quant.kv_formats import quantize
+    def encode(self, x: Tensor, backend: str = "auto") -> Tensor:
+        """x [rows, dim] float -> [rows, nbytes] uint8 (one kernel launch where the backend has it)."""
+        from deepinfer_kernels.kv_records import encode
 
-        codes, scales = quantize(x.reshape(-1, self.dim), self.fmt)
-        return torch.cat([codes, scales], 1)
+        return encode(x.reshape(-1, self.dim), self.fmt, backend=backend)
 
-    def decode(self, rec: Tensor, dtype: torch.dtype) -> Tensor:
+    def decode(self, rec: Tensor, dtype: torch.dtype, backend: str = "auto") -> Tensor:
         """[rows, nbytes] uint8 -> [rows, dim] in dtype."""
-        from deepinfer_kernels.quant.kv_formats import decode_records
+        from deepinfer_kernels.kv_records import decode
 
-        return decode_records(rec, self.fmt, dtype)
+        return decode(rec, self.fmt, dtype, backend=backend)
 
 
 def stores_records(args: object) -> bool:
@@ -214,7 +213,7 @@ class ModelCache:
         bytes] uint8 (the step's own rows encoded), for the attention to decode in its gather: the values it
         sees are the decoded records, in this step as in later ones."""
         f = self.formats.get("window")
-        return plan.gather(self.swa[layer_id], kv if f is None else f.encode(kv), write=write, backend=backend)
+        return plan.gather(self.swa[layer_id], kv if f is None else f.encode(kv, backend), write=write, backend=backend)
 
     def window_format(self) -> object | None:
         """The KVFormat of the window records the pool holds (None: plain values in the cache dtype)."""
@@ -238,18 +237,18 @@ class ModelCache:
         """Raw compressor rows [history + T, 2, width] f32 of the step; stores this step's rows."""
         return plan.gather(self.comp_state[(layer_id, name)], fresh, backend=backend)
 
-    def _write(self, family: str, store: Tensor, plan: PagedPlan, values: Tensor) -> None:
+    def _write(self, family: str, store: Tensor, plan: PagedPlan, values: Tensor, backend: str) -> None:
         f = self.formats.get(family)
-        plan.write(store, values if f is None or not plan.num_new else f.encode(values))
+        plan.write(store, values if f is None or not plan.num_new else f.encode(values, backend))
 
-    def _read(self, family: str, store: Tensor, plan: PagedPlan) -> Tensor:
+    def _read(self, family: str, store: Tensor, plan: PagedPlan, backend: str) -> Tensor:
         f = self.formats.get(family)
         rows = plan.read(store)
-        return rows if f is None else f.decode(rows, self.dtype)
+        return rows if f is None else f.decode(rows, self.dtype, backend)
 
-    def write_entries(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
+    def write_entries(self, layer_id: int, plan: PagedPlan, values: Tensor, *, backend: str = "auto") -> None:
         """Store the compressed entries completed this step (values [M, head_dim], plan.new_w order)."""
-        self._write("entries", self.compressed_kv[layer_id], plan, values)
+        self._write("entries", self.compressed_kv[layer_id], plan, values, backend)
 
     def entry_source(self, layer_id: int, plan: PagedPlan) -> tuple[Tensor, Tensor]:
         """(store [N, width], rows [E] int64): where the attention reads the layer's entries, in place: the paged
@@ -258,11 +257,11 @@ class ModelCache:
         store = self.compressed_kv[layer_id]
         return store.view(-1, store.shape[-1]), plan.read_rows
 
-    def write_index_keys(self, layer_id: int, plan: PagedPlan, values: Tensor) -> None:
-        self._write("index_keys", self.index_keys[layer_id], plan, values)
+    def write_index_keys(self, layer_id: int, plan: PagedPlan, values: Tensor, *, backend: str = "auto") -> None:
+        self._write("index_keys", self.index_keys[layer_id], plan, values, backend)
 
-    def read_index_keys(self, layer_id: int, plan: PagedPlan) -> Tensor:
-        return self._read("index_keys", self.index_keys[layer_id], plan)
+    def read_index_keys(self, layer_id: int, plan: PagedPlan, *, backend: str = "auto") -> Tensor:
+        return self._read("index_keys", self.index_keys[layer_id], plan, backend)
 
     # ------------------------------------------------------------------------------------- prefix cache ops
     # The copies the cache manager's CacheOps ask for (docs/prefix_cache.md); worker.cache_ops applies them.

@@ -299,14 +299,16 @@ def csa2_update_source(
                           backend=compressor.kernel_backend, pdl=compressor.pdl)  # pre-RoPE latent
         entry_pos = ctx.entry_positions(paged)  # RoPE at the group's first token
         # index keys come from the unrounded pre-RoPE latent; each cache stores its own record format
-        cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos)))
-        cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope)))
-    view = source_view(lid, r, ctx)
+        kb = compressor.kernel_backend
+        cache.write_entries(lid, paged, numerics.compressed_kv(rope(latent, entry_pos), backend=kb), backend=kb)
+        cache.write_index_keys(lid, paged, numerics.index_operand(indexer.keys(latent, entry_pos, rope), backend=kb),
+                               backend=kb)
+    view = source_view(lid, r, ctx, backend=compressor.kernel_backend)
     ctx.compressed[lid] = view
     return view
 
 
-def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedView:
+def source_view(layer_id: int, ratio: int, ctx: ForwardContext, *, backend: str = "auto") -> CompressedView:
     """The compressed entries and index keys of kv source `layer_id` for every sequence of `ctx`, as they stand
     in the cache (each sequence's entries ``0 .. floor((ctx+n)/ratio)-1``)."""
     cache = ctx.cache
@@ -315,7 +317,7 @@ def source_view(layer_id: int, ratio: int, ctx: ForwardContext) -> CompressedVie
     return CompressedView(
         store=store,
         rows=rows,
-        index_keys=cache.read_index_keys(layer_id, paged),
+        index_keys=cache.read_index_keys(layer_id, paged, backend=backend),
         seq_offsets=paged.offsets,
         seq_counts=paged.counts,
         ratio=ratio,
@@ -406,7 +408,7 @@ def csa2_select(
         if indexer is None or indexer.wq_b is None:
             raise ModelConfigError(f"layer {lid}: index source without attn.indexer.wq_b")
         q_all, w_all = indexer.queries(qr, x, ctx.batch.positions, rope)
-        q_all = numerics.index_operand(q_all)
+        q_all = numerics.index_operand(q_all, backend=backend)
         t = x.shape[0]
         # [T, cmax] over the query's own sequence's entries
         scores = padded_scores(q_all, w_all, view, ctx, w_scale=indexer.weight_scale, backend=backend)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1, KVFormat, fake_quant
+from deepinfer_kernels.kv_records import fake_quant
+from deepinfer_kernels.quant.kv_formats import MXFP4_E2M1, MXFP8_E4M3, NVFP4_E2M1, KVFormat
 from torch import Tensor
 
 __all__ = ["V4_FP8_NOPE", "KVNumerics", "kv_numerics"]
@@ -29,13 +30,13 @@ __all__ = ["V4_FP8_NOPE", "KVNumerics", "kv_numerics"]
 V4_FP8_NOPE = KVFormat("fp8_e4m3_ue8m0_64", "e4m3", 64, "ue8m0", 1e-4)
 
 
-def _round(x: Tensor, fmt: KVFormat) -> Tensor:
+def _round(x: Tensor, fmt: KVFormat, backend: str = "auto") -> Tensor:
     """fake_quant over the last dim of ``x [..., D]`` (a final partial block is zero-padded)."""
     d = x.shape[-1]
     pad = -d % fmt.block
     if pad:
-        return fake_quant(F.pad(x, (0, pad)), fmt)[..., :d]
-    return fake_quant(x, fmt)
+        return fake_quant(F.pad(x, (0, pad)), fmt, backend=backend)[..., :d]
+    return fake_quant(x, fmt, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -55,25 +56,26 @@ class KVNumerics:
     def enabled(self) -> bool:
         return self.window is not None or self.compressed is not None or self.index is not None
 
-    def _kv(self, x: Tensor, fmt: KVFormat | None) -> Tensor:
+    def _kv(self, x: Tensor, fmt: KVFormat | None, backend: str) -> Tensor:
         if fmt is None:
             return x
         if self.rope_dims:
             nope = x.shape[-1] - self.rope_dims
-            return torch.cat([_round(x[..., :nope], fmt), x[..., nope:]], dim=-1)
-        return _round(x, fmt)
+            return torch.cat([_round(x[..., :nope], fmt, backend), x[..., nope:]], dim=-1)
+        return _round(x, fmt, backend)
 
-    def window_kv(self, kv: Tensor) -> Tensor:
+    # backend: the kernel backend of the rounding (deepinfer_kernels.kv_records.fake_quant), the model's own
+    def window_kv(self, kv: Tensor, *, backend: str = "auto") -> Tensor:
         """Sliding-window K=V ``[T, Dh]`` after kv_norm and RoPE, as the window cache stores it."""
-        return self._kv(kv, self.window)
+        return self._kv(kv, self.window, backend)
 
-    def compressed_kv(self, kv: Tensor) -> Tensor:
+    def compressed_kv(self, kv: Tensor, *, backend: str = "auto") -> Tensor:
         """Compressed main-KV entries ``[E, Dh]`` after RoPE, as the compressed cache stores them."""
-        return self._kv(kv, self.compressed)
+        return self._kv(kv, self.compressed, backend)
 
-    def index_operand(self, x: Tensor) -> Tensor:
+    def index_operand(self, x: Tensor, *, backend: str = "auto") -> Tensor:
         """Indexer keys ``[E, Di]`` / queries ``[T, H, Di]`` after RoPE (each head row quantized alone)."""
-        return x if self.index is None else _round(x, self.index)
+        return x if self.index is None else _round(x, self.index, backend)
 
     def index_scores(self, scores: Tensor) -> Tensor:
         """Index scores ``[T, E]`` as the indexer kernel returns them (bf16), back in float32."""
