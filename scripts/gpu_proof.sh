@@ -130,7 +130,8 @@ records-kernels)
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
     step records_tests 330 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist -k "record" \
-        packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py packages/deepinfer-kernels/tests/test_sparse_attn_triton.py
+        packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py packages/deepinfer-kernels/tests/test_sparse_attn_triton.py \
+        packages/deepinfer-kernels/tests/test_kv_records_triton.py packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py
     step records_sweep 240 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
         --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 200"
     ;;

@@ -93,3 +93,26 @@ def test_decode_equals_reference_values(interp, fmt, dtype):
     assert got.shape == want.shape == (1, 19, 128) and got.dtype == dtype
     assert torch.equal(got, want)
     assert torch.equal(decode(rec, fmt, dtype, backend="triton"), want.reshape(19, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", _FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dim", [512, 128])
+def test_gpu_equals_reference(fmt, dim):
+    """The compiled kernel on the GPU: the same bytes and values as the torch reference on the CPU, and a CUDA
+    graph replay of the encode on new rows (the decode step writes records inside its graph)."""
+    x = _rows(301, dim, seed=dim, dtype=torch.bfloat16)
+    xc = x.cuda()
+    rec = encode(xc, fmt, backend="triton")
+    assert torch.equal(rec.cpu(), reference.encode(x, fmt))
+    assert torch.equal(decode(rec, fmt, torch.bfloat16, backend="triton").cpu(),
+                       reference.decode(reference.encode(x, fmt), fmt, torch.bfloat16))
+    q = xc.reshape(-1, 7, dim)[:43]
+    assert torch.equal(fake_quant(q, fmt, backend="triton").cpu(), reference.fake_quant(q.cpu(), fmt))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = encode(xc, fmt, backend="triton")
+    new = _rows(301, dim, seed=dim + 1, dtype=torch.bfloat16)
+    xc.copy_(new)
+    graph.replay()
+    assert torch.equal(out.cpu(), reference.encode(new, fmt))
