@@ -22,11 +22,10 @@ __all__ = ["decode", "encode", "fake_quant"]
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _triton_ok(x: Tensor, fmt: KVFormat, out_dtype: torch.dtype | None = None) -> tuple[bool, str]:
-    d = x.shape[-1] if x.dim() else 0
-    ok = (x.dtype in _DTYPES and d >= fmt.block and d & (d - 1) == 0 and d % fmt.block == 0
-          and (out_dtype is None or out_dtype in _DTYPES))  # fmt: skip
-    return ok, f"x {tuple(x.shape)} {x.dtype}; needs bf16/fp16/fp32 rows whose width is a power of two >= {fmt.block}"
+def _triton_ok(width: int, dtype: torch.dtype, fmt: KVFormat) -> tuple[bool, str]:
+    """The kernel's inputs: rows of a power-of-two width >= the block (so a multiple of it), float values."""
+    ok = dtype in _DTYPES and width >= fmt.block and width & (width - 1) == 0
+    return ok, f"rows of {width} channels, {dtype}; needs a power-of-two width >= {fmt.block} and bf16/fp16/fp32"
 
 
 def encode(x: Tensor, fmt: KVFormat, *, backend: str = "auto") -> Tensor:
@@ -34,7 +33,7 @@ def encode(x: Tensor, fmt: KVFormat, *, backend: str = "auto") -> Tensor:
     e2m1 pairs with the even column in the low nibble) followed by one scale byte per block."""
     if x.dim() != 2:
         raise ValueError(f"kv_records.encode: expected x [rows, dim], found shape {tuple(x.shape)}")
-    ok, why = _triton_ok(x, fmt)
+    ok, why = _triton_ok(x.shape[1], x.dtype, fmt)
     if resolve_backend("kv_records.encode", backend, x, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.kv_records import triton as triton_backend
 
@@ -46,9 +45,7 @@ def decode(rec: Tensor, fmt: KVFormat, dtype: torch.dtype, *, backend: str = "au
     """rec [..., record_bytes] uint8 records -> their values [..., dim] in dtype (value x scale in float32)."""
     if rec.dtype != torch.uint8 or rec.dim() < 1:
         raise ValueError(f"kv_records.decode: expected uint8 records [..., bytes], found {rec.dtype} {tuple(rec.shape)}")
-    dim = fmt.record_dim(rec.shape[-1])
-    ok = dtype in _DTYPES and dim >= fmt.block and dim & (dim - 1) == 0
-    why = f"records of {dim} channels to {dtype}; needs a power-of-two width >= {fmt.block} and a bf16/fp16/fp32 out"
+    ok, why = _triton_ok(fmt.record_dim(rec.shape[-1]), dtype, fmt)
     if resolve_backend("kv_records.decode", backend, rec, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.kv_records import triton as triton_backend
 
@@ -58,7 +55,7 @@ def decode(rec: Tensor, fmt: KVFormat, dtype: torch.dtype, *, backend: str = "au
 
 def fake_quant(x: Tensor, fmt: KVFormat, *, backend: str = "auto") -> Tensor:
     """x [..., dim] -> the values its records decode to, [..., dim] in x.dtype (each row quantized alone)."""
-    ok, why = _triton_ok(x, fmt, x.dtype)
+    ok, why = _triton_ok(x.shape[-1] if x.dim() else 0, x.dtype, fmt)
     if resolve_backend("kv_records.fake_quant", backend, x, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.kv_records import triton as triton_backend
 

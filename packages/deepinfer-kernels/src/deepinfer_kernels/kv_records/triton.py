@@ -1,4 +1,4 @@
-"""Triton record encoder / fake quantizer: one launch per call, a program per R rows of the full width.
+"""Triton record encoder, decoder and fake quantizer: one launch per call, a program per R rows of the full width.
 
 Bit-exact with the torch reference (`deepinfer_kernels.quant.kv_formats`): the quotient amax / qmax and the
 reciprocal of a scale are correctly rounded (`div_rn`; Triton's `/` is an approximate division on the GPU), the
