@@ -133,7 +133,7 @@ records-kernels)
         packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py packages/deepinfer-kernels/tests/test_sparse_attn_triton.py \
         packages/deepinfer-kernels/tests/test_kv_records_triton.py packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py
     step records_sweep 240 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
-        --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 200"
+        --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64,32 --tilelang-staged --workers 0 --budget-s 200 --output-json $OUT/records_sweep.json"
     ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \

@@ -10,6 +10,7 @@
 set -euo pipefail
 out=$(realpath -m "${1:?usage: tilelang_site.sh OUT.tar.xz [PYTHON_VERSION]}")
 py=${2:-3.12}
+mkdir -p "$(dirname "$out")"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version "$py" \
