@@ -218,6 +218,21 @@ def test_records_staged_producer(t, s1, k1, s2, k2, fmts):
     _check_records(case, *fmts, block_rows=32, staged=True)
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["loads", "staged"])
+@pytest.mark.parametrize("fmts", [(1, 2), (2, 1), (1, 1)], ids=["mxfp8-nvfp4", "nvfp4-mxfp8", "mxfp8-mxfp8"])
+def test_records_kernel_parameters_keep_their_names(fmts, staged):
+    """The prim_func's buffers keep the parameter names and each source its own record width: a source buffer
+    bound to a Python name inside a macro was once renamed after it, and the two sources' shared name failed the
+    packed-call shape check at launch (no compile needed to see it)."""
+    from deepinfer_kernels.sparse_attn import tilelang as tl_sa
+
+    func = tl_sa.build_kernel(H, D, D**-0.5, True, 32, *fmts, staged=staged)
+    bufs = list(func.buffer_map.values())
+    assert [b.name for b in bufs] == ["Q", "KV", "Idx", "KV2", "Idx2", "Sink", "Out"]
+    widths = {1: MXFP8_E4M3.record_bytes(D), 2: NVFP4_E2M1.record_bytes(D)}
+    assert [int(bufs[i].shape[1]) for i in (1, 3)] == [widths[f] for f in fmts]
+
+
 @pytest.mark.skipif(not _sm90(), reason="the TileLang kernel is built for sm_90a")
 def test_records_supports():
     """supports() takes records only in the two decoded formats, at their record widths, uint8, 16-byte aligned."""

@@ -497,6 +497,22 @@ def build_kernel(
             T.cp_async_barrier_noinc(ready)
 
     @T.macro
+    def stage_copies(v, X, fmt, x, stage_row, t8):
+        """This thread's 16-byte cp.async chunks (lane % 8 + 8 i) of record row X[x] into stage row stage_row."""
+        n16 = _FORMATS[fmt].record_bytes(D) // 16
+        for i in T.unroll(n16 // row_threads):  # chunks below the last full round: all 8 lanes
+            c = t8 + row_threads * i
+            T.ptx_cp_async(
+                T.access_ptr(v.stage[stage_row, c * 16], "w", 16), T.access_ptr(X[x, c * 16], "r", 16), 16
+            )  # fmt: skip
+        if n16 % row_threads:  # the tail (MXFP8: chunk 32, the scales; NVFP4: chunks 16-17)
+            c = t8 + row_threads * (n16 // row_threads)
+            if t8 < n16 % row_threads:
+                T.ptx_cp_async(
+                    T.access_ptr(v.stage[stage_row, c * 16], "w", 16), T.access_ptr(X[x, c * 16], "r", 16), 16
+                )  # fmt: skip
+
+    @T.macro
     def issue_stage(v, t):
         """cp.async of tile t's raw record rows into slot t % STAGE_SLOTS and their row ids (load_rows' encoding)
         into this thread's entries of srid, from the indices load_stage_indices(v, t) left in nx (a row's one index
@@ -514,26 +530,14 @@ def build_kernel(
                 v.rid[r] = T.if_then_else(in1, T.cast(x1, "int32"), -1)
             rid = v.rid[r]
             v.srid[(t % STAGE_SLOTS) * 128 * passes + r * 128 + v.lane] = rid  # this thread's own entry
-            for src_id, X, fmt in ((1, v.KV, fmt1), (2, v.KV2, fmt2)):
-                if src_id == 2 and not two_sources:
-                    continue
-                n16 = _FORMATS[fmt].record_bytes(D) // 16
-                x = T.cast(rid, i64) if src_id == 1 else T.cast(-2 - rid, i64)
-                take = rid >= 0 if src_id == 1 else rid <= -2
-                if take:
-                    for i in T.unroll(n16 // row_threads):  # chunks below the last full round: all 8 lanes
-                        c = t8 + row_threads * i
-                        T.ptx_cp_async(
-                            T.access_ptr(v.stage[slot_row + row, c * 16], "w", 16),
-                            T.access_ptr(X[x, c * 16], "r", 16), 16,
-                        )  # fmt: skip
-                    if n16 % row_threads:  # the tail (MXFP8: chunk 32, the scales; NVFP4: chunks 16-17)
-                        c = t8 + row_threads * (n16 // row_threads)
-                        if t8 < n16 % row_threads:
-                            T.ptx_cp_async(
-                                T.access_ptr(v.stage[slot_row + row, c * 16], "w", 16),
-                                T.access_ptr(X[x, c * 16], "r", 16), 16,
-                            )  # fmt: skip
+            # each source through a macro argument: a buffer bound to a Python name in the macro body (a loop over
+            # (KV, KV2)) is renamed after it in the kernel's parameters, and two parameters of one name break the
+            # packed-call ABI check (found on the H200: "input X shape[1] violates packed ABI constraint")
+            if rid >= 0:
+                stage_copies(v, v.KV, fmt1, T.cast(rid, i64), slot_row + row, t8)
+            if two_sources:
+                if rid <= -2:
+                    stage_copies(v, v.KV2, fmt2, T.cast(-2 - rid, i64), slot_row + row, t8)
 
     @T.macro
     def decode_staged(v, fmt, slot_row, k_l, k_r, row):
