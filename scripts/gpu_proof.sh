@@ -21,6 +21,7 @@
 #            records and records-kernels take TileLang from $TILELANG_SITE_TARBALL when it is set (an xz tarball of a
 #            site-packages folder holding tilelang and its dependencies: scripts/tilelang_site.sh); without it the
 #            Triton kernels run
+#     records-quick  the records sweep with the staged producer, then the records decode step at B = 1, 64 (one call)
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
@@ -134,6 +135,17 @@ records-kernels)
         packages/deepinfer-kernels/tests/test_kv_records_triton.py packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py
     step records_sweep 240 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
         --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64,32 --tilelang-staged --workers 0 --budget-s 200 --output-json $OUT/records_sweep.json"
+    ;;
+records-quick)
+    # one short call: the records sweep (staged producer beside the 64-row kernel; its compiles land in TileLang's
+    # cache, which the engine's kernels then hit) and the decode step with records at B = 1, 64
+    use_tilelang_site
+    step staged_sweep 150 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
+        --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 140 --output-json $OUT/staged_sweep.json"
+    step make_v41_full 60 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step latency_v41_auto 220 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
+        --kv-cache-dtype auto --batch-size 1,64 --input-len 1024 --output-len 4 --num-iters 1 \
+        --num-iters-warmup 1 --decode-steps 16 --output-json "$OUT/latency_v41_auto.json"
     ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
