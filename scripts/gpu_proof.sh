@@ -140,8 +140,8 @@ records-quick)
     # one short call: the records sweep (staged producer beside the 64-row kernel; its compiles land in TileLang's
     # cache, which the engine's kernels then hit) and the decode step with records at B = 1, 64
     use_tilelang_site
-    step staged_sweep 150 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
-        --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 140 --output-json $OUT/staged_sweep.json"
+    step staged_sweep 200 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
+        --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 190 --output-json $OUT/staged_sweep.json"
     step make_v41_full 60 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
     step latency_v41_auto 220 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
         --kv-cache-dtype auto --batch-size 1,64 --input-len 1024 --output-len 4 --num-iters 1 \
