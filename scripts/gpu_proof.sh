@@ -126,8 +126,8 @@ records)
     ;;
 records-kernels)
     use_tilelang_site
-    # TileLang compiles each variant in about 10 s on the host CPU: with pytest-xdist present, four workers share
-    # the GPU and compile in parallel
+    # TileLang compiles each variant in 10 s (bf16) to 100 s (records) on the host CPU: with pytest-xdist present,
+    # four workers share the GPU and compile in parallel
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
     step records_tests 330 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist -k "record" \
@@ -137,8 +137,8 @@ records-kernels)
         --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64,32 --tilelang-staged --workers 0 --budget-s 200 --output-json $OUT/records_sweep.json"
     ;;
 records-quick)
-    # one short call: the records sweep (staged producer beside the 64-row kernel; its compiles land in TileLang's
-    # cache, which the engine's kernels then hit) and the decode step with records at B = 1, 64
+    # one short call: the records sweep (the staged producer beside the 64-row kernel) and the decode step with
+    # records at B = 1, 64 (the engine compiles its own record variants: about 45 s of the latency step)
     use_tilelang_site
     step staged_sweep 200 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
         --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 190 --output-json $OUT/staged_sweep.json"
