@@ -21,7 +21,8 @@
 #            records and records-kernels take TileLang from $TILELANG_SITE_TARBALL when it is set (an xz tarball of a
 #            site-packages folder holding tilelang and its dependencies: scripts/tilelang_site.sh); without it the
 #            Triton kernels run
-#     records-quick  the records sweep with the staged producer, then the records decode step at B = 1, 64 (one call)
+#     records-quick  the records sweep with the staged producer, then kernel_breakdown.py with records and with bf16
+#            storage: decode step at B = 1, 64 against the bytes bound, kernel families, a profiled prefill
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
@@ -40,6 +41,19 @@ NEW_PY="$SITE:$(src_path "$ROOT/packages"):$ROOT/packages/deepinfer-engine/tests
 export PYTHONPATH="$NEW_PY" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DEEPINFER_CACHE_DIR=/tmp/deepinfer-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 CK=/tmp/ck
+# compiles the TileLang record kernel with one MXFP8 source at 64-row tiles (what the engine's SWA layers run in
+# prefill) into TileLang's disk cache; the rows' bytes do not matter for a compile
+WARM_ONE_SOURCE_RECORDS='
+import torch
+from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3
+from deepinfer_kernels.sparse_attn import tilelang as t
+q = torch.zeros(1, 64, 512, dtype=torch.bfloat16, device="cuda")
+kv = torch.zeros(8, MXFP8_E4M3.record_bytes(512), dtype=torch.uint8, device="cuda")
+idx = torch.full((1, 128), -1, dtype=torch.int64, device="cuda")
+t.sparse_attn(q, kv, idx, torch.zeros(64, device="cuda"), 512 ** -0.5, kv_format=MXFP8_E4M3)
+torch.cuda.synchronize()
+print("one-source MXFP8 record variant compiled")
+'
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2; shift 2
     echo "=== [$name] $(date +%T) limit ${limit}s :: $*"
@@ -137,15 +151,20 @@ records-kernels)
         --batches 256,64,32,8,1 --forms rec,two --only none --tilelang 64,32 --tilelang-staged --workers 0 --budget-s 200 --output-json $OUT/records_sweep.json"
     ;;
 records-quick)
-    # one short call: the records sweep (the staged producer beside the 64-row kernel) and the decode step with
-    # records at B = 1, 64 (the engine compiles its own record variants: about 45 s of the latency step)
+    # one short call: the records sweep (the staged producer beside the 64-row kernel), then per kv_cache_dtype the
+    # decode step at B = 1, 64 against its bytes bound with its kernel families, and a 64 x 1,024-token prefill
+    # profiled (records prefill ran 2.6x as long as bf16 storage). The engine's one-source record variant (SWA
+    # layers' prefill) compiles in the background meanwhile: each TileLang record variant takes 40-100 s here.
     use_tilelang_site
+    python3 -c "import tilelang" 2>/dev/null && (timeout 300 python3 -c "$WARM_ONE_SOURCE_RECORDS" \
+        >"$OUT/warm_engine_variant.log" 2>&1 &)
     step staged_sweep 200 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
         --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 190 --output-json $OUT/staged_sweep.json"
     step make_v41_full 60 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
-    step latency_v41_auto 220 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
-        --kv-cache-dtype auto --batch-size 1,64 --input-len 1024 --output-len 4 --num-iters 1 \
-        --num-iters-warmup 1 --decode-steps 16 --output-json "$OUT/latency_v41_auto.json"
+    step breakdown_auto 190 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
+        --prefill 64 --top 16 --output-json "$OUT/breakdown_auto.json"
+    step breakdown_bf16 120 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch 1,64 \
+        --prefill 64 --top 16 --output-json "$OUT/breakdown_bf16.json"
     ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \

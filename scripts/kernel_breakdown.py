@@ -2,13 +2,17 @@
 step's CUDA graph replayed alone.
 
     python scripts/kernel_breakdown.py --model DIR [--batch 1,64] [--input-len 1024] [--replays 10] [--top 25]
-        [--output-json F]
+        [--kv-cache-dtype bfloat16|auto] [--prefill N] [--output-json F]
 
 Per batch size, `bench.decode_step_seconds` runs a few engine decode steps (so the graph of that batch bucket is
 captured and filled with a real step), then the profiler records `--replays` replays of that graph. Each kernel's
 device time is summed and divided by the number of replays; kernels are grouped into families by name (the
 patterns below, first match wins) so that a table says which part of the step to work on next. The per-kernel
 list (top N) is printed too, since a family can hide one slow kernel.
+
+`--prefill N` also profiles a prefill of N prompts of input-len tokens (eager: prefill runs outside the graphs),
+after one unprofiled prefill of the same shape so that kernel compiles and autotuning are not counted: wall
+time, kernel time and the same families, to say where a slow prefill (records against bf16 storage) spends it.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -45,6 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--replays", type=int, default=10)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "auto"))
+    p.add_argument("--prefill", type=int, default=0, help="also profile a prefill of this many prompts")
     p.add_argument("--output-json")
     return p.parse_args(argv)
 
@@ -62,7 +69,8 @@ def breakdown(llm: Any, batch: int, input_len: int, replays: int) -> dict[str, A
     from torch.profiler import ProfilerActivity, profile
 
     fwd: dict[str, float] = {}
-    decode_step_seconds(llm, batch_size=batch, input_len=input_len, steps=4, forward_only=fwd)
+    decode_step_seconds(llm, batch_size=batch, input_len=input_len, steps=2)  # captures this batch's graph
+    times = decode_step_seconds(llm, batch_size=batch, input_len=input_len, steps=8, forward_only=fwd)
     graphs = getattr(llm.engine.runner, "cuda_graphs", None)
     if graphs is None or graphs.last_shape is None:
         raise SystemExit("the engine ran no CUDA graph: run with graphs on (not enforce_eager) on CUDA")
@@ -73,41 +81,87 @@ def breakdown(llm: Any, batch: int, input_len: int, replays: int) -> dict[str, A
         for _ in range(replays):
             g.graph.replay()
         torch.cuda.synchronize()
+    return {"batch": batch, "graph_shape": list(graphs.last_shape), "forward_ms": fwd.get("forward_s", 0.0) * 1e3,
+            "step_ms": statistics.median(times) * 1e3, **_tally(prof, replays)}
+
+
+def _tally(prof: Any, runs: int) -> dict[str, Any]:
+    """Device time per kernel and per family of a profile, per run (`calls_per_step`: launches per run)."""
     per_kernel: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             t = e.device_time if hasattr(e, "device_time") else e.cuda_time
-            per_kernel[e.name] += t / replays
+            per_kernel[e.name] += t / runs
             calls[e.name] += 1
     fams: dict[str, float] = defaultdict(float)
     for name, us in per_kernel.items():
         fams[family(name)] += us
-    return {"batch": batch, "graph_shape": list(graphs.last_shape), "forward_ms": fwd.get("forward_s", 0.0) * 1e3,
-            "kernel_us": sum(per_kernel.values()),
+    return {"kernel_us": sum(per_kernel.values()),
             "families": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
-            "kernels": [{"name": n, "us": us, "calls_per_step": calls[n] / replays}
+            "kernels": [{"name": n, "us": us, "calls_per_step": calls[n] / runs}
                         for n, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])]}
+
+
+def prefill_breakdown(llm: Any, prompts: int, input_len: int) -> dict[str, Any]:
+    """One prefill of `prompts` random prompts (one output token each) profiled after an unprofiled one."""
+    import time
+
+    from deepinfer_engine import SamplingParams
+    from deepinfer_engine.bench import _random_prompts
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    ids = _random_prompts(prompts, input_len, int(getattr(eng.args, "vocab_size", 129280)), 0, eng.bos_token_id)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate(ids, sp, use_tqdm=False)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(ids, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return {"prompts": prompts, "input_len": input_len, "wall_ms": wall * 1e3, **_tally(prof, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from deepinfer_engine import LLM
+    from deepinfer_engine.bench import kv_storage
+    from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth
 
-    llm = LLM(ns.model, device="cuda", dtype="bfloat16")
+    llm = LLM(ns.model, device="cuda", dtype="bfloat16", kv_cache_dtype=ns.kv_cache_dtype)
+    copy_bw = measure_copy_bandwidth(torch.device("cuda"), nbytes=1 << 30)
     rows = [breakdown(llm, int(b), ns.input_len, ns.replays) for b in ns.batch.split(",") if b]
     for r in rows:
-        print(f"\n== B={r['batch']} graph {r['graph_shape']}: replay {r['forward_ms']:.3f} ms, "
-              f"kernel time {r['kernel_us'] / 1e3:.3f} ms/step")
-        for fam, us in r["families"].items():
-            print(f"  {fam:<28} {us:>9.1f} us  {us / r['kernel_us'] * 100:5.1f}%")
-        print(f"  top {ns.top} kernels:")
-        for k in r["kernels"][: ns.top]:
-            print(f"  {k['us']:>9.1f} us  x{k['calls_per_step']:<5.0f} {k['name'][:110]}")
+        nbytes = decode_step_bytes(llm.engine.args, r["batch"], ns.input_len + 4, kv_storage(llm))  # type: ignore[arg-type]
+        r["bytes_bound_ms"] = nbytes.total / copy_bw * 1e3
+        print(f"\n== B={r['batch']} graph {r['graph_shape']} kv {kv_storage(llm)}: engine step {r['step_ms']:.3f} ms, "
+              f"replay {r['forward_ms']:.3f} ms, kernel time {r['kernel_us'] / 1e3:.3f} ms/step, bytes bound "
+              f"{r['bytes_bound_ms']:.3f} ms ({r['bytes_bound_ms'] / r['step_ms'] * 100:.1f}% of the step; copy "
+              f"{copy_bw / 1e9:.1f} GB/s)")
+        _print_tally(r, ns.top)
+    pre = None
+    if ns.prefill:
+        pre = prefill_breakdown(llm, ns.prefill, ns.input_len)
+        print(f"\n== prefill {ns.prefill} x {ns.input_len} tokens kv {ns.kv_cache_dtype}: wall {pre['wall_ms']:.1f} ms, "
+              f"kernel time {pre['kernel_us'] / 1e3:.1f} ms")
+        _print_tally(pre, ns.top)
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"model": ns.model, "torch": torch.__version__,
-                                                    "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+                                                    "kv_cache_dtype": ns.kv_cache_dtype,
+                                                    "copy_bandwidth_Bps": copy_bw,
+                                                    "gpu": torch.cuda.get_device_name(), "rows": rows,
+                                                    "prefill": pre}, indent=2))
     return 0
+
+
+def _print_tally(r: dict[str, Any], top: int) -> None:
+    for fam, us in r["families"].items():
+        print(f"  {fam:<28} {us:>9.1f} us  {us / max(r['kernel_us'], 1e-9) * 100:5.1f}%")
+    print(f"  top {top} kernels:")
+    for k in r["kernels"][:top]:
+        print(f"  {k['us']:>9.1f} us  x{k['calls_per_step']:<5.0f} {k['name'][:110]}")
 
 
 if __name__ == "__main__":

@@ -55,3 +55,20 @@ def test_dspark_speculation_equals_plain_decoding(records_ckpt) -> None:
     outs = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == plain
     assert sum(o.metrics.num_verified_tokens for o in outs) > 0  # drafts were verified, not only planned
+
+
+def test_decode_roofline_counts_the_stored_records(records_ckpt, tiny_ckpt) -> None:
+    """The bytes bound of `bench latency` follows what the cache stores: records (smaller KV reads) here, bf16 for
+    the tiny preset whose "auto" only rounds through the formats into a plain cache."""
+    from deepinfer_engine.bench import decode_roofline, kv_storage
+    from deepinfer_engine.roofline import decode_step_bytes
+
+    llm = _llm(records_ckpt, enable_prefix_caching=False)
+    assert kv_storage(llm) == "auto"
+    r = decode_roofline(llm, batch_sizes=[2], input_len=8, steps=2)
+    assert r["kv_format"] == "auto"
+    args = llm.engine.args
+    assert r["rows"][0]["bytes"] == decode_step_bytes(args, 2, 9, "auto").as_dict()
+    assert decode_step_bytes(args, 2, 9, "auto").kv < decode_step_bytes(args, 2, 9, "bfloat16").kv
+    plain = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", kv_cache_dtype="auto")
+    assert kv_storage(plain) == "bfloat16"

@@ -222,6 +222,15 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
     }
 
 
+def kv_storage(llm: LLM) -> str:
+    """"auto" where the engine's cache holds the deployed KV records, else "bfloat16": with kv_cache_dtype="auto" a
+    model whose widths have no record layout rounds through the formats into a plain cache (model/cache.py)."""
+    from deepinfer_engine.model.cache import stores_records
+
+    auto = llm.config.cache.kv_cache_dtype == "auto" and stores_records(llm.engine.args)
+    return "auto" if auto else "bfloat16"
+
+
 def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0,
                         forward_only: dict[str, float] | None = None) -> list[float]:
     """Wall time of `steps` pure decode steps of one batch in which all `batch_size` sequences decode, through
@@ -261,10 +270,13 @@ def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int
 
 
 def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: int, seed: int = 0,
-                    kv_format: str = "bfloat16") -> dict[str, Any]:
+                    kv_format: str | None = None) -> dict[str, Any]:
     """Median decode step time per batch size beside the bytes that step must read (`roofline`) and the copy
-    bandwidth and bf16 matmul rate measured on the same device in the same run."""
+    bandwidth and bf16 matmul rate measured on the same device in the same run. kv_format (None: what the engine
+    stores, `kv_storage`) sets the KV bytes of the bound."""
     from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate
+
+    kv_format = kv_format or kv_storage(llm)
 
     dev = _device(llm)
     copy_bw = measure_copy_bandwidth(dev, nbytes=(1 << 30) if dev.type == "cuda" else (1 << 26))
