@@ -23,6 +23,8 @@
 #            Triton kernels run
 #     records-quick  the records sweep with the staged producer, then kernel_breakdown.py with records and with bf16
 #            storage: decode step at B = 1, 64 against the bytes bound, kernel families, a profiled prefill
+#     records-final  GPU tests of the FP8 linears, sparse attention and engine graphs, then kernel_breakdown.py with
+#            records (B = 1, 64, prefill) and bf16 storage (B = 1, prefill)
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
@@ -41,18 +43,22 @@ NEW_PY="$SITE:$(src_path "$ROOT/packages"):$ROOT/packages/deepinfer-engine/tests
 export PYTHONPATH="$NEW_PY" PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 DEEPINFER_CACHE_DIR=/tmp/deepinfer-cache
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 CK=/tmp/ck
-# compiles the TileLang record kernel with one MXFP8 source at 64-row tiles (what the engine's SWA layers run in
-# prefill) into TileLang's disk cache; the rows' bytes do not matter for a compile
-WARM_ONE_SOURCE_RECORDS='
-import torch
-from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3
+# compiles the engine's TileLang record variants into TileLang's disk cache, one process each (argv: "one" or "two"
+# sources, "staged" or "plain" producer; the rows' bytes do not matter for a compile)
+WARM_ENGINE_RECORDS='
+import sys, torch
+from deepinfer_kernels.quant.kv_formats import MXFP8_E4M3, NVFP4_E2M1
 from deepinfer_kernels.sparse_attn import tilelang as t
+two, staged = sys.argv[1] == "two", sys.argv[2] == "staged"
 q = torch.zeros(1, 64, 512, dtype=torch.bfloat16, device="cuda")
 kv = torch.zeros(8, MXFP8_E4M3.record_bytes(512), dtype=torch.uint8, device="cuda")
+kv2 = torch.zeros(8, NVFP4_E2M1.record_bytes(512), dtype=torch.uint8, device="cuda") if two else None
 idx = torch.full((1, 128), -1, dtype=torch.int64, device="cuda")
-t.sparse_attn(q, kv, idx, torch.zeros(64, device="cuda"), 512 ** -0.5, kv_format=MXFP8_E4M3)
+t.sparse_attn(q, kv, idx, torch.zeros(64, device="cuda"), 512 ** -0.5, kv2=kv2, indices2=idx if two else None,
+              kv_format=MXFP8_E4M3, kv2_format=NVFP4_E2M1 if two else None, block_rows=32 if staged else 64,
+              staged=staged)
 torch.cuda.synchronize()
-print("one-source MXFP8 record variant compiled")
+print("record variant", sys.argv[1:], "compiled")
 '
 step() {  # step NAME LIMIT_S CMD...
     local name=$1 limit=$2; shift 2
@@ -156,7 +162,7 @@ records-quick)
     # profiled (records prefill ran 2.6x as long as bf16 storage). The engine's one-source record variant (SWA
     # layers' prefill) compiles in the background meanwhile: each TileLang record variant takes 40-100 s here.
     use_tilelang_site
-    python3 -c "import tilelang" 2>/dev/null && (timeout 300 python3 -c "$WARM_ONE_SOURCE_RECORDS" \
+    python3 -c "import tilelang" 2>/dev/null && (timeout 300 python3 -c "$WARM_ENGINE_RECORDS" one plain \
         >"$OUT/warm_engine_variant.log" 2>&1 &)
     step staged_sweep 200 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
         --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 190 --output-json $OUT/staged_sweep.json"
@@ -166,13 +172,34 @@ records-quick)
     step breakdown_bf16 120 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch 1,64 \
         --prefill 64 --top 16 --output-json "$OUT/breakdown_bf16.json"
     ;;
+records-final)
+    # the decode step with records after the one-pass activation quantization, the staged producer as the records
+    # default and the "dense" FP8 linears at prefill sizes: their GPU tests, then kernel_breakdown.py with records
+    # (B = 1, 64, a 32 x 1,024-token prefill) and with bf16 storage (B = 1, a 64 x 1,024-token prefill)
+    use_tilelang_site
+    if python3 -c "import tilelang" 2>/dev/null; then
+        for v in "one staged" "two staged"; do
+            (timeout 300 python3 -c "$WARM_ENGINE_RECORDS" $v >"$OUT/warm_${v// /_}.log" 2>&1 &)
+        done
+    fi
+    xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
+    step final_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
+        packages/deepinfer-kernels/tests/test_linear_triton.py packages/deepinfer-kernels/tests/test_sparse_attn.py \
+        packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py
+    step make_v41_full 60 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step breakdown_auto 170 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
+        --prefill 32 --top 12 --output-json "$OUT/breakdown_auto.json"
+    step breakdown_bf16 120 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch 1 \
+        --prefill 64 --top 12 --output-json "$OUT/breakdown_bf16.json"
+    ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
         --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats 3 --warm-runs 1 --async-scheduling off \
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, dspark)" >&2
     exit 2
     ;;
 esac

@@ -55,6 +55,69 @@ def test_fp8_linear_interpreter(interp, m, n, k, block):
     torch.testing.assert_close(got, want, rtol=2**-7, atol=2e-2)
 
 
+@pytest.mark.parametrize(("shape", "group"), [((3, 100), 32), ((2, 4096), 32), ((5, 2, 300), 128), ((4, 33), 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_fake_quant_is_the_reference_bit_for_bit(interp, shape, group, dtype):
+    """The one-pass activation quantization the FP8 GEMMs read (bf16 / fp32 x): q * s is exact in both dtypes,
+    so it equals the reference's fake quantization exactly, partial last groups and all-zero groups included."""
+    from deepinfer_kernels.quant import fake_quant_act_fp8
+
+    g = torch.Generator().manual_seed(shape[-1] + group)
+    x = (torch.randn(shape, generator=g) * torch.logspace(-6, 3, shape[-1])).to(dtype)
+    x[..., :group] = 0  # a whole zero group: the amax floor
+    got = interp.act_fake_quant(x, group)
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(got, fake_quant_act_fp8(x, group).to(dtype))
+
+
+def test_act_fake_quant_refuses_fp16_and_odd_groups(interp):
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        interp.act_fake_quant(torch.zeros(2, 64, dtype=torch.float16), 32)
+    with pytest.raises(ValueError, match="power of two"):
+        interp.act_fake_quant(torch.zeros(2, 64), 24)
+
+
+@pytest.mark.parametrize(("n", "k", "block", "e8m0"), [(40, 96, (32, 32), True), (130, 256, (128, 128), True),
+                                                    (33, 70, (32, 32), False)])
+def test_dequant_fp8_is_the_reference_decode(interp, n, k, block, e8m0):
+    from deepinfer_kernels.quant import dequant_fp8_block
+
+    g = torch.Generator().manual_seed(n)
+    q, s = quant_fp8_block(torch.randn(n, k, generator=g) / k**0.5, block, **({} if e8m0 else {"scale_fmt": None}))
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(interp.dequant_fp8(q, s, block, dt), dequant_fp8_block(q, s, block).to(dt)), dt
+
+
+def test_dense_mode_is_the_reference_computation(interp):
+    """Mode "dense" (prefill sizes: decode the weight once, one matmul) computes what the reference computes, so
+    plain and grouped calls, with and without activation quantization, equal it bit for bit."""
+    cfg = interp.LinearConfig(16, 64, 128, 4, 1, 0, False, "dense")
+    g = torch.Generator().manual_seed(5)
+    q, s = quant_fp8_block(torch.randn(72, 96, generator=g) / 10, (32, 32))
+    for dt in (torch.float32, torch.bfloat16):
+        x = torch.randn(6, 96, generator=g).to(dt)
+        for aq in (False, True):
+            want = reference.fp8_linear(x, q, s, (32, 32), act_quant=aq)
+            assert torch.equal(interp.fp8_linear(x, q, s, (32, 32), act_quant=aq, config=cfg), want), (dt, aq)
+    xg = torch.randn(4, 3, 96, generator=g)
+    got = interp.fp8_linear_grouped(xg, q[:64].repeat(3, 1)[:192], s[:2].repeat(3, 1)[:6], (32, 32), act_quant=True,
+                                    config=cfg)  # fmt: skip
+    for i in range(3):
+        want = reference.fp8_linear(xg[:, i], q[:64], s[:2], (32, 32), act_quant=True)
+        assert _rel(got[:, i * 64 : (i + 1) * 64], want) <= 1e-6, i  # bmm vs one matmul: summation order
+    with pytest.raises(ValueError, match="dense"):
+        interp.linear_f32_out(torch.randn(2, 32), torch.randn(8, 32), config=cfg)
+
+
+def test_default_config_takes_dense_from_dense_min_rows():
+    from deepinfer_kernels.linear import triton as lt
+
+    m = lt.DENSE_MIN_ROWS
+    assert lt.default_config(m, 4096, 1024, 32, torch.bfloat16).mode == "dense"
+    assert lt.default_config(m - 1, 4096, 1024, 32, torch.bfloat16).mode != "dense"
+    assert lt.default_config(m, 4096, 1024, 1, torch.bfloat16).mode != "dense"  # a plain weight (LM head)
+
+
 def test_fp8_linear_interpreter_float32_scales(interp):
     g = torch.Generator().manual_seed(3)
     q, s = quant_fp8_block(torch.randn(20, 128, generator=g), 128, scale_fmt=None)
@@ -349,7 +412,7 @@ def _random_fp8(n: int, k: int, block: tuple[int, int], g: torch.Generator, devi
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 16, 64, 256])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 512, 2048])  # 512, 2048: the "dense" mode (prefill sizes)
 @pytest.mark.parametrize("act_quant", [False, True])
 def test_fp8_linear_gpu_v41_shapes(m, act_quant):
     from deepinfer_kernels.linear import fp8_linear

@@ -1,4 +1,5 @@
-"""Offline sm_90a compile of the small decode-step kernels (greedy argmax stages, the MoE permutation, RoPE), without a
+"""Offline sm_90a compile of the small decode-step kernels (greedy argmax stages, the MoE permutation, RoPE, KV
+records, the FP8 linears' activation quantization and weight decode), without a
 GPU. The CPU interpreter runs Python semantics that the compiler rejects (a kernel reading a plain module global
 passed every interpreter test and failed to compile on the H200); compiling for Hopper here catches that class."""
 
@@ -49,13 +50,22 @@ for name, dim, block, e4m3, ue8m0, fake in (("mxfp8 512", 512, 32, True, True, F
 out["kv records decode mxfp4 128"] = rep(kr._decode_kernel, {"rec_ptr": "*u8", "out_ptr": "*bf16", "rows": "i32",
     "stride_r": "i32", "stride_o": "i32"}, {"DIM": 128, "BLOCK": 32, "E4M3": False, "UE8M0": True, "R": 16},
     num_warps=4, divisible_by_16=("rec_ptr", "out_ptr"))
+from deepinfer_kernels.linear import triton as lt
+# the FP8 linears' one-pass activation quantization, and the weight decode of their "dense" (prefill) mode
+for dt, group in (("*bf16", 32), ("*fp32", 128)):
+    out[f"act fake quant {dt} {group}"] = rep(lt._act_fake_quant_kernel, {"x_ptr": dt, "y_ptr": dt, "K": "i32",
+        "stride_xm": "i32", "stride_ym": "i32"}, {"GROUP": group, "GROUPS": 4096 // group}, num_warps=4)
+for out_kind, yt in ((0, "*bf16"), (2, "*fp32")):
+    out[f"dequant fp8 {yt}"] = rep(lt._dequant_fp8_kernel, {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": yt,
+        "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_yn": "i32"}, {"B0": 32, "B1": 32,
+        "SCALE_E8M0": True, "OUT_KIND": out_kind, "BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4)
 print(json.dumps(out))
 """
 
 
 def test_small_decode_kernels_compile_for_sm90():
     report = run_compile_script(_SCRIPT)
-    assert len(report) == 13
+    assert len(report) == 17
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 227 * 1024, (name, r)  # align pairs keeps 8 bytes on the stack
 

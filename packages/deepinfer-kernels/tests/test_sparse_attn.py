@@ -91,13 +91,21 @@ def test_auto_takes_tilelang_only_without_an_explicit_triton_request(monkeypatch
 
     calls.clear()
     monkeypatch.setenv("DEEPINFER_KERNEL_BACKEND", "")
-    monkeypatch.setattr(tl_sa, "sparse_attn", lambda *a, **k: calls.append(("tilelang", k["kv_format"])))
+    monkeypatch.setattr(tl_sa, "sparse_attn", lambda *a, **k: calls.append(
+        ("tilelang", k["kv_format"], k.get("staged", False), k.get("block_rows", tl_sa.BLOCK_ROWS))))
     rec = torch.zeros(8, 528, dtype=torch.uint8)
     m = sa.TILELANG_MIN_TOKENS_RECORDS
     for t in (m, m - 1):
         q, idx = torch.randn(t, 64, 512).bfloat16(), torch.zeros(t, 4, dtype=torch.int64)
         sparse_attn(q, rec, idx, sink, 0.1, kv_format=MXFP8_E4M3)
-    assert calls == [("tilelang", MXFP8_E4M3), "triton"]
+    # every source records: the staged producer in its 32-row tiles; a bf16 second source: the plain producer
+    assert calls == [("tilelang", MXFP8_E4M3, True, tl_sa.STAGED_BLOCK_ROWS), "triton"]
+    calls.clear()
+    q, idx = torch.randn(m, 64, 512).bfloat16(), torch.zeros(m, 4, dtype=torch.int64)
+    sparse_attn(q, rec, idx, sink, 0.1, kv2=rec, indices2=idx, kv_format=MXFP8_E4M3, kv2_format=MXFP8_E4M3)
+    sparse_attn(q, rec, idx, sink, 0.1, kv2=kv, indices2=idx, kv_format=MXFP8_E4M3)
+    assert calls == [("tilelang", MXFP8_E4M3, True, tl_sa.STAGED_BLOCK_ROWS),
+                     ("tilelang", MXFP8_E4M3, False, tl_sa.BLOCK_ROWS)]  # fmt: skip
 
 
 def _records(x, fmt):

@@ -1,6 +1,13 @@
 """Triton backend of `linear`: one tiled GEMM kernel for decode and prefill sizes whose weight tiles are decoded
 in registers (FP8 e4m3 with per-block UE8M0 / fp32 scales, or a plain bf16 / fp16 weight for the LM head), with the
-optional FP8 activation quantization applied to each activation tile as it is loaded.
+optional FP8 activation quantization.
+
+Activation quantization (the deployed numerics): for bf16 / fp32 activations one pass (`act_fake_quant`) writes
+the fake-quantized values q * s over x first, and the GEMM reads them as plain activations. q * s (an e4m3 value
+times a power of two) is exact in bf16 and fp32, so this gives the numbers of quantizing inside the GEMM; inside,
+every output tile re-quantized the same activations (the M = 1 "gemv" kernel 16 rows at a time), which made the
+deployed decode step's FP8 linears 4x slower on the H200 (docs/perf.md "Records decode step"). fp16 activations
+keep the in-GEMM quantization (q * s can fall below fp16's range).
 
 Why one kernel: at decode sizes (M <= 256) the step is bound by reading the weight once; the kernel streams each
 weight byte once per M tile and multiplies with tensor-core dots in bf16 (fp32 accumulation).
@@ -20,6 +27,11 @@ Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up t
   cores and summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
   memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
   default until measured (benchmarks/sweep_linear_fp8.py sweeps it).
+- "dense" (FP8 weights, prefill sizes): `dequant_fp8` writes the whole weight decoded to the activation dtype (the
+  reference's decode, exact for UE8M0 scales) and cuBLAS multiplies, so the result is the torch reference's own
+  computation. From DENSE_MIN_ROWS rows the decode pass (3 bytes per weight) is small beside the GEMM, and
+  cuBLAS runs near the tensor cores' rate where the register-decode tiles above, tuned for decode, reached about a
+  tenth of it (docs/perf.md "Records decode step").
 
 Split-K: when N x M tiles alone cannot fill the GPU, K is split over S programs per output tile. Each writes its
 fp32 partial tile to a workspace and increments the tile's arrival counter (acq_rel atomic); the program that
@@ -43,13 +55,26 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 from deepinfer_kernels._pdl import launch_kwargs, use_pdl
 
-__all__ = ["LinearConfig", "default_config", "fp8_linear", "fp8_linear_grouped", "launch", "linear_f32_out"]
+__all__ = [
+    "LinearConfig",
+    "DENSE_MIN_ROWS",
+    "act_fake_quant",
+    "default_config",
+    "dequant_fp8",
+    "fp8_linear",
+    "fp8_linear_grouped",
+    "launch",
+    "linear_f32_out",
+]
 
 # dot operand precision: bf16 tensor cores, or exact fp32 (fp32 activations, and always under the interpreter,
 # whose bf16 dot is wrong)
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
+_OUT_KINDS = {torch.bfloat16: _DOT_BF16, torch.float16: _DOT_F16, torch.float32: _DOT_F32}
 # weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
-_MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3}
+_MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3, "dense": 4}
+# from this many rows the FP8 linears decode the weight once and run cuBLAS ("dense")
+DENSE_MIN_ROWS = 512
 # where a PDL "gemv" program lets the next kernel launch (`LinearConfig.pdl_trigger`, the kernel's PDL_TRIGGER)
 _PDL_TRIGGERS = {"wait": 0, "loop": 1, "none": 2}
 # split-K partials per output tile: the cap of an explicit split or a programs target
@@ -67,7 +92,8 @@ class LinearConfig:
     instead of the occupancy policy: S = ceil(programs / output tiles), at most MAX_SPLIT and the K tiles (0: the
     policy). ``mode`` "gemv" (FP8 weights only): `_gemv_linear_kernel`, CUDA-core FMAs on weights decoded in registers,
     for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
-    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it).
+    next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it). ``mode``
+    "dense" (FP8 weights only): `dequant_fp8` in block_n x block_k tiles, then cuBLAS.
     Only for a "gemv" launch with PDL on (docs/pdl.md): ``pdl_trigger`` where each program lets the next kernel
     launch: "wait" right after its grid-dependency wait, "loop" after its K loop, "none" never (the next kernel
     then launches when this one ends); ``pdl_l2_tiles``: K tiles after the first whose weight lines each program
@@ -98,7 +124,7 @@ class LinearConfig:
             raise ValueError(
                 f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum; fma / gemv: block_m any)"
             )
-        if self.swap_ab and self.mode in ("fma", "gemv"):
+        if self.swap_ab and self.mode in ("fma", "gemv", "dense"):
             raise ValueError(f"LinearConfig: swap_ab is an MMA operand order; mode {self.mode!r} has none")
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"LinearConfig.prefetch: found {self.prefetch}; expected 0, 1 or 2")
@@ -168,6 +194,94 @@ def _act_quant_group(a):
     e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
     s = (e << 23).to(tl.float32, bitcast=True)
     return _round_e4m3(tl.clamp(a / s[:, None], -448.0, 448.0)), s
+
+
+@triton.jit
+def _dequant_fp8_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_yn, B0: tl.constexpr,
+                        B1: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] tile of the decoded weight (`_scaled_weight`, the reference's decode in OUT)."""
+    if OUT_KIND == 2:
+        OUT: tl.constexpr = tl.float32
+    elif OUT_KIND == 1:
+        OUT: tl.constexpr = tl.float16
+    else:
+        OUT: tl.constexpr = tl.bfloat16
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K
+    offs_k = k + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    mask = n_mask[:, None] & (offs_k[None, :] < K)
+    w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+    s_rows = s_ptr + (offs_n // B0).to(tl.int64) * stride_sn
+    tile = _scaled_weight(w, s_rows, k, K, n_mask, B1, SCALE_E8M0, OUT, BLOCK_N, BLOCK_K)
+    tl.store(y_ptr + offs_n[:, None].to(tl.int64) * stride_yn + offs_k[None, :], tile, mask=mask)
+
+
+def dequant_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: torch.dtype, *, block_n: int = 64,
+                block_k: int = 128) -> Tensor:  # fmt: skip
+    """weight [N, K] float8_e4m3fn, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [N, K] dtype (bf16 / fp16 /
+    fp32): `deepinfer_kernels.quant.dequant_fp8_block(weight, scale, block).to(dtype)`, bit for bit (UE8M0 products
+    are exact in bf16; fp32 scales multiply in fp32 and round once). block_k: a multiple of b1."""
+    if dtype not in _OUT_KINDS:
+        raise ValueError(f"dequant_fp8: dtype {dtype}, expected bfloat16, float16 or float32")
+    b0, b1 = block
+    block_k = max(block_k, b1)
+    if block_k % b1:
+        raise ValueError(f"dequant_fp8: block_k {block_k} is not a multiple of the scale block {b1}")
+    interp = check_launchable("dequant_fp8", _dequant_fp8_kernel, weight, scale)
+    n, k = weight.shape
+    # the interpreter's bf16 / fp16 arithmetic is not the GPU's: decode in fp32 there and round once (the same
+    # numbers as the reference, whose decode is fp32 then rounded)
+    out = torch.float32 if interp else dtype
+    y = torch.empty((n, k), dtype=out, device=weight.device)
+    if y.numel() == 0:
+        return y
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    e8m0 = scale.dtype == torch.float8_e8m0fnu
+    s_arg = scale.view(torch.uint8) if e8m0 else scale
+    _dequant_fp8_kernel[(cdiv(n, block_n), cdiv(k, block_k))](
+        weight, s_arg, y, n, k, weight.stride(0), s_arg.stride(0), y.stride(0), B0=b0, B1=b1, SCALE_E8M0=e8m0,
+        OUT_KIND=_OUT_KINDS[out], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return y.to(dtype)
+
+
+@triton.jit
+def _act_fake_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+    """GROUPS scale groups of one row per program: y = q * s per 1 x GROUP (`_act_quant_group`); a partial last
+    group takes its own amax (masked columns load 0, as the reference's zero padding)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * (GROUPS * GROUP) + tl.arange(0, GROUPS * GROUP)
+    mask = cols < K
+    a = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    q, sc = _act_quant_group(tl.reshape(a, [GROUPS, GROUP]))
+    y = tl.reshape(q * sc[:, None], [GROUPS * GROUP])
+    tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def act_fake_quant(x: Tensor, group: int) -> Tensor:
+    """x [..., K] bf16 / fp32 -> the same shape and dtype holding q * s, q = e4m3(x / s) with one power-of-two s per
+    1 x group channels (`deepinfer_kernels.quant.fake_quant_act_fp8`, bit for bit: q * s is exact in both dtypes).
+    group: a power of two >= 16."""
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"act_fake_quant: x {x.dtype}, expected bfloat16 or float32 (q * s exact)")
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"act_fake_quant: group {group}, expected a power of two >= 16")
+    check_launchable("act_fake_quant", _act_fake_quant_kernel, x)
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty((x2.shape[0], k), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y.view(x.shape)
+    groups = max(1, min(next_pow2(cdiv(k, group)), 4096 // group))
+    _act_fake_quant_kernel[(x2.shape[0], cdiv(k, groups * group))](
+        x2, y, k, x2.stride(0), y.stride(0), GROUP=group, GROUPS=groups, num_warps=4
+    )
+    return y.view(x.shape)
 
 
 @triton.jit
@@ -728,12 +842,15 @@ def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: 
     weight; 1 for a plain weight). FP8 choices are the H200 sweep's at the V4.1 shapes
     (benchmarks/sweep_linear_fp8.py, docs/perf.md "FP8 linear at decode sizes"): the "gemv" kernel at M = 1 (any
     activation dtype); above that "weight" decode for bf16 / fp16 activations and CUDA-core "fma" for fp32
-    activations at M <= 8 (exact fp32 without the slow fp32 MMA emulation); split-K by the occupancy policy."""
+    activations at M <= 8 (exact fp32 without the slow fp32 MMA emulation); split-K by the occupancy policy; from
+    DENSE_MIN_ROWS rows the "dense" mode (decode once, cuBLAS)."""
     if interp:
         return LinearConfig(16, 16, max(32, b1), 4, 1, 1, False, "weight" if b1 > 1 else "group")
     block_k = max(128, b1)
     if b1 == 1:  # plain bf16 / fp16 weight (LM head): measured at the bytes bound with these tiles
         return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if m >= DENSE_MIN_ROWS:  # prefill sizes: decode once, cuBLAS (module docstring)
+        return LinearConfig(16, 64, block_k, 4, 1, 0, False, "dense")
     if m == 1:  # one token: CUDA-core gemv beat every MMA tile on every V4.1 shape (H200 sweep, 02:57 UTC)
         return _gemv_config(n, k)
     if dtype == torch.float32:
@@ -803,9 +920,8 @@ def launch(
     else:
         m, k = x.shape
     n = w.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
+        return torch.empty((m, n), dtype=out_dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -815,6 +931,10 @@ def launch(
     cfg = config if config is not None else default_config(m, n, k, b1, x.dtype, interp)
     if s is not None and cfg.block_k % b1:
         raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
+    if cfg.mode == "dense":
+        if s is None:
+            raise ValueError(f"{op}: mode 'dense' decodes an FP8 weight; found a plain weight; use another mode")
+        return _dense(x, w, s, block, out_dtype, act_quant, groups, cfg)
     if cfg.mode == "gemv" and (s is None or k % 4):
         raise ValueError(f"{op}: mode 'gemv' needs an FP8 weight and K a multiple of 4 (int32 words of codes); "
                          f"found {'a plain weight' if s is None else f'K = {k}'}; use another mode")
@@ -822,6 +942,9 @@ def launch(
         raise ValueError(f"{op}: scale block {b1} along K is below the 16-column dot minimum")
     if groups > 1 and (n // groups) % cfg.block_n:
         raise ValueError(f"{op}: {n // groups} rows per group is not a multiple of the config's block_n {cfg.block_n}")
+    if act_quant and s is not None and x.dtype != torch.float16:  # one pass over x (module docstring)
+        x, act_quant = act_fake_quant(x, b1), False
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid_n, grid_m = cdiv(n, cfg.block_n), cdiv(m, cfg.block_m)
     k_tiles = cdiv(k, cfg.block_k)
     split = _split_count(cfg, grid_n * grid_m, k_tiles, x.device)
@@ -876,6 +999,25 @@ def launch(
         num_stages=1 if interp else cfg.num_stages,
     )
     return y
+
+
+def _dense(x: Tensor, w: Tensor, s: Tensor, block: tuple[int, int], out_dtype: torch.dtype, act_quant: bool,
+           groups: int, cfg: LinearConfig) -> Tensor:  # fmt: skip
+    """Mode "dense": the reference's computation (fake-quantized x in its dtype, the weight decoded to that dtype,
+    one matmul) with the decode and the activation pass as Triton kernels; groups as one batched matmul."""
+    if act_quant:
+        if x.dtype == torch.float16:  # the reference's rounding of q * s into fp16
+            from deepinfer_kernels.quant import fake_quant_act_fp8
+
+            x = fake_quant_act_fp8(x, block[1]).to(x.dtype)
+        else:
+            x = act_fake_quant(x, block[1])
+    wd = dequant_fp8(w, s, block, x.dtype, block_n=cfg.block_n, block_k=cfg.block_k)
+    if groups == 1:
+        return torch.nn.functional.linear(x, wd).to(out_dtype)
+    m, g, k = x.shape
+    y = torch.bmm(x.transpose(0, 1), wd.view(g, -1, k).transpose(1, 2))  # [G, M, R]
+    return y.transpose(0, 1).reshape(m, -1).to(out_dtype)
 
 
 def _launch_gemv(x: Tensor, w: Tensor, s_arg: Tensor, y: Tensor, ws: Tensor, counters: Tensor, grid: tuple[int, ...],

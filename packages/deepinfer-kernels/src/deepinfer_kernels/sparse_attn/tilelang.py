@@ -725,7 +725,8 @@ def sparse_attn(
     (MXFP8_E4M3, NVFP4_E2M1 or None): that source is uint8 records [S, fmt.record_bytes(512)] instead of bf16
     rows. Inputs are validated by the package dispatcher, which also checks `supports` first. block_rows (32 or
     64): rows per gathered tile, with BUFFER_ROWS // block_rows tiles in flight (benchmark sweeps). staged: the
-    staged record producer (build_kernel; record sources only, block_rows 32); not taken by the dispatcher."""
+    staged record producer (build_kernel; record sources only, block_rows 32); the dispatcher's choice when every
+    source is records."""
     if block_rows not in (32, 64):  # 16-row tiles compile (slowly) but were never run on a GPU
         raise ValueError(f"sparse_attn (tilelang): block_rows {block_rows}, expected 32 or 64")
     if staged and (block_rows != STAGED_BLOCK_ROWS or kv_format is None or (kv2 is not None and kv2_format is None)):
