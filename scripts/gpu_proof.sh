@@ -175,7 +175,7 @@ records-quick)
 records-final)
     # the decode step with records after the one-pass activation quantization, the staged producer as the records
     # default and the "dense" FP8 linears at prefill sizes: their GPU tests, then kernel_breakdown.py with records
-    # (B = 1, 64, a 32 x 1,024-token prefill) and with bf16 storage (B = 1, a 64 x 1,024-token prefill)
+    # (B = 1, 64, a 16 x 1,024-token prefill) and with bf16 storage (B = 1, a 64 x 1,024-token prefill)
     use_tilelang_site
     if python3 -c "import tilelang" 2>/dev/null; then
         for v in "one staged" "two staged"; do
@@ -184,13 +184,13 @@ records-final)
     fi
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
-    step final_tests 120 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
+    step final_tests 100 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
         packages/deepinfer-kernels/tests/test_linear_triton.py packages/deepinfer-kernels/tests/test_sparse_attn.py \
         packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py
     step make_v41_full 50 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
-    step breakdown_auto 150 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
-        --prefill 32 --top 12 --output-json "$OUT/breakdown_auto.json"
-    step breakdown_bf16 100 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch 1 \
+    step breakdown_auto 130 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
+        --prefill 16 --top 12 --output-json "$OUT/breakdown_auto.json"
+    step breakdown_bf16 90 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch 1 \
         --prefill 64 --top 12 --output-json "$OUT/breakdown_bf16.json"
     ;;
 dspark)
