@@ -11,7 +11,8 @@ patterns below, first match wins) so that a table says which part of the step to
 list (top N) is printed too, since a family can hide one slow kernel.
 
 `--prefill N` also profiles a prefill of N prompts of input-len tokens (eager: prefill runs outside the graphs),
-after one unprofiled prefill of the same shape so that kernel compiles and autotuning are not counted: wall
+after one unprofiled prefill of the same shape (other prompts) so that kernel compiles and autotuning are not
+counted: wall
 time, kernel time and the same families, to say where a slow prefill (records against bf16 storage) spends it.
 """
 
@@ -104,7 +105,9 @@ def _tally(prof: Any, runs: int) -> dict[str, Any]:
 
 
 def prefill_breakdown(llm: Any, prompts: int, input_len: int) -> dict[str, Any]:
-    """One prefill of `prompts` random prompts (one output token each) profiled after an unprofiled one."""
+    """One prefill of `prompts` random prompts (one output token each) profiled after an unprofiled one of as many
+    other prompts; `computed_tokens`: the prompt tokens the engine computed in it (fewer than all on a prefix-cache
+    hit)."""
     import time
 
     from deepinfer_engine import SamplingParams
@@ -112,16 +115,21 @@ def prefill_breakdown(llm: Any, prompts: int, input_len: int) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
-    ids = _random_prompts(prompts, input_len, int(getattr(eng.args, "vocab_size", 129280)), 0, eng.bos_token_id)
+    vocab = int(getattr(eng.args, "vocab_size", 129280))
+    # other prompts than the decode tables' (seed 0) and than each other: with the prefix cache on, a prefill of
+    # prompts seen before recomputes only their last page
+    warm, ids = (_random_prompts(prompts, input_len, vocab, seed, eng.bos_token_id) for seed in (1, 2))
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    llm.generate(ids, sp, use_tqdm=False)
+    llm.generate(warm, sp, use_tqdm=False)
     torch.cuda.synchronize()
+    before = eng.total.prefill_tokens
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         llm.generate(ids, sp, use_tqdm=False)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    return {"prompts": prompts, "input_len": input_len, "wall_ms": wall * 1e3, **_tally(prof, 1)}
+    return {"prompts": prompts, "input_len": input_len, "wall_ms": wall * 1e3,
+            "computed_tokens": eng.total.prefill_tokens - before, **_tally(prof, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     pre = None
     if ns.prefill:
         pre = prefill_breakdown(llm, ns.prefill, ns.input_len)
-        print(f"\n== prefill {ns.prefill} x {ns.input_len} tokens kv {ns.kv_cache_dtype}: wall {pre['wall_ms']:.1f} ms, "
-              f"kernel time {pre['kernel_us'] / 1e3:.1f} ms")
+        print(f"\n== prefill {ns.prefill} x {ns.input_len} tokens kv {ns.kv_cache_dtype} ({pre['computed_tokens']} computed): "
+              f"wall {pre['wall_ms']:.1f} ms, kernel time {pre['kernel_us'] / 1e3:.1f} ms")
         _print_tally(pre, ns.top)
     if ns.output_json:
         Path(ns.output_json).write_text(json.dumps({"model": ns.model, "torch": torch.__version__,
