@@ -55,10 +55,11 @@ from deepinfer_kernels.linear import triton as lt
 for dt, group in (("*bf16", 32), ("*fp32", 128)):
     out[f"act fake quant {dt} {group}"] = rep(lt._act_fake_quant_kernel, {"x_ptr": dt, "y_ptr": dt, "K": "i32",
         "stride_xm": "i32", "stride_ym": "i32"}, {"GROUP": group, "GROUPS": 4096 // group}, num_warps=4)
-for out_kind, yt in ((0, "*bf16"), (2, "*fp32")):
+import triton.language as tl
+for out_dtype, yt in ((tl.bfloat16, "*bf16"), (tl.float32, "*fp32")):
     out[f"dequant fp8 {yt}"] = rep(lt._dequant_fp8_kernel, {"w_ptr": "*fp8e4nv", "s_ptr": "*u8", "y_ptr": yt,
         "N": "i32", "K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_yn": "i32"}, {"B0": 32, "B1": 32,
-        "SCALE_E8M0": True, "OUT_KIND": out_kind, "BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4)
+        "SCALE_E8M0": True, "OUT": out_dtype, "BLOCK_N": 64, "BLOCK_K": 128}, num_warps=4)
 print(json.dumps(out))
 """
 

@@ -70,7 +70,7 @@ __all__ = [
 # dot operand precision: bf16 tensor cores, or exact fp32 (fp32 activations, and always under the interpreter,
 # whose bf16 dot is wrong)
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
-_OUT_KINDS = {torch.bfloat16: _DOT_BF16, torch.float16: _DOT_F16, torch.float32: _DOT_F32}
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
 _MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3, "dense": 4}
 # from this many rows the FP8 linears decode the weight once and run cuBLAS ("dense")
@@ -198,15 +198,9 @@ def _act_quant_group(a):
 
 @triton.jit
 def _dequant_fp8_kernel(w_ptr, s_ptr, y_ptr, N, K, stride_wn, stride_sn, stride_yn, B0: tl.constexpr,
-                        B1: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT_KIND: tl.constexpr, BLOCK_N: tl.constexpr,
+                        B1: tl.constexpr, SCALE_E8M0: tl.constexpr, OUT: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr):  # fmt: skip
     """One [BLOCK_N, BLOCK_K] tile of the decoded weight (`_scaled_weight`, the reference's decode in OUT)."""
-    if OUT_KIND == 2:
-        OUT: tl.constexpr = tl.float32
-    elif OUT_KIND == 1:
-        OUT: tl.constexpr = tl.float16
-    else:
-        OUT: tl.constexpr = tl.bfloat16
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K
     offs_k = k + tl.arange(0, BLOCK_K)
@@ -223,7 +217,7 @@ def dequant_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: to
     """weight [N, K] float8_e4m3fn, scale [ceil(N/b0), ceil(K/b1)] e8m0 | f32 -> [N, K] dtype (bf16 / fp16 /
     fp32): `deepinfer_kernels.quant.dequant_fp8_block(weight, scale, block).to(dtype)`, bit for bit (UE8M0 products
     are exact in bf16; fp32 scales multiply in fp32 and round once). block_k: a multiple of b1."""
-    if dtype not in _OUT_KINDS:
+    if dtype not in _TL_DTYPES:
         raise ValueError(f"dequant_fp8: dtype {dtype}, expected bfloat16, float16 or float32")
     b0, b1 = block
     block_k = max(block_k, b1)
@@ -243,7 +237,7 @@ def dequant_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: to
     s_arg = scale.view(torch.uint8) if e8m0 else scale
     _dequant_fp8_kernel[(cdiv(n, block_n), cdiv(k, block_k))](
         weight, s_arg, y, n, k, weight.stride(0), s_arg.stride(0), y.stride(0), B0=b0, B1=b1, SCALE_E8M0=e8m0,
-        OUT_KIND=_OUT_KINDS[out], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        OUT=_TL_DTYPES[out], BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return y.to(dtype)
 
