@@ -89,8 +89,9 @@ def test_dequant_fp8_is_the_reference_decode(interp, n, k, block, e8m0):
 
 
 def test_dense_mode_is_the_reference_computation(interp):
-    """Mode "dense" (prefill sizes: decode the weight once, one matmul) computes what the reference computes, so
-    plain and grouped calls, with and without activation quantization, equal it bit for bit."""
+    """Mode "dense" (prefill sizes: decode the weight once, one matmul) computes what the reference computes: plain
+    calls, with and without activation quantization, equal it bit for bit; grouped calls (one batched matmul against
+    a matmul per group) within fp32 summation order."""
     cfg = interp.LinearConfig(16, 64, 128, 4, 1, 0, False, "dense")
     g = torch.Generator().manual_seed(5)
     q, s = quant_fp8_block(torch.randn(72, 96, generator=g) / 10, (32, 32))

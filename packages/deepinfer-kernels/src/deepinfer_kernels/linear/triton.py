@@ -230,7 +230,7 @@ def dequant_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: to
     out = torch.float32 if interp else dtype
     y = torch.empty((n, k), dtype=out, device=weight.device)
     if y.numel() == 0:
-        return y
+        return y.to(dtype)
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     e8m0 = scale.dtype == torch.float8_e8m0fnu
