@@ -8,12 +8,13 @@ Per batch size, `bench.decode_step_seconds` runs a few engine decode steps (so t
 captured and filled with a real step), then the profiler records `--replays` replays of that graph. Each kernel's
 device time is summed and divided by the number of replays; kernels are grouped into families by name (the
 patterns below, first match wins) so that a table says which part of the step to work on next. The per-kernel
-list (top N) is printed too, since a family can hide one slow kernel.
+list (top N) is printed too, since a family can hide one slow kernel. Beside each: the engine step (median of 8)
+and the bytes bound of that step (`roofline.decode_step_bytes` for what the cache stores, over the copy bandwidth
+measured in the same process).
 
 `--prefill N` also profiles a prefill of N prompts of input-len tokens (eager: prefill runs outside the graphs),
-after one unprofiled prefill of the same shape (other prompts) so that kernel compiles and autotuning are not
-counted: wall
-time, kernel time and the same families, to say where a slow prefill (records against bf16 storage) spends it.
+after one unprofiled prefill of as many other prompts so that kernel compiles and autotuning are not counted: wall
+time, kernel time, the tokens computed and the same families, to say where a prefill spends its time.
 """
 
 from __future__ import annotations
