@@ -78,6 +78,13 @@ use_tilelang_site() {  # TileLang is not installed on the lent machines: unpack 
     python3 -c "import tilelang" 2>/dev/null && echo "tilelang: importable" || echo "tilelang: absent (Triton only)"
 }
 
+warm_engine_records() {  # the engine's staged record variants (one and two sources), compiled in the background
+    python3 -c "import tilelang" 2>/dev/null || return 0
+    for v in "one staged" "two staged"; do
+        (timeout 300 python3 -c "$WARM_ENGINE_RECORDS" $v >"$OUT/warm_${v// /_}.log" 2>&1 &)
+    done
+}
+
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 case "$MODE" in
 tests)
@@ -159,11 +166,10 @@ records-kernels)
 records-quick)
     # one short call: the records sweep (the staged producer beside the 64-row kernel), then per kv_cache_dtype the
     # decode step at B = 1, 64 against its bytes bound with its kernel families, and a 64 x 1,024-token prefill
-    # profiled (records prefill ran 2.6x as long as bf16 storage). The engine's one-source record variant (SWA
-    # layers' prefill) compiles in the background meanwhile: each TileLang record variant takes 40-100 s here.
+    # profiled. The engine's record variants compile in the background meanwhile (TileLang record variants took
+    # 16-118 s each on the device host).
     use_tilelang_site
-    python3 -c "import tilelang" 2>/dev/null && (timeout 300 python3 -c "$WARM_ENGINE_RECORDS" one plain \
-        >"$OUT/warm_engine_variant.log" 2>&1 &)
+    warm_engine_records
     step staged_sweep 200 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
         --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 190 --output-json $OUT/staged_sweep.json"
     step make_v41_full 60 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
@@ -177,11 +183,7 @@ records-final)
     # default and the "dense" FP8 linears at prefill sizes: the FP8 linear GPU tests, then kernel_breakdown.py with
     # records (B = 1, 64, a 16 x 1,024-token prefill) and a 32 x 1,024-token prefill with bf16 storage
     use_tilelang_site
-    if python3 -c "import tilelang" 2>/dev/null; then
-        for v in "one staged" "two staged"; do
-            (timeout 300 python3 -c "$WARM_ENGINE_RECORDS" $v >"$OUT/warm_${v// /_}.log" 2>&1 &)
-        done
-    fi
+    warm_engine_records
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
     step final_tests 75 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
