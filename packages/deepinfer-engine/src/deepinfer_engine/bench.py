@@ -223,12 +223,10 @@ def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_i
 
 
 def kv_storage(llm: LLM) -> str:
-    """"auto" where the engine's cache holds the deployed KV records, else "bfloat16": with kv_cache_dtype="auto" a
-    model whose widths have no record layout rounds through the formats into a plain cache (model/cache.py)."""
-    from deepinfer_engine.model.cache import stores_records
+    """"auto" where the engine's cache holds the deployed KV records, else "bfloat16" (`model.cache.kv_storage`)."""
+    from deepinfer_engine.model.cache import kv_storage as storage
 
-    auto = llm.config.cache.kv_cache_dtype == "auto" and stores_records(llm.engine.args)
-    return "auto" if auto else "bfloat16"
+    return storage(llm.engine.args, llm.config.cache.kv_cache_dtype)
 
 
 def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int, seed: int = 0,

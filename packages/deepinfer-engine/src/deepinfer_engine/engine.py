@@ -194,7 +194,7 @@ class EngineCore:
         checkpoint experts of its slots per MoE layer (`load_model(expert_slots=)`) and the Engram token map its
         front-end computed once for all ranks; a rank is one engine core."""
         from deepinfer_engine.model.args import ModelArgs
-        from deepinfer_engine.model.cache import ModelCache, stores_records
+        from deepinfer_engine.model.cache import ModelCache, kv_storage
         from deepinfer_engine.model.cache_layout import cache_families
 
         refuse_unsupported(config, as_rank=device is not None)
@@ -218,7 +218,7 @@ class EngineCore:
         kv_dtype = config.cache.kv_cache_dtype
         # "auto": the checkpoint's deployed numerics; the cache stores compact records where the layout allows
         # (V4.1 at real widths), otherwise the model rounds through the same formats into a plain cache
-        storage = "auto" if kv_dtype == "auto" and stores_records(args) else "bfloat16"
+        storage = kv_storage(args, kv_dtype)
         model = _load_model(model_dir, dtype, device, deployed=kv_dtype == "auto", cache_records=storage == "auto",
                             expert_slots=expert_slots, token_map=token_map,
                             expert_layout=resolve_expert_layout(mc.expert_layout, device))

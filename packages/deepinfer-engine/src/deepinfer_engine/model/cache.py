@@ -45,6 +45,7 @@ __all__ = [
     "paged_read",
     "paged_write",
     "ring_history",
+    "kv_storage",
     "stores_records",
     "upload",
 ]
@@ -85,6 +86,12 @@ def stores_records(args: object) -> bool:
         return bool(_record_formats(args, "auto"))
     except ConfigError:
         return False
+
+
+def kv_storage(args: object, kv_cache_dtype: str) -> str:
+    """What the cache stores for the `kv_cache_dtype` option: "auto" (the deployed records) where `stores_records`,
+    else "bfloat16" (with "auto", the deployed numerics then round through the formats into a plain cache)."""
+    return "auto" if kv_cache_dtype == "auto" and stores_records(args) else "bfloat16"
 
 
 def _record_formats(args: object, kv_cache_dtype: str) -> dict[str, RecordFormat]:

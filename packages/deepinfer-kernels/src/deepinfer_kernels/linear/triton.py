@@ -925,10 +925,6 @@ def launch(
     cfg = config if config is not None else default_config(m, n, k, b1, x.dtype, interp)
     if s is not None and cfg.block_k % b1:
         raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
-    if cfg.mode == "dense":
-        if s is None:
-            raise ValueError(f"{op}: mode 'dense' decodes an FP8 weight; found a plain weight; use another mode")
-        return _dense(x, w, s, block, out_dtype, act_quant, groups, cfg)
     if cfg.mode == "gemv" and (s is None or k % 4):
         raise ValueError(f"{op}: mode 'gemv' needs an FP8 weight and K a multiple of 4 (int32 words of codes); "
                          f"found {'a plain weight' if s is None else f'K = {k}'}; use another mode")
@@ -938,6 +934,10 @@ def launch(
         raise ValueError(f"{op}: {n // groups} rows per group is not a multiple of the config's block_n {cfg.block_n}")
     if act_quant and s is not None and x.dtype != torch.float16:  # one pass over x (module docstring)
         x, act_quant = act_fake_quant(x, b1), False
+    if cfg.mode == "dense":
+        if s is None:
+            raise ValueError(f"{op}: mode 'dense' decodes an FP8 weight; found a plain weight; use another mode")
+        return _dense(x, w, s, block, out_dtype, act_quant, groups, cfg)
     y = torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid_n, grid_m = cdiv(n, cfg.block_n), cdiv(m, cfg.block_m)
     k_tiles = cdiv(k, cfg.block_k)
@@ -998,14 +998,12 @@ def launch(
 def _dense(x: Tensor, w: Tensor, s: Tensor, block: tuple[int, int], out_dtype: torch.dtype, act_quant: bool,
            groups: int, cfg: LinearConfig) -> Tensor:  # fmt: skip
     """Mode "dense": the reference's computation (fake-quantized x in its dtype, the weight decoded to that dtype,
-    one matmul) with the decode and the activation pass as Triton kernels; groups as one batched matmul."""
+    one matmul) with the weight decode as a Triton kernel; groups as one batched matmul. bf16 / fp32 x arrive
+    quantized (`launch`); act_quant is left only for fp16 x, rounded as the reference rounds q * s into fp16."""
     if act_quant:
-        if x.dtype == torch.float16:  # the reference's rounding of q * s into fp16
-            from deepinfer_kernels.quant import fake_quant_act_fp8
+        from deepinfer_kernels.quant import fake_quant_act_fp8
 
-            x = fake_quant_act_fp8(x, block[1]).to(x.dtype)
-        else:
-            x = act_fake_quant(x, block[1])
+        x = fake_quant_act_fp8(x, block[1]).to(x.dtype)
     wd = dequant_fp8(w, s, block, x.dtype, block_n=cfg.block_n, block_k=cfg.block_k)
     if groups == 1:
         return torch.nn.functional.linear(x, wd).to(out_dtype)
