@@ -25,6 +25,8 @@
 #            storage: decode step at B = 1, 64 against the bytes bound, kernel families, a profiled prefill
 #     records-final  GPU tests of the FP8 linears, then kernel_breakdown.py with records (B = 1, 64, prefill) and a
 #            prefill with bf16 storage
+#     closing  the FP8 linear GPU tests, the records decode step (kernel families), the bf16 decode step table with
+#            its plot, V4 against HF eager: one call's evidence for a stop
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
@@ -188,11 +190,34 @@ records-final)
     python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
     step final_tests 75 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
         packages/deepinfer-kernels/tests/test_linear_triton.py
+    step records_in_place 60 python3 -m pytest -m gpu -q -rs -p no:cacheprovider -k "gpu_records_read_in_place" \
+        packages/deepinfer-kernels/tests/test_sparse_attn_triton.py
     step make_v41_full 50 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
     step breakdown_auto 120 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
         --prefill 16 --top 12 --output-json "$OUT/breakdown_auto.json"
     step prefill_bf16 60 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch "" \
         --prefill 32 --top 12 --output-json "$OUT/prefill_bf16.json"
+    ;;
+closing)
+    # the evidence for a stop, in one call: the FP8 linear GPU tests (the PDL chain with the activation pass among
+    # them), the records decode step with its kernel families (B = 1, 64), the bf16-storage decode step table with its
+    # plot (B = 1..64), then V4 against HF eager; each step capped so that the last one is what a short lease loses
+    use_tilelang_site
+    warm_engine_records
+    xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
+    step linear_tests 90 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist -k "pdl or dense or act" \
+        packages/deepinfer-kernels/tests/test_linear_triton.py
+    step make_v41_full 50 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step breakdown_auto 110 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
+        --top 12 --output-json "$OUT/breakdown_auto.json"
+    step latency_v41_bf16 200 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
+        --batch-size 1,8,32,64 --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 1 --decode-steps 16 \
+        --plot "$OUT/roofline_v41.png" --output-json "$OUT/latency_v41_bf16.json"
+    rm -rf $CK/v41-l4
+    step make_v4_full 120 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
+    step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
+        --iters 2 --output-json "$OUT/hf_peer.json"
     ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
@@ -200,7 +225,7 @@ dspark)
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, closing, dspark)" >&2
     exit 2
     ;;
 esac

@@ -246,6 +246,27 @@ def test_fp8_linear_interpreter_gemv_pdl(interp, monkeypatch, m, n, k, block_k, 
     assert wait.calls == programs
 
 
+def test_act_fake_quant_pdl_interpreter(interp, monkeypatch):
+    """The activation pass as a PDL launch: each program waits before it reads x and triggers once; the values do
+    not change. Through fp8_linear with act_quant at M = 1, the pass and the gemv after it both wait."""
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(3, 200, generator=g).bfloat16()
+    plain = interp.act_fake_quant(x, 32)
+    assert torch.equal(interp.act_fake_quant(x, 32, pdl=True), plain)  # use_pdl is False here: a plain launch
+    wait, trig = _GdcCounter(), _GdcCounter()
+    monkeypatch.setattr(interp, "gdc_wait", wait)
+    monkeypatch.setattr(interp, "gdc_launch_dependents", trig)
+    monkeypatch.setattr(interp, "use_pdl", lambda requested, device, interpreted: requested)
+    assert torch.equal(interp.act_fake_quant(x, 32, pdl=True), plain)
+    assert wait.calls == trig.calls == 3  # 3 rows x one program of 256 columns each
+    q, s = quant_fp8_block(torch.randn(24, 200, generator=g) / 16, (32, 32))
+    cfg = interp.LinearConfig(1, 16, 64, 4, 1, 1, False, "gemv")
+    want = interp.fp8_linear(x[:1], q, s, (32, 32), act_quant=True, config=cfg)
+    wait.calls = trig.calls = 0
+    assert torch.equal(interp.fp8_linear(x[:1], q, s, (32, 32), act_quant=True, config=cfg, pdl=True), want)
+    assert wait.calls == trig.calls == 1 + 2  # the pass (one program) and the gemv (2 N tiles)
+
+
 @pytest.mark.parametrize(("trigger", "want"), [("wait", 1), ("loop", 1), ("none", 0)])
 def test_gemv_pdl_knobs_interpreter(interp, monkeypatch, trigger, want):
     """The PDL variant with its knobs (where the next kernel may launch; L2 prefetch of later K tiles, a PTX
@@ -578,8 +599,8 @@ def test_gemv_decode_is_exact_gpu():
 
 @pytest.mark.gpu
 def test_fp8_linear_gpu_gemv_pdl_chain_is_bit_identical():
-    """A chain of M = 1 gemv launches at V4.1 shapes (each reading the previous output, split-K counters shared),
-    eager and captured in a CUDA graph, with pdl on equals pdl off bit for bit (a missing or misplaced wait would
+    """A chain of M = 1 gemv launches at V4.1 shapes (each reading the previous output, split-K counters shared,
+    some after the activation pass), eager and captured in a CUDA graph, with pdl on equals pdl off bit for bit (a missing or misplaced wait would
     let a launch read a stale input or overwrite one still being read). On a device without PDL both are plain."""
     from deepinfer_kernels.linear import fp8_linear, split_k_counters
     from deepinfer_kernels.linear import triton as lt
@@ -596,8 +617,8 @@ def test_fp8_linear_gpu_gemv_pdl_chain_is_bit_identical():
         for i, (q, s) in enumerate(ws):
             if i == len(ws) - 1:
                 h = lt.fp8_linear(h, q, s, (32, 32), act_quant=False, config=split, counters=cnt, pdl=pdl)
-            else:
-                h = fp8_linear(h, q, s, (32, 32), backend="triton", counters=cnt, pdl=pdl)
+            else:  # every other launch quantizes its activations first: the activation pass is a PDL launch too
+                h = fp8_linear(h, q, s, (32, 32), act_quant=i % 2 == 1, backend="triton", counters=cnt, pdl=pdl)
             outs.append(h)
         return outs
 

@@ -197,6 +197,7 @@ norm_sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "R": "i32", "D
             "stride_y": "i32", "eps": "fp32"}
 rope_sig = {"x_ptr": "*bf16", "cos_ptr": "*i64", "sin_ptr": "*fp32", "y_ptr": "*bf16", "w_ptr": "*bf16", "R": "i32",
             "M": "i32", "D": "i32", "stride_x": "i32", "stride_y": "i32", "stride_c": "i32", "eps": "fp32"}
+act_sig = {"x_ptr": "*bf16", "y_ptr": "*bf16", "K": "i32", "stride_xm": "i32", "stride_ym": "i32"}
 out = {}
 for pdl in (False, True):
     # wq_a at M = 1 (`_gemv_config`: 16 x 1024 tiles, 8 warps, prefetch 2), split-K so the atomics are there too
@@ -218,6 +219,8 @@ for pdl in (False, True):
             facts(text), trigger_after_loop=text.find("griddepcontrol.launch_dependents") > back.start())
     out[f"rms_norm pdl={pdl}"] = facts(ptx(
         rn._rms_norm_kernel, norm_sig, dict(HAS_W=True, BLOCK_R=1, BLOCK_D=8192, PDL=pdl), 8, launch_pdl=pdl))
+    out[f"act_fake_quant pdl={pdl}"] = facts(ptx(
+        lt._act_fake_quant_kernel, act_sig, dict(GROUP=32, GROUPS=128, PDL=pdl), 4, launch_pdl=pdl))
     out[f"rope_at pdl={pdl}"] = facts(ptx(
         rn._rope_kernel, rope_sig, dict(P=32, INVERSE=False, FROM_POS=True, NORM=True, HAS_W=True, BLOCK_R=8,
                                         BLOCK_D=512, BLOCK_P=32, PDL=pdl), 4, launch_pdl=pdl, enable_fp_fusion=False))
@@ -226,10 +229,11 @@ print(json.dumps(out))
 
 
 def test_pdl_kernels_wait_before_reading_activations_and_writing():
-    """PDL (docs/pdl.md) on sm_90a: with pdl on, the gemv, RMSNorm and RoPE kernels hold one griddepcontrol.wait
-    and one launch_dependents; with pdl off neither. The PTX order is the contract: before the wait the gemv issues
-    only its first tile's weight (16-byte) and UE8M0 scale loads, never an activation load (its 8-byte vector
-    loads) nor a store or atomic; the RMSNorm only its weight load; the RoPE nothing."""
+    """PDL (docs/pdl.md) on sm_90a: with pdl on, the gemv, RMSNorm, activation-pass and RoPE kernels hold one
+    griddepcontrol.wait and one launch_dependents; with pdl off neither. The PTX order is the contract: before the
+    wait the gemv issues only its first tile's weight (16-byte) and UE8M0 scale loads, never an activation load
+    (its 8-byte vector loads) nor a store or atomic; the RMSNorm only its weight load; the activation pass and the
+    RoPE nothing."""
     report = run_compile_script(_PDL_SCRIPT)
     for name, r in report.items():
         on = name.endswith("pdl=True")

@@ -68,8 +68,9 @@ def fp8_linear(
     dtype. ``act_quant``: quantize x to e4m3 with one power-of-two scale per 1 x b1 channels first (the deployed
     numerics; `deepinfer_kernels.quant.act_quant_fp8`). backend: "auto" | "torch" | "triton". counters: the
     caller's `split_k_counters` (Triton split-K; the reference ignores them). ``pdl``: let the M = 1 "gemv" kernel
-    launch as a programmatic dependent launch on sm_90+ (its weight loads overlap the previous kernel's tail;
-    docs/pdl.md); ignored by the reference and by the other kernels, same results either way.
+    and the activation pass before it launch as programmatic dependent launches on sm_90+ (their launch and the
+    gemv's weight loads overlap the previous kernel's tail; docs/pdl.md); ignored by the reference and by the other
+    kernels, same results either way.
     """
     if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(

@@ -243,9 +243,15 @@ def dequant_fp8(weight: Tensor, scale: Tensor, block: tuple[int, int], dtype: to
 
 
 @triton.jit
-def _act_fake_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+def _act_fake_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                           PDL: tl.constexpr = False):  # fmt: skip
     """GROUPS scale groups of one row per program: y = q * s per 1 x GROUP (`_act_quant_group`); a partial last
-    group takes its own amax (masked columns load 0, as the reference's zero padding)."""
+    group takes its own amax (masked columns load 0, as the reference's zero padding). PDL: it reads only x, which
+    the previous kernel writes, so the wait comes first; the trigger right after lets the GEMM that reads y start
+    its weight loads while this pass runs (docs/pdl.md)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * (GROUPS * GROUP) + tl.arange(0, GROUPS * GROUP)
     mask = cols < K
@@ -255,15 +261,16 @@ def _act_fake_quant_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, GROUP: tl.cons
     tl.store(y_ptr + row * stride_ym + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def act_fake_quant(x: Tensor, group: int) -> Tensor:
+def act_fake_quant(x: Tensor, group: int, *, pdl: bool = False) -> Tensor:
     """x [..., K] bf16 / fp32 -> the same shape and dtype holding q * s, q = e4m3(x / s) with one power-of-two s per
     1 x group channels (`deepinfer_kernels.quant.fake_quant_act_fp8`, bit for bit: q * s is exact in both dtypes).
-    group: a power of two >= 16."""
+    group: a power of two >= 16. pdl: launch as a programmatic dependent launch where
+    `deepinfer_kernels._pdl.use_pdl` allows."""
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"act_fake_quant: x {x.dtype}, expected bfloat16 or float32 (q * s exact)")
     if group < 16 or group & (group - 1):
         raise ValueError(f"act_fake_quant: group {group}, expected a power of two >= 16")
-    check_launchable("act_fake_quant", _act_fake_quant_kernel, x)
+    on = use_pdl(pdl, x.device, interpreted=check_launchable("act_fake_quant", _act_fake_quant_kernel, x))
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -273,7 +280,7 @@ def act_fake_quant(x: Tensor, group: int) -> Tensor:
         return y.view(x.shape)
     groups = max(1, min(next_pow2(cdiv(k, group)), 4096 // group))
     _act_fake_quant_kernel[(x2.shape[0], cdiv(k, groups * group))](
-        x2, y, k, x2.stride(0), y.stride(0), GROUP=group, GROUPS=groups, num_warps=4
+        x2, y, k, x2.stride(0), y.stride(0), GROUP=group, GROUPS=groups, PDL=on, num_warps=4, **launch_kwargs(on)
     )
     return y.view(x.shape)
 
@@ -903,9 +910,9 @@ def launch(
     """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
     test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`).
     ``counters``: int32 zeros on x's device (`deepinfer_kernels.linear.split_k_counters`), used by a split-K launch instead of fresh
-    zeroed ones when it has room for the launch's tiles (left zero on return). ``pdl``: launch the "gemv" kernel as a
-    programmatic dependent launch where `deepinfer_kernels._pdl.use_pdl` allows (docs/pdl.md); the MMA kernel
-    always launches plainly.
+    zeroed ones when it has room for the launch's tiles (left zero on return). ``pdl``: launch the "gemv" kernel and the
+    activation pass (`act_fake_quant`) as programmatic dependent launches where `deepinfer_kernels._pdl.use_pdl`
+    allows (docs/pdl.md); the MMA kernel always launches plainly.
 
     groups G > 1: x [M, G, K], w [G * R, K] block-diagonal -> y [M, G * R] with y[:, g R:(g+1) R] = x[:, g] @ W_gᵀ,
     one launch (the caller checks that every tile size of the config divides R)."""
@@ -933,7 +940,7 @@ def launch(
     if groups > 1 and (n // groups) % cfg.block_n:
         raise ValueError(f"{op}: {n // groups} rows per group is not a multiple of the config's block_n {cfg.block_n}")
     if act_quant and s is not None and x.dtype != torch.float16:  # one pass over x (module docstring)
-        x, act_quant = act_fake_quant(x, b1), False
+        x, act_quant = act_fake_quant(x, b1, pdl=pdl), False
     if cfg.mode == "dense":
         if s is None:
             raise ValueError(f"{op}: mode 'dense' decodes an FP8 weight; found a plain weight; use another mode")
