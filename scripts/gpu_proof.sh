@@ -27,6 +27,7 @@
 #            prefill with bf16 storage
 #     closing  the FP8 linear GPU tests, the records decode step (kernel families), the bf16 decode step table with
 #            its plot, V4 against HF eager: one call's evidence for a stop
+#     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
@@ -37,8 +38,12 @@ mkdir -p "$OUT"
 MODE=${1:-tests}
 OLD=${2:-}
 SITE=/tmp/site
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$SITE" ]; then
+# a warm machine keeps /tmp between calls: reinstall when the carried wheel set differs from the one installed
+STAMP=$(ls .whl/*.whl 2>/dev/null | md5sum | cut -c1-32)
+if ls .whl/*.whl >/dev/null 2>&1 && [ "$(cat "$SITE/.wheels" 2>/dev/null)" != "$STAMP" ]; then
+    rm -rf "$SITE"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+    echo "$STAMP" >"$SITE/.wheels"
 fi
 src_path() { echo "$1/deepinfer-kernels/src:$1/deepinfer-parallel/src:$1/deepinfer-dspark/src:$1/deepinfer-engine/src:$1/deepseek-recipe/src"; }
 NEW_PY="$SITE:$(src_path "$ROOT/packages"):$ROOT/packages/deepinfer-engine/tests/support"
@@ -110,6 +115,7 @@ full)
         --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --plot "$OUT/roofline_v41.png" \
         --output-json "$OUT/latency_v41_full.json"
     rm -rf $CK/v41-l4
+    rm -rf $CK/v4-l3
     step make_v4_full 150 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 300 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
@@ -214,6 +220,17 @@ closing)
     step latency_v41_bf16 200 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
         --batch-size 1,8,32,64 --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 1 --decode-steps 16 \
         --plot "$OUT/roofline_v41.png" --output-json "$OUT/latency_v41_bf16.json"
+    rm -rf $CK/v41-l4 $CK/v4-l3
+    step make_v4_full 120 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
+    step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
+        --iters 2 --output-json "$OUT/hf_peer.json"
+    ;;
+peer)
+    # the bf16-storage decode step by the same tool as the records one (kernel_breakdown.py), then V4 against HF eager
+    rm -rf $CK/v41-l4 $CK/v4-l3
+    step make_v41_full 50 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    step breakdown_bf16 100 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch 1,64 \
+        --top 12 --output-json "$OUT/breakdown_bf16.json"
     rm -rf $CK/v41-l4
     step make_v4_full 120 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
@@ -225,7 +242,7 @@ dspark)
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, closing, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, closing, peer, dspark)" >&2
     exit 2
     ;;
 esac
