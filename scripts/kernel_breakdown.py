@@ -68,11 +68,13 @@ def family(name: str) -> str:
 
 def breakdown(llm: Any, batch: int, input_len: int, replays: int) -> dict[str, Any]:
     from deepinfer_engine.bench import decode_step_seconds
+    from deepinfer_kernels.device_rates import device_state
     from torch.profiler import ProfilerActivity, profile
 
     fwd: dict[str, float] = {}
     decode_step_seconds(llm, batch_size=batch, input_len=input_len, steps=2)  # captures this batch's graph
     times = decode_step_seconds(llm, batch_size=batch, input_len=input_len, steps=8, forward_only=fwd)
+    state = device_state("cuda")  # the SM clock the timed steps ran at (None without NVML)
     graphs = getattr(llm.engine.runner, "cuda_graphs", None)
     if graphs is None or graphs.last_shape is None:
         raise SystemExit("the engine ran no CUDA graph: run with graphs on (not enforce_eager) on CUDA")
@@ -84,7 +86,7 @@ def breakdown(llm: Any, batch: int, input_len: int, replays: int) -> dict[str, A
             g.graph.replay()
         torch.cuda.synchronize()
     return {"batch": batch, "graph_shape": list(graphs.last_shape), "forward_ms": fwd.get("forward_s", 0.0) * 1e3,
-            "step_ms": statistics.median(times) * 1e3, **_tally(prof, replays)}
+            "step_ms": statistics.median(times) * 1e3, "device_state": state, **_tally(prof, replays)}
 
 
 def _tally(prof: Any, runs: int) -> dict[str, Any]:
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
               f"replay {r['forward_ms']:.3f} ms, kernel time {r['kernel_us'] / 1e3:.3f} ms/step, bytes bound "
               f"{r['bytes_bound_ms']:.3f} ms ({r['bytes_bound_ms'] / r['step_ms'] * 100:.1f}% of the step; copy "
               f"{copy_bw / 1e9:.1f} GB/s)")
+        if r["device_state"]:
+            st = r["device_state"]
+            print(f"   device after the timed steps: SM {st['sm_clock_mhz']:.0f} MHz, {st['temperature_c']:.0f} C, "
+                  f"{st['power_w']:.0f} W")
         _print_tally(r, ns.top)
     pre = None
     if ns.prefill:

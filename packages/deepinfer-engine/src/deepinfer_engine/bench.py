@@ -272,6 +272,8 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
     """Median decode step time per batch size beside the bytes that step must read (`roofline`) and the copy
     bandwidth and bf16 matmul rate measured on the same device in the same run. kv_format (None: what the engine
     stores, `kv_storage`) sets the KV bytes of the bound."""
+    from deepinfer_kernels.device_rates import device_state
+
     from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate
 
     kv_format = kv_format or kv_storage(llm)
@@ -284,6 +286,7 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
         decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=2, seed=seed + 1)  # warm-up
         fwd: dict[str, float] = {}
         times = decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=steps, seed=seed, forward_only=fwd)
+        state = device_state(dev)  # right after the timed steps: the clock they ran at, as closely as NVML tells
         step = statistics.median(times)
         nbytes = decode_step_bytes(llm.engine.args, b, input_len + steps // 2, kv_format)  # type: ignore[arg-type]
         bound = nbytes.total / copy_bw
@@ -292,6 +295,8 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
         if "forward_s" in fwd:  # engine overhead = the whole step over its graph replayed alone
             row["forward_s"] = fwd["forward_s"]
             row["engine_overhead"] = step / fwd["forward_s"] - 1.0
+        if state is not None:
+            row["device_state"] = state
         rows.append(row)
     return {"benchmark": "decode_roofline", "input_len": input_len, "steps": steps, "kv_format": kv_format,
             "copy_bandwidth_Bps": copy_bw, "bf16_matmul_flops": mm_rate, "rows": rows,
@@ -304,13 +309,21 @@ def format_roofline(r: dict[str, Any]) -> str:
              f"(read + write), bf16 matmul {r['bf16_matmul_flops'] / 1e12:.1f} TFLOP/s, context {r['input_len']}",
              f"{'batch':>6} {'step ms':>10} {'tok/s':>10} {'GB/step':>9} {'bound ms':>9} {'of bound':>9} "
              f"{'fwd ms':>8} {'overhead':>9}"]
+    clocks = any("device_state" in row for row in r["rows"])
+    if clocks:
+        lines[-1] += f" {'SM MHz':>7} {'C':>4} {'W':>5}"
     for row in r["rows"]:
         fwd = f"{row['forward_s'] * 1e3:>8.3f} {row['engine_overhead'] * 100:>8.1f}%" if "forward_s" in row else (
             f"{'-':>8} {'-':>9}")
-        lines.append(f"{row['batch_size']:>6} {row['step_s'] * 1e3:>10.3f} {row['tokens_per_s']:>10.1f} "
-                     f"{row['bytes']['total'] / 1e9:>9.3f} {row['bytes_bound_s'] * 1e3:>9.3f} "
-                     f"{row['fraction_of_bound'] * 100:>8.1f}% {fwd}")
-    lines.append("=" * 97)
+        line = (f"{row['batch_size']:>6} {row['step_s'] * 1e3:>10.3f} {row['tokens_per_s']:>10.1f} "
+                f"{row['bytes']['total'] / 1e9:>9.3f} {row['bytes_bound_s'] * 1e3:>9.3f} "
+                f"{row['fraction_of_bound'] * 100:>8.1f}% {fwd}")
+        if clocks:
+            st = row.get("device_state")
+            line += (f" {st['sm_clock_mhz']:>7.0f} {st['temperature_c']:>4.0f} {st['power_w']:>5.0f}" if st else
+                     f" {'-':>7} {'-':>4} {'-':>5}")
+        lines.append(line)
+    lines.append("=" * (len(lines[2]) if clocks else 97))
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ def test_latency_sweep_writes_roofline_and_plot(tiny_v41_dir, tmp_path, capsys) 
         assert row["bytes"]["total"] == row["bytes"]["weights"] + row["bytes"]["kv"] > 0
         assert row["fraction_of_bound"] == pytest.approx(row["bytes_bound_s"] / row["step_s"])
         assert "forward_s" not in row  # no CUDA graph on the CPU: no forward-only step to set the step against
+        assert "device_state" not in row  # no SM clock to record off CUDA
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
