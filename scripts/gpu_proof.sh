@@ -112,7 +112,7 @@ small)
 full)
     step make_v41_full 240 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
     step latency_v41_full 240 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda --batch-size 1,8,32,64 --input-len 1024 \
-        --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --plot "$OUT/roofline_v41.png" \
+        --output-len 4 --num-iters 1 --num-iters-warmup 0 --decode-steps 8 --decode-repeats 3 --plot "$OUT/roofline_v41.png" \
         --output-json "$OUT/latency_v41_full.json"
     rm -rf $CK/v41-l4
     rm -rf $CK/v4-l3
@@ -219,7 +219,7 @@ closing)
         --top 12 --output-json "$OUT/breakdown_auto.json"
     step latency_v41_bf16 200 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
         --batch-size 1,8,32,64 --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 1 --decode-steps 16 \
-        --plot "$OUT/roofline_v41.png" --output-json "$OUT/latency_v41_bf16.json"
+        --decode-repeats 3 --plot "$OUT/roofline_v41.png" --output-json "$OUT/latency_v41_bf16.json"
     rm -rf $CK/v41-l4 $CK/v4-l3
     step make_v4_full 120 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \

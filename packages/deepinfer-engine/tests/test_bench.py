@@ -30,3 +30,12 @@ def test_roofline_table_shows_the_sm_clock_of_each_row_when_recorded() -> None:
 def test_roofline_table_has_no_clock_columns_without_telemetry() -> None:
     lines = format_roofline(_roof([_row(1, 1.2, None)])).splitlines()
     assert "MHz" not in lines[2] and lines[-1] == "=" * 97
+
+
+def test_roofline_table_shows_the_range_of_repeated_measurements() -> None:
+    rep = _row(64, 9.6, None) | {"step_s_repeats": [9.562e-3, 10.432e-3, 10.232e-3]}
+    lines = format_roofline(_roof([_row(1, 1.2, None), rep])).splitlines()
+    assert lines[2].split()[-2:] == ["repeats", "ms"]
+    assert lines[4].split()[-2:] == ["9.562-10.432", "x3"]
+    assert lines[3].split()[-2:] == ["1.200-1.200", "x1"]  # a row measured once shows its one value
+    assert len(lines[3]) == len(lines[4]) == len(lines[2]) == len(lines[-1])

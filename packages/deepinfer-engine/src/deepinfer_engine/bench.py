@@ -268,10 +268,17 @@ def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int
 
 
 def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: int, seed: int = 0,
-                    kv_format: str | None = None) -> dict[str, Any]:
+                    kv_format: str | None = None, repeats: int = 1) -> dict[str, Any]:
     """Median decode step time per batch size beside the bytes that step must read (`roofline`) and the copy
     bandwidth and bf16 matmul rate measured on the same device in the same run. kv_format (None: what the engine
-    stores, `kv_storage`) sets the KV bytes of the bound."""
+    stores, `kv_storage`) sets the KV bytes of the bound. repeats: the `steps` timed steps of a batch size are
+    measured this many times back to back; a row's step (and forward) time is then the median of the repeats'
+    medians, `step_s_repeats` holds each repeat's median and `step_s_all` every timed step, and `device_state`
+    (SM clock, temperature, power, where readable) is taken after each repeat."""
+    from deepinfer_engine.errors import ConfigError
+
+    if repeats < 1:
+        raise ConfigError(f"decode_roofline: repeats {repeats}, expected a positive count (1 = measure once)")
     from deepinfer_kernels.device_rates import device_state
 
     from deepinfer_engine.roofline import decode_step_bytes, measure_copy_bandwidth, measure_matmul_rate
@@ -284,19 +291,32 @@ def decode_roofline(llm: LLM, *, batch_sizes: list[int], input_len: int, steps: 
     rows = []
     for b in batch_sizes:
         decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=2, seed=seed + 1)  # warm-up
-        fwd: dict[str, float] = {}
-        times = decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=steps, seed=seed, forward_only=fwd)
-        state = device_state(dev)  # right after the timed steps: the clock they ran at, as closely as NVML tells
-        step = statistics.median(times)
+        times: list[float] = []
+        medians: list[float] = []
+        forwards: list[float] = []
+        states: list[dict[str, float]] = []
+        for _ in range(repeats):
+            fwd: dict[str, float] = {}
+            t = decode_step_seconds(llm, batch_size=b, input_len=input_len, steps=steps, seed=seed, forward_only=fwd)
+            state = device_state(dev)  # right after the timed steps: the clock they ran at, as closely as NVML tells
+            times += t
+            medians.append(statistics.median(t))
+            if "forward_s" in fwd:
+                forwards.append(fwd["forward_s"])
+            if state is not None:
+                states.append(state)
+        step = statistics.median(medians)
         nbytes = decode_step_bytes(llm.engine.args, b, input_len + steps // 2, kv_format)  # type: ignore[arg-type]
         bound = nbytes.total / copy_bw
-        row = {"batch_size": b, "step_s": step, "step_s_all": times, "tokens_per_s": b / step,
-               "bytes": nbytes.as_dict(), "bytes_bound_s": bound, "fraction_of_bound": bound / step}
-        if "forward_s" in fwd:  # engine overhead = the whole step over its graph replayed alone
-            row["forward_s"] = fwd["forward_s"]
-            row["engine_overhead"] = step / fwd["forward_s"] - 1.0
-        if state is not None:
-            row["device_state"] = state
+        row = {"batch_size": b, "step_s": step, "step_s_all": times, "step_s_repeats": medians,
+               "tokens_per_s": b / step, "bytes": nbytes.as_dict(), "bytes_bound_s": bound,
+               "fraction_of_bound": bound / step}
+        if forwards:  # engine overhead = the whole step over its graph replayed alone
+            row["forward_s"] = statistics.median(forwards)
+            row["engine_overhead"] = step / row["forward_s"] - 1.0
+        if states:
+            row["device_state"] = states[-1]
+            row["device_state_repeats"] = states
         rows.append(row)
     return {"benchmark": "decode_roofline", "input_len": input_len, "steps": steps, "kv_format": kv_format,
             "copy_bandwidth_Bps": copy_bw, "bf16_matmul_flops": mm_rate, "rows": rows,
@@ -309,6 +329,9 @@ def format_roofline(r: dict[str, Any]) -> str:
              f"(read + write), bf16 matmul {r['bf16_matmul_flops'] / 1e12:.1f} TFLOP/s, context {r['input_len']}",
              f"{'batch':>6} {'step ms':>10} {'tok/s':>10} {'GB/step':>9} {'bound ms':>9} {'of bound':>9} "
              f"{'fwd ms':>8} {'overhead':>9}"]
+    spread = any(len(row.get("step_s_repeats", ())) > 1 for row in r["rows"])
+    if spread:
+        lines[-1] += f" {'repeats ms':>15}"
     clocks = any("device_state" in row for row in r["rows"])
     if clocks:
         lines[-1] += f" {'SM MHz':>7} {'C':>4} {'W':>5}"
@@ -318,12 +341,15 @@ def format_roofline(r: dict[str, Any]) -> str:
         line = (f"{row['batch_size']:>6} {row['step_s'] * 1e3:>10.3f} {row['tokens_per_s']:>10.1f} "
                 f"{row['bytes']['total'] / 1e9:>9.3f} {row['bytes_bound_s'] * 1e3:>9.3f} "
                 f"{row['fraction_of_bound'] * 100:>8.1f}% {fwd}")
+        if spread:  # the range of the repeats' medians, and how many
+            reps = row.get("step_s_repeats") or [row["step_s"]]
+            line += f" {f'{min(reps) * 1e3:.3f}-{max(reps) * 1e3:.3f} x{len(reps)}':>15}"
         if clocks:
             st = row.get("device_state")
             line += (f" {st['sm_clock_mhz']:>7.0f} {st['temperature_c']:>4.0f} {st['power_w']:>5.0f}" if st else
                      f" {'-':>7} {'-':>4} {'-':>5}")
         lines.append(line)
-    lines.append("=" * (len(lines[2]) if clocks else 97))
+    lines.append("=" * (len(lines[2]) if clocks or spread else 97))
     return "\n".join(lines)
 
 

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     lat.add_argument("--num-iters-warmup", type=int, default=1)
     lat.add_argument("--decode-steps", type=int, default=16,
                      help="timed decode steps per batch size for the bytes-bound table (0: skip the table)")
+    lat.add_argument("--decode-repeats", type=int, default=1,
+                     help="measure each batch size's decode steps this many times; the table shows the median of "
+                          "the repeats' medians and their range (the step drifts as the device heats)")
     lat.add_argument("--plot", help="draw decode step time vs batch size against the bytes bound into this PNG")
     for p in (t, lat):
         p.add_argument("--temperature", type=float, default=0.0)
@@ -51,6 +54,8 @@ def run(ns: argparse.Namespace) -> int:
     from deepinfer_engine.errors import ConfigError
     from deepinfer_engine.llm import llm_from_cli
 
+    if getattr(ns, "decode_repeats", 1) < 1:
+        raise ConfigError(f"decode_repeats: found {ns.decode_repeats}, expected a positive count (1 = measure once)")
     if getattr(ns, "plot", None):
         bench.check_plot_target(ns.plot)
     if ns.output_json:
@@ -89,7 +94,7 @@ def _run(llm, ns: argparse.Namespace) -> int:
         r = blocks[0] if len(blocks) == 1 else {"benchmark": "latency", "runs": blocks}
         if ns.decode_steps > 0:
             roof = bench.decode_roofline(llm, batch_sizes=ns.batch_size, input_len=ns.input_len,
-                                         steps=ns.decode_steps, seed=ns.bench_seed)
+                                         steps=ns.decode_steps, seed=ns.bench_seed, repeats=ns.decode_repeats)
             print(bench.format_roofline(roof))
             r = {**r, "decode_roofline": roof}
             if ns.plot:
