@@ -12,6 +12,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("generate", "generate text for prompts (args, a file, or stdin)"),
     "chat": ("chat", "interactive streaming chat"),
     "run-batch": ("run_batch", "OpenAI-batch-style JSONL in, JSONL out"),
+    "serve": ("serve", "OpenAI-compatible HTTP server (completions, chat completions, streaming)"),
     "make-checkpoint": ("make_checkpoint", "write a random checkpoint in the official release format"),
     "inspect": ("inspect", "print architecture, layer plan, parameter/byte counts; check a checkpoint"),
     "bench": ("bench", "benchmarks: throughput / latency"),
@@ -20,7 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="Offline inference for DeepSeek-V4.1-Flash.")
+    parser = argparse.ArgumentParser(prog="deepinfer", description="Inference for DeepSeek-V4.1-Flash.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in _COMMANDS.items():
         try:

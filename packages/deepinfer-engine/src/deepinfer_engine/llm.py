@@ -245,16 +245,16 @@ class LLM:
         full = [r.sampling(sp) if r is not None and isinstance(sp, SamplingParams) else sp
                 for r, sp in zip(renders, params)]
         ready = self._admit(items, full, on_invalid)
-        chats: list[ChatSpec | None] = []
-        for r in renders:
-            if r is None:
-                chats.append(None)
-                continue
-            hidden = (hidden_special_ids(self._added_tokens(), r.request.parsing_options)
-                      if hide_special_tokens else frozenset())
-            chats.append(ChatSpec(request=r.request, tokenizer=self._recipe_tokenizer(), hidden_token_ids=hidden))
+        chats = [None if r is None else self.chat_spec(r, hide_special_tokens=hide_special_tokens) for r in renders]
         ids = self._add(ready, chats)
         return self._run(ids, use_tqdm=use_tqdm, on_delta=on_delta)
+
+    def chat_spec(self, render: _RenderedChat, *, hide_special_tokens: bool = False) -> ChatSpec:
+        """How the engine parses the samples of a rendered chat (`LLMEngine.add_processed(..., chat=)`): the recipe
+        request, the recipe tokenizer and, with `hide_special_tokens`, the added-vocabulary ids a display drops."""
+        hidden = (hidden_special_ids(self._added_tokens(), render.request.parsing_options)
+                  if hide_special_tokens else frozenset())
+        return ChatSpec(request=render.request, tokenizer=self._recipe_tokenizer(), hidden_token_ids=hidden)
 
     def _added_tokens(self) -> dict[int, str]:
         tok = self.engine.tokenizer

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_engine.config import add_engine_args
-
-CHAT_URL = "/v1/chat/completions"
-COMPLETIONS_URL = "/v1/completions"
+from deepinfer_engine.openai_api import CHAT_URL, COMPLETIONS_URL, prepare, response_body
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,43 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def sampling_from_body(body: dict[str, Any], default_max_tokens: int, *, chat: bool):
-    from deepinfer_engine.sampling_params import SamplingParams
-
-    kw: dict[str, Any] = {}
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    kw["max_tokens"] = default_max_tokens if mt is None else mt
-    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "seed", "n", "ignore_eos", "min_tokens"):
-        if body.get(name) is not None:
-            kw[name] = body[name]
-    if body.get("stop") is not None and not chat:
-        # chat: the recipe's parser applies `stop` to the content only (not the reasoning) and stops the sample
-        kw["stop"] = body["stop"]
-    if chat:
-        if body.get("logprobs"):
-            kw["logprobs"] = int(body.get("top_logprobs") or 0)
-    elif body.get("logprobs") is not None:
-        kw["logprobs"] = int(body["logprobs"])
-    return SamplingParams(**kw)
-
-
 def _error(line_no: int, custom_id: Any, code: str, message: str) -> dict[str, Any]:
     return {"id": f"batch_req_{line_no}", "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message, "line": line_no}}
-
-
-def _usage(out) -> dict[str, int]:
-    n_out = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": n_out,
-            "total_tokens": len(out.prompt_token_ids) + n_out}
-
-
-def _logprobs_json(co) -> dict[str, Any] | None:
-    if co.logprobs is None:
-        return None
-    return {"content": [{"token_id": lp.token_id, "logprob": lp.logprob,
-                         "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]} for lp in co.logprobs]}
 
 
 @dataclass
@@ -127,22 +91,10 @@ def _parse_line(llm, line_no: int, raw: str | bytes, seen: dict[str, int], defau
     if not isinstance(body, dict):
         return _error(line_no, cid, "invalid_request", "body: expected a JSON object")
     try:
-        sp = sampling_from_body(body, default_max_tokens, chat=url == CHAT_URL)
-        if url == CHAT_URL:
-            render = llm.render_chat_body(body)
-            prompt = {"prompt_token_ids": render.token_ids}
-        else:
-            render = None
-            p = body.get("prompt")
-            if isinstance(p, str):
-                prompt = {"prompt_token_ids": llm.engine.encode_prompt(p), "prompt": p}
-            elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                prompt = {"prompt_token_ids": p}
-            else:
-                raise ValueError("prompt: expected a string or a list of token ids")
+        req = prepare(llm, url, body, default_max_tokens)
     except Exception as exc:  # recipe ConversionError, SamplingParamsError, ...: report the line, keep going
         return _error(line_no, cid, "invalid_request", f"{type(exc).__name__}: {exc}")
-    return _Request(line_no, cid, url, body, render, prompt, sp)
+    return _Request(line_no, cid, url, body, req.render, req.prompt, req.params)
 
 
 def _result(req: _Request, out, created: int) -> dict[str, Any]:
@@ -153,24 +105,8 @@ def _result(req: _Request, out, created: int) -> dict[str, Any]:
     if bad:
         return _error(line_no, cid, "output_parse_failed",
                       f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}")
-    if req.url == CHAT_URL:
-        choices = []
-        for co in out.outputs:
-            msg: dict[str, Any] = {"role": "assistant", "content": co.content}
-            if co.reasoning_content is not None:
-                msg["reasoning_content"] = co.reasoning_content
-            if co.tool_calls:
-                msg["tool_calls"] = co.tool_calls
-            choices.append({"index": co.index, "message": msg, "finish_reason": co.finish_reason,
-                            "logprobs": _logprobs_json(co)})
-        resp = {"id": f"chatcmpl-{line_no}", "object": "chat.completion", "created": created,
-                "model": body.get("model"), "choices": choices, "usage": _usage(out)}
-    else:
-        resp = {"id": f"cmpl-{line_no}", "object": "text_completion", "created": created,
-                "model": body.get("model"),
-                "choices": [{"index": co.index, "text": co.text, "finish_reason": co.finish_reason,
-                             "logprobs": _logprobs_json(co)} for co in out.outputs],
-                "usage": _usage(out)}
+    prefix = "chatcmpl" if req.url == CHAT_URL else "cmpl"
+    resp = response_body(req.url, body, out, f"{prefix}-{line_no}", created)
     return {"id": f"batch_req_{line_no}", "custom_id": cid,
             "response": {"status_code": 200, "request_id": f"req_{line_no}", "body": resp}, "error": None}
 

@@ -1,0 +1,54 @@
+"""`deepinfer serve`: the OpenAI-compatible HTTP server (`deepinfer_engine.server`) over one model.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` for server-sent events),
+GET /v1/models, GET /health. The model loads first; the address is printed once the server listens. Ctrl-C stops
+it (requests still running get a 503).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from deepinfer_engine.config import add_engine_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 = any free port)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id /v1/models reports (default: the checkpoint directory's name)")
+    parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a body has none")
+    add_engine_args(parser)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from deepinfer_engine.errors import ConfigError
+    from deepinfer_engine.llm import llm_from_cli
+    from deepinfer_engine.server import make_server
+
+    if not 0 <= ns.port <= 65535:
+        raise ConfigError(f"port: found {ns.port}, expected 0..65535")
+    if ns.default_max_tokens < 1:
+        raise ConfigError(f"default_max_tokens: found {ns.default_max_tokens}, expected >= 1")
+    llm = llm_from_cli(ns)
+    name = ns.served_model_name or (Path(str(llm.engine.model_dir)).name if llm.engine.model_dir else "deepinfer")
+    try:
+        server, loop = make_server(llm, ns.host, ns.port, model_name=name, default_max_tokens=ns.default_max_tokens)
+    except OSError as exc:
+        llm.close()
+        raise ConfigError(f"cannot listen on {ns.host}:{ns.port} ({exc.strerror or exc}); pick another --host / "
+                          "--port") from None
+    host, port = server.server_address[:2]
+    print(f"deepinfer serve: model {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        loop.stop()
+        llm.close()
+    return 0

@@ -1,0 +1,187 @@
+"""The OpenAI-compatible server on the tiny V4.1 checkpoint (CPU, float32): whole and streamed completions and
+chat completions give what the offline API gives, concurrent requests share the batch, and bad requests -- not
+JSON, invalid values, refused at admission, unknown routes -- fail alone with a clear error while the server keeps
+serving; a streaming client that leaves has its request aborted."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from deepinfer_engine.llm import LLM
+from deepinfer_engine.sampling_params import SamplingParams
+from deepinfer_engine.server import make_server
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    model = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_ckpt):
+    """A second engine for the offline results: the served one belongs to the server's engine thread."""
+    model = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32")
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def url(llm):
+    server, loop = make_server(llm, "127.0.0.1", 0, model_name="tiny", default_max_tokens=4)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()
+    loop.stop()
+
+
+def _post(url: str, path: str, body: object, *, raw: bytes | None = None) -> tuple[int, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _stream(url: str, path: str, body: dict) -> list[dict | str]:
+    req = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200 and r.headers["Content-Type"] == "text/event-stream"
+        events = [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+    return [e if e == "[DONE]" else json.loads(e) for e in events]
+
+
+def test_health_and_models(url) -> None:
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        assert json.loads(r.read())["status"] == "ok"
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        assert [m["id"] for m in json.loads(r.read())["data"]] == ["tiny"]
+
+
+def test_completion_equals_the_offline_api_whole_and_streamed(url, ref) -> None:
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    want = ref.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0]
+    status, r = _post(url, "/v1/completions", body)
+    assert status == 200 and r["object"] == "text_completion"
+    assert r["choices"][0]["text"] == want.outputs[0].text
+    assert r["usage"] == {"prompt_tokens": len(want.prompt_token_ids), "completion_tokens": 6,
+                          "total_tokens": len(want.prompt_token_ids) + 6}
+    events = _stream(url, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.outputs[0].text
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    assert sum(c["choices"][0]["finish_reason"] is not None for c in chunks) == 1
+    assert events[-2]["usage"]["completion_tokens"] == 6
+
+
+def test_chat_equals_the_offline_api_whole_and_streamed(url, ref) -> None:
+    messages = [{"role": "user", "content": "Say hi"}]
+    want = ref.chat(messages, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0,
+            "thinking": {"type": "disabled"}}  # LLM.chat's default; the recipe's own default for a body is to think
+    status, r = _post(url, "/v1/chat/completions", body)
+    assert status == 200 and r["object"] == "chat.completion"
+    msg = r["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == want.content
+    assert r["choices"][0]["finish_reason"] == want.finish_reason
+
+
+@pytest.mark.parametrize("thinking", ["enabled", "disabled"])
+def test_streamed_chat_deltas_add_up_to_the_whole_response(url, thinking) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8,
+            "temperature": 0, "thinking": {"type": thinking}}
+    status, whole = _post(url, "/v1/chat/completions", body)
+    assert status == 200
+    msg = whole["choices"][0]["message"]
+    events = _stream(url, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    deltas = [e["choices"][0] for e in events[:-1]]
+    assert deltas[0]["delta"]["role"] == "assistant"
+    assert "".join(d["delta"].get("content") or "" for d in deltas) == (msg["content"] or "")
+    assert "".join(d["delta"].get("reasoning_content") or "" for d in deltas) == (msg.get("reasoning_content") or "")
+    assert deltas[-1]["finish_reason"] == whole["choices"][0]["finish_reason"] and deltas[-1]["delta"] == {}
+
+
+def test_concurrent_requests_all_complete(url) -> None:
+    results: list[tuple[int, dict]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        res = _post(url, "/v1/completions", {"prompt": f"request {i}", "max_tokens": 5, "temperature": 0})
+        with lock:
+            results.append(res)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 6 and all(s == 200 and r["usage"]["completion_tokens"] == 5 for s, r in results)
+
+
+@pytest.mark.parametrize(("path", "body", "raw", "status", "words"), [
+    ("/v1/completions", None, b"{not json", 400, "not UTF-8 JSON"),
+    ("/v1/completions", None, b"[1, 2]", 400, "JSON object"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature"),
+    ("/v1/completions", {"prompt": 5}, None, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, None, 400, "token id"),  # refused at admission, in the engine thread
+    ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
+    ("/v1/embeddings", {"input": "x"}, None, 404, "/v1/completions"),
+])  # fmt: skip
+def test_bad_requests_fail_alone_and_the_server_keeps_serving(url, path, body, raw, status, words) -> None:
+    got, r = _post(url, path, body, raw=raw)
+    assert got == status, r
+    assert words.lower() in r["error"]["message"].lower(), r
+    ok, r = _post(url, "/v1/completions", {"prompt": "still there?", "max_tokens": 2})
+    assert ok == 200 and r["usage"]["completion_tokens"] == 2
+
+
+def _wait_idle(url: str, llm) -> None:
+    deadline = time.time() + 60
+    while time.time() < deadline:  # the loop notices, aborts the request, the batch empties
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            if json.loads(r.read())["active_requests"] == 0:
+                break
+        time.sleep(0.2)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_waiting_client_that_leaves_has_its_request_aborted(url, llm) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "a long one", "max_tokens": 10_000, "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    deadline = time.time() + 60
+    while llm.engine.has_unfinished_requests() is False and time.time() < deadline:
+        time.sleep(0.05)  # admitted and running
+    sock.close()
+    _wait_idle(url, llm)
+
+
+def test_a_streaming_client_that_leaves_has_its_request_aborted(url, llm) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": "a long one", "max_tokens": 10_000, "ignore_eos": True, "stream": True}).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    head = b""
+    while b"data: " not in head:  # the headers and the first event: generation has started
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200")
+    sock.close()  # leave mid-stream
+    _wait_idle(url, llm)
