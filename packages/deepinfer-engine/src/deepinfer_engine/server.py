@@ -108,6 +108,12 @@ class ServingLoop:
     # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
         eng = self.llm.engine
+        runner = eng.runner  # None for a data-parallel engine: its models live in the rank processes
+        device = runner.device if runner is not None else None
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)  # a new thread's current device is cuda:0; kernels launch on the current one
         while True:
             # idle: sleep until something arrives; busy: take what is there, then step
             items = [] if eng.has_unfinished_requests() else [self._inbox.get()]
