@@ -185,3 +185,25 @@ def test_a_streaming_client_that_leaves_has_its_request_aborted(url, llm) -> Non
     assert head.startswith(b"HTTP/1.1 200")
     sock.close()  # leave mid-stream
     _wait_idle(url, llm)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_count_requests_by_outcome_and_tokens(url) -> None:
+    before = _metrics(url)
+    assert _post(url, "/v1/completions", {"prompt": "count me", "max_tokens": 3})[0] == 200
+    assert _post(url, "/v1/completions", {"prompt": [10**9]})[0] == 400  # refused at admission
+    assert _post(url, "/v1/completions", {"prompt": 5})[0] == 400  # refused before the engine: not counted there
+    after = _metrics(url)
+    assert after['deepinfer_requests_ended_total{outcome="ok"}'] == before['deepinfer_requests_ended_total{outcome="ok"}'] + 1
+    assert (after['deepinfer_requests_ended_total{outcome="refused"}']
+            == before['deepinfer_requests_ended_total{outcome="refused"}'] + 1)
+    assert after["deepinfer_decode_tokens_total"] >= before["deepinfer_decode_tokens_total"] + 2
+    assert after["deepinfer_prefill_tokens_total"] > before["deepinfer_prefill_tokens_total"]
+    assert after["deepinfer_requests_running"] == 0
