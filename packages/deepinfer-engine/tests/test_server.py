@@ -16,6 +16,7 @@ import pytest
 from deepinfer_engine.llm import LLM
 from deepinfer_engine.sampling_params import SamplingParams
 from deepinfer_engine.server import make_server
+from engine_testing import plain_ids, script_replies
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +208,56 @@ def test_metrics_count_requests_by_outcome_and_tokens(url) -> None:
     assert after["deepinfer_decode_tokens_total"] >= before["deepinfer_decode_tokens_total"] + 2
     assert after["deepinfer_prefill_tokens_total"] > before["deepinfer_prefill_tokens_total"]
     assert after["deepinfer_requests_running"] == 0
+
+
+def test_streamed_chat_reports_a_tool_call_then_its_finish_reason(tiny_ckpt, monkeypatch) -> None:
+    """A scripted reply (content, then the DSML tool-call markup, then EOS) on a server of its own: the stream
+    carries the content, one tool call with its JSON arguments, and finish_reason "tool_calls"; the whole response
+    carries the same."""
+    model = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32")
+    markup = ('Checking.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
+              '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
+              '</｜DSML｜ calls>')
+    reply = plain_ids(model, markup) + [model.engine.eos_token_ids[0]]
+    script_replies(model, monkeypatch, [reply, reply])
+    server, loop = make_server(model, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = "http://{}:{}".format(*server.server_address[:2])
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": tools, "max_tokens": 200,
+            "thinking": {"type": "disabled"}}
+    try:
+        events = _stream(base, "/v1/chat/completions", body)
+        status, whole = _post(base, "/v1/chat/completions", body)
+    finally:
+        server.shutdown()
+        server.server_close()
+        loop.stop()
+        model.close()
+    deltas = [e["choices"][0] for e in events[:-1]]
+    assert "".join(d["delta"].get("content") or "" for d in deltas).strip() == "Checking."
+    calls = [c for d in deltas for c in d["delta"].get("tool_calls") or ()]
+    assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather" and calls[0]["index"] == 0
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+    assert status == 200 and whole["choices"][0]["finish_reason"] == "tool_calls"
+    assert whole["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_several_samples_per_request_whole_and_streamed(url) -> None:
+    body = {"prompt": "two ways", "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 7}
+    status, whole = _post(url, "/v1/completions", body)
+    assert status == 200 and [c["index"] for c in whole["choices"]] == [0, 1]
+    assert whole["usage"]["completion_tokens"] == 8
+    events = _stream(url, "/v1/completions", body)
+    texts = {0: "", 1: ""}
+    finishes = {0: [], 1: []}
+    for e in events[:-1]:
+        c = e["choices"][0]
+        texts[c["index"]] += c["text"]
+        if c["finish_reason"] is not None:
+            finishes[c["index"]].append(c["finish_reason"])
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # same seed: the same samples
+    assert finishes == {0: ["length"], 1: ["length"]}  # one finish chunk per sample

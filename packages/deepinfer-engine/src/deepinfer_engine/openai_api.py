@@ -110,9 +110,12 @@ def response_body(url: str, body: dict[str, Any], out, response_id: str, created
             msg: dict[str, Any] = {"role": "assistant", "content": co.content}
             if co.reasoning_content is not None:
                 msg["reasoning_content"] = co.reasoning_content
+            finish = co.finish_reason
             if co.tool_calls:
                 msg["tool_calls"] = co.tool_calls
-            choices.append({"index": co.index, "message": msg, "finish_reason": co.finish_reason,
+                # the protocol's reason for a reply that ends in calls (the recipe's stream parser says the same)
+                finish = "tool_calls" if finish == "stop" else finish
+            choices.append({"index": co.index, "message": msg, "finish_reason": finish,
                             "logprobs": logprobs_json(co)})
         return {"id": response_id, "object": "chat.completion", "created": created, "model": body.get("model"),
                 "choices": choices, "usage": usage(out)}

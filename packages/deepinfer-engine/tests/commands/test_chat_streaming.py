@@ -14,6 +14,7 @@ import pytest
 from deepinfer_engine.cli import main
 from deepinfer_engine.commands import chat as chat_cmd
 from deepinfer_engine.llm import LLM
+from engine_testing import plain_ids, script_replies
 
 FAST = ["--device", "cpu", "--dtype", "float32"]
 
@@ -33,38 +34,6 @@ def _id(llm: LLM, spelling: str) -> int:
     return tid
 
 
-def _plain(llm: LLM, text: str) -> list[int]:
-    return llm.tokenizer.encode(text, add_special_tokens=False).ids
-
-
-def _script_runner(llm: LLM, monkeypatch, scripts: list[list[int]]) -> list[list[int]]:
-    """Replace sampled ids request by request (in arrival order) with `scripts`; returns the prompts seen."""
-    prompts: list[list[int]] = []
-    order: dict[str, list[int]] = {}
-    counts: dict[str, int] = {}
-    runner, eng = llm.engine.runner, llm.engine
-    real_execute, real_add = runner.execute, eng.add_processed
-
-    def add_processed(rid, req, **kw):
-        prompts.append(list(req.prompt_token_ids))
-        return real_add(rid, req, **kw)
-
-    def execute(sched):
-        res = real_execute(sched)
-        for rid in list(res.sampled_token_ids):
-            if rid not in order:
-                order[rid] = scripts[len(order)]
-            script = order[rid]
-            k = counts.get(rid, 0)
-            res.sampled_token_ids[rid] = script[k]
-            counts[rid] = k + 1
-        return res
-
-    monkeypatch.setattr(runner, "execute", execute)
-    monkeypatch.setattr(eng, "add_processed", add_processed)
-    return prompts
-
-
 def _ns(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     chat_cmd.add_arguments(parser)
@@ -80,9 +49,9 @@ def test_chat_streams_reasoning_content_and_keeps_history(llm, monkeypatch) -> N
     eos = llm.engine.eos_token_ids[0]
     think_end = _id(llm, "</think>")
     stray = _id(llm, "<｜place▁holder▁no▁7｜>")
-    reply1 = _plain(llm, "Let me think.") + [think_end] + _plain(llm, "Hello there!") + [stray] + [eos]
-    reply2 = _plain(llm, "Fine.") + [eos]
-    prompts = _script_runner(llm, monkeypatch, [reply1, reply2])
+    reply1 = plain_ids(llm, "Let me think.") + [think_end] + plain_ids(llm, "Hello there!") + [stray] + [eos]
+    reply2 = plain_ids(llm, "Fine.") + [eos]
+    prompts = script_replies(llm, monkeypatch, [reply1, reply2])
     out = io.StringIO()
     rc = chat_cmd.chat_loop(llm, _ns("--thinking", "--max-tokens", "40", "--temperature", "0"),
                             stdin=io.StringIO("Hi there\nHow are you?\n"), stdout=out)
@@ -103,7 +72,7 @@ def test_chat_tool_call_is_reported_when_complete(llm, monkeypatch) -> None:
     markup = ('Checking.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="get_weather">\n'
               '<｜DSML｜ parameter name="city" string="true">Paris</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n'
               '</｜DSML｜ calls>')
-    _script_runner(llm, monkeypatch, [_plain(llm, markup) + [eos]])
+    script_replies(llm, monkeypatch, [plain_ids(llm, markup) + [eos]])
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
@@ -121,8 +90,8 @@ def test_chat_tool_call_is_reported_when_complete(llm, monkeypatch) -> None:
 
 def test_recipe_stop_sequence_stops_generation(llm, monkeypatch) -> None:
     eos = llm.engine.eos_token_ids[0]
-    reply = _plain(llm, "one two STOP three four five six seven eight nine") + [eos]
-    _script_runner(llm, monkeypatch, [reply])
+    reply = plain_ids(llm, "one two STOP three four five six seven eight nine") + [eos]
+    script_replies(llm, monkeypatch, [reply])
     r = llm.render_chat_body({"model": "m", "messages": [{"role": "user", "content": "count"}], "stop": ["STOP"],
                               "thinking": {"type": "disabled"}})
     from deepinfer_engine.sampling_params import SamplingParams
@@ -140,7 +109,7 @@ def test_parse_failure_shows_raw_text_and_names_the_problem(llm, monkeypatch) ->
 
     monkeypatch.setattr(dr.StreamProcessor, "push", broken)
     eos = llm.engine.eos_token_ids[0]
-    _script_runner(llm, monkeypatch, [_plain(llm, "alpha</think>beta") + [eos]])
+    script_replies(llm, monkeypatch, [plain_ids(llm, "alpha</think>beta") + [eos]])
     out = io.StringIO()
     chat_cmd.chat_loop(llm, _ns("--max-tokens", "20", "--temperature", "0"), stdin=io.StringIO("Hi\n"), stdout=out)
     text = out.getvalue()
@@ -209,9 +178,9 @@ def test_run_batch_chat_stop_applies_to_content_not_reasoning(llm, monkeypatch) 
     from deepinfer_engine.commands.run_batch import process
 
     eos = llm.engine.eos_token_ids[0]
-    reply = (_plain(llm, "think STOP more") + [_id(llm, "</think>")] + _plain(llm, "answer STOP tail words here")
+    reply = (plain_ids(llm, "think STOP more") + [_id(llm, "</think>")] + plain_ids(llm, "answer STOP tail words here")
              + [eos])
-    _script_runner(llm, monkeypatch, [reply])
+    script_replies(llm, monkeypatch, [reply])
     line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
             "body": {"model": "m", "messages": [{"role": "user", "content": "go"}], "stop": ["STOP"],
                      "max_tokens": 40, "temperature": 0, "thinking": {"type": "enabled"}}}
@@ -227,9 +196,9 @@ def test_stop_sequence_stops_only_its_own_sample(llm, monkeypatch) -> None:
     from deepinfer_engine.sampling_params import SamplingParams
 
     eos = llm.engine.eos_token_ids[0]
-    a = _plain(llm, "alpha STOP beta gamma delta epsilon") + [eos]
-    b = _plain(llm, "one two three") + [eos]
-    _script_runner(llm, monkeypatch, [a, b])
+    a = plain_ids(llm, "alpha STOP beta gamma delta epsilon") + [eos]
+    b = plain_ids(llm, "one two three") + [eos]
+    script_replies(llm, monkeypatch, [a, b])
     r = llm.render_chat_body({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["STOP"],
                               "thinking": {"type": "disabled"}})
     out = llm.generate_chat([r], [SamplingParams(n=2, max_tokens=30, temperature=1.0, seed=1)], use_tqdm=False)[0]

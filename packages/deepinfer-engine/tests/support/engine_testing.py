@@ -43,3 +43,37 @@ def unguard_moe(monkeypatch) -> None:
             torch.cuda.set_sync_debug_mode(mode)
 
     monkeypatch.setattr(moe.MoE, "forward", unguarded)
+
+
+def script_replies(llm, monkeypatch, scripts: list[list[int]]) -> list[list[int]]:
+    """Replace an LLM's sampled ids request by request (in arrival order) with `scripts`, so a test's expected
+    text comes from the script rather than from the code under test; returns the prompts the engine admitted."""
+    prompts: list[list[int]] = []
+    order: dict[str, list[int]] = {}
+    counts: dict[str, int] = {}
+    runner, eng = llm.engine.runner, llm.engine
+    real_execute, real_add = runner.execute, eng.add_processed
+
+    def add_processed(rid, req, **kw):
+        prompts.append(list(req.prompt_token_ids))
+        return real_add(rid, req, **kw)
+
+    def execute(sched):
+        res = real_execute(sched)
+        for rid in list(res.sampled_token_ids):
+            if rid not in order:
+                order[rid] = scripts[len(order)]
+            script = order[rid]
+            k = counts.get(rid, 0)
+            res.sampled_token_ids[rid] = script[k]
+            counts[rid] = k + 1
+        return res
+
+    monkeypatch.setattr(runner, "execute", execute)
+    monkeypatch.setattr(eng, "add_processed", add_processed)
+    return prompts
+
+
+def plain_ids(llm, text: str) -> list[int]:
+    """`text` as token ids without special tokens."""
+    return llm.tokenizer.encode(text, add_special_tokens=False).ids
