@@ -114,14 +114,14 @@ def prefill_breakdown(llm: Any, prompts: int, input_len: int) -> dict[str, Any]:
     import time
 
     from deepinfer_engine import SamplingParams
-    from deepinfer_engine.bench import _random_prompts
+    from deepinfer_engine.bench import random_prompts
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
     vocab = int(getattr(eng.args, "vocab_size", 129280))
     # other prompts than the decode tables' (seed 0) and than each other: with the prefix cache on, a prefill of
     # prompts seen before recomputes only their last page
-    warm, ids = (_random_prompts(prompts, input_len, vocab, seed, eng.bos_token_id) for seed in (1, 2))
+    warm, ids = (random_prompts(prompts, input_len, vocab, seed, eng.bos_token_id) for seed in (1, 2))
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(warm, sp, use_tqdm=False)
     torch.cuda.synchronize()

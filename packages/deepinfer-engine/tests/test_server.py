@@ -134,6 +134,22 @@ def test_concurrent_requests_all_complete(url) -> None:
     assert len(results) == 6 and all(s == 200 and r["usage"]["completion_tokens"] == 5 for s, r in results)
 
 
+def test_a_prompt_that_can_never_fit_is_a_400_streamed_or_not(tiny_ckpt) -> None:
+    model = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", max_model_len=16)
+    server, loop = make_server(model, "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = "http://{}:{}".format(*server.server_address[:2])
+    try:
+        for stream in (False, True):
+            status, r = _post(base, "/v1/completions", {"prompt": list(range(100, 120)), "stream": stream})
+            assert status == 400 and "max_model_len" in r["error"]["message"], (stream, r)
+    finally:
+        server.shutdown()
+        server.server_close()
+        loop.stop()
+        model.close()
+
+
 @pytest.mark.parametrize(("path", "body", "raw", "status", "words"), [
     ("/v1/completions", None, b"{not json", 400, "not UTF-8 JSON"),
     ("/v1/completions", None, b"[1, 2]", 400, "JSON object"),

@@ -22,7 +22,9 @@ from deepinfer_engine.llm import LLM
 from deepinfer_engine.sampling_params import SamplingParams
 
 
-def _random_prompts(n: int, length: int, vocab: int, seed: int, bos: int | None) -> list[list[int]]:
+def random_prompts(n: int, length: int, vocab: int, seed: int, bos: int | None) -> list[list[int]]:
+    """`n` prompts of `length` ordinary token ids (no special ids), reproducible from `seed`; the first id is
+    `bos` when given."""
     rng = random.Random(seed)
     hi = min(vocab, 128000) - 1  # ordinary (non-special) ids
     out = []
@@ -66,7 +68,7 @@ def _settings(llm: LLM) -> dict[str, Any]:
 def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, temperature: float = 0.0,
                seed: int = 0) -> dict[str, Any]:
     vocab = int(getattr(llm.engine.args, "vocab_size", 129280))
-    prompts = _random_prompts(num_prompts, input_len, vocab, seed, llm.engine.bos_token_id)
+    prompts = random_prompts(num_prompts, input_len, vocab, seed, llm.engine.bos_token_id)
     sp = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True, seed=seed)
     llm.generate(prompts[:1], sp.replace(max_tokens=2), use_tqdm=False)  # warm-up
     spec0 = _spec_reset(llm)
@@ -89,8 +91,8 @@ def throughput(llm: LLM, *, num_prompts: int, input_len: int, output_len: int, t
 def _shared_prefix_prompts(n: int, length: int, shared: int, vocab: int, seed: int, bos: int | None
                            ) -> list[list[int]]:
     """n prompts of `length` ids: the same first `shared` ids, then a random suffix each."""
-    common = _random_prompts(1, length, vocab, seed, bos)[0][:shared]
-    tails = _random_prompts(n, length - shared, vocab, seed + 1, None)
+    common = random_prompts(1, length, vocab, seed, bos)[0][:shared]
+    tails = random_prompts(n, length - shared, vocab, seed + 1, None)
     return [common + t for t in tails]
 
 
@@ -144,7 +146,7 @@ def shared_prefix(make_llm: Callable[[bool], LLM], *, num_prompts: int, input_le
         vocab = int(getattr(llm.engine.args, "vocab_size", 129280))
         prompts = _shared_prefix_prompts(num_prompts, input_len, shared, vocab, seed, llm.engine.bos_token_id)
         sp = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True, seed=seed)
-        warm = _random_prompts(1, input_len, vocab, seed + 7, llm.engine.bos_token_id)
+        warm = random_prompts(1, input_len, vocab, seed + 7, llm.engine.bos_token_id)
         llm.generate(warm, sp.replace(max_tokens=2), use_tqdm=False)  # warm-up (shares nothing)
         runs[label] = _timed_batch(llm, prompts, sp)
         if on:
@@ -193,7 +195,7 @@ def _spec_summary(llm: LLM, on: bool) -> dict[str, Any] | None:
 def latency(llm: LLM, *, batch_size: int, input_len: int, output_len: int, num_iters: int = 3,
             num_iters_warmup: int = 1, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
     vocab = int(getattr(llm.engine.args, "vocab_size", 129280))
-    prompts = _random_prompts(batch_size, input_len, vocab, seed, llm.engine.bos_token_id)
+    prompts = random_prompts(batch_size, input_len, vocab, seed, llm.engine.bos_token_id)
     sp = SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True, seed=seed)
     for _ in range(num_iters_warmup):
         llm.generate(prompts, sp, use_tqdm=False)
@@ -241,7 +243,7 @@ def decode_step_seconds(llm: LLM, *, batch_size: int, input_len: int, steps: int
     alone (no scheduling, host plan, sampling or host read), when that step ran from a graph."""
     eng = llm.engine
     vocab = int(getattr(eng.args, "vocab_size", 129280))
-    prompts = _random_prompts(batch_size, input_len, vocab, seed, eng.bos_token_id)
+    prompts = random_prompts(batch_size, input_len, vocab, seed, eng.bos_token_id)
     budget = max(1, int(llm.config.scheduler.max_num_batched_tokens))
     prefill_steps = -(-batch_size * input_len // budget) + 1
     sp = SamplingParams(max_tokens=steps + prefill_steps + 1, temperature=0.0, ignore_eos=True, seed=seed)

@@ -186,7 +186,8 @@ class ServingLoop:
             p = self._active.get(out.request_id)
             if p is None:
                 continue
-            if p.stream and p.prepared.render is None:  # streamed completions: the text each sample gained
+            # streamed completions: the text each sample gained (an output with an error is reported by "done")
+            if p.stream and p.prepared.render is None and out.error is None:
                 for co in out.outputs:
                     n = p.sent.get(co.index, 0)
                     if co.index in p.ended or (len(co.text) == n and co.finish_reason is None):
@@ -373,6 +374,10 @@ class _Handler(BaseHTTPRequestHandler):
         first = next(events)
         if first.kind == "error":
             self._send_error(first.status, first.message)
+            return
+        bad = _final_error(first.output) if first.kind == "done" else None
+        if bad is not None:  # finished before any text (e.g. the prompt can never fit): still a plain error
+            self._send_error(*bad)
             return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")

@@ -1,4 +1,5 @@
-"""`deepinfer bench throughput | latency`: benchmark the engine (default: the embedded tiny model on CPU)."""
+"""`deepinfer bench throughput | latency | serving`: benchmark the engine (default: the embedded tiny model on CPU),
+or an OpenAI-compatible server (`serving`: one at --url, or one started in this process)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="random prompts, or prompts sharing their first --shared-fraction (run with the prefix "
                         "cache on and off, TTFT / throughput / hit rate of each)")
     t.add_argument("--shared-fraction", type=float, default=0.9, help="shared-prefix: fraction of --input-len shared")
+    srv = sub.add_parser("serving", help="concurrent streamed requests to an OpenAI-compatible server: TTFT, TPOT, "
+                                          "inter-chunk latency, throughput", allow_abbrev=False)
+    srv.add_argument("--url", default=None,
+                     help="the server (e.g. http://127.0.0.1:8000); default: start one in this process over --model")
+    srv.add_argument("--num-prompts", type=int, default=32)
+    srv.add_argument("--input-len", type=int, default=32)
+    srv.add_argument("--output-len", type=int, default=32)
+    srv.add_argument("--concurrency", type=int, default=8, help="clients, each with one request in flight")
+    srv.add_argument("--served-model-name", default="deepinfer", help="the body's `model` field")
     lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles",
                          allow_abbrev=False)
     lat.add_argument("--batch-size", type=_int_list, default=[4],
@@ -31,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="measure each batch size's decode steps this many times; the table shows the median of "
                           "the repeats' medians and their range (the step drifts as the device heats)")
     lat.add_argument("--plot", help="draw decode step time vs batch size against the bytes bound into this PNG")
-    for p in (t, lat):
+    for p in (t, lat, srv):
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
         p.add_argument("--output-json", help="also write the result as JSON here")
@@ -60,6 +70,8 @@ def run(ns: argparse.Namespace) -> int:
         bench.check_plot_target(ns.plot)
     if ns.output_json:
         check_output_path(ns.output_json, option="output_json")  # before the run, not after it
+    if ns.bench_kind == "serving":
+        return _serving(ns)
     if ns.bench_kind == "throughput" and ns.workload == "shared-prefix":
         if not 0.0 <= ns.shared_fraction <= 1.0:
             raise ConfigError(f"shared_fraction: found {ns.shared_fraction}, expected a number in [0, 1]")
@@ -102,3 +114,33 @@ def _run(llm, ns: argparse.Namespace) -> int:
     if ns.output_json:
         bench.write_json(r, ns.output_json)
     return 0
+
+
+def _serving(ns: argparse.Namespace) -> int:
+    from deepinfer_engine import bench
+    from deepinfer_engine.bench_serving import format_serving, run_serving, serve_in_process
+    from deepinfer_engine.errors import ConfigError
+    from deepinfer_engine.llm import llm_from_cli
+
+    for name in ("num_prompts", "input_len", "output_len", "concurrency"):
+        if getattr(ns, name) < 1:
+            raise ConfigError(f"{name}: found {getattr(ns, name)}, expected >= 1")
+    llm = stop = None
+    url, vocab = ns.url, 129280
+    if url is None:
+        llm = llm_from_cli(ns)
+        vocab = int(getattr(llm.engine.args, "vocab_size", vocab))
+        url, stop = serve_in_process(llm, model_name=ns.served_model_name)
+    try:
+        r = run_serving(url, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
+                        concurrency=ns.concurrency, vocab_size=vocab, temperature=ns.temperature,
+                        seed=ns.bench_seed, model=ns.served_model_name)
+    finally:
+        if stop is not None:
+            stop()
+        if llm is not None:
+            llm.close()
+    print(format_serving(r))
+    if ns.output_json:
+        bench.write_json(r, ns.output_json)
+    return 0 if r["failed"] == 0 else 1

@@ -1,0 +1,47 @@
+"""`deepinfer bench serving` against a server it starts itself on the tiny V4.1 checkpoint (CPU): every request
+completes with exactly output_len tokens, and the timings are consistent (TTFT <= end-to-end, one inter-chunk gap
+per further chunk)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from deepinfer_engine.bench_serving import run_serving, serve_in_process
+from deepinfer_engine.cli import main
+from deepinfer_engine.llm import LLM
+
+
+def test_bench_serving_in_process(tiny_v41_dir, tmp_path, capsys) -> None:
+    dst = tmp_path / "serving.json"
+    rc = main(["bench", "serving", "--num-prompts", "6", "--concurrency", "3", "--input-len", "8",
+               "--output-len", "5", "--output-json", str(dst), "--model", str(tiny_v41_dir), "--device", "cpu",
+               "--dtype", "float32"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "Time to first token" in out
+    r = json.loads(dst.read_text())
+    assert r["completed"] == 6 and r["failed"] == 0
+    assert r["output_tokens_per_s"] == pytest.approx(6 * 5 / r["duration_s"])
+    assert 0 < r["ttft_ms"]["p50"] <= r["e2e_ms"]["p50"]
+    assert r["tpot_ms"]["mean"] > 0 and r["itl_ms"]["max"] > 0
+
+
+def test_run_serving_counts_failed_requests(tiny_v41_dir) -> None:
+    llm = LLM(str(tiny_v41_dir), device="cpu", dtype="float32", max_model_len=16)
+    url, stop = serve_in_process(llm)
+    try:  # prompts of 20 tokens > max_model_len: every request is refused, and counted as failed
+        r = run_serving(url, num_prompts=2, input_len=20, output_len=4, concurrency=2)
+    finally:
+        stop()
+        llm.close()
+    assert r["completed"] == 0 and r["failed"] == 2 and "max_model_len" in r["errors"][0]
+
+
+def test_bad_counts_fail_before_the_model_loads(monkeypatch, capsys) -> None:
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr("deepinfer_engine.llm.llm_from_cli", boom)
+    rc = main(["bench", "serving", "--concurrency", "0", "--model", "/unused"])
+    assert rc == 2 and "concurrency" in capsys.readouterr().err
