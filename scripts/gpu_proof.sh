@@ -28,6 +28,7 @@
 #     closing  the FP8 linear GPU tests, the records decode step (kernel families), the bf16 decode step table with
 #            its plot, V4 against HF eager: one call's evidence for a stop
 #     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
+#     serving the HTTP server's GPU test, then `bench serving` at 1, 16 and 64 concurrent clients on V4.1 layers-4
 #     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
@@ -236,13 +237,24 @@ peer)
     step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
     ;;
+serving)
+    # the HTTP server on CUDA: its GPU test, then `bench serving` (the server in the same process) on V4.1 layers-4
+    # with all experts at 1, 16 and 64 concurrent clients (1,024-token prompts, 128 output tokens)
+    step server_tests 120 python3 -m pytest -m gpu -q -rs -p no:cacheprovider packages/deepinfer-engine/tests/test_server_cuda.py
+    rm -rf $CK/v41-l4
+    step make_v41_full 50 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    for c in 1 16 64; do
+        step serving_c$c 150 python3 -m deepinfer_engine bench serving --model $CK/v41-l4 --device cuda \
+            --num-prompts $((c * 4)) --concurrency $c --input-len 1024 --output-len 128 --output-json "$OUT/serving_c$c.json"
+    done
+    ;;
 dspark)
     step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
         --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats 3 --warm-runs 1 --async-scheduling off \
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, closing, peer, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, closing, peer, serving, dspark)" >&2
     exit 2
     ;;
 esac
