@@ -277,3 +277,21 @@ def test_several_samples_per_request_whole_and_streamed(url) -> None:
             finishes[c["index"]].append(c["finish_reason"])
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # same seed: the same samples
     assert finishes == {0: ["length"], 1: ["length"]}  # one finish chunk per sample
+
+
+def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(url, llm, monkeypatch) -> None:
+    real = llm.engine.step_outputs
+    calls = {"n": 0}
+
+    def flaky():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return real()
+
+    monkeypatch.setattr(llm.engine, "step_outputs", flaky)
+    status, r = _post(url, "/v1/completions", {"prompt": "unlucky", "max_tokens": 3})
+    assert status == 500 and "injected step failure" in r["error"]["message"]
+    status, r = _post(url, "/v1/completions", {"prompt": "lucky", "max_tokens": 3})
+    assert status == 200 and r["usage"]["completion_tokens"] == 3
+    assert not llm.engine.has_unfinished_requests()
