@@ -158,6 +158,12 @@ def test_a_prompt_that_can_never_fit_is_a_400_streamed_or_not(tiny_ckpt) -> None
     ("/v1/completions", {"prompt": [10**9]}, None, 400, "token id"),  # refused at admission, in the engine thread
     ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages"),
     ("/v1/embeddings", {"input": "x"}, None, 404, "/v1/completions"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, None, 400, "best_of"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, None, 400,
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, None, 400, "response_format"),
 ])  # fmt: skip
 def test_bad_requests_fail_alone_and_the_server_keeps_serving(url, path, body, raw, status, words) -> None:
     got, r = _post(url, path, body, raw=raw)

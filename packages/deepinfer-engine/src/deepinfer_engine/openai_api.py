@@ -4,8 +4,9 @@ request (`response_body`), the streamed chunks of one (`completion_chunk`, `chat
 
 A chat body is rendered by deepseek-recipe for this model (`LLM.render_chat_body`) and its samples are parsed by
 the recipe into content / reasoning_content / tool_calls; a completions body is a prompt string or token ids.
-Unknown fields are ignored, as OpenAI-compatible servers do; invalid values raise (recipe ConversionError,
-SamplingParamsError, ValueError), which callers report as the request's error.
+Unknown fields are ignored, as OpenAI-compatible servers do, but known fields the engine cannot honour are
+refused rather than silently dropped; invalid values raise (recipe ConversionError, SamplingParamsError,
+ValueError), which callers report as the request's error.
 """
 
 from __future__ import annotations
@@ -64,12 +65,37 @@ class Prepared:
     render: Any = None
 
 
+def _unsupported(body: dict[str, Any], chat: bool) -> str | None:
+    """The first field that asks for something this engine does not do (so it is refused, not silently
+    ignored), as an error message, else None."""
+    if body.get("logit_bias"):
+        return "logit_bias: not supported; drop it"
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        return f"response_format: found {fmt!r}, only {{'type': 'text'}} is supported (no constrained decoding)"
+    if chat:
+        return None
+    if body.get("echo"):
+        return "echo: not supported; drop it (the prompt is the request's own)"
+    if body.get("suffix"):
+        return "suffix: not supported (no fill-in-the-middle); drop it"
+    best_of, n = body.get("best_of"), body.get("n") or 1
+    if best_of is not None and best_of != n:
+        return f"best_of: found {best_of!r}, only best_of == n ({n}) is supported; drop it or sample n and rank"
+    return None
+
+
 def prepare(llm, url: str, body: dict[str, Any], default_max_tokens: int) -> Prepared:
-    """Check and translate one request body (raises on an invalid one; nothing is queued)."""
+    """Check and translate one request body (raises on an invalid one; nothing is queued). Unknown fields are
+    ignored; known ones this engine cannot honour (`logit_bias`, a non-text `response_format`, `echo`, `suffix`,
+    `best_of` != n) are refused."""
     if not isinstance(body, dict):
         raise ValueError("body: expected a JSON object")
     if url not in (CHAT_URL, COMPLETIONS_URL):
         raise ValueError(f"url: found {url!r}, expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
+    why = _unsupported(body, url == CHAT_URL)
+    if why is not None:
+        raise ValueError(why)
     sp = sampling_from_body(body, default_max_tokens, chat=url == CHAT_URL)
     if url == CHAT_URL:
         msgs = body.get("messages")
