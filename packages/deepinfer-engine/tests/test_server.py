@@ -285,8 +285,10 @@ def test_several_samples_per_request_whole_and_streamed(url) -> None:
     assert finishes == {0: ["length"], 1: ["length"]}  # one finish chunk per sample
 
 
-def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(url, llm, monkeypatch) -> None:
-    real = llm.engine.step_outputs
+@pytest.mark.parametrize("discard_fails", [False, True], ids=["step", "step-and-cleanup"])
+def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(url, llm, monkeypatch,
+                                                                              discard_fails) -> None:
+    real, real_discard = llm.engine.step_outputs, llm.engine.discard
     calls = {"n": 0}
 
     def flaky():
@@ -295,7 +297,13 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(ur
             raise RuntimeError("injected step failure")
         return real()
 
+    def discard(ids):
+        real_discard(ids)
+        if discard_fails:  # the cleanup raising too must not kill the engine thread
+            raise RuntimeError("injected cleanup failure")
+
     monkeypatch.setattr(llm.engine, "step_outputs", flaky)
+    monkeypatch.setattr(llm.engine, "discard", discard)
     status, r = _post(url, "/v1/completions", {"prompt": "unlucky", "max_tokens": 3})
     assert status == 500 and "injected step failure" in r["error"]["message"]
     status, r = _post(url, "/v1/completions", {"prompt": "lucky", "max_tokens": 3})

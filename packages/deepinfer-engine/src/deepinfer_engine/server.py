@@ -125,13 +125,17 @@ class ServingLoop:
                     items.append(self._inbox.get_nowait())
                 except queue.Empty:
                     break
-            for item in items:
-                if item is not None:
-                    self._handle(item)
-            if self._stop.is_set():
-                break
-            if eng.has_unfinished_requests():
-                self._step()
+            try:
+                for item in items:
+                    if item is not None:
+                        self._handle(item)
+                if self._stop.is_set():
+                    break
+                if eng.has_unfinished_requests():
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 -- the thread must outlive any failure, or every request hangs
+                log.exception("serving loop")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
         if self._active:  # shutting down: nobody waits forever
             eng.discard(list(self._active))
         for p in self._active.values():
@@ -166,17 +170,24 @@ class ServingLoop:
             return
         self._active[p.request_id] = p
 
+    def _fail_all(self, message: str) -> None:
+        """Every request in flight ends with a 500 and leaves the engine, so the next requests start clean."""
+        ids = list(self._active)
+        try:
+            self.llm.engine.discard(ids)
+        except Exception:  # noqa: BLE001 -- the requests are failed either way; the log keeps the cause
+            log.exception("discarding the failed requests")
+        self.ended["error"] += len(ids)
+        for rid in ids:
+            self._active.pop(rid).events.put(_Event("error", status=500, message=message))
+
     def _step(self) -> None:
         eng = self.llm.engine
         try:
             step = eng.step_outputs()
         except Exception as exc:  # noqa: BLE001 -- the engine failed outside any one request: fail the batch
             log.exception("engine step failed")
-            ids = list(self._active)
-            eng.discard(ids)
-            self.ended["error"] += len(ids)
-            for rid in ids:
-                self._active.pop(rid).events.put(_Event("error", status=500, message=f"engine step failed: {exc}"))
+            self._fail_all(f"engine step failed: {exc}")
             return
         for rid, index, delta in step.chat_deltas:
             p = self._active.get(rid)
