@@ -246,10 +246,10 @@ def _error_json(status: int, message: str) -> dict[str, Any]:
 
 def _final_error(out: Any) -> tuple[int, str] | None:
     """(status, message) when a finished output is not a result. The engine's error is the client's to fix (400)
-    when it says the prompt cannot fit (`max_model_len`, the cache, the token budget, an empty prompt), else the
-    server's (500: a failed step, non-finite logits); a sample the recipe could not parse is a 500 too."""
-    if out.error is not None:
-        client = out.error.startswith("prompt ") or "max_model_len" in out.error or "cache" in out.error
+    when it says the request cannot fit (`max_model_len`, the whole cache, the token budget, an empty prompt),
+    else the server's (500: a failed step, non-finite logits); a sample the recipe could not parse is a 500 too."""
+    if out.error is not None:  # the scheduler's capacity refusals start so (core/scheduler.py)
+        client = out.error.startswith(("prompt ", "sequence reached "))
         return (400 if client else 500), out.error
     bad = [co for co in out.outputs if co.parse_error is not None]
     if bad:
@@ -286,9 +286,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body (if any) was not read: the connection cannot be reused
             self._send_error(411, "a request body with a Content-Length header is required")
             return None
-        if length > MAX_BODY_BYTES:
-            self.close_connection = True
-            self._send_error(413, f"request body of {length} bytes; the limit is {MAX_BODY_BYTES}")
+        if length < 0 or length > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read
+            self._send_error(413 if length > 0 else 400,
+                             f"Content-Length {length}; expected 0..{MAX_BODY_BYTES} bytes")
             return None
         raw = self.rfile.read(length)
         try:
@@ -320,6 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         if self.path not in (CHAT_URL, COMPLETIONS_URL):
+            self.close_connection = True  # its body is not read: the connection cannot carry another request
             self._send_error(404, f"no route POST {self.path}; expected {COMPLETIONS_URL} or {CHAT_URL}")
             return
         body = self._read_body()
