@@ -309,3 +309,28 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(ur
     status, r = _post(url, "/v1/completions", {"prompt": "lucky", "max_tokens": 3})
     assert status == 200 and r["usage"]["completion_tokens"] == 3
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_api_key_guards_every_route_but_health(ref) -> None:
+    server, loop = make_server(ref, "127.0.0.1", 0, api_key="s3cret")  # an engine no other loop drives
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = "http://{}:{}".format(*server.server_address[:2])
+
+    def get(path: str, key: str | None) -> int:
+        req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        assert get("/health", None) == 200
+        assert get("/v1/models", None) == 401 and get("/v1/models", "wrong") == 401
+        assert get("/v1/models", "s3cret") == 200
+        status, r = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 401 and "Authorization: Bearer" in r["error"]["message"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        loop.stop()

@@ -15,6 +15,7 @@ disconnects has its request aborted, so its sequence leaves the batch.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -263,6 +264,17 @@ class _Handler(BaseHTTPRequestHandler):
     loop: ServingLoop  # set on the subclass by make_server
     model_name: str
     default_max_tokens: int
+    api_key: str | None = None
+
+    def _authorized(self) -> bool:
+        """With an API key, every route but /health needs `Authorization: Bearer <key>` (else a 401 is sent)."""
+        if self.api_key is None or self.path == "/health":
+            return True
+        if hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {self.api_key}"):
+            return True
+        self.close_connection = True  # a POST body is not read
+        self._send_error(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'")
+        return False
 
     def log_message(self, fmt: str, *args: Any) -> None:  # the access log goes to the package logger
         log.debug("%s %s", self.address_string(), fmt % args)
@@ -304,6 +316,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------------ routes
     def do_GET(self) -> None:
+        if not self._authorized():
+            return
         if self.path == "/health":
             self._send_json(200, {"status": "ok", "active_requests": self.loop.num_active()})
         elif self.path == "/metrics":
@@ -320,6 +334,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(404, f"no route GET {self.path}; expected /health, /metrics or /v1/models")
 
     def do_POST(self) -> None:
+        if not self._authorized():
+            return
         if self.path not in (CHAT_URL, COMPLETIONS_URL):
             self.close_connection = True  # its body is not read: the connection cannot carry another request
             self._send_error(404, f"no route POST {self.path}; expected {COMPLETIONS_URL} or {CHAT_URL}")
@@ -456,12 +472,13 @@ def _chain(first: _Event, rest: Iterator[_Event]) -> Iterator[_Event]:
 
 
 def make_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, *, model_name: str = "deepinfer",
-                default_max_tokens: int = 256) -> tuple[ThreadingHTTPServer, ServingLoop]:
+                default_max_tokens: int = 256, api_key: str | None = None) -> tuple[ThreadingHTTPServer, ServingLoop]:
     """The HTTP server (not yet serving: call `serve_forever`) and its started engine loop. Port 0 picks a free
-    port (`server.server_address`). Shut down with `server.shutdown()` then `loop.stop()`."""
+    port (`server.server_address`). api_key: required as a bearer token on every route but /health. Shut down
+    with `server.shutdown()` then `loop.stop()`."""
     loop = ServingLoop(llm).start()
     handler = type("DeepInferHandler", (_Handler,), {"loop": loop, "model_name": model_name,
-                                                      "default_max_tokens": default_max_tokens})
+                                                      "default_max_tokens": default_max_tokens, "api_key": api_key})
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     return server, loop

@@ -8,6 +8,7 @@ it (requests still running get a 503).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from deepinfer_engine.config import add_engine_args
@@ -19,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model id /v1/models reports (default: the checkpoint directory's name)")
     parser.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a body has none")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on every route but /health (default: "
+                             "$DEEPINFER_API_KEY if set, else no key)")
     add_engine_args(parser)
 
 
@@ -33,10 +37,12 @@ def run(ns: argparse.Namespace) -> int:
         raise ConfigError(f"port: found {ns.port}, expected 0..65535")
     if ns.default_max_tokens < 1:
         raise ConfigError(f"default_max_tokens: found {ns.default_max_tokens}, expected >= 1")
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get("DEEPINFER_API_KEY") or None
     llm = llm_from_cli(ns)
     name = ns.served_model_name or (Path(str(llm.engine.model_dir)).name if llm.engine.model_dir else "deepinfer")
     try:
-        server, loop = make_server(llm, ns.host, ns.port, model_name=name, default_max_tokens=ns.default_max_tokens)
+        server, loop = make_server(llm, ns.host, ns.port, model_name=name, default_max_tokens=ns.default_max_tokens,
+                                   api_key=api_key)
     except OSError as exc:
         llm.close()
         raise ConfigError(f"cannot listen on {ns.host}:{ns.port} ({exc.strerror or exc}); pick another --host / "
