@@ -2,9 +2,10 @@
 sees: time to first token (TTFT), time per output token after the first (TPOT), the gaps between streamed chunks
 (ITL), end-to-end latency, and request / token throughput over the whole run.
 
-Clients are threads, each with one request in flight at a time (`concurrency` of them), over `num_prompts` random
-token-id prompts of `input_len` tokens with `output_len` tokens each (`ignore_eos`, so every request generates
-exactly that many). The server is the one at `url`, or one this process starts over its own `LLM` on a free
+Closed loop (default): `concurrency` client threads, each with one request in flight at a time; open loop
+(`request_rate`): Poisson arrivals at that rate, at most `concurrency` in flight. Over `num_prompts` random token-id
+prompts of `input_len` tokens with `output_len` tokens each (`ignore_eos`, so every request generates exactly that
+many). The server is the one at `url`, or one this process starts over its own `LLM` on a free
 local port (`serve_in_process`). Standard library only on the client side.
 """
 
@@ -83,28 +84,52 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
 
 
 def run_serving(url: str, *, num_prompts: int, input_len: int, output_len: int, concurrency: int,
-                vocab_size: int = 129280, temperature: float = 0.0, seed: int = 0, model: str = "deepinfer"
-                ) -> dict[str, Any]:
-    """Send the prompts with `concurrency` clients and summarise the timings (milliseconds in the summary)."""
+                vocab_size: int = 129280, temperature: float = 0.0, seed: int = 0, model: str = "deepinfer",
+                request_rate: float | None = None) -> dict[str, Any]:
+    """Send the prompts and summarise the timings (milliseconds in the summary). request_rate None: a closed loop
+    of `concurrency` clients, each sending its next request when the last one ends; a rate (requests/s): an open
+    loop, requests arriving as a Poisson process of that rate (seeded), at most `concurrency` in flight (an
+    arrival waits for a free slot, as a client pool would)."""
+    import random
+
     from deepinfer_engine.bench import random_prompts
 
     prompts = random_prompts(num_prompts, input_len, vocab_size, seed, None)
     timings: list[RequestTiming | None] = [None] * num_prompts
-    nxt = iter(range(num_prompts))
-    lock = threading.Lock()
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(nxt, None)
-            if i is None:
-                return
-            timings[i] = _one(url, prompts[i], output_len, temperature, model)
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(max(1, concurrency))]
-    for th in threads:
-        th.start()
+    if request_rate is None:
+        nxt = iter(range(num_prompts))
+        lock = threading.Lock()
+
+        def client() -> None:
+            while True:
+                with lock:
+                    i = next(nxt, None)
+                if i is None:
+                    return
+                timings[i] = _one(url, prompts[i], output_len, temperature, model)
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(max(1, concurrency))]
+        for th in threads:
+            th.start()
+    else:
+        rng = random.Random(seed)
+        slots = threading.Semaphore(max(1, concurrency))
+        threads = []
+
+        def send(i: int) -> None:
+            try:
+                timings[i] = _one(url, prompts[i], output_len, temperature, model)
+            finally:
+                slots.release()
+
+        due = 0.0
+        for i in range(num_prompts):
+            due += rng.expovariate(request_rate)
+            time.sleep(max(0.0, due - (time.perf_counter() - t0)))
+            slots.acquire()
+            threads.append(threading.Thread(target=send, args=(i,), daemon=True))
+            threads[-1].start()
     for th in threads:
         th.join()
     wall = time.perf_counter() - t0
@@ -116,7 +141,8 @@ def run_serving(url: str, *, num_prompts: int, input_len: int, output_len: int, 
     out_tokens = sum(t.output_tokens for t in done)
     return {
         "benchmark": "serving", "url": url, "num_prompts": num_prompts, "input_len": input_len,
-        "output_len": output_len, "concurrency": concurrency, "completed": len(done), "failed": len(failed),
+        "output_len": output_len, "concurrency": concurrency, "request_rate": request_rate,
+        "completed": len(done), "failed": len(failed),
         "errors": sorted({t.error for t in failed if t is not None and t.error})[:5],
         "duration_s": wall, "requests_per_s": len(done) / wall, "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + len(done) * input_len) / wall,
@@ -128,7 +154,9 @@ def run_serving(url: str, *, num_prompts: int, input_len: int, output_len: int, 
 def format_serving(r: dict[str, Any]) -> str:
     lines = [f"{' Serving Benchmark Result ':=^60}",
              f"{'Successful requests:':<30}{r['completed']}", f"{'Failed requests:':<30}{r['failed']}",
-             f"{'Concurrency:':<30}{r['concurrency']}", f"{'Duration (s):':<30}{r['duration_s']:.2f}",
+             f"{'Concurrency:':<30}{r['concurrency']}",
+             f"{'Request rate (req/s):':<30}{'closed loop' if r['request_rate'] is None else r['request_rate']}",
+             f"{'Duration (s):':<30}{r['duration_s']:.2f}",
              f"{'Request throughput (req/s):':<30}{r['requests_per_s']:.2f}",
              f"{'Output tokens/s:':<30}{r['output_tokens_per_s']:.1f}",
              f"{'Total tokens/s:':<30}{r['total_tokens_per_s']:.1f}"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from deepinfer_engine.bench_serving import run_serving, serve_in_process
+from deepinfer_engine.bench_serving import format_serving, run_serving, serve_in_process
 from deepinfer_engine.cli import main
 from deepinfer_engine.llm import LLM
 
@@ -38,10 +38,24 @@ def test_run_serving_counts_failed_requests(tiny_v41_dir) -> None:
     assert r["completed"] == 0 and r["failed"] == 2 and "max_model_len" in r["errors"][0]
 
 
-def test_bad_counts_fail_before_the_model_loads(monkeypatch, capsys) -> None:
+def test_open_loop_arrivals_at_a_request_rate(tiny_v41_dir) -> None:
+    llm = LLM(str(tiny_v41_dir), device="cpu", dtype="float32")
+    url, stop = serve_in_process(llm)
+    try:  # 6 Poisson arrivals at 20 req/s, at most 2 in flight
+        r = run_serving(url, num_prompts=6, input_len=8, output_len=3, concurrency=2, request_rate=20.0)
+    finally:
+        stop()
+        llm.close()
+    assert r["completed"] == 6 and r["failed"] == 0 and r["request_rate"] == 20.0
+    assert "Request rate (req/s):" in format_serving(r)
+
+
+@pytest.mark.parametrize(("args", "words"), [(["--concurrency", "0"], "concurrency"),
+                                             (["--request-rate", "0"], "request_rate")])
+def test_bad_counts_fail_before_the_model_loads(monkeypatch, capsys, args, words) -> None:
     def boom(*a, **k):
         raise AssertionError("the model was loaded before the options were checked")
 
     monkeypatch.setattr("deepinfer_engine.llm.llm_from_cli", boom)
-    rc = main(["bench", "serving", "--concurrency", "0", "--model", "/unused"])
-    assert rc == 2 and "concurrency" in capsys.readouterr().err
+    rc = main(["bench", "serving", *args, "--model", "/unused"])
+    assert rc == 2 and words in capsys.readouterr().err

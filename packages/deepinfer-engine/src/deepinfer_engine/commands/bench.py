@@ -25,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     srv.add_argument("--num-prompts", type=int, default=32)
     srv.add_argument("--input-len", type=int, default=32)
     srv.add_argument("--output-len", type=int, default=32)
-    srv.add_argument("--concurrency", type=int, default=8, help="clients, each with one request in flight")
+    srv.add_argument("--concurrency", type=int, default=8,
+                     help="closed loop: clients, each with one request in flight; with --request-rate: the most "
+                          "requests in flight")
+    srv.add_argument("--request-rate", type=float, default=None,
+                     help="open loop: requests arrive as a Poisson process of this rate (req/s); default: closed loop")
     srv.add_argument("--served-model-name", default="deepinfer", help="the body's `model` field")
     lat = sub.add_parser("latency", help="one batch generated repeatedly: latency percentiles",
                          allow_abbrev=False)
@@ -125,6 +129,8 @@ def _serving(ns: argparse.Namespace) -> int:
     for name in ("num_prompts", "input_len", "output_len", "concurrency"):
         if getattr(ns, name) < 1:
             raise ConfigError(f"{name}: found {getattr(ns, name)}, expected >= 1")
+    if ns.request_rate is not None and not ns.request_rate > 0:
+        raise ConfigError(f"request_rate: found {ns.request_rate}, expected a positive rate (req/s) or no flag")
     llm = stop = None
     url, vocab = ns.url, 129280
     if url is None:
@@ -134,7 +140,7 @@ def _serving(ns: argparse.Namespace) -> int:
     try:
         r = run_serving(url, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
                         concurrency=ns.concurrency, vocab_size=vocab, temperature=ns.temperature,
-                        seed=ns.bench_seed, model=ns.served_model_name)
+                        seed=ns.bench_seed, model=ns.served_model_name, request_rate=ns.request_rate)
     finally:
         if stop is not None:
             stop()
