@@ -22,16 +22,6 @@ def _rows(path) -> list[dict]:
     return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    """Loading a model fails the test: the command must stop before it."""
-
-    def boom(*a, **k):
-        raise AssertionError("the model was loaded before the output path was checked")
-
-    monkeypatch.setattr("deepinfer_engine.llm.llm_from_cli", boom)
-
-
 @pytest.mark.parametrize("where", ["missing_dir", "a_directory"])
 def test_bad_output_path_fails_before_model_work(tmp_path, capsys, no_model, where) -> None:
     src = tmp_path / "in.jsonl"
