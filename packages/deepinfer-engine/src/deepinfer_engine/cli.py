@@ -41,9 +41,17 @@ def _setup_logging() -> None:
     # start-up facts (cache families and their bytes per token, the cache plan) go to stderr at INFO
     import logging
 
+    class _Stderr(logging.StreamHandler):
+        """Writes to whatever sys.stderr is when a record comes (a redirect or a test harness may replace it
+        after the first command of a process set the handler up)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.stream = sys.stderr
+            super().emit(record)
+
     log = logging.getLogger("deepinfer_engine")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _Stderr(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

@@ -476,9 +476,9 @@ def make_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, *, model_na
     """The HTTP server (not yet serving: call `serve_forever`) and its started engine loop. Port 0 picks a free
     port (`server.server_address`). api_key: required as a bearer token on every route but /health. Shut down
     with `server.shutdown()` then `loop.stop()`."""
-    loop = ServingLoop(llm).start()
+    loop = ServingLoop(llm)
     handler = type("DeepInferHandler", (_Handler,), {"loop": loop, "model_name": model_name,
                                                       "default_max_tokens": default_max_tokens, "api_key": api_key})
-    server = ThreadingHTTPServer((host, port), handler)
+    server = ThreadingHTTPServer((host, port), handler)  # may raise (address in use): no thread is started yet
     server.daemon_threads = True
-    return server, loop
+    return server, loop.start()

@@ -47,3 +47,16 @@ def test_bad_options_fail_before_the_model_loads(no_model, capsys, args, words) 
     rc = main(["serve", *args, "--model", "/unused"])
     err = capsys.readouterr().err
     assert rc == 2 and words in err and "Traceback" not in err
+
+
+def test_a_port_in_use_is_one_error_line(tiny_v41_dir, capsys) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = main(["serve", "--port", str(port), "--model", str(tiny_v41_dir), "--device", "cpu", "--dtype",
+                   "float32"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
