@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from deepinfer_engine.llm import LLM
 from deepinfer_engine.sampling_params import SamplingParams
-from deepinfer_engine.server import make_server
+from deepinfer_engine.server import serve_in_thread
 from engine_testing import plain_ids, script_replies
 
 
@@ -36,14 +36,9 @@ def ref(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def url(llm):
-    server, loop = make_server(llm, "127.0.0.1", 0, model_name="tiny", default_max_tokens=4)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host, port = server.server_address[:2]
-    yield f"http://{host}:{port}"
-    server.shutdown()
-    server.server_close()
-    loop.stop()
+    base, stop = serve_in_thread(llm, model_name="tiny", default_max_tokens=4)
+    yield base
+    stop()
 
 
 def _post(url: str, path: str, body: object, *, raw: bytes | None = None) -> tuple[int, dict]:
@@ -136,17 +131,13 @@ def test_concurrent_requests_all_complete(url) -> None:
 
 def test_a_prompt_that_can_never_fit_is_a_400_streamed_or_not(tiny_ckpt) -> None:
     model = LLM(str(tiny_ckpt("v41")), device="cpu", dtype="float32", max_model_len=16)
-    server, loop = make_server(model, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = "http://{}:{}".format(*server.server_address[:2])
+    base, stop = serve_in_thread(model)
     try:
         for stream in (False, True):
             status, r = _post(base, "/v1/completions", {"prompt": list(range(100, 120)), "stream": stream})
             assert status == 400 and "max_model_len" in r["error"]["message"], (stream, r)
     finally:
-        server.shutdown()
-        server.server_close()
-        loop.stop()
+        stop()
         model.close()
 
 
@@ -242,9 +233,7 @@ def test_streamed_chat_reports_a_tool_call_then_its_finish_reason(tiny_ckpt, mon
               '</｜DSML｜ calls>')
     reply = plain_ids(model, markup) + [model.engine.eos_token_ids[0]]
     script_replies(model, monkeypatch, [reply, reply])
-    server, loop = make_server(model, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = "http://{}:{}".format(*server.server_address[:2])
+    base, stop = serve_in_thread(model)
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
@@ -254,9 +243,7 @@ def test_streamed_chat_reports_a_tool_call_then_its_finish_reason(tiny_ckpt, mon
         events = _stream(base, "/v1/chat/completions", body)
         status, whole = _post(base, "/v1/chat/completions", body)
     finally:
-        server.shutdown()
-        server.server_close()
-        loop.stop()
+        stop()
         model.close()
     deltas = [e["choices"][0] for e in events[:-1]]
     assert "".join(d["delta"].get("content") or "" for d in deltas).strip() == "Checking."
@@ -312,9 +299,7 @@ def test_an_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(ur
 
 
 def test_an_api_key_guards_every_route_but_health(ref) -> None:
-    server, loop = make_server(ref, "127.0.0.1", 0, api_key="s3cret")  # an engine no other loop drives
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = "http://{}:{}".format(*server.server_address[:2])
+    base, stop = serve_in_thread(ref, api_key="s3cret")  # an engine no other loop drives
 
     def get(path: str, key: str | None) -> int:
         req = urllib.request.Request(base + path, headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -331,6 +316,4 @@ def test_an_api_key_guards_every_route_but_health(ref) -> None:
         status, r = _post(base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert status == 401 and "Authorization: Bearer" in r["error"]["message"]
     finally:
-        server.shutdown()
-        server.server_close()
-        loop.stop()
+        stop()

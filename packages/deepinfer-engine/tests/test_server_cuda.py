@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 from deepinfer_engine import LLM, SamplingParams
-from deepinfer_engine.server import make_server
+from deepinfer_engine.server import serve_in_thread
 from engine_testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -25,9 +25,7 @@ def test_concurrent_requests_on_cuda_equal_the_offline_api(tmp_path) -> None:
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
                                                                                  ignore_eos=True), use_tqdm=False)]
     llm = LLM(str(ckpt), **OPTIONS)
-    server, loop = make_server(llm, "127.0.0.1", 0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = "http://{}:{}".format(*server.server_address[:2])
+    base, stop = serve_in_thread(llm)
     got: dict[int, list[int]] = {}
 
     def one(i: int) -> None:
@@ -45,7 +43,5 @@ def test_concurrent_requests_on_cuda_equal_the_offline_api(tmp_path) -> None:
         for t in threads:
             t.join(timeout=600)
     finally:
-        server.shutdown()
-        server.server_close()
-        loop.stop()
+        stop()
     assert [got.get(i) for i in range(len(prompts))] == [list(w) for w in want]

@@ -5,8 +5,8 @@ sees: time to first token (TTFT), time per output token after the first (TPOT), 
 Closed loop (default): `concurrency` client threads, each with one request in flight at a time; open loop
 (`request_rate`): Poisson arrivals at that rate, at most `concurrency` in flight. Over `num_prompts` random token-id
 prompts of `input_len` tokens with `output_len` tokens each (`ignore_eos`, so every request generates exactly that
-many). The server is the one at `url`, or one this process starts over its own `LLM` on a free
-local port (`serve_in_process`). Standard library only on the client side.
+many). The server is the one at `url`, or one this process starts over its own `LLM` on a free local port
+(`server.serve_in_thread`). Standard library only on the client side.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestTiming", "format_serving", "run_serving", "serve_in_process"]
+__all__ = ["RequestTiming", "format_serving", "run_serving"]
 
 
 @dataclass
@@ -170,19 +170,3 @@ def format_serving(r: dict[str, Any]) -> str:
         lines.append(f"error: {e}")
     lines.append("=" * 60)
     return "\n".join(lines)
-
-
-def serve_in_process(llm: Any, *, model_name: str = "deepinfer"):
-    """Start `deepinfer_engine.server` over `llm` on a free local port; returns (url, stop function)."""
-    from deepinfer_engine.server import make_server
-
-    server, loop = make_server(llm, "127.0.0.1", 0, model_name=model_name)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-
-    def stop() -> None:
-        server.shutdown()
-        server.server_close()
-        loop.stop()
-
-    return "http://{}:{}".format(*server.server_address[:2]), stop

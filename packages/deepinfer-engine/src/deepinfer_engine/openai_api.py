@@ -21,6 +21,7 @@ __all__ = [
     "chat_chunk",
     "completion_chunk",
     "logprobs_json",
+    "output_failure",
     "prepare",
     "response_body",
     "sampling_from_body",
@@ -125,6 +126,18 @@ def logprobs_json(co) -> dict[str, Any] | None:
         return None
     return {"content": [{"token_id": lp.token_id, "logprob": lp.logprob,
                          "top_logprobs": [{"token_id": t, "logprob": v} for t, v in lp.top]} for lp in co.logprobs]}
+
+
+def output_failure(out) -> tuple[str, str] | None:
+    """Why a finished output is not a result, as (code, message): "request_failed" with the engine's error (the
+    request could not be served, its logits turned non-finite, its step failed), "output_parse_failed" when the
+    recipe could not parse a chat sample (the message carries the raw text); None for a result."""
+    if out.error is not None:
+        return "request_failed", out.error
+    bad = [co for co in out.outputs if co.parse_error is not None]
+    if bad:
+        return "output_parse_failed", f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}"
+    return None
 
 
 def response_body(url: str, body: dict[str, Any], out, response_id: str, created: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ disconnects has its request aborted, so its sequence leaves the batch.
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import queue
@@ -23,7 +24,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -34,12 +35,13 @@ from deepinfer_engine.openai_api import (
     Prepared,
     chat_chunk,
     completion_chunk,
+    output_failure,
     prepare,
     response_body,
     usage,
 )
 
-__all__ = ["ServingLoop", "make_server", "metrics_text"]
+__all__ = ["ServingLoop", "make_server", "metrics_text", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -246,16 +248,16 @@ def _error_json(status: int, message: str) -> dict[str, Any]:
 
 
 def _final_error(out: Any) -> tuple[int, str] | None:
-    """(status, message) when a finished output is not a result. The engine's error is the client's to fix (400)
-    when it says the request cannot fit (`max_model_len`, the whole cache, the token budget, an empty prompt),
-    else the server's (500: a failed step, non-finite logits); a sample the recipe could not parse is a 500 too."""
-    if out.error is not None:  # the scheduler's capacity refusals start so (core/scheduler.py)
-        client = out.error.startswith(("prompt ", "sequence reached "))
-        return (400 if client else 500), out.error
-    bad = [co for co in out.outputs if co.parse_error is not None]
-    if bad:
-        return 500, f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}"
-    return None
+    """(status, message) when a finished output is not a result (`openai_api.output_failure`): the client's to fix
+    (400) when the engine says the request cannot fit (its capacity refusals start "prompt " or "sequence
+    reached ": `max_model_len`, the whole cache, the token budget, an empty prompt), else the server's (500: a
+    failed step, non-finite logits, a chat sample the recipe could not parse)."""
+    failure = output_failure(out)
+    if failure is None:
+        return None
+    code, message = failure
+    client = code == "request_failed" and message.startswith(("prompt ", "sequence reached "))
+    return (400 if client else 500), message
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -441,7 +443,7 @@ class _Handler(BaseHTTPRequestHandler):
             return out
 
         try:
-            for ev in _chain(first, events):
+            for ev in itertools.chain([first], events):
                 if ev.kind == "error":  # after the headers: the error travels as an event
                     self._sse(_error_json(ev.status, ev.message))
                     break
@@ -466,11 +468,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-def _chain(first: _Event, rest: Iterator[_Event]) -> Iterator[_Event]:
-    yield first
-    yield from rest
-
-
 def make_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, *, model_name: str = "deepinfer",
                 default_max_tokens: int = 256, api_key: str | None = None) -> tuple[ThreadingHTTPServer, ServingLoop]:
     """The HTTP server (not yet serving: call `serve_forever`) and its started engine loop. Port 0 picks a free
@@ -482,3 +479,17 @@ def make_server(llm: Any, host: str = "127.0.0.1", port: int = 8000, *, model_na
     server = ThreadingHTTPServer((host, port), handler)  # may raise (address in use): no thread is started yet
     server.daemon_threads = True
     return server, loop.start()
+
+
+def serve_in_thread(llm: Any, **options: Any) -> tuple[str, Callable[[], None]]:
+    """`make_server(llm, "127.0.0.1", 0, **options)` serving on a daemon thread: (its base URL, a function that
+    stops it). For benchmarks and tests in the same process."""
+    server, loop = make_server(llm, "127.0.0.1", 0, **options)
+    threading.Thread(target=server.serve_forever, name="deepinfer-http", daemon=True).start()
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        loop.stop()
+
+    return "http://{}:{}".format(*server.server_address[:2]), stop

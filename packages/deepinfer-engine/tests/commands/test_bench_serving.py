@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from deepinfer_engine.bench_serving import format_serving, run_serving, serve_in_process
+from deepinfer_engine.bench_serving import format_serving, run_serving
 from deepinfer_engine.cli import main
 from deepinfer_engine.llm import LLM
+from deepinfer_engine.server import serve_in_thread
 
 
 def test_bench_serving_in_process(tiny_v41_dir, tmp_path, capsys) -> None:
@@ -29,7 +30,7 @@ def test_bench_serving_in_process(tiny_v41_dir, tmp_path, capsys) -> None:
 
 def test_run_serving_counts_failed_requests(tiny_v41_dir) -> None:
     llm = LLM(str(tiny_v41_dir), device="cpu", dtype="float32", max_model_len=16)
-    url, stop = serve_in_process(llm)
+    url, stop = serve_in_thread(llm)
     try:  # prompts of 20 tokens > max_model_len: every request is refused, and counted as failed
         r = run_serving(url, num_prompts=2, input_len=20, output_len=4, concurrency=2)
     finally:
@@ -40,7 +41,7 @@ def test_run_serving_counts_failed_requests(tiny_v41_dir) -> None:
 
 def test_open_loop_arrivals_at_a_request_rate(tiny_v41_dir) -> None:
     llm = LLM(str(tiny_v41_dir), device="cpu", dtype="float32")
-    url, stop = serve_in_process(llm)
+    url, stop = serve_in_thread(llm)
     try:  # 6 Poisson arrivals at 20 req/s, at most 2 in flight
         r = run_serving(url, num_prompts=6, input_len=8, output_len=3, concurrency=2, request_rate=20.0)
     finally:

@@ -122,9 +122,10 @@ def _run(llm, ns: argparse.Namespace) -> int:
 
 def _serving(ns: argparse.Namespace) -> int:
     from deepinfer_engine import bench
-    from deepinfer_engine.bench_serving import format_serving, run_serving, serve_in_process
+    from deepinfer_engine.bench_serving import format_serving, run_serving
     from deepinfer_engine.errors import ConfigError
     from deepinfer_engine.llm import llm_from_cli
+    from deepinfer_engine.server import serve_in_thread
 
     for name in ("num_prompts", "input_len", "output_len", "concurrency"):
         if getattr(ns, name) < 1:
@@ -136,7 +137,7 @@ def _serving(ns: argparse.Namespace) -> int:
     if url is None:
         llm = llm_from_cli(ns)
         vocab = int(getattr(llm.engine.args, "vocab_size", vocab))
-        url, stop = serve_in_process(llm, model_name=ns.served_model_name)
+        url, stop = serve_in_thread(llm, model_name=ns.served_model_name)
     try:
         r = run_serving(url, num_prompts=ns.num_prompts, input_len=ns.input_len, output_len=ns.output_len,
                         concurrency=ns.concurrency, vocab_size=vocab, temperature=ns.temperature,

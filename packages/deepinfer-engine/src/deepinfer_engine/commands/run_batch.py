@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_engine.config import add_engine_args
-from deepinfer_engine.openai_api import CHAT_URL, COMPLETIONS_URL, prepare, response_body
+from deepinfer_engine.openai_api import CHAT_URL, COMPLETIONS_URL, output_failure, prepare, response_body
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,12 +99,9 @@ def _parse_line(llm, line_no: int, raw: str | bytes, seen: dict[str, int], defau
 
 def _result(req: _Request, out, created: int) -> dict[str, Any]:
     line_no, cid, body = req.line_no, req.custom_id, req.body
-    if out.error is not None:
-        return _error(line_no, cid, "request_failed", out.error)
-    bad = [co for co in out.outputs if co.parse_error is not None]
-    if bad:
-        return _error(line_no, cid, "output_parse_failed",
-                      f"choice {bad[0].index}: {bad[0].parse_error}; raw text: {bad[0].text!r}")
+    failure = output_failure(out)
+    if failure is not None:
+        return _error(line_no, cid, *failure)
     prefix = "chatcmpl" if req.url == CHAT_URL else "cmpl"
     resp = response_body(req.url, body, out, f"{prefix}-{line_no}", created)
     return {"id": f"batch_req_{line_no}", "custom_id": cid,
