@@ -25,6 +25,8 @@
 #            storage: decode step at B = 1, 64 against the bytes bound, kernel families, a profiled prefill
 #     records-final  GPU tests of the FP8 linears, then kernel_breakdown.py with records (B = 1, 64, prefill) and a
 #            prefill with bf16 storage
+#     records-attn  the sparse-attention record tests (GPU), the records sweep at 256 and 64 tokens (Triton, TileLang
+#            64-row and staged producers) and the records decode step with its kernel families (B = 1, 64)
 #     closing  the FP8 linear GPU tests, the records decode step (kernel families), the bf16 decode step table with
 #            its plot, V4 against HF eager: one call's evidence for a stop
 #     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
@@ -205,6 +207,26 @@ records-final)
     step prefill_bf16 60 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 --batch "" \
         --prefill 32 --top 12 --output-json "$OUT/prefill_bf16.json"
     ;;
+records-attn)
+    # after a change to the TileLang record producer: its GPU tests, its sweep, the decode step that runs it. The
+    # record variants compile in the background first (sweep and engine; 20-110 s each on the device host)
+    use_tilelang_site
+    warm_engine_records
+    python3 -c "import tilelang" 2>/dev/null && for v in "64, False" "32, True"; do
+        (cd packages/deepinfer-kernels/benchmarks && timeout 300 python3 -c "import sweep_sparse_attn as s; print(s._warm_tilelang(($v)))" \
+            >"$OUT/warm_sweep_${v//[ ,]/}.log" 2>&1 &)
+    done
+    rm -rf $CK/v41-l4
+    step make_v41_full 50 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
+    step records_tests 240 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist -k "record" \
+        packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py
+    step records_sweep 100 bash -c "cd packages/deepinfer-kernels/benchmarks && python3 sweep_sparse_attn.py \
+        --batches 256,64 --forms rec --only none --tilelang 64 --tilelang-staged --workers 0 --budget-s 90 --output-json $OUT/records_sweep.json"
+    step breakdown_auto 180 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
+        --top 12 --output-json "$OUT/breakdown_auto.json"
+    ;;
 closing)
     # the evidence for a stop, in one call: the FP8 linear GPU tests (the PDL chain with the activation pass among
     # them), the records decode step with its kernel families (B = 1, 64), the bf16-storage decode step table with its
@@ -254,7 +276,7 @@ dspark)
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, closing, peer, serving, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, closing, peer, serving, dspark)" >&2
     exit 2
     ;;
 esac
