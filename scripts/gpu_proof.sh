@@ -31,7 +31,7 @@
 #            its plot, V4 against HF eager: one call's evidence for a stop
 #     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
 #     serving the HTTP server's GPU test, then `bench serving` at 1, 16 and 64 concurrent clients on V4.1 layers-4
-#     dspark the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
+#     dspark the speculative graphs' GPU tests, then the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
 #            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -271,7 +271,12 @@ serving)
     done
     ;;
 dspark)
-    step dspark_policies 540 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
+    # the speculative graphs' GPU tests first (ragged verify graphs captured and replayed, greedy equality in fp32)
+    xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
+    step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
+        packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py
+    step dspark_policies 420 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
         --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats 3 --warm-runs 1 --async-scheduling off \
         --json "$OUT/dspark_policies.json"
     ;;

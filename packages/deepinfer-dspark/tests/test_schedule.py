@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 from deepinfer_dspark import (
@@ -285,3 +286,64 @@ def test_padded_global_is_optimal_and_exact_is_non_anticipating(seed: int):
                     other[b, j:] = other[b, j - 1] * torch.cumprod(torch.rand(width - j, dtype=torch.float64), 0)
                     got = schedule_verification(pol, m, survival=other, latency=lat, padding=pad).tolist()
                     assert (got[b] >= j) == (base[b] >= j)
+
+
+def _ragged_rate(a: torch.Tensor, counts: list[int], lat: LatencyModel, pad: StepPadding, base: int) -> float:
+    e = len(counts) + sum(float(a[b, :c].clamp(0, 1).sum()) for b, c in enumerate(counts))
+    rows = base + len(counts) + sum(counts)
+    return e / lat.predict(int(pad.bucketed(np.asarray([rows]))[0]))
+
+
+def test_ragged_step_prunes_per_request_and_fills_its_bucket():
+    # one confident request and 7 doubtful ones, rows back to back in buckets of half a batch (8, 12, ..., 48): the
+    # padded pricing could only verify everything (the confident chunk keeps Q = 6); the ragged one drops the
+    # doubtful drafts and runs a smaller bucket, which the drafts ranked next fill
+    a = _survival([[0.95] * 5] + [[0.3, 0.5, 0.5, 0.5, 0.5]] * 7)
+    sizes = tuple(range(8, 49, 4))
+    pad, lat, m = StepPadding(8, sizes, ragged=True), LatencyModel.affine(0.004, 2e-4, 64), [5] * 8
+    assert pad.rows(13) == 16 and pad.rows(49) is None and pad.bucketed(np.asarray([8, 9, 48, 50])).tolist() == [
+        8, 12, 48, 50]
+    for greedy in (False, True):
+        got = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat, padding=pad,
+                                    deterministic=greedy).tolist()
+        assert got[0] == 5 and sum(got) < sum(m) and (8 + sum(got)) in sizes, got
+        assert _ragged_rate(a, got, lat, pad, 0) > _ragged_rate(a, m, lat, pad, 0)
+    # padded steps can only cap every request at one depth: the confident request's drafts go too
+    uniform = StepPadding(8, (1, 2, 4, 6))
+    capped = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat, padding=uniform).tolist()
+    assert capped == [1] * 8 and _padded_rate(a, capped, lat, uniform) < _ragged_rate(a, got, lat, pad, 0)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ragged_global_is_optimal_and_exact_is_non_anticipating(seed: int):
+    rng = random.Random(300 + seed)
+    batch, width = rng.randint(1, 4), 5
+    conf = [[rng.choice([rng.random(), 1.0, 0.0, 0.9]) for _ in range(width)] for _ in range(batch)]
+    a = _survival(conf).double()
+    m = [rng.randint(0, width) for _ in range(batch)]
+    base = rng.randint(0, 2)
+    B = rng.choice([4, 8]) if batch + base <= 4 else 8
+    pad = StepPadding(B, tuple(sorted({-(-B * k // 2) for k in range(2, 13)})), ragged=True)
+    sizes = list(range(1, B * 6 + 2))
+    jagged = LatencyModel(sizes, [1.0 + 0.05 * q + rng.choice([0.0, 0.4, 0.9]) for q in sizes])
+    affine = LatencyModel.affine(rng.uniform(0.2, 2.0), rng.uniform(0.005, 0.3), 64)
+    for lat in (jagged, affine):
+        best = max(_ragged_rate(a, list(c), lat, pad, base) for c in itertools.product(*(range(k + 1) for k in m)))
+        got = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad,
+                                    base_tokens=base)
+        assert all(0 <= c <= k for c, k in zip(got.tolist(), m))
+        assert _ragged_rate(a, got.tolist(), lat, pad, base) == pytest.approx(best, rel=1e-9)
+        pol = VerifyPolicy(kind="cost")
+        ref = schedule_verification(pol, m, survival=a, latency=lat, padding=pad, base_tokens=base).tolist()
+        rows = base + batch + sum(ref)
+        assert sum(ref) == sum(m) or pad.rows(rows) == rows  # a bucket filled, or every draft verified
+        # exact: whether draft j (1-based) of request b is verified must not depend on d_j, i.e. on the survivals
+        # of drafts j+1 .. N of b (columns j.. here), whatever they are
+        for b in range(batch):
+            for j in range(1, width + 1):
+                for _ in range(3):
+                    other = a.clone()
+                    other[b, j:] = other[b, j - 1] * torch.cumprod(torch.rand(width - j, dtype=torch.float64), 0)
+                    got = schedule_verification(pol, m, survival=other, latency=lat, padding=pad,
+                                                base_tokens=base).tolist()
+                    assert (got[b] >= j) == (ref[b] >= j)

@@ -30,6 +30,14 @@ padded steps (`StepPadding`, a replayed CUDA graph): every sequence of the step 
   c bucket by bucket while the rate improves, deciding to admit depths c+1..c' from survivals up to depth c+1 only
   (a_{c+1} depends on the drafts up to d_c, all admitted), the deeper ones extrapolated with each request's last
   conditional confidence: non-anticipating, as above.
+ragged steps (`StepPadding(..., ragged=True)`, a replayed ragged CUDA graph): the sequences' rows lie back to back
+  and the step's rows round up to the next of `sizes` (total-row buckets), so it costs T(bucket(base + S + K)):
+  every draft counts, but only across a bucket boundary. deterministic / exact=False: the argmax of E(K) /
+  T(bucket(.)) over all K (always a K that fills a bucket, or all candidates). exact=True: the early-stop search on
+  the unbucketed curve picks K, then the candidates ranked next fill the rest of K's bucket (they cost nothing
+  more). Non-anticipating: the bucket of K follows from candidates ranked up to K + 1, and a request's candidates
+  are ranked in depth order, so a candidate admitted by the fill was decided on survivals of other requests and of
+  its own shallower drafts only.
   A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
   the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
   (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
@@ -91,10 +99,14 @@ class StepPadding:
     """The shape a verify step runs in when every sequence is padded to a common length (a replayed CUDA graph):
     `batch` sequences (the step's sequences rounded up to a graph batch size, non-speculating ones included) of
     Q rows each, Q = the smallest of `sizes` (ascending tokens-per-sequence buckets) that holds the longest
-    chunk (1 + its drafts). The step then costs T(batch * Q) whatever the other chunks verify."""
+    chunk (1 + its drafts). The step then costs T(batch * Q) whatever the other chunks verify.
+
+    ragged: the graph lays the sequences' rows back to back instead, and `sizes` are its total-row buckets: a step
+    of R rows costs T(the smallest size >= R) (past the largest: T(R), run eagerly)."""
 
     batch: int
     sizes: tuple[int, ...]
+    ragged: bool = False
 
     def __post_init__(self) -> None:
         sizes = tuple(int(q) for q in self.sizes)
@@ -105,11 +117,18 @@ class StepPadding:
         object.__setattr__(self, "sizes", sizes)
 
     def rows(self, longest: int) -> int | None:
-        """Rows of the padded step whose longest chunk has `longest` tokens (None: no bucket holds it)."""
+        """Rows of the padded step whose longest chunk has `longest` tokens (None: no bucket holds it); ragged: the
+        rows of a step of `longest` rows in all."""
         for q in self.sizes:
             if q >= longest:
-                return self.batch * q
+                return q if self.ragged else self.batch * q
         return None
+
+    def bucketed(self, rows: np.ndarray) -> np.ndarray:
+        """`[n] int64` the rows ragged steps of `rows` rows run (their buckets; rows past the largest unchanged)."""
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+        i = np.searchsorted(sizes, rows, side="left")
+        return np.where(i < sizes.size, sizes[np.minimum(i, sizes.size - 1)], rows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -351,6 +370,25 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
     return int(np.argmax(worse)) if bool(worse.any()) else count
 
 
+def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPadding, *, exact: bool,
+            base_tokens: int, deterministic: bool) -> int:
+    """K over the ranked candidate survivals `vals` of a ragged step (module docstring, "ragged steps")."""
+    count = vals.size
+    if batch == 0 or count == 0 or latency.flat():
+        return count
+    q0 = base_tokens + batch
+    if exact and not deterministic:
+        k = _budget(vals, batch, latency, exact=True, base_tokens=base_tokens, deterministic=False)
+        return min(count, int(padding.bucketed(np.asarray([q0 + k]))[0]) - q0)
+    expected = np.zeros(count + 1)
+    np.cumsum(vals, out=expected[1:])
+    expected += batch
+    rows = padding.bucketed(np.arange(q0, q0 + count + 1, dtype=np.int64))
+    lo = int(rows.min())
+    seconds = latency.host_curve(lo, int(rows.max()))[rows - lo]
+    return int(np.argmax(expected / seconds))  # first maximum
+
+
 def _padded(survival: Tensor | np.ndarray, m: np.ndarray, latency: LatencyModel, padding: StepPadding, *,
             exact: bool, deterministic: bool) -> np.ndarray:
     """`[B] int64` drafts per request of a padded step (module docstring, "padded steps"): min(max_drafts, c) for
@@ -447,7 +485,8 @@ def schedule_verification(
     deterministic: every request of the step is greedy (`cost_budget`).
     padding: cost only: the step runs padded (a replayed CUDA graph, `StepPadding`); the policy then picks a cap
     on the drafts of every request (module docstring, "padded steps") and base_tokens is not read (the other
-    sequences are in padding.batch).
+    sequences are in padding.batch); or ragged (`padding.ragged`): the top-K candidates priced by the step's row
+    bucket ("ragged steps").
 
     survival and max_drafts may be NumPy arrays: the engine reads the survivals to the host with the drafts, and
     on the host every policy runs in NumPy and launches one torch op (the result tensor; a CPU tensor's `.numpy()`
@@ -477,10 +516,14 @@ def schedule_verification(
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
-    if padding is not None:
+    if padding is not None and not padding.ragged:
         return _tensor(_padded(survival, m, latency, padding, exact=policy.exact, deterministic=deterministic),
                        _device(survival))
     vals, req = _ranked(survival, m)
-    k = _budget(vals, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
-                deterministic=deterministic)
+    if padding is not None:
+        k = _ragged(vals, survival.shape[0], latency, padding, exact=policy.exact, base_tokens=base_tokens,
+                    deterministic=deterministic)
+    else:
+        k = _budget(vals, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
+                    deterministic=deterministic)
     return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))

@@ -5,7 +5,9 @@ Two identically filled caches run the same verify-shaped steps: the exact forwar
 tokens (the last accepted token + n_i - 1 "drafts", n_i mixed in 1..Q), and the host half + the fixed-shape
 forward over a StaticDecodeStep of Q rows per sequence (rows past n_i padded). After each step every sequence
 keeps a random prefix of its rows (a rejection rolls the rest back, as speculative decoding does), so the padding
-rows' writes past the kept positions must be overwritten exactly like rejected drafts'. Sequences join and leave;
+rows' writes past the kept positions must be overwritten exactly like rejected drafts'. A ragged step (`rows=T`)
+lays the real rows out back to back and gives the rest to one padding sequence on the scratch slot; it writes
+exactly the real rows. Sequences join and leave;
 lengths cross the window and compressed-entry boundaries. Tolerance: max|Δ| / max|ref| <= 1e-5 (fp32, different
 reduction shapes).
 """
@@ -46,7 +48,8 @@ def _prefill(model: Transformer, cache: ModelCache, ids: torch.Tensor, slot: int
     model(_batch([ids.tolist()], [0], [slot], tables), cache)
 
 
-def _run(model: Transformer, *, batch_size: int, tokens: int, max_len: int, steps: int = 8) -> int:
+def _run(model: Transformer, *, batch_size: int, tokens: int, max_len: int, steps: int = 8,
+         rows: int | None = None) -> int:
     a = model.args
     slots, pages_per_slot = 4, -(-max_len // PAGE)
     tables = np.arange(slots * pages_per_slot, dtype=np.int32).reshape(slots, pages_per_slot)
@@ -60,7 +63,7 @@ def _run(model: Transformer, *, batch_size: int, tokens: int, max_len: int, step
         for c in caches:
             _prefill(model, c, ids, slot, tables)
     nxt = {s: int(torch.randint(0, a.vocab_size, (1,), generator=gen)) for s in lens}
-    step = StaticDecodeStep(caches[1], batch_size, max_len, "cpu", tokens=tokens)
+    step = StaticDecodeStep(caches[1], batch_size, max_len, "cpu", tokens=tokens, rows=rows)
     compared = 0
     for k in range(steps):
         if k == 3:
@@ -75,6 +78,9 @@ def _run(model: Transformer, *, batch_size: int, tokens: int, max_len: int, step
         qlens = [int(x) for x in rng.integers(1, tokens + 1, len(order))]
         if k == 0:
             qlens[0], qlens[-1] = 1, tokens
+        if rows is not None:  # a ragged step holds at most `rows` tokens: trim the longest chunks
+            while sum(qlens) > rows:
+                qlens[qlens.index(max(qlens))] -= 1
         ids = [[nxt[s]] + [int(x) for x in rng.integers(0, a.vocab_size, n - 1)] for s, n in zip(order, qlens)]
         batch = _batch(ids, [lens[s] for s in order], order, tables)
         ref = model(batch, caches[0])
@@ -104,6 +110,20 @@ def test_static_verify_equals_exact_v4():
     args = ModelArgs.from_config_dict(tiny_v4_config())
     model = init_random_(Transformer(args, torch.float32), seed=0).eval()
     assert _run(model, batch_size=4, tokens=6, max_len=96) == 8
+
+
+@pytest.mark.parametrize("rows", [4, 7, 12])
+def test_ragged_verify_equals_exact_v41(make_tiny_v41_model, rows):
+    """Rows back to back: 4 = one row per sequence slot (no padding row once four sequences run), 7 = some padding
+    rows, 12 = B * Q (as many rows as the uniform step)."""
+    assert _run(make_tiny_v41_model(0), batch_size=4, tokens=4, max_len=64, rows=rows) == 8
+
+
+@pytest.mark.parametrize("rows", [5, 13])
+def test_ragged_verify_equals_exact_v4(rows):
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    model = init_random_(Transformer(args, torch.float32), seed=0).eval()
+    assert _run(model, batch_size=4, tokens=6, max_len=96, rows=rows) == 8
 
 
 def test_static_verify_paged_rows_equal_the_exact_plan():

@@ -1,7 +1,7 @@
 """Speculative steps through the fixed-shape (graph) path of the engine, on CPU: the runner's verify hook
 (`CudaGraphRunner.verify_shape_of` / `run_verify`) with the capture replaced by the same StaticDecodeStep forward
-run eagerly on every "replay", so that the padded (B, L, Q) shapes, the gather of the real rows, the captured
-features / final streams handed to the drafters and the rollback of padding rows are exercised without a GPU.
+run eagerly on every "replay", so that the ragged (B, L, T) shapes, the real rows read from the graph's outputs,
+the captured features / final streams handed to the drafters and the padding sequence are exercised without a GPU.
 The DSpark draft pass and draft-ring writes take the same path (`run_draft`, `run_insert`). Greedy speculation
 through it equals plain greedy decoding token for token (DSpark on V4.1 and V4-0731, MTP on V4, every verification
 policy on V4.1: mixed verify lengths per step), and verify steps, draft passes and draft-ring writes really took
@@ -17,6 +17,7 @@ import torch
 from deepinfer_engine import LLM, SamplingParams
 from deepinfer_engine.worker.cuda_graph import (
     graph_batch_sizes,
+    verify_row_sizes,
     verify_shape,
     verify_token_sizes,
 )
@@ -47,7 +48,7 @@ def _with_static_graphs(llm: LLM) -> EagerReplayGraphs:
     drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
     if not hasattr(drafter, "after_step"):  # and DSpark's draft-ring writes
         eng.runner.spec.insert_runner = graphs.run_insert
-    eng.runner.spec.graph_sizes = (graphs.batch_sizes, verify_token_sizes(eng.runner.spec.max_drafts + 1))
+    eng.runner.spec.graph_sizes = (graphs.batch_sizes, eng.runner.spec.max_drafts + 1)
     return graphs
 
 
@@ -94,7 +95,10 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
                 torch.testing.assert_close(mine[slot][1], logits, rtol=1e-4, atol=1e-4)
     st = graphs.stats
     assert st.verify_captures == len(set(st.verify_shapes)) and st.verify_eager_steps > 0  # prefill steps: eager
-    assert max(q for _, _, q in st.verify_shapes) == spec.max_drafts + 1 >= 2, st.verify_shapes
+    # ragged steps of up to k + 1 rows per sequence, at least one with more rows than sequences
+    assert {g.step.tokens for k, g in graphs.graphs.items() if len(k) == 3 and k in st.verify_shapes} == {
+        spec.max_drafts + 1} and spec.max_drafts + 1 >= 2
+    assert any(t > b for b, _, t in st.verify_shapes), st.verify_shapes
     assert spec.stats.request_steps > 0 and st.replays == 0  # every decode step of a speculative engine verifies
     if method == "dspark":
         assert st.draft_replays > 0 and st.draft_eager_steps == 0, st  # every draft pass replayed
@@ -110,17 +114,23 @@ def test_verify_buckets():
     assert verify_token_sizes(1) == (1,)
     assert verify_token_sizes(2) == (1, 2)
     assert verify_token_sizes(6) == (1, 2, 4, 6)
-    sizes, toks = graph_batch_sizes(8), verify_token_sizes(6)
-    # verify chunks of 1 + m rows beside one-token decode chunks: padded to the longest, L covers the padding
-    assert verify_shape((3, 1, 6), (5, 300, 7), list(range(10)), sizes, toks, 4096) == (4, 512, 6)
-    assert verify_shape((2, 1), (254, 9), [0, 1, 2], sizes, toks, 4096) == (2, 256, 2)
-    assert verify_shape((2, 1), (255, 9), [0, 1, 2], sizes, toks, 4096) == (2, 512, 2)
-    assert verify_shape((1, 1), (5, 9), [0, 1], sizes, toks, 4096) == (2, 256, 1)
+    assert verify_row_sizes(1, 6) == (1, 2, 3, 4, 5, 6)
+    assert verify_row_sizes(4, 3) == (4, 6, 8, 10, 12)
+    assert verify_row_sizes(5, 2) == (5, 8, 10)  # half batches rounded up
+    sizes, toks = graph_batch_sizes(8), 6
+    # verify chunks of 1 + m rows beside one-token decode chunks: rows back to back, rounded up to a row bucket of
+    # the batch bucket; L covers each sequence's real rows
+    assert verify_shape((3, 1, 6), (5, 300, 7), list(range(10)), sizes, toks, 4096) == (4, 512, 10)
+    assert verify_shape((3, 1, 1), (5, 9, 7), list(range(5)), sizes, toks, 4096) == (4, 256, 6)
+    assert verify_shape((2, 1), (254, 9), [0, 1, 2], sizes, toks, 4096) == (2, 256, 3)
+    assert verify_shape((2, 1), (255, 9), [0, 1, 2], sizes, toks, 4096) == (2, 512, 3)
+    assert verify_shape((1, 1), (5, 9), [0, 1], sizes, toks, 4096) == (2, 256, 2)
     assert verify_shape((7, 1), (5, 9), list(range(8)), sizes, toks, 4096) is None  # more rows than k + 1
     assert verify_shape((3, 4), (5, 9), [2, 3, 4, 5, 6], sizes, toks, 4096) is None  # a prefill chunk: last row
     assert verify_shape((2, 1), (5, 9), [0, 0, 1, 2], sizes, toks, 4096) is None  # prompt logprobs
     assert verify_shape((1,) * 9, (3,) * 9, list(range(9)), sizes, toks, 4096) is None  # past the largest bucket
-    assert verify_shape((2,), (4095,), [0, 1], sizes, toks, 4096) is None  # padding past max_model_len
+    assert verify_shape((2,), (4095,), [0, 1], sizes, toks, 4096) is None  # past max_model_len
+    assert verify_shape((2,), (4094,), [0, 1], sizes, toks, 4096) == (1, 4096, 2)
     assert verify_shape((), (), [], sizes, toks, 4096) is None
 
 
@@ -157,19 +167,16 @@ def test_cost_profile_times_the_graphed_verify_step() -> None:
                                  pages=cache.num_pages, page_size=cache.page_size, device=torch.device("cpu"),
                                  repeats=1)
     assert list(lat.sizes) == [1, 2, 4, 8] and set(seen) == {1, 2, 4, 8}
-    assert graphs.stats.verify_replays == len(seen) and {b for b, _, _ in graphs.stats.verify_shapes} == {1, 2}
-    # padded: each size below the largest is a step the graphs run without padding rows (Q / 4 sequences of 4)
-    lens = []
-    profile_target_latency(lambda b: lens.append(b.query_lens) or forward(b), block_size=block, max_tokens=16,
-                           num_slots=cache.num_slots, pages=cache.num_pages, page_size=cache.page_size,
-                           device=torch.device("cpu"), repeats=1, padded=graphs.batch_sizes)
-    assert sorted(set(lens)) == [(1,), (2,), (4,), (4, 4), (6, 6, 4)]  # 16 = the largest: verify-shaped
+    # each power of two is a row bucket of its batch bucket: the graphs ran it without padding rows
+    assert graphs.stats.verify_replays == len(seen) and set(graphs.stats.verify_shapes) == {
+        (1, 256, 1), (1, 256, 2), (1, 256, 4), (2, 256, 8)}
 
 
-def test_cost_policy_prices_padded_steps_and_learns_at_their_rows(ckpts, monkeypatch) -> None:
-    """Through the graph path the cost policy prices a step by its padded rows: each step verifies
-    min(max_drafts, c) drafts per request for one cap c (the drafts below the longest chunk are free), the latency
-    model is corrected at the rows the graph ran, and the whole round's non-forward time becomes its overhead."""
+def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeypatch) -> None:
+    """Through the graph path the cost policy prices a step by its row bucket: each step verifies the
+    highest-survival drafts of any requests, as many as fill the bucket of the rows it chose (or all of them), the
+    latency model is corrected at the rows the graph ran, and the whole round's non-forward time becomes its
+    overhead."""
     from deepinfer_dspark import LatencyModel, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
@@ -187,21 +194,22 @@ def test_cost_policy_prices_padded_steps_and_learns_at_their_rows(ckpts, monkeyp
 
     def spy(policy, max_drafts, **kw):
         got = real(policy, max_drafts, **kw)
-        calls.append((list(max_drafts), kw["padding"], got.tolist()))
+        calls.append((list(max_drafts), kw["padding"], got.tolist(), kw["base_tokens"]))
         return got
 
     monkeypatch.setattr(spec_decode, "schedule_verification", spy)
     launch = spec.launch_verify
     monkeypatch.setattr(spec, "launch_verify", lambda rnd, out, n, r=None: rows.append((n, r)) or launch(rnd, out, n, r))
-    # a steep curve prunes; the padded pricing then cuts every request at one depth
+    # a steep curve prunes; the ragged pricing then fills the bucket of the rows it keeps
     spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 0.004, 64), online_latency=True)
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain
-    padded = [(m, got) for m, pad, got in calls if pad is not None]
-    assert padded and any(sum(got) < sum(m) for m, got in padded)
-    for m, got in padded:
-        cap = max(got)
-        assert got == [min(k, cap) for k in m], (m, got)
-    assert all(r >= n for n, r in rows) and any(r > n for n, r in rows)  # padding rows counted
+    ragged = [(m, pad, got, base) for m, pad, got, base in calls if pad is not None]
+    assert ragged and all(pad.ragged for _, pad, _, _ in ragged)
+    assert any(sum(got) < sum(m) for m, _, got, _ in ragged)
+    for m, pad, got, base in ragged:
+        n = base + len(m) + sum(got)
+        assert all(0 <= k <= mk for k, mk in zip(got, m)) and (sum(got) == sum(m) or pad.rows(n) == n), (m, got)
+    assert all(r >= n for n, r in rows) and any(r == n for n, r in rows)  # the rows the graph ran
     assert 0 < spec.latency.observations <= len(rows)
     # the overhead is the rounds' whole non-forward time (draft pass, bookkeeping, scheduling), set by the first
     # observation: not an EMA of the draft pass alone growing from 0 (about 0.2 of it after the 4-5 rounds here)

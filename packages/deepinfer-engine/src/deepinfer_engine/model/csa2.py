@@ -288,9 +288,13 @@ def csa2_update_source(
     if paged.num_new:
         if r == 1:
             pooled = a_all  # entry w = position w: every new token completes one entry, in batch order
-            if paged.num_new != x.shape[0]:  # a write floor (prefix replay) skipped some: their token rows
+            # a write floor (prefix replay) skipped some, or a ragged step's Q entry rows per sequence: their rows
+            ragged = ctx.static is not None and ctx.static.ragged
+            if paged.num_new != x.shape[0] or ragged:
                 st = ctx.seq_t
-                pooled = a_all.index_select(0, paged.new_w - st.ctx[paged.new_seq] + st.start[paged.new_seq])
+                rows = paged.new_w - st.ctx[paged.new_seq] + st.start[paged.new_seq]
+                # a ragged step's entries past a sequence's rows may point past the step's: computed and dropped
+                pooled = a_all.index_select(0, rows.clamp(0, x.shape[0] - 1) if ragged else rows)
         else:
             # pool_ratio2 over each new entry's two token rows [M, 2] of the pool, cast to x's dtype: one launch
             pooled = pool_at_rows(both, ctx.entry_rows(ring_plan, paged), x.dtype, backend=compressor.kernel_backend)
@@ -345,10 +349,12 @@ def padded_scores(
         return torch.zeros((t, 0), dtype=torch.float32, device=q.device)
     if ctx.num_seqs == 1:
         return index_scores(q, w, keys, w_scale=w_scale, backend=backend)
-    if ctx.static is not None:  # fixed-shape step: Q queries per sequence, cmax entry slots per sequence
+    if ctx.static is not None:  # fixed-shape step: cmax entry slots per sequence
         s = ctx.num_seqs
         per_seq = keys.view(s, cmax, -1)
-        if t != s:  # verify steps (Q > 1): each query scores its own sequence's keys
+        if ctx.static.ragged:  # rows laid out back to back: each query scores its own sequence's keys
+            per_seq = per_seq.index_select(0, ctx.seq_of_token)
+        elif t != s:  # verify steps of Q rows per sequence
             per_seq = per_seq.repeat_interleave(t // s, dim=0)
         return index_scores(q, w, per_seq, w_scale=w_scale, backend=backend)
     offs = ctx.paged_plan(view.ratio).offsets_t[ctx.seq_of_token]

@@ -18,6 +18,14 @@ covers Q - 1 rows), no compressed entry (entries only its real tokens complete a
 are dropped. A step made with `write_padding=False` (the DSpark context insertion) sends the ring writes of
 those rows to the scratch slot instead, so that it writes exactly the rows the exact forward writes.
 
+A ragged step (`rows=T`: the verify steps of speculative decoding) lays the real rows out back to back instead:
+sequence i owns rows start_i .. start_i + n_i - 1 (start_i = n_0 + ... + n_(i-1), n_i <= Q), and rows sum n_i .. T - 1
+belong to one extra padding sequence (index B, on the scratch slot, every row at position 0, within any rotary
+table whatever T), so that no real sequence owns a padding row and the step costs T rows, not B * Q, whatever the
+longest chunk. Its ring plans write exactly the real rows (the last min(n_i, R) of each sequence), so the
+sequences' lengths after the step (not ctx_i + Q) must fit the length bucket; `seq_of_token`, `qlen` and `start`
+are per-step buffers.
+
 Plans differ from the exact ones of `ForwardContext` (cache.py) only in size, never in the rows a real query
 attends to:
 - ring plans read `max_back` history rows for every sequence (stale rows of positions < 0 are never selected:
@@ -187,31 +195,40 @@ class StaticDecodeStep:
     """
 
     def __init__(self, cache: object, batch_size: int, max_len: int, device: torch.device | str, *,
-                 tokens: int = 1, write_padding: bool = True) -> None:  # fmt: skip
+                 tokens: int = 1, write_padding: bool = True, rows: int | None = None) -> None:  # fmt: skip
         if batch_size < 1 or max_len < 1 or tokens < 1:
             raise InputError(f"static decode step: batch_size {batch_size}, max_len {max_len}, tokens {tokens}; "
                              "expected >= 1")  # fmt: skip
+        if rows is not None and not batch_size <= rows <= batch_size * tokens:
+            raise InputError(f"static decode step: rows {rows} for {batch_size} sequences of at most {tokens} "
+                             f"tokens; expected {batch_size} .. {batch_size * tokens}")  # fmt: skip
         self.cache = cache
         self.batch_size, self.max_len, self.tokens = int(batch_size), int(max_len), int(tokens)
         self.write_padding = bool(write_padding)
+        self.ragged = rows is not None
         self.device = torch.device(device)
         B, Q = self.batch_size, self.tokens
-        T = self.num_rows = B * Q
-        # one buffer, one copy per step: input ids | positions | real rows [T each] | ctx | qlen | start | slot [B each]
-        self._seq = _Buffer((3 * T + 4 * B,), self.device)
+        T = self.num_rows = int(rows) if self.ragged else B * Q
+        # a ragged step's padding rows belong to one more sequence (module docstring)
+        S = self.num_seqs = B + 1 if self.ragged else B
+        # one buffer, one copy per step: input ids | positions | real rows [T each] | ctx | qlen | start | slot [S
+        # each] (| sequence of each row [T]: ragged steps)
+        self._sizes = [T, T, T, S, S, S, S] + ([T] if self.ragged else [])
+        self._seq = _Buffer((sum(self._sizes),), self.device)
         self._plans: dict[tuple, _Plan] = {}
         # recorded after each fill's copies: the next fill rewrites the pinned sources only once they ran
         self._event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copied = False
-        self._bt = np.full((B, 1), -1, dtype=np.int64)
+        self._bt = np.full((S, 1), -1, dtype=np.int64)
         self._ones = np.ones(B, dtype=np.int64)
-        self._real = np.zeros(B, dtype=bool)
-        self._lens = np.zeros(B, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
+        self._real = np.zeros(S, dtype=bool)
+        self._lens = np.zeros(S, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
         self._dynamic: _Buffer | None = None  # after freeze(): the arena part copied every step
         a = self._seq.np
-        a[3 * T + B : 3 * T + 2 * B] = Q  # qlen and start never change (every sequence has Q rows)
-        a[3 * T + 2 * B : 3 * T + 3 * B] = np.arange(B, dtype=np.int64) * Q
-        self._arange = np.arange(max(B, T), dtype=np.int64)
+        if not self.ragged:  # qlen and start never change (every sequence has Q rows)
+            a[3 * T + B : 3 * T + 2 * B] = Q
+            a[3 * T + 2 * B : 3 * T + 3 * B] = np.arange(B, dtype=np.int64) * Q
+        self._arange = np.arange(max(S, T), dtype=np.int64)
         self._seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
         self._bind_seq()
         self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
@@ -220,19 +237,21 @@ class StaticDecodeStep:
     def _bind_seq(self) -> None:
         """The batch, sequence tensors and host views over the current `_seq` buffer."""
         B, Q, T = self.batch_size, self.tokens, self.num_rows
-        ids, pos, rows, ctx, qlen, start, slot = torch.split(self._seq.dev, [T, T, T, B, B, B, B])
+        ids, pos, rows, ctx, qlen, start, slot, *sot = torch.split(self._seq.dev, self._sizes)
         a = self._seq.np
-        self._views = [a[:T], a[T : 2 * T], a[2 * T : 3 * T], *(a[3 * T + k * B : 3 * T + (k + 1) * B] for k in range(4))]
+        ends = np.cumsum(self._sizes)
+        self._views = [a[e - n : e] for e, n in zip(ends.tolist(), self._sizes)]
         self.seq_t = SeqTensors(ctx=ctx, qlen=qlen, start=start, slot=slot)
         # [T] int64: the rows of the real tokens in batch order (`rows_of`), then 0s: rows [:sum n_i] of a step's
         # outputs are its real rows, gathered on the device without another copy
         self.real_rows = rows
         self.batch = ForwardBatch(
-            input_ids=ids, positions=pos, query_lens=(Q,) * B,
-            slots=tuple(range(B)),  # placeholders: the slots live in seq_t (the scratch slot repeats)
+            input_ids=ids, positions=pos,
+            # placeholders (the lengths and slots live in seq_t; the scratch slot repeats)
+            query_lens=(1,) * (B - 1) + (T - B + 1,) if self.ragged else (Q,) * B, slots=tuple(range(B)),
             block_tables=torch.full((B, 1), -1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(T, dtype=torch.int64, device=self.device), seq=self.seq_t,
-            seq_of_token=self._seq_of_token,
+            seq_of_token=sot[0] if self.ragged else self._seq_of_token,
         )  # fmt: skip
 
     def freeze(self) -> None:
@@ -265,18 +284,25 @@ class StaticDecodeStep:
 
     # ------------------------------------------------------------------------------------ per step
     def _host_views(self) -> list[np.ndarray]:
-        """[ids, positions, real rows, ctx, qlen, start, slot]: views of the pinned host buffer (made once)."""
+        """[ids, positions, real rows, ctx, qlen, start, slot(, sequence of each row)]: views of the pinned host
+        buffer (made once)."""
         return self._views
+
+    def _row_seq(self) -> np.ndarray:
+        """[T] int64 the sequence of each row (host)."""
+        return self._views[7] if self.ragged else np.repeat(self._arange[: self.batch_size], self.tokens)
 
     @property
     def seq_host(self) -> SeqHost:
-        _, _, _, ctx, qlen, start, slot = self._host_views()
+        _, _, _, ctx, qlen, start, slot = self._host_views()[:7]
         return SeqHost(ctx=ctx, qlen=qlen, start=start, slot=slot)
 
     def rows_of(self, query_lens: np.ndarray | tuple[int, ...]) -> np.ndarray:
         """[sum n_i] int64 rows of this step holding the real tokens of sequences with query_lens n_i, in
-        batch (sequence-major) order: row i * tokens + j for j < n_i."""
+        batch (sequence-major) order: row i * tokens + j for j < n_i (ragged steps: rows 0 .. sum n_i - 1)."""
         n = np.asarray(query_lens, dtype=np.int64)
+        if self.ragged:
+            return np.arange(int(n.sum()), dtype=np.int64)
         starts = np.arange(n.shape[0], dtype=np.int64) * self.tokens
         return np.repeat(starts, n) + (np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n))
 
@@ -299,16 +325,29 @@ class StaticDecodeStep:
             if int(facts.input_ids.shape[0]) != int(lens.sum()):
                 raise InputError(f"decode facts: found {facts.input_ids.shape[0]} input ids, expected "
                                  f"{int(lens.sum())}")  # fmt: skip
-        if S and int(facts.ctx.max()) + Q > self.max_len:
-            raise CapacityError(f"static decode step up to length {self.max_len}: a sequence reaches "
-                                f"{int(facts.ctx.max()) + Q}")  # fmt: skip
+        if self.ragged and int(lens.sum()) > self.num_rows:
+            raise CapacityError(f"static decode step of {self.num_rows} rows: found {int(lens.sum())} tokens")
+        reach = 0 if not S else int((facts.ctx + lens).max()) if self.ragged else int(facts.ctx.max()) + Q
+        if S and reach > self.max_len:
+            raise CapacityError(f"static decode step up to length {self.max_len}: a sequence reaches {reach}")
         if self._copied:
             if not self._event.query():
                 self._event.synchronize()
             self._copied = False
-        ids, pos, real_rows, ctx, _, _, slot = self._views
+        ids, pos, real_rows, ctx, qlen, start, slot = self._views[:7]
         ctx[:S], ctx[S:] = facts.ctx, 0
-        if Q == 1:  # row i = sequence i at position ctx_i
+        if self.ragged:  # sequence i: rows start_i .. start_i + n_i - 1; the padding sequence B: the rest
+            n = int(lens.sum())
+            sot = self._views[7]
+            qlen[:S], qlen[S:] = lens, 0
+            qlen[B] = self.num_rows - n
+            start[:S], start[S:] = np.cumsum(lens) - lens, n
+            sot[:n], sot[n:] = np.repeat(self._arange[:S], lens), B
+            pos[:n] = ctx[sot[:n]] + self._arange[:n] - start[sot[:n]]
+            pos[n:] = 0
+            ids[:n], ids[n:] = facts.input_ids, 0
+            real_rows[:n], real_rows[n:] = self._arange[:n], 0
+        elif Q == 1:  # row i = sequence i at position ctx_i
             ids[:S], ids[S:] = facts.input_ids, 0
             real_rows[:S], real_rows[S:] = self._arange[:S], 0
             pos[:] = ctx
@@ -322,7 +361,7 @@ class StaticDecodeStep:
         self._real[:S], self._real[S:] = True, False
         self._lens[:S], self._lens[S:] = lens, 0
         bt = np.asarray(facts.block_tables, dtype=np.int64)
-        self._bt = np.full((B, max(1, bt.shape[1])), -1, dtype=np.int64)
+        self._bt = np.full((self.num_seqs, max(1, bt.shape[1])), -1, dtype=np.int64)
         self._bt[:S, : bt.shape[1]] = bt
         frozen = self._dynamic is not None  # then the sequence ints and every-step plans go in one copy
         if not frozen:
@@ -367,13 +406,14 @@ class StaticDecodeStep:
 
     # ------------------------------------------------------------------------------------ plans
     def ring_plan(self, ring_rows: int, max_back: int, *, write: bool) -> RingPlan:
-        B, Q, R = self.batch_size, self.tokens, ring_rows
+        B, Q, R = self.num_seqs, self.tokens, ring_rows
         key = ("ring", ring_rows, max_back, write)
         if key not in self._plans:  # the exact builder checks the ring holds max_back rows (CapacityError)
             ring_plan_arrays(R, (max_back,) * B, self.seq_host, write=write, clip=False)
         # ring_plan_arrays(clip=False) of this step's sequences: every sequence reads max_back rows and (qlen = Q,
         # start = i * Q) writes its last k = min(Q, R) rows, so only ctx and slot vary; the rest is built once
-        # (tests/model/test_static_step.py checks the two builders agree)
+        # (tests/model/test_static_step.py checks the two builders agree). A ragged step writes the last k of its
+        # n_i rows (start_i + n_i - k ..; those before start_i go to the scratch slot)
         seg = np.repeat(np.arange(B, dtype=np.int64), max_back)
         j = np.tile(np.arange(max_back, dtype=np.int64), B)
         hist_off = np.arange(B, dtype=np.int64) * max_back
@@ -382,12 +422,17 @@ class StaticDecodeStep:
         kj = np.tile(np.arange(k, dtype=np.int64), B) + (Q - k)
         write_src = kseg * Q + kj
         scratch = int(self.cache.scratch_slot)
+        last = self.num_rows - 1
 
         def build() -> list[np.ndarray]:
-            _, _, _, ctx, _, _, slot = self._host_views()
+            _, _, _, ctx, _, start, slot = self._host_views()[:7]
             first = ctx - max_back
             parts = [slot[seg] * R + (first[seg] + j) % R, hist_off, first]
-            if write:
+            if write and self.ragged:
+                jj = kj - Q + self._lens[kseg]  # the last k rows of n_i: n_i - k .. n_i - 1
+                dst = np.where(jj >= 0, slot[kseg], scratch)
+                parts += [dst * R + (ctx[kseg] + jj) % R, np.clip(start[kseg] + jj, 0, last)]
+            elif write:
                 dst = slot[kseg] if self.write_padding else np.where(kj < self._lens[kseg], slot[kseg], scratch)
                 parts += [dst * R + (ctx[kseg] + kj) % R, write_src]
             return parts
@@ -404,23 +449,24 @@ class StaticDecodeStep:
         none: ForwardContext.window_rows of a fixed-shape step, built on the host with the other plans (the
         forward then spends no device op on it). Row k of the query at position p = ctx_i + j is position
         q = p - window + 1 + k: a history row (q < ctx_i) or the sequence's fresh row q - ctx_i, -1 for q < 0."""
-        B, Q = self.batch_size, self.tokens
-        back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
-        pool_len = plan.num_hist + self.num_rows
+        T = self.num_rows
+        back = plan.num_hist // self.num_seqs  # every sequence reads max_back history rows (ring_plan)
+        pool_len = plan.num_hist + T
 
         def build() -> list[np.ndarray]:
-            ctx = self.seq_host.ctx[:, None, None]
-            i = np.arange(B, dtype=np.int64)[:, None, None]
-            p = ctx + np.arange(Q, dtype=np.int64)[None, :, None]
-            q = p - window + 1 + np.arange(window, dtype=np.int64)[None, None, :]
-            rows = np.where(q < ctx, i * back + q - (ctx - back), plan.num_hist + i * Q + q - ctx)
+            _, p, _, ctx, _, start, _ = self._host_views()[:7]
+            i = self._row_seq()[:, None]
+            c = ctx[i]
+            q = p[:, None] - window + 1 + np.arange(window, dtype=np.int64)[None, :]
+            rows = np.where(q < c, i * back + q - (c - back), plan.num_hist + start[i] + q - c)
             return [np.where(q >= 0, rows.clip(0, pool_len - 1), -1).reshape(-1)]
 
         def memo() -> bytes:  # rows q - ctx_i do not depend on ctx_i; only the q >= 0 mask does, up to ctx_i = window
-            return np.minimum(self._host_views()[3], window).tobytes()
+            clip = np.minimum(self._host_views()[3], window).tobytes()
+            return clip + self._views[7].tobytes() if self.ragged else clip  # ragged: the rows' layout too
 
         key = ("win", plan.ring_rows, back, window)
-        return self._register(key, build, lambda v: v[0].view(B * Q, window), memo)  # type: ignore[return-value]
+        return self._register(key, build, lambda v: v[0].view(T, window), memo)  # type: ignore[return-value]
 
     def visible_counts(self, ratio: int) -> Tensor:
         """[B * Q] int64 floor((position + 1) / ratio) of every row (padding rows too): ForwardContext.visible_counts
@@ -430,7 +476,7 @@ class StaticDecodeStep:
 
     def entry_positions(self, ratio: int) -> Tensor:
         """[B * K] int64 new_w * ratio of `paged_plan(ratio)`'s new-entry rows (ForwardContext.entry_positions)."""
-        B, K = self.batch_size, -(-self.tokens // ratio)
+        B, K = self.num_seqs, -(-self.tokens // ratio)
 
         def build() -> list[np.ndarray]:
             ctx = self.seq_host.ctx
@@ -443,7 +489,7 @@ class StaticDecodeStep:
         """[B * K, ratio] int64 pool rows of the token positions of each new-entry row of `paged_plan(ratio)` (K =
         ceil(Q / ratio); entry ctx_i // ratio + k of sequence i): ForwardContext.entry_rows of a fixed-shape step,
         RingPlan.pool_rows of those positions computed on the host (clamped into the pool like it)."""
-        B, Q = self.batch_size, self.tokens
+        B, Q = self.num_seqs, self.tokens
         back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
         K = -(-Q // ratio)
         num_hist, pool_len = plan.num_hist, plan.num_hist + self.num_rows
@@ -465,7 +511,7 @@ class StaticDecodeStep:
         return -(-self.max_len // ratio)
 
     def paged_plan(self, ratio: int) -> PagedPlan:
-        cache, B = self.cache, self.batch_size
+        cache, B = self.cache, self.num_seqs
         width = self.entries_width(ratio)
         scratch_row = cache.scratch_page * (cache.page_size // ratio)
         num_new = B * -(-self.tokens // ratio)
@@ -497,7 +543,9 @@ class StaticDecodeStep:
     def mark_written(self, facts: DecodeFacts) -> None:
         """Rollback marks of the rows this step writes: Q positions per real sequence, its padding rows included
         (after `Transformer.host_step`, which marks the n_i real ones), so that `ModelCache.check_resume` guards
-        the rollback of the padding rows like that of rejected drafts."""
+        the rollback of the padding rows like that of rejected drafts. A ragged step writes the n_i real rows only."""
+        if self.ragged:
+            return
         hw = self.cache.high_water
         for slot, c in zip(facts.slots.tolist(), facts.ctx.tolist()):
             hw[slot] = c + self.tokens
@@ -510,7 +558,7 @@ class StaticDecodeStep:
 
     def context(self, cache: object, **kw: object) -> ForwardContext:
         """The ForwardContext of a fixed-shape forward: its batch, sequence tensors and plans are this step's."""
-        B, Q = self.batch_size, self.tokens
+        B, Q = self.num_seqs, self.tokens
         zeros = np.zeros(self.num_rows, dtype=np.int64)
         return ForwardContext(
             batch=self.batch, cache=cache,

@@ -11,10 +11,12 @@ memory pool shared by all graphs. Everything else (prefill, mixed steps, prompt 
 largest bucket) runs eagerly.
 
 A speculative verify step (every sequence feeds its last token and up to k drafts, logits of every row, the
-draft model's target features and the final streams asked) replays a graph captured for (B, L, Q): Q = the
-smallest tokens-per-sequence bucket >= the step's longest chunk (1, 2, 4, ... below k + 1, then k + 1), each
-sequence's rows past its chunk padded (static_step.py); the outputs of the real rows are gathered in batch order
-after the replay (`run_verify`), so the speculative decoder reads them exactly as an eager forward's.
+draft model's target features and the final streams asked) replays a ragged graph captured for (B, L, T): the
+sequences' rows back to back, T = the smallest row bucket >= the step's rows (`verify_row_sizes`: B, then steps of
+half a batch up to B * (k + 1)), the rows past them on one padding sequence (static_step.py), so a request that
+verifies fewer drafts makes the step cheaper whatever the others verify; the outputs of the real rows (rows
+[:sum n_i]) are returned in batch order (`run_verify`), so the speculative decoder reads them exactly as an eager
+forward's.
 
 The DSpark draft passes (`run_draft`, `run_draft_proposal`), V4's MTP block (`run_mtp`) and DSpark's draft-ring
 writes of a step's kept positions (`run_insert`, one graph per batch bucket over k + 1 rows per sequence whose
@@ -39,7 +41,7 @@ from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep
 from deepinfer_engine.worker.sampler import Sampler
 
 __all__ = ["CudaGraphRunner", "GraphStats", "decode_shape", "graph_batch_sizes", "length_bucket", "pick_bucket",
-           "verify_shape", "verify_token_sizes"]
+           "verify_row_sizes", "verify_shape", "verify_token_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,35 +98,45 @@ def decode_shape(
 
 
 def verify_token_sizes(max_tokens: int) -> tuple[int, ...]:
-    """Tokens-per-sequence buckets of verify steps: powers of two below max_tokens (= k + 1), then max_tokens."""
+    """Tokens-per-sequence buckets of fixed-shape multi-token steps (V4's MTP passes): powers of two below
+    max_tokens (= k + 1), then max_tokens."""
     if max_tokens < 1:
         raise ConfigError(f"cuda graphs: {max_tokens} tokens per verified sequence, expected >= 1")
     return _powers_of_two_then(max_tokens)
 
 
+def verify_row_sizes(batch: int, max_tokens: int) -> tuple[int, ...]:
+    """Row buckets of the ragged verify steps of a batch bucket of `batch` sequences of 1..max_tokens rows each:
+    batch, then steps of half a batch (rounded up) to batch * max_tokens. A step's rows round up to the next
+    bucket, and its padding rows cost what real ones do: finer steps waste less of a pruned draft's saving, for
+    more graphs (captured lazily, per shape a step needs)."""
+    if batch < 1 or max_tokens < 1:
+        raise ConfigError(f"cuda graphs: verify rows of {batch} sequences x {max_tokens} tokens, expected >= 1 each")
+    return tuple(sorted({-(-batch * m // 2) for m in range(2, 2 * max_tokens + 1)}))
+
+
 def verify_shape(
     query_lens: Sequence[int], ctx_lens: Sequence[int], logit_rows: Sequence[int], batch_sizes: Sequence[int],
-    token_sizes: Sequence[int], max_model_len: int,
+    max_tokens: int, max_model_len: int,
 ) -> tuple[int, int, int] | None:
-    """(B, L, Q) of the graph that runs a speculative step, None when it must run eagerly: a step qualifies when
-    every sequence feeds 1..max(token_sizes) tokens and the logits are every row in batch order (verify chunks
-    and one-token decode chunks; no prefill chunk, no prompt logprobs). L covers each sequence's padded rows."""
+    """(B, L, T) of the ragged graph that runs a speculative step, None when it must run eagerly: a step qualifies
+    when every sequence feeds 1..max_tokens tokens and the logits are every row in batch order (verify chunks and
+    one-token decode chunks; no prefill chunk, no prompt logprobs). T: the row bucket of the step's rows."""
     S = len(query_lens)
     T = sum(query_lens)
-    if S == 0 or min(query_lens) < 1 or list(logit_rows) != list(range(T)):
+    if S == 0 or min(query_lens) < 1 or max(query_lens) > max_tokens or list(logit_rows) != list(range(T)):
         return None
-    Q = pick_bucket(max(query_lens), token_sizes)
     B = pick_bucket(S, batch_sizes)
-    if Q is None or B is None:
+    if B is None:
         return None
-    L = length_bucket(max(ctx_lens) + Q, max_model_len)
-    return None if L is None else (B, L, Q)
+    L = length_bucket(max(c + n for c, n in zip(ctx_lens, query_lens)), max_model_len)
+    return None if L is None else (B, L, pick_bucket(T, verify_row_sizes(B, max_tokens)))
 
 
 @dataclass
 class GraphStats:
     """captures / replays / eager_steps / shapes: plain decode steps, shapes (B, L); verify_*: speculative steps,
-    shapes (B, L, Q); draft_*: DSpark draft passes, shapes (B, N); mtp_*: V4 MTP draft passes, shapes (B, Q);
+    shapes (B, L, T) (ragged, T rows); draft_*: DSpark draft passes, shapes (B, N); mtp_*: V4 MTP draft passes, shapes (B, Q);
     insert_*: DSpark draft-ring writes (context insertion) of a step's kept positions, shapes (B, Q)."""
 
     captures: int = 0
@@ -162,10 +174,10 @@ class _DecodeOutputs:
 class _Graph:
     step: StaticDecodeStep
     graph: torch.cuda.CUDAGraph
-    logits: Tensor | None  # [B * Q, V] float32, written by every replay (None: draft-round graphs)
+    logits: Tensor | None  # [rows, V] float32, written by every replay (None: draft-round graphs)
     greedy: Tensor | None = None  # decode graphs: [B] int64 greedy ids of the logits (INVALID_TOKEN: not finite)
-    hidden: Tensor | None = None  # verify graphs: the final streams [B * Q, n, d]
-    features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [B * Q, d]
+    hidden: Tensor | None = None  # verify graphs: the final streams [T, n, d]
+    features: dict[int, Tensor] = field(default_factory=dict)  # verify graphs: captured features [T, d]
     capture: tuple[int, ...] | None = None  # verify graphs: the feature layers they capture
     proposal: Any = None  # draft-round graphs: the DraftProposal of all B rows, written by every replay
     sampling: tuple[Tensor, Tensor, Tensor] | None = None  # their static [B] temperatures (device, pinned host), seeds
@@ -185,7 +197,8 @@ class CudaGraphRunner:
             raise ConfigError(f"cuda graphs need a CUDA device, found {self.device}")
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         self.max_model_len = int(max_model_len)
-        self.graphs: dict[tuple[int, ...], _Graph] = {}  # (B, L): decode graphs; (B, L, Q): verify graphs
+        self.graphs: dict[tuple[int, ...], _Graph] = {}  # (B, L): decode graphs; (B, L, T): verify graphs
+        self.verify_tokens: int | None = None  # the most rows a verified sequence feeds (k + 1), set by the first step
         self.stats = GraphStats()
         self._pool = None
         # the draft-round graphs' own pool: their proposal outputs are read by the verify forward replayed after
@@ -246,14 +259,17 @@ class CudaGraphRunner:
 
     def verify_shape_of(self, batch: object, logit_rows: Sequence[int], max_tokens: int
                         ) -> tuple[int, int, int] | None:  # fmt: skip
-        """(B, L, Q) of a graph that can run this speculative step (at most `max_tokens` = k + 1 rows per
-        sequence: the padding rows must stay within the rollback a verify of k drafts may need), None when it
-        must run eagerly."""
+        """(B, L, T) of a ragged graph that can run this speculative step (at most `max_tokens` = k + 1 rows per
+        sequence, the same for every step of a runner), None when it must run eagerly."""
         if batch.host is None or self.cache.needs_exact_plans(batch.slots, batch.host.ctx_lens):  # prefix replay
             return None
-        cap = min(int(max_tokens), self.cache.slack + 2)  # padding rows roll back like rejected drafts
+        if self.verify_tokens is None:
+            self.verify_tokens = int(max_tokens)
+        elif self.verify_tokens != int(max_tokens):
+            raise InputError(f"cuda graphs: verify steps of up to {max_tokens} tokens per sequence, expected "
+                             f"{self.verify_tokens} (the graphs captured so far hold that many)")  # fmt: skip
         shape = verify_shape(batch.query_lens, batch.host.ctx_lens, logit_rows, self.batch_sizes,
-                             verify_token_sizes(cap), self.max_model_len)  # fmt: skip
+                             self.verify_tokens, self.max_model_len)  # fmt: skip
         if shape is None or shape in self.failed:
             self.stats.verify_eager_steps += 1
             return None
@@ -268,7 +284,8 @@ class CudaGraphRunner:
         capture = tuple(capture)
         g = self.graphs.get(shape)
         if g is None:
-            g = self._try_capture(shape, lambda: self._capture(*shape, capture=capture))
+            B, L, T = shape
+            g = self._try_capture(shape, lambda: self._capture(B, L, self.verify_tokens, capture=capture, rows=T))
             if g is None:
                 return None
         if g.capture != capture:
@@ -276,16 +293,16 @@ class CudaGraphRunner:
         self.model.host_step(batch, self.cache)
         facts = DecodeFacts.of(batch, g.step.tokens)
         g.step.check_tables(facts)
-        g.step.mark_written(facts)
         g.step.fill(facts)
-        rows = g.step.real_rows[: batch.num_tokens]
-        # the device ids are authoritative (asynchronous scheduling resolves placeholders there only)
-        g.step.batch.input_ids.index_copy_(0, rows, batch.input_ids)
+        n = batch.num_tokens
+        # the device ids are authoritative (asynchronous scheduling resolves placeholders there only); a ragged
+        # step's real rows are its first n, in batch order: views, no gather
+        g.step.batch.input_ids[:n].copy_(batch.input_ids)
         g.graph.replay()
         self.stats.verify_replays += 1
         self.last_shape = shape
-        return ModelOutput(logits=g.logits.index_select(0, rows), hidden=g.hidden.index_select(0, rows),
-                           pre_last=None, features={lid: f.index_select(0, rows) for lid, f in g.features.items()})
+        return ModelOutput(logits=g.logits[:n], hidden=g.hidden[:n], pre_last=None,
+                           features={lid: f[:n] for lid, f in g.features.items()})
 
     def _try_capture(self, shape: tuple, make: Callable[[], _Graph]) -> _Graph | None:
         """make() (a capture of `shape`), or None when it raised: logged once, `shape` then runs eagerly."""
@@ -367,12 +384,14 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
         return graph, out
 
-    def _capture(self, B: int, L: int, Q: int = 1, *, capture: tuple[int, ...] | None = None) -> _Graph:
-        """Capture the decode graph (B, L) (capture None) or the verify graph (B, L, Q) whose forward also
-        captures the features of layers `capture` and keeps the final streams."""
+    def _capture(self, B: int, L: int, Q: int = 1, *, capture: tuple[int, ...] | None = None,
+                 rows: int | None = None) -> _Graph:  # fmt: skip
+        """Capture the decode graph (B, L) (capture None) or the ragged verify graph (B, L, T = rows) of up to Q
+        rows per sequence, whose forward also captures the features of layers `capture` and keeps the final
+        streams."""
         t0 = time.perf_counter()
         # all rows padding while warming up and capturing: only the scratch slot / page are written
-        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q)
+        step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q, rows=rows)
         if capture is None:  # the decode graph samples greedily too (its ids are used for plain greedy steps)
             def decode() -> _DecodeOutputs:
                 logits = self._forward(step, None).logits.float()
@@ -383,7 +402,7 @@ class CudaGraphRunner:
         graph, out = self._record(lambda: self._forward(step, capture), step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
                    capture=tuple(capture))
-        return self._keep((B, L, Q), g, "verify", t0)
+        return self._keep((B, L, rows), g, "verify", t0)
 
     def _keep(self, key: tuple, g: _Graph, kind: str, t0: float) -> _Graph:
         """Store a graph captured since `t0` under `key` and count it in the stats of `kind` ("" plain decode,

@@ -176,9 +176,9 @@ class ModelRunner:
         if rnd is not None:  # a speculative step: several rows per sequence, the draft model's features
             graphs, out, rows = self.cuda_graphs, None, batch.num_tokens
             shape = graphs.verify_shape_of(batch, logit_rows, self.spec.max_drafts + 1) if graphs is not None else None
-            if shape is not None:  # replays the verify forward captured for its padded shape (None: eager)
+            if shape is not None:  # replays the verify forward captured for its row bucket (None: eager)
                 out = graphs.run_verify(batch, shape, capture=self.spec.capture)
-                rows = shape[0] * shape[2]
+                rows = shape[2]
             if out is None:
                 out, rows = self.model.forward_features(batch, self.cache, capture=self.spec.capture), batch.num_tokens
             logits = out.logits

@@ -148,8 +148,9 @@ class SpecDecoder:
         # asynchronous scheduling reads a round back after other host work (worker/async_runner.py): its forward
         # is then timed by CUDA events (CPU: up to the end of the launch), not up to the host read
         self.deferred_reads = False
-        # (batch buckets, tokens-per-sequence buckets) of the CUDA graphs that replay verify steps (None: eager)
-        self.graph_sizes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # (batch buckets, the most rows a verified sequence feeds) of the ragged CUDA graphs that replay verify
+        # steps (None: eager)
+        self.graph_sizes: tuple[tuple[int, ...], int] | None = None
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -183,15 +184,17 @@ class SpecDecoder:
         return p.logprobs is None and not p.uses_penalties and len(st.output_ids) >= p.min_tokens
 
     def padding(self, chunks: Sequence[ScheduledChunk], speculating: Mapping[str, int]) -> StepPadding | None:
-        """The padded shape the step's forward will replay (`graph_sizes`: a CUDA graph per batch bucket and
-        tokens-per-sequence bucket), None when it runs eagerly: a chunk other than a verify chunk or a one-token
-        decode chunk (a prefill chunk), or more sequences than the largest graph batch. The cost policy prices
-        a padded step by its padded rows (docs/dspark.md "Verification policies")."""
+        """The ragged shape the step's forward will replay (`graph_sizes`: a CUDA graph per batch bucket and row
+        bucket, worker/cuda_graph.py `verify_row_sizes`), None when it runs eagerly: a chunk other than a verify
+        chunk or a one-token decode chunk (a prefill chunk), or more sequences than the largest graph batch. The
+        cost policy prices a step by its row bucket (docs/dspark.md "Verification policies")."""
+        from deepinfer_engine.worker.cuda_graph import verify_row_sizes
+
         if self.graph_sizes is None or any(c.num_tokens != 1 for c in chunks if c.req_id not in speculating):
             return None
         batches, tokens = self.graph_sizes
         b = next((x for x in batches if x >= len(chunks)), None)
-        return None if b is None else StepPadding(b, tokens)
+        return None if b is None else StepPadding(b, verify_row_sizes(b, tokens), ragged=True)
 
     # ------------------------------------------------------------------------------------------ 1. propose
     @torch.no_grad()
@@ -451,7 +454,7 @@ class SpecDecoder:
 
 def profile_target_latency(
     forward: Callable[[ForwardBatch], object], *, block_size: int, max_tokens: int, num_slots: int, pages: int,
-    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5, padded: Sequence[int] = (),
+    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5,
 ) -> LatencyModel:
     """The cost policy's latency curve T(Q): the target forward over Q query tokens, timed at start-up (before
     any request holds cache rows) at Q = 1, 2, 4, ... up to `max_tokens`, as ceil(Q / (N + 1)) sequences of at
@@ -459,27 +462,18 @@ def profile_target_latency(
     median per size, a non-decreasing fit and its noise (`LatencyModel.profile`). `forward(batch)` runs the model;
     the caller resets the slots afterwards.
 
-    padded: the batch sizes of the CUDA graphs the forward replays (empty: eager). The graphs pad every sequence
-    to a power-of-two row count (or N + 1) and the batch to one of these sizes: Q then counts padded rows, and a
-    size below the largest is timed as Q / P sequences of P rows (P the largest power of two <= N + 1) when that
-    is a graph batch size, a shape the graphs run without padding. Sequences of N + 1 rows would be padded to a larger batch (64 query tokens: 11 sequences,
-    a graph of 16 x 6 rows), so the curve would price a small padded step like a larger one."""
+    Through the ragged verify graphs (worker/cuda_graph.py) a power of two Q is a row bucket of the batch bucket of
+    its ceil(Q / (N + 1)) sequences (half-batch steps from B to B (N + 1), B a power of two): those points time
+    steps without padding rows."""
     per = block_size + 1
     need = -(-per // page_size)
     cap = min(max_tokens, num_slots * per, (pages // need) * per)
     sizes = sorted({q for q in [1 << i for i in range(20)] + [cap] if 1 <= q <= cap})
     if len(sizes) < 2:
         sizes = [1, 2]
-    p2 = 1 << (per.bit_length() - 1)
-
-    def shape(q: int) -> list[int]:
-        if padded and q < cap and (q <= p2 or (q % p2 == 0 and q // p2 in padded
-                                               and q // p2 <= min(num_slots, pages // need))):
-            return [q] if q <= p2 else [p2] * (q // p2)
-        return [per] * (q // per) + ([q % per] if q % per else [])
 
     def step(q: int) -> None:
-        lens = shape(q)
+        lens = [per] * (q // per) + ([q % per] if q % per else [])
         s = len(lens)
         ids = np.full(q, 100, dtype=np.int64)
         pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
@@ -622,16 +616,14 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
             latency = profile_target_latency(
                 _profiled_forward(model, cache, graphs, capture, k + 1), block_size=block, max_tokens=min(
                     max_tokens, config.scheduler.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
-                pages=num_pages, page_size=cache.page_size, device=device, padded=() if graphs is None else tuple(graphs.batch_sizes))
+                pages=num_pages, page_size=cache.page_size, device=device)
             for s in range(cache.num_slots):  # no request holds these rows yet: leave every slot fresh
                 cache.reset_slot(s)
                 cache.high_water[s] = 0
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
     if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
-        from deepinfer_engine.worker.cuda_graph import verify_token_sizes
-
-        decoder.graph_sizes = (tuple(graphs.batch_sizes), verify_token_sizes(min(k + 1, cache.slack + 2)))
+        decoder.graph_sizes = (tuple(graphs.batch_sizes), k + 1)
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
     return decoder, k
 
