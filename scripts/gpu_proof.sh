@@ -271,13 +271,14 @@ serving)
     done
     ;;
 dspark)
-    # the speculative graphs' GPU tests first (ragged verify graphs captured and replayed, greedy equality in fp32)
+    # the speculative graphs' GPU tests first (ragged verify graphs captured and replayed, greedy equality in fp32;
+    # SPEC_TESTS=0 skips them)
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
-    step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
+    [ "${SPEC_TESTS:-1}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
         packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py
     step dspark_policies 420 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
-        --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats 3 --warm-runs 1 --async-scheduling off \
+        --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling off \
         --json "$OUT/dspark_policies.json"
     ;;
 *)

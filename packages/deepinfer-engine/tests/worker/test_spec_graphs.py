@@ -215,3 +215,11 @@ def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeyp
     # observation: not an EMA of the draft pass alone growing from 0 (about 0.2 of it after the 4-5 rounds here)
     t = spec.timing
     assert spec.latency.overhead > 0.5 * t.draft_s / t.rounds > 0
+    # a round during which a graph was captured is not timed into the curve (a capture takes seconds): with a
+    # capture clock that moves every round, nothing is observed
+    import itertools
+
+    spec.capture_clock = itertools.count().__next__
+    spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 0.004, 64), online_latency=True)
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain
+    assert spec.latency.observations == 0 and spec.latency.overhead_observations == 0

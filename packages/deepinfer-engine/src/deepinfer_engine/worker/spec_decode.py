@@ -72,6 +72,7 @@ class SpecRound:
     params: list[Any] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # per b: first logits row of its m + 1 rows
     started: float = 0.0  # perf_counter when the round began (before the draft pass)
+    captured_before: float = 0.0  # the graphs' capture seconds when the round began (`SpecDecoder.capture_clock`)
     forward_started: float = 0.0  # ... when the draft pass and the policy were done (the target step begins)
     keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
     results: dict[str, SpecResult] = field(default_factory=dict)
@@ -154,7 +155,12 @@ class SpecDecoder:
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
-        self._last_cycle: tuple[float, float] | None = None  # (start, forward span) of the previous round
+        # (start, forward span, capture clock at its read) of the previous round
+        self._last_cycle: tuple[float, float, float] | None = None
+        # seconds the engine's CUDA graphs spent capturing so far (None: no graphs): a round during which a graph
+        # was captured (lazily, on a shape's first step) is not timed into the latency model, whose curve and
+        # overhead would otherwise learn a capture's second as step time
+        self.capture_clock: Callable[[], float] | None = None
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None) -> None:
@@ -200,6 +206,7 @@ class SpecDecoder:
     @torch.no_grad()
     def begin(self, chunks: Sequence[ScheduledChunk], states: Mapping[str, Any], device: torch.device) -> SpecRound:
         started = time.perf_counter()  # the step the policy trades against includes the draft pass
+        captured = self.capture_clock() if self.capture_clock is not None else 0.0
         picked = [c for c in chunks if self.speculates(c, states[c.req_id])]
         can_draft = getattr(self.drafter, "can_draft", None)
         if can_draft is not None:  # drafters whose draft comes from the previous step (MTP)
@@ -208,7 +215,7 @@ class SpecDecoder:
         last, self._last_cycle = self._last_cycle, None
         if not picked:
             return rnd
-        if last is not None and self.latency is not None and self.online_latency:
+        if last is not None and self.latency is not None and self.online_latency and last[2] == captured:
             # the previous round's whole cycle (round start to this round's start) less its forward: the draft
             # pass, the policy, the bookkeeping, the scheduler and the output processing. None of it grows with
             # the verified drafts, but all of it is step time the policy trades a draft's cost against
@@ -260,7 +267,7 @@ class SpecDecoder:
             k = both[b][0]
             out.append(replace(c, token_ids=(c.token_ids[0], *both[b][1 : 1 + k])))
         rnd.chunks = tuple(out)
-        rnd.started = started
+        rnd.started, rnd.captured_before = started, captured
         rnd.forward_started = time.perf_counter()
         if self.deferred_reads and device.type == "cuda":
             rnd.timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -361,11 +368,13 @@ class SpecDecoder:
             self.timing.rounds += 1
             self.timing.draft_s += rnd.forward_started - rnd.started
             self.timing.verify_s += span
-            if self.latency is not None and self.online_latency:
+            captured = self.capture_clock() if self.capture_clock is not None else 0.0
+            if self.latency is not None and self.online_latency and captured == rnd.captured_before:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
-                # overhead does not grow with the verified drafts, so it must not read as growth of T(Q)
+                # overhead does not grow with the verified drafts, so it must not read as growth of T(Q); the
+                # next round's start closes this cycle (its overhead is observed if no capture ran by then)
                 self.latency.observe(rnd.rows, max(span, 1e-9))
-                self._last_cycle = (rnd.started, span)
+                self._last_cycle = (rnd.started, span, captured)
             live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
             if live:
                 self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live])
@@ -624,6 +633,7 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
     if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
         decoder.graph_sizes = (tuple(graphs.batch_sizes), k + 1)
+        decoder.capture_clock = lambda: graphs.stats.capture_s
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
     return decoder, k
 
