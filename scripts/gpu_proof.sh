@@ -27,6 +27,7 @@
 #            prefill with bf16 storage
 #     records-attn  the sparse-attention record tests (GPU), the records sweep at 256 and 64 tokens (Triton, TileLang
 #            64-row and staged producers) and the records decode step with its kernel families (B = 1, 64)
+#     records-tests  the sparse-attention record tests (GPU) alone
 #     closing  the FP8 linear GPU tests, the records decode step (kernel families), the bf16 decode step table with
 #            its plot, V4 against HF eager: one call's evidence for a stop
 #     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
@@ -227,6 +228,15 @@ records-attn)
     step breakdown_auto 180 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype auto --batch 1,64 \
         --top 12 --output-json "$OUT/breakdown_auto.json"
     ;;
+records-tests)
+    # the TileLang record kernels' GPU tests alone (the record variants compile in the background first)
+    use_tilelang_site
+    warm_engine_records
+    xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
+    step records_tests ${RECORDS_LIMIT_S:-240} python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist -k "record" \
+        packages/deepinfer-kernels/tests/test_sparse_attn_tilelang.py
+    ;;
 closing)
     # the evidence for a stop, in one call: the FP8 linear GPU tests (the PDL chain with the activation pass among
     # them), the records decode step with its kernel families (B = 1, 64), the bf16-storage decode step table with its
@@ -277,12 +287,13 @@ dspark)
     python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
     [ "${SPEC_TESTS:-1}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
         packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py
-    step dspark_policies 420 python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed --device cuda \
-        --prompts 32 128 256 --seeds 1000 --temperature 0 1 --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling off \
+    step dspark_policies ${DSPARK_LIMIT_S:-420} python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed \
+        --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
+        --temperature 0 1 --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling off \
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, closing, peer, serving, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, peer, serving, dspark)" >&2
     exit 2
     ;;
 esac
