@@ -95,10 +95,22 @@ def test_latency_model_interpolates_profiles_and_corrects():
     assert lat.predict(1) == 1.0 and lat.predict(2) == pytest.approx(1.5) and lat.predict(6) == pytest.approx(2.75)
     assert lat.predict(12) == pytest.approx(3.5)  # last segment's slope beyond the last point
     assert lat.curve(3).tolist()[1:] == pytest.approx([1.0, 1.5, 2.0])
-    lat.observe(4, 4.5)  # error 2.0 at a point: it moves by ema * 2.0 = 1.0
-    assert lat.seconds == pytest.approx([1.0, 3.5, 3.0]) and lat.observations == 1
-    lat.observe(6, 3.25 + 1.0)  # halfway between 4 and 8: predicted 3.25, error 1.0 split 0.5 / 0.5 * ema
-    assert lat.seconds == pytest.approx([1.0, 3.75, 3.25])
+    lat.observe(4, 4.5)  # error 2.0 at one size: the level moves by all of it, the growth stays the profile's
+    assert lat.seconds == pytest.approx([3.0, 4.5, 5.0]) and lat.observations == 1
+    lat.observe(4, 2.5 + 1.0)  # error 1.0: weights 0.5 (older) and 1, level (0.5 * 2 + 1) / 1.5
+    assert lat.seconds == pytest.approx([1.0 + 4 / 3, 2.5 + 4 / 3, 3.0 + 4 / 3])
+    # steps at two sizes, 1 and 8 (x = 1/8 and 1), each 1.0 slower per 7 rows more than the profile says: the
+    # growth is fitted, shrunk by the ridge prior (weight 1 against the sizes' spread)
+    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.01)
+    for _ in range(200):
+        lat.observe(1, 1.0 + 0.5)
+        lat.observe(8, 3.0 + 1.5)
+    rise = (lat.seconds[2] - lat.seconds[0]) - (3.0 - 1.0)
+    assert 0.9 < rise < 1.0  # the errors' rise is 1.0; the prior keeps a little of the profile's
+    assert lat.predict(1) == pytest.approx(1.5, abs=0.05) and lat.predict(8) == pytest.approx(4.5, abs=0.05)
+    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.0)
+    lat.observe(4, 9.0)  # ema 0: observations are counted, the curve stays the profile
+    assert lat.seconds == [1.0, 2.5, 3.0] and lat.observations == 1
     clock = iter(range(1000))
     prof = LatencyModel.profile(lambda q: None, [1, 2, 4], repeats=3, timer=lambda: float(next(clock)))
     assert prof.sizes == [1, 2, 4] and prof.seconds == [1.0, 1.0, 1.0] and prof.noise == 0.0
@@ -347,3 +359,24 @@ def test_ragged_global_is_optimal_and_exact_is_non_anticipating(seed: int):
                     got = schedule_verification(pol, m, survival=other, latency=lat, padding=pad,
                                                 base_tokens=base).tolist()
                     assert (got[b] >= j) == (ref[b] >= j)
+
+
+def test_online_correction_moves_the_level_not_the_growth():
+    """A step whose span is the profiled forward plus a constant (input preparation, verification), run at the few
+    sizes a policy picks, must not teach the curve a slope the profile does not have: the H200 profile of the
+    testbed (ms) grows by 0.1 ms from 32 to 64 rows; steps of 90-100 rows that took 2.5 ms more than the forward
+    had taught the points around them a rise of about 60 us per row at 64 rows, and the cost policy pruned."""
+    sizes = [1, 32, 64, 128, 256]
+    prof = [1.23e-3, 1.26e-3, 1.35e-3, 1.71e-3, 2.06e-3]
+    lat = LatencyModel(sizes, prof, ema=0.05)
+    for q in [90, 95, 100] * 30:
+        lat.observe(q, lat._forward(q) - lat.seconds[0] + prof[0] + 2.5e-3)  # the profile at q, plus 2.5 ms
+    slopes = [(b - a) / (y - x) for a, b, x, y in zip(lat.seconds, lat.seconds[1:], sizes, sizes[1:])]
+    want = [(b - a) / (y - x) for a, b, x, y in zip(prof, prof[1:], sizes, sizes[1:])]
+    assert slopes == pytest.approx(want)
+    assert lat.predict(95) == pytest.approx(np.interp(95, sizes, prof) + 2.5e-3, rel=0.01)
+    # the cost policy then admits what the profile's slope pays for: survival 0.2 drafts at 32 requests
+    a = _survival([[0.9, 0.5, 0.5, 0.5, 0.9]] * 32)
+    m = [5] * 32
+    got = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat).tolist()
+    assert sum(got) >= 3 * 32, got

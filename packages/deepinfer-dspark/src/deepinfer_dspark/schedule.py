@@ -73,6 +73,9 @@ POLICIES = ("verify_all", "threshold", "cost")
 # A curve is flat when its rise stays within this many standard errors of the difference of two of its points
 # (about a 0.2% one-sided false-growth rate for Gaussian noise).
 FLAT_SIGMAS = 3.0
+# LatencyModel.observe: the prior weight that keeps the online growth term at the profile's (in observations at
+# sizes one profile span apart)
+RIDGE_WEIGHT = 1.0
 # survival / max_drafts dtypes the policies read in place on the host (others are copied once)
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
 
@@ -153,8 +156,9 @@ class LatencyModel:
     """Expected seconds of one target step as a function of its query tokens Q (piecewise linear through the
     profiled points, extrapolated with the last segment's slope), corrected online.
 
-    Mutable runtime state (EMA-corrected points), so a plain class. `observe(q, seconds)` moves the two points
-    around q towards the measurement by `ema` times the error, split by the interpolation weights.
+    Mutable runtime state (online-corrected points), so a plain class. `observe(q, seconds)` corrects the profile
+    by an affine term a + b q fitted to the errors of the engine's steps (`observe`): the level follows them at
+    once, the growth only as far as steps of different sizes show it.
     noise: standard error of one point in seconds (0 = an exact curve, e.g. `affine`); `flat` compares the
     curve's rise with it. overhead: seconds every step spends outside the profiled forward (the draft pass),
     added to every Q: it moves the level of T, not its growth (`observe_overhead`).
@@ -185,6 +189,8 @@ class LatencyModel:
         self.overhead_observations = 0
         self.observations = 0
         self.measured: list[float] | None = None
+        self._profile = list(seconds)  # the points before any online correction
+        self._sums = [0.0] * 5  # decayed sums of w, w x, w x^2, w e, w x e (x = q / the last size, e = the error)
 
     @classmethod
     def affine(cls, base: float, per_token: float, max_tokens: int, *, ema: float = 0.05) -> LatencyModel:
@@ -277,16 +283,33 @@ class LatencyModel:
         return torch.from_numpy(self.host_curve(0, max_tokens)).to(device)
 
     def observe(self, q: int, seconds: float) -> None:
-        """Online correction with one measured forward of q query tokens (the same span the profile timed, without
-        the overhead)."""
+        """Online correction with one measured step of q query tokens (the span the engine times: the forward as
+        profiled plus its input preparation and the verification, without the overhead).
+
+        The points become the profile's plus a + b q, the ridge least-squares fit of the errors e = seconds -
+        profile(q) of the observations so far, each weighted (1 - ema)^age (ema = 0: no correction), with a
+        penalty of RIDGE_WEIGHT observations on b (q in units of the last profiled size). Steps of one size fit
+        the level only (b = 0); steps of several sizes (the engine's exploration rounds verify every draft)
+        fit growth too, shrunk towards the profile's. Why not move the points around q (an earlier version): the
+        steps a policy runs cluster at a few sizes, and the span's part outside the profiled forward, which hardly
+        grows with q, then became growth at the edge of those sizes (on the H200 a false rise of about 60 us per
+        row at 64 rows, where the profile had 3), and the cost policy pruned drafts that paid for themselves."""
         if not (seconds > 0 and math.isfinite(seconds)) or q < 1:
             raise DSparkInputError(f"LatencyModel.observe: expected q >= 1 and seconds > 0, found {q}, {seconds}")
-        i, w = self._segment(float(q))
-        err = seconds - self._forward(q)
-        w = min(max(w, 0.0), 1.0)
-        self.seconds[i] = max(self.seconds[i] + self.ema * (1 - w) * err, 1e-9)
-        self.seconds[i + 1] = max(self.seconds[i + 1] + self.ema * w * err, 1e-9)
         self.observations += 1
+        if self.ema == 0.0:
+            return
+        x = q / self.sizes[-1]
+        sizes, prof = self.sizes, self._profile
+        i, w = self._segment(float(q))
+        e = seconds - max(prof[i] + w * (prof[i + 1] - prof[i]), 1e-12)
+        keep = 1.0 - self.ema
+        self._sums = [s * keep + v for s, v in zip(self._sums, (1.0, x, x * x, e, x * e))]
+        s0, s1, s2, se, sxe = self._sums
+        mx, me = s1 / s0, se / s0
+        b = (sxe - s1 * me) / (s2 - s1 * mx + RIDGE_WEIGHT)
+        a = me - b * mx
+        self.seconds = [max(t + a + b * size / sizes[-1], 1e-9) for t, size in zip(prof, sizes)]
 
 
 def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
