@@ -271,34 +271,45 @@ def test_padded_step_prices_the_longest_chunk():
         schedule_verification(pol, m, survival=a, latency=lat, padding=StepPadding(8, (1, 2, 4)))
 
 
-@pytest.mark.parametrize("seed", range(10))
-def test_padded_global_is_optimal_and_exact_is_non_anticipating(seed: int):
-    rng = random.Random(100 + seed)
+def _random_case(seed: int) -> tuple[random.Random, torch.Tensor, list[int]]:
+    """(rng, survivals [B, 5] float64, max_drafts) of a random batch of 1-4 requests with ties, 0s and 1s."""
+    rng = random.Random(seed)
     batch, width = rng.randint(1, 4), 5
     conf = [[rng.choice([rng.random(), 1.0, 0.0, 0.9]) for _ in range(width)] for _ in range(batch)]
-    a = _survival(conf).double()
-    m = [rng.randint(0, width) for _ in range(batch)]
-    pad = StepPadding(rng.choice([batch, 4, 8]) if batch <= 4 else 8, (1, 2, 4, 6))
-    sizes = list(range(1, pad.batch * 6 + 2))
+    return rng, _survival(conf).double(), [rng.randint(0, width) for _ in range(batch)]
+
+
+def _curves(rng: random.Random, rows: int) -> tuple[LatencyModel, LatencyModel]:
+    """A jagged curve over 1 .. rows + 1 (graph buckets) and an affine one."""
+    sizes = list(range(1, rows + 2))
     jagged = LatencyModel(sizes, [1.0 + 0.05 * q + rng.choice([0.0, 0.4, 0.9]) for q in sizes])
-    affine = LatencyModel.affine(rng.uniform(0.2, 2.0), rng.uniform(0.005, 0.3), 64)
-    for lat in (jagged, affine):
+    return jagged, LatencyModel.affine(rng.uniform(0.2, 2.0), rng.uniform(0.005, 0.3), 64)
+
+
+def _assert_non_anticipating(schedule, a: torch.Tensor) -> None:
+    """exact: whether draft j (1-based) of request b is verified must not depend on d_j, i.e. on the survivals of
+    drafts j+1 .. N of b (columns j.. here), whatever they are. schedule(survival) -> [B] drafts."""
+    batch, width = a.shape
+    ref = schedule(a)
+    for b in range(batch):
+        for j in range(1, width + 1):
+            for _ in range(3):
+                other = a.clone()
+                other[b, j:] = other[b, j - 1] * torch.cumprod(torch.rand(width - j, dtype=torch.float64), 0)
+                assert (schedule(other)[b] >= j) == (ref[b] >= j)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_padded_global_is_optimal_and_exact_is_non_anticipating(seed: int):
+    rng, a, m = _random_case(100 + seed)
+    pad = StepPadding(rng.choice([a.shape[0], 4, 8]) if a.shape[0] <= 4 else 8, (1, 2, 4, 6))
+    for lat in _curves(rng, pad.batch * 6):
         best = max(_padded_rate(a, list(c), lat, pad) for c in itertools.product(*(range(k + 1) for k in m)))
         got = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad)
         assert all(0 <= c <= k for c, k in zip(got.tolist(), m))
         assert _padded_rate(a, got.tolist(), lat, pad) == pytest.approx(best, rel=1e-9)
-        # exact: whether draft j (1-based) of request b is verified must not depend on d_j, i.e. on the survivals
-        # of drafts j+1 .. N of b (columns j.. here), whatever they are
-        pol = VerifyPolicy(kind="cost")
-        base = schedule_verification(pol, m, survival=a, latency=lat, padding=pad).tolist()
-        for b in range(batch):
-            for j in range(1, width + 1):
-                for _ in range(3):
-                    other = a.clone()
-                    other[b, j:] = other[b, j - 1] * torch.cumprod(torch.rand(width - j, dtype=torch.float64), 0)
-                    got = schedule_verification(pol, m, survival=other, latency=lat, padding=pad).tolist()
-                    assert (got[b] >= j) == (base[b] >= j)
-
+        _assert_non_anticipating(lambda x, lat=lat: schedule_verification(
+            VerifyPolicy(kind="cost"), m, survival=x, latency=lat, padding=pad).tolist(), a)
 
 def _ragged_rate(a: torch.Tensor, counts: list[int], lat: LatencyModel, pad: StepPadding, base: int) -> float:
     e = len(counts) + sum(float(a[b, :c].clamp(0, 1).sum()) for b, c in enumerate(counts))
@@ -328,38 +339,24 @@ def test_ragged_step_prunes_per_request_and_fills_its_bucket():
 
 @pytest.mark.parametrize("seed", range(10))
 def test_ragged_global_is_optimal_and_exact_is_non_anticipating(seed: int):
-    rng = random.Random(300 + seed)
-    batch, width = rng.randint(1, 4), 5
-    conf = [[rng.choice([rng.random(), 1.0, 0.0, 0.9]) for _ in range(width)] for _ in range(batch)]
-    a = _survival(conf).double()
-    m = [rng.randint(0, width) for _ in range(batch)]
-    base = rng.randint(0, 2)
+    rng, a, m = _random_case(300 + seed)
+    batch, base = a.shape[0], rng.randint(0, 2)
     B = rng.choice([4, 8]) if batch + base <= 4 else 8
     pad = StepPadding(B, tuple(sorted({-(-B * k // 2) for k in range(2, 13)})), ragged=True)
-    sizes = list(range(1, B * 6 + 2))
-    jagged = LatencyModel(sizes, [1.0 + 0.05 * q + rng.choice([0.0, 0.4, 0.9]) for q in sizes])
-    affine = LatencyModel.affine(rng.uniform(0.2, 2.0), rng.uniform(0.005, 0.3), 64)
-    for lat in (jagged, affine):
+    for lat in _curves(rng, B * 6):
         best = max(_ragged_rate(a, list(c), lat, pad, base) for c in itertools.product(*(range(k + 1) for k in m)))
         got = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad,
                                     base_tokens=base)
         assert all(0 <= c <= k for c, k in zip(got.tolist(), m))
         assert _ragged_rate(a, got.tolist(), lat, pad, base) == pytest.approx(best, rel=1e-9)
-        pol = VerifyPolicy(kind="cost")
-        ref = schedule_verification(pol, m, survival=a, latency=lat, padding=pad, base_tokens=base).tolist()
-        rows = base + batch + sum(ref)
-        assert sum(ref) == sum(m) or pad.rows(rows) == rows  # a bucket filled, or every draft verified
-        # exact: whether draft j (1-based) of request b is verified must not depend on d_j, i.e. on the survivals
-        # of drafts j+1 .. N of b (columns j.. here), whatever they are
-        for b in range(batch):
-            for j in range(1, width + 1):
-                for _ in range(3):
-                    other = a.clone()
-                    other[b, j:] = other[b, j - 1] * torch.cumprod(torch.rand(width - j, dtype=torch.float64), 0)
-                    got = schedule_verification(pol, m, survival=other, latency=lat, padding=pad,
-                                                base_tokens=base).tolist()
-                    assert (got[b] >= j) == (ref[b] >= j)
 
+        def exact(x, lat=lat):
+            return schedule_verification(VerifyPolicy(kind="cost"), m, survival=x, latency=lat, padding=pad,
+                                         base_tokens=base).tolist()
+
+        rows = base + batch + sum(exact(a))
+        assert sum(exact(a)) == sum(m) or pad.rows(rows) == rows  # a bucket filled, or every draft verified
+        _assert_non_anticipating(exact, a)
 
 def test_online_correction_moves_the_level_not_the_growth():
     """A step whose span is the profiled forward plus a constant (input preparation, verification), run at the few
