@@ -86,7 +86,6 @@ def _run(model: Transformer, *, batch_size: int, tokens: int, max_len: int, step
         ref = model(batch, caches[0])
         facts = DecodeFacts.of(batch, tokens)
         model.host_step(batch, caches[1])
-        step.mark_written(facts)
         step.check_tables(facts)
         step.fill(facts)
         out = model.forward_features(None, caches[1], static=step).logits

@@ -48,7 +48,7 @@ def _with_static_graphs(llm: LLM) -> EagerReplayGraphs:
     drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
     if not hasattr(drafter, "after_step"):  # and DSpark's draft-ring writes
         eng.runner.spec.insert_runner = graphs.run_insert
-    eng.runner.spec.graph_sizes = (graphs.batch_sizes, eng.runner.spec.max_drafts + 1)
+    eng.runner.spec.graph_rows = {b: verify_row_sizes(b, eng.runner.spec.max_drafts + 1) for b in graphs.batch_sizes}
     return graphs
 
 

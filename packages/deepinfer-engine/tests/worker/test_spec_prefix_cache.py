@@ -53,13 +53,14 @@ def test_a_prefix_hit_drafts_as_without_the_cache(tiny_ckpt, arch: str, size: st
     llm = LLM(str(path), device="cpu", dtype="float32", page_size=page, max_num_batched_tokens=6 if graphs else 10,
               speculative_config={"method": method})
     if graphs:
+        from deepinfer_engine.worker.cuda_graph import verify_row_sizes
         from eager_graphs import EagerReplayGraphs
 
         eng = llm.engine
         g = EagerReplayGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
         eng.runner.cuda_graphs, spec = g, eng.runner.spec
         spec.drafter.block_runner, spec.insert_runner = g.run_draft, g.run_insert
-        spec.graph_sizes = (g.batch_sizes, spec.max_drafts + 1)
+        spec.graph_rows = {b: verify_row_sizes(b, spec.max_drafts + 1) for b in g.batch_sizes}
     kv = llm.engine.scheduler.kv
     want = []
     for prompt in (INSIDE, AT_END):  # the references: computed from position 0

@@ -540,16 +540,6 @@ class StaticDecodeStep:
 
         return self._register(("paged", ratio), build, make, memo)  # type: ignore[return-value]
 
-    def mark_written(self, facts: DecodeFacts) -> None:
-        """Rollback marks of the rows this step writes: Q positions per real sequence, its padding rows included
-        (after `Transformer.host_step`, which marks the n_i real ones), so that `ModelCache.check_resume` guards
-        the rollback of the padding rows like that of rejected drafts. A ragged step writes the n_i real rows only."""
-        if self.ragged:
-            return
-        hw = self.cache.high_water
-        for slot, c in zip(facts.slots.tolist(), facts.ctx.tolist()):
-            hw[slot] = c + self.tokens
-
     def check_tables(self, facts: DecodeFacts) -> None:
         """Block-table coverage of the real sequences (host; CapacityError as the exact plans raise)."""
         ratios = sorted(set(self.cache.ratios.values()))

@@ -149,9 +149,9 @@ class SpecDecoder:
         # asynchronous scheduling reads a round back after other host work (worker/async_runner.py): its forward
         # is then timed by CUDA events (CPU: up to the end of the launch), not up to the host read
         self.deferred_reads = False
-        # (batch buckets, the most rows a verified sequence feeds) of the ragged CUDA graphs that replay verify
-        # steps (None: eager)
-        self.graph_sizes: tuple[tuple[int, ...], int] | None = None
+        # the ragged CUDA graphs that replay verify steps: batch bucket -> its row buckets (worker/cuda_graph.py
+        # `verify_row_sizes`); None: eager
+        self.graph_rows: dict[int, tuple[int, ...]] | None = None
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -190,17 +190,14 @@ class SpecDecoder:
         return p.logprobs is None and not p.uses_penalties and len(st.output_ids) >= p.min_tokens
 
     def padding(self, chunks: Sequence[ScheduledChunk], speculating: Mapping[str, int]) -> StepPadding | None:
-        """The ragged shape the step's forward will replay (`graph_sizes`: a CUDA graph per batch bucket and row
-        bucket, worker/cuda_graph.py `verify_row_sizes`), None when it runs eagerly: a chunk other than a verify
-        chunk or a one-token decode chunk (a prefill chunk), or more sequences than the largest graph batch. The
-        cost policy prices a step by its row bucket (docs/dspark.md "Verification policies")."""
-        from deepinfer_engine.worker.cuda_graph import verify_row_sizes
-
-        if self.graph_sizes is None or any(c.num_tokens != 1 for c in chunks if c.req_id not in speculating):
+        """The ragged shape the step's forward will replay (`graph_rows`: a CUDA graph per batch bucket and row
+        bucket), None when it runs eagerly: a chunk other than a verify chunk or a one-token decode chunk (a prefill
+        chunk), or more sequences than the largest graph batch. The cost policy prices a step by its row bucket
+        (docs/dspark.md "Verification policies")."""
+        if self.graph_rows is None or any(c.num_tokens != 1 for c in chunks if c.req_id not in speculating):
             return None
-        batches, tokens = self.graph_sizes
-        b = next((x for x in batches if x >= len(chunks)), None)
-        return None if b is None else StepPadding(b, verify_row_sizes(b, tokens), ragged=True)
+        b = next((x for x in sorted(self.graph_rows) if x >= len(chunks)), None)
+        return None if b is None else StepPadding(b, self.graph_rows[b], ragged=True)
 
     # ------------------------------------------------------------------------------------------ 1. propose
     @torch.no_grad()
@@ -632,7 +629,9 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
     if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
-        decoder.graph_sizes = (tuple(graphs.batch_sizes), k + 1)
+        from deepinfer_engine.worker.cuda_graph import verify_row_sizes
+
+        decoder.graph_rows = {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes}
         decoder.capture_clock = lambda: graphs.stats.capture_s
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
     return decoder, k
