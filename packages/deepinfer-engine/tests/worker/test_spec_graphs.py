@@ -223,3 +223,20 @@ def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeyp
     spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 0.004, 64), online_latency=True)
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain
     assert spec.latency.observations == 0 and spec.latency.overhead_observations == 0
+
+
+def test_build_spec_decoder_wires_the_graphs(ckpts) -> None:
+    """With a graph runner, the engine's speculative decoder replays the draft passes and draft-ring writes through
+    it, prices verify steps by the ragged row buckets of each batch bucket, and reads the runner's capture clock."""
+    from deepinfer_engine.worker.spec_decode import build_spec_decoder
+
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost"}, enable_prefix_caching=False)
+    eng = llm.engine
+    graphs = EagerReplayGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
+    dec, k = build_spec_decoder(eng.config, eng.runner.model, eng.runner.cache, model_dir=eng.model_dir,
+                                num_pages=eng.plan.num_pages, device=torch.device("cpu"), graphs=graphs)
+    assert dec.graph_rows == {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes} and k >= 1
+    assert dec.drafter.block_runner == graphs.run_draft and dec.insert_runner == graphs.run_insert
+    assert graphs.stats.verify_replays > 0  # the start-up profile timed graph-replayed verify steps
+    graphs.stats.capture_s += 1.5
+    assert dec.capture_clock() == graphs.stats.capture_s
