@@ -111,6 +111,9 @@ def test_latency_model_interpolates_profiles_and_corrects():
     lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.0)
     lat.observe(4, 9.0)  # ema 0: observations are counted, the curve stays the profile
     assert lat.seconds == [1.0, 2.5, 3.0] and lat.observations == 1
+    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.05)
+    lat.observe(64, 90.0)  # past the profile (a step with prefill rows): counted, not fitted
+    assert lat.seconds == [1.0, 2.5, 3.0] and lat.observations == 1
     clock = iter(range(1000))
     prof = LatencyModel.profile(lambda q: None, [1, 2, 4], repeats=3, timer=lambda: float(next(clock)))
     assert prof.sizes == [1, 2, 4] and prof.seconds == [1.0, 1.0, 1.0] and prof.noise == 0.0

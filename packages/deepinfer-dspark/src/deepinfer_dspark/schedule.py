@@ -293,11 +293,14 @@ class LatencyModel:
         fit growth too, shrunk towards the profile's. Why not move the points around q (an earlier version): the
         steps a policy runs cluster at a few sizes, and the span's part outside the profiled forward, which hardly
         grows with q, then became growth at the edge of those sizes (on the H200 a false rise of about 60 us per
-        row at 64 rows, where the profile had 3), and the cost policy pruned drafts that paid for themselves."""
+        row at 64 rows, where the profile had 3), and the cost policy pruned drafts that paid for themselves.
+        A step past the last profiled size is counted but not fitted: verify-shaped steps stay within the profile
+        (it reaches the largest verify step the scheduler makes), so such a step carries prefill rows, whose cost
+        the profile does not model, and at that distance one of them would set the fitted growth alone."""
         if not (seconds > 0 and math.isfinite(seconds)) or q < 1:
             raise DSparkInputError(f"LatencyModel.observe: expected q >= 1 and seconds > 0, found {q}, {seconds}")
         self.observations += 1
-        if self.ema == 0.0:
+        if self.ema == 0.0 or q > self.sizes[-1]:
             return
         x = q / self.sizes[-1]
         sizes, prof = self.sizes, self._profile
