@@ -229,7 +229,8 @@ class StaticDecodeStep:
             a[3 * T + B : 3 * T + 2 * B] = Q
             a[3 * T + 2 * B : 3 * T + 3 * B] = np.arange(B, dtype=np.int64) * Q
         self._arange = np.arange(max(S, T), dtype=np.int64)
-        self._seq_of_token = torch.arange(B, dtype=torch.int64, device=self.device).repeat_interleave(Q)
+        # a uniform step's row -> sequence map never changes; a ragged step's is a per-step buffer (`_sizes`)
+        self._seq_of_token = None if self.ragged else torch.arange(B, device=self.device).repeat_interleave(Q)
         self._bind_seq()
         self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
                               input_ids=np.zeros(0, np.int64), block_tables=np.full((0, 1), -1, np.int64)))
