@@ -91,6 +91,21 @@ def test_linear_f32_out_reference():
     assert torch.equal(linear_f32_out(x.float(), w32), F.linear(x.float(), w32))
 
 
+def test_linear_f32_out_writes_into_out():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(50, 64, generator=g).bfloat16()
+    x = torch.randn(2, 3, 64, generator=g).bfloat16()
+    buf = torch.full((8, 50), float("nan"))
+    out = buf[:6].view(2, 3, 50)  # the leading rows of a larger buffer, as CUDA graphs share one
+    y = linear_f32_out(x, w, backend="torch", out=out)
+    assert y.data_ptr() == buf.data_ptr() and torch.equal(y, F.linear(x.float(), w.float()))
+    assert torch.isnan(buf[6:]).all()  # nothing past the rows asked for
+    for bad, why in ((torch.empty(2, 3, 49), r"\(2, 3, 50\)"), (torch.empty(2, 3, 50, dtype=torch.bfloat16), "float32"),
+                     (torch.empty(50, 3, 2).transpose(0, 2), "contiguous")):
+        with pytest.raises(ValueError, match=why):
+            linear_f32_out(x, w, backend="torch", out=bad)
+
+
 def test_e8m0_dtype_conversion_used_by_the_decoders_matches_the_bit_decoder():
     from deepinfer_kernels.quant import e8m0_to_float
 

@@ -419,6 +419,13 @@ def test_linear_f32_out_interpreter(interp):
     assert interp.linear_f32_out(x[:0], w).shape == (0, 50)
     split = interp.linear_f32_out(x, w, config=interp.LinearConfig(16, 16, 32, 4, 1, 3))
     assert _rel(split, reference.linear_f32_out(x, w)) <= 1e-6
+    for cfg in (None, interp.LinearConfig(16, 16, 32, 4, 1, 3)):  # written in place, split-K too
+        buf = torch.full((5, 50), float("nan"))
+        y = interp.linear_f32_out(x, w, config=cfg, out=buf[:3])
+        assert y.data_ptr() == buf.data_ptr() and _rel(y, reference.linear_f32_out(x, w)) <= 1e-6
+        assert torch.isnan(buf[3:]).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        interp.linear_f32_out(x, w, out=torch.empty(50, 3).t())
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real shapes

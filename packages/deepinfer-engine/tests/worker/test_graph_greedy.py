@@ -41,6 +41,10 @@ def _run(path, graphs: bool, async_on: bool, params: list[SamplingParams]) -> tu
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     if graphs:
         calls["replays"] = runner.cuda_graphs.stats.replays
+        # every decode graph writes its logits into the leading rows of the runner's one decode buffer
+        shared = runner.cuda_graphs._outputs["decode.logits"]
+        assert shared.shape[0] == 4 and runner.cuda_graphs.graphs
+        assert {g.logits.data_ptr() for g in runner.cuda_graphs.graphs.values()} == {shared.data_ptr()}
     return [list(o.outputs[0].token_ids) for o in outs], calls
 
 

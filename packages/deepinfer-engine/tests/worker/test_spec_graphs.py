@@ -170,6 +170,15 @@ def test_cost_profile_times_the_graphed_verify_step() -> None:
     # each power of two is a row bucket of its batch bucket: the graphs ran it without padding rows
     assert graphs.stats.verify_replays == len(seen) and set(graphs.stats.verify_shapes) == {
         (1, 256, 1), (1, 256, 2), (1, 256, 4), (2, 256, 8)}
+    # every verify graph wrote the leading rows of one buffer per output, sized for the largest row bucket (B = 4
+    # sequences of k + 1 rows): the outputs cost the memory of one graph, not of every shape captured
+    out, most = graphs._outputs, 4 * (block + 1)
+    assert out["verify.logits"].shape == (most, args.vocab_size) and out["verify.hidden"].shape[0] == most
+    for key, g in graphs.graphs.items():
+        assert g.logits.data_ptr() == out["verify.logits"].data_ptr() and g.logits.shape[0] == key[2]
+        assert g.hidden.data_ptr() == out["verify.hidden"].data_ptr()
+        assert g.features.keys() == set(capture)
+        assert all(f.data_ptr() == out[f"verify.features.{lid}"].data_ptr() for lid, f in g.features.items())
 
 
 def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeypatch) -> None:

@@ -140,10 +140,11 @@ class Linear(nn.Module):
         return fp8_linear(x, self.weight, self.scale, self.block, act_quant=self.quantize_activations,
                           backend=self.kernel_backend, counters=split_counters(self, x.device), pdl=self.pdl)
 
-    def f32_out(self, x: Tensor) -> Tensor:
+    def f32_out(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """``x Wᵀ`` as float32 over the dense weight in its own dtype (fp32 accumulation, W never widened): the LM
-        head and the fp32 compressor projections."""
-        return linear_f32_out(x, self.weight, backend=self.kernel_backend, counters=split_counters(self, x.device))
+        head and the fp32 compressor projections. out: a contiguous float32 tensor to write it into."""
+        return linear_f32_out(x, self.weight, backend=self.kernel_backend, counters=split_counters(self, x.device),
+                              out=out)
 
     def grouped(self, x: Tensor, groups: int) -> Tensor:
         """Block-diagonal use of the weight: x ``[T, G, in/G]`` with row group g of W ``[G*r, in/G]`` -> ``[T, G, r]``

@@ -244,10 +244,11 @@ class Transformer(nn.Module):
     @torch.no_grad()  # inference-only model: no autograd graph, whatever the caller's grad mode
     def forward_features(
         self, batch: ForwardBatch | None, cache: ModelCache, *, capture: tuple[int, ...] = (),
-        static: StaticDecodeStep | None = None,
+        static: StaticDecodeStep | None = None, logits_out: Tensor | None = None,
     ) -> ModelOutput:
         """static: run the fixed-shape step held there (its batch and plans; `batch` is ignored and
-        the host half, `host_step`, is the caller's) -- the form a CUDA graph captures."""
+        the host half, `host_step`, is the caller's) -- the form a CUDA graph captures. logits_out: a contiguous
+        [rows, V] float32 tensor the LM head writes the logits into (CUDA graphs share one across shapes)."""
         if static is None:
             host = self.check_inputs(batch, cache)
             ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture), state_captures=True)
@@ -306,7 +307,7 @@ class Transformer(nn.Module):
             else:
                 h = hc_pre(rows, pre if li is None else pre[li], backend=self.kernel_backend)
         # fp32 logits (docs/model.md §A.1) without widening the [V, d] head weight: fp32 accumulation over its stored dtype
-        logits = self.head.f32_out(self.norm(h))
+        logits = self.head.f32_out(self.norm(h), out=logits_out)
         return ModelOutput(logits=logits, hidden=r, pre_last=pre_last, features=dict(c.features),
                            kept_batch=None if c is ctx else c.batch)
 

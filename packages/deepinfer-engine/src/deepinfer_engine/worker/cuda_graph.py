@@ -216,6 +216,11 @@ class CudaGraphRunner:
         self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
         self.last_shape: tuple[int, ...] | None = None  # the shape of the latest replay (benchmarks replay it)
         self._greedy: Tensor | None = None  # the greedy ids of the latest decode replay
+        # the outputs every decode graph ("decode.*") and every verify graph ("verify.*") writes: one buffer per
+        # output for the largest shape of its kind, outside the pools, each graph writing its leading rows. Only
+        # one replay's outputs are read at a time (each is read before the next launch), so per-graph outputs
+        # would only multiply the memory: [T, vocab] float32 logits per ragged verify graph (docs/cuda_graphs.md)
+        self._outputs: dict[str, Tensor] = {}
         self.sampler = Sampler()  # the greedy argmax captured with each decode graph, as the runner's sampler runs it
 
     def shape_of(self, batch: object, logit_rows: Sequence[int]) -> tuple[int, int] | None:
@@ -348,8 +353,35 @@ class CudaGraphRunner:
         pools = {tuple(p) for p in self._pools}
         return sum(int(s["total_size"]) for s in segs if tuple(s["segment_pool_id"]) in pools)
 
-    def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None) -> ModelOutput:
-        return self.model.forward_features(None, self.cache, capture=capture or (), static=step)
+    def _forward(self, step: StaticDecodeStep, capture: tuple[int, ...] | None,
+                 logits_out: Tensor | None = None) -> ModelOutput:  # fmt: skip
+        return self.model.forward_features(None, self.cache, capture=capture or (), static=step,
+                                           logits_out=logits_out)
+
+    def _output_rows(self, name: str, rows: int, max_rows: int, tail: tuple[int, ...], dtype: torch.dtype
+                     ) -> Tensor:  # fmt: skip
+        """Rows [:rows] of the shared output buffer `name` ([max_rows, *tail] dtype, allocated on first use, on the
+        current stream outside every capture: a graph's warm-up asks first)."""
+        buf = self._outputs.get(name)
+        if buf is None:
+            buf = torch.empty((max_rows, *tail), dtype=dtype, device=self.device)
+            self._outputs[name] = buf
+        if rows > buf.shape[0] or tuple(buf.shape[1:]) != tuple(tail) or buf.dtype != dtype:
+            raise InputError(f"cuda graphs: output {name} of {rows} rows {tuple(tail)} {dtype}, the shared buffer "
+                             f"holds {tuple(buf.shape)} {buf.dtype} (the graphs of one runner share it)")
+        return buf[:rows]
+
+    def _logits_out(self, kind: str, rows: int, max_rows: int) -> Tensor:
+        return self._output_rows(f"{kind}.logits", rows, max_rows, (int(self.model.args.vocab_size),), torch.float32)
+
+    def _copy_out(self, name: str, t: Tensor, max_rows: int) -> Tensor:
+        """t copied into the leading rows of the shared output `name` (captured with the graph: t itself is a
+        temporary of the pool then, reused by the other graphs)."""
+        return self._output_rows(name, t.shape[0], max_rows, tuple(t.shape[1:]), t.dtype).copy_(t)
+
+    def output_bytes(self) -> int:
+        """Device memory of the outputs the graphs share (outside their pools)."""
+        return sum(t.numel() * t.element_size() for t in self._outputs.values())
 
     def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None, *,
                 pool: str = "shared") -> tuple[Any, Any]:  # fmt: skip
@@ -393,13 +425,24 @@ class CudaGraphRunner:
         # all rows padding while warming up and capturing: only the scratch slot / page are written
         step = StaticDecodeStep(self.cache, B, L, self.device, tokens=Q, rows=rows)
         if capture is None:  # the decode graph samples greedily too (its ids are used for plain greedy steps)
+            logits_out = self._logits_out("decode", B, self.batch_sizes[-1])
+
             def decode() -> _DecodeOutputs:
-                logits = self._forward(step, None).logits.float()
+                logits = self._forward(step, None, logits_out).logits
                 return _DecodeOutputs(logits=logits, greedy=self.sampler.greedy(logits))
 
             graph, dec = self._record(decode, step.freeze)
             return self._keep((B, L), _Graph(step=step, graph=graph, logits=dec.logits, greedy=dec.greedy), "", t0)
-        graph, out = self._record(lambda: self._forward(step, capture), step.freeze)
+        most = self.batch_sizes[-1] * Q  # the largest row bucket (verify_row_sizes)
+        logits_out = self._logits_out("verify", rows, most)
+
+        def verify() -> ModelOutput:
+            out = self._forward(step, capture, logits_out)
+            return ModelOutput(logits=out.logits, hidden=self._copy_out("verify.hidden", out.hidden, most),
+                               pre_last=None, features={lid: self._copy_out(f"verify.features.{lid}", f, most)
+                                                        for lid, f in out.features.items()})
+
+        graph, out = self._record(verify, step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
                    capture=tuple(capture))
         return self._keep((B, L, rows), g, "verify", t0)

@@ -140,26 +140,39 @@ def fp8_linear_grouped(
 
 
 def linear_f32_out(
-    x: Tensor, weight: Tensor, *, backend: str = "auto", counters: Tensor | None = None
+    x: Tensor, weight: Tensor, *, backend: str = "auto", counters: Tensor | None = None, out: Tensor | None = None
 ) -> Tensor:
     """``y = x Wᵀ`` as float32 without converting W: x ``[..., K]``, weight ``[N, K]`` (bf16 / fp16 / fp32) ->
     ``[..., N] float32``. On CUDA the kernel reads W in its dtype and accumulates in fp32 (the LM head's
-    129,280 x d bf16 weight is never copied to fp32). A float32 weight is a plain fp32 matmul."""
+    129,280 x d bf16 weight is never copied to fp32). A float32 weight is a plain fp32 matmul.
+
+    out: a contiguous ``[..., N] float32`` tensor on x's device to write y into (returned). The Triton kernel
+    writes it directly, so CUDA graphs of different row counts can share one logits buffer without a copy."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"linear_f32_out: x {tuple(x.shape)}, weight {tuple(weight.shape)}; expected [..., K], [N, K]"
         )
     _check_counters("linear_f32_out", counters, x)
     lead = x.shape[:-1]
+    n = weight.shape[0]
+    if out is not None and (tuple(out.shape) != (*lead, n) or out.dtype != torch.float32
+                            or out.device != x.device or not out.is_contiguous()):  # fmt: skip
+        raise ValueError(f"linear_f32_out: out {out.dtype} {tuple(out.shape)} on {out.device} (contiguous: "
+                         f"{out.is_contiguous()}); expected a contiguous float32 {(*lead, n)} on {x.device}")
     x2 = x.reshape(-1, x.shape[-1])
+    out2 = None if out is None else out.view(-1, n)
     if weight.dtype == torch.float32:
-        return torch.nn.functional.linear(x2.float(), weight).reshape(*lead, weight.shape[0])
-    ok = weight.dtype in _FLOATS and x.dtype in _FLOATS
-    why = f"x {x.dtype}, weight {weight.dtype}"
-    if resolve_backend("linear_f32_out", backend, x2, weight, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.linear import triton as triton_backend
-
-        y = triton_backend.linear_f32_out(x2, weight, counters=counters)
+        y = torch.nn.functional.linear(x2.float(), weight)
     else:
-        y = reference.linear_f32_out(x2, weight)
-    return y.reshape(*lead, weight.shape[0])
+        ok = weight.dtype in _FLOATS and x.dtype in _FLOATS
+        why = f"x {x.dtype}, weight {weight.dtype}"
+        if resolve_backend("linear_f32_out", backend, x2, weight, triton_ok=ok, why_not=why) == "triton":
+            from deepinfer_kernels.linear import triton as triton_backend
+
+            y = triton_backend.linear_f32_out(x2, weight, counters=counters, out=out2)
+        else:
+            y = reference.linear_f32_out(x2, weight)
+    if out2 is not None and y.data_ptr() != out2.data_ptr():
+        out2.copy_(y)
+        return out
+    return y.reshape(*lead, n)

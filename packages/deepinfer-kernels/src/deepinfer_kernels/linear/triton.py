@@ -906,6 +906,7 @@ def launch(
     groups: int = 1,
     counters: Tensor | None = None,
     pdl: bool = False,
+    out: Tensor | None = None,
 ) -> Tensor:
     """y [M, N] out_dtype = x [M, K] @ decode(w [N, K], s)ᵀ. ``config``: None = `default_config`; a benchmark or a
     test passes its own. Validation of shapes and dtypes is the dispatcher's (`deepinfer_kernels.linear`).
@@ -915,14 +916,18 @@ def launch(
     allows (docs/pdl.md); the MMA kernel always launches plainly.
 
     groups G > 1: x [M, G, K], w [G * R, K] block-diagonal -> y [M, G * R] with y[:, g R:(g+1) R] = x[:, g] @ W_gᵀ,
-    one launch (the caller checks that every tile size of the config divides R)."""
+    one launch (the caller checks that every tile size of the config divides R).
+
+    out: a contiguous [M, N] out_dtype tensor that y is written into (not with mode "dense")."""
     if groups > 1:
         m, k = x.shape[0], x.shape[2]
     else:
         m, k = x.shape
     n = w.shape[0]
+    if out is not None and (tuple(out.shape) != (m, n) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"{op}: out {out.dtype} {tuple(out.shape)}; expected a contiguous {out_dtype} {(m, n)}")
     if m == 0 or n == 0:
-        return torch.empty((m, n), dtype=out_dtype, device=x.device)
+        return out if out is not None else torch.empty((m, n), dtype=out_dtype, device=x.device)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if w.stride(1) != 1:
@@ -944,8 +949,9 @@ def launch(
     if cfg.mode == "dense":
         if s is None:
             raise ValueError(f"{op}: mode 'dense' decodes an FP8 weight; found a plain weight; use another mode")
-        return _dense(x, w, s, block, out_dtype, act_quant, groups, cfg)
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+        y = _dense(x, w, s, block, out_dtype, act_quant, groups, cfg)
+        return y if out is None else out.copy_(y)
+    y = out if out is not None else torch.empty((m, n), dtype=out_dtype, device=x.device)
     grid_n, grid_m = cdiv(n, cfg.block_n), cdiv(m, cfg.block_m)
     k_tiles = cdiv(k, cfg.block_k)
     split = _split_count(cfg, grid_n * grid_m, k_tiles, x.device)
@@ -1114,8 +1120,10 @@ def fp8_linear_grouped(
 
 
 def linear_f32_out(
-    x: Tensor, weight: Tensor, *, config: LinearConfig | None = None, counters: Tensor | None = None
+    x: Tensor, weight: Tensor, *, config: LinearConfig | None = None, counters: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """x [M, K], weight [N, K] bf16 / fp16 -> [M, N] float32 (fp32 accumulation, W read in its own dtype)."""
+    """x [M, K], weight [N, K] bf16 / fp16 -> [M, N] float32 (fp32 accumulation, W read in its own dtype), written
+    into `out` (a contiguous [M, N] float32) when given."""
     return launch(x, weight, None, torch.float32, block=(1, 1), act_quant=False, op="linear_f32_out", config=config,
-                  counters=counters)
+                  counters=counters, out=out)
