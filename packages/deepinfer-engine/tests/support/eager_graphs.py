@@ -6,6 +6,8 @@ the graph's buffers) without a GPU."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import weakref
 
 import torch
 from deepinfer_engine.worker.cuda_graph import CudaGraphRunner
@@ -14,11 +16,19 @@ __all__ = ["EagerReplayGraphs"]
 
 
 class _EagerReplay:
+    """Holds the forward weakly, as a CUDA graph holds nothing of the Python objects its kernels read: the runner
+    must keep the callable (and so every tensor it closed over) alive with the graph, or the replay fails here."""
+
     def __init__(self, forward, outputs) -> None:
-        self.forward, self.outputs = forward, outputs
+        self.forward = weakref.WeakMethod(forward) if inspect.ismethod(forward) else weakref.ref(forward)
+        self.outputs = outputs
 
     def replay(self) -> None:
-        out = self.forward()
+        forward = self.forward()
+        if forward is None:
+            raise AssertionError("the runner dropped a captured forward: a CUDA graph would read tensors that "
+                                 "were freed with it (keep it in the graph's record)")
+        out = forward()
         if isinstance(out, torch.Tensor):
             self.outputs.copy_(out)
             return

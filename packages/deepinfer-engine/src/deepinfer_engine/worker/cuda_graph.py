@@ -183,6 +183,11 @@ class _Graph:
     sampling: tuple[Tensor, Tensor, Tensor] | None = None  # their static [B] temperatures (device, pinned host), seeds
     copied: torch.cuda.Event | None = None  # recorded after the copy out of the pinned temperatures
     insert: Any = None  # insertion graphs: their dspark.StaticInsert (static step and feature buffers)
+    # the captured callable. A graph reads the tensors its forward closed over by address but does not own them:
+    # a constant made for the capture and held only by the closure (e.g. the STS divisors of a draft round) would
+    # be freed with it, and its memory handed to other tensors while the graph still reads it. Keeping the callable
+    # keeps all of them.
+    forward: Callable[[], Any] | None = None
 
 
 class CudaGraphRunner:
@@ -432,7 +437,8 @@ class CudaGraphRunner:
                 return _DecodeOutputs(logits=logits, greedy=self.sampler.greedy(logits))
 
             graph, dec = self._record(decode, step.freeze)
-            return self._keep((B, L), _Graph(step=step, graph=graph, logits=dec.logits, greedy=dec.greedy), "", t0)
+            g = _Graph(step=step, graph=graph, logits=dec.logits, greedy=dec.greedy, forward=decode)
+            return self._keep((B, L), g, "", t0)
         most = self.batch_sizes[-1] * Q  # the largest row bucket (verify_row_sizes)
         logits_out = self._logits_out("verify", rows, most)
 
@@ -444,7 +450,7 @@ class CudaGraphRunner:
 
         graph, out = self._record(verify, step.freeze)
         g = _Graph(step=step, graph=graph, logits=out.logits, hidden=out.hidden, features=dict(out.features),
-                   capture=tuple(capture))
+                   capture=tuple(capture), forward=verify)
         return self._keep((B, L, rows), g, "verify", t0)
 
     def _keep(self, key: tuple, g: _Graph, kind: str, t0: float) -> _Graph:
@@ -498,8 +504,11 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         # the stages read the window rings only (no compressed entries): any length up to the model's positions
         step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
-        graph, out = self._record(lambda: dspark.draft_block(self.model, None, self.cache, static=step), step.freeze)
-        g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden)
+        def forward() -> Any:
+            return dspark.draft_block(self.model, None, self.cache, static=step)
+
+        graph, out = self._record(forward, step.freeze)
+        g = _Graph(step=step, graph=graph, logits=out.base_logits, hidden=out.hidden, forward=forward)
         return self._keep(("draft", B, N), g, "draft", t0)
 
     def run_draft_proposal(self, batch: object, heads: Any, version: int, temperature: Tensor | None,
@@ -577,7 +586,9 @@ class CudaGraphRunner:
                                seeds=None if sampling is None else sampling[2], divisors=divisors)
 
         graph, prop = self._record(forward, step.freeze, pool="draft")
-        g = _Graph(step=step, graph=graph, logits=None, proposal=prop, sampling=sampling)
+        # forward holds the STS divisors: without it their memory went to other tensors after the capture, and
+        # the graph's confidences (read by the threshold and cost policies, not by verification) were wrong
+        g = _Graph(step=step, graph=graph, logits=None, proposal=prop, sampling=sampling, forward=forward)
         return self._keep(key, g, "draft", t0)
 
     # ------------------------------------------------------------------------------------ V4 MTP draft pass
@@ -626,7 +637,8 @@ class CudaGraphRunner:
             return m.head.f32_out(h)
 
         graph, logits = self._record(forward, step.freeze)
-        g = _Graph(step=step, graph=graph, logits=logits, hidden=hin)  # hidden: the static INPUT streams here
+        # hidden: the static INPUT streams here
+        g = _Graph(step=step, graph=graph, logits=logits, hidden=hin, forward=forward)
         return self._keep(("mtp", B, Q), g, "mtp", t0)
 
     # ------------------------------------------------------------------------------------ DSpark context insertion
@@ -675,5 +687,5 @@ class CudaGraphRunner:
         ins = StaticInsert(self.model, self.cache, B, Q, like)
         graph, m = self._record(ins.forward, ins.step.freeze, pool="insert")
         # nobody reads m; it stays referenced (as `logits`) so that the blocks this graph writes stay its own
-        g = _Graph(step=ins.step, graph=graph, logits=m, insert=ins)
+        g = _Graph(step=ins.step, graph=graph, logits=m, insert=ins, forward=ins.forward)
         return self._keep(("insert", B, Q), g, "insert", t0)
