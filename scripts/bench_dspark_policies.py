@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "verified_per_request_step": st["num_verified_tokens"] / max(1, st["request_steps"]),
                                  "verified_per_step": st["verified_tokens_per_step"], "steps": st["steps"],
                                  "verification_efficiency": st["verification_efficiency"],
+                                 "survival_calibration": st["survival_calibration"],
+                                 "predicted_acceptance_by_position": st["predicted_acceptance_by_position"],
+                                 "acceptance_by_position": st["acceptance_by_position"],
                                  "num_verified_tokens": st["num_verified_tokens"],
                                  "num_accepted_tokens": st["num_accepted_tokens"],
                                  "matches_plain": out == ref if temp == 0 else None,
@@ -409,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(rows: list[dict]) -> list[dict]:
     """Per (prompts, temperature, policy): mean and min / max over prompt sets; verified and tau relative to
     verify_all, tokens/s relative to plain decoding, both of the same scheduling mode (NAME+async: asynchronous).
+    `survival_calibration`: the drafts the survivals predicted accepted over those accepted (1: the Confidence Head
+    is calibrated where the policy verified; a GPU run reading corrupted confidences showed itself here).
     `vs_verify_all_paired`: per prompt set, the median over repeats of the run's tokens/s over verify_all's run of
     the same repeat (the runs of one repeat follow each other, so a slow spell of the machine hits both; the spread
     between repeats was larger than the gaps between policies on the H200)."""
@@ -422,8 +427,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         base = {r["seed"]: r for r in same if r["policy"] == "verify_all" + mode}
         plain = {r["seed"]: r for r in same if r["policy"] == "plain" + mode}
         entry = {"prompts": count, "temperature": temp, "policy": pol, "sets": len(rs)}
-        for f in ("tokens_per_s", "mean_accepted_length", "verified_per_request_step", "verified_per_step"):
-            vals = [r[f] for r in rs if f in r]
+        for f in ("tokens_per_s", "mean_accepted_length", "verified_per_request_step", "verified_per_step",
+                  "survival_calibration"):
+            vals = [r[f] for r in rs if r.get(f) is not None]
             if vals:
                 entry[f] = (statistics.fmean(vals), min(vals), max(vals))
         for f in ("draft_ms", "verify_ms", "finish_ms", "wall_per_round_ms"):
@@ -461,12 +467,14 @@ def format_table(table: list[dict], llm) -> str:
              "within the same scheduling mode)",
              f"{'P':>4} {'T':>3} {'policy':<28} {'tokens/s':>24} {'vs plain':>20} {'vs all, paired':>20} "
              f"{'tau':>20} {'tau vs all':>20} "
-             f"{'verified/req-step':>20} {'verified vs all':>20} {'ms/round draft+verify+rest':>28}"]
+             f"{'verified/req-step':>20} {'verified vs all':>20} {'predicted/accepted':>20} "
+             f"{'ms/round draft+verify+rest':>28}"]
     for e in table:
         lines.append(f"{e['prompts']:>4} {e['temperature']:>3g} {e['policy']:<28} {f(e, 'tokens_per_s', '.1f'):>24} "
                      f"{f(e, 'vs_plain', '.3f'):>20} {f(e, 'vs_verify_all_paired', '.3f'):>20} "
                      f"{f(e, 'mean_accepted_length', '.2f'):>20} {f(e, 'tau_vs_verify_all', '.3f'):>20} "
                      f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20} "
+                     f"{f(e, 'survival_calibration', '.3f'):>20} "
                      + (f"{e['draft_ms'][0]:>9.1f}+{e['verify_ms'][0]:.1f}+{e['finish_ms'][0]:.1f}" if "draft_ms" in e
                         else f"{'-':>9}")
                      + ("  GREEDY MISMATCH" if e.get("greedy_mismatch") else ""))

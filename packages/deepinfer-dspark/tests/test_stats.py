@@ -101,3 +101,40 @@ def test_token_counters_per_step_and_merge():
     assert d["num_verified_tokens"] == 13 and d["num_draft_tokens"] == 24
     with pytest.raises(DSparkInputError, match="num_proposed"):
         s.update([0], [3], num_proposed=[2])
+
+
+def test_predicted_survivals_by_hand():
+    s = AcceptanceStats(3)
+    assert s.predicted_acceptance_by_position() is None and s.survival_calibration is None
+    surv = [[0.9, 0.5, 0.2], [0.4, 0.1, 0.05]]
+    s.update([2, 0], [3, 1], survival=surv)  # only the verified positions count: (0, 1, 2) and (0,)
+    assert s.predicted == pytest.approx([1.3, 0.5, 0.2])
+    assert s.predicted_acceptance_by_position() == pytest.approx([0.65, 0.5, 0.2])
+    assert s.survival_calibration == pytest.approx(2.0 / 2)  # 2.0 predicted, 2 accepted
+    s.update(torch.tensor([1]), torch.tensor([2]), survival=torch.tensor([[0.5, 0.25, 0.0]]))
+    assert s.survival_calibration == pytest.approx(2.75 / 3)
+    other = AcceptanceStats(3)
+    other.update([0], [1], survival=[[0.5, 0.0, 0.0]])
+    s.merge(other)
+    assert s.predicted == pytest.approx([2.3, 0.75, 0.2]) and s.as_dict()["survival_calibration"] == pytest.approx(3.25 / 3)
+    with pytest.raises(DSparkInputError, match=r"survival: expected \[1, 3\]"):
+        s.update([0], [1], survival=[[0.5, 0.1]])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_survival_calibration_of_sampled_rounds(scale):
+    """Rounds whose drafts are accepted with the conditional probabilities the survivals come from: calibration
+    1 within its sampling error (and the predicted acceptance by position equals the realised one); survivals
+    scaled by 0.5 read 0.5."""
+    g = torch.Generator().manual_seed(0)
+    n, width = 4000, 4
+    cond = torch.rand(n, width, generator=g) * 0.8 + 0.15
+    surv = torch.cumprod(cond, 1)
+    ok = torch.rand(n, width, generator=g) < cond
+    accepted = torch.cumprod(ok.long(), 1).sum(1)
+    m = torch.randint(0, width + 1, (n,), generator=g)  # verified drafts, independent of the outcomes
+    s = AcceptanceStats(width)
+    s.update(torch.minimum(accepted, m), m, survival=surv * scale)
+    assert s.survival_calibration == pytest.approx(scale, rel=0.04)
+    if scale == 1.0:
+        assert s.predicted_acceptance_by_position() == pytest.approx(s.acceptance_by_position(), abs=0.045)

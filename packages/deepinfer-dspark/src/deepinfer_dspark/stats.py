@@ -1,11 +1,13 @@
 """Acceptance statistics of speculative decoding (docs/dspark.md): histogram of accepted drafts, mean accepted
 length tau (includes the bonus/correction token), per-position acceptance, verification efficiency, confidence
-calibration error. Host-side accumulators (plain ints / floats); imports torch only to read tensors."""
+calibration error and the calibration of the survivals the policies rank by. Host-side accumulators (plain ints /
+floats); imports torch only to read tensors."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -29,7 +31,10 @@ class AcceptanceStats:
       histogram[k]      request-steps that accepted exactly k drafts (k = 0..N);
       verified[j]       request-steps that verified a draft at position j (num_drafts > j);
       reached[j]        ... that verified position j and accepted every draft before it;
-      accepted[j]       ... that accepted the draft at position j (num_accepted > j).
+      accepted[j]       ... that accepted the draft at position j (num_accepted > j);
+      predicted[j]      sum of the predicted survivals a[j] (P(drafts 1..j+1 all accepted)) over the request-steps
+                        that verified position j, when the caller passes them: a calibrated Confidence Head gives
+                        predicted[j] ~ accepted[j] (the policies' expected accepted tokens are these sums).
     Token counters (the engine's per-request / per-run metrics): num_draft_tokens (proposed), num_verified_tokens
     (drafts the target checked), num_accepted_tokens; steps = batch steps (update calls).
     """
@@ -45,6 +50,8 @@ class AcceptanceStats:
         self.accepted = [0] * block_size
         self._conf_abs_err = 0.0
         self._conf_count = 0
+        self.predicted = [0.0] * block_size
+        self._predicted_steps = 0  # request-steps whose survivals were given
         self.num_draft_tokens = 0
         self.steps = 0
 
@@ -56,11 +63,13 @@ class AcceptanceStats:
         confidence: Tensor | None = None,
         accept_prob: Tensor | None = None,
         num_proposed: Sequence[int] | Tensor | None = None,
+        survival: np.ndarray | Tensor | None = None,
     ) -> None:
         """Add one step: `num_accepted [B]`, `num_drafts [B]` (verified drafts per request); `num_proposed [B]`
         drafts proposed per request (default: block_size each); optionally the
         predicted `confidence [B, N]` and the analytic `accept_prob [B, N]` (AcceptResult.accept_prob) to track
-        mean |c - accept_prob| over verified positions."""
+        mean |c - accept_prob| over verified positions; optionally the survivals `[B, N]` the step was scheduled
+        by (host array or tensor), summed over the verified positions (`predicted`)."""
         acc = _as_list("num_accepted", num_accepted)
         ver = _as_list("num_drafts", num_drafts)
         if len(acc) != len(ver):
@@ -87,6 +96,14 @@ class AcceptanceStats:
                     self.reached[j] += 1
                 if j < a:
                     self.accepted[j] += 1
+        if survival is not None:
+            a = survival.detach().cpu().numpy() if isinstance(survival, Tensor) else np.asarray(survival)
+            if a.shape != (len(ver), self.block_size):
+                raise DSparkInputError(f"survival: expected [{len(ver)}, {self.block_size}], found {a.shape}")
+            verified = np.arange(self.block_size)[None, :] < np.asarray(ver, dtype=np.int64)[:, None]
+            for j, v in enumerate(np.where(verified, a, 0.0).sum(0).tolist()):
+                self.predicted[j] += v
+            self._predicted_steps += len(ver)
         if (confidence is None) != (accept_prob is None):
             raise DSparkInputError("confidence / accept_prob: pass both or neither")
         if confidence is not None and accept_prob is not None:
@@ -146,6 +163,23 @@ class AcceptanceStats:
         predicts."""
         return [a / r if r else 0.0 for a, r in zip(self.accepted, self.reached)]
 
+    def predicted_acceptance_by_position(self) -> list[float] | None:
+        """predicted[j] / verified[j]: the mean predicted survival of the verified drafts at position j, to hold
+        against `acceptance_by_position`; None when no survivals were given."""
+        if not self._predicted_steps:
+            return None
+        return [p / v if v else 0.0 for p, v in zip(self.predicted, self.verified)]
+
+    @property
+    def survival_calibration(self) -> float | None:
+        """Predicted over accepted drafts, summed over the verified positions (1.0: the survivals the policies rank
+        by are calibrated; below 1 they under-predict, and the policies prune drafts worth verifying). None
+        without survivals or accepted drafts."""
+        total = sum(self.accepted)
+        if not self._predicted_steps or not total:
+            return None
+        return sum(self.predicted) / total
+
     @property
     def confidence_error(self) -> float | None:
         """Mean |confidence - analytic acceptance| over verified positions, None if never given."""
@@ -164,6 +198,8 @@ class AcceptanceStats:
         self.steps += other.steps
         self._conf_abs_err += other._conf_abs_err
         self._conf_count += other._conf_count
+        self.predicted = [a + b for a, b in zip(self.predicted, other.predicted)]
+        self._predicted_steps += other._predicted_steps
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -180,4 +216,6 @@ class AcceptanceStats:
             "acceptance_by_position": self.acceptance_by_position(),
             "conditional_acceptance_by_position": self.conditional_acceptance_by_position(),
             "confidence_error": self.confidence_error,
+            "predicted_acceptance_by_position": self.predicted_acceptance_by_position(),
+            "survival_calibration": self.survival_calibration,
         }

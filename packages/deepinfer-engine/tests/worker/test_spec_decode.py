@@ -58,6 +58,32 @@ def v41_spec(ckpts) -> LLM:
     return _llm(ckpts["v41"], max_num_batched_tokens=10, num_kv_pages=12, speculative_config={"method": "dspark"})
 
 
+def test_statistics_sum_the_survivals_each_request_was_scheduled_by(v41_spec, monkeypatch) -> None:
+    """`AcceptanceStats.predicted` (survival calibration, docs/dspark.md) sums, per position, the survival the policy
+    ranked each request's verified drafts by: recomputed here from every `schedule_verification` call of the run
+    (its survivals and the drafts it chose), with preemption and prefill chunks in the run."""
+    import numpy as np
+    from deepinfer_engine.worker import spec_decode
+
+    seen = []
+    real = spec_decode.schedule_verification
+
+    def spy(policy, max_drafts, **kw):
+        m = real(policy, max_drafts, **kw)
+        seen.append((np.array(kw["survival"], dtype=np.float64), np.asarray(m)))
+        return m
+
+    monkeypatch.setattr(spec_decode, "schedule_verification", spy)
+    _use_policy(v41_spec, "threshold")
+    v41_spec.generate(PROMPTS, SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=5), use_tqdm=False)
+    stats = v41_spec.engine.runner.spec.stats
+    want = sum((np.where(np.arange(a.shape[1])[None, :] < m[:, None], a, 0.0)).sum(0) for a, m in seen)
+    assert len(seen) == stats.steps > 0 and stats.num_verified_tokens > 0
+    assert stats.predicted == pytest.approx(list(want), rel=1e-12)
+    assert stats.as_dict()["predicted_acceptance_by_position"] == pytest.approx(
+        [p / v if v else 0.0 for p, v in zip(want, stats.verified)])
+
+
 def test_greedy_speculation_equals_plain_greedy_with_checkpoint_drafter(ckpts, v41_reference, v41_spec) -> None:
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = [r[:6] for r in v41_reference]

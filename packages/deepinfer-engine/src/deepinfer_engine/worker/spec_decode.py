@@ -65,6 +65,7 @@ class SpecRound:
     proposal: DraftProposal | None = None
     num_drafts: Tensor | None = None  # [B] int64
     drafts_host: list[int] = field(default_factory=list)
+    survival_host: np.ndarray | None = None  # [B, N] float64 survivals the policy ranked (None: no confidence head)
     positions: Tensor | None = None  # [B] int64 anchor positions p
     seeds: Tensor | None = None  # [B] int64
     num_drafts_host: Tensor | None = None  # [B] int64 on the host (checks and row counts without a device read)
@@ -251,6 +252,7 @@ class SpecDecoder:
                                   latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy),
                                   padding=self.padding(chunks, rnd.index))
         ids = wide[:, :n].astype(np.int64).tolist()
+        rnd.survival_host = None if surv is None else wide[:, n:]
         rnd.drafts_host = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
         rnd.proposal, rnd.num_drafts = prop, m.to(device, non_blocking=True)
@@ -374,7 +376,8 @@ class SpecDecoder:
                 self._last_cycle = (rnd.started, span, captured)
             live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
             if live:
-                self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live])
+                self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live],
+                                  survival=None if rnd.survival_host is None else rnd.survival_host[live])
             for b in live:
                 rid, a = rnd.req_ids[b], host[b][0]
                 if host[b][1]:
