@@ -1,14 +1,14 @@
-"""Confidence Head check on a device: per block position, the mean confidence the drafter predicted against the
-realised conditional acceptance, on the trained testbed under verify_all (every position observable).
+"""Confidence Head check on a device: per block position, the survival the drafter predicted for the verified
+drafts against the realised acceptance (`AcceptanceStats` survival calibration), on the trained testbed under
+verify_all (every position verified).
 
     python scripts/dspark_confidence_check.py --device cuda                      # CUDA graphs (the default)
-    python scripts/dspark_confidence_check.py --device cuda --enforce-eager      # the same rounds eagerly
+    python scripts/dspark_confidence_check.py --device cuda --no-fused-round     # draft pass graphed, sampling eager
+    python scripts/dspark_confidence_check.py --device cuda --enforce-eager      # every step eagerly
 
-The draft ids, and so the acceptance, do not depend on the confidences, so two configurations of one device
-(graphs / eager, fused draft round or not) must print the same acceptance, and their confidences must agree too:
-a gap means the confidences of one path are wrong while verification stays exact (the fused draft round's
-freed STS divisors were found this way, docs/perf.md). The mean is over every proposal, not only the rounds that
-reached a position, so it sits somewhat below the conditional acceptance even when calibrated.
+The draft ids, and so the acceptance, do not depend on the confidences, so the configurations of one device must
+print the same acceptance and the same predictions; a gap means the confidences of one path are wrong while
+verification stays exact (the fused draft round's freed STS divisors were found this way, docs/perf.md).
 """
 
 from __future__ import annotations
@@ -18,14 +18,11 @@ import importlib.util
 import json
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
     from deepinfer_engine import LLM, SamplingParams
-    from deepinfer_engine.worker import spec_decode
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", type=Path, default=ROOT / ".cache" / "dspark-testbed")
@@ -54,30 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     dec = llm.engine.runner.spec
     if args.no_fused_round:
         dec.drafter.proposal_runner = None
-    confidences: list[torch.Tensor] = []
-    propose = spec_decode.propose
-
-    def recording(*a, **k):
-        prop = propose(*a, **k)
-        confidences.append(prop.confidence.float().cpu())
-        return prop
-
-    spec_decode.propose = recording
-    try:
-        sp = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True, seed=args.seed)
-        llm.generate(prompts, sp, use_tqdm=False)  # warm-up: graph captures
-        confidences.clear()
-        dec.reset_stats()
-        llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        spec_decode.propose = propose
-    st, c = dec.stats, torch.cat(confidences)
+    sp = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True, seed=args.seed)
+    llm.generate(prompts, sp, use_tqdm=False)  # warm-up: graph captures
+    dec.reset_stats()
+    llm.generate(prompts, sp, use_tqdm=False)
+    st = dec.stats
     out = {"device": args.device, "dtype": kw["dtype"], "enforce_eager": args.enforce_eager,
            "fused_round": not args.no_fused_round, "temperature": args.temperature,
-           "tau": round(st.mean_accepted_length, 4),
-           "conditional_acceptance": [round(x, 4) for x in st.conditional_acceptance_by_position()],
-           "mean_confidence": [round(x, 4) for x in c.mean(0).tolist()],
-           "survival_below_0.2": round(float((torch.cumprod(c, 1) < 0.2).float().mean()), 4)}
+           "tau": round(st.mean_accepted_length, 4), "survival_calibration": st.survival_calibration,
+           "acceptance_by_position": [round(x, 4) for x in st.acceptance_by_position()],
+           "predicted_by_position": [round(x, 4) for x in st.predicted_acceptance_by_position() or []]}
     print(json.dumps(out))
     return 0
 
