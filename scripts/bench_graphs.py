@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "graphs":
             st = graphs.stats
             out["graph_stats"] = {"captures": st.captures, "capture_s": st.capture_s, "pool_bytes": graphs.pool_bytes(),
-                                  "replays": st.replays, "eager_steps": st.eager_steps, "shapes": st.shapes}
+                                  "output_bytes": graphs.output_bytes(), "replays": st.replays,
+                                  "eager_steps": st.eager_steps, "shapes": st.shapes}
             print(f"graphs: {st.captures} captures {st.shapes} in {st.capture_s:.2f} s, "
-                  f"{graphs.pool_bytes() / 2**20:.0f} MiB in their pool, {st.replays} replays")
+                  f"{graphs.pool_bytes() / 2**20:.0f} MiB in their pool + {graphs.output_bytes() / 2**20:.0f} MiB of "
+                  f"shared outputs, {st.replays} replays")
     if ns.top_kernels:
         runner.cuda_graphs = graphs
         for b in (int(x) for x in ns.profile_batch.split(",") if x):
