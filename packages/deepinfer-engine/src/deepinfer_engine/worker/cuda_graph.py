@@ -504,6 +504,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         # the stages read the window rings only (no compressed entries): any length up to the model's positions
         step = StaticDecodeStep(self.cache, B, int(self.model.args.max_position_embeddings), self.device, tokens=N)
+
         def forward() -> Any:
             return dspark.draft_block(self.model, None, self.cache, static=step)
 

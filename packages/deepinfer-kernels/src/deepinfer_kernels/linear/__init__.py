@@ -172,7 +172,6 @@ def linear_f32_out(
             y = triton_backend.linear_f32_out(x2, weight, counters=counters, out=out2)
         else:
             y = reference.linear_f32_out(x2, weight)
-    if out2 is not None and y.data_ptr() != out2.data_ptr():
+    if out2 is not None and y.data_ptr() != out2.data_ptr():  # the paths that do not write into it
         out2.copy_(y)
-        return out
-    return y.reshape(*lead, n)
+    return y.reshape(*lead, n) if out is None else out
