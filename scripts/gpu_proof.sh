@@ -32,8 +32,8 @@
 #            its plot, V4 against HF eager: one call's evidence for a stop
 #     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
 #     serving the HTTP server's GPU test, then `bench serving` at 1, 16 and 64 concurrent clients on V4.1 layers-4
-#     dspark the speculative graphs' GPU tests, then the DSpark policies on the trained testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts,
-#            temperature 0 and 1: where the verify curve slopes, the cost policy should prune
+#     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
+#            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -287,6 +287,13 @@ dspark)
     python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
     [ "${SPEC_TESTS:-1}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
         packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py
+    # the Confidence Head through the fused draft round against the eager sampling (same acceptance, and the same
+    # predictions with a survival calibration near 1 expected; CONF_CHECK=0 skips it)
+    if [ "${CONF_CHECK:-1}" = 1 ]; then
+        for fused in "" "--no-fused-round"; do
+            step "confidence_check${fused:+_unfused}" 90 python3 scripts/dspark_confidence_check.py --device cuda $fused
+        done
+    fi
     step dspark_policies ${DSPARK_LIMIT_S:-420} python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed \
         --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
         --temperature 0 1 --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling off \
