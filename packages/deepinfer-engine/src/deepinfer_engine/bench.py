@@ -445,6 +445,9 @@ def format_result(r: dict[str, Any]) -> str:
         row("Draft/verified/accepted", f"{spec['num_draft_tokens']} / {spec['num_verified_tokens']} / "
                                            f"{spec['num_accepted_tokens']}")
         row("Verified tokens per step", f"{spec['verified_tokens_per_step']:.2f}")
+        cal = spec.get("survival_calibration")
+        if cal is not None:  # predicted over accepted drafts: near 1 when the Confidence Head is calibrated
+            row("Predicted/accepted drafts", f"{cal:.3f}")
     lines.append("=" * 60)
     return "\n".join(lines)
 
