@@ -71,6 +71,16 @@ def _spec_metrics(done: dict) -> dict:
                   o.metrics.num_spec_steps, o.num_cached_tokens) for rid, o in done.items()}
 
 
+def _assert_same_stats(asy: dict, sync: dict) -> None:
+    """Run statistics (`AcceptanceStats.as_dict`) equal, the survival sums within float32 rounding: the
+    asynchronous engine drafts for requests that finish while a round is in flight (their rows are dropped), so
+    the draft pass runs other batch shapes and the confidences of the others round differently."""
+    floats = ("predicted_acceptance_by_position", "survival_calibration")
+    assert {k: v for k, v in asy.items() if k not in floats} == {k: v for k, v in sync.items() if k not in floats}
+    for k in floats:
+        assert (asy[k] is None) == (sync[k] is None) and (asy[k] is None or asy[k] == pytest.approx(sync[k], rel=1e-5))
+
+
 def _assert_clean(llm: LLM) -> None:
     eng = llm.engine
     assert not eng.has_unfinished_requests() and not eng.scheduler.requests
@@ -112,7 +122,8 @@ def test_async_speculation_equals_sync_and_plain_with_mixed_acceptance(tiny_ckpt
     sync, asy = runs
     assert _view(asy) == _view(sync)
     assert _spec_metrics(asy) == _spec_metrics(sync)
-    assert stats[1] == stats[0]
+    _assert_same_stats(stats[1][0], stats[0][0])
+    assert stats[1][1] == stats[0][1]  # preemptions
     for rid in ("0", "1", "3", "4", "5", "6"):  # greedy: lossless against plain decoding
         assert _view(asy)[rid] == _view(want)[rid], rid
     assert asy["1"].outputs[0].finish_reason == "stop" and asy["1"].outputs[0].stop_reason == stop_id
@@ -158,7 +169,7 @@ def test_async_speculation_with_the_checkpoint_drafter_late_stops_aborts_and_bad
     assert stats[0]["num_verified_tokens"] > 0
     assert dropped == {"1", "3"}  # the abort and the stop string landed while a round of theirs was in flight
     sync, asy = runs
-    assert stats[1] == stats[0]
+    _assert_same_stats(stats[1], stats[0])
     assert _view(asy) == _view(sync)
     assert _spec_metrics(asy) == _spec_metrics(sync)
     assert asy["bad"].outputs[0].finish_reason == "error" and "max_model_len" in asy["bad"].error
@@ -234,7 +245,8 @@ def test_async_mtp_speculation_equals_sync_and_plain(tiny_ckpt) -> None:
         runs.append((_run(llm, requests), llm.engine.spec_stats().as_dict()))
     (sync, sync_stats), (asy, asy_stats) = runs
     assert _view(asy) == _view(sync) == _view(want)
-    assert _spec_metrics(asy) == _spec_metrics(sync) and asy_stats == sync_stats
+    assert _spec_metrics(asy) == _spec_metrics(sync)
+    _assert_same_stats(asy_stats, sync_stats)
     # the MTP block drafted (its draft of a round comes from the previous step's deferred collect)
     assert asy_stats["num_verified_tokens"] > 0
 
