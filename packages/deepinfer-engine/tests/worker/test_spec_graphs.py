@@ -10,6 +10,7 @@ The bucket rules of verify steps are checked on their own."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,8 @@ def _with_static_graphs(llm: LLM) -> EagerReplayGraphs:
     eng.runner.cuda_graphs = graphs
     drafter = eng.runner.spec.drafter  # the draft pass too: DSpark's stages, or V4's MTP block
     drafter.block_runner = graphs.run_mtp if hasattr(drafter, "after_step") else graphs.run_draft
-    if not hasattr(drafter, "after_step"):  # and DSpark's draft-ring writes
+    if not hasattr(drafter, "after_step"):  # and DSpark's fused draft round and draft-ring writes
+        drafter.proposal_runner = graphs.run_draft_proposal
         eng.runner.spec.insert_runner = graphs.run_insert
     eng.runner.spec.graph_rows = {b: verify_row_sizes(b, eng.runner.spec.max_drafts + 1) for b in graphs.batch_sizes}
     return graphs
@@ -102,12 +104,55 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
     assert spec.stats.request_steps > 0 and st.replays == 0  # every decode step of a speculative engine verifies
     if method == "dspark":
         assert st.draft_replays > 0 and st.draft_eager_steps == 0, st  # every draft pass replayed
-        assert {n for _, n in st.draft_shapes} == {spec.block_size}, st.draft_shapes
+        assert {s[1] for s in st.draft_shapes} == {spec.block_size}, st.draft_shapes  # (B, N[, heads version])
         # the draft-ring writes of every step keeping at most k + 1 rows per sequence; prefill steps: eager
         assert st.insert_replays >= st.verify_replays > 0 and st.insert_eager_steps > 0, st
         assert {q for _, q in st.insert_shapes} == {spec.max_drafts + 1}, st.insert_shapes
     else:  # steps with a prefill chunk run the MTP block eagerly (more than 2 rows per sequence)
         assert st.mtp_replays > 0 and {q for _, q in st.mtp_shapes} <= {1, 2}, st
+
+
+def test_fused_draft_round_equals_the_pass_then_eager_sampling(ckpts) -> None:
+    """`StageDrafter.propose_block` through the runner's fused draft round (here the eager stand-in, which holds
+    the captured callable weakly as a CUDA graph does) == the draft pass followed by the eager `sample_block` for
+    greedy, mixed and all-sampled rounds of 3 requests (bucket 4: one padding block), with a greedy head and
+    per-position STS sets: the same drafts, and confidences and probabilities within float32 rounding (the fused
+    round's matmuls have the bucket's 4 rows, CPU BLAS blocks them differently). The constants the round reads
+    (its STS divisors) must live as long as its graph. The GPU twin (bit for bit) is in test_spec_graphs_cuda.py."""
+    from deepinfer_dspark import propose
+
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"}, enable_prefix_caching=False)
+    graphs = _with_static_graphs(llm)
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    drafter = llm.engine.runner.spec.drafter
+    g = torch.Generator().manual_seed(0)
+    width = drafter.heads.confidence.numel()
+    drafter.set_heads(sts=(1.0, 0.5, 2.0, 0.8, 1.3)[: drafter.block_size], greedy_sts=0.7,
+                      greedy_confidence=torch.randn(1, width, generator=g))
+    slots, anchors, positions = [2, 0, 1], [17, 300, 5], [9, 40, 23]
+    drafter.slots = torch.tensor(slots)
+    drafter.round_host = (slots, anchors, positions)
+    a, p = torch.tensor(anchors), torch.tensor(positions)
+    seeds = torch.tensor([3, -7, 1 << 40])
+    fused = drafter.proposal_runner
+    with torch.no_grad():  # as the engine calls it
+        for temp in ([0.0, 0.0, 0.0], [0.0, 0.9, 0.0], [0.7, 1.0, 1.6]):
+            kw = {"temperature": torch.tensor(temp), "seeds": seeds if any(x > 0 for x in temp) else None}
+            drafter.proposal_runner = fused
+            propose(drafter, a, p, **kw)  # captures this round's graph
+            gc.collect()  # what only the capture's closure held is gone now, unless the graph's record keeps it
+            before = graphs.stats.draft_replays
+            got = propose(drafter, a, p, **kw)
+            drafter.proposal_runner = None
+            want = propose(drafter, a, p, **kw)
+            assert graphs.stats.draft_replays == before + 2  # fused, then the pass alone
+            assert torch.equal(got.draft_ids, want.draft_ids), temp
+            torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-6, atol=1e-7)
+            assert (got.draft_probs is None) == (want.draft_probs is None), temp
+            if got.draft_probs is not None:
+                torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-6, atol=1e-9)
+    drafter.proposal_runner = fused
+    assert not graphs.failed
 
 
 def test_verify_buckets():

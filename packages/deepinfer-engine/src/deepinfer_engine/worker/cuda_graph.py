@@ -554,8 +554,9 @@ class CudaGraphRunner:
             t = temp_host.numpy()
             t[:S], t[S:] = temperature.to(torch.float32).numpy(), 0.0  # padding rows: greedy
             temp.copy_(temp_host, non_blocking=True)
-            g.copied = g.copied or torch.cuda.Event()
-            g.copied.record()
+            if self.device.type == "cuda":
+                g.copied = g.copied or torch.cuda.Event()
+                g.copied.record()
             seed[:S].copy_(seeds)
         g.graph.replay()
         self.stats.draft_replays += 1
@@ -574,7 +575,7 @@ class CudaGraphRunner:
         sampling = None
         if sampled:
             sampling = (torch.zeros(B, dtype=torch.float32, device=dev), torch.zeros(B, dtype=torch.float32,
-                        pin_memory=True), torch.zeros(B, dtype=torch.int64, device=dev))  # fmt: skip
+                        pin_memory=dev.type == "cuda"), torch.zeros(B, dtype=torch.int64, device=dev))  # fmt: skip
         # the STS divisors as constants made outside the capture (a host tensor cannot be copied inside one)
         divisors = {flag: sts_divisors(heads, N, flag, dev) for flag in (False, True)}
 
