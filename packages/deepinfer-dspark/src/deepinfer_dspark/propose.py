@@ -145,14 +145,17 @@ def sample_block(
 
 def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor, *, temp: Tensor | None,
                 seeds: Tensor | None, all_sampled: bool = False, keep_logits: bool = False,
-                divisors: dict[bool, float | Tensor] | None = None) -> DraftProposal:  # fmt: skip
+                divisors: dict[bool, float | Tensor] | None = None, probs_out: Tensor | None = None
+                ) -> DraftProposal:  # fmt: skip
     """`sample_block` after its checks: device work only, no host read, so a CUDA graph can capture it.
 
     prev / pos: `[B] int64` anchor ids and positions on the device. temp: `[B] float32` on the device (0 = greedy
     row), or None when every row is greedy; seeds `[B] int64` on the device (with temp). all_sampled: every temp
     is > 0, so greedy-row fixes are skipped; False gives the same values for such a batch (the fixes touch no
     sampled row: probabilities + 0.0, the sampled rows' confidence), which is what a graph captured for any
-    sampled batch uses. divisors: `sts_divisors` by greedy flag (made per call when None)."""
+    sampled batch uses. divisors: `sts_divisors` by greedy flag (made per call when None). probs_out: a
+    contiguous `[B, N, V] float32` tensor that takes the draft probabilities (CUDA graphs of several batch sizes
+    share one); without a sampled row it is not written."""
     base, hidden = block.base_logits, block.hidden
     batch, width, _ = base.shape
     device = base.device
@@ -184,7 +187,7 @@ def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor,
         prev = tok
     draft_probs = None
     if any_sampled:
-        draft_probs = torch.stack(probs, 1)
+        draft_probs = torch.stack(probs, 1, out=probs_out)
         if not all_sampled:  # greedy rows of a mixed batch: one-hot at their argmax
             greedy = ~sampled[:, None, None]
             draft_probs.masked_fill_(greedy, 0.0)

@@ -221,10 +221,11 @@ class CudaGraphRunner:
         self.failed: dict[tuple[int, ...], str] = {}  # shapes whose capture raised -> the error; they run eagerly
         self.last_shape: tuple[int, ...] | None = None  # the shape of the latest replay (benchmarks replay it)
         self._greedy: Tensor | None = None  # the greedy ids of the latest decode replay
-        # the outputs every decode graph ("decode.*") and every verify graph ("verify.*") writes: one buffer per
-        # output for the largest shape of its kind, outside the pools, each graph writing its leading rows. Only
-        # one replay's outputs are read at a time (each is read before the next launch), so per-graph outputs
-        # would only multiply the memory: [T, vocab] float32 logits per ragged verify graph (docs/cuda_graphs.md)
+        # the outputs every decode graph ("decode.*"), every verify graph ("verify.*") and every sampled draft
+        # round ("draft.probs") writes: one buffer per output for the largest shape of its kind, outside the pools,
+        # each graph writing its leading rows. Only one replay's outputs are read at a time (each is read before
+        # the next launch), so per-graph outputs would only multiply the memory: [T, vocab] float32 logits per
+        # ragged verify graph, [B, N, vocab] probabilities per draft round (docs/cuda_graphs.md)
         self._outputs: dict[str, Tensor] = {}
         self.sampler = Sampler()  # the greedy argmax captured with each decode graph, as the runner's sampler runs it
 
@@ -578,6 +579,10 @@ class CudaGraphRunner:
                         pin_memory=dev.type == "cuda"), torch.zeros(B, dtype=torch.int64, device=dev))  # fmt: skip
         # the STS divisors as constants made outside the capture (a host tensor cannot be copied inside one)
         divisors = {flag: sts_divisors(heads, N, flag, dev) for flag in (False, True)}
+        # the draft probabilities of every sampled round's graph in one buffer (one round is read at a time; the
+        # verify graphs, replayed before the read, cannot write it: it is outside every pool)
+        probs = None if not sampled else self._output_rows(
+            "draft.probs", B, self.batch_sizes[-1], (N, int(self.model.args.vocab_size)), torch.float32)
 
         def forward() -> Any:
             out = dspark.draft_block(self.model, None, self.cache, static=step)
@@ -585,7 +590,7 @@ class CudaGraphRunner:
             batch = step.batch  # read here: freeze() replaces the step's tensors after the first warm-up
             anchors, positions = batch.input_ids.view(B, N)[:, 0], batch.positions.view(B, N)[:, 0]
             return sample_core(block, heads, anchors, positions, temp=None if sampling is None else sampling[0],
-                               seeds=None if sampling is None else sampling[2], divisors=divisors)
+                               seeds=None if sampling is None else sampling[2], divisors=divisors, probs_out=probs)
 
         graph, prop = self._record(forward, step.freeze, pool="draft")
         # forward holds the STS divisors: without it their memory went to other tensors after the capture, and
