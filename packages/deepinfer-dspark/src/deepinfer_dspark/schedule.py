@@ -261,9 +261,13 @@ class LatencyModel:
             i += 1
         return i, (q - s[i]) / (s[i + 1] - s[i])
 
-    def _forward(self, q: float) -> float:
+    def _at(self, points: list[float], q: float) -> float:
+        """`points` (one per profiled size) interpolated at q, the last segment extrapolated."""
         i, w = self._segment(float(q))
-        return max(self.seconds[i] + w * (self.seconds[i + 1] - self.seconds[i]), 1e-12)
+        return max(points[i] + w * (points[i + 1] - points[i]), 1e-12)
+
+    def _forward(self, q: float) -> float:
+        return self._at(self.seconds, q)
 
     def predict(self, q: float) -> float:
         """Seconds of a step of q query tokens: the profiled forward plus the overhead."""
@@ -304,8 +308,7 @@ class LatencyModel:
             return
         x = q / self.sizes[-1]
         sizes, prof = self.sizes, self._profile
-        i, w = self._segment(float(q))
-        e = seconds - max(prof[i] + w * (prof[i + 1] - prof[i]), 1e-12)
+        e = seconds - self._at(prof, q)
         keep = 1.0 - self.ema
         self._sums = [s * keep + v for s, v in zip(self._sums, (1.0, x, x * x, e, x * e))]
         s0, s1, s2, se, sxe = self._sums

@@ -440,7 +440,7 @@ class CudaGraphRunner:
             graph, dec = self._record(decode, step.freeze)
             g = _Graph(step=step, graph=graph, logits=dec.logits, greedy=dec.greedy, forward=decode)
             return self._keep((B, L), g, "", t0)
-        most = self.batch_sizes[-1] * Q  # the largest row bucket (verify_row_sizes)
+        most = verify_row_sizes(self.batch_sizes[-1], Q)[-1]  # the largest row bucket
         logits_out = self._logits_out("verify", rows, most)
 
         def verify() -> ModelOutput:

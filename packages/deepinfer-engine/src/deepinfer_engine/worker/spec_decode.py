@@ -51,6 +51,7 @@ from torch import Tensor
 
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
+from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
 
 __all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "profile_target_latency"]
 
@@ -197,7 +198,7 @@ class SpecDecoder:
         (docs/dspark.md "Verification policies")."""
         if self.graph_rows is None or any(c.num_tokens != 1 for c in chunks if c.req_id not in speculating):
             return None
-        b = next((x for x in sorted(self.graph_rows) if x >= len(chunks)), None)
+        b = pick_bucket(len(chunks), sorted(self.graph_rows))
         return None if b is None else StepPadding(b, self.graph_rows[b], ragged=True)
 
     # ------------------------------------------------------------------------------------------ 1. propose
@@ -632,8 +633,6 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
     if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
-        from deepinfer_engine.worker.cuda_graph import verify_row_sizes
-
         decoder.graph_rows = {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes}
         decoder.capture_clock = lambda: graphs.stats.capture_s
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
