@@ -197,6 +197,26 @@ def test_the_capturable_core_equals_sample_block_bit_for_bit():
             assert torch.equal(got.draft_probs, want.draft_probs)
 
 
+def test_the_core_writes_probs_out_whatever_the_grad_mode():
+    """`probs_out` takes the draft probabilities in place (graphs of several batch sizes share one buffer), also
+    when the heads require grad and grad mode is on, as for a caller outside the engine's inference mode: the
+    out= write once refused such inputs on the GPU."""
+    from deepinfer_dspark import sample_core
+
+    block, heads = _random_case(3, width=4, vocab=6, seed=5)
+    heads = DraftHeads(markov_embed=heads.markov_embed.requires_grad_(), markov_head=heads.markov_head.requires_grad_(),
+                       confidence=heads.confidence.requires_grad_())
+    anchors, pos, seeds = torch.tensor([0, 5, 2]), torch.tensor([3, 9, 12]), torch.tensor([1, 2, 3])
+    temp = torch.tensor([0.0, 1.0, 0.6])
+    out = torch.full((3, 4, 6), float("nan"))
+    with torch.enable_grad():
+        got = sample_core(block, heads, anchors, pos, temp=temp, seeds=seeds, probs_out=out)
+    want = sample_block(block, heads, anchors, pos, temperature=temp, seeds=seeds)
+    assert got.draft_probs.data_ptr() == out.data_ptr()
+    assert torch.equal(out, want.draft_probs.detach())
+    assert torch.equal(got.draft_ids, want.draft_ids)
+
+
 def test_propose_takes_a_fused_round_and_falls_back_when_declined():
     from deepinfer_dspark import propose
 

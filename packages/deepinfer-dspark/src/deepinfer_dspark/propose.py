@@ -143,6 +143,7 @@ def sample_block(
                        keep_logits=keep_logits)
 
 
+@torch.no_grad()  # sampling is never differentiated, and `probs_out` is written by an out= op
 def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor, *, temp: Tensor | None,
                 seeds: Tensor | None, all_sampled: bool = False, keep_logits: bool = False,
                 divisors: dict[bool, float | Tensor] | None = None, probs_out: Tensor | None = None

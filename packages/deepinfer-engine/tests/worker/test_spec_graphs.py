@@ -135,24 +135,25 @@ def test_fused_draft_round_equals_the_pass_then_eager_sampling(ckpts) -> None:
     a, p = torch.tensor(anchors), torch.tensor(positions)
     seeds = torch.tensor([3, -7, 1 << 40])
     fused = drafter.proposal_runner
-    with torch.no_grad():  # as the engine calls it
-        for temp in ([0.0, 0.0, 0.0], [0.0, 0.9, 0.0], [0.7, 1.0, 1.6]):
-            kw = {"temperature": torch.tensor(temp), "seeds": seeds if any(x > 0 for x in temp) else None}
-            drafter.proposal_runner = fused
-            propose(drafter, a, p, **kw)  # captures this round's graph
-            gc.collect()  # what only the capture's closure held is gone now, unless the graph's record keeps it
-            before = graphs.stats.draft_replays
-            got = propose(drafter, a, p, **kw)
-            drafter.proposal_runner = None
-            want = propose(drafter, a, p, **kw)
-            assert graphs.stats.draft_replays == before + 2  # fused, then the pass alone
-            assert torch.equal(got.draft_ids, want.draft_ids), temp
-            torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-6, atol=1e-7)
-            assert (got.draft_probs is None) == (want.draft_probs is None), temp
-            if got.draft_probs is not None:
-                torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-6, atol=1e-9)
-                # a sampled round's graph writes the runner's one probability buffer (all batch buckets share it)
-                assert got.draft_probs.data_ptr() == graphs._outputs["draft.probs"].data_ptr()
+    # grad mode on, as a direct caller may leave it: the captures must not depend on it (a sampled round's graph
+    # failed to capture on the GPU when its probability buffer was written by an out= op under autograd)
+    for temp in ([0.0, 0.0, 0.0], [0.0, 0.9, 0.0], [0.7, 1.0, 1.6]):
+        kw = {"temperature": torch.tensor(temp), "seeds": seeds if any(x > 0 for x in temp) else None}
+        drafter.proposal_runner = fused
+        propose(drafter, a, p, **kw)  # captures this round's graph
+        gc.collect()  # what only the capture's closure held is gone now, unless the graph's record keeps it
+        before = graphs.stats.draft_replays
+        got = propose(drafter, a, p, **kw)
+        drafter.proposal_runner = None
+        want = propose(drafter, a, p, **kw)
+        assert graphs.stats.draft_replays == before + 2  # fused, then the pass alone
+        assert torch.equal(got.draft_ids, want.draft_ids), temp
+        torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-6, atol=1e-7)
+        assert (got.draft_probs is None) == (want.draft_probs is None), temp
+        if got.draft_probs is not None:
+            torch.testing.assert_close(got.draft_probs, want.draft_probs, rtol=1e-6, atol=1e-9)
+            # a sampled round's graph writes the runner's one probability buffer (all batch buckets share it)
+            assert got.draft_probs.data_ptr() == graphs._outputs["draft.probs"].data_ptr()
     drafter.proposal_runner = fused
     assert not graphs.failed
 

@@ -389,6 +389,9 @@ class CudaGraphRunner:
         """Device memory of the outputs the graphs share (outside their pools)."""
         return sum(t.numel() * t.element_size() for t in self._outputs.values())
 
+    # a graph records no autograd, so neither do its warm-ups: the capture is the same whatever the caller's grad mode
+    # (out= ops, such as the shared draft probabilities' writer, refuse inputs that require grad)
+    @torch.no_grad()
     def _record(self, forward: Callable[[], Any], prepare: Callable[[], None] | None = None, *,
                 pool: str = "shared") -> tuple[Any, Any]:  # fmt: skip
         """(graph, outputs) of `forward` captured into the shared pool after two warm-up runs on the side stream
