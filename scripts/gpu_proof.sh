@@ -34,6 +34,7 @@
 #     serving the HTTP server's GPU test, then `bench serving` at 1, 16 and 64 concurrent clients on V4.1 layers-4
 #     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
+#            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -296,7 +297,7 @@ dspark)
     fi
     step dspark_policies ${DSPARK_LIMIT_S:-420} python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed \
         --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
-        --temperature 0 1 --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling off \
+        --temperature ${DSPARK_TEMPS:-0 1} --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling ${DSPARK_ASYNC:-off} \
         --json "$OUT/dspark_policies.json"
     ;;
 *)
