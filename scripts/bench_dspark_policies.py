@@ -74,7 +74,8 @@ def graph_info(llm) -> dict | None:
     st = g.stats
     return {"captures": st.captures, "replays": st.replays, "eager_steps": st.eager_steps,
             "verify_captures": st.verify_captures, "verify_replays": st.verify_replays,
-            "verify_eager_steps": st.verify_eager_steps, "draft_captures": st.draft_captures,
+            "verify_eager_steps": st.verify_eager_steps, "verify_padded": st.verify_padded,
+            "draft_captures": st.draft_captures,
             "draft_replays": st.draft_replays, "capture_s": round(st.capture_s, 3),
             "pool_bytes": g.pool_bytes(), "output_bytes": g.output_bytes(),
             "failed": {str(k): v for k, v in g.failed.items()}}

@@ -112,6 +112,38 @@ def test_greedy_speculation_through_static_steps_equals_plain_greedy(ckpts, name
         assert st.mtp_replays > 0 and {q for _, q in st.mtp_shapes} <= {1, 2}, st
 
 
+def test_uncaptured_row_buckets_replay_a_wider_graph_until_asked_for_often(ckpts) -> None:
+    """A verify step whose row bucket has no graph yet replays the captured larger bucket of its (B, L) with padding
+    rows, the same tokens as plain decoding, until the bucket has been asked for `verify_capture_after` times; only
+    then is it captured (a capture stalls a step for about a second on the GPU)."""
+    from deepinfer_dspark import VerifyPolicy
+
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    plain = _ids(_llm(ckpts["v41"]).generate(PROMPTS, sp, use_tqdm=False))
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"}, enable_prefix_caching=False)
+    graphs = _with_static_graphs(llm)
+    spec = llm.engine.runner.spec
+    assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == plain  # verify_all: the largest bucket of each (B, L)
+    st = graphs.stats
+    full = set(st.verify_shapes)
+    # (the last steps, near max_tokens, verify fewer drafts: they already ran on the full bucket)
+    assert all(t == b * (spec.max_drafts + 1) for b, _, t in full), full
+    padded = st.verify_padded
+    # a threshold of 1 (the random heads never reach it): every step verifies no draft and asks for the smallest
+    # bucket; while a wider graph of its (B, L) exists, nothing is captured
+    graphs.verify_capture_after = 10**9
+    spec.set_policy(VerifyPolicy(kind="threshold", threshold=1.0))
+    replays = st.verify_replays
+    assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == plain
+    assert set(st.verify_shapes) == full and st.verify_captures == len(full)
+    assert st.verify_padded - padded == st.verify_replays - replays > 0
+    # asked for often enough, a bucket gets its own graph
+    graphs.verify_capture_after = 2
+    assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == plain
+    new = set(st.verify_shapes) - full
+    assert new and all(t < b * (spec.max_drafts + 1) for b, _, t in new), new
+
+
 def test_fused_draft_round_equals_the_pass_then_eager_sampling(ckpts) -> None:
     """`StageDrafter.propose_block` through the runner's fused draft round (here the eager stand-in, which holds
     the captured callable weakly as a CUDA graph does) == the draft pass followed by the eager `sample_block` for

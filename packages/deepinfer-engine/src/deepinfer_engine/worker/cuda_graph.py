@@ -105,6 +105,10 @@ def verify_token_sizes(max_tokens: int) -> tuple[int, ...]:
     return _powers_of_two_then(max_tokens)
 
 
+# times a verify row bucket is asked for, while a larger captured bucket of its (B, L) runs it, before it is captured
+VERIFY_CAPTURE_AFTER = 3
+
+
 def verify_row_sizes(batch: int, max_tokens: int) -> tuple[int, ...]:
     """Row buckets of the ragged verify steps of a batch bucket of `batch` sequences of 1..max_tokens rows each:
     batch, then steps of half a batch (rounded up) to batch * max_tokens. A step's rows round up to the next
@@ -148,6 +152,7 @@ class GraphStats:
     verify_replays: int = 0
     verify_eager_steps: int = 0
     verify_shapes: list[tuple[int, int, int]] = field(default_factory=list)
+    verify_padded: int = 0  # steps replayed on a captured larger row bucket while their own was not captured yet
     draft_captures: int = 0
     draft_replays: int = 0
     draft_eager_steps: int = 0
@@ -204,6 +209,12 @@ class CudaGraphRunner:
         self.max_model_len = int(max_model_len)
         self.graphs: dict[tuple[int, ...], _Graph] = {}  # (B, L): decode graphs; (B, L, T): verify graphs
         self.verify_tokens: int | None = None  # the most rows a verified sequence feeds (k + 1), set by the first step
+        # a verify step whose row bucket has no graph yet replays a captured larger bucket of its (B, L) as padding
+        # rows, until the bucket has been asked for this many times: a capture stalls the step for about a second
+        # (H200), and the cost policy's row counts move with its online curve, so buckets asked for once or twice
+        # are not worth one (docs/cuda_graphs.md, "Speculative steps")
+        self.verify_capture_after = VERIFY_CAPTURE_AFTER
+        self._verify_misses: dict[tuple[int, int, int], int] = {}
         self.stats = GraphStats()
         self._pool = None
         # the draft-round graphs' own pool: their proposal outputs are read by the verify forward replayed after
@@ -284,7 +295,22 @@ class CudaGraphRunner:
         if shape is None or shape in self.failed:
             self.stats.verify_eager_steps += 1
             return None
+        if shape not in self.graphs:
+            wider = self._captured_wider(shape)
+            misses = self._verify_misses.get(shape, 0) + 1
+            if wider is not None and misses < self.verify_capture_after:
+                self._verify_misses[shape] = misses
+                self.stats.verify_padded += 1
+                return wider
+            self._verify_misses.pop(shape, None)
         return shape
+
+    def _captured_wider(self, shape: tuple[int, int, int]) -> tuple[int, int, int] | None:
+        """The captured verify graph of shape's (B, L) with the fewest rows above shape's T, or None."""
+        B, L, T = shape
+        rows = [k[2] for k, g in self.graphs.items()
+                if len(k) == 3 and k[0] == B and k[1] == L and k[2] > T and g.capture is not None]  # fmt: skip
+        return (B, L, min(rows)) if rows else None
 
     def run_verify(self, batch: object, shape: tuple[int, int, int], *, capture: tuple[int, ...]
                    ) -> ModelOutput | None:  # fmt: skip
