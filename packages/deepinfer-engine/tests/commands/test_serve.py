@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 from deepinfer_engine.cli import main
+from deepinfer_engine.commands.serve import SHUTDOWN_GRACE_S
 
 
 def test_serve_answers_and_stops_on_ctrl_c(tiny_v41_dir) -> None:
@@ -27,14 +28,50 @@ def test_serve_answers_and_stops_on_ctrl_c(tiny_v41_dir) -> None:
                 base = m.group(1)
                 break
         assert base is not None, "the server never printed its address"
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining: a full pipe would block it
+        # keep draining (a full pipe would block the server) and keep what it says at shutdown: a hung shutdown
+        # prints every thread's stack after SHUTDOWN_GRACE_S and exits with status 1
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+        reader.start()
         req = urllib.request.Request(base + "/v1/completions", headers={"Content-Type": "application/json"},
                                      data=json.dumps({"model": "t", "prompt": "Hi", "max_tokens": 3}).encode())
         with urllib.request.urlopen(req, timeout=120) as r:
             body = json.loads(r.read())
         assert body["model"] == "t" and body["usage"]["completion_tokens"] == 3
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        code = proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
+        reader.join(timeout=10)
+        assert code == 0, "".join(said[-80:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_hung_shutdown_prints_the_stacks_and_exits(tiny_v41_dir) -> None:
+    """A server whose close hangs after Ctrl-C (here its engine loop's stop never returns) prints every thread's
+    stack to stderr once the grace period has passed (2 s here) and exits with status 1."""
+    script = "\n".join([
+        "import sys, time",
+        "from deepinfer_engine import server",
+        "from deepinfer_engine.cli import main",
+        "from deepinfer_engine.commands import serve",
+        "serve.SHUTDOWN_GRACE_S = 2",
+        "def stuck(self): time.sleep(600)",
+        "server.ServingLoop.stop = stuck",
+        f"sys.exit(main(['serve', '--port', '0', '--model', {str(tiny_v41_dir)!r}, '--device', 'cpu', '--dtype', "
+        "'float32']))",
+    ])
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stderr:
+            if re.search(r"at (http://[\d.]+:\d+)/v1", line):
+                break
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+        said = proc.stderr.read()
+        assert code == 1, said
+        assert "most recent call first" in said and "in stuck" in said, said
     finally:
         if proc.poll() is None:
             proc.kill()

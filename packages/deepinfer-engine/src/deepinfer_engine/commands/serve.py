@@ -8,10 +8,14 @@ it (requests still running get a 503).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 
 from deepinfer_engine.config import add_engine_args
+
+# seconds a Ctrl-C'd server may take to close before it prints every thread's stack and exits with status 1
+SHUTDOWN_GRACE_S = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +52,17 @@ def run(ns: argparse.Namespace) -> int:
         raise ConfigError(f"cannot listen on {ns.host}:{ns.port} ({exc.strerror or exc}); pick another --host / "
                           "--port") from None
     host, port = server.server_address[:2]
-    print(f"deepinfer serve: model {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr, flush=True)
-    try:
+    try:  # from the address line on: a Ctrl-C right after it closes the server as one during serving does
+        print(f"deepinfer serve: model {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
+              flush=True)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        # a shutdown that hangs must not keep the process and its port: after the grace period the stacks of all
+        # threads go to stderr (what it waited on) and the process exits. Seen once: a test's server did not exit
+        # within 60 s of Ctrl-C on a loaded 2-core machine, cause not found (docs/server.md)
+        faulthandler.dump_traceback_later(SHUTDOWN_GRACE_S, exit=True)
         server.server_close()
         loop.stop()
         llm.close()
