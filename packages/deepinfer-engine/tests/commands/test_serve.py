@@ -16,10 +16,18 @@ from deepinfer_engine.cli import main
 from deepinfer_engine.commands.serve import SHUTDOWN_GRACE_S
 
 
-def test_serve_answers_and_stops_on_ctrl_c(tiny_v41_dir) -> None:
+def _ignoring_sigint() -> None:  # a child started as a non-interactive shell's background job is
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(("sig", "start"), [(signal.SIGINT, None), (signal.SIGTERM, None),
+                                            (signal.SIGINT, _ignoring_sigint)], ids=["ctrl-c", "sigterm", "bg-job"])
+def test_serve_answers_and_stops_on_a_signal(tiny_v41_dir, sig, start) -> None:
+    """Ctrl-C and SIGTERM close the server (exit status 0), also when it was started with SIGINT ignored, as a
+    background job of a script is: Python then installs no KeyboardInterrupt handler of its own."""
     proc = subprocess.Popen([sys.executable, "-m", "deepinfer_engine", "serve", "--port", "0", "--model",
                              str(tiny_v41_dir), "--device", "cpu", "--dtype", "float32", "--served-model-name", "t"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=start)
     try:
         base = None
         for line in proc.stderr:  # start-up logs, then the address line
@@ -38,7 +46,7 @@ def test_serve_answers_and_stops_on_ctrl_c(tiny_v41_dir) -> None:
         with urllib.request.urlopen(req, timeout=120) as r:
             body = json.loads(r.read())
         assert body["model"] == "t" and body["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         code = proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
         reader.join(timeout=10)
         assert code == 0, "".join(said[-80:])

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` for server-sent events),
 GET /v1/models, GET /health. The model loads first; the address is printed once the server listens. Ctrl-C stops
-it (requests still running get a 503).
+it, and so does SIGTERM (`docker stop`, Kubernetes): requests still running get a 503.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
+import signal
 import sys
 
 from deepinfer_engine.config import add_engine_args
@@ -52,7 +53,11 @@ def run(ns: argparse.Namespace) -> int:
         raise ConfigError(f"cannot listen on {ns.host}:{ns.port} ({exc.strerror or exc}); pick another --host / "
                           "--port") from None
     host, port = server.server_address[:2]
-    try:  # from the address line on: a Ctrl-C right after it closes the server as one during serving does
+    # SIGINT and SIGTERM stop the server through the same close. Set here, not left to Python's default: a process
+    # started with SIGINT ignored (a background job of a non-interactive shell) gets no KeyboardInterrupt handler
+    # from Python and would never stop on Ctrl-C, and SIGTERM's default kills without closing
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:  # from the address line on: a signal right after it closes the server as one during serving does
         print(f"deepinfer serve: model {name!r} at http://{host}:{port}/v1 (Ctrl-C stops)", file=sys.stderr,
               flush=True)
         server.serve_forever()
@@ -60,10 +65,16 @@ def run(ns: argparse.Namespace) -> int:
         pass
     finally:
         # a shutdown that hangs must not keep the process and its port: after the grace period the stacks of all
-        # threads go to stderr (what it waited on) and the process exits. Seen once: a test's server did not exit
-        # within 60 s of Ctrl-C on a loaded 2-core machine, cause not found (docs/server.md)
+        # threads go to stderr (what it waited on) and the process exits with status 1
         faulthandler.dump_traceback_later(SHUTDOWN_GRACE_S, exit=True)
         server.server_close()
         loop.stop()
         llm.close()
+        faulthandler.cancel_dump_traceback_later()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
