@@ -15,7 +15,8 @@ import sys
 
 from deepinfer_engine.config import add_engine_args
 
-# seconds a Ctrl-C'd server may take to close before it prints every thread's stack and exits with status 1
+# seconds a stopped server (Ctrl-C, SIGTERM) may take to close before it prints every thread's stack and exits with
+# status 1
 SHUTDOWN_GRACE_S = 30
 
 
