@@ -32,6 +32,8 @@
 #            its plot, V4 against HF eager: one call's evidence for a stop
 #     peer   the bf16-storage decode step with its kernel families (B = 1, 64), then V4 against HF eager
 #     serving the HTTP server's GPU test, then `bench serving` at 1, 16 and 64 concurrent clients on V4.1 layers-4
+#     breakdown V4.1 layers-4 with all experts, bf16 storage: the decode step at B = 64 and 1 kernel by kernel (top 30) with
+#            the board's power and SM clock sampled beside it
 #     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S)
@@ -259,6 +261,18 @@ closing)
     step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
     ;;
+breakdown)
+    # where the B = 64 decode step spends its time, kernel by kernel (top 30), with the board's power, SM clock and
+    # throttle reasons sampled every 250 ms beside it (the B = 64 step runs at the 700 W cap: docs/perf.md)
+    rm -rf $CK/v41-l4
+    step make_v41_full 80 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    nvidia-smi --query-gpu=timestamp,power.draw,power.limit,clocks.sm,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 250 >"$OUT/smi.csv" 2>&1 &
+    smi=$!
+    step breakdown_b64 200 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 \
+        --batch 64,1 --top 30 --output-json "$OUT/breakdown_b64.json"
+    kill $smi 2>/dev/null
+    ;;
 peer)
     # the bf16-storage decode step by the same tool as the records one (kernel_breakdown.py), then V4 against HF eager
     rm -rf $CK/v41-l4 $CK/v4-l3
@@ -301,7 +315,7 @@ dspark)
         --json "$OUT/dspark_policies.json"
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, peer, serving, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark)" >&2
     exit 2
     ;;
 esac
