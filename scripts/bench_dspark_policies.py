@@ -21,6 +21,7 @@ source line (torch's sync debug mode, CUDA) and the torch ops launched outside t
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -197,6 +198,23 @@ def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
     return n / dt, st, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None) -> int:
+    """`runs` untimed runs, then up to `extra` more while the last one captured a CUDA graph: a shape first met
+    late in a run (a longer length bucket, a row bucket the cost policy's online curve moved to) would otherwise be
+    captured inside a timed run. setup: called before each run, as before a timed one (a policy's fresh curve).
+    Returns the number of runs made."""
+    graphs = llm.engine.runner.cuda_graphs
+    made, captured = 0, False
+    while made < runs or (captured and made < runs + extra):
+        before = graphs.stats.capture_s if graphs is not None else 0.0
+        if setup is not None:
+            setup()
+        run(llm, prompts, sp)
+        made += 1
+        captured = graphs is not None and graphs.stats.capture_s > before
+    return made
+
+
 def apply_policy(dec: Any, pol: Any, curve: str | None, profiled: Any) -> Any:
     """Set the decoder's policy for one run: a fresh copy of the profiled curve (corrected online during the run)
     for "profile", a fixed affine curve for "BASE,SLOPE", none otherwise. Returns the curve of a profiled run."""
@@ -245,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-runs", type=int, default=1,
                     help="untimed runs of the same requests before each timed run (plain and every policy), so "
                          "that CUDA-graph captures and kernel compiles of its step shapes are not timed")
+    ap.add_argument("--extra-warm-runs", type=int, default=3,
+                    help="more untimed runs, at most this many, while the last one still captured a CUDA graph")
     ap.add_argument("--reprofile", action="store_true",
                     help="after the runs, time the start-up latency profile again on the warm engine")
     ap.add_argument("--async-scheduling", choices=("default", "off", "on", "both"), default="default",
@@ -312,16 +332,14 @@ def main(argv: list[str] | None = None) -> int:
                 sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True,
                                     seed=args.seeds[si])
                 for mode in modes:
-                    for _ in range(args.warm_runs):
-                        run(plains[mode], prompts, sp)
+                    warm_up(plains[mode], prompts, sp, args.warm_runs, args.extra_warm_runs)
                     for _name, pol, curve in policies:
                         # untimed runs of the same requests first: each policy verifies its own numbers of
                         # drafts, so it meets (batch, length, drafts) step shapes whose CUDA graphs / Triton
                         # kernels the others did not compile, and the first run would pay that (measured:
                         # seconds per policy)
-                        for _ in range(args.warm_runs):
-                            apply_policy(decs[mode], pol, curve, curves[mode])
-                            run(specs[mode], prompts, sp)
+                        warm_up(specs[mode], prompts, sp, args.warm_runs, args.extra_warm_runs,
+                             setup=functools.partial(apply_policy, decs[mode], pol, curve, curves[mode]))
                 # timed runs round-robin over plain and the policies (and the scheduling modes), `--repeats`
                 # times: one run is a fraction of a second, so clock and host noise between runs would otherwise
                 # decide the ranking
