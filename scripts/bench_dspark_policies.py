@@ -436,7 +436,9 @@ def summarize(rows: list[dict]) -> list[dict]:
     is calibrated where the policy verified; a GPU run reading corrupted confidences showed itself here).
     `vs_verify_all_paired`: per prompt set, the median over repeats of the run's tokens/s over verify_all's run of
     the same repeat (the runs of one repeat follow each other, so a slow spell of the machine hits both; the spread
-    between repeats was larger than the gaps between policies on the H200)."""
+    between repeats was larger than the gaps between policies on the H200). `first_in`: (repeats in which the
+    policy had the most tokens/s of the speculative policies of its scheduling mode, repeats), summed over prompt
+    sets: the question "which policy is fastest" asked of every repeat instead of the medians."""
     out = []
     keys = sorted({(r.get("prompts", 0), r["temperature"], r["policy"]) for r in rows},
                   key=lambda k: (k[0], k[1], not k[2].startswith("plain"), k[2]))
@@ -468,10 +470,24 @@ def summarize(rows: list[dict]) -> list[dict]:
             if paired:
                 entry["vs_verify_all_paired"] = (statistics.fmean(paired), min(paired), max(paired))
             entry["verified_vs_verify_all"] = (statistics.fmean(ver), min(ver), max(ver))
+        if not pol.startswith("plain"):
+            entry["first_in"] = _first_in(rs, [r for r in same if not r["policy"].startswith("plain")
+                                               and r["policy"].endswith("+async") == bool(mode)])
         if any(r.get("matches_plain") is False for r in rs):
             entry["greedy_mismatch"] = True
         out.append(entry)
     return out
+
+
+def _first_in(mine: list[dict], rivals: list[dict]) -> tuple[int, int]:
+    """(repeats in which a run of `mine` had the most tokens/s among `rivals` of its prompt set, repeats)."""
+    wins = total = 0
+    for r in mine:
+        runs = [x["tokens_per_s_all"] for x in rivals if x["seed"] == r["seed"] and "tokens_per_s_all" in x]
+        for i, tps in enumerate(r.get("tokens_per_s_all", [])):
+            total += 1
+            wins += all(tps >= other[i] for other in runs if i < len(other))
+    return wins, total
 
 
 def format_table(table: list[dict], llm) -> str:
@@ -487,7 +503,7 @@ def format_table(table: list[dict], llm) -> str:
              "within the same scheduling mode)",
              f"{'P':>4} {'T':>3} {'policy':<28} {'tokens/s':>24} {'vs plain':>20} {'vs all, paired':>20} "
              f"{'tau':>20} {'tau vs all':>20} "
-             f"{'verified/req-step':>20} {'verified vs all':>20} {'predicted/accepted':>20} "
+             f"{'verified/req-step':>20} {'verified vs all':>20} {'predicted/accepted':>20} {'first in':>9} "
              f"{'ms/round draft+verify+rest':>28}"]
     for e in table:
         lines.append(f"{e['prompts']:>4} {e['temperature']:>3g} {e['policy']:<28} {f(e, 'tokens_per_s', '.1f'):>24} "
@@ -495,6 +511,7 @@ def format_table(table: list[dict], llm) -> str:
                      f"{f(e, 'mean_accepted_length', '.2f'):>20} {f(e, 'tau_vs_verify_all', '.3f'):>20} "
                      f"{f(e, 'verified_per_request_step', '.2f'):>20} {f(e, 'verified_vs_verify_all', '', True):>20} "
                      f"{f(e, 'survival_calibration', '.3f'):>20} "
+                     + (f"{e['first_in'][0]:>5}/{e['first_in'][1]:<3} " if "first_in" in e else f"{'-':>9} ")
                      + (f"{e['draft_ms'][0]:>9.1f}+{e['verify_ms'][0]:.1f}+{e['finish_ms'][0]:.1f}" if "draft_ms" in e
                         else f"{'-':>9}")
                      + ("  GREEDY MISMATCH" if e.get("greedy_mismatch") else ""))
