@@ -67,7 +67,10 @@ def run(ns: argparse.Namespace) -> int:
     finally:
         # a shutdown that hangs must not keep the process and its port: after the grace period the stacks of all
         # threads go to stderr (what it waited on) and the process exits with status 1
-        faulthandler.dump_traceback_later(SHUTDOWN_GRACE_S, exit=True)
+        try:
+            faulthandler.dump_traceback_later(SHUTDOWN_GRACE_S, exit=True)
+        except (OSError, ValueError):  # stderr without a file descriptor (an embedding that captures it): no watchdog
+            pass
         server.server_close()
         loop.stop()
         llm.close()
