@@ -34,6 +34,11 @@
 #     serving the HTTP server's GPU test, then `bench serving` at 1, 16 and 64 concurrent clients on V4.1 layers-4
 #     breakdown V4.1 layers-4 with all experts, bf16 storage: the decode step at B = 64 and 1 kernel by kernel (top 30) with
 #            the board's power and SM clock sampled beside it
+#     frag   the "frag" FP8 linear (codes decoded into the wgmma operand): its GPU tests and the linear GPU tests, then
+#            the FP8 linear sweep at 8, 64 and 256 tokens ("weight" and "frag" tiles; FRAG_BASELINE=path of another
+#            linear/triton.py timed as "before")
+#     step64 the V4.1 layers-4 decode step (all experts, bf16 storage): `bench latency` at B = 64, 1, 64 against the
+#            bytes bound with the power sampled, then the B = 64 step kernel by kernel
 #     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S)
@@ -260,6 +265,29 @@ closing)
     step make_v4_full 120 python3 -m deepinfer_engine make-checkpoint --arch v4 --preset layers-3 --device cuda --out $CK/v4-l3
     step hf_peer 240 python3 scripts/bench_hf_peer.py --model $CK/v4-l3 --batch 1,32 --prefill-len 1024 --decode-steps 16 \
         --iters 2 --output-json "$OUT/hf_peer.json"
+    ;;
+frag)
+    xdist=""
+    python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
+    step frag_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
+        packages/deepinfer-kernels/tests/test_linear_fp8_frag.py packages/deepinfer-kernels/tests/test_linear_triton.py
+    base=""
+    [ -n "${FRAG_BASELINE:-}" ] && base="--baseline-module $FRAG_BASELINE"
+    step frag_sweep 230 python3 packages/deepinfer-kernels/benchmarks/sweep_linear_fp8.py --tokens 64,8,256 \
+        --modes weight,frag $base --budget-s 200 --workers 15 --output-json "$OUT/frag_sweep.json"
+    ;;
+step64)
+    rm -rf $CK/v41-l4
+    step make_v41_full 80 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    nvidia-smi --query-gpu=timestamp,power.draw,power.limit,clocks.sm,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 250 >"$OUT/smi.csv" 2>&1 &
+    smi=$!
+    step latency 200 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda --batch-size 64,1,64 \
+        --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 1 --decode-steps 16 --decode-repeats 6 \
+        --output-json "$OUT/latency.json"
+    step breakdown_b64 150 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 \
+        --batch 64 --top 20 --output-json "$OUT/breakdown_b64.json"
+    kill $smi 2>/dev/null
     ;;
 breakdown)
     # where the B = 64 decode step spends its time, kernel by kernel (top 30), with the board's power, SM clock and

@@ -8,8 +8,8 @@ in fp32 by the model; timed here with bf16 activations, plus one fp32 row at the
 Per shape and M (tokens) every candidate config is first checked against the torch reference (max |Δ| / max |ref|
 <= 1e-2, bf16 output), then timed from replays of one CUDA graph over several weight copies (so a pass moves >= 3x
 the 60 MB L2: cold weights, as in a decode step; launch gaps inside the graph included, as in the engine's graphed
-step). Phase A: tile configs with the default split policy ("group" / "weight" MMA tiles, CUDA-core "fma", and at
-M <= 16 "gemv" with register prefetch 0 / 1 / 2); phase B: the best tile, and the best "gemv" tile when another mode
+step). Phase A: tile configs with the default split policy ("group" / "weight" MMA tiles, CUDA-core "fma", at
+M <= 16 "gemv" with register prefetch 0 / 1 / 2, and from M = 8 "frag", the codes decoded into the wgmma operand); phase B: the best tile, and the best "gemv" tile when another mode
 won, with explicit split counts 1..64 and `LinearConfig.programs` targets. Each case prints the best config and
 the default config as `LinearConfig(...)`; `--modes` restricts the candidates (compile time).
 Printed beside the bytes bound (weight + scale + x + y bytes / device copy bandwidth measured in the same run).
@@ -17,7 +17,7 @@ Printed beside the bytes bound (weight + scale + x + y bytes / device copy bandw
 Configs are compiled first in parallel worker processes (Triton's on-disk cache is shared).
 
     PYTHONPATH=packages/deepinfer-kernels/src python packages/deepinfer-kernels/benchmarks/sweep_linear_fp8.py \
-        [--tokens 1,8,64,256] [--modes group,weight,fma,gemv] [--baseline-module OLD/triton.py] [--defaults-only] \
+        [--tokens 1,8,64,256] [--modes group,weight,fma,gemv,frag] [--baseline-module OLD/triton.py] [--defaults-only] \
         [--budget-s 180] [--workers 12] [--output-json out.json]
 
 Decode sizes in about four minutes on one H200 (16 CPU cores for the compile workers):
@@ -91,7 +91,21 @@ def gemv_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, in
 def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
     """(block_m, block_n, block_k, num_warps, num_stages, swap_ab, mode, prefetch) tried at M = m (a first run over
     many "group" tiles, docs/perf.md, narrowed the MMA tiles to these; prefetch only matters to "gemv")."""
-    return [t if len(t) == 8 else (*t, 2) for t in _mma_fma_candidates(m)] + (gemv_candidates(m) if m <= 16 else [])
+    return ([t if len(t) == 8 else (*t, 2) for t in _mma_fma_candidates(m)] + (gemv_candidates(m) if m <= 16 else [])
+            + frag_candidates(m))
+
+
+def frag_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
+    """"frag" tiles (codes decoded into the wgmma register operand, linear.fp8_frag) at M = m >= 8: 64 or 128
+    weight rows, up to 64 (128 at M >= 128) tokens, one or two 128-column chunks per K step."""
+    if m < 8:
+        return []
+    bm = min(64, max(16, next_pow2(m)))
+    tiles = [(bm, 64, 128, 4, 3), (bm, 64, 128, 4, 4), (bm, 64, 256, 4, 3), (bm, 128, 128, 8, 3),
+             (bm, 128, 128, 4, 3)]
+    if m >= 128:
+        tiles += [(128, 64, 128, 4, 3), (128, 128, 128, 8, 3)]
+    return [(*t, False, "frag", 2) for t in tiles]
 
 
 def _mma_fma_candidates(m: int) -> list[tuple]:
@@ -245,7 +259,7 @@ def main() -> None:
         "--defaults-only", action="store_true", help="time only the default configs (and baseline)"
     )
     ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--modes", default="group,weight,fma,gemv", help="decode modes of the candidates to sweep")
+    ap.add_argument("--modes", default="group,weight,fma,gemv,frag", help="decode modes of the candidates to sweep")
     ap.add_argument("--budget-s", type=float, default=180.0)
     ap.add_argument("--output-json", default="sweep_linear_fp8.json")
     ap.add_argument(
@@ -344,7 +358,8 @@ def main() -> None:
             tiles = candidates(m)
             if ns.smoke_cpu:
                 tiles = [(16, 16, 128, 4, 1, False, "group", 2), (16, 16, 64, 4, 1, True, "weight", 2),
-                         (next_pow2(m), 16, 64, 4, 1, False, "fma", 2), (next_pow2(m), 16, 64, 4, 1, False, "gemv", 1)]
+                         (next_pow2(m), 16, 64, 4, 1, False, "fma", 2), (next_pow2(m), 16, 64, 4, 1, False, "gemv", 1),
+                         (16, 64, 128, 4, 1, False, "frag", 2)]
                 tiles = [t for t in tiles if t[6] in modes]
             for bm, bn, bk, w, st, swap, mode, pf in tiles:
                 cfg = lt.LinearConfig(bm, bn, bk, w, st, 0, swap, mode, prefetch=pf)

@@ -23,7 +23,7 @@ import torch
 from deepinfer_kernels._launch import next_pow2
 from deepinfer_kernels.linear import reference
 from deepinfer_kernels.quant import quant_fp8_block
-from kernels_testing import triton_interpreter
+from kernels_testing import LINEAR_MODULES, triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
@@ -34,7 +34,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def interp():
-    with triton_interpreter("deepinfer_kernels.linear.triton") as (mod,):
+    with triton_interpreter(*LINEAR_MODULES) as (_, _, mod):
         yield mod
 
 

@@ -63,11 +63,11 @@ def test_fused_pair_equals_two_calls_torch(dtype, act_quant, scale):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_fused_pair_equals_two_calls_triton_interpreter(dtype):
-    from kernels_testing import triton_interpreter
+    from kernels_testing import LINEAR_MODULES, triton_interpreter
 
     a, b = _fp8(64, 64, dtype, seed=4), _fp8(64, 32, dtype, seed=5)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(6)).to(dtype)
-    with triton_interpreter("deepinfer_kernels.linear.triton"):
+    with triton_interpreter(*LINEAR_MODULES):
         for m in (a, b):
             m.kernel_backend = "triton"
         ref = (a(x), b(x))

@@ -54,6 +54,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 from deepinfer_kernels._pdl import launch_kwargs, use_pdl
+from deepinfer_kernels.linear import fp8_frag
+from deepinfer_kernels.linear.split_k import write_tile
 
 __all__ = [
     "LinearConfig",
@@ -72,13 +74,16 @@ __all__ = [
 _DOT_BF16, _DOT_F16, _DOT_F32 = 0, 1, 2
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # weight decode / product modes (the `mode` of LinearConfig, the kernel's MODE)
-_MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3, "dense": 4}
+_MODES = {"group": 0, "weight": 1, "fma": 2, "gemv": 3, "dense": 4, "frag": 5}
 # from this many rows the FP8 linears decode the weight once and run cuBLAS ("dense")
 DENSE_MIN_ROWS = 512
 # where a PDL "gemv" program lets the next kernel launch (`LinearConfig.pdl_trigger`, the kernel's PDL_TRIGGER)
 _PDL_TRIGGERS = {"wait": 0, "loop": 1, "none": 2}
 # split-K partials per output tile: the cap of an explicit split or a programs target
 MAX_SPLIT = 64
+
+# token counts whose bf16 FP8 linears take the "frag" kernel by default (docs/perf.md)
+FRAG_MIN_ROWS, FRAG_MAX_ROWS = 17, 256
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
@@ -93,7 +98,10 @@ class LinearConfig:
     policy). ``mode`` "gemv" (FP8 weights only): `_gemv_linear_kernel`, CUDA-core FMAs on weights decoded in registers,
     for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
     next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it). ``mode``
-    "dense" (FP8 weights only): `dequant_fp8` in block_n x block_k tiles, then cuBLAS.
+    "dense" (FP8 weights only): `dequant_fp8` in block_n x block_k tiles, then cuBLAS. ``mode`` "frag" (FP8 weights
+    with UE8M0 scales, bf16 activations): `linear.fp8_frag`, codes decoded into the wgmma register operand (always
+    weight-as-A, so no swap_ab; block_n >= 64 rows, block_k a multiple of 128); ``exact_decode`` its two-multiply
+    decode instead of the fast one with the exact redo of a tile whose scales need it.
     Only for a "gemv" launch with PDL on (docs/pdl.md): ``pdl_trigger`` where each program lets the next kernel
     launch: "wait" right after its grid-dependency wait, "loop" after its K loop, "none" never (the next kernel
     then launches when this one ends); ``pdl_l2_tiles``: K tiles after the first whose weight lines each program
@@ -111,6 +119,7 @@ class LinearConfig:
     prefetch: int = 2
     pdl_trigger: str = "wait"
     pdl_l2_tiles: int = 0
+    exact_decode: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k", "num_warps"):
@@ -124,7 +133,10 @@ class LinearConfig:
             raise ValueError(
                 f"LinearConfig: tiles {self} below 16 (tensor-core dot minimum; fma / gemv: block_m any)"
             )
-        if self.swap_ab and self.mode in ("fma", "gemv", "dense"):
+        if self.mode == "frag" and (self.block_n < 64 or self.block_k % 128):
+            raise ValueError(f"LinearConfig: mode 'frag' needs block_n >= 64 and block_k a multiple of 128; found "
+                             f"{self.block_n} / {self.block_k}")
+        if self.swap_ab and self.mode in ("fma", "gemv", "dense", "frag"):
             raise ValueError(f"LinearConfig: swap_ab is an MMA operand order; mode {self.mode!r} has none")
         if self.prefetch not in (0, 1, 2):
             raise ValueError(f"LinearConfig.prefetch: found {self.prefetch}; expected 0, 1 or 2")
@@ -285,47 +297,6 @@ def act_fake_quant(x: Tensor, group: int, *, pdl: bool = False) -> Tensor:
     return y.view(x.shape)
 
 
-@triton.jit
-def _write_tile(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
-                SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_M, BLOCK_N] fp32 -> y; with SPLIT_K, this program's partial -> the workspace, and the last of the
-    tile's programs to arrive sums the partials in split order 0..S-1, writes y and resets the tile's counter."""
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    if SPLIT_K:
-        splits = tl.num_programs(2)
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        part_ptrs = ws_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(part_ptrs + pid_s.to(tl.int64) * stride_split, acc, mask=y_mask)
-        # every thread's partial is stored before the one release below publishes the tile
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
-        if arrived == splits - 1:
-            tot = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            # small tiles: four partials in flight per step (up to 64 splits would otherwise be 64 dependent L2
-            # round trips), still added one by one in split order; a split past the end reads -0.0, the exact
-            # identity of +. Large MMA tiles keep one at a time (4 more tiles of registers would spill).
-            for i in range(0, splits, 4 if BLOCK_M * BLOCK_N <= 2048 else 1):
-                # .cg: read at L2, where the other programs' stores are, never a stale L1 line
-                p0 = tl.load(part_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
-                if BLOCK_M * BLOCK_N <= 2048:
-                    m1 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 1) < splits)
-                    p1 = tl.load(part_ptrs + stride_split, mask=m1, other=-0.0, cache_modifier=".cg")
-                    m2 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 2) < splits)
-                    p2 = tl.load(part_ptrs + 2 * stride_split, mask=m2, other=-0.0, cache_modifier=".cg")
-                    m3 = y_mask & ((tl.zeros([1, 1], dtype=tl.int32) + i + 3) < splits)
-                    p3 = tl.load(part_ptrs + 3 * stride_split, mask=m3, other=-0.0, cache_modifier=".cg")
-                    tot = (((tot + p0) + p1) + p2) + p3
-                    part_ptrs += 4 * stride_split
-                else:
-                    tot += p0
-                    part_ptrs += stride_split
-            tl.store(y_ptrs, tot.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0)
-    else:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-
-
 # the loop count and the scale row stride gain nothing from Triton's ==1 / %16 specialisation: not specialised, so
 # one compiled kernel serves every split count and every K of a tile config
 @triton.jit(do_not_specialize=["stride_sn", "k_tiles_per_split", "group_n", "stride_xg"])
@@ -462,7 +433,7 @@ def _linear_kernel(
             acc = tl.sum(acc3, axis=2)
     if SWAP_AB:
         acc = tl.trans(acc)
-    _write_tile(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
+    write_tile(acc, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
                 SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
@@ -828,7 +799,7 @@ def _gemv_linear_kernel(
     if PDL and PDL_TRIGGER == 1:
         gdc_launch_dependents()
     out = tl.sum(tl.sum(tl.sum(acc, axis=4), axis=3), axis=2)
-    _write_tile(out, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
+    write_tile(out, y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split, pid_s,
                 SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
@@ -858,6 +829,15 @@ def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: 
         if m <= 8:
             return LinearConfig(next_pow2(m), 16, max(256 if m <= 2 else 128, b1), 4, 3, 0, False, "fma")
         return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
+    if FRAG_MIN_ROWS <= m <= FRAG_MAX_ROWS and dtype == torch.bfloat16:
+        return _frag_config(m, n, k)
+    return _weight_config(m, n, k, b1)
+
+
+def _weight_config(m: int, n: int, k: int, b1: int) -> LinearConfig:
+    """The "weight" decode tiles for bf16 / fp16 activations (H200 sweep, docs/perf.md "FP8 linear at decode
+    sizes"); also what a "frag" default falls back to for operands that kernel does not take."""
+    block_k = max(128, b1)
     if m <= 16:
         return LinearConfig(16, 32 if n <= 2048 else 64, block_k, 4, 4, 0, False, "weight")
     if m <= 64:
@@ -865,6 +845,12 @@ def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: 
             return LinearConfig(64, 128, block_k, 4, 3, 0, True, "weight")
         return LinearConfig(32, 64, block_k, 4, 3, 0, False, "weight")
     return LinearConfig(128, 64, block_k, 4, 3, 0, True, "weight")
+
+
+def _frag_config(m: int, n: int, k: int) -> LinearConfig:
+    """"frag" tiles: 64 weight rows per program (one warpgroup's wgmma M), up to 64 tokens per tile, 128 columns
+    per K step."""
+    return LinearConfig(min(64, max(16, next_pow2(m))), 64, 128, 4, 3, 0, False, "frag")
 
 
 def _gemv_config(n: int, k: int) -> LinearConfig:
@@ -937,6 +923,10 @@ def launch(
     cfg = config if config is not None else default_config(m, n, k, b1, x.dtype, interp)
     if s is not None and cfg.block_k % b1:
         raise ValueError(f"{op}: config block_k {cfg.block_k} is not a multiple of the scale block {b1}")
+    if cfg.mode == "frag" and (why := fp8_frag.unsupported(x, w, s, block, cfg.block_k)) is not None:
+        if config is not None:
+            raise ValueError(f"{op}: mode 'frag' {why}; use another mode")
+        cfg = _weight_config(m, n, k, b1)
     if cfg.mode == "gemv" and (s is None or k % 4):
         raise ValueError(f"{op}: mode 'gemv' needs an FP8 weight and K a multiple of 4 (int32 words of codes); "
                          f"found {'a plain weight' if s is None else f'K = {k}'}; use another mode")
@@ -967,6 +957,11 @@ def launch(
         s_arg, e8m0 = s.view(torch.uint8), True
     else:
         s_arg, e8m0 = (s if s is not None else w), False
+    if cfg.mode == "frag":
+        fp8_frag.launch(x, w, s, y, ws, counters, (grid_n, grid_m, split), b0=b0, b1=b1, per=per, groups=groups,
+                        block_m=cfg.block_m, block_n=cfg.block_n, block_k=cfg.block_k, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, exact=cfg.exact_decode, interp=interp)  # fmt: skip
+        return y
     if cfg.mode == "gemv":
         _launch_gemv(x, w, s_arg, y, ws, counters, (grid_n, grid_m, split), cfg, op=op, b0=b0, b1=b1, e8m0=e8m0,
                      act_quant=act_quant, per=per, groups=groups, interp=interp, pdl=pdl)  # fmt: skip
