@@ -12,7 +12,7 @@ keep the in-GEMM quantization (q * s can fall below fp16's range).
 Why one kernel: at decode sizes (M <= 256) the step is bound by reading the weight once; the kernel streams each
 weight byte once per M tile and multiplies with tensor-core dots in bf16 (fp32 accumulation).
 
-Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
+Weight decode modes (`LinearConfig.mode`), all equal to the reference up to fp32 summation order:
 - "weight": the e4m3 tile is converted to the dot dtype and multiplied by its block scales (exact in bf16 for
   UE8M0 scales; fp32 scales multiply in fp32 and round once, as the reference's decode does), then one
   BLOCK_K-wide dot. The measured default for bf16 / fp16 activations.
@@ -27,6 +27,10 @@ Weight decode, four modes (`LinearConfig.mode`), all equal to the reference up t
   cores and summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
   memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
   default until measured (benchmarks/sweep_linear_fp8.py sweeps it).
+- "frag" (FP8 weights with UE8M0 scales, bf16 activations, a separate kernel in `linear.fp8_frag`): the codes are
+  decoded straight into the register operand of wgmma (weights as its A side, the activations permuted once per
+  call into the matching K order), so the decoded tile never passes through shared memory; the default at
+  FRAG_MIN_ROWS..FRAG_MAX_ROWS tokens (docs/linear_fp8_frag.md).
 - "dense" (FP8 weights, prefill sizes): `dequant_fp8` writes the whole weight decoded to the activation dtype (the
   reference's decode, exact for UE8M0 scales) and cuBLAS multiplies, so the result is the torch reference's own
   computation. From DENSE_MIN_ROWS rows the decode pass (3 bytes per weight) is small beside the GEMM, and
