@@ -106,7 +106,8 @@ def test_frag_interpreter_decode_is_exact(interp):
 
 def test_frag_operands_it_does_not_take(interp):
     """An explicit "frag" config with operands the kernel cannot read raises with the reason; the default config
-    takes "frag" for bf16 activations at 17..256 tokens and keeps the "weight" tiles otherwise."""
+    takes "frag" for bf16 activations at 17..256 tokens (from 8 for weights of 32M elements or more) and keeps the
+    other modes otherwise."""
     frag, lt = interp
     g = torch.Generator().manual_seed(1)
     q, s = quant_fp8_block(torch.randn(64, 160, generator=g), (32, 32))
@@ -124,10 +125,14 @@ def test_frag_operands_it_does_not_take(interp):
         lt.LinearConfig(16, 64, 64, mode="frag")
     with pytest.raises(ValueError, match="swap_ab"):
         lt.LinearConfig(16, 64, 128, mode="frag", swap_ab=True)
-    for m, dtype, mode in ((64, torch.bfloat16, "frag"), (17, torch.bfloat16, "frag"), (256, torch.bfloat16, "frag"),
-                           (16, torch.bfloat16, "weight"), (64, torch.float16, "weight"), (1, torch.bfloat16, "gemv"),
-                           (512, torch.bfloat16, "dense")):  # fmt: skip
-        assert lt.default_config(m, 4096, 5120, 32, dtype).mode == mode, (m, dtype)
+    for m, n, dtype, mode in ((64, 4096, torch.bfloat16, "frag"), (17, 4096, torch.bfloat16, "frag"),
+                              (256, 4096, torch.bfloat16, "frag"), (16, 4096, torch.bfloat16, "weight"),
+                              (8, 8192, torch.bfloat16, "frag"), (4, 8192, torch.bfloat16, "weight"),
+                              (64, 4096, torch.float16, "weight"), (1, 4096, torch.bfloat16, "gemv"),
+                              (512, 4096, torch.bfloat16, "dense")):  # fmt: skip
+        assert lt.default_config(m, n, 5120, 32, dtype).mode == mode, (m, n, dtype)
+    assert lt.default_config(64, 32768, 1280, 32, torch.bfloat16).block_n == 128  # very tall weights
+    assert lt.default_config(256, 32768, 1280, 32, torch.bfloat16).block_n == 64
 
 
 # ---------------------------------------------------------------------------------------------- GPU, real shapes

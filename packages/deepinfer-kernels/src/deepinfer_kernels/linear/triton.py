@@ -86,8 +86,10 @@ _PDL_TRIGGERS = {"wait": 0, "loop": 1, "none": 2}
 # split-K partials per output tile: the cap of an explicit split or a programs target
 MAX_SPLIT = 64
 
-# token counts whose bf16 FP8 linears take the "frag" kernel by default (docs/perf.md)
+# token counts whose bf16 FP8 linears take the "frag" kernel by default, and from 8 tokens the weights of at least
+# FRAG_SMALL_M_WEIGHT elements (H200 sweep, docs/perf.md "The frag FP8 linear")
 FRAG_MIN_ROWS, FRAG_MAX_ROWS = 17, 256
+FRAG_SMALL_M_WEIGHT = 32 * 2**20
 # 2^-127: UE8M0 byte 0 (a float32 subnormal; no real checkpoint scale uses it)
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
 
@@ -833,7 +835,8 @@ def default_config(m: int, n: int, k: int, b1: int, dtype: torch.dtype, interp: 
         if m <= 8:
             return LinearConfig(next_pow2(m), 16, max(256 if m <= 2 else 128, b1), 4, 3, 0, False, "fma")
         return LinearConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, block_k, 4, 4)
-    if FRAG_MIN_ROWS <= m <= FRAG_MAX_ROWS and dtype == torch.bfloat16:
+    big = n * k >= FRAG_SMALL_M_WEIGHT
+    if (FRAG_MIN_ROWS <= m or (8 <= m and big)) and m <= FRAG_MAX_ROWS and dtype == torch.bfloat16:
         return _frag_config(m, n, k)
     return _weight_config(m, n, k, b1)
 
@@ -852,9 +855,11 @@ def _weight_config(m: int, n: int, k: int, b1: int) -> LinearConfig:
 
 
 def _frag_config(m: int, n: int, k: int) -> LinearConfig:
-    """"frag" tiles: 64 weight rows per program (one warpgroup's wgmma M), up to 64 tokens per tile, 128 columns
-    per K step."""
-    return LinearConfig(min(64, max(16, next_pow2(m))), 64, 128, 4, 3, 0, False, "frag")
+    """"frag" tiles from the H200 sweep (docs/perf.md "The frag FP8 linear"): up to 64 tokens per tile, 128 columns
+    per K step, 64 weight rows per program (one warpgroup's wgmma M), 128 for very tall weights (N >= 16K: attn.wq_b
+    and engram.wkv, 9-12% faster at 64 tokens)."""
+    bm = min(64, max(16, next_pow2(m)))
+    return LinearConfig(bm, 128 if n >= 16384 and m <= 64 else 64, 128, 4, 3, 0, False, "frag")
 
 
 def _gemv_config(n: int, k: int) -> LinearConfig:
