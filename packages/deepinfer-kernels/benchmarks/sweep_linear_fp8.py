@@ -96,7 +96,7 @@ def tile_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, in
 
 
 def frag_candidates(m: int) -> list[tuple[int, int, int, int, int, bool, str, int]]:
-    """"frag" tiles (codes decoded into the wgmma register operand, linear.fp8_frag) at M = m >= 8: 64 or 128
+    """"frag" tiles (codes decoded into the wgmma register operand, linear.fp8_frag.triton) at M = m >= 8: 64 or 128
     weight rows, up to 64 (128 at M >= 128) tokens, one or two 128-column chunks per K step."""
     if m < 8:
         return []

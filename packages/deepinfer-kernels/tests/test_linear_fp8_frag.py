@@ -1,4 +1,4 @@
-"""The "frag" FP8 linear (`deepinfer_kernels.linear.fp8_frag`): codes decoded into the wgmma register operand, the
+"""The "frag" FP8 linear (`deepinfer_kernels.linear.fp8_frag.triton`): codes decoded into the wgmma register operand, the
 activations permuted into the same dot order.
 
 CPU interpreter: the portable decode ("bits": integer decode to fp32, fp32 dots) runs the same tiling, K order and
@@ -34,7 +34,7 @@ def interp():
 def test_permute_columns_is_the_fragment_order():
     """Position 16s + 8h + 2q + j holds column 16s + 4q + 2h + j: lane q of a quad gets its word's bytes 0, 1 at
     dot positions 2q, 2q + 1 and bytes 2, 3 at 2q + 8, 2q + 9 (the wgmma A fragment), for every 16-column step."""
-    from deepinfer_kernels.linear.fp8_frag import permute_columns
+    from deepinfer_kernels.linear.fp8_frag.triton import permute_columns
 
     x = torch.arange(2 * 3 * 64).reshape(2, 3, 64)
     got = permute_columns(x)

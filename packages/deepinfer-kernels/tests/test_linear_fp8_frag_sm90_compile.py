@@ -22,7 +22,7 @@ from kernels_testing import cuobjdump, sass_loops as loops
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from deepinfer_kernels.linear import fp8_frag as ff
+from deepinfer_kernels.linear.fp8_frag import triton as ff
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*i32", "y_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
        "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",

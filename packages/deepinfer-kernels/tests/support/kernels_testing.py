@@ -21,7 +21,7 @@ __all__ = ["LINEAR_MODULES", "sm90_compile_report", "triton_interpreter"]
 
 # the linear backend with the kernel modules it imports, in import order: each re-imported under the interpreter (a
 # compiled epilogue called from an interpreted kernel fails) and restored afterwards
-LINEAR_MODULES = ("deepinfer_kernels.linear.split_k", "deepinfer_kernels.linear.fp8_frag",
+LINEAR_MODULES = ("deepinfer_kernels.linear.split_k.triton", "deepinfer_kernels.linear.fp8_frag.triton",
                   "deepinfer_kernels.linear.triton")
 
 

@@ -27,7 +27,7 @@ Weight decode modes (`LinearConfig.mode`), all equal to the reference up to fp32
   cores and summed per 16-code vector in registers; the group's scale multiplies that sum. Nothing passes through shared
   memory inside the K loop, and the next K tile is prefetched into registers (`LinearConfig.prefetch`). Not a
   default until measured (benchmarks/sweep_linear_fp8.py sweeps it).
-- "frag" (FP8 weights with UE8M0 scales, bf16 activations, a separate kernel in `linear.fp8_frag`): the codes are
+- "frag" (FP8 weights with UE8M0 scales, bf16 activations, a separate kernel in `linear.fp8_frag.triton`): the codes are
   decoded straight into the register operand of wgmma (weights as its A side, the activations permuted once per
   call into the matching K order), so the decoded tile never passes through shared memory; the default at
   FRAG_MIN_ROWS..FRAG_MAX_ROWS tokens (docs/linear_fp8_frag.md).
@@ -58,8 +58,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2, target_programs
 from deepinfer_kernels._pdl import launch_kwargs, use_pdl
-from deepinfer_kernels.linear import fp8_frag
-from deepinfer_kernels.linear.split_k import write_tile
+from deepinfer_kernels.linear.fp8_frag import triton as fp8_frag
+from deepinfer_kernels.linear.split_k.triton import write_tile
 
 __all__ = [
     "LinearConfig",
@@ -105,7 +105,7 @@ class LinearConfig:
     for few rows (any block_m; block_k a multiple of the scale block); ``prefetch`` its register prefetch of the
     next K tile: 0 none, 1 weight codes and scales, 2 the activations too (other modes ignore it). ``mode``
     "dense" (FP8 weights only): `dequant_fp8` in block_n x block_k tiles, then cuBLAS. ``mode`` "frag" (FP8 weights
-    with UE8M0 scales, bf16 activations): `linear.fp8_frag`, codes decoded into the wgmma register operand (always
+    with UE8M0 scales, bf16 activations): `linear.fp8_frag.triton`, codes decoded into the wgmma register operand (always
     weight-as-A, so no swap_ab; block_n >= 64 rows, block_k a multiple of 128); ``exact_decode`` its two-multiply
     decode instead of the fast one with the exact redo of a tile whose scales need it.
     Only for a "gemv" launch with PDL on (docs/pdl.md): ``pdl_trigger`` where each program lets the next kernel

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from deepinfer_kernels.linear.split_k import write_tile
+from deepinfer_kernels.linear.split_k.triton import write_tile
 
 __all__ = ["launch", "permute_columns", "unsupported"]
 
