@@ -37,8 +37,9 @@
 #     frag   the "frag" FP8 linear (codes decoded into the wgmma operand): its GPU tests and the linear GPU tests, then
 #            the FP8 linear sweep at 8, 64 and 256 tokens ("weight" and "frag" tiles; FRAG_BASELINE=path of another
 #            linear/triton.py timed as "before")
-#     step64 the V4.1 layers-4 decode step (all experts, bf16 storage): `bench latency` at B = 64, 1, 64 against the
-#            bytes bound with the power sampled, then the B = 64 step kernel by kernel
+#     step64 the V4.1 layers-4 decode step (all experts, bf16 storage): `bench latency` at B = 64, 1, 64 (STEP64_BATCHES)
+#            against the bytes bound with the power sampled, then the B = 64 step kernel by kernel; STEP64_TESTS=1 runs
+#            the engine's CUDA tests (model, graphs, LLM) and the frag kernel's first
 #     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S)
@@ -277,12 +278,19 @@ frag)
         --modes weight,frag $base --budget-s 200 --workers 15 --output-json "$OUT/frag_sweep.json"
     ;;
 step64)
+    if [ -n "${STEP64_TESTS:-}" ]; then  # the engine's CUDA tests and the frag kernel's first, on the same machine
+        xdist=""
+        python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
+        step engine_gpu_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
+            packages/deepinfer-engine/tests/model/test_model_cuda.py packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py \
+            packages/deepinfer-engine/tests/test_llm_cuda.py packages/deepinfer-kernels/tests/test_linear_fp8_frag.py
+    fi
     rm -rf $CK/v41-l4
     step make_v41_full 80 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
     nvidia-smi --query-gpu=timestamp,power.draw,power.limit,clocks.sm,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv -lms 250 >"$OUT/smi.csv" 2>&1 &
     smi=$!
-    step latency 200 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda --batch-size 64,1,64 \
+    step latency 240 python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda --batch-size ${STEP64_BATCHES:-64,1,64} \
         --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 1 --decode-steps 16 --decode-repeats 6 \
         --output-json "$OUT/latency.json"
     step breakdown_b64 150 python3 scripts/kernel_breakdown.py --model $CK/v41-l4 --kv-cache-dtype bfloat16 \
