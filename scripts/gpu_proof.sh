@@ -39,7 +39,8 @@
 #            linear/triton.py timed as "before")
 #     step64 the V4.1 layers-4 decode step (all experts, bf16 storage): `bench latency` at B = 64, 1, 64 (STEP64_BATCHES)
 #            against the bytes bound with the power sampled, then the B = 64 step kernel by kernel; STEP64_TESTS=1 runs
-#            the engine's CUDA tests (model, graphs, LLM) and the frag kernel's first
+#            the engine's CUDA tests (model, graphs, LLM) and the frag kernel's first, STEP64_TESTS=linear the linear
+#            kernels' GPU tests
 #     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S)
@@ -278,12 +279,15 @@ frag)
         --modes weight,frag $base --budget-s 200 --workers 15 --output-json "$OUT/frag_sweep.json"
     ;;
 step64)
-    if [ -n "${STEP64_TESTS:-}" ]; then  # the engine's CUDA tests and the frag kernel's first, on the same machine
+    if [ -n "${STEP64_TESTS:-}" ]; then  # GPU tests first, on the same machine: 1 = the engine's CUDA tests and the
+        # frag kernel's, "linear" = the linear kernels' (frag and the others)
         xdist=""
         python3 -c "import xdist" 2>/dev/null && xdist="-n 4"
-        step engine_gpu_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
-            packages/deepinfer-engine/tests/model/test_model_cuda.py packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py \
-            packages/deepinfer-engine/tests/test_llm_cuda.py packages/deepinfer-kernels/tests/test_linear_fp8_frag.py
+        tests="packages/deepinfer-engine/tests/model/test_model_cuda.py packages/deepinfer-engine/tests/worker/test_cuda_graph_cuda.py
+            packages/deepinfer-engine/tests/test_llm_cuda.py packages/deepinfer-kernels/tests/test_linear_fp8_frag.py"
+        [ "$STEP64_TESTS" = linear ] && tests="packages/deepinfer-kernels/tests/test_linear_fp8_frag.py
+            packages/deepinfer-kernels/tests/test_linear_triton.py"
+        step gpu_tests 200 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist $tests
     fi
     rm -rf $CK/v41-l4
     step make_v41_full 80 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
