@@ -27,7 +27,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def interp():
-    with triton_interpreter(*LINEAR_MODULES) as (_, frag, lt):
+    with triton_interpreter(*LINEAR_MODULES) as (*_, frag, lt):
         yield frag, lt
 
 

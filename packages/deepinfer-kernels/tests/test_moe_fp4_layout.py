@@ -25,7 +25,8 @@ from deepinfer_kernels.moe.fp4_layout import (
 from kernels_testing import triton_interpreter
 from moe_testing import column_probe, quantized_fp4_experts, random_fp4_stack, rel, routing
 
-_MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
+_MODULES = ("deepinfer_kernels.wgmma_frag.triton", "deepinfer_kernels.moe.fp4_grouped.triton",
+            "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
@@ -97,7 +98,7 @@ def test_chunked_interpreter_matches_reference():
     w, ids = routing(t, k, e, g)
     ids[1] = ids[0]  # two tokens share their experts
     args = (ch.w1, ch.w3, ch.w2, ch.s1, ch.s3, ch.s2)
-    with triton_interpreter(*_MODULES) as (_, mod):
+    with triton_interpreter(*_MODULES) as (_, _, mod):
         tiles = (16, mod.GemmConfig(256, 256, 4, 1, "bits"), mod.GemmConfig(128, 256, 4, 1, "bits"))
         grouped = (
             16,

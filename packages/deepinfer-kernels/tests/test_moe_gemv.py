@@ -18,6 +18,7 @@ from kernels_testing import triton_interpreter
 from moe_testing import quantized_fp4_experts, random_fp4_stack, rel, routing
 
 _MODULES = (
+    "deepinfer_kernels.wgmma_frag.triton",
     "deepinfer_kernels.moe.fp4_grouped.triton",
     "deepinfer_kernels.moe.fp4_gemv.triton",
     "deepinfer_kernels.moe.triton",
@@ -45,7 +46,7 @@ def test_gemv_interpreter_matches_reference():
         (2, 3, "gemv_expert", 2, ck, 2),  # the shared experts' two pairs in one program
         (4, 2, "gemv_expert", 1, st, 1),  # block_m 1: an expert's two pairs take two programs
     ]
-    with triton_interpreter(*_MODULES) as (_, _, mod):
+    with triton_interpreter(*_MODULES) as (_, _, _, mod):
         for t, k, variant, block_m, exp, stages in cases:
             w, ids = _case(t, k, e, g)
             x = torch.randn(t, d, generator=g)
@@ -72,7 +73,7 @@ def test_gemv_configs_validate_and_fall_back():
     st = quantized_fp4_experts(3, 64, 96, g)
     x = torch.randn(2, 96, generator=g)
     w, ids = routing(2, 2, 3, g)
-    with triton_interpreter(*_MODULES) as (_, fv, mod):
+    with triton_interpreter(*_MODULES) as (_, _, fv, mod):
         assert not fv.supports(96, 64, st.w1)
         cfg = mod.GemmConfig(64, 128, 4, 1, "gemv")
         got = mod.moe_experts_fp4(

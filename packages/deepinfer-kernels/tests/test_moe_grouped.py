@@ -17,7 +17,8 @@ from deepinfer_kernels.moe import reference
 from kernels_testing import triton_interpreter
 from moe_testing import column_probe, quantized_fp4_experts, random_fp4_stack, rel
 
-_MODULES = ("deepinfer_kernels.moe.fp4_grouped.triton", "deepinfer_kernels.moe.triton")
+_MODULES = ("deepinfer_kernels.wgmma_frag.triton", "deepinfer_kernels.moe.fp4_grouped.triton",
+            "deepinfer_kernels.moe.triton")
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
@@ -42,7 +43,7 @@ def test_grouped_bits_interpreter_matches_reference():
     w = torch.rand(t, k, generator=g)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     ids[1] = ids[0]  # two tokens share their experts
-    with triton_interpreter(*_MODULES) as (_, mod):
+    with triton_interpreter(*_MODULES) as (_, _, mod):
         # gate/up: one partial N tile (384 = 256 + 128 rows); down: two K chunks of 128 per iteration
         cfgs = (
             16,
@@ -70,7 +71,7 @@ def test_grouped_configs_fall_back_when_widths_are_not_multiples_of_128():
     x = torch.randn(2, 96, generator=g)
     w = torch.rand(2, 2, generator=g)
     ids = torch.tensor([[0, 2], [1, 2]])
-    with triton_interpreter(*_MODULES) as (fg, mod):
+    with triton_interpreter(*_MODULES) as (_, fg, mod):
         assert not fg.supports(96, 64, st.w1) and fg.supports(128, 256, st.w1)
         cfg = mod.GemmConfig(64, 128, 4, 1, "grouped_bits")
         got = mod.moe_experts_fp4(

@@ -21,8 +21,8 @@ __all__ = ["LINEAR_MODULES", "sm90_compile_report", "triton_interpreter"]
 
 # the linear backend with the kernel modules it imports, in import order: each re-imported under the interpreter (a
 # compiled epilogue called from an interpreted kernel fails) and restored afterwards
-LINEAR_MODULES = ("deepinfer_kernels.linear.split_k.triton", "deepinfer_kernels.linear.fp8_frag.triton",
-                  "deepinfer_kernels.linear.triton")
+LINEAR_MODULES = ("deepinfer_kernels.wgmma_frag.triton", "deepinfer_kernels.linear.split_k.triton",
+                  "deepinfer_kernels.linear.fp8_frag.triton", "deepinfer_kernels.linear.triton")
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from deepinfer_kernels.linear.split_k.triton import write_tile
+from deepinfer_kernels.wgmma_frag.triton import any_nan, cat_k, dot_order
 
 __all__ = ["launch", "permute_columns", "unsupported"]
 
@@ -95,20 +96,6 @@ _WORD_EXACT = tl.constexpr(_word_ptx(True))
 
 
 @triton.jit
-def _dot_order(a, b, c, d, BLOCK_N: tl.constexpr):
-    """Four [BLOCK_N, 4] tensors (index q) holding dot positions 2q + j + 8h for (h, j) = (0, 0), (0, 1), (1, 0),
-    (1, 1) -> [BLOCK_N, 16] in dot order."""
-    t = tl.join(tl.join(a, b), tl.join(c, d))  # [BLOCK_N, 4 (q), 2 (j), 2 (h)]
-    return tl.reshape(tl.permute(t, (0, 3, 1, 2)), [BLOCK_N, 16])
-
-
-@triton.jit
-def _cat_k(a, b, BLOCK_N: tl.constexpr, W: tl.constexpr):
-    """[BLOCK_N, W] ++ [BLOCK_N, W] along K -> [BLOCK_N, 2W]."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BLOCK_N, 2 * W])
-
-
-@triton.jit
 def _byte_f32(w, i: tl.constexpr):
     """Byte i of every word (an e4m3 code) -> value * 2^-120 in fp32 (exponent 0 on fp32 subnormals)."""
     c = (w >> (8 * i)) & 255
@@ -140,7 +127,7 @@ def _step(w, b, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr)
         n1 = _byte_f32(w, 1) * _TWO_120 * s
         n2 = _byte_f32(w, 2) * _TWO_120 * s
         n3 = _byte_f32(w, 3) * _TWO_120 * s
-    return _dot_order(n0, n1, n2, n3, BLOCK_N)
+    return dot_order(n0, n1, n2, n3, BLOCK_N)
 
 
 @triton.jit
@@ -153,7 +140,7 @@ def _group(w_rows, kw, sw, shift, c8, DECODE: tl.constexpr, FAST: tl.constexpr, 
     w0, w1 = tl.split(tl.permute(tl.reshape(tl.load(w_rows + (kw + c8)[None, :]), [BLOCK_N, 2, 4]), (0, 2, 1)))
     s0 = _step(w0, b, DECODE, FAST, BLOCK_N)
     s1 = _step(w1, b, DECODE, FAST, BLOCK_N)
-    return _cat_k(s0, s1, BLOCK_N, 16)
+    return cat_k(s0, s1, BLOCK_N, 16)
 
 
 @triton.jit
@@ -178,17 +165,12 @@ def _k_loop(
             a1 = _group(w_rows, kc // 4 + 8, sw, 8 * (((kc + 32) // B1) % 4), c8, DECODE, FAST, BLOCK_N)
             a2 = _group(w_rows, kc // 4 + 16, sw, 8 * (((kc + 64) // B1) % 4), c8, DECODE, FAST, BLOCK_N)
             a3 = _group(w_rows, kc // 4 + 24, sw, 8 * (((kc + 96) // B1) % 4), c8, DECODE, FAST, BLOCK_N)
-            a = _cat_k(_cat_k(a0, a1, BLOCK_N, 32), _cat_k(a2, a3, BLOCK_N, 32), BLOCK_N, 64)
+            a = cat_k(cat_k(a0, a1, BLOCK_N, 32), cat_k(a2, a3, BLOCK_N, 32), BLOCK_N, 64)
             if DECODE == "asm":
                 acc = tl.dot(a, tl.trans(x.to(tl.bfloat16)), acc)
             else:
                 acc = tl.dot(a, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _any_nan(t):
-    return tl.max(tl.max((t != t).to(tl.int32), axis=1), axis=0) > 0
 
 
 # stride_xg stays specialised: its divisibility by 16 is what lets the activation tile be copied asynchronously
@@ -220,7 +202,7 @@ def _frag_linear_kernel(
     n_tiles = tl.minimum(k_tiles_per_split, K // BLOCK_K - t0)
     acc = _k_loop(x_rows, w_rows, s_rows, t0, n_tiles, B1, DECODE, FAST, BLOCK_M, BLOCK_N, BLOCK_K)
     if FAST:  # a scale code >= 135 made its rows infinite or NaN (module docstring): redo the tile exactly
-        if _any_nan(acc * 0.0):
+        if any_nan(acc * 0.0):
             acc = _k_loop(x_rows, w_rows, s_rows, t0, n_tiles, B1, DECODE, False, BLOCK_M, BLOCK_N, BLOCK_K)
     write_tile(tl.trans(acc), y_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_ym, stride_split,
                pid_s, SPLIT_K, BLOCK_M, BLOCK_N)  # fmt: skip

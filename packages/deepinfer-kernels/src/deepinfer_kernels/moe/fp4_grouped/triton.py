@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from deepinfer_kernels.wgmma_frag.triton import any_nan, cat_k, dot_order
+
 __all__ = ["launch_down", "launch_gate_up", "permute_columns", "scale_words", "supports"]
 
 _E8M0_ZERO = tl.constexpr(5.877471754111438e-39)
@@ -124,20 +126,6 @@ def _nibble_f32(w, m: tl.constexpr):
 
 
 @triton.jit
-def _dot_order(a, b, c, d, BLOCK_N: tl.constexpr):
-    """Four [BLOCK_N, 4] tensors holding dot columns v = 2c + j + 8h for (h, j) = (0, 0), (0, 1), (1, 0), (1, 1)
-    -> [BLOCK_N, 16] in dot order."""
-    t = tl.join(tl.join(a, b), tl.join(c, d))  # [BLOCK_N, 4 (c), 2 (j), 2 (h)]
-    return tl.reshape(tl.permute(t, (0, 3, 1, 2)), [BLOCK_N, 16])
-
-
-@triton.jit
-def _cat_k(a, b, BLOCK_N: tl.constexpr, W: tl.constexpr):
-    """[BLOCK_N, W] ++ [BLOCK_N, W] along K -> [BLOCK_N, 2W]."""
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), [BLOCK_N, 2 * W])
-
-
-@triton.jit
 def _group_tile(w, sw, m, i: tl.constexpr, DECODE: tl.constexpr, FAST: tl.constexpr, BLOCK_N: tl.constexpr):
     """One scale group: w [BLOCK_N, 4] int32 codes, sw [BLOCK_N] int32 scale word (this group is byte i), m its
     fast multiplier [BLOCK_N] (FAST) -> [BLOCK_N, 32] weights in dot order (even dot, then odd dot): bf16 for
@@ -154,15 +142,15 @@ def _group_tile(w, sw, m, i: tl.constexpr, DECODE: tl.constexpr, FAST: tl.conste
                 _WORD_EXACT, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [w, m1[:, None], m2[:, None]],
                 dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1,
             )  # fmt: skip
-        ev = _dot_order(n0, n4, n2, n6, BLOCK_N)
-        od = _dot_order(n1, n5, n3, n7, BLOCK_N)
+        ev = dot_order(n0, n4, n2, n6, BLOCK_N)
+        od = dot_order(n1, n5, n3, n7, BLOCK_N)
     else:
         s = _e8m0_f32(sw, i)[:, None]
-        ev = _dot_order(_nibble_f32(w, 0), _nibble_f32(w, 4), _nibble_f32(w, 2), _nibble_f32(w, 6), BLOCK_N)
-        od = _dot_order(_nibble_f32(w, 1), _nibble_f32(w, 5), _nibble_f32(w, 3), _nibble_f32(w, 7), BLOCK_N)
+        ev = dot_order(_nibble_f32(w, 0), _nibble_f32(w, 4), _nibble_f32(w, 2), _nibble_f32(w, 6), BLOCK_N)
+        od = dot_order(_nibble_f32(w, 1), _nibble_f32(w, 5), _nibble_f32(w, 3), _nibble_f32(w, 7), BLOCK_N)
         ev = ev * s
         od = od * s
-    return _cat_k(ev, od, BLOCK_N, 16)
+    return cat_k(ev, od, BLOCK_N, 16)
 
 
 @triton.jit
@@ -195,17 +183,12 @@ def _chunk_dot(
     t1 = _group_tile(w1, sw, m1, 1, DECODE, FAST, BLOCK_N)
     t2 = _group_tile(w2, sw, m2, 2, DECODE, FAST, BLOCK_N)
     t3 = _group_tile(w3, sw, m3, 3, DECODE, FAST, BLOCK_N)
-    a = _cat_k(_cat_k(t0, t1, BLOCK_N, 32), _cat_k(t2, t3, BLOCK_N, 32), BLOCK_N, 64)
+    a = cat_k(cat_k(t0, t1, BLOCK_N, 32), cat_k(t2, t3, BLOCK_N, 32), BLOCK_N, 64)
     if DECODE == "asm":
         acc = tl.dot(a, tl.trans(x.to(tl.bfloat16)), acc)
     else:
         acc = tl.dot(a, tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     return acc
-
-
-@triton.jit
-def _any_nan(t):
-    return tl.max(tl.max((t != t).to(tl.int32), axis=1), axis=0) > 0
 
 
 @triton.jit
@@ -283,7 +266,7 @@ def _gate_up_grouped_kernel(
         # rows infinite or NaN whatever the activations (x * 0 is NaN exactly then): redo such a tile exactly.
         # Activations that are not finite themselves also take the redo, with the same result.
         if FAST:
-            if _any_nan(g * 0.0 + u * 0.0):
+            if any_nan(g * 0.0 + u * 0.0):
                 g, u = _gate_up_loop(x_rows, w1_ptr, w3_ptr, s1_ptr, s3_ptr, w_off, s_off, K, stride_sq, DECODE,
                                      False, CHUNKED, BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         if CLAMP:
@@ -327,7 +310,7 @@ def _down_grouped_kernel(
         acc = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, stride_sq, DECODE, FAST, CHUNKED, BLOCK_M,
                          BLOCK_N, BLOCK_K)  # fmt: skip
         if FAST:  # a scale code > 128 (see the gate/up kernel): redo the tile with the exact decode
-            if _any_nan(acc * 0.0):
+            if any_nan(acc * 0.0):
                 acc = _down_loop(h_rows, w2_ptr, s2_ptr, w_off, s_off, K, stride_sq, DECODE, False, CHUNKED,
                                  BLOCK_M, BLOCK_N, BLOCK_K)  # fmt: skip
         wt = tl.load(rw_ptr + rows, mask=r_mask, other=0.0)
