@@ -211,16 +211,19 @@ class OutputProcessor:
         ids = co.token_ids[:-1] if exclude_last else co.token_ids
         skip = params.skip_special_tokens
         before = len(state.text)
-        while state.read < len(ids):
-            # byte-level BPE: text of ids[read:] is only final once decoding it together with a few earlier ids
-            # no longer ends in an incomplete UTF-8 sequence (U+FFFD)
-            prefix = self.tokenizer.decode(ids[state.prefix : state.read], skip_special_tokens=skip)
-            full = self.tokenizer.decode(ids[state.prefix : state.read + 1], skip_special_tokens=skip)
-            state.read += 1
+        end = state.read
+        while end < len(ids):
+            # byte-level BPE: text of ids[read:end] is only final once decoding it together with a few earlier ids
+            # no longer ends in an incomplete UTF-8 sequence (U+FFFD); until then `read` stays, so the ids that
+            # complete a character split over several ids decode together with its first bytes
+            end += 1
+            full = self.tokenizer.decode(ids[state.prefix : end], skip_special_tokens=skip)
             if full.endswith("\ufffd"):
                 continue
+            prefix = self.tokenizer.decode(ids[state.prefix : state.read], skip_special_tokens=skip)
             state.text += full[len(prefix):]
-            state.prefix = max(state.prefix, state.read - 4)
+            state.read = end
+            state.prefix = max(state.prefix, end - 4)
         if not params.stop:
             return state.text, None
         longest = max(len(x) for x in params.stop)
