@@ -211,12 +211,13 @@ class OutputProcessor:
         ids = co.token_ids[:-1] if exclude_last else co.token_ids
         skip = params.skip_special_tokens
         before = len(state.text)
-        end = state.read
-        while end < len(ids):
-            # byte-level BPE: text of ids[read:end] is only final once decoding it together with a few earlier ids
-            # no longer ends in an incomplete UTF-8 sequence (U+FFFD); until then `read` stays, so the ids that
-            # complete a character split over several ids decode together with its first bytes
-            end += 1
+        # byte-level BPE: text of ids[read:end] is only final once decoding it together with a few earlier ids
+        # no longer ends in an incomplete UTF-8 sequence (U+FFFD); until then `read` stays, so the ids that complete
+        # a character split over several ids decode together with its first bytes. The text up to the furthest
+        # such end is the text the ids up to it would add one by one (a byte run's text does not depend on where
+        # it is cut), and that end is nearly always the last id: a step costs two decodes however many ids it
+        # brought (a speculative round brings several)
+        for end in range(len(ids), state.read, -1):
             full = self.tokenizer.decode(ids[state.prefix : end], skip_special_tokens=skip)
             if full.endswith("\ufffd"):
                 continue
@@ -224,6 +225,7 @@ class OutputProcessor:
             state.text += full[len(prefix):]
             state.read = end
             state.prefix = max(state.prefix, end - 4)
+            break
         if not params.stop:
             return state.text, None
         longest = max(len(x) for x in params.stop)
