@@ -208,11 +208,13 @@ class Scheduler:
                     f"lower max_tokens / max_model_len"))
                 continue
             k = self._spec_len(req, n, budget)
-            if k and self.kv.allocate(req, n + k):  # drafts only where their pages fit without preempting
+            # drafts only where their pages fit without preempting; those pages hold the chunk's own token too
+            reserved = k > 0 and self.kv.allocate(req, n + k)
+            if reserved:
                 spec[req.request_id] = k
                 budget -= k
             ok = True
-            while not self.kv.allocate(req, n):
+            while not reserved and not self.kv.allocate(req, n):
                 victim = self.running[-1]  # most recently admitted first (LCFS)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -246,20 +248,23 @@ class Scheduler:
                 budget -= n
 
         chunks = []
+        pages_sent = self._pages_sent
         for req, n in planned:
-            pages = self.kv.page_ids(req.request_id)
-            sent = self._pages_sent.get(req.request_id, 0)
-            self._pages_sent[req.request_id] = len(pages)
+            rid = req.request_id
+            pages = self.kv.page_ids(rid)
+            sent = pages_sent.get(rid, 0)
+            pages_sent[rid] = len(pages)
+            start, total, prompt = req.num_computed_tokens, self._num_tokens(req), len(req.prompt_token_ids)
             chunks.append(ScheduledChunk(
-                req_id=req.request_id,
-                token_ids=tuple(self._token_ids(req, req.num_computed_tokens, req.num_computed_tokens + n)),
-                start_position=req.num_computed_tokens,
-                slot=self.kv.slot(req.request_id),
-                new_page_ids=tuple(pages[sent:]),  # a diff: the runner keeps the table it was sent so far
-                sample=req.num_computed_tokens + n == self._num_tokens(req),
-                output_index=self._num_tokens(req) - req.num_prompt_tokens,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_spec_tokens=spec.get(req.request_id, 0),
+                req_id=rid,
+                token_ids=tuple(self._token_ids(req, start, start + n)),
+                start_position=start,
+                slot=self.kv.slot(rid),
+                new_page_ids=tuple(pages[sent:]) if sent < len(pages) else (),  # a diff: the runner keeps the table
+                sample=start + n == total,
+                output_index=total - prompt,
+                num_prompt_tokens=prompt,
+                num_spec_tokens=spec.get(rid, 0),
             ))
         new_data = tuple(
             NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
