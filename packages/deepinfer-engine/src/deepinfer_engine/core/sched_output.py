@@ -67,6 +67,14 @@ class ScheduledChunk:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    def with_token_ids(self, token_ids: tuple[int, ...]) -> ScheduledChunk:
+        """This chunk feeding `token_ids` instead (speculative decoding: the verify chunk [g, d_1 .. d_m]).
+        `dataclasses.replace` without its field introspection: ~2 µs less per speculating request per round."""
+        return ScheduledChunk(req_id=self.req_id, token_ids=token_ids, start_position=self.start_position,
+                              slot=self.slot, new_page_ids=self.new_page_ids, sample=self.sample,
+                              output_index=self.output_index, num_prompt_tokens=self.num_prompt_tokens,
+                              num_spec_tokens=self.num_spec_tokens)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerOutput:

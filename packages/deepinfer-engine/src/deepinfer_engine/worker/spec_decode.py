@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -254,18 +254,14 @@ class SpecDecoder:
                                   padding=self.padding(chunks, rnd.index))
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
-        rnd.drafts_host = [int(k) for k in m.tolist()]
+        rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
         rnd.proposal, rnd.num_drafts = prop, m.to(device, non_blocking=True)
-        both = [[k, *row] for k, row in zip(rnd.drafts_host, ids)]
+        index = rnd.index
         out = []
         for c in chunks:
-            b = rnd.index.get(c.req_id)
-            if b is None:
-                out.append(c)
-                continue
-            k = both[b][0]
-            out.append(replace(c, token_ids=(c.token_ids[0], *both[b][1 : 1 + k])))
+            b = index.get(c.req_id)
+            out.append(c if b is None else c.with_token_ids((c.token_ids[0], *ids[b][: drafts[b]])))
         rnd.chunks = tuple(out)
         rnd.started, rnd.captured_before = started, captured
         rnd.forward_started = time.perf_counter()
