@@ -1,6 +1,6 @@
 """OutputProcessor on hand-written engine-core deltas: n > 1 fan-in, stop strings (also on the last allowed token),
 the stopping token kept out of the text, echoes of aborted samples ignored, one finish path, errors, characters
-split over several ids."""
+split over several ids, the text of final-only requests decoded once at the finish."""
 
 from __future__ import annotations
 
@@ -113,3 +113,35 @@ def test_a_character_split_over_several_ids_reaches_the_text() -> None:
             texts.append(co.text)
             assert "\ufffd" not in co.text  # an incomplete character waits for its last bytes
         assert texts[-1] == "a\U0001f600b\u20aca", per_step
+
+
+def test_final_only_decodes_the_text_once_at_the_finish_and_gets_the_same_text() -> None:
+    import random
+
+    rng = random.Random(0)
+    finishes = [("length", None), ("stop", None), ("stop", 2), ("abort", None)]  # EOS / a stop id end on an id
+    for case in range(24):
+        reason, stop_id = finishes[case % len(finishes)]
+        ids = [rng.choice(list(_ByteTok.PIECES)) for _ in range(rng.randint(1, 12))]
+        if reason == "stop":
+            ids.append(1 if stop_id is None else stop_id)
+        texts = []
+        for final_only in (False, True):
+            p = OutputProcessor(tokenizer=_ByteTok(), eos_token_ids=(1,))
+            p.add_request("r", prompt=None, prompt_token_ids=[2], params=SamplingParams(max_tokens=20, n=2),
+                          child_ids=["r#0", "r#1"], final_only=final_only)
+            i, outs = 0, None
+            while i < len(ids):
+                k = rng.randint(1, 4)
+                last = i + k >= len(ids)
+                kw = {"finish_reason": reason, "stop_reason": stop_id} if last and reason != "abort" else {}
+                outs = p.process([_d(f"r#{j}", *ids[i : i + k], **kw) for j in (0, 1)]).request_outputs
+                if not last and final_only:
+                    assert [c.text for c in outs[0].outputs] == ["", ""]  # unfinished: no text yet
+                i += k
+            if reason == "abort":
+                outs = p.process([EngineCoreOutput(req_id=f"r#{j}", finish_reason="abort") for j in (0, 1)]
+                                 ).request_outputs
+            assert outs[0].finished
+            texts.append([(c.text, c.token_ids, c.finish_reason) for c in outs[0].outputs])
+        assert texts[0] == texts[1], (ids, reason)
