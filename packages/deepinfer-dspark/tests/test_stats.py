@@ -138,3 +138,24 @@ def test_survival_calibration_of_sampled_rounds(scale):
     assert s.survival_calibration == pytest.approx(scale, rel=0.04)
     if scale == 1.0:
         assert s.predicted_acceptance_by_position() == pytest.approx(s.acceptance_by_position(), abs=0.045)
+
+
+def test_counts_equal_a_request_by_request_count():
+    import random
+
+    rng = random.Random(0)
+    n = 6
+    s = AcceptanceStats(n)
+    hist, verified, reached, accepted = [0] * (n + 1), [0] * n, [0] * n, [0] * n
+    for batch in (0, 1, 5, 64):
+        drafts = [rng.randint(0, n) for _ in range(batch)]
+        acc = [rng.randint(0, m) for m in drafts]
+        s.update(acc, drafts)
+        for a, m in zip(acc, drafts):
+            hist[a] += 1
+            for j in range(m):
+                verified[j] += 1
+                reached[j] += j <= a
+                accepted[j] += j < a
+    assert (s.histogram, s.verified, s.reached, s.accepted) == (hist, verified, reached, accepted)
+    assert s.request_steps == 70 and s.steps == 4 and s.num_draft_tokens == 70 * n

@@ -1,5 +1,6 @@
 """OutputProcessor on hand-written engine-core deltas: n > 1 fan-in, stop strings (also on the last allowed token),
-the stopping token kept out of the text, echoes of aborted samples ignored, one finish path, errors."""
+the stopping token kept out of the text, echoes of aborted samples ignored, one finish path, errors, characters
+split over several ids, the text of final-only requests decoded once at the finish."""
 
 from __future__ import annotations
 
@@ -89,3 +90,58 @@ def test_errors_and_aborts_take_the_same_finish_path() -> None:
     assert out.metrics.finished_time is not None and not p.has_unfinished_requests()
     # unknown / dropped ids are ignored
     assert p.process([_d("zz", 3)]).request_outputs == []
+
+
+class _ByteTok:
+    """Byte-level stand-in: id -> the UTF-8 bytes below; invalid or incomplete UTF-8 decodes to U+FFFD."""
+
+    PIECES = {2: b"a", 3: "\U0001f600".encode()[:3], 4: "\U0001f600".encode()[3:], 5: b"b", 6: "\u20ac".encode()[:1],
+              7: "\u20ac".encode()[1:2], 8: "\u20ac".encode()[2:]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return b"".join(self.PIECES[t] for t in ids).decode("utf-8", errors="replace")
+
+
+def test_a_character_split_over_several_ids_reaches_the_text() -> None:
+    ids = [2, 3, 4, 5, 6, 7, 8, 2]  # a, 😀 over two ids, b, € over three ids, a
+    for per_step in (1, 2, 3, len(ids)):
+        p = OutputProcessor(tokenizer=_ByteTok(), eos_token_ids=(1,))
+        p.add_request("r", prompt=None, prompt_token_ids=[2], params=SamplingParams(max_tokens=20), child_ids=["r"])
+        texts = []
+        for i in range(0, len(ids), per_step):
+            co = p.process([_d("r", *ids[i : i + per_step])]).request_outputs[0].outputs[0]
+            texts.append(co.text)
+            assert "\ufffd" not in co.text  # an incomplete character waits for its last bytes
+        assert texts[-1] == "a\U0001f600b\u20aca", per_step
+
+
+def test_final_only_decodes_the_text_once_at_the_finish_and_gets_the_same_text() -> None:
+    import random
+
+    rng = random.Random(0)
+    finishes = [("length", None), ("stop", None), ("stop", 2), ("abort", None)]  # EOS / a stop id end on an id
+    for case in range(24):
+        reason, stop_id = finishes[case % len(finishes)]
+        ids = [rng.choice(list(_ByteTok.PIECES)) for _ in range(rng.randint(1, 12))]
+        if reason == "stop":
+            ids.append(1 if stop_id is None else stop_id)
+        texts = []
+        for final_only in (False, True):
+            p = OutputProcessor(tokenizer=_ByteTok(), eos_token_ids=(1,))
+            p.add_request("r", prompt=None, prompt_token_ids=[2], params=SamplingParams(max_tokens=20, n=2),
+                          child_ids=["r#0", "r#1"], final_only=final_only)
+            i, outs = 0, None
+            while i < len(ids):
+                k = rng.randint(1, 4)
+                last = i + k >= len(ids)
+                kw = {"finish_reason": reason, "stop_reason": stop_id} if last and reason != "abort" else {}
+                outs = p.process([_d(f"r#{j}", *ids[i : i + k], **kw) for j in (0, 1)]).request_outputs
+                if not last and final_only:
+                    assert [c.text for c in outs[0].outputs] == ["", ""]  # unfinished: no text yet
+                i += k
+            if reason == "abort":
+                outs = p.process([EngineCoreOutput(req_id=f"r#{j}", finish_reason="abort") for j in (0, 1)]
+                                 ).request_outputs
+            assert outs[0].finished
+            texts.append([(c.text, c.token_ids, c.finish_reason) for c in outs[0].outputs])
+        assert texts[0] == texts[1], (ids, reason)

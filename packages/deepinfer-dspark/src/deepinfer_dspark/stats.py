@@ -24,6 +24,12 @@ def _as_list(name: str, values: Sequence[int] | Tensor) -> list[int]:
     return [int(v) for v in values]
 
 
+def _more_than(values: np.ndarray, n: int) -> list[int]:
+    """[n] counts of `values` (ints in 0..n) above j, for j = 0 .. n - 1."""
+    hist = np.bincount(values, minlength=n + 1)
+    return (len(values) - np.cumsum(hist)[:n]).tolist()
+
+
 class AcceptanceStats:
     """Accumulates verification outcomes over steps (mutable runtime state, so a plain class).
 
@@ -74,28 +80,36 @@ class AcceptanceStats:
         ver = _as_list("num_drafts", num_drafts)
         if len(acc) != len(ver):
             raise DSparkInputError(f"num_accepted / num_drafts: lengths differ ({len(acc)} vs {len(ver)})")
-        for a, m in zip(acc, ver):
-            if not 0 <= m <= self.block_size or not 0 <= a <= m:
-                raise DSparkInputError(
-                    f"num_accepted / num_drafts: expected 0 <= accepted <= drafts <= {self.block_size}, found "
-                    f"accepted={a}, drafts={m}"
-                )
-        prop = [self.block_size] * len(ver) if num_proposed is None else _as_list("num_proposed", num_proposed)
-        if len(prop) != len(ver) or any(not m <= p <= self.block_size for p, m in zip(prop, ver)):
+        # counted as arrays: the engine updates once per speculative round with every request of the batch
+        acc_np = np.asarray(acc, dtype=np.int64)
+        ver_np = np.asarray(ver, dtype=np.int64)
+        bad = np.flatnonzero((ver_np < 0) | (ver_np > self.block_size) | (acc_np < 0) | (acc_np > ver_np))
+        if bad.size:
+            i = int(bad[0])
             raise DSparkInputError(
-                f"num_proposed: expected {len(ver)} values with num_drafts <= proposed <= {self.block_size}, found {prop}"
+                f"num_accepted / num_drafts: expected 0 <= accepted <= drafts <= {self.block_size}, found "
+                f"accepted={acc[i]}, drafts={ver[i]}"
             )
-        self.num_draft_tokens += sum(prop)
+        if num_proposed is None:
+            self.num_draft_tokens += self.block_size * len(ver)
+        else:
+            prop = _as_list("num_proposed", num_proposed)
+            if len(prop) != len(ver) or any(not m <= p <= self.block_size for p, m in zip(prop, ver)):
+                raise DSparkInputError(
+                    f"num_proposed: expected {len(ver)} values with num_drafts <= proposed <= {self.block_size}, "
+                    f"found {prop}"
+                )
+            self.num_draft_tokens += sum(prop)
         self.steps += 1
-        for a, m in zip(acc, ver):
-            self.request_steps += 1
-            self.histogram[a] += 1
-            for j in range(m):
-                self.verified[j] += 1
-                if j <= a:
-                    self.reached[j] += 1
-                if j < a:
-                    self.accepted[j] += 1
+        self.request_steps += len(acc)
+        n = self.block_size
+        for k, c in enumerate(np.bincount(acc_np, minlength=n + 1).tolist()):
+            self.histogram[k] += c
+        # position j is verified while j < drafts, reached while j <= accepted as well, accepted while j < accepted
+        for counts, upto in ((self.verified, ver_np), (self.reached, np.minimum(ver_np, acc_np + 1)),
+                             (self.accepted, acc_np)):
+            for j, c in enumerate(_more_than(upto, n)):
+                counts[j] += c
         if survival is not None:
             a = survival.detach().cpu().numpy() if isinstance(survival, Tensor) else np.asarray(survival)
             if a.shape != (len(ver), self.block_size):

@@ -147,7 +147,8 @@ class LLM:
                 if isinstance(req, InputError):
                     ids.append(_error_output(rid, str(req)))
                     continue
-                self.engine.add_processed(rid, req, chat=chats[i] if chats is not None else None)
+                # `_run` reads only finished outputs: their text is decoded when they finish
+                self.engine.add_processed(rid, req, chat=chats[i] if chats is not None else None, final_only=True)
                 added.append(rid)
                 ids.append(rid)
         except BaseException:

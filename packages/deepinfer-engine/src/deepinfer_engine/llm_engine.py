@@ -66,15 +66,17 @@ class LLMEngine:
         """Validate one request against this model (raises InputError); nothing is queued."""
         return self.input_processor.process(prompt, params, where=where, params_where=params_where)
 
-    def add_processed(self, request_id: str, req: ProcessedRequest, *, chat: ChatSpec | None = None) -> None:
-        """Queue a request `process_input` accepted (no second validation)."""
+    def add_processed(self, request_id: str, req: ProcessedRequest, *, chat: ChatSpec | None = None,
+                      final_only: bool = False) -> None:
+        """Queue a request `process_input` accepted (no second validation). final_only: the caller reads only its
+        finished RequestOutput (`OutputProcessor.add_request`)."""
         params = req.params
         arrival = self._arrivals
         base_seed = sampler_seed(params.seed) if params.seed is not None else mix_seed(self.config.model.seed, arrival)
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         self.output_processor.add_request(request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                                          params=params, child_ids=child_ids, chat=chat)
+                                          params=params, child_ids=child_ids, chat=chat, final_only=final_only)
         added: list[str] = []
         try:
             for i, cid in enumerate(child_ids):

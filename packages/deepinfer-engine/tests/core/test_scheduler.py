@@ -263,3 +263,32 @@ def test_spec_tokens_off_without_budget_or_pages() -> None:
     out = s.schedule()
     # 3 tokens fit the one page; the drafts would need a second page, so the chunk decodes plainly
     assert out.chunks[0].num_spec_tokens == 0 and s.num_preemptions == 0
+
+
+def test_a_rounds_ids_stop_where_an_id_by_id_check_stops() -> None:
+    """`_append_outputs` answers a whole round at once when no id can stop it: the ids kept, the status and the
+    stop reason equal the id-by-id check's on rounds that stop on EOS, a stop id, max_tokens or max_model_len,
+    with min_tokens, ignore_eos and none of them."""
+    import itertools
+    import random
+
+    def by_id(s: Scheduler, req: Request, toks: tuple[int, ...]):
+        for i, tok in enumerate(toks):
+            req.output_token_ids.append(tok)
+            status = s._stop_status(req, tok)
+            if status is not None:
+                return toks[: i + 1], status
+        return toks, None
+
+    rng = random.Random(0)
+    s = _sched(max_len=14)
+    cases = itertools.product((None, 5, 7), (0, 4), (False, True), (3, 4, 5), range(6))
+    for max_tokens, min_tokens, ignore_eos, done, _ in cases:
+        toks = tuple(rng.choice((EOS, 7, 8, 9, 20, 21)) for _ in range(rng.randint(1, 5)))
+        reqs = [_req("r", 4, max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                     stop_token_ids=(7, 8)) for _ in range(2)]
+        for r in reqs:
+            r.output_token_ids.extend([30] * done)
+        got, want = s._append_outputs(reqs[0], toks), by_id(s, reqs[1], toks)
+        assert got == want and reqs[0].output_token_ids == reqs[1].output_token_ids, (toks, max_tokens, done)
+        assert reqs[0].stop_reason == reqs[1].stop_reason

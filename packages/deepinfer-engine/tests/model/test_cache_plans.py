@@ -100,3 +100,33 @@ def test_block_table_coverage_checked_once_on_host_facts():
         check_block_tables(bt, 8, [2], [8], [2])
     with pytest.raises(CapacityError, match="block table has 2 pages"):
         check_block_tables(bt, 8, [1], [16], [1])
+
+
+def test_block_table_coverage_names_the_first_failing_sequence() -> None:
+    """The whole-batch check raises what a check sequence by sequence raises first (or nothing)."""
+    import random
+
+    import numpy as np
+
+    def by_sequence(bt, page_size, ratios, ctx, qlen):
+        for i, (c, n) in enumerate(zip(ctx, qlen)):
+            k = -(-max((c + n) // r * r for r in ratios) // page_size)
+            if k > bt.shape[1]:
+                return f"sequence {i}: block table has {bt.shape[1]} pages, entry needs page {k - 1}"
+            if k and (bt[i, :k] < 0).any():
+                return f"sequence {i}: block table has no page (-1) for a needed compressed entry"
+        return None
+
+    rng = random.Random(0)
+    for _ in range(300):
+        S, width, ratios = rng.randint(0, 5), rng.randint(1, 4), rng.choice([[1], [4], [4, 128], [2, 8]])
+        bt = np.array([[rng.choice([-1, 0, 1, 2, 3]) for _ in range(width)] for _ in range(S)],
+                      dtype=np.int32).reshape(S, width)
+        ctx, qlen = [rng.randint(0, 40) for _ in range(S)], [rng.randint(1, 9) for _ in range(S)]
+        want = by_sequence(bt, 8, ratios, ctx, qlen)
+        try:
+            check_block_tables(bt, 8, ratios, ctx, qlen)
+            got = None
+        except CapacityError as err:
+            got = str(err)
+        assert got == want, (bt.tolist(), ratios, ctx, qlen)

@@ -387,10 +387,11 @@ class KVCacheManager:
             self._registered[rid] = hit.pages.num_pages
         else:
             need = self.pages_for(request.num_computed_tokens + num_new_tokens) - len(have)
-            new = self._pool.take(max(0, need))
-            if new is None:
-                return False
-            self._pages[rid] = have + new
+            if need > 0 or rid not in self._pages:  # most decode steps fit the pages held: nothing to change
+                new = self._pool.take(max(0, need))
+                if new is None:
+                    return False
+                self._pages[rid] = have + new
         if need_slot:
             slot = self._slots[rid] = self._free_slots.pop()
             self._resume_floor[rid] = request.num_computed_tokens

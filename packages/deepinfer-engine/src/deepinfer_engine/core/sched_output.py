@@ -8,6 +8,11 @@ data come once in `new_requests` (again after a preemption, which also drops its
 carries only its new tokens and the pages appended since the runner last saw the request (`new_page_ids`); the
 runner keeps every request's block table in its persistent input batch and drops it on `finished_req_ids` /
 `preempted_req_ids`.
+
+The records made per request per step (`ScheduledChunk`, `SpecResult`, `EngineCoreOutput`) are not frozen:
+a frozen dataclass sets each field through `object.__setattr__` in `__init__` (measured: an `EngineCoreOutput` 2.5 µs
+frozen, 0.7 µs not), which at 256 requests was about a millisecond of every speculative round. They are still
+treated as immutable: nothing writes a field after construction (derive a new one with `dataclasses.replace`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class NewRequestData:
     seed: int  # resolved seed of the counter-based RNG (requests without a seed get one from the engine)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)  # not frozen: built per request per step (module docstring)
 class ScheduledChunk:
     """Tokens [start_position, start_position + len(token_ids)) of one request, fed in this step.
 
@@ -61,6 +66,14 @@ class ScheduledChunk:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    def with_token_ids(self, token_ids: tuple[int, ...]) -> ScheduledChunk:
+        """This chunk feeding `token_ids` instead (speculative decoding: the verify chunk [g, d_1 .. d_m]).
+        `dataclasses.replace` without its field introspection: ~2 µs less per speculating request per round."""
+        return ScheduledChunk(req_id=self.req_id, token_ids=token_ids, start_position=self.start_position,
+                              slot=self.slot, new_page_ids=self.new_page_ids, sample=self.sample,
+                              output_index=self.output_index, num_prompt_tokens=self.num_prompt_tokens,
+                              num_spec_tokens=self.num_spec_tokens)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +107,7 @@ class TokenLogprobs:
     top: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)  # not frozen: built per request per step (module docstring)
 class SpecResult:
     """One request's speculative round: `token_ids` = accepted drafts then the correction / bonus token (in
     order, 1 .. 1 + num_accepted ids); drafts proposed / verified by the target / accepted."""
@@ -118,7 +131,7 @@ class ModelRunnerOutput:
     spec: dict[str, SpecResult] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True)  # not frozen: built per request per step (module docstring)
 class EngineCoreOutput:
     """What changed for one sequence in one engine-core step: the delta the output processor consumes.
 

@@ -208,11 +208,13 @@ class Scheduler:
                     f"lower max_tokens / max_model_len"))
                 continue
             k = self._spec_len(req, n, budget)
-            if k and self.kv.allocate(req, n + k):  # drafts only where their pages fit without preempting
+            # drafts only where their pages fit without preempting; those pages hold the chunk's own token too
+            reserved = k > 0 and self.kv.allocate(req, n + k)
+            if reserved:
                 spec[req.request_id] = k
                 budget -= k
             ok = True
-            while not self.kv.allocate(req, n):
+            while not reserved and not self.kv.allocate(req, n):
                 victim = self.running[-1]  # most recently admitted first (LCFS)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -246,20 +248,23 @@ class Scheduler:
                 budget -= n
 
         chunks = []
+        pages_sent = self._pages_sent
         for req, n in planned:
-            pages = self.kv.page_ids(req.request_id)
-            sent = self._pages_sent.get(req.request_id, 0)
-            self._pages_sent[req.request_id] = len(pages)
+            rid = req.request_id
+            pages = self.kv.page_ids(rid)
+            sent = pages_sent.get(rid, 0)
+            pages_sent[rid] = len(pages)
+            start, total, prompt = req.num_computed_tokens, self._num_tokens(req), len(req.prompt_token_ids)
             chunks.append(ScheduledChunk(
-                req_id=req.request_id,
-                token_ids=tuple(self._token_ids(req, req.num_computed_tokens, req.num_computed_tokens + n)),
-                start_position=req.num_computed_tokens,
-                slot=self.kv.slot(req.request_id),
-                new_page_ids=tuple(pages[sent:]),  # a diff: the runner keeps the table it was sent so far
-                sample=req.num_computed_tokens + n == self._num_tokens(req),
-                output_index=self._num_tokens(req) - req.num_prompt_tokens,
-                num_prompt_tokens=req.num_prompt_tokens,
-                num_spec_tokens=spec.get(req.request_id, 0),
+                req_id=rid,
+                token_ids=tuple(self._token_ids(req, start, start + n)),
+                start_position=start,
+                slot=self.kv.slot(rid),
+                new_page_ids=tuple(pages[sent:]) if sent < len(pages) else (),  # a diff: the runner keeps the table
+                sample=start + n == total,
+                output_index=total - prompt,
+                num_prompt_tokens=prompt,
+                num_spec_tokens=spec.get(rid, 0),
             ))
         new_data = tuple(
             NewRequestData(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
@@ -276,40 +281,35 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         updates = self._pending_updates
         self._pending_updates = []
+        prompt_lps, errors, spec, logprobs = out.prompt_logprobs, out.errors, out.spec, out.logprobs
         for chunk in sched.chunks:
-            req = self.requests.get(chunk.req_id)
+            rid = chunk.req_id
+            req = self.requests.get(rid)
             if req is None or not self._accept_output(req, chunk):
                 continue
             self.kv.commit(req, upto=chunk.start_position + chunk.num_tokens)  # its full pages become shareable
-            plp = tuple(out.prompt_logprobs.get(chunk.req_id, ()))
-            error = out.errors.get(chunk.req_id)
+            plp = tuple(prompt_lps[rid]) if rid in prompt_lps else ()
+            error = errors.get(rid) if errors else None
             if error is not None:
                 self._finish(req, RequestStatus.FINISHED_ERROR, error=error, emit=False)
-                updates.append(EngineCoreOutput(req_id=req.request_id, new_prompt_logprobs=plp, finish_reason="error",
+                updates.append(EngineCoreOutput(req_id=rid, new_prompt_logprobs=plp, finish_reason="error",
                                                 error=error, num_preemptions=req.num_preemptions))
                 continue
             if not chunk.sample:
                 if plp:
-                    updates.append(EngineCoreOutput(req_id=req.request_id, new_prompt_logprobs=plp))
+                    updates.append(EngineCoreOutput(req_id=rid, new_prompt_logprobs=plp))
                 continue
-            sr = out.spec.get(chunk.req_id)
-            toks = sr.token_ids if sr is not None else (out.sampled_token_ids[chunk.req_id],)
+            sr = spec.get(rid) if spec else None
+            toks = tuple(sr.token_ids) if sr is not None else (out.sampled_token_ids[rid],)
             # a speculative round: the accepted drafts were fed at the positions after the chunk's token, so
             # they are in the cache now; the last emitted token is the next one to feed
             req.num_computed_tokens += len(toks) - 1
-            emitted: list[int] = []
-            status = None
-            for tok in toks:  # stop at the first stop condition: later tokens of the round are dropped
-                req.output_token_ids.append(tok)
-                emitted.append(tok)
-                status = self._stop_status(req, tok)
-                if status is not None:
-                    break
-            lp = out.logprobs.get(chunk.req_id)
+            emitted, status = self._append_outputs(req, toks)
+            lp = logprobs.get(rid) if logprobs else None
             if status is not None:
                 self._finish(req, status, emit=False)
             updates.append(EngineCoreOutput(
-                req_id=req.request_id, new_token_ids=tuple(emitted), new_logprobs=(lp,) if lp is not None else (),
+                req_id=rid, new_token_ids=emitted, new_logprobs=(lp,) if lp is not None else (),
                 new_prompt_logprobs=plp, finish_reason=status.finish_reason if status is not None else None,
                 stop_reason=req.stop_reason, num_preemptions=req.num_preemptions,
                 num_draft_tokens=sr.num_draft_tokens if sr else 0,
@@ -317,6 +317,24 @@ class Scheduler:
                 num_accepted_tokens=sr.num_accepted_tokens if sr else 0,
                 num_cached_tokens=req.num_cached_tokens, num_replayed_tokens=req.num_replayed_tokens))
         return updates
+
+    def _append_outputs(self, req: Request, toks: tuple[int, ...]) -> tuple[tuple[int, ...], RequestStatus | None]:
+        """Append a step's sampled ids to the request up to the first stop condition (later ids of a speculative
+        round are dropped): (the ids appended, the stop status or None)."""
+        out_ids = req.output_token_ids
+        last = len(out_ids) + len(toks)  # outputs once every id is in
+        # nearly every step: no id is a stop id and the last one reaches no length limit (checked id by id below,
+        # which is what this short cut answers for the whole step at once)
+        if ((req.max_tokens is None or last < req.max_tokens) and len(req.prompt_token_ids) + last < self.max_model_len
+                and req.stop_token_ids.isdisjoint(toks) and (req.ignore_eos or req.eos_token_ids.isdisjoint(toks))):
+            out_ids.extend(toks)
+            return toks, None
+        for i, tok in enumerate(toks):
+            out_ids.append(tok)
+            status = self._stop_status(req, tok)
+            if status is not None:
+                return toks[: i + 1], status
+        return toks, None
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         if req.num_output_tokens >= req.min_tokens:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -117,10 +118,14 @@ class InputBatch:
 
     def prepare(self, chunks: Sequence[ScheduledChunk], logit_rows: Sequence[int]) -> StepInputs:
         """Inputs of the step that feeds `chunks` (batch order) and returns the logits of rows `logit_rows`."""
+        # one pass per field over the chunks, then numpy: these Python lists are the per-request cost of a step
         S = len(chunks)
-        qlens = tuple(c.num_tokens for c in chunks)
+        token_ids = [c.token_ids for c in chunks]
+        qlens = tuple(map(len, token_ids))
         T, N = sum(qlens), len(logit_rows)
-        P = max(1, max((len(self._tables[c.req_id]) for c in chunks), default=1))
+        tables = [self._tables[c.req_id] for c in chunks]
+        table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=S)
+        P = max(1, int(table_lens.max()) if S else 1)
         if self._copied:
             if not self._event.query():  # the previous step's copy still reads the pinned buffer
                 self._event.synchronize()
@@ -128,9 +133,11 @@ class InputBatch:
         ints = 3 * T + N + 4 * S  # ids, positions, logit rows, per-sequence ints, token -> sequence
         self._grow(8 * ints + 4 * S * P)
         tok, packed = self._buf.view(0, ints, torch.int64, np.int64)
-        ids = np.fromiter((t for c in chunks for t in c.token_ids), dtype=np.int64, count=T)
+        ids = np.fromiter(chain.from_iterable(token_ids), dtype=np.int64, count=T)
         tok[:T] = ids
-        starts = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=S)
+        ctx_lens = tuple(int(c.start_position) for c in chunks)
+        slots = tuple(c.slot for c in chunks)
+        starts = np.asarray(ctx_lens, dtype=np.int64)
         q = np.asarray(qlens, dtype=np.int64)
         offs = np.cumsum(q) - q
         tok[T : 2 * T] = np.repeat(starts - offs, q) + np.arange(T, dtype=np.int64)  # consecutive per sequence
@@ -139,16 +146,16 @@ class InputBatch:
         tok[o : o + S] = starts
         tok[o + S : o + 2 * S] = q
         tok[o + 2 * S : o + 3 * S] = offs
-        tok[o + 3 * S : o + 4 * S] = [c.slot for c in chunks]
+        tok[o + 3 * S : o + 4 * S] = slots
         tok[o + 4 * S : o + 4 * S + T] = np.repeat(np.arange(S, dtype=np.int64), q)
         bt_np, bt_dev = self._buf.view(8 * ints, S * P, torch.int32, np.int32)
         bt = bt_np.reshape(S, P)
         bt.fill(-1)
-        for i, c in enumerate(chunks):
-            table = self._tables[c.req_id]
-            bt[i, : len(table)] = table
-        host = StepHost(ctx_lens=tuple(int(c.start_position) for c in chunks), input_ids=ids,
-                        block_tables=bt.copy())
+        # every table at once: row i holds table i in its first table_lens[i] columns
+        pages = np.fromiter(chain.from_iterable(tables), dtype=np.int32, count=int(table_lens.sum()))
+        bt[np.repeat(np.arange(S), table_lens),
+           np.arange(pages.size) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)] = pages
+        host = StepHost(ctx_lens=ctx_lens, input_ids=ids, block_tables=bt.copy())
         self._buf.send(8 * ints + 4 * S * P)  # ONE copy for every int of the step, tables included
         seq = packed[o:]
         inputs = StepInputs(
@@ -159,7 +166,7 @@ class InputBatch:
             seq_of_token=seq[4 * S :],
             block_tables=bt_dev.view(S, P),
             query_lens=qlens,
-            slots=tuple(c.slot for c in chunks),
+            slots=slots,
             host=host,
         )
         if self._event is not None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -254,18 +254,14 @@ class SpecDecoder:
                                   padding=self.padding(chunks, rnd.index))
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
-        rnd.drafts_host = [int(k) for k in m.tolist()]
+        rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
         rnd.proposal, rnd.num_drafts = prop, m.to(device, non_blocking=True)
-        both = [[k, *row] for k, row in zip(rnd.drafts_host, ids)]
+        index = rnd.index
         out = []
         for c in chunks:
-            b = rnd.index.get(c.req_id)
-            if b is None:
-                out.append(c)
-                continue
-            k = both[b][0]
-            out.append(replace(c, token_ids=(c.token_ids[0], *both[b][1 : 1 + k])))
+            b = index.get(c.req_id)
+            out.append(c if b is None else c.with_token_ids((c.token_ids[0], *ids[b][: drafts[b]])))
         rnd.chunks = tuple(out)
         rnd.started, rnd.captured_before = started, captured
         rnd.forward_started = time.perf_counter()
@@ -377,8 +373,10 @@ class SpecDecoder:
                 self._last_cycle = (rnd.started, span, captured)
             live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
             if live:
-                self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live],
-                                  survival=None if rnd.survival_host is None else rnd.survival_host[live])
+                surv = rnd.survival_host
+                if surv is not None and len(live) < len(rnd.req_ids):
+                    surv = surv[live]
+                self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live], survival=surv)
             for b in live:
                 rid, a = rnd.req_ids[b], host[b][0]
                 if host[b][1]:
@@ -446,8 +444,10 @@ class SpecDecoder:
         if self.insert_runner is not None and self.insert_runner(starts, slots, lens, firsts, features,
                                                                  self.max_drafts + 1):
             return
-        rows_np = np.concatenate([np.arange(f, f + k, dtype=np.int64) for f, k in zip(firsts, lens)])
-        pos_np = np.concatenate([np.arange(s, s + n, dtype=np.int64) for s, n in zip(starts, lens)])
+        n = np.asarray(lens, dtype=np.int64)
+        within = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)  # 0 .. k - 1 per sequence
+        rows_np = np.repeat(np.asarray(firsts, dtype=np.int64), n) + within
+        pos_np = np.repeat(np.asarray(starts, dtype=np.int64), n) + within
         device = next(iter(features.values())).device
         packed = torch.from_numpy(np.concatenate([rows_np, pos_np])).to(device, non_blocking=device.type == "cuda")
         sel, positions = packed.split([rows_np.size, pos_np.size])
