@@ -119,6 +119,9 @@ def test_frag_operands_it_does_not_take(interp):
         lt.fp8_linear(torch.randn(2, 128), q, s.float(), (32, 32), act_quant=False, config=cfg)
     assert frag.unsupported(torch.randn(2, 128).half(), q, s, (32, 32), 128) is not None  # fp16 activations
     assert frag.unsupported(torch.randn(2, 128).bfloat16(), q, s, (32, 32), 128) is None
+    # fp32 activations only under the interpreter: the GPU decode would round them to bf16 without a word
+    assert frag.unsupported(torch.empty(2, 128, device="meta"), q, s, (32, 32), 128) is not None
+    assert frag.unsupported(torch.randn(2, 128), q, s, (32, 32), 128) is None
     with pytest.raises(ValueError, match="block_n >= 64"):
         lt.LinearConfig(16, 32, 128, mode="frag")
     with pytest.raises(ValueError, match="block_k a multiple of 128"):
