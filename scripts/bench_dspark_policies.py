@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import importlib.util
 import json
 import os
@@ -181,6 +182,9 @@ def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
         spec.reset_stats()
     if llm.engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
+    # the previous run's garbage collected now, untimed: a full collection inside a run of about a second took
+    # about 110 ms with the start-up heap unfrozen (docs/perf.md, "Host work of a speculative round")
+    gc.collect()
     cap0 = graphs.stats.capture_s if graphs is not None else 0.0
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -323,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             plains[mode].generate(sets[0], warm, use_tqdm=False)
             specs[mode].generate(sets[0], warm, use_tqdm=False)
+    # what the engines hold from start-up stays alive for the whole benchmark: out of the collector's reach, a
+    # full collection scans only what the runs allocate (what a long-running server does after start-up)
+    gc.collect()
+    gc.freeze()
     rows = []
     suffix = {None: "", False: "", True: "+async"}
     for temp in args.temperature:
