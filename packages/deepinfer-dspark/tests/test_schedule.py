@@ -361,6 +361,46 @@ def test_ragged_global_is_optimal_and_exact_is_non_anticipating(seed: int):
         assert sum(exact(a)) == sum(m) or pad.rows(rows) == rows  # a bucket filled, or every draft verified
         _assert_non_anticipating(exact, a)
 
+def _dense_ragged_k(a: torch.Tensor, m: list[int], lat: LatencyModel, pad: StepPadding, base: int) -> int:
+    """The ragged global K as first written: the first maximum of E(K) / T(bucket(base + S + K)) over every K."""
+    valid = torch.arange(a.shape[1])[None, :] < torch.tensor(m)[:, None]
+    if lat.flat():  # no measured growth: every draft
+        return int(valid.sum())
+    vals = torch.sort(torch.where(valid, a.double().clamp(0, 1), -1.0).reshape(-1), descending=True,
+                      stable=True).values[: int(valid.sum())].numpy()
+    q0 = base + a.shape[0]
+    expected = np.concatenate(([0.0], np.cumsum(vals))) + a.shape[0]
+    rows = pad.bucketed(np.arange(q0, q0 + vals.size + 1))
+    return int(np.argmax(expected / lat.host_at(rows)))
+
+
+@pytest.mark.parametrize("chunk", range(3))
+def test_ragged_global_k_priced_at_bucket_ends_is_the_dense_first_maximum(chunk: int):
+    """The global ragged choice prices only the buckets' last K; it must pick exactly the K the argmax over every K
+    picks (ties, zeros, equal rates across buckets, a curve with flat stretches, a base of other tokens)."""
+    rng = random.Random(700 + chunk)
+    for _ in range(150):
+        batch, width = rng.choice([1, 2, 3, 8, 40, 256]), 5
+        kind = rng.choice(["uniform", "ties", "zero", "one"])
+        pick = {"uniform": rng.random, "ties": lambda: rng.choice([0.0, 0.5, 1.0]), "zero": lambda: 0.0,
+                "one": lambda: 1.0}[kind]
+        a = _survival([[pick() for _ in range(width)] for _ in range(batch)])
+        m = [rng.choice([width, rng.randint(0, width)]) for _ in range(batch)]
+        base = rng.choice([0, 0, 3])
+        top = base + batch * (width + 1)
+        step = rng.choice([1, 2, 7, max(1, top // 5)])
+        sizes = tuple(range(rng.randint(1, max(1, batch)), top + step + 1, step))
+        pad = StepPadding(8, sizes, ragged=True)
+        q = list(range(1, top + 2))
+        lat = rng.choice([LatencyModel.affine(rng.uniform(1e-3, 0.02), rng.uniform(0.0, 1e-3), top + 1),
+                          LatencyModel(q, [0.01 + rng.choice([0.0, 1e-4]) * (i // 4) for i in q])])
+        got = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad,
+                                    base_tokens=base)
+        want = _dense_ragged_k(a, m, lat, pad, base)
+        assert int(got.sum()) == want, (a, m, base, sizes)
+        assert got.tolist() == allocate(a, m, want).tolist()
+
+
 def test_online_correction_moves_the_level_not_the_growth():
     """A step whose span is the profiled forward plus a constant (input preparation, verification), run at the few
     sizes a policy picks, must not teach the curve a slope the profile does not have: the H200 profile of the

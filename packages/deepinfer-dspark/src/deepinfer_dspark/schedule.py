@@ -275,9 +275,13 @@ class LatencyModel:
 
     def host_curve(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo + 1] float64` predicted seconds for Q = lo .. hi (`predict` over a range, in NumPy)."""
+        return self.host_at(np.arange(lo, hi + 1, dtype=np.float64))
+
+    def host_at(self, q: np.ndarray) -> np.ndarray:
+        """`[n] float64` predicted seconds at the query-token counts `q` (`predict` over an array, in NumPy)."""
         sizes = np.asarray(self.sizes, dtype=np.float64)
         secs = np.asarray(self.seconds, dtype=np.float64)
-        q = np.arange(lo, hi + 1, dtype=np.float64)
+        q = np.asarray(q, dtype=np.float64)
         i = np.minimum(np.maximum(np.searchsorted(sizes, q, side="left") - 1, 0), len(self.sizes) - 2)  # as _segment
         w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
         return np.maximum(secs[i] + w * (secs[i + 1] - secs[i]), 1e-12) + self.overhead
@@ -412,6 +416,17 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
     expected = np.zeros(count + 1)
     np.cumsum(vals, out=expected[1:])
     expected += batch
+    sizes = np.asarray(padding.sizes, dtype=np.int64)
+    if q0 + count <= sizes[-1] and not np.isnan(expected[-1]):
+        # every K lies in a bucket, and within one the time is constant while E(K) does not decrease, so a
+        # bucket's best rate is at its last K: the buckets are priced at their ends (a dozen curve points instead
+        # of every K; the policy's host time is round time too), and the first K of the first best bucket that
+        # reaches its rate is the first maximum over all K, as below
+        ends = np.append(sizes[(sizes >= q0) & (sizes - q0 < count)] - q0, count)
+        seconds = latency.host_at(padding.bucketed(q0 + ends))
+        best = int(np.argmax(expected[ends] / seconds))
+        start = int(ends[best - 1]) + 1 if best else 0
+        return start + int(np.argmax(expected[start: int(ends[best]) + 1] / seconds[best]))
     rows = padding.bucketed(np.arange(q0, q0 + count + 1, dtype=np.int64))
     lo = int(rows.min())
     seconds = latency.host_curve(lo, int(rows.max()))[rows - lo]
