@@ -63,6 +63,16 @@ def prompt_sets(ckpt: Path, tb, seeds: list[int], count: int, length: int) -> li
     return out
 
 
+def output_lengths(count: int, longest: int, spread: float, seed: int) -> list[int]:
+    """`count` output lengths drawn uniformly from [max(1, round((1 - spread) * longest)), longest]."""
+    import random
+
+    if not 0.0 <= spread <= 1.0:
+        raise SystemExit(f"--length-spread: expected a fraction in [0, 1], found {spread}")
+    rng = random.Random(seed)
+    return [rng.randint(max(1, round((1.0 - spread) * longest)), longest) for _ in range(count)]
+
+
 def latency_info(lat) -> dict:
     return {"sizes": list(lat.sizes), "ms": [round(t * 1e3, 3) for t in lat.seconds],
             "measured_ms": None if lat.measured is None else [round(t * 1e3, 3) for t in lat.measured],
@@ -249,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--length-spread", type=float, default=0.0,
+                    help="0: every request decodes --new-tokens; F in (0, 1]: request i decodes a length drawn "
+                         "uniformly from [(1 - F) * new_tokens, new_tokens] (seeded by the prompt set), so the batch "
+                         "shrinks during a run as it does in serving")
     ap.add_argument("--threshold", type=float, nargs="+", default=[0.2])
     ap.add_argument("--affine", nargs="*", default=[], metavar="BASE,SLOPE",
                     help="extra cost-policy runs with a fixed T(Q) = BASE + SLOPE * Q (seconds; no online correction): "
@@ -339,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = full[:count]
                 sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True,
                                     seed=args.seeds[si])
+                if args.length_spread > 0:  # mixed output lengths: the batch thins out as requests finish
+                    sp = [sp.replace(max_tokens=n) for n in output_lengths(count, args.new_tokens, args.length_spread,
+                                                                           args.seeds[si])]
                 for mode in modes:
                     warm_up(plains[mode], prompts, sp, args.warm_runs, args.extra_warm_runs)
                     for _name, pol, curve in policies:

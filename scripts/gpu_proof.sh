@@ -44,7 +44,8 @@
 #     dspark the speculative graphs' GPU tests, the Confidence Head check (fused draft round vs eager sampling), then the DSpark policies on the trained
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S,
-#            DSPARK_THRESHOLDS: the fixed thresholds compared, DSPARK_EXTRA_WARM: untimed runs while one still captures)
+#            DSPARK_THRESHOLDS: the fixed thresholds compared, DSPARK_EXTRA_WARM: untimed runs while one still captures,
+#            DSPARK_SPREAD: mixed output lengths, --length-spread)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -353,7 +354,7 @@ dspark)
     step dspark_policies ${DSPARK_LIMIT_S:-420} python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed \
         --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
         --temperature ${DSPARK_TEMPS:-0 1} --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling ${DSPARK_ASYNC:-off} \
-        --threshold ${DSPARK_THRESHOLDS:-0.2} --extra-warm-runs ${DSPARK_EXTRA_WARM:-3} \
+        --threshold ${DSPARK_THRESHOLDS:-0.2} --extra-warm-runs ${DSPARK_EXTRA_WARM:-3} --length-spread ${DSPARK_SPREAD:-0} \
         --json "$OUT/dspark_policies.json"
     ;;
 *)
