@@ -165,6 +165,9 @@ class GraphStats:
     insert_replays: int = 0
     insert_eager_steps: int = 0
     insert_shapes: list[tuple[int, int]] = field(default_factory=list)
+    # every capture in order: (kind: "decode", "verify", "draft", ..., shape, seconds) (benchmarks read which shapes a
+    # run captured and what each cost)
+    capture_log: list[tuple[str, tuple[int, ...], float]] = field(default_factory=list)
 
 
 @dataclass
@@ -494,6 +497,7 @@ class CudaGraphRunner:
         setattr(st, prefix + "captures", getattr(st, prefix + "captures") + 1)
         shape = tuple(k for k in key if not isinstance(k, str))
         getattr(st, prefix + "shapes").append(shape)
+        st.capture_log.append((kind or "decode", shape, dt))
         logger.info("captured the %s graph of shape %s in %.2f s", kind or "decode", shape, dt)
         return g
 

@@ -98,11 +98,21 @@ class SpecTiming:
     draft_s: float = 0.0
     verify_s: float = 0.0
     finish_s: float = 0.0
+    # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
+    # against the latency model's price of it
+    by_rows: dict[int, list[float]] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, float]:
+    def add_verify(self, rows: int, seconds: float) -> None:
+        self.verify_s += seconds
+        entry = self.by_rows.setdefault(int(rows), [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
+    def as_dict(self) -> dict[str, Any]:
         n = max(self.rounds, 1)
         return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
-                "finish_ms": 1e3 * self.finish_s / n}
+                "finish_ms": 1e3 * self.finish_s / n,
+                "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
 class SpecDecoder:
@@ -363,7 +373,7 @@ class SpecDecoder:
                 span = read_at - rnd.forward_started
             self.timing.rounds += 1
             self.timing.draft_s += rnd.forward_started - rnd.started
-            self.timing.verify_s += span
+            self.timing.add_verify(rnd.rows, span)
             captured = self.capture_clock() if self.capture_clock is not None else 0.0
             if self.latency is not None and self.online_latency and captured == rnd.captured_before:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
