@@ -181,11 +181,47 @@ def sync_report(llm, prompts, sp) -> dict:
     return out
 
 
-def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
+def _steady(llm, prompts, sp, skip: int, steps: int) -> tuple[int, float, list[list[int]], float]:
+    """(decode tokens, seconds, outputs so far, CUDA-graph capture seconds within them) of `steps` engine steps after `skip` untimed ones, every request
+    still running (sp.max_tokens must outlast them): a full batch in steady state, as a saturated server runs,
+    with neither the prompts' prefill nor the batch's tail (where the slowest request sets the time) in the
+    window. The requests are dropped afterwards."""
+    eng = llm.engine
+    ids = llm._add(llm._admit(prompts, [sp] * len(prompts)))
+    outs: dict[str, list[int]] = {}
+    try:
+        for _ in range(skip):
+            eng.step_outputs()
+        spec = eng.runner.spec
+        if spec is not None:
+            spec.reset_stats()
+        if eng.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        graphs = eng.runner.cuda_graphs
+        cap0 = graphs.stats.capture_s if graphs is not None else 0.0
+        pre0, dec0 = eng.total.prefill_tokens, eng.total.decode_tokens
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            for o in eng.step_outputs().request_outputs:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        if eng.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
+            raise SystemExit("--steady: a prefill step or a finished request fell inside the timed window; "
+                             "raise --steady-skip or --new-tokens")
+        cap = (graphs.stats.capture_s if graphs is not None else 0.0) - cap0
+        return eng.total.decode_tokens - dec0, dt, [outs.get(i, []) for i in ids], cap
+    finally:
+        eng.discard([i for i in ids if isinstance(i, str)])
+
+
+def run(llm, prompts, sp, steady: tuple[int, int] | None = None) -> tuple[float, dict | None, list[list[int]]]:
     """(tokens/s, statistics, outputs) of one generate. A CUDA graph captured during the run (lazily, on the
     first step of a shape the warm runs did not meet: the cost policy's row buckets follow its online curve) is
     a one-time cost of seconds against runs of a fraction of a second: its time is taken out of the run's wall
-    time and reported as `capture_s`."""
+    time and reported as `capture_s`. steady (skip, steps): only a window of steps with the batch full
+    (`_steady`)."""
     spec = llm.engine.runner.spec
     graphs = llm.engine.runner.cuda_graphs
     if spec is not None:
@@ -196,23 +232,32 @@ def run(llm, prompts, sp) -> tuple[float, dict | None, list[list[int]]]:
     # about 110 ms with the start-up heap unfrozen (docs/perf.md, "Host work of a speculative round")
     gc.collect()
     cap0 = graphs.stats.capture_s if graphs is not None else 0.0
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    if llm.engine.runner.device.type == "cuda":
-        torch.cuda.synchronize()
-    captured = (graphs.stats.capture_s if graphs is not None else 0.0) - cap0
-    dt = time.perf_counter() - t0 - captured
-    n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    log0 = len(graphs.stats.capture_log) if graphs is not None else 0
+    if steady is not None:
+        n, dt, toks, cap_window = _steady(llm, prompts, sp, *steady)
+        captured = (graphs.stats.capture_s if graphs is not None else 0.0) - cap0
+        dt -= cap_window  # a capture in the skipped steps was never in the window's time
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        if llm.engine.runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        captured = (graphs.stats.capture_s if graphs is not None else 0.0) - cap0
+        dt = time.perf_counter() - t0 - captured
+        n = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        toks = [list(o.outputs[0].token_ids) for o in outs]
     st = None
     if spec is not None:
         timing = spec.timing.as_dict()
         if spec.timing.rounds:  # the run's wall time per round: the three parts, the scheduler and the prefill steps
             timing["wall_per_round_ms"] = 1e3 * dt / spec.timing.rounds
-        st = {**spec.stats.as_dict(), "timing": timing, "wall_s": dt, "capture_s": captured}
-    return n / dt, st, [list(o.outputs[0].token_ids) for o in outs]
+        st = {**spec.stats.as_dict(), "timing": timing, "wall_s": dt, "capture_s": captured,
+              "captured": [] if graphs is None else [[k, list(s), round(t, 3)] for k, s, t in
+                                                     graphs.stats.capture_log[log0:]]}
+    return n / dt, st, toks
 
 
-def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None) -> int:
+def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None, steady: tuple[int, int] | None = None) -> int:
     """`runs` untimed runs, then up to `extra` more while the last one captured a CUDA graph: a shape first met
     late in a run (a longer length bucket, a row bucket the cost policy's online curve moved to) would otherwise be
     captured inside a timed run. setup: called before each run, as before a timed one (a policy's fresh curve).
@@ -223,7 +268,7 @@ def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None) -> int:
         before = graphs.stats.capture_s if graphs is not None else 0.0
         if setup is not None:
             setup()
-        run(llm, prompts, sp)
+        run(llm, prompts, sp, steady)
         made += 1
         captured = graphs is not None and graphs.stats.capture_s > before
     return made
@@ -256,7 +301,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, nargs="+", default=[64],
                     help="prompts per set (several: each batch size on the same engines)")
     ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the engines' batch limit (default: the largest prompt count). Fewer than the prompts keeps "
+                         "a queue: a finished request's slot goes to a waiting one, so the batch stays full until "
+                         "the queue drains, as in serving, and a run's time follows the mean accepted length rather "
+                         "than its slowest request")
     ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--steady", type=int, default=0, metavar="STEPS",
+                    help="time only STEPS engine steps with the whole batch decoding (after --steady-skip untimed "
+                         "ones; every request gets enough max_tokens to outlast them): the throughput of a saturated "
+                         "server, where a run's time follows the mean accepted length, not its slowest request "
+                         "(0 = whole generate calls)")
+    ap.add_argument("--steady-skip", type=int, default=4)
+    ap.add_argument("--cost-variants", nargs="*", choices=("global",), default=[],
+                    help="more cost-policy runs: global (exact=False: the argmax over row buckets at every "
+                         "temperature; with sampling it anticipates the drafts, so its outputs are not exact: a "
+                         "measurement of what the bucket argmax gains over the early-stop search, not a setting to "
+                         "serve with)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--length-spread", type=float, default=0.0,
@@ -313,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     # no prefix cache: every policy reruns the same prompts, and a hit skips the prompt rows that fill the draft
     # rings (docs/prefix_cache.md), which would lower acceptance from the second run on
     common = dict(device=args.device, dtype=args.dtype or ("float32" if args.device == "cpu" else "auto"),
-                  max_num_seqs=biggest, num_cpu_threads=args.threads, enable_prefix_caching=False,
+                  max_num_seqs=args.max_num_seqs or biggest, num_cpu_threads=args.threads, enable_prefix_caching=False,
                   enforce_eager=True if args.enforce_eager else None, kv_cache_memory_bytes=cache_bytes)
     common = {k: v for k, v in common.items() if v is not None}
     modes = {"default": [None], "off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
@@ -334,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:
         policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
+        variants = {"global": VerifyPolicy(kind="cost", exact=False)}
+        policies += [(f"cost[{v}]", variants[v], "profile") for v in args.cost_variants]
     policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
     # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
     for temp in args.temperature:
@@ -351,20 +414,25 @@ def main(argv: list[str] | None = None) -> int:
         for count in args.prompts:
             for si, full in enumerate(sets):
                 prompts = full[:count]
-                sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True,
+                new_tokens = args.new_tokens
+                if args.steady:  # no request may finish inside the window (a round emits up to block + 1 tokens)
+                    new_tokens = max(new_tokens, (args.steady_skip + args.steady + 1) * (dec.block_size + 1))
+                sp = SamplingParams(max_tokens=new_tokens, temperature=temp, ignore_eos=True,
                                     seed=args.seeds[si])
-                if args.length_spread > 0:  # mixed output lengths: the batch thins out as requests finish
+                if args.length_spread > 0 and not args.steady:  # mixed output lengths: the batch thins out as requests finish
                     sp = [sp.replace(max_tokens=n) for n in output_lengths(count, args.new_tokens, args.length_spread,
                                                                            args.seeds[si])]
+                steady = (args.steady_skip, args.steady) if args.steady else None
                 for mode in modes:
-                    warm_up(plains[mode], prompts, sp, args.warm_runs, args.extra_warm_runs)
+                    warm_up(plains[mode], prompts, sp, args.warm_runs, args.extra_warm_runs, steady=steady)
                     for _name, pol, curve in policies:
                         # untimed runs of the same requests first: each policy verifies its own numbers of
                         # drafts, so it meets (batch, length, drafts) step shapes whose CUDA graphs / Triton
                         # kernels the others did not compile, and the first run would pay that (measured:
                         # seconds per policy)
                         warm_up(specs[mode], prompts, sp, args.warm_runs, args.extra_warm_runs,
-                             setup=functools.partial(apply_policy, decs[mode], pol, curve, curves[mode]))
+                             setup=functools.partial(apply_policy, decs[mode], pol, curve, curves[mode]),
+                             steady=steady)
                 # timed runs round-robin over plain and the policies (and the scheduling modes), `--repeats`
                 # times: one run is a fraction of a second, so clock and host noise between runs would otherwise
                 # decide the ranking
@@ -372,12 +440,12 @@ def main(argv: list[str] | None = None) -> int:
                 ref = None
                 for _ in range(args.repeats):
                     for mode in modes:
-                        tps, _, out = run(plains[mode], prompts, sp)
+                        tps, _, out = run(plains[mode], prompts, sp, steady)
                         ref = ref or out  # the synchronous plain run when there is one
                         timed.setdefault("plain" + suffix[mode], []).append((tps, None, None, None))
                         for name, pol, curve in policies:
                             lat = apply_policy(decs[mode], pol, curve, curves[mode])
-                            timed.setdefault(name + suffix[mode], []).append((*run(specs[mode], prompts, sp), lat))
+                            timed.setdefault(name + suffix[mode], []).append((*run(specs[mode], prompts, sp, steady), lat))
                 all_tps = {name: [t[0] for t in runs] for name, runs in timed.items()}
                 for mode in modes:
                     pname = "plain" + suffix[mode]
@@ -402,9 +470,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "acceptance_by_position": st["acceptance_by_position"],
                                  "num_verified_tokens": st["num_verified_tokens"],
                                  "num_accepted_tokens": st["num_accepted_tokens"],
-                                 "matches_plain": out == ref if temp == 0 else None,
+                                 "matches_plain": out == ref if temp == 0 and not args.steady else None,
                                  "timing": st["timing"], "wall_s": st["wall_s"],
                                  "capture_s_timed": [round(t[1]["capture_s"], 3) for t in timed[name]],
+                                 "captured_timed": [t[1]["captured"] for t in timed[name]],
                                  "latency_after": None if lat is None else latency_info(lat)})
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
                           flush=True)

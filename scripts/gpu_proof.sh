@@ -45,7 +45,8 @@
 #            testbed (.cache/dspark-testbed, carried) at 32, 128 and 256 prompts, temperature 0 and 1: where the verify curve slopes, the cost policy should prune
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S,
 #            DSPARK_THRESHOLDS: the fixed thresholds compared, DSPARK_EXTRA_WARM: untimed runs while one still captures,
-#            DSPARK_SPREAD: mixed output lengths, --length-spread)
+#            DSPARK_SPREAD: mixed output lengths, --length-spread; DSPARK_STEADY: --steady STEPS, a window of full-batch
+#            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -355,6 +356,7 @@ dspark)
         --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
         --temperature ${DSPARK_TEMPS:-0 1} --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling ${DSPARK_ASYNC:-off} \
         --threshold ${DSPARK_THRESHOLDS:-0.2} --extra-warm-runs ${DSPARK_EXTRA_WARM:-3} --length-spread ${DSPARK_SPREAD:-0} \
+        --steady ${DSPARK_STEADY:-0} --cost-variants ${DSPARK_VARIANTS:-} ${DSPARK_MAX_SEQS:+--max-num-seqs $DSPARK_MAX_SEQS} \
         --json "$OUT/dspark_policies.json"
     ;;
 *)
