@@ -382,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         sched = {} if mode is None else {"async_scheduling": mode}
         plains[mode] = LLM(str(args.ckpt), **sched, **common)
+        t_load = time.perf_counter()
         specs[mode] = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **sched, **common)
+        print(f"speculative engine loaded in {time.perf_counter() - t_load:.1f} s (the cost policy's profile included)",
+              flush=True)
         dec = decs[mode] = specs[mode].engine.runner.spec
         if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
             dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
@@ -482,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
                                                      "rows": rows}, default=str) + "\n")
     table = summarize(rows)
     print(format_table(table, spec_llm))
+    suite = suite_comparison(rows)
+    for rival, (g, lo, hi, wins, n) in suite.items():
+        print(f"cost against {rival} over every (prompts, temperature, set) cell and repeat: geometric mean of the "
+              f"tokens/s ratios {g:.3f} (95% bootstrap {lo:.3f}-{hi:.3f}), cost ahead in {wins} of {n}", flush=True)
     graphs = {f"{kind}{' async' if mode else ''}": graph_info(llm)
               for mode in modes for kind, llm in (("plain", plains[mode]), ("spec", specs[mode]))}
     print("cuda graphs: " + json.dumps(graphs), flush=True)
@@ -517,10 +524,38 @@ def main(argv: list[str] | None = None) -> int:
                                                       "latency": latency_info(profiled),
                                                       "device": str(spec_llm.engine.runner.device),
                                                       "versions": versions},
-                                         "rows": rows, "summary": table, "cuda_graphs": graphs, "syncs": syncs,
+                                         "rows": rows, "summary": table, "suite": suite, "cuda_graphs": graphs,
+                                         "syncs": syncs,
                                          "reprofiled": reprofiled},
                                         indent=2, default=str) + "\n")
     return 0
+
+
+def suite_comparison(rows: list[dict], subject: str = "cost", resamples: int = 4000) -> dict[str, tuple]:
+    """cost against each other speculative policy over the whole run: per rival, (geometric mean of cost's tokens/s
+    over the rival's in the same cell and repeat, 95% bootstrap interval of it, repeats cost was ahead, repeats).
+    Several batch sizes and temperatures in one run are the load a server sees over a day, where a fixed threshold
+    set for one of them is mis-set for another."""
+    import math
+    import random
+
+    cells: dict[tuple, dict[str, list[float]]] = {}
+    for r in rows:
+        if "mean_accepted_length" in r:  # speculative rows only
+            key = (r["prompts"], r["temperature"], r["seed"], r["async"])
+            cells.setdefault(key, {})[r["policy"]] = r["tokens_per_s_all"]
+    out = {}
+    rivals = sorted({p for c in cells.values() for p in c if p != subject})
+    rng = random.Random(0)
+    for rival in rivals:
+        logs = [math.log(a / b) for c in cells.values() if subject in c and rival in c
+                for a, b in zip(c[subject], c[rival])]
+        if not logs:
+            continue
+        boots = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+        out[rival] = (math.exp(statistics.fmean(logs)), math.exp(boots[int(0.025 * resamples)]),
+                      math.exp(boots[int(0.975 * resamples) - 1]), sum(x > 0 for x in logs), len(logs))
+    return out
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -53,7 +53,7 @@ from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
 
-__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "profile_target_latency"]
+__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "profile_row_buckets", "profile_target_latency"]
 
 
 @dataclass(kw_only=True)
@@ -472,9 +472,29 @@ class SpecDecoder:
         self.drafter.insert_context(batch, {lid: f.index_select(0, sel) for lid, f in features.items()})
 
 
+# batch buckets below this many sequences get no profile point per row bucket: their steps are launch-bound (the
+# curve is flat there and the policy verifies every draft), and every point costs a graph capture at start-up
+ROW_BUCKET_PROFILE_MIN_BATCH = 16
+
+
+def profile_row_buckets(batch_sizes: Sequence[int], per: int, *,
+                        min_batch: int = ROW_BUCKET_PROFILE_MIN_BATCH) -> tuple[int, ...]:
+    """The ragged verify graphs' row buckets (`verify_row_sizes`) that the start-up profile times besides its powers
+    of two: for each batch bucket b >= min_batch, the buckets Q whose profile step (ceil(Q / per) sequences) runs in
+    b itself. The cost policy prices a step by its bucket's point; between two profiled points it would interpolate,
+    and on the H200 the verify step jumped by 0.7 ms from 1,024 to 1,152 rows and then rose 0.4 ms to 1,536, so a
+    line from 1,024 to 1,536 priced 1,152 and 1,280 rows well below what they ran in (docs/perf.md, "DSpark in
+    steady state")."""
+    out = set()
+    for b in batch_sizes:
+        if b >= min_batch:
+            out.update(q for q in verify_row_sizes(b, per) if pick_bucket(-(-q // per), batch_sizes) == b)
+    return tuple(sorted(out))
+
+
 def profile_target_latency(
     forward: Callable[[ForwardBatch], object], *, block_size: int, max_tokens: int, num_slots: int, pages: int,
-    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5,
+    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5, extra_sizes: Sequence[int] = (),
 ) -> LatencyModel:
     """The cost policy's latency curve T(Q): the target forward over Q query tokens, timed at start-up (before
     any request holds cache rows) at Q = 1, 2, 4, ... up to `max_tokens`, as ceil(Q / (N + 1)) sequences of at
@@ -484,11 +504,11 @@ def profile_target_latency(
 
     Through the ragged verify graphs (worker/cuda_graph.py) a power of two Q is a row bucket of the batch bucket of
     its ceil(Q / (N + 1)) sequences (half-batch steps from B to B (N + 1), B a power of two): those points time
-    steps without padding rows."""
+    steps without padding rows. extra_sizes: more Q to time (`profile_row_buckets`), those within the cap."""
     per = block_size + 1
     need = -(-per // page_size)
     cap = min(max_tokens, num_slots * per, (pages // need) * per)
-    sizes = sorted({q for q in [1 << i for i in range(20)] + [cap] if 1 <= q <= cap})
+    sizes = sorted({q for q in [1 << i for i in range(20)] + [cap] + [int(x) for x in extra_sizes] if 1 <= q <= cap})
     if len(sizes) < 2:
         sizes = [1, 2]
 
@@ -633,10 +653,12 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
             latency, online = LatencyModel.affine(fixed[0], fixed[1], max_tokens), False
         else:
             capture = tuple(args.dspark_target_layer_ids)
+            # the profile's steps are verify chunks of k drafts (k + 1 rows), the graphs' longest sequence
             latency = profile_target_latency(
-                _profiled_forward(model, cache, graphs, capture, k + 1), block_size=block, max_tokens=min(
+                _profiled_forward(model, cache, graphs, capture, k + 1), block_size=k, max_tokens=min(
                     max_tokens, config.scheduler.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
-                pages=num_pages, page_size=cache.page_size, device=device)
+                pages=num_pages, page_size=cache.page_size, device=device,
+                extra_sizes=() if graphs is None else profile_row_buckets(graphs.batch_sizes, k + 1))
             for s in range(cache.num_slots):  # no request holds these rows yet: leave every slot fresh
                 cache.reset_slot(s)
                 cache.high_water[s] = 0
