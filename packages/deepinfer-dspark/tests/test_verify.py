@@ -263,6 +263,49 @@ def test_verify_with_host_inputs_and_given_argmax_matches_the_plain_call():
         verify(target, proposal, m, greedy=True, argmax=target.argmax(-1)[:-1])
 
 
+def test_sampled_verify_reads_only_the_rows_it_needs_and_accept_prob_is_optional():
+    """Sampled verification gathers one value per (request, draft) and one row per request, never a copy of every
+    (request, position) row: no op makes a tensor of B x (N + 1) vocabulary rows. accept_prob=False drops the
+    statistics' [B, N, V] pass and changes no token."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    batch, width, vocab = 4, 5, 64
+    m = torch.tensor([0, 1, 2, 5])
+    rows = int((m + 1).sum())  # 12 of the 24 padded (request, position) rows
+    g = torch.Generator().manual_seed(3)
+    target = torch.softmax(torch.randn(rows, vocab, generator=g), -1)
+    q = torch.softmax(torch.randn(batch, width, vocab, generator=g), -1)
+    drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=g).reshape(batch, width)
+    proposal = DraftProposal(draft_ids=drafts, draft_probs=q)
+    u = verify_uniforms(m, width, [torch.Generator().manual_seed(i) for i in range(batch)])
+    for greedy in ([False] * batch, [True, False, False, True]):
+        full = verify(target, proposal, m.tolist(), greedy=torch.tensor(greedy), uniforms=u)
+        with Largest() as seen:
+            lean = verify(target, proposal, m.tolist(), greedy=torch.tensor(greedy), uniforms=u, accept_prob=False)
+        assert seen.numel < batch * (width + 1) * vocab and seen.numel <= rows * vocab
+        assert torch.equal(full.output_ids, lean.output_ids) and torch.equal(full.num_accepted, lean.num_accepted)
+        assert lean.accept_prob is None and full.accept_prob is not None
+    # accept_prob is still the analytic sum_v min(p, q) at verified positions
+    starts = (torch.cumsum(m + 1, 0) - (m + 1)).tolist()
+    want = torch.zeros(batch, width)
+    for b in range(batch):
+        for j in range(int(m[b])):
+            want[b, j] = torch.minimum(target[starts[b] + j], q[b, j]).sum()
+    torch.testing.assert_close(verify(target, proposal, m, greedy=False, uniforms=u).accept_prob, want)
+
+
 def test_zero_drafts_samples_from_target_row():
     p = torch.tensor([[0.0, 0.0, 1.0, 0.0, 0.0]])
     r = rejection_accept(p, torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, V), [0],
