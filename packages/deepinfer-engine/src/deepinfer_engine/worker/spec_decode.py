@@ -329,7 +329,8 @@ class SpecDecoder:
         if starts.tolist() == rnd.logit_rows and int(lens.sum()) == logits.shape[0]:  # verify rows only: no copy
             raw = logits
         else:
-            rows = np.concatenate([np.arange(r, r + n) for r, n in zip(rnd.logit_rows, lens.tolist())])
+            # request b's rows logit_rows[b] .. + lens[b] - 1, without a NumPy call per request
+            rows = np.repeat(np.asarray(rnd.logit_rows, dtype=np.int64) - starts, lens) + np.arange(int(lens.sum()))
             raw = logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True))
         # one pass over the vocabulary gives the greedy argmax and the finiteness check (max propagates NaN), in the
         # logits' own dtype: widening is exact, so the argmax (first maximum) is the fp32 one, and a greedy round
