@@ -164,9 +164,15 @@ def test_cost_exact_ignores_profile_peaks_and_greedy_takes_the_global_argmax():
     # the early-stop search at K = 0; the curve it reads is 1.0, 1.2, 1.2, 1.3 (rates rising to K = 3)
     peak = LatencyModel([1, 2, 3, 4], [1.0, 2.0, 1.2, 1.3])
     assert cost_budget(a, [3], peak) == 3 == cost_budget(a, [3], peak, exact=False)
-    # a real step (T jumps and stays): the non-anticipating search stops before it (rates 1.0, 0.76, 1.12, 1.48)
+    # a real step (T jumps and stays; rates 1.0, 0.76, 1.12, 1.48): on the curve itself the non-anticipating search
+    # would stop before it; on its convex minorant (1.0, 1.5, 2.0, 2.5: rates rising to K = 3) it reaches the global
+    # argmax, because the flat stretch behind the step pays for it
     step = LatencyModel([1, 2, 3, 4], [1.0, 2.5, 2.5, 2.5])
-    assert cost_budget(a, [3], step) == 0
+    assert cost_budget(a, [3], step) == 3 == cost_budget(a, [3], step, exact=False)
+    assert step.host_convex_curve(1, 5).tolist() == [1.0, 1.5, 2.0, 2.5, 3.0]
+    # a step that keeps rising (convex already) still stops the search at once, as it stops the argmax
+    rising = LatencyModel([1, 2, 3, 4], [1.0, 2.5, 4.0, 5.5])
+    assert cost_budget(a, [3], rising) == 0 == cost_budget(a, [3], rising, exact=False)
     # every request greedy: the global argmax (an output-exact choice for deterministic drafts)
     assert cost_budget(a, [3], step, deterministic=True) == 3
     got = schedule_verification(VerifyPolicy(kind="cost"), [3], survival=a, latency=step, deterministic=True)
@@ -420,3 +426,36 @@ def test_online_correction_moves_the_level_not_the_growth():
     m = [5] * 32
     got = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat).tolist()
     assert sum(got) >= 3 * 32, got
+
+
+def test_exact_ragged_search_crosses_a_step_up_to_the_flat_stretch_behind_it():
+    """The H200 profile of the testbed's verify step (ms, 2026-12-04) rises 0.70 ms from 256 to 288 rows and 0.83 ms
+    more to 768. At 128 requests of 5 drafts with survivals 0.6^j and about 7.5 ms of the round outside the forward,
+    the global argmax verifies far past the step; the non-anticipating search must too (on the curve itself it
+    stopped at 256 rows, one draft per request: 22% below the argmax's rate). The hull spreads the step over the
+    whole stretch behind it, so it overprices that stretch's flat end a little: here 4 drafts of 5 (2.5% below)."""
+    from deepinfer_dspark.schedule import _ragged, _ranked
+
+    sizes = [1, 2, 4, 8, 16, 32, 56, 64, 72, 80, 88, 96, 112, 128, 144, 160, 176, 192, 224, 256, 288, 320, 352, 384,
+             448, 512, 576, 640, 704, 768]
+    ms = [1.366, 1.366, 1.366, 1.366, 1.389, 1.389, 1.491, 1.492, 1.599, 1.599, 1.602, 1.602, 1.68, 1.693, 1.892,
+          1.892, 1.913, 1.949, 2.055, 2.071, 2.769, 2.769, 2.84, 2.919, 3.093, 3.156, 3.375, 3.509, 3.546, 3.6]
+    lat = LatencyModel(sizes, [t * 1e-3 for t in ms], noise=1e-5)
+    lat.observe_overhead(7.5e-3)
+    pad = StepPadding(128, tuple(sorted({-(-128 * k // 2) for k in range(2, 13)})), ragged=True)
+    a = _survival([[0.6] * 5] * 128)
+    m = [5] * 128
+    exact = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat, padding=pad)
+    best = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad)
+    rows = 128 + int(exact.sum())
+    assert rows > 288 and pad.rows(rows) == rows  # past the step, a bucket filled
+    best_rate = _ragged_rate(a, best.tolist(), lat, pad, 0)
+    assert _ragged_rate(a, exact.tolist(), lat, pad, 0) >= 0.97 * best_rate
+    # the curve itself (no hull) would have stopped at the step
+    vals, _ = _ranked(a, np.asarray(m))
+    flat_hull = LatencyModel(sizes, [t * 1e-3 for t in ms], noise=1e-5)
+    flat_hull.observe_overhead(7.5e-3)
+    flat_hull.host_convex_curve = lambda lo, hi: flat_hull.host_curve(lo, hi)  # the former search's curve
+    stuck = _ragged(vals, 128, flat_hull, pad, exact=True, base_tokens=0, deterministic=False)
+    assert 128 + stuck <= 288
+    assert _ragged_rate(a, allocate(a, m, stuck).tolist(), lat, pad, 0) < 0.8 * best_rate

@@ -24,6 +24,21 @@ def _old_curve(lat: LatencyModel, max_tokens: int) -> Tensor:
     return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + lat.overhead
 
 
+def _old_convex_curve(lat: LatencyModel, max_tokens: int) -> Tensor:
+    """`_old_curve` through the lower convex hull of the points, found by brute force: a point is a vertex unless it
+    lies on or above the chord of some point before it and some point after it."""
+    xs, ys = lat.sizes, lat.seconds
+    keep = [k for k in range(len(xs)) if not any(
+        (ys[k] - ys[i]) * (xs[j] - xs[i]) >= (ys[j] - ys[i]) * (xs[k] - xs[i])
+        for i in range(k) for j in range(k + 1, len(xs)))]
+    sizes = torch.tensor([xs[k] for k in keep], dtype=torch.float64)
+    secs = torch.tensor([ys[k] for k in keep], dtype=torch.float64)
+    q = torch.arange(max_tokens + 1, dtype=torch.float64)
+    i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(keep) - 2)
+    w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
+    return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + lat.overhead
+
+
 def _old_check(survival: Tensor, max_drafts) -> Tensor:
     m = torch.as_tensor(max_drafts, dtype=torch.int64).to(survival.device)
     assert m.shape == (survival.shape[0],)
@@ -58,9 +73,9 @@ def _old_cost_budget(survival, max_drafts, latency, *, exact=True, base_tokens=0
     k = torch.arange(vals.numel() + 1, device=vals.device)
     expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])
     q0 = base_tokens + batch
-    seconds = _old_curve(latency, q0 + vals.numel())[q0 + k]
     if not exact or deterministic:
-        return int(torch.argmax(expected / seconds))
+        return int(torch.argmax(expected / _old_curve(latency, q0 + vals.numel())[q0 + k]))
+    seconds = _old_convex_curve(latency, q0 + vals.numel())[q0 + k]  # the early stop reads the convex minorant
     rate = expected / torch.flip(torch.cummin(torch.flip(seconds, (0,)), 0).values, (0,))
     worse = rate[1:] <= rate[:-1]
     return int(torch.argmax(worse.to(torch.int8))) if bool(worse.any()) else vals.numel()

@@ -18,9 +18,14 @@ E(K) = S + (sum of the K largest survivals); its expected time is T(Q) from `Lat
     than the drafts (use `cost_budget` on last round's survivals, then `allocate` with this round's).
   - deterministic=True (every request of the step greedy): the drafts are not random, so no choice of K can bias
     the output (greedy verification emits the target's argmax whatever is verified); the global argmax is used.
-  The early-stop search reads the largest non-decreasing curve below T (T'(Q) = min over Q' >= Q of T(Q')): a step
-  over more tokens never takes less time, and interference only adds time, so a profiled point above a later one
-  is noise; left in, such a peak makes E/T non-unimodal and stops the search at a false local optimum.
+  The early-stop search reads the greatest convex non-decreasing curve below T (`LatencyModel.host_convex_curve`:
+  the lower convex hull of the points, then T'(Q) = min over Q' >= Q): a step over more tokens never takes less
+  time, and interference only adds time, so a profiled point above a later one is noise; and with E concave, E/T'
+  is unimodal only for a convex T'. A curve with a step up followed by a flat stretch (a kernel's tile boundary:
+  on the H200 the testbed's verify forward rose 0.69 ms from 256 to 288 rows, then 0.72 ms more to 768) otherwise
+  stops the search at the step, although the flat stretch behind it pays for itself: at 128 requests and
+  temperature 1 a fifth of the rounds verified about one draft per request there (docs/perf.md, "DSpark in steady
+  state"). Over the hull the step's cost is spread over the stretch behind it, as a global argmax would weigh it.
 padded steps (`StepPadding`, a replayed CUDA graph): every sequence of the step is padded to the longest chunk's
   bucket Q (e.g. 1, 2, 4, 6 rows), so the step costs T(batch * Q) and a draft below the longest chunk costs
   nothing. The choice is then a cap c per step (c + 1 a bucket, or the largest max_drafts): each request verifies
@@ -286,6 +291,24 @@ class LatencyModel:
         w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
         return np.maximum(secs[i] + w * (secs[i + 1] - secs[i]), 1e-12) + self.overhead
 
+    def host_convex_curve(self, lo: int, hi: int) -> np.ndarray:
+        """`[hi - lo + 1] float64` the greatest convex curve below `predict` (the lower convex hull of the points,
+        extended past the first and last with the hull's end slopes, plus the overhead) at Q = lo .. hi."""
+        hx: list[float] = []
+        hy: list[float] = []
+        for x, y in zip(self.sizes, self.seconds):
+            # drop the last hull point while it lies on or above the chord from the one before it to (x, y)
+            while len(hx) >= 2 and (hy[-1] - hy[-2]) * (x - hx[-2]) >= (y - hy[-2]) * (hx[-1] - hx[-2]):
+                hx.pop()
+                hy.pop()
+            hx.append(float(x))
+            hy.append(float(y))
+        q = np.arange(lo, hi + 1, dtype=np.float64)
+        xs, ys = np.asarray(hx), np.asarray(hy)
+        i = np.minimum(np.maximum(np.searchsorted(xs, q, side="left") - 1, 0), len(hx) - 2)
+        w = (q - xs[i]) / (xs[i + 1] - xs[i])
+        return np.maximum(ys[i] + w * (ys[i + 1] - ys[i]), 1e-12) + self.overhead
+
     def curve(self, max_tokens: int, device: torch.device | str = "cpu") -> Tensor:
         """`[max_tokens + 1] float64` predicted seconds for Q = 0 .. max_tokens (entry 0 unused by the policies)."""
         return torch.from_numpy(self.host_curve(0, max_tokens)).to(device)
@@ -395,9 +418,9 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
     np.cumsum(vals, out=expected[1:])
     expected += batch
     q0 = base_tokens + batch
-    seconds = latency.host_curve(q0, q0 + count)  # T(base + S + K)
     if not exact or deterministic:
-        return int(np.argmax(expected / seconds))  # first maximum
+        return int(np.argmax(expected / latency.host_curve(q0, q0 + count)))  # first maximum of E(K) / T(base + S + K)
+    seconds = latency.host_convex_curve(q0, q0 + count)
     rate = expected / np.minimum.accumulate(seconds[::-1])[::-1]
     worse = rate[1:] <= rate[:-1]  # adding candidate K+1 does not improve the rate
     return int(np.argmax(worse)) if bool(worse.any()) else count
