@@ -371,6 +371,8 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
             verified[name] = spec.stats.num_verified_tokens
             t = spec.timing
             assert t.rounds == spec.stats.steps > 0 and min(t.draft_s, t.verify_s, t.finish_s) > 0
+            # the drafts' host read and the policy's host time are parts of the draft span
+            assert 0 < t.policy_s < t.draft_s and 0 < t.drafted_s < t.draft_s
             # every timed round is in the per-size split, and the split sums to the verify span
             assert sum(c for c, _ in t.by_rows.values()) == t.rounds
             assert abs(sum(s for _, s in t.by_rows.values()) - t.verify_s) < 1e-9

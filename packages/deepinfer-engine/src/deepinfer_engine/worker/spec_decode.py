@@ -98,6 +98,12 @@ class SpecTiming:
     draft_s: float = 0.0
     verify_s: float = 0.0
     finish_s: float = 0.0
+    # of draft_s: the verification policy's own host time (schedule_verification), which the cost policy spends more
+    # of than the others
+    policy_s: float = 0.0
+    # of draft_s: round start to the end of the drafts' host read (the draft pass on the device, and the host work
+    # before it); the rest of draft_s is host work after the read
+    drafted_s: float = 0.0
     # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
     # against the latency model's price of it
     by_rows: dict[int, list[float]] = field(default_factory=dict)
@@ -111,7 +117,8 @@ class SpecTiming:
     def as_dict(self) -> dict[str, Any]:
         n = max(self.rounds, 1)
         return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
-                "finish_ms": 1e3 * self.finish_s / n,
+                "finish_ms": 1e3 * self.finish_s / n, "policy_ms": 1e3 * self.policy_s / n,
+                "drafted_ms": 1e3 * self.drafted_s / n,
                 "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
@@ -251,6 +258,7 @@ class SpecDecoder:
         wide = prop.draft_ids.to(torch.float64) if surv is None else torch.cat(
             [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
         wide = wide.cpu().numpy()  # the one host read before the forward
+        self.timing.drafted_s += time.perf_counter() - started
         n = self.block_size
         self.rounds += 1
         policy = self.policy
@@ -258,10 +266,12 @@ class SpecDecoder:
                 and self.rounds % self.explore_every == 0):
             policy = VerifyPolicy(kind="verify_all")  # sample the curve at the large step sizes too
             self.explored += 1
+        policy_started = time.perf_counter()
         m = schedule_verification(policy, host[:, 3],
                                   survival=None if surv is None else wide[:, n:].astype(np.float32),
                                   latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy),
                                   padding=self.padding(chunks, rnd.index))
+        self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
         rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
