@@ -16,6 +16,10 @@ source line (torch's sync debug mode, CUDA) and the torch ops launched outside t
 `--async-scheduling both` loads each engine twice, with synchronous and with asynchronous scheduling
 (`async_scheduling=False / True`), and times plain decoding and every policy in both (rows "NAME+async");
 `--prompts 32 128` runs both batch sizes on the same engines (max_num_seqs = the largest).
+`--steady 48` times a window of 48 engine steps with the whole batch decoding instead of whole generate calls: a
+saturated server's throughput, (requests x mean accepted length) / round time, where a closed batch's time follows
+its slowest request. With several batch sizes or temperatures, the run ends with cost against each rival over every
+cell and repeat (`suite_comparison`).
 """
 
 from __future__ import annotations
