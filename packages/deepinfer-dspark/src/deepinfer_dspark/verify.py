@@ -226,8 +226,9 @@ def _rejection_rows(
     """Core of `rejection_accept` on the varlen target rows `[R, V]` and their `[B, N + 1]` index (`_row_index`).
     Reads the vocabulary-wide rows only where it needs them: the draft's probability per (request, position) is a
     gather of one value, and one row per request is read whole (the correction / bonus row). A `[B, N + 1, V]` copy
-    of the rows cost a pass over every position of every request, verified or not (about 0.4 ms a round at 256
-    requests x 6 rows x 129,280 tokens on the H200, whatever the policy verified).
+    of the rows cost a pass over every position of every request, verified or not; with `accept_prob` it made the
+    verify span of a temperature-1 round at 256 requests about 1.7 ms longer on the H200, whatever the policy
+    verified (docs/perf.md, "DSpark in steady state").
     check_ids: range-check the verified draft ids (one device read; callers that drafted them from this vocabulary
     skip it). accept_prob: also the analytic acceptance probability of every verified position (`AcceptResult`; a
     pass over `[B, N, V]` of both distributions, for statistics only)."""
