@@ -99,16 +99,17 @@ def graph_info(llm) -> dict | None:
 
 def reprofile(llm):
     """The engine's start-up latency profile (`build_spec_decoder`), timed again on a warm engine."""
-    from deepinfer_engine.worker.spec_decode import profile_target_latency
+    from deepinfer_engine.worker.spec_decode import profile_row_buckets, profile_target_latency
 
     eng = llm.engine
-    model, cache, spec = eng.runner.model, eng.runner.cache, eng.runner.spec
+    model, cache, spec, graphs = eng.runner.model, eng.runner.cache, eng.runner.spec, eng.runner.cuda_graphs
     sched = eng.config.scheduler
     k = spec.block_size
     lat = profile_target_latency(
         lambda b: model.forward_features(b, cache), block_size=k,
         max_tokens=min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
-        pages=cache.num_pages, page_size=cache.page_size, device=eng.runner.device)
+        pages=cache.num_pages, page_size=cache.page_size, device=eng.runner.device,
+        extra_sizes=() if graphs is None else profile_row_buckets(graphs.batch_sizes, k + 1))
     for s in range(cache.num_slots):
         cache.reset_slot(s)
         cache.high_water[s] = 0

@@ -15,11 +15,13 @@ from torch import Tensor
 
 
 # ---------------------------------------------------------------------------------------------- the torch oracle
-def _old_curve(lat: LatencyModel, max_tokens: int) -> Tensor:
-    sizes = torch.tensor(lat.sizes, dtype=torch.float64)
-    secs = torch.tensor(lat.seconds, dtype=torch.float64)
+def _old_curve(lat: LatencyModel, max_tokens: int, points: tuple[list, list] | None = None) -> Tensor:
+    """The curve through the model's points (or `points`, (sizes, seconds)) at Q = 0 .. max_tokens."""
+    xs, ys = points if points is not None else (lat.sizes, lat.seconds)
+    sizes = torch.tensor(xs, dtype=torch.float64)
+    secs = torch.tensor(ys, dtype=torch.float64)
     q = torch.arange(max_tokens + 1, dtype=torch.float64)
-    i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(lat.sizes) - 2)
+    i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(xs) - 2)
     w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
     return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + lat.overhead
 
@@ -31,12 +33,7 @@ def _old_convex_curve(lat: LatencyModel, max_tokens: int) -> Tensor:
     keep = [k for k in range(len(xs)) if not any(
         (ys[k] - ys[i]) * (xs[j] - xs[i]) >= (ys[j] - ys[i]) * (xs[k] - xs[i])
         for i in range(k) for j in range(k + 1, len(xs)))]
-    sizes = torch.tensor([xs[k] for k in keep], dtype=torch.float64)
-    secs = torch.tensor([ys[k] for k in keep], dtype=torch.float64)
-    q = torch.arange(max_tokens + 1, dtype=torch.float64)
-    i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(keep) - 2)
-    w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
-    return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + lat.overhead
+    return _old_curve(lat, max_tokens, ([xs[k] for k in keep], [ys[k] for k in keep]))
 
 
 def _old_check(survival: Tensor, max_drafts) -> Tensor:

@@ -284,12 +284,7 @@ class LatencyModel:
 
     def host_at(self, q: np.ndarray) -> np.ndarray:
         """`[n] float64` predicted seconds at the query-token counts `q` (`predict` over an array, in NumPy)."""
-        sizes = np.asarray(self.sizes, dtype=np.float64)
-        secs = np.asarray(self.seconds, dtype=np.float64)
-        q = np.asarray(q, dtype=np.float64)
-        i = np.minimum(np.maximum(np.searchsorted(sizes, q, side="left") - 1, 0), len(self.sizes) - 2)  # as _segment
-        w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
-        return np.maximum(secs[i] + w * (secs[i + 1] - secs[i]), 1e-12) + self.overhead
+        return _interpolate(self.sizes, self.seconds, q) + self.overhead
 
     def host_convex_curve(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo + 1] float64` the greatest convex curve below `predict` (the lower convex hull of the points,
@@ -303,11 +298,7 @@ class LatencyModel:
                 hy.pop()
             hx.append(float(x))
             hy.append(float(y))
-        q = np.arange(lo, hi + 1, dtype=np.float64)
-        xs, ys = np.asarray(hx), np.asarray(hy)
-        i = np.minimum(np.maximum(np.searchsorted(xs, q, side="left") - 1, 0), len(hx) - 2)
-        w = (q - xs[i]) / (xs[i + 1] - xs[i])
-        return np.maximum(ys[i] + w * (ys[i + 1] - ys[i]), 1e-12) + self.overhead
+        return _interpolate(hx, hy, np.arange(lo, hi + 1, dtype=np.float64)) + self.overhead
 
     def curve(self, max_tokens: int, device: torch.device | str = "cpu") -> Tensor:
         """`[max_tokens + 1] float64` predicted seconds for Q = 0 .. max_tokens (entry 0 unused by the policies)."""
@@ -343,6 +334,16 @@ class LatencyModel:
         b = (sxe - s1 * me) / (s2 - s1 * mx + RIDGE_WEIGHT)
         a = me - b * mx
         self.seconds = [max(t + a + b * size / sizes[-1], 1e-9) for t, size in zip(prof, sizes)]
+
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], q: np.ndarray) -> np.ndarray:
+    """`[n] float64` the piecewise-linear curve through (xs, ys) at q, the end segments extended (as
+    `LatencyModel._segment`), floored at 1e-12."""
+    x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    i = np.minimum(np.maximum(np.searchsorted(x, q, side="left") - 1, 0), x.size - 2)
+    w = (q - x[i]) / (x[i + 1] - x[i])
+    return np.maximum(y[i] + w * (y[i + 1] - y[i]), 1e-12)
 
 
 def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
