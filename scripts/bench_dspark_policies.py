@@ -98,22 +98,13 @@ def graph_info(llm) -> dict | None:
 
 
 def reprofile(llm):
-    """The engine's start-up latency profile (`build_spec_decoder`), timed again on a warm engine."""
-    from deepinfer_engine.worker.spec_decode import profile_row_buckets, profile_target_latency
+    """The engine's start-up latency profile (`build_spec_decoder`), timed again on a warm engine: (T(Q), {batch
+    bucket: its curve})."""
+    from deepinfer_engine.worker.spec_decode import _profile
 
     eng = llm.engine
-    model, cache, spec, graphs = eng.runner.model, eng.runner.cache, eng.runner.spec, eng.runner.cuda_graphs
-    sched = eng.config.scheduler
-    k = spec.block_size
-    lat = profile_target_latency(
-        lambda b: model.forward_features(b, cache), block_size=k,
-        max_tokens=min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
-        pages=cache.num_pages, page_size=cache.page_size, device=eng.runner.device,
-        extra_sizes=() if graphs is None else profile_row_buckets(graphs.batch_sizes, k + 1))
-    for s in range(cache.num_slots):
-        cache.reset_slot(s)
-        cache.high_water[s] = 0
-    return lat
+    return _profile(eng.runner.model, eng.runner.cache, eng.runner.cuda_graphs, eng.config,
+                    eng.runner.spec.block_size, eng.runner.cache.num_pages, eng.runner.device)
 
 
 # the forwards a CUDA graph replays (model/model.py, model/dspark.py): their ops are launched by the replay, not
@@ -280,14 +271,16 @@ def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None, steady: 
 
 
 def apply_policy(dec: Any, pol: Any, curve: str | None, profiled: Any) -> Any:
-    """Set the decoder's policy for one run: a fresh copy of the profiled curve (corrected online during the run)
-    for "profile", a fixed affine curve for "BASE,SLOPE", none otherwise. Returns the curve of a profiled run."""
+    """Set the decoder's policy for one run: fresh copies of the profiled curves (T(Q) and the batch buckets',
+    `profiled` = (T(Q), {bucket: curve}); corrected online during the run) for "profile", T(Q) alone for
+    "profile-tq", a fixed affine curve for "BASE,SLOPE", none otherwise. Returns the curves of a profiled run."""
     from deepinfer_dspark import LatencyModel
 
-    if curve == "profile":
-        lat = LatencyModel(list(profiled.sizes), list(profiled.seconds), noise=profiled.noise)
-        dec.set_policy(pol, lat, online_latency=True)
-        return lat
+    if curve in ("profile", "profile-tq"):
+        lat = profiled[0].fresh()
+        by_batch = {b: c.fresh() for b, c in profiled[1].items()} if curve == "profile" else {}
+        dec.set_policy(pol, lat, online_latency=True, batch_latency=by_batch)
+        return lat, by_batch
     if curve is not None:
         base, slope = (float(x) for x in curve.split(","))
         dec.set_policy(pol, LatencyModel.affine(base, slope, 8192), online_latency=False)
@@ -296,8 +289,14 @@ def apply_policy(dec: Any, pol: Any, curve: str | None, profiled: Any) -> Any:
     return None
 
 
+def curves_info(curves) -> dict:
+    """T(Q) and the batch buckets' curves (`apply_policy`'s pair) as JSON."""
+    lat, by_batch = curves
+    return {**latency_info(lat), "by_batch": {b: latency_info(c) for b, c in sorted(by_batch.items())}}
+
+
 def main(argv: list[str] | None = None) -> int:
-    from deepinfer_dspark import LatencyModel, VerifyPolicy
+    from deepinfer_dspark import VerifyPolicy
     from deepinfer_engine import LLM, SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -318,11 +317,12 @@ def main(argv: list[str] | None = None) -> int:
                          "server, where a run's time follows the mean accepted length, not its slowest request "
                          "(0 = whole generate calls)")
     ap.add_argument("--steady-skip", type=int, default=4)
-    ap.add_argument("--cost-variants", nargs="*", choices=("global",), default=[],
+    ap.add_argument("--cost-variants", nargs="*", choices=("global", "tq"), default=[],
                     help="more cost-policy runs: global (exact=False: the argmax over row buckets at every "
                          "temperature; with sampling it anticipates the drafts, so its outputs are not exact: a "
                          "measurement of what the bucket argmax gains over the early-stop search, not a setting to "
-                         "serve with)")
+                         "serve with); tq (every step priced by the T(Q) curve alone, without the batch buckets' "
+                         "curves: what those curves change)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--length-spread", type=float, default=0.0,
@@ -394,17 +394,16 @@ def main(argv: list[str] | None = None) -> int:
         dec = decs[mode] = specs[mode].engine.runner.spec
         if args.heads != "shipped":  # compare: the checkpoint's head alone (with its STS sets), or uncalibrated
             dec.drafter.set_heads(**tb.shipped_heads(args.ckpt, args.heads))
-        prof = LatencyModel(list(dec.latency.sizes), list(dec.latency.seconds), noise=dec.latency.noise)
-        prof.measured = dec.latency.measured
-        curves[mode] = prof
-        print(f"profiled T(Q){' async' if mode else ''}: " + json.dumps(latency_info(prof)), flush=True)
+        prof = curves[mode] = (dec.latency.fresh(), {b: c.fresh() for b, c in dec.batch_latency.items()})
+        print(f"profiled T(Q){' async' if mode else ''}: " + json.dumps(curves_info(prof)), flush=True)
     spec_llm, dec, profiled = specs[modes[0]], decs[modes[0]], curves[modes[0]]
     policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:
         policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
-        variants = {"global": VerifyPolicy(kind="cost", exact=False)}
-        policies += [(f"cost[{v}]", variants[v], "profile") for v in args.cost_variants]
+        variants = {"global": (VerifyPolicy(kind="cost", exact=False), "profile"),
+                    "tq": (VerifyPolicy(kind="cost"), "profile-tq")}
+        policies += [(f"cost[{v}]", *variants[v]) for v in args.cost_variants]
     policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
     # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
     for temp in args.temperature:
@@ -482,11 +481,11 @@ def main(argv: list[str] | None = None) -> int:
                                  "timing": st["timing"], "wall_s": st["wall_s"],
                                  "capture_s_timed": [round(t[1]["capture_s"], 3) for t in timed[name]],
                                  "captured_timed": [t[1]["captured"] for t in timed[name]],
-                                 "latency_after": None if lat is None else latency_info(lat)})
+                                 "latency_after": None if lat is None else curves_info(lat)})
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}),
                           flush=True)
                 if args.json:  # partial results survive a run that is cut short
-                    args.json.write_text(json.dumps({"partial": True, "latency": latency_info(profiled),
+                    args.json.write_text(json.dumps({"partial": True, "latency": curves_info(profiled),
                                                      "rows": rows}, default=str) + "\n")
     table = summarize(rows)
     print(format_table(table, spec_llm))
@@ -499,8 +498,8 @@ def main(argv: list[str] | None = None) -> int:
     print("cuda graphs: " + json.dumps(graphs), flush=True)
     reprofiled = None
     if args.reprofile:  # the same start-up profile on the warm engine (no request holds cache rows now)
-        reprofiled = latency_info(reprofile(spec_llm))
-        print("re-profiled T(Q) after the runs: " + json.dumps(reprofiled), flush=True)
+        reprofiled = curves_info(reprofile(spec_llm))
+        print("re-profiled curves after the runs: " + json.dumps(reprofiled), flush=True)
     syncs = None
     if args.sync_report:
         syncs = {}
@@ -524,9 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         versions["gpu"] = torch.cuda.get_device_name()
     if args.json:
         args.json.write_text(json.dumps({"settings": {**vars(args), "ckpt": str(args.ckpt), "json": None, "sts": sts,
-                                                      "latency_ms": [round(t * 1e3, 3) for t in profiled.seconds],
-                                                      "latency_sizes": profiled.sizes,
-                                                      "latency": latency_info(profiled),
+                                                      "latency": curves_info(profiled),
                                                       "device": str(spec_llm.engine.runner.device),
                                                       "versions": versions},
                                          "rows": rows, "summary": table, "suite": suite, "cuda_graphs": graphs,

@@ -16,7 +16,6 @@ from deepinfer_dspark import (
     VerifyPolicy,
     allocate,
     cost_budget,
-    isotonic,
     schedule_verification,
 )
 
@@ -90,38 +89,6 @@ def test_cost_global_is_optimal_and_exact_matches_on_affine_curves(seed: int):
     assert _rate(a, exact, affine) == pytest.approx(_brute_force(a, m, affine), rel=1e-9)
 
 
-def test_latency_model_interpolates_profiles_and_corrects():
-    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.5)
-    assert lat.predict(1) == 1.0 and lat.predict(2) == pytest.approx(1.5) and lat.predict(6) == pytest.approx(2.75)
-    assert lat.predict(12) == pytest.approx(3.5)  # last segment's slope beyond the last point
-    assert lat.curve(3).tolist()[1:] == pytest.approx([1.0, 1.5, 2.0])
-    lat.observe(4, 4.5)  # error 2.0 at one size: the level moves by all of it, the growth stays the profile's
-    assert lat.seconds == pytest.approx([3.0, 4.5, 5.0]) and lat.observations == 1
-    lat.observe(4, 2.5 + 1.0)  # error 1.0: weights 0.5 (older) and 1, level (0.5 * 2 + 1) / 1.5
-    assert lat.seconds == pytest.approx([1.0 + 4 / 3, 2.5 + 4 / 3, 3.0 + 4 / 3])
-    # steps at two sizes, 1 and 8 (x = 1/8 and 1), each 1.0 slower per 7 rows more than the profile says: the
-    # growth is fitted, shrunk by the ridge prior (weight 1 against the sizes' spread)
-    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.01)
-    for _ in range(200):
-        lat.observe(1, 1.0 + 0.5)
-        lat.observe(8, 3.0 + 1.5)
-    rise = (lat.seconds[2] - lat.seconds[0]) - (3.0 - 1.0)
-    assert 0.9 < rise < 1.0  # the errors' rise is 1.0; the prior keeps a little of the profile's
-    assert lat.predict(1) == pytest.approx(1.5, abs=0.05) and lat.predict(8) == pytest.approx(4.5, abs=0.05)
-    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.0)
-    lat.observe(4, 9.0)  # ema 0: observations are counted, the curve stays the profile
-    assert lat.seconds == [1.0, 2.5, 3.0] and lat.observations == 1
-    lat = LatencyModel([1, 4, 8], [1.0, 2.5, 3.0], ema=0.05)
-    lat.observe(64, 90.0)  # past the profile (a step with prefill rows): counted, not fitted
-    assert lat.seconds == [1.0, 2.5, 3.0] and lat.observations == 1
-    clock = iter(range(1000))
-    prof = LatencyModel.profile(lambda q: None, [1, 2, 4], repeats=3, timer=lambda: float(next(clock)))
-    assert prof.sizes == [1, 2, 4] and prof.seconds == [1.0, 1.0, 1.0] and prof.noise == 0.0
-    calls = []
-    LatencyModel.profile(calls.append, [2, 5], warmup=2, repeats=2, timer=lambda: 0.0)
-    assert calls == [2, 2, 5, 5, 2, 5, 2, 5]  # warm-up per size, then the sizes interleaved per repeat
-
-
 def test_errors():
     a = torch.ones(2, 3)
     with pytest.raises(DSparkConfigError, match="kind"):
@@ -179,76 +146,23 @@ def test_cost_exact_ignores_profile_peaks_and_greedy_takes_the_global_argmax():
     assert got.tolist() == [3]
 
 
-def _profiled(true_seconds, noise, repeats=7, seed=0, outliers=()):
-    """LatencyModel.profile of a fake step whose time is true_seconds(q) plus uniform noise of +-noise seconds;
-    `outliers`: (call index, extra seconds) for stray slow calls."""
-    rng = random.Random(seed)
-    now = [0.0]
-    calls = [0]
-    extra = dict(outliers)
-
-    def step(q):
-        now[0] += true_seconds(q) + rng.uniform(-noise, noise) + extra.get(calls[0], 0.0)
-        calls[0] += 1
-
-    return LatencyModel.profile(step, [1, 2, 4, 8, 16, 32, 64, 128, 256, 384], warmup=0, repeats=repeats,
-                                timer=lambda: now[0])
-
-
-def test_isotonic_pools_violators_instead_of_carrying_peaks():
-    assert isotonic([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
-    assert isotonic([5.0, 1.0, 1.0, 1.0]) == pytest.approx([2.0] * 4)  # not a running max (5, 5, 5, 5)
-    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    assert isotonic([2.0, 1.0], [3.0, 1.0]) == pytest.approx([1.75, 1.75])
-    with pytest.raises(DSparkConfigError, match="weights"):
-        isotonic([1.0, 2.0], [1.0, 0.0])
-
-
-def test_profile_is_robust_non_decreasing_and_flat_within_noise():
-    # the H200 failure: a flat ~100 ms step with +-25 ms noise; one size also gets two stray 90 ms stalls
-    flat = _profiled(lambda q: 0.1, 0.025, outliers=[(13, 0.09), (33, 0.09)])
-    assert all(b >= a for a, b in zip(flat.seconds, flat.seconds[1:]))  # a bigger step is never cheaper
-    assert max(flat.seconds) < 0.125  # the median drops the stalls
-    assert flat.noise > 0 and flat.flat() and flat.measured is not None and len(flat.measured) == 10
-    # real growth (0.2 ms per query token, 77 ms over the range) above the same noise
-    grow = _profiled(lambda q: 0.1 + 2e-4 * q, 0.025)
-    assert all(b >= a for a, b in zip(grow.seconds, grow.seconds[1:])) and not grow.flat()
-    assert grow.predict(384) - grow.predict(1) == pytest.approx(2e-4 * 383, rel=0.35)
-    # without noise any rise counts; a constant curve is flat
-    assert not LatencyModel.affine(0.1, 1e-6, 384).flat() and LatencyModel.affine(0.1, 0.0, 384).flat()
-    with pytest.raises(DSparkConfigError, match="noise"):
-        LatencyModel([1, 2], [1.0, 1.0], noise=-1.0)
-
-
-def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_prunes_on_a_growing_one():
+def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_prunes_on_a_growing_one(noisy_profile):
     g = torch.Generator().manual_seed(5)
     surv = torch.cumprod(torch.rand(64, 5, generator=g), dim=1)  # many low survivals: pruning is tempting
     m = torch.full((64,), 5)
     pol = VerifyPolicy(kind="cost")
     for seed in range(5):
-        flat = _profiled(lambda q: 0.1, 0.025, seed=seed)
+        flat = noisy_profile(lambda q: 0.1, 0.025, seed=seed)
         assert flat.flat()
         for greedy in (False, True):
             got = schedule_verification(pol, m, survival=surv, latency=flat, deterministic=greedy)
             assert got.tolist() == m.tolist()
-    grow = _profiled(lambda q: 0.1 + 2e-4 * q, 0.025)
+    grow = noisy_profile(lambda q: 0.1 + 2e-4 * q, 0.025)
     pruned = schedule_verification(pol, m, survival=surv, latency=grow)
     assert int(pruned.sum()) < int(m.sum()) * 0.8
     # the noise-free affine curve of the same growth prunes about the same way (the fit keeps the slope)
     exact = schedule_verification(pol, m, survival=surv, latency=LatencyModel.affine(0.1, 2e-4, 384))
     assert abs(int(exact.sum()) - int(pruned.sum())) <= 0.15 * int(exact.sum())
-
-
-def test_overhead_moves_the_level_not_the_growth():
-    lat = LatencyModel([1, 100], [0.01, 0.02], ema=0.5)
-    lat.observe_overhead(0.04)  # the first observation sets it, later ones move it by ema
-    lat.observe_overhead(0.0)
-    assert lat.overhead == pytest.approx(0.02) and lat.predict(1) == pytest.approx(0.03)
-    assert lat.curve(100)[100].item() == pytest.approx(0.04)
-    lat.observe(100, 0.02)  # the forward alone, as profiled: no correction
-    assert lat.seconds == pytest.approx([0.01, 0.02])
-    with pytest.raises(DSparkInputError, match="overhead"):
-        lat.observe_overhead(-1.0)
 
 
 def _padded_rate(a: torch.Tensor, counts: list[int], lat: LatencyModel, pad: StepPadding) -> float:

@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 from deepinfer_dspark.calibrate import fit_sts
 from deepinfer_dspark.config import DSparkConfig
 from deepinfer_dspark.errors import DSparkConfigError, DSparkInputError
+from deepinfer_dspark.latency import FLAT_SIGMAS, LatencyModel, isotonic
 from deepinfer_dspark.propose import (
     block_confidence,
     check_sampling,
@@ -24,14 +25,11 @@ from deepinfer_dspark.rng import (
     verify_counter_uniforms,
 )
 from deepinfer_dspark.schedule import (
-    FLAT_SIGMAS,
     POLICIES,
-    LatencyModel,
     StepPadding,
     VerifyPolicy,
     allocate,
     cost_budget,
-    isotonic,
     schedule_verification,
 )
 from deepinfer_dspark.stats import AcceptanceStats

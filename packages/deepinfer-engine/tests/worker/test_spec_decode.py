@@ -380,21 +380,3 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
     finally:
         _use_policy(v41_spec, "verify_all")
     assert verified["cost"] == verified["verify_all"], verified
-
-
-def test_profile_times_each_row_bucket_in_its_own_batch_bucket() -> None:
-    """The cost policy's start-up profile gets a point at every verify row bucket of the batch buckets >= 16
-    (ceil(Q / per) sequences landing in that bucket), so no bucket is priced by interpolation between distant points;
-    a profile over them runs each Q as its bucket's step, no padding rows."""
-    from deepinfer_engine.worker.cuda_graph import graph_batch_sizes, pick_bucket, verify_row_sizes
-    from deepinfer_engine.worker.spec_decode import profile_row_buckets
-
-    assert profile_row_buckets((16, 32), 6) == (*range(16, 97, 8), *range(112, 193, 16))
-    assert profile_row_buckets((1, 2, 4, 8), 6) == ()  # launch-bound batches: powers of two only
-    batches = graph_batch_sizes(256)
-    sizes = profile_row_buckets(batches, 6)
-    for q in sizes:
-        b = pick_bucket(-(-q // 6), batches)
-        assert b >= 16 and q in verify_row_sizes(b, 6)
-    # every row bucket of the largest batch that a profile step can fill is a point (1,152 and 1,280 included)
-    assert {q for q in verify_row_sizes(256, 6) if q > 128 * 6} <= set(sizes)

@@ -222,7 +222,7 @@ def test_cost_profile_times_the_graphed_verify_step() -> None:
     from deepinfer_engine.model.engram_hash import synthetic_token_map
     from deepinfer_engine.model.model import Transformer
     from deepinfer_engine.model.presets import tiny_v41_config
-    from deepinfer_engine.worker.spec_decode import _profiled_forward, profile_target_latency
+    from deepinfer_engine.worker.spec_profile import profile_target_latency, profiled_forward
     from equality import init_random_
 
     args = ModelArgs.from_config_dict(tiny_v41_config())
@@ -231,7 +231,7 @@ def test_cost_profile_times_the_graphed_verify_step() -> None:
     cache = ModelCache.allocate(args, num_slots=4, num_pages=16, page_size=4, dtype=torch.float32)
     graphs = EagerReplayGraphs(model, cache, max_num_seqs=4, max_model_len=256)
     capture, block = tuple(args.dspark_target_layer_ids), int(args.dspark_block_size)
-    forward = _profiled_forward(model, cache, graphs, capture, block + 1)
+    forward = profiled_forward(model, cache, graphs, capture, block + 1)
     seen = []
 
     def timed(batch):
@@ -312,20 +312,38 @@ def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeyp
     spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 0.004, 64), online_latency=True)
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain
     assert spec.latency.observations == 0 and spec.latency.overhead_observations == 0
+    # with a curve for the batch bucket the steps run in (4), that curve prices and learns every graphed round;
+    # T(Q) is left to the steps no batch curve covers
+    spec.capture_clock = None
+    bucket = LatencyModel.affine(0.001, 0.004, 64)
+    spec.set_policy(VerifyPolicy(kind="cost"), LatencyModel.affine(0.001, 0.0, 64), online_latency=True,
+                    batch_latency={4: bucket})
+    calls.clear()
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == plain
+    assert any(sum(got) < sum(m) for m, pad, got, _ in calls if pad is not None)  # the steep bucket curve prunes
+    assert bucket.observations > 0 and spec.latency.observations == 0
+    assert bucket.overhead_observations > 0 and spec.latency.overhead_observations == 0
 
 
-def test_build_spec_decoder_wires_the_graphs(ckpts) -> None:
+def test_build_spec_decoder_wires_the_graphs(ckpts, monkeypatch) -> None:
     """With a graph runner, the engine's speculative decoder replays the draft passes and draft-ring writes through
-    it, prices verify steps by the ragged row buckets of each batch bucket, and reads the runner's capture clock."""
+    it, prices verify steps by the ragged row buckets of each batch bucket, with a curve per batch bucket timed on
+    that bucket's own graphs, and reads the runner's capture clock."""
+    from deepinfer_engine.worker import spec_profile
     from deepinfer_engine.worker.spec_decode import build_spec_decoder
 
     llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost"}, enable_prefix_caching=False)
     eng = llm.engine
     graphs = EagerReplayGraphs(eng.runner.model, eng.runner.cache, max_num_seqs=4, max_model_len=eng.max_model_len)
+    monkeypatch.setattr(spec_profile, "BATCH_PROFILE_MIN", 2)  # the tiny engine's buckets: 1, 2, 4
     dec, k = build_spec_decoder(eng.config, eng.runner.model, eng.runner.cache, model_dir=eng.model_dir,
                                 num_pages=eng.plan.num_pages, device=torch.device("cpu"), graphs=graphs)
     assert dec.graph_rows == {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes} and k >= 1
     assert dec.drafter.block_runner == graphs.run_draft and dec.insert_runner == graphs.run_insert
     assert graphs.stats.verify_replays > 0  # the start-up profile timed graph-replayed verify steps
+    assert dec.batch_latency.keys() == {2, 4} and dec.latency is not None
+    for b, curve in dec.batch_latency.items():  # every row bucket of b, each run as b sequences in b's own graph
+        assert curve.sizes == list(verify_row_sizes(b, k + 1))
+        assert {(b, r) for r in curve.sizes} <= {(s[0], s[2]) for s in graphs.stats.verify_shapes}
     graphs.stats.capture_s += 1.5
     assert dec.capture_clock() == graphs.stats.capture_s

@@ -53,7 +53,7 @@ from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
 
-__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "profile_row_buckets", "profile_target_latency"]
+__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
 
 
 @dataclass(kw_only=True)
@@ -83,6 +83,7 @@ class SpecRound:
     num_tokens: int = 0  # query tokens of the step
     rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
     launched_at: float = 0.0  # perf_counter when the verification was enqueued
+    latency: LatencyModel | None = None  # the curve that priced the round (`SpecDecoder.latency_for`)
     timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
 
@@ -130,6 +131,8 @@ class SpecDecoder:
     capture: target layer ids whose features the drafter reads (the forward captures them).
     max_drafts: the most drafts a request verifies per step (the scheduler's reservation; default the block
         size): a CUDA-graphed verify step pads each sequence to at most max_drafts + 1 rows.
+    latency: the cost policy's curve for steps no batch curve prices (eager steps, small graph batches);
+        batch_latency: {graph batch bucket: its curve over the ragged row buckets} (`spec_profile`).
     explore_every: with the cost policy and online latency correction, every explore_every-th round verifies
         every draft (0 = never). The online correction only moves the curve near the step sizes the policy
         picks; a start-up profile that overstates the cost of large verify steps would otherwise never be
@@ -147,12 +150,14 @@ class SpecDecoder:
         online_latency: bool = True,
         explore_every: int = 32,
         max_drafts: int | None = None,
+        batch_latency: Mapping[int, LatencyModel] | None = None,
     ) -> None:
         if explore_every < 0:
             raise ValueError(f"SpecDecoder.explore_every: expected >= 0, found {explore_every}")
         self.drafter = drafter
         self.policy = policy
         self.latency = latency
+        self.batch_latency = dict(batch_latency or {})
         self.capture = tuple(capture)
         self.max_position = int(max_position)
         self.online_latency = online_latency
@@ -171,24 +176,28 @@ class SpecDecoder:
         # the ragged CUDA graphs that replay verify steps: batch bucket -> its row buckets (worker/cuda_graph.py
         # `verify_row_sizes`); None: eager
         self.graph_rows: dict[int, tuple[int, ...]] | None = None
+        self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
-        # (start, forward span, capture clock at its read) of the previous round
-        self._last_cycle: tuple[float, float, float] | None = None
+        # (start, forward span, capture clock at its read, the curve that priced it) of the previous round
+        self._last_cycle: tuple[float, float, float, LatencyModel] | None = None
         # seconds the engine's CUDA graphs spent capturing so far (None: no graphs): a round during which a graph
         # was captured (lazily, on a shape's first step) is not timed into the latency model, whose curve and
         # overhead would otherwise learn a capture's second as step time
         self.capture_clock: Callable[[], float] | None = None
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
-                   online_latency: bool | None = None) -> None:
-        """Switch the verification policy of a running engine (benchmarks compare policies on one load)."""
+                   online_latency: bool | None = None, batch_latency: Mapping[int, LatencyModel] | None = None) -> None:
+        """Switch the verification policy of a running engine (benchmarks compare policies on one load). A new
+        `latency` replaces the batch curves too (by `batch_latency`, none by default): the given curve prices
+        every step."""
         if policy.kind == "cost" and latency is None and self.latency is None:
             raise ValueError("set_policy: the cost policy needs a LatencyModel")
         self.policy = policy
         if latency is not None:
             self.latency = latency
+            self.batch_latency = dict(batch_latency or {})
         if online_latency is not None:
             self.online_latency = online_latency
 
@@ -216,7 +225,18 @@ class SpecDecoder:
         if self.graph_rows is None or any(c.num_tokens != 1 for c in chunks if c.req_id not in speculating):
             return None
         b = pick_bucket(len(chunks), sorted(self.graph_rows))
-        return None if b is None else StepPadding(b, self.graph_rows[b], ragged=True)
+        if b is None:
+            return None
+        padding = self._paddings.get(b)
+        if padding is None or padding.sizes != self.graph_rows[b]:  # kept per bucket: built (checked) once
+            padding = self._paddings[b] = StepPadding(b, self.graph_rows[b], ragged=True)
+        return padding
+
+    def latency_for(self, padding: StepPadding | None) -> LatencyModel | None:
+        """The curve that prices a step: its graph batch bucket's (`batch_latency`), else `latency`."""
+        if padding is not None and padding.ragged:
+            return self.batch_latency.get(padding.batch, self.latency)
+        return self.latency
 
     # ------------------------------------------------------------------------------------------ 1. propose
     @torch.no_grad()
@@ -231,11 +251,12 @@ class SpecDecoder:
         last, self._last_cycle = self._last_cycle, None
         if not picked:
             return rnd
-        if last is not None and self.latency is not None and self.online_latency and last[2] == captured:
+        if last is not None and self.online_latency and last[2] == captured:
             # the previous round's whole cycle (round start to this round's start) less its forward: the draft
             # pass, the policy, the bookkeeping, the scheduler and the output processing. None of it grows with
-            # the verified drafts, but all of it is step time the policy trades a draft's cost against
-            self.latency.observe_overhead(max(started - last[0] - last[1], 0.0))
+            # the verified drafts, but all of it is step time the policy trades a draft's cost against; it grows
+            # with the batch, so it is the overhead of the curve that priced that round
+            last[3].observe_overhead(max(started - last[0] - last[1], 0.0))
         sts = [states[c.req_id] for c in picked]
         rnd.req_ids = [c.req_id for c in picked]
         rnd.params = [s.params for s in sts]
@@ -267,10 +288,12 @@ class SpecDecoder:
             policy = VerifyPolicy(kind="verify_all")  # sample the curve at the large step sizes too
             self.explored += 1
         policy_started = time.perf_counter()
+        padding = self.padding(chunks, rnd.index)
+        rnd.latency = self.latency_for(padding)
         m = schedule_verification(policy, host[:, 3],
                                   survival=None if surv is None else wide[:, n:].astype(np.float32),
-                                  latency=self.latency, base_tokens=base, deterministic=all(rnd.greedy),
-                                  padding=self.padding(chunks, rnd.index))
+                                  latency=rnd.latency, base_tokens=base, deterministic=all(rnd.greedy),
+                                  padding=padding)
         self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
@@ -389,12 +412,12 @@ class SpecDecoder:
             self.timing.draft_s += rnd.forward_started - rnd.started
             self.timing.add_verify(rnd.rows, span)
             captured = self.capture_clock() if self.capture_clock is not None else 0.0
-            if self.latency is not None and self.online_latency and captured == rnd.captured_before:
+            if rnd.latency is not None and self.online_latency and captured == rnd.captured_before:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
                 # overhead does not grow with the verified drafts, so it must not read as growth of T(Q); the
                 # next round's start closes this cycle (its overhead is observed if no capture ran by then)
-                self.latency.observe(rnd.rows, max(span, 1e-9))
-                self._last_cycle = (rnd.started, span, captured)
+                rnd.latency.observe(rnd.rows, max(span, 1e-9))
+                self._last_cycle = (rnd.started, span, captured, rnd.latency)
             live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
             if live:
                 surv = rnd.survival_host
@@ -486,65 +509,6 @@ class SpecDecoder:
         self.drafter.insert_context(batch, {lid: f.index_select(0, sel) for lid, f in features.items()})
 
 
-# batch buckets below this many sequences get no profile point per row bucket: their steps are launch-bound (the
-# curve is flat there and the policy verifies every draft), and every point costs a graph capture at start-up
-ROW_BUCKET_PROFILE_MIN_BATCH = 16
-
-
-def profile_row_buckets(batch_sizes: Sequence[int], per: int, *,
-                        min_batch: int = ROW_BUCKET_PROFILE_MIN_BATCH) -> tuple[int, ...]:
-    """The ragged verify graphs' row buckets (`verify_row_sizes`) that the start-up profile times besides its powers
-    of two: for each batch bucket b >= min_batch, the buckets Q whose profile step (ceil(Q / per) sequences) runs in
-    b itself. The cost policy prices a step by its bucket's point; between two profiled points it would interpolate,
-    and on the H200 the verify step jumped by 0.7 ms from 1,024 to 1,152 rows and then rose 0.4 ms to 1,536, so a
-    line from 1,024 to 1,536 priced 1,152 and 1,280 rows well below what they ran in (docs/perf.md, "DSpark in
-    steady state")."""
-    out = set()
-    for b in batch_sizes:
-        if b >= min_batch:
-            out.update(q for q in verify_row_sizes(b, per) if pick_bucket(-(-q // per), batch_sizes) == b)
-    return tuple(sorted(out))
-
-
-def profile_target_latency(
-    forward: Callable[[ForwardBatch], object], *, block_size: int, max_tokens: int, num_slots: int, pages: int,
-    page_size: int, device: torch.device, ema: float = 0.05, repeats: int = 5, extra_sizes: Sequence[int] = (),
-) -> LatencyModel:
-    """The cost policy's latency curve T(Q): the target forward over Q query tokens, timed at start-up (before
-    any request holds cache rows) at Q = 1, 2, 4, ... up to `max_tokens`, as ceil(Q / (N + 1)) sequences of at
-    most N + 1 tokens (a verify step's shape), each in its own slot and pages; `repeats` interleaved rounds, the
-    median per size, a non-decreasing fit and its noise (`LatencyModel.profile`). `forward(batch)` runs the model;
-    the caller resets the slots afterwards.
-
-    Through the ragged verify graphs (worker/cuda_graph.py) a power of two Q is a row bucket of the batch bucket of
-    its ceil(Q / (N + 1)) sequences (half-batch steps from B to B (N + 1), B a power of two): those points time
-    steps without padding rows. extra_sizes: more Q to time (`profile_row_buckets`), those within the cap."""
-    per = block_size + 1
-    need = -(-per // page_size)
-    cap = min(max_tokens, num_slots * per, (pages // need) * per)
-    sizes = sorted({q for q in [1 << i for i in range(20)] + [cap] + [int(x) for x in extra_sizes] if 1 <= q <= cap})
-    if len(sizes) < 2:
-        sizes = [1, 2]
-
-    def step(q: int) -> None:
-        lens = [per] * (q // per) + ([q % per] if q % per else [])
-        s = len(lens)
-        ids = np.full(q, 100, dtype=np.int64)
-        pos = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
-        tables = (np.arange(s * need, dtype=np.int32).reshape(s, need))
-        batch = ForwardBatch(
-            input_ids=torch.from_numpy(ids).to(device), positions=torch.from_numpy(pos).to(device),
-            query_lens=tuple(lens), slots=tuple(range(s)), block_tables=torch.from_numpy(tables).to(device),
-            logits_indices=torch.arange(q, device=device),
-            host=StepHost(ctx_lens=(0,) * s, input_ids=ids, block_tables=tables),
-        )  # fmt: skip
-        forward(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    return LatencyModel.profile(step, sizes, warmup=1, repeats=repeats, ema=ema)
-
-
 STS_FILE = "dspark_sts.json"
 CONFIDENCE_FILE = "dspark_confidence.safetensors"
 
@@ -599,22 +563,6 @@ def confidence_files(model_dir: Any, device: torch.device) -> tuple[dict[str, An
     return sts, head
 
 
-def _profiled_forward(model: Any, cache: Any, graphs: Any, capture: tuple[int, ...], max_tokens: int
-                      ) -> Callable[[ForwardBatch], object]:  # fmt: skip
-    """The forward the cost policy's start-up profile times: the verify step as the engine will run it, i.e. the
-    replay of its CUDA graph when `graphs` (worker/cuda_graph.py) can run the shape, else the eager forward."""
-
-    def forward(batch: ForwardBatch) -> object:
-        if graphs is not None:
-            shape = graphs.verify_shape_of(batch, range(batch.num_tokens), max_tokens)
-            out = graphs.run_verify(batch, shape, capture=capture) if shape is not None else None
-            if out is not None:
-                return out
-        return model.forward_features(batch, cache, capture=capture)
-
-    return forward
-
-
 def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, num_pages: int,
                        device: torch.device, graphs: Any = None) -> tuple[SpecDecoder, int]:
     """The engine's speculative decoder for `config.speculative` (method "dspark": the checkpoint's DSpark
@@ -659,30 +607,50 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     if policy.kind in ("threshold", "cost") and drafter.heads.confidence is None:
         raise ConfigError(f"speculative_policy: found {policy.kind!r}, but the checkpoint has no Confidence Head; "
                           "use verify_all")
-    latency, online = None, True
+    latency, batch_latency, online = None, {}, True
     if policy.kind == "cost":
         max_tokens = config.scheduler.max_num_batched_tokens
         fixed = affine_latency(spec.speculative_latency)
         if fixed is not None:
             latency, online = LatencyModel.affine(fixed[0], fixed[1], max_tokens), False
         else:
-            capture = tuple(args.dspark_target_layer_ids)
-            # the profile's steps are verify chunks of k drafts (k + 1 rows), the graphs' longest sequence
-            latency = profile_target_latency(
-                _profiled_forward(model, cache, graphs, capture, k + 1), block_size=k, max_tokens=min(
-                    max_tokens, config.scheduler.max_num_seqs * (k + 1)), num_slots=cache.num_slots,
-                pages=num_pages, page_size=cache.page_size, device=device,
-                extra_sizes=() if graphs is None else profile_row_buckets(graphs.batch_sizes, k + 1))
-            for s in range(cache.num_slots):  # no request holds these rows yet: leave every slot fresh
-                cache.reset_slot(s)
-                cache.high_water[s] = 0
+            latency, batch_latency = _profile(model, cache, graphs, config, k, num_pages, device)
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
-                          max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k)
+                          max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k,
+                          batch_latency=batch_latency)
     if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
         decoder.graph_rows = {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes}
         decoder.capture_clock = lambda: graphs.stats.capture_s
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
     return decoder, k
+
+
+def _profile(model: Any, cache: Any, graphs: Any, config: Any, k: int, num_pages: int, device: torch.device
+             ) -> tuple[LatencyModel, dict[int, LatencyModel]]:  # fmt: skip
+    """The cost policy's start-up curves (worker/spec_profile.py): T(Q), and with CUDA graphs one curve per
+    graph batch bucket of 16 sequences or more. The profile's steps are verify chunks of up to k drafts (k + 1
+    rows, the graphs' longest sequence); afterwards every slot is left fresh (no request holds these rows)."""
+    from deepinfer_engine.worker.spec_profile import (
+        batch_profile_sizes,
+        profile_batch_latency,
+        profile_target_latency,
+        profiled_forward,
+    )
+
+    sched = config.scheduler
+    max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1))
+    forward = profiled_forward(model, cache, graphs, tuple(model.args.dspark_target_layer_ids), k + 1)
+    latency = profile_target_latency(forward, block_size=k, max_tokens=max_tokens, num_slots=cache.num_slots,
+                                     pages=num_pages, page_size=cache.page_size, device=device)
+    by_batch = {}
+    if graphs is not None:
+        sizes = batch_profile_sizes(graphs.batch_sizes, k + 1, max_tokens=max_tokens, num_slots=cache.num_slots,
+                                    pages=num_pages, page_size=cache.page_size)
+        by_batch = profile_batch_latency(forward, sizes, per=k + 1, page_size=cache.page_size, device=device)
+    for s in range(cache.num_slots):
+        cache.reset_slot(s)
+        cache.high_water[s] = 0
+    return latency, by_batch
 
 
 def _build_mtp(spec: Any, model: Any, cache: Any, graphs: Any = None) -> tuple[SpecDecoder, int]:
