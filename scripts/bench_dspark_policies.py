@@ -317,12 +317,13 @@ def main(argv: list[str] | None = None) -> int:
                          "server, where a run's time follows the mean accepted length, not its slowest request "
                          "(0 = whole generate calls)")
     ap.add_argument("--steady-skip", type=int, default=4)
-    ap.add_argument("--cost-variants", nargs="*", choices=("global", "tq"), default=[],
+    ap.add_argument("--cost-variants", nargs="*", choices=("global", "tq", "sync"), default=[],
                     help="more cost-policy runs: global (exact=False: the argmax over row buckets at every "
                          "temperature; with sampling it anticipates the drafts, so its outputs are not exact: a "
                          "measurement of what the bucket argmax gains over the early-stop search, not a setting to "
                          "serve with); tq (every step priced by the T(Q) curve alone, without the batch buckets' "
-                         "curves: what those curves change)")
+                         "curves: what those curves change); sync (the search on each round's own survivals, in the "
+                         "round, instead of the engine's lagged cutoff)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1000, 2000, 3000], help="held-out corpus seeds")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--length-spread", type=float, default=0.0,
@@ -400,11 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     policies = [("verify_all", VerifyPolicy(kind="verify_all"), None)]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t), None) for t in args.threshold]
     if not args.no_profile:
-        policies.append(("cost", VerifyPolicy(kind="cost"), "profile"))
+        policies.append(("cost", VerifyPolicy(kind="cost", lagged=True), "profile"))  # as the engine runs it
         variants = {"global": (VerifyPolicy(kind="cost", exact=False), "profile"),
-                    "tq": (VerifyPolicy(kind="cost"), "profile-tq")}
+                    "tq": (VerifyPolicy(kind="cost", lagged=True), "profile-tq"),
+                    "sync": (VerifyPolicy(kind="cost"), "profile")}
         policies += [(f"cost[{v}]", *variants[v]) for v in args.cost_variants]
-    policies += [(f"cost[{a}]", VerifyPolicy(kind="cost"), a) for a in args.affine]
+    policies += [(f"cost[{a}]", VerifyPolicy(kind="cost", lagged=True), a) for a in args.affine]
     # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
     for temp in args.temperature:
         warm = SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7)

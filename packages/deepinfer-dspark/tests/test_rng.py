@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from deepinfer_dspark import DSparkInputError, counter_uniforms, verify_counter_uniforms
+from deepinfer_dspark import (
+    DSparkInputError,
+    counter_uniforms,
+    verify_counter_uniforms,
+    verify_counter_uniforms_host,
+)
 from deepinfer_dspark.rng import DRAW_ACCEPT, DRAW_DRAFT, DRAW_FINAL
 
 CHI2_CRIT_1E3_DF63 = 103.442  # chi-square, 63 degrees of freedom, significance 1e-3 (standard table)
@@ -52,6 +58,21 @@ def test_verify_uniform_layout():
     u = verify_counter_uniforms(seeds, p, 2)
     assert torch.equal(u[:, :2], counter_uniforms(seeds, torch.stack([p + 1, p + 2], 1), DRAW_ACCEPT))
     assert torch.equal(u[:, 2], counter_uniforms(seeds, p, DRAW_FINAL))
+
+
+def test_host_verify_uniforms_equal_the_device_ones_bit_for_bit():
+    """The engine computes a round's verification uniforms on the host; they must be the device function's values
+    exactly (a different value could flip an acceptance), over the whole key space: negative and 63-bit seeds (the
+    lanes wrap alike), positions past 2^32."""
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.randint(-(2**62), 2**62, (60,), generator=g), torch.tensor([2**63 - 1, -(2**63), 0, -1])])
+    p = torch.cat([torch.randint(0, 2**40, (60,), generator=g), torch.tensor([0, 1 << 32, (1 << 32) - 1, 7])])
+    for width in (0, 1, 5):
+        host = verify_counter_uniforms_host(seeds.numpy(), p.numpy(), width)
+        assert host.dtype == np.float32 and host.shape == (64, width + 1)
+        assert torch.equal(torch.from_numpy(host), verify_counter_uniforms(seeds, p, width))
+    with pytest.raises(DSparkInputError, match="seeds"):
+        verify_counter_uniforms_host(seeds.numpy(), p.numpy()[:3], 2)
 
 
 def test_errors():

@@ -23,6 +23,7 @@ from deepinfer_dspark.rng import (
     DRAW_FINAL,
     counter_uniforms,
     verify_counter_uniforms,
+    verify_counter_uniforms_host,
 )
 from deepinfer_dspark.schedule import (
     POLICIES,
@@ -30,7 +31,9 @@ from deepinfer_dspark.schedule import (
     VerifyPolicy,
     allocate,
     cost_budget,
+    cost_cutoff,
     schedule_verification,
+    verify_above,
 )
 from deepinfer_dspark.stats import AcceptanceStats
 from deepinfer_dspark.verify import (
@@ -38,6 +41,7 @@ from deepinfer_dspark.verify import (
     greedy_accept,
     probs_from_logits,
     rejection_accept,
+    row_plan,
     verify,
     verify_uniforms,
 )
@@ -71,6 +75,7 @@ __all__ = [
     "check_sampling",
     "confidence",
     "cost_budget",
+    "cost_cutoff",
     "counter_uniforms",
     "fit_sts",
     "greedy_accept",
@@ -79,11 +84,14 @@ __all__ = [
     "probs_from_logits",
     "propose",
     "rejection_accept",
+    "row_plan",
     "sample_block",
     "sample_core",
     "schedule_verification",
     "sts_divisors",
     "verify",
+    "verify_above",
     "verify_counter_uniforms",
+    "verify_counter_uniforms_host",
     "verify_uniforms",
 ]

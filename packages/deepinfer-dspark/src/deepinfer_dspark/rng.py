@@ -13,12 +13,14 @@ product < 2^63 (no reliance on wrap-around), identical on CPU and CUDA. 24 bits 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
 
-__all__ = ["DRAW_ACCEPT", "DRAW_DRAFT", "DRAW_FINAL", "counter_uniforms", "verify_counter_uniforms"]
+__all__ = ["DRAW_ACCEPT", "DRAW_DRAFT", "DRAW_FINAL", "counter_uniforms", "verify_counter_uniforms",
+           "verify_counter_uniforms_host"]
 
 DRAW_DRAFT = 0
 DRAW_ACCEPT = 1
@@ -29,7 +31,7 @@ _MUL = 0x45D9F3B  # < 2^27: x (< 2^32) * _MUL < 2^59, exact in int64
 _GOLDEN = 0x9E3779B  # < 2^28, separates the key words before mixing
 
 
-def _mix32(x: Tensor) -> Tensor:
+def _mix32(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
     x = x & _M32
     x = x ^ (x >> 16)
     x = (x * _MUL) & _M32
@@ -88,3 +90,27 @@ def verify_counter_uniforms(seeds: Tensor, anchor_positions: Tensor, width: int)
         raise DSparkInputError(f"seeds / anchor_positions: expected [B] int64 each, found {tuple(seeds.shape)} "
                                f"{seeds.dtype} / {tuple(p.shape)}")
     return _uniforms(seeds, p[:, None] + device_cols[0][None, :], device_cols[1][None, :])
+
+
+def verify_counter_uniforms_host(seeds: np.ndarray, anchor_positions: np.ndarray, width: int) -> np.ndarray:
+    """`verify_counter_uniforms` in NumPy on the host, the same values bit for bit (`[B, width + 1] float32`): the
+    same int64 lane operations (wrap-around alike), and the float32 conversion of a 24-bit integer times 2^-24 is
+    exact. For callers that hold the seeds and positions on the host (the engine): on the device the hash is about
+    70 kernel launches per round, host-bound on the H200 at every batch size (docs/dspark.md "Verification")."""
+    s = np.asarray(seeds, dtype=np.int64)
+    p = np.asarray(anchor_positions, dtype=np.int64)
+    if s.ndim != 1 or p.shape != s.shape:
+        raise DSparkInputError(f"seeds / anchor_positions: expected [B] int64 each, found {s.shape} / {p.shape}")
+    offsets = np.arange(1, width + 2, dtype=np.int64)
+    offsets[width] = 0
+    words = np.full(width + 1, DRAW_ACCEPT * _GOLDEN & _M32, dtype=np.int64)
+    words[width] = DRAW_FINAL * _GOLDEN & _M32
+    positions = p[:, None] + offsets[None, :]
+    with np.errstate(over="ignore"):  # int64 lanes wrap as torch's do; only the low 32 bits are kept
+        s = s[:, None]
+        h = _mix32(s + _GOLDEN)
+        h = _mix32(h ^ ((s >> 32) & _M32))
+        h = _mix32(h ^ (positions & _M32))
+        h = _mix32(h ^ ((positions >> 32) & _M32) ^ words[None, :])
+        h = _mix32(h + _GOLDEN)
+    return (h >> 8).astype(np.float32) * np.float32(1.0 / (1 << 24))

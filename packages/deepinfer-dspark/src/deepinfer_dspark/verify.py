@@ -19,13 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.protocol import DraftProposal
 
-__all__ = ["AcceptResult", "greedy_accept", "probs_from_logits", "rejection_accept", "verify", "verify_uniforms"]
+__all__ = ["AcceptResult", "greedy_accept", "probs_from_logits", "rejection_accept", "row_plan", "verify",
+           "verify_uniforms"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,23 +69,61 @@ class AcceptResult:
         return [row[:n] for row, n in zip(rows, counts)]
 
 
-def _num_drafts_host(
-    num_drafts: Sequence[int] | Tensor, batch: int, width: int, device: torch.device
-) -> tuple[Tensor, int]:
-    """(num_drafts on `device` [B] int64, total target rows sum(num_drafts + 1)). The range check and the row count
-    read the values where the caller keeps them: a host sequence / tensor (the engine's) costs no device sync."""
-    given = torch.as_tensor(num_drafts, dtype=torch.int64)
-    if given.shape != (batch,):
-        raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {tuple(given.shape)}")
-    if given.numel():
-        lo, hi, total = (int(v) for v in torch.stack([given.min(), given.max(), given.sum()]).tolist())
-        if lo < 0 or hi > width:
-            raise DSparkInputError(
-                f"num_drafts: expected values in [0, {width}] (draft_ids has {width} columns), found [{lo}, {hi}]"
-            )
-    else:
-        total = 0
-    return given.to(device, non_blocking=True), total + batch
+def row_plan(num_drafts: Sequence[int] | np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """On the host: (num_drafts `[B] int64`, the `[B, N + 1] int64` row index of `_row_index`, total target rows
+    sum(num_drafts + 1)), the counts checked against draft_ids' width N. Callers that copy several host arrays per
+    round pass the first two to `verify(plan=...)` in their own copy (the engine stages them with the round's
+    other inputs in one pinned copy)."""
+    m = np.asarray(num_drafts).astype(np.int64, copy=False)
+    if m.ndim != 1:
+        raise DSparkInputError(f"num_drafts: expected a [B] sequence, found shape {m.shape}")
+    lens = m + 1
+    if m.size and (int(m.min()) < 0 or int(m.max()) > width):
+        raise DSparkInputError(
+            f"num_drafts: expected values in [0, {width}] (draft_ids has {width} columns), found "
+            f"[{int(m.min())}, {int(m.max())}]"
+        )
+    index = (np.cumsum(lens) - lens)[:, None] + np.minimum(np.arange(width + 1)[None, :], m[:, None])
+    return m, index, int(lens.sum())
+
+
+def _plan(num_drafts: Sequence[int] | Tensor | np.ndarray, batch: int, width: int, device: torch.device,
+          num_rows: int, given: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """(num_drafts `[B] int64`, the `[B, N + 1]` row index `_row_index`), both on `device`, after checking the
+    counts against draft_ids' width and the target's `num_rows` = sum(num_drafts + 1). Counts the caller keeps on
+    the host (a sequence, a NumPy array, a CPU tensor: the engine's) are checked and indexed there and copied over
+    at once: no device sync, and one copy instead of the dozen small launches of the index (the verification of a
+    round is bound by its launches on the H200's host). given: that pair already on the device (`row_plan`), then
+    only checked. Counts on a device are read once for the checks."""
+    if isinstance(num_drafts, Tensor) and num_drafts.device.type != "cpu":
+        m = num_drafts.to(torch.int64)
+        if m.shape != (batch,):
+            raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {tuple(m.shape)}")
+        lo, hi, total = (int(v) for v in torch.stack([m.min(), m.max(), m.sum()]).tolist()) if batch else (0, 0, 0)
+        _check_counts(lo, hi, total + batch, width, num_rows)
+        return (m.to(device), _row_index(m.to(device), width)) if given is None else given
+    host = num_drafts.numpy() if isinstance(num_drafts, Tensor) else num_drafts
+    if np.shape(host) != (batch,):
+        raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {np.shape(host)}")
+    m, index, rows = row_plan(host, width)
+    _check_counts(0, 0, rows, width, num_rows)
+    if given is not None:
+        if tuple(given[0].shape) != (batch,) or tuple(given[1].shape) != (batch, width + 1):
+            raise DSparkInputError(f"plan: expected [{batch}] and [{batch}, {width + 1}] tensors, found "
+                                   f"{tuple(given[0].shape)} / {tuple(given[1].shape)}")
+        return given
+    packed = torch.from_numpy(np.concatenate([m, index.reshape(-1)]))
+    packed = packed.to(device, non_blocking=device.type == "cuda")
+    return packed[:batch], packed[batch:].view(batch, width + 1)
+
+
+def _check_counts(lo: int, hi: int, rows: int, width: int, num_rows: int) -> None:
+    if lo < 0 or hi > width:
+        raise DSparkInputError(
+            f"num_drafts: expected values in [0, {width}] (draft_ids has {width} columns), found [{lo}, {hi}]"
+        )
+    if rows != num_rows:
+        raise DSparkInputError(f"target: expected sum(num_drafts + 1) = {rows} rows, found {num_rows}")
 
 
 def _check_draft_ids(draft_ids: Tensor) -> None:
@@ -92,11 +132,9 @@ def _check_draft_ids(draft_ids: Tensor) -> None:
         raise DSparkInputError(f"draft_ids: expected a [B, N] integer tensor, found {found}")
 
 
-def _row_index(m: Tensor, width: int, rows: int | None = None, num_rows: int | None = None) -> Tensor:
+def _row_index(m: Tensor, width: int) -> Tensor:
     """`[B, N + 1]` index of each (request, position) into the varlen target rows; positions past a request's last
-    row repeat its last row. rows / num_rows: the expected and the found row count, checked when both are given."""
-    if rows is not None and num_rows is not None and rows != num_rows:
-        raise DSparkInputError(f"target: expected sum(num_drafts + 1) = {rows} rows, found {num_rows}")
+    row repeat its last row."""
     starts = torch.cumsum(m + 1, 0) - (m + 1)
     cols = torch.arange(width + 1, device=m.device)
     return starts[:, None] + torch.minimum(cols[None, :], m[:, None])
@@ -112,9 +150,9 @@ def greedy_accept(target: Tensor, draft_ids: Tensor, num_drafts: Sequence[int] |
     batch, width = draft_ids.shape
     if target.dim() != 2:
         raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target.shape)}")
-    m, rows = _num_drafts_host(num_drafts, batch, width, target.device)
+    m, index = _plan(num_drafts, batch, width, target.device, target.shape[0])
     # argmax (first maximum) of the varlen rows, then gathered: no [B, N + 1, V] copy
-    return _greedy_best(target.argmax(-1)[_row_index(m, width, rows, target.shape[0])], draft_ids, m)
+    return _greedy_best(target.argmax(-1)[index], draft_ids, m)
 
 
 def _greedy_best(best: Tensor, draft_ids: Tensor, m: Tensor) -> AcceptResult:
@@ -198,7 +236,9 @@ def rejection_accept(
     _check_draft_ids(draft_ids)
     batch, width = draft_ids.shape
     device = target_probs.device
-    m, rows = _num_drafts_host(num_drafts, batch, width, device)
+    if target_probs.dim() != 2:
+        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target_probs.shape)}")
+    m, index = _plan(num_drafts, batch, width, device, target_probs.shape[0])
     vocab = target_probs.shape[-1]
     if draft_probs.shape != (batch, width, vocab):
         raise DSparkInputError(
@@ -213,9 +253,6 @@ def rejection_accept(
     elif uniforms.shape != (batch, width + 1):
         raise DSparkInputError(f"uniforms: expected shape {(batch, width + 1)}, found {tuple(uniforms.shape)}")
 
-    if target_probs.dim() != 2:
-        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target_probs.shape)}")
-    index = _row_index(m, width, rows, target_probs.shape[0])
     return _rejection_rows(target_probs, index, draft_ids, draft_probs, m, uniforms, draft_prob_penalty)
 
 
@@ -285,6 +322,7 @@ def verify(
     argmax: Tensor | None = None,
     check_ids: bool = True,
     accept_prob: bool = True,
+    plan: tuple[Tensor, Tensor] | None = None,
 ) -> AcceptResult:
     """Verify a proposal for a batch that mixes greedy and sampled requests.
 
@@ -301,14 +339,15 @@ def verify(
         logits together with the finiteness check); greedy requests then copy no vocabulary-wide rows.
     check_ids: range-check the verified draft ids of sampled requests (one device read).
     accept_prob: the result's `accept_prob` of sampled requests (False: None, and no pass over `[B, N, V]`).
+    plan: (num_drafts, row index) already on the target's device, as `row_plan` builds them from the same host
+        num_drafts (the caller copied them with its other inputs); num_drafts is still read for the checks.
     """
     draft_ids = proposal.draft_ids
     batch, width = draft_ids.shape
     device = target_probs.device
     if target_probs.dim() != 2:
         raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target_probs.shape)}")
-    m, total = _num_drafts_host(num_drafts, batch, width, device)
-    index = _row_index(m, width, total, target_probs.shape[0])  # [B, N + 1]
+    m, index = _plan(num_drafts, batch, width, device, target_probs.shape[0], plan)  # [B], [B, N + 1]
     host_mask = torch.as_tensor(greedy, dtype=torch.bool)
     if host_mask.dim() > 1 or (host_mask.dim() == 1 and host_mask.shape[0] != batch):
         raise DSparkInputError(

@@ -380,3 +380,51 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
     finally:
         _use_policy(v41_spec, "verify_all")
     assert verified["cost"] == verified["verify_all"], verified
+
+
+def test_lagged_cost_policy_applies_the_previous_rounds_cutoff(v41_reference, v41_spec, monkeypatch) -> None:
+    """The engine's cost policy runs lagged: a round verifies the survivals at or above the cutoff the previous
+    round's survivals gave (computed after that round's launch, outside its spans); only a round without one (the
+    first after a policy switch) runs the search itself. Greedy output stays the target's."""
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+    from deepinfer_engine.worker import spec_decode
+
+    spec = v41_spec.engine.runner.spec
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    calls = {"search": 0, "cutoff": [], "applied": []}
+    search, cutoff, above = spec_decode.schedule_verification, spec_decode.cost_cutoff, spec_decode.verify_above
+
+    def spy_search(policy, *a, **kw):
+        calls["search"] += policy.kind == "cost"
+        return search(policy, *a, **kw)
+
+    def spy_cutoff(*a, **kw):
+        calls["cutoff"].append(cutoff(*a, **kw))
+        return calls["cutoff"][-1]
+
+    def spy_above(survival, max_drafts, cut):
+        calls["applied"].append(cut)
+        return above(survival, max_drafts, cut)
+
+    monkeypatch.setattr(spec_decode, "schedule_verification", spy_search)
+    monkeypatch.setattr(spec_decode, "cost_cutoff", spy_cutoff)
+    monkeypatch.setattr(spec_decode, "verify_above", spy_above)
+    try:
+        spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
+                        online_latency=False)
+        spec.explore_every = 0
+        spec.reset_stats()
+        assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+        rounds = spec.stats.steps
+        assert calls["search"] == 1 and len(calls["applied"]) == rounds - 1
+        # each applied cutoff is the one the round before computed
+        assert calls["applied"] == calls["cutoff"][: rounds - 1] and len(calls["cutoff"]) == rounds
+        assert spec.timing.cutoff_s > 0
+    finally:
+        spec.explore_every = 32
+        _use_policy(v41_spec, "verify_all")
+
+
+def test_engine_cost_policy_is_lagged(ckpts) -> None:
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost", "latency": "affine:0.01,0.001"})
+    assert llm.engine.runner.spec.policy.kind == "cost" and llm.engine.runner.spec.policy.lagged

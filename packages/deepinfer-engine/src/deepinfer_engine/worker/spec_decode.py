@@ -41,10 +41,13 @@ from deepinfer_dspark import (
     LatencyModel,
     StepPadding,
     VerifyPolicy,
+    cost_cutoff,
     propose,
+    row_plan,
     schedule_verification,
     verify,
-    verify_counter_uniforms,
+    verify_above,
+    verify_counter_uniforms_host,
 )
 from deepinfer_kernels.sampling import mask_logits
 from torch import Tensor
@@ -52,6 +55,7 @@ from torch import Tensor
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
+from deepinfer_engine.worker.staging import HostStaging
 
 __all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
 
@@ -69,6 +73,7 @@ class SpecRound:
     survival_host: np.ndarray | None = None  # [B, N] float64 survivals the policy ranked (None: no confidence head)
     positions: Tensor | None = None  # [B] int64 anchor positions p
     seeds: Tensor | None = None  # [B] int64
+    keys_host: np.ndarray | None = None  # [B, 2] int64 (anchor position, seed): the verification uniforms' keys
     num_drafts_host: Tensor | None = None  # [B] int64 on the host (checks and row counts without a device read)
     greedy: list[bool] = field(default_factory=list)
     params: list[Any] = field(default_factory=list)
@@ -84,6 +89,7 @@ class SpecRound:
     rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
     launched_at: float = 0.0  # perf_counter when the verification was enqueued
     latency: LatencyModel | None = None  # the curve that priced the round (`SpecDecoder.latency_for`)
+    cutoff_inputs: tuple | None = None  # lagged cost: (survival, max_drafts, base tokens, padding) of the round
     timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
 
@@ -102,9 +108,15 @@ class SpecTiming:
     # of draft_s: the verification policy's own host time (schedule_verification), which the cost policy spends more
     # of than the others
     policy_s: float = 0.0
+    # lagged cost: the search over a round's survivals for the next round's cutoff, run after the round's launch
+    # (while its target step runs on the device, so outside the round's spans)
+    cutoff_s: float = 0.0
     # of draft_s: round start to the end of the drafts' host read (the draft pass on the device, and the host work
     # before it); the rest of draft_s is host work after the read
     drafted_s: float = 0.0
+    # of verify_s: from the forward's start to the verification's last launch (host time: input preparation, the
+    # forward's launch or replay, the verification's launches); the rest of verify_s waits for the device
+    launch_s: float = 0.0
     # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
     # against the latency model's price of it
     by_rows: dict[int, list[float]] = field(default_factory=dict)
@@ -119,7 +131,8 @@ class SpecTiming:
         n = max(self.rounds, 1)
         return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
                 "finish_ms": 1e3 * self.finish_s / n, "policy_ms": 1e3 * self.policy_s / n,
-                "drafted_ms": 1e3 * self.drafted_s / n,
+                "drafted_ms": 1e3 * self.drafted_s / n, "launch_ms": 1e3 * self.launch_s / n,
+                "cutoff_ms": 1e3 * self.cutoff_s / n,
                 "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
@@ -177,6 +190,10 @@ class SpecDecoder:
         # `verify_row_sizes`); None: eager
         self.graph_rows: dict[int, tuple[int, ...]] | None = None
         self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
+        self._stage: HostStaging | None = None  # pinned staging of each round's host inputs (`_staging`)
+        # lagged cost policy: the survival cutoff the latest round's survivals gave, for the next round (None:
+        # the next round runs the search itself)
+        self._cutoff: float | None = None
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -195,6 +212,7 @@ class SpecDecoder:
         if policy.kind == "cost" and latency is None and self.latency is None:
             raise ValueError("set_policy: the cost policy needs a LatencyModel")
         self.policy = policy
+        self._cutoff = None
         if latency is not None:
             self.latency = latency
             self.batch_latency = dict(batch_latency or {})
@@ -263,8 +281,9 @@ class SpecDecoder:
         rnd.greedy = [bool(p.greedy) for p in rnd.params]
         host = np.asarray([[c.token_ids[0], c.start_position, c.slot, min(c.num_spec_tokens, self.block_size),
                             s.seed & 0x7FFFFFFFFFFFFFFF] for c, s in zip(picked, sts)], dtype=np.int64)
-        dev = torch.from_numpy(host).to(device, non_blocking=device.type == "cuda")
+        dev = self._staging(device).tensor(host, torch.int64)  # pinned: a pageable copy waits for the stream
         anchors, rnd.positions, slots, max_drafts, rnd.seeds = dev.unbind(1)
+        rnd.keys_host = host[:, [1, 4]]
         # on the host: propose reads the greedy / sampled split there and copies it over without a device sync
         temps = torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, rnd.params)],
                              dtype=torch.float32)
@@ -290,16 +309,20 @@ class SpecDecoder:
         policy_started = time.perf_counter()
         padding = self.padding(chunks, rnd.index)
         rnd.latency = self.latency_for(padding)
-        m = schedule_verification(policy, host[:, 3],
-                                  survival=None if surv is None else wide[:, n:].astype(np.float32),
-                                  latency=rnd.latency, base_tokens=base, deterministic=all(rnd.greedy),
-                                  padding=padding)
+        survival = None if surv is None else wide[:, n:].astype(np.float32)
+        if policy.kind == "cost" and policy.lagged and self._cutoff is not None and survival is not None:
+            m = verify_above(survival, host[:, 3], self._cutoff)  # the previous round's choice (`cost_cutoff`)
+        else:
+            m = schedule_verification(policy, host[:, 3], survival=survival, latency=rnd.latency, base_tokens=base,
+                                      deterministic=all(rnd.greedy), padding=padding)
+        if self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None:
+            rnd.cutoff_inputs = (survival, host[:, 3], base, padding)  # `next_cutoff`, after the launch
         self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
         rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
-        rnd.proposal, rnd.num_drafts = prop, m.to(device, non_blocking=True)
+        rnd.proposal, rnd.num_drafts = prop, self._staging(device).tensor(m.numpy(), torch.int64)
         index = rnd.index
         out = []
         for c in chunks:
@@ -314,24 +337,33 @@ class SpecDecoder:
         return rnd
 
     # ------------------------------------------------------------------------------------------ 3. verify
-    def _target(self, logits: Tensor, rnd: SpecRound) -> Tensor:
+    def _target(self, logits: Tensor, rnd: SpecRound, per_row: dict[str, Tensor]) -> Tensor:
         """Target distributions of the verify rows (probabilities after temperature / top-k / top-p / min-p;
-        greedy rows only need their argmax, which the softmax keeps)."""
-        if all(rnd.greedy):
-            return logits
-        reps = torch.tensor([k + 1 for k in rnd.drafts_host])
-
-        def per_row(values: list[float], dtype: torch.dtype) -> Tensor:  # built on the host, copied without a sync
-            return torch.repeat_interleave(torch.tensor(values, dtype=dtype), reps).to(logits.device, non_blocking=True)
-
-        ps = rnd.params
-        temp = per_row([1.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, ps)], torch.float32)
-        scaled = logits / temp[:, None]
-        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in ps):
-            scaled = mask_logits(scaled, top_k=per_row([max(p.top_k, 0) for p in ps], torch.int64),
-                                 top_p=per_row([float(p.top_p) for p in ps], torch.float32),
-                                 min_p=per_row([float(p.min_p) for p in ps], torch.float32))
+        greedy rows only need their argmax, which the softmax keeps). per_row: `_row_params`' values on the
+        device."""
+        scaled = logits / per_row["temperature"][:, None]
+        if "top_k" in per_row:
+            scaled = mask_logits(scaled, top_k=per_row["top_k"], top_p=per_row["top_p"], min_p=per_row["min_p"])
         return torch.softmax(scaled, dim=-1)
+
+    @staticmethod
+    def _row_params(rnd: SpecRound, lens: np.ndarray) -> list[tuple[str, np.ndarray, torch.dtype]]:
+        """The sampled round's per-row sampling parameters on the host (each request's, repeated over its verify
+        rows): temperature (1 on greedy rows), and top-k / top-p / min-p when any request sets them."""
+        ps = rnd.params
+        out = [("temperature", np.repeat(np.asarray([1.0 if g else float(p.temperature) for g, p in zip(
+            rnd.greedy, ps)], dtype=np.float32), lens), torch.float32)]
+        if any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in ps):
+            for name, values, dtype in (("top_k", [max(p.top_k, 0) for p in ps], torch.int64),
+                                        ("top_p", [float(p.top_p) for p in ps], torch.float32),
+                                        ("min_p", [float(p.min_p) for p in ps], torch.float32)):
+                out.append((name, np.repeat(np.asarray(values), lens), dtype))
+        return out
+
+    def _staging(self, device: torch.device) -> HostStaging:
+        if self._stage is None or self._stage.device != device:
+            self._stage = HostStaging(device, slots=8)  # three stagings a round, two rounds in flight (async)
+        return self._stage
 
     @torch.no_grad()
     def finish(self, rnd: SpecRound, out: Any, num_tokens: int) -> tuple[dict[str, SpecResult], dict[str, str]]:
@@ -359,32 +391,59 @@ class SpecDecoder:
             return None
         lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
         starts = np.cumsum(lens) - lens
-        if starts.tolist() == rnd.logit_rows and int(lens.sum()) == logits.shape[0]:  # verify rows only: no copy
-            raw = logits
-        else:
-            # request b's rows logit_rows[b] .. + lens[b] - 1, without a NumPy call per request
-            rows = np.repeat(np.asarray(rnd.logit_rows, dtype=np.int64) - starts, lens) + np.arange(int(lens.sum()))
-            raw = logits.index_select(0, torch.from_numpy(rows).to(logits.device, non_blocking=True))
+        sampled = not all(rnd.greedy)
+        # every host input of the verification in ONE copy from pinned memory: a copy from pageable memory waits for
+        # the stream (the forward just launched), which left the verification's launches after the forward's
+        # device time instead of overlapping it (docs/dspark.md "Verification")
+        m, index, _ = row_plan(rnd.drafts_host, self.block_size)
+        parts = [(m, torch.int64), (index, torch.int64), (np.repeat(np.arange(len(rnd.req_ids)), lens), torch.int64)]
+        identity = starts.tolist() == rnd.logit_rows and int(lens.sum()) == logits.shape[0]
+        if not identity:  # request b's rows logit_rows[b] .. + lens[b] - 1, without a NumPy call per request
+            parts.append((np.repeat(np.asarray(rnd.logit_rows, dtype=np.int64) - starts, lens)
+                          + np.arange(int(lens.sum())), torch.int64))
+        row_params = self._row_params(rnd, lens) if sampled else []
+        if sampled:
+            # the uniforms on the host (the same values as `verify_counter_uniforms`): on the device their hash is
+            # ~70 launches, most of a sampled round's verification on the H200, whose host is the bound there
+            parts.append((verify_counter_uniforms_host(rnd.keys_host[:, 1], rnd.keys_host[:, 0], self.block_size),
+                          torch.float32))
+            parts += [(values, dtype) for _, values, dtype in row_params]
+        staged = self._staging(logits.device).stage(parts)
+        m_dev, index_dev, seg = staged[:3]
+        raw = logits if identity else logits.index_select(0, staged[3])
+        rest = staged[3 + (not identity):]
+        uniforms = rest[0] if sampled else None
+        per_row = {name: t for (name, _, _), t in zip(row_params, rest[1:])}
         # one pass over the vocabulary gives the greedy argmax and the finiteness check (max propagates NaN), in the
         # logits' own dtype: widening is exact, so the argmax (first maximum) is the fp32 one, and a greedy round
         # skips an fp32 copy of every row (1,536 x 129,280 x 4 bytes written and read again at 256 requests)
         top, best = raw.max(-1)
         bad = ~torch.isfinite(top)
-        target = raw if all(rnd.greedy) else self._target(raw.float(), rnd)
-        uniforms = None if all(rnd.greedy) else verify_counter_uniforms(rnd.seeds, rnd.positions, self.block_size)
+        target = self._target(raw.float(), rnd, per_row) if sampled else raw
         # host num_drafts / greedy flags: verify checks and splits them without device reads; the drafts come
         # from this vocabulary, so their range check is skipped
         # accept_prob=False: the analytic acceptance is a pass over [B, N, V] that only offline statistics read
-        res = verify(target, rnd.proposal, rnd.num_drafts_host, greedy=torch.tensor(rnd.greedy), uniforms=uniforms,
-                     argmax=best, check_ids=False, accept_prob=False)
-        seg = torch.from_numpy(np.repeat(np.arange(len(rnd.req_ids)), lens)).to(raw.device, non_blocking=True)
+        res = verify(target, rnd.proposal, m, greedy=torch.tensor(rnd.greedy), uniforms=uniforms, argmax=best,
+                     check_ids=False, accept_prob=False, plan=(m_dev, index_dev))
         nonfinite = torch.zeros(len(rnd.req_ids), dtype=torch.int64, device=raw.device).index_add_(
             0, seg, bad.to(torch.int64))
         packed = torch.cat([res.num_accepted[:, None], nonfinite[:, None], res.output_ids], 1)
         if rnd.timer is not None:
             rnd.timer[1].record()
         rnd.launched_at = time.perf_counter()
+        self.next_cutoff(rnd)
         return packed
+
+    def next_cutoff(self, rnd: SpecRound) -> None:
+        """Lagged cost policy: the next round's survival cutoff from this round's survivals (`cost_cutoff`), run
+        once the round's target step and verification are launched, while the device runs them."""
+        if rnd.cutoff_inputs is None or rnd.latency is None:
+            return
+        t0 = time.perf_counter()
+        survival, max_drafts, base, padding = rnd.cutoff_inputs
+        rnd.cutoff_inputs = None
+        self._cutoff = cost_cutoff(survival, max_drafts, rnd.latency, base_tokens=base, padding=padding)
+        self.timing.cutoff_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def collect_verify(self, rnd: SpecRound, packed: Tensor | None, drop: frozenset[str] = frozenset()
@@ -410,6 +469,7 @@ class SpecDecoder:
                 span = read_at - rnd.forward_started
             self.timing.rounds += 1
             self.timing.draft_s += rnd.forward_started - rnd.started
+            self.timing.launch_s += rnd.launched_at - rnd.forward_started
             self.timing.add_verify(rnd.rows, span)
             captured = self.capture_clock() if self.capture_clock is not None else 0.0
             if rnd.latency is not None and self.online_latency and captured == rnd.captured_before:
@@ -591,7 +651,9 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     if k > cache.slack + 1:
         raise ConfigError(f"num_speculative_tokens: found {k}, expected <= the cache rollback slack + 1 "
                           f"({cache.slack + 1}): a rejected tail must not overwrite rows the next step reads")
-    policy = VerifyPolicy(kind=spec.speculative_policy, threshold=float(spec.speculative_threshold))
+    # the cost policy runs lagged: its search overlaps the previous round's target step (VerifyPolicy.lagged)
+    policy = VerifyPolicy(kind=spec.speculative_policy, threshold=float(spec.speculative_threshold),
+                          lagged=spec.speculative_policy == "cost")
     sts, greedy_head = confidence_files(model_dir, device)
     tables = torch.full((cache.num_slots, 1), -1, dtype=torch.int32, device=device)  # the stages own no pages
     # greedy requests read their own head / STS set per row (DraftHeads.greedy_*), so a mixed batch needs no switch
