@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 import random
 
 import numpy as np
@@ -374,36 +373,3 @@ def test_exact_ragged_search_crosses_a_step_up_to_the_flat_stretch_behind_it():
     stuck = _ragged(vals, 128, flat_hull, pad, exact=True, base_tokens=0, deterministic=False)
     assert 128 + stuck <= 288
     assert _ragged_rate(a, allocate(a, m, stuck).tolist(), lat, pad, 0) < 0.8 * best_rate
-
-
-def test_cost_cutoff_is_the_global_argmax_as_a_survival_cutoff():
-    """Applied to the survivals it came from, the cutoff admits the global argmax's candidates (distinct
-    survivals); it admits every draft when the search does (flat curve: 0, so lower survivals next round are
-    verified too) and none when the search admits none (inf); a ragged step's cutoff is its bucket argmax."""
-    from deepinfer_dspark import cost_cutoff, verify_above
-
-    g = torch.Generator().manual_seed(3)
-    a = torch.cumprod(0.3 + 0.7 * torch.rand(16, 5, generator=g, dtype=torch.float64), 1).float()
-    m = [5] * 12 + [3, 0, 5, 2]
-    for lat in (LatencyModel.affine(0.01, 2e-4, 128), LatencyModel.affine(0.004, 1e-4, 128)):
-        k = cost_budget(a, m, lat, exact=False)
-        assert 0 < k < sum(m)
-        got = verify_above(a, m, cost_cutoff(a, m, lat))
-        assert got.tolist() == allocate(a, m, k).tolist()
-    flat = LatencyModel.affine(0.01, 0.0, 128)
-    assert cost_cutoff(a, m, flat) == 0.0 and verify_above(a, m, 0.0).tolist() == m
-    steep = LatencyModel.affine(1e-3, 1.0, 128)
-    assert cost_cutoff(a, m, steep) == math.inf and verify_above(a, m, math.inf).tolist() == [0] * 16
-    sizes = tuple(sorted({-(-16 * k // 2) for k in range(2, 13)}))
-    pad = StepPadding(16, sizes, ragged=True)
-    lat = LatencyModel.affine(0.004, 1e-4, 128)
-    want = schedule_verification(VerifyPolicy(kind="cost", exact=False), m, survival=a, latency=lat, padding=pad)
-    assert verify_above(a, m, cost_cutoff(a, m, lat, padding=pad)).tolist() == want.tolist()
-    # the threshold policy is the same rule with a fixed cutoff
-    for t in (0.1, 0.5, 0.9):
-        assert verify_above(a, m, t).tolist() == schedule_verification(
-            VerifyPolicy(kind="threshold", threshold=t), m, survival=a).tolist()
-    with pytest.raises(DSparkInputError, match="ragged"):
-        cost_cutoff(a, m, lat, padding=StepPadding(16, (1, 2, 4, 6)))
-    with pytest.raises(DSparkConfigError, match="lagged"):
-        VerifyPolicy(kind="cost", lagged=1)

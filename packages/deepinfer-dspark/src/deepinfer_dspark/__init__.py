@@ -31,9 +31,7 @@ from deepinfer_dspark.schedule import (
     VerifyPolicy,
     allocate,
     cost_budget,
-    cost_cutoff,
     schedule_verification,
-    verify_above,
 )
 from deepinfer_dspark.stats import AcceptanceStats
 from deepinfer_dspark.verify import (
@@ -75,7 +73,6 @@ __all__ = [
     "check_sampling",
     "confidence",
     "cost_budget",
-    "cost_cutoff",
     "counter_uniforms",
     "fit_sts",
     "greedy_accept",
@@ -90,7 +87,6 @@ __all__ = [
     "schedule_verification",
     "sts_divisors",
     "verify",
-    "verify_above",
     "verify_counter_uniforms",
     "verify_counter_uniforms_host",
     "verify_uniforms",

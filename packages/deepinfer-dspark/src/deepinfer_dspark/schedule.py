@@ -46,10 +46,13 @@ ragged steps (`StepPadding(..., ragged=True)`, a replayed ragged CUDA graph): th
 lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a round's policy runs on the host
   between the drafts' read and the target step's launch, where the device waits for it; the search above took
   0.2-0.5 ms per round on the H200's host at 128-256 requests, 1-2% of a round, about what pruning gains on a
-  shallow curve (docs/perf.md, "DSpark in steady state"). Lagged, the search runs on the previous round's
-  survivals while that round's target step runs (`cost_cutoff`: the global argmax, made a survival cutoff), and
-  the round applies the cutoff (`verify_above`, a threshold's host time). The cutoff depends on the previous
-  round's drafts only, so the global argmax is non-anticipating at every temperature.
+  shallow curve (docs/perf.md, "DSpark in steady state"). Lagged, the caller runs the global argmax (exact=False)
+  on the previous round's survivals while that round's target step runs, and the round only allocates that many
+  drafts by its own survivals (`allocate`: the top-K, a prefix per request). K depends on the previous round's
+  drafts only, so the global argmax is non-anticipating at every temperature, and a K that fills a row bucket
+  still fills it. A survival cutoff carried over instead (tried: the threshold rule at the previous round's K-th
+  survival) does not: at 256 requests and temperature 1 its rounds ran in the 1,152-row bucket 20 times and the
+  1,024 one 15 times in 48, where the in-round search filled 1,280 rows in 44.
   A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
   the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
   (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
@@ -57,7 +60,6 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,9 +76,7 @@ __all__ = [
     "VerifyPolicy",
     "allocate",
     "cost_budget",
-    "cost_cutoff",
     "schedule_verification",
-    "verify_above",
 ]
 
 POLICIES = ("verify_all", "threshold", "cost")
@@ -126,9 +126,9 @@ class StepPadding:
 class VerifyPolicy:
     """kind: one of POLICIES. threshold: survival threshold of `threshold` (verify the prefix with a_j >=
     threshold). exact: `cost` search mode (module docstring). lagged: `cost` as a caller that runs rounds in a
-    loop applies it: each round verifies the survivals at or above the cutoff that the previous round's
-    survivals gave (`cost_cutoff`, computed while that round's target step runs), so the round itself pays only
-    a threshold's host time (module docstring, "lagged")."""
+    loop applies it: each round allocates the budget that the search gave on the previous round's survivals
+    (computed while that round's target step runs), so the round itself pays only a ranking's host time (module
+    docstring, "lagged"); `schedule_verification` itself ignores the flag."""
 
     kind: str = "cost"
     threshold: float = 0.5
@@ -347,53 +347,6 @@ def _above(survival: Tensor | np.ndarray, m: np.ndarray, cutoff: float) -> Tenso
     mt = torch.from_numpy(m).to(survival.device)
     ok = (survival >= cutoff) & (torch.arange(width, device=survival.device)[None, :] < mt[:, None])
     return torch.cumprod(ok.to(torch.int64), dim=1).sum(1)
-
-
-def verify_above(survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray,
-                 cutoff: float) -> Tensor:
-    """`[B] int64` drafts each request verifies under a survival cutoff: the longest prefix (up to max_drafts[b])
-    whose survivals are >= cutoff (any float: inf verifies none, 0 every draft). The `threshold` policy with
-    threshold = cutoff, and how a lagged `cost` round applies `cost_cutoff` of the round before it."""
-    return _above(survival, _check(survival, max_drafts), float(cutoff))
-
-
-def cost_cutoff(
-    survival: Tensor | np.ndarray,
-    max_drafts: Sequence[int] | Tensor | np.ndarray,
-    latency: LatencyModel,
-    *,
-    base_tokens: int = 0,
-    padding: StepPadding | None = None,
-) -> float:
-    """The cost policy's choice on these survivals as a survival cutoff for the NEXT round (`VerifyPolicy.lagged`):
-    the smallest survival among the K candidates the global argmax of E(K) / T admits (the deterministic search,
-    priced by `padding`'s row buckets when it is ragged); 0.0 when it admits every candidate (a cutoff at the
-    lowest survival seen would stop the next round below it, where this one would have gone on), inf when it
-    admits none.
-
-    Applied to the next round (`verify_above`), the choice depends on the previous round's drafts only, never on
-    the drafts it gates: non-anticipating at any temperature, so the global argmax may be used where the same
-    round's survivals would bias sampled output (module docstring). Survival distributions of a running batch
-    change slowly from round to round, which the lag relies on; a caller computes it while the round's target step
-    runs, so no round waits for it."""
-    m = _check(survival, max_drafts)
-    if base_tokens < 0:
-        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
-    if padding is not None and not padding.ragged:
-        raise DSparkInputError("cost_cutoff: expected a ragged StepPadding or None (a padded step's cap is not a "
-                               "survival cutoff)")
-    vals, _ = _ranked(survival, m)
-    if padding is None:
-        k = _budget(vals, survival.shape[0], latency, exact=False, base_tokens=base_tokens, deterministic=True)
-    else:
-        k = _ragged(vals, survival.shape[0], latency, padding, exact=False, base_tokens=base_tokens,
-                    deterministic=True)
-    if k >= vals.size:
-        return 0.0
-    if k == 0:
-        return math.inf
-    cut = float(vals[k - 1])
-    return cut if math.isfinite(cut) else 0.0
 
 
 def schedule_verification(

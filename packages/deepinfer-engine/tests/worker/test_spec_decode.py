@@ -382,33 +382,33 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
     assert verified["cost"] == verified["verify_all"], verified
 
 
-def test_lagged_cost_policy_applies_the_previous_rounds_cutoff(v41_reference, v41_spec, monkeypatch) -> None:
-    """The engine's cost policy runs lagged: a round verifies the survivals at or above the cutoff the previous
-    round's survivals gave (computed after that round's launch, outside its spans); only a round without one (the
-    first after a policy switch) runs the search itself. Greedy output stays the target's."""
+def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch) -> None:
+    """The engine's cost policy runs lagged: a round allocates (top-K by its own survivals) the budget K that the
+    global argmax gave on the previous round's survivals, computed after that round's launch; only a round
+    without one, or whose shape (requests, other tokens, graph bucket) changed, runs the search itself. Greedy
+    output stays the target's."""
     from deepinfer_dspark import LatencyModel, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
     spec = v41_spec.engine.runner.spec
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    calls = {"search": 0, "cutoff": [], "applied": []}
-    search, cutoff, above = spec_decode.schedule_verification, spec_decode.cost_cutoff, spec_decode.verify_above
+    calls = {"in_round": 0, "budgets": [], "allocated": []}
+    search, allocate = spec_decode.schedule_verification, spec_decode.allocate
 
     def spy_search(policy, *a, **kw):
-        calls["search"] += policy.kind == "cost"
-        return search(policy, *a, **kw)
+        got = search(policy, *a, **kw)
+        if policy.kind == "cost" and not policy.exact:  # next_budget's global argmax
+            calls["budgets"].append(int(got.sum()))
+        elif policy.kind == "cost":
+            calls["in_round"] += 1
+        return got
 
-    def spy_cutoff(*a, **kw):
-        calls["cutoff"].append(cutoff(*a, **kw))
-        return calls["cutoff"][-1]
-
-    def spy_above(survival, max_drafts, cut):
-        calls["applied"].append(cut)
-        return above(survival, max_drafts, cut)
+    def spy_allocate(survival, max_drafts, k):
+        calls["allocated"].append(k)
+        return allocate(survival, max_drafts, k)
 
     monkeypatch.setattr(spec_decode, "schedule_verification", spy_search)
-    monkeypatch.setattr(spec_decode, "cost_cutoff", spy_cutoff)
-    monkeypatch.setattr(spec_decode, "verify_above", spy_above)
+    monkeypatch.setattr(spec_decode, "allocate", spy_allocate)
     try:
         spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
                         online_latency=False)
@@ -416,10 +416,9 @@ def test_lagged_cost_policy_applies_the_previous_rounds_cutoff(v41_reference, v4
         spec.reset_stats()
         assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
         rounds = spec.stats.steps
-        assert calls["search"] == 1 and len(calls["applied"]) == rounds - 1
-        # each applied cutoff is the one the round before computed
-        assert calls["applied"] == calls["cutoff"][: rounds - 1] and len(calls["cutoff"]) == rounds
-        assert spec.timing.cutoff_s > 0
+        assert len(calls["budgets"]) == rounds and calls["in_round"] + len(calls["allocated"]) == rounds
+        assert calls["in_round"] >= 1 and calls["allocated"]  # the first round searches; later ones allocate
+        assert set(calls["allocated"]) <= set(calls["budgets"]) and spec.timing.lag_s > 0
     finally:
         spec.explore_every = 32
         _use_policy(v41_spec, "verify_all")

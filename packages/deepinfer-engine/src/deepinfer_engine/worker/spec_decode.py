@@ -41,12 +41,11 @@ from deepinfer_dspark import (
     LatencyModel,
     StepPadding,
     VerifyPolicy,
-    cost_cutoff,
+    allocate,
     propose,
     row_plan,
     schedule_verification,
     verify,
-    verify_above,
     verify_counter_uniforms_host,
 )
 from deepinfer_kernels.sampling import mask_logits
@@ -58,6 +57,9 @@ from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
 from deepinfer_engine.worker.staging import HostStaging
 
 __all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
+
+# the lagged cost policy's search: the global argmax, non-anticipating a round later (`SpecDecoder.next_budget`)
+_GLOBAL = VerifyPolicy(kind="cost", exact=False)
 
 
 @dataclass(kw_only=True)
@@ -89,7 +91,7 @@ class SpecRound:
     rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
     launched_at: float = 0.0  # perf_counter when the verification was enqueued
     latency: LatencyModel | None = None  # the curve that priced the round (`SpecDecoder.latency_for`)
-    cutoff_inputs: tuple | None = None  # lagged cost: (survival, max_drafts, base tokens, padding) of the round
+    lag_inputs: tuple | None = None  # lagged cost: (shape, survival, max_drafts, base tokens, padding) of the round
     timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
 
@@ -108,9 +110,9 @@ class SpecTiming:
     # of draft_s: the verification policy's own host time (schedule_verification), which the cost policy spends more
     # of than the others
     policy_s: float = 0.0
-    # lagged cost: the search over a round's survivals for the next round's cutoff, run after the round's launch
+    # lagged cost: the search over a round's survivals for the next round's budget, run after the round's launch
     # (while its target step runs on the device, so outside the round's spans)
-    cutoff_s: float = 0.0
+    lag_s: float = 0.0
     # of draft_s: round start to the end of the drafts' host read (the draft pass on the device, and the host work
     # before it); the rest of draft_s is host work after the read
     drafted_s: float = 0.0
@@ -132,7 +134,7 @@ class SpecTiming:
         return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
                 "finish_ms": 1e3 * self.finish_s / n, "policy_ms": 1e3 * self.policy_s / n,
                 "drafted_ms": 1e3 * self.drafted_s / n, "launch_ms": 1e3 * self.launch_s / n,
-                "cutoff_ms": 1e3 * self.cutoff_s / n,
+                "lag_ms": 1e3 * self.lag_s / n,
                 "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
@@ -191,9 +193,9 @@ class SpecDecoder:
         self.graph_rows: dict[int, tuple[int, ...]] | None = None
         self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
         self._stage: HostStaging | None = None  # pinned staging of each round's host inputs (`_staging`)
-        # lagged cost policy: the survival cutoff the latest round's survivals gave, for the next round (None:
-        # the next round runs the search itself)
-        self._cutoff: float | None = None
+        # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K) of the latest
+        # round: the budget its survivals gave, for a next round of the same shape (another shape runs the search)
+        self._lagged: tuple[tuple[int, int, int | None], int] | None = None
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -212,7 +214,7 @@ class SpecDecoder:
         if policy.kind == "cost" and latency is None and self.latency is None:
             raise ValueError("set_policy: the cost policy needs a LatencyModel")
         self.policy = policy
-        self._cutoff = None
+        self._lagged = None
         if latency is not None:
             self.latency = latency
             self.batch_latency = dict(batch_latency or {})
@@ -310,13 +312,15 @@ class SpecDecoder:
         padding = self.padding(chunks, rnd.index)
         rnd.latency = self.latency_for(padding)
         survival = None if surv is None else wide[:, n:].astype(np.float32)
-        if policy.kind == "cost" and policy.lagged and self._cutoff is not None and survival is not None:
-            m = verify_above(survival, host[:, 3], self._cutoff)  # the previous round's choice (`cost_cutoff`)
+        shape = (len(picked), base, None if padding is None else padding.batch)
+        lagged = self._lagged if policy.kind == "cost" and policy.lagged and survival is not None else None
+        if lagged is not None and lagged[0] == shape:
+            m = allocate(survival, host[:, 3], lagged[1])  # the previous round's budget (`next_budget`)
         else:
             m = schedule_verification(policy, host[:, 3], survival=survival, latency=rnd.latency, base_tokens=base,
                                       deterministic=all(rnd.greedy), padding=padding)
         if self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None:
-            rnd.cutoff_inputs = (survival, host[:, 3], base, padding)  # `next_cutoff`, after the launch
+            rnd.lag_inputs = (shape, survival, host[:, 3], base, padding)  # `next_budget`, after the launch
         self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
@@ -431,19 +435,22 @@ class SpecDecoder:
         if rnd.timer is not None:
             rnd.timer[1].record()
         rnd.launched_at = time.perf_counter()
-        self.next_cutoff(rnd)
+        self.next_budget(rnd)
         return packed
 
-    def next_cutoff(self, rnd: SpecRound) -> None:
-        """Lagged cost policy: the next round's survival cutoff from this round's survivals (`cost_cutoff`), run
-        once the round's target step and verification are launched, while the device runs them."""
-        if rnd.cutoff_inputs is None or rnd.latency is None:
+    def next_budget(self, rnd: SpecRound) -> None:
+        """Lagged cost policy: the next round's budget from this round's survivals (the global argmax over its
+        row buckets, `VerifyPolicy(exact=False)`), run once the round's target step and verification are
+        launched, while the device runs them."""
+        if rnd.lag_inputs is None or rnd.latency is None:
             return
         t0 = time.perf_counter()
-        survival, max_drafts, base, padding = rnd.cutoff_inputs
-        rnd.cutoff_inputs = None
-        self._cutoff = cost_cutoff(survival, max_drafts, rnd.latency, base_tokens=base, padding=padding)
-        self.timing.cutoff_s += time.perf_counter() - t0
+        shape, survival, max_drafts, base, padding = rnd.lag_inputs
+        rnd.lag_inputs = None
+        k = schedule_verification(_GLOBAL, max_drafts, survival=survival, latency=rnd.latency, base_tokens=base,
+                                  deterministic=True, padding=padding)
+        self._lagged = (shape, int(k.sum()))
+        self.timing.lag_s += time.perf_counter() - t0
 
     @torch.no_grad()
     def collect_verify(self, rnd: SpecRound, packed: Tensor | None, drop: frozenset[str] = frozenset()
