@@ -100,10 +100,10 @@ def graph_info(llm) -> dict | None:
 def reprofile(llm):
     """The engine's start-up latency profile (`build_spec_decoder`), timed again on a warm engine: (T(Q), {batch
     bucket: its curve})."""
-    from deepinfer_engine.worker.spec_decode import _profile
+    from deepinfer_engine.worker.spec_profile import profile_cost_curves
 
     eng = llm.engine
-    return _profile(eng.runner.model, eng.runner.cache, eng.runner.cuda_graphs, eng.config,
+    return profile_cost_curves(eng.runner.model, eng.runner.cache, eng.runner.cuda_graphs, eng.config,
                     eng.runner.spec.block_size, eng.runner.cache.num_pages, eng.runner.device)
 
 

@@ -11,6 +11,7 @@ from deepinfer_dspark import (
     greedy_accept,
     probs_from_logits,
     rejection_accept,
+    row_plan,
     verify,
     verify_uniforms,
 )
@@ -261,6 +262,20 @@ def test_verify_with_host_inputs_and_given_argmax_matches_the_plain_call():
         assert g.tokens()[b] == best[: a + 1]
     with pytest.raises(DSparkInputError, match="argmax"):
         verify(target, proposal, m, greedy=True, argmax=target.argmax(-1)[:-1])
+    # the counts and row index built on the host (`row_plan`) and handed over as the plan: the same result, the
+    # counts still checked against the draft width and the target's rows
+    mp, index, rows = row_plan(m.numpy(), 3)
+    assert rows == target.shape[0] and index.tolist() == [
+        [s + min(j, int(k)) for j in range(4)] for s, k in zip(starts, m.tolist())]
+    plan = (torch.from_numpy(mp), torch.from_numpy(index))
+    planned = verify(target, proposal, m.numpy(), greedy=torch.tensor(greedy), uniforms=u, plan=plan)
+    assert torch.equal(ref.output_ids, planned.output_ids) and torch.equal(ref.num_accepted, planned.num_accepted)
+    with pytest.raises(DSparkInputError, match="rows"):
+        verify(target[:-1], proposal, m.numpy(), greedy=True, plan=plan)
+    with pytest.raises(DSparkInputError, match="values in"):
+        verify(target, proposal, (m + 3).numpy(), greedy=True, plan=plan)
+    with pytest.raises(DSparkInputError, match="plan"):
+        verify(target, proposal, m.numpy(), greedy=True, plan=(plan[0][:-1], plan[1]))
 
 
 def test_sampled_verify_reads_only_the_rows_it_needs_and_accept_prob_is_optional():

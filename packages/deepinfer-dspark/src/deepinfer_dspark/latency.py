@@ -81,6 +81,7 @@ class LatencyModel:
         self._profile = list(seconds)  # the points before any online correction
         self._correction = (0.0, 0.0)  # (a, b) of the online correction: points = profile + a + b * size / last
         self._hull: np.ndarray | None = None  # the profile's lower convex hull at Q = 0 .. last (`host_convex_curve`)
+        self._hull_points: tuple[list[int], list[float]] = ([], [])  # its vertices, for Q past the last size
         self._sums = [0.0] * 5  # decayed sums of w, w x, w x^2, w e, w x e (x = q / the last size, e = the error)
 
     @property

@@ -105,13 +105,16 @@ def _plan(num_drafts: Sequence[int] | Tensor | np.ndarray, batch: int, width: in
     host = num_drafts.numpy() if isinstance(num_drafts, Tensor) else num_drafts
     if np.shape(host) != (batch,):
         raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {np.shape(host)}")
-    m, index, rows = row_plan(host, width)
-    _check_counts(0, 0, rows, width, num_rows)
-    if given is not None:
+    if given is not None:  # the caller built the index from these counts (`row_plan`): the checks only
         if tuple(given[0].shape) != (batch,) or tuple(given[1].shape) != (batch, width + 1):
             raise DSparkInputError(f"plan: expected [{batch}] and [{batch}, {width + 1}] tensors, found "
                                    f"{tuple(given[0].shape)} / {tuple(given[1].shape)}")
+        m = np.asarray(host).astype(np.int64, copy=False)
+        lo, hi = (int(m.min()), int(m.max())) if batch else (0, 0)
+        _check_counts(lo, hi, int(m.sum()) + batch, width, num_rows)
         return given
+    m, index, rows = row_plan(host, width)
+    _check_counts(0, 0, rows, width, num_rows)
     packed = torch.from_numpy(np.concatenate([m, index.reshape(-1)]))
     packed = packed.to(device, non_blocking=device.type == "cuda")
     return packed[:batch], packed[batch:].view(batch, width + 1)

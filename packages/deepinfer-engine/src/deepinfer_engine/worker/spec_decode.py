@@ -54,6 +54,7 @@ from torch import Tensor
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
+from deepinfer_engine.worker.spec_profile import profile_cost_curves
 from deepinfer_engine.worker.staging import HostStaging
 
 __all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
@@ -683,7 +684,7 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         if fixed is not None:
             latency, online = LatencyModel.affine(fixed[0], fixed[1], max_tokens), False
         else:
-            latency, batch_latency = _profile(model, cache, graphs, config, k, num_pages, device)
+            latency, batch_latency = profile_cost_curves(model, cache, graphs, config, k, num_pages, device)
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k,
                           batch_latency=batch_latency)
@@ -692,34 +693,6 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         decoder.capture_clock = lambda: graphs.stats.capture_s
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
     return decoder, k
-
-
-def _profile(model: Any, cache: Any, graphs: Any, config: Any, k: int, num_pages: int, device: torch.device
-             ) -> tuple[LatencyModel, dict[int, LatencyModel]]:  # fmt: skip
-    """The cost policy's start-up curves (worker/spec_profile.py): T(Q), and with CUDA graphs one curve per
-    graph batch bucket of 16 sequences or more. The profile's steps are verify chunks of up to k drafts (k + 1
-    rows, the graphs' longest sequence); afterwards every slot is left fresh (no request holds these rows)."""
-    from deepinfer_engine.worker.spec_profile import (
-        batch_profile_sizes,
-        profile_batch_latency,
-        profile_target_latency,
-        profiled_forward,
-    )
-
-    sched = config.scheduler
-    max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1))
-    forward = profiled_forward(model, cache, graphs, tuple(model.args.dspark_target_layer_ids), k + 1)
-    latency = profile_target_latency(forward, block_size=k, max_tokens=max_tokens, num_slots=cache.num_slots,
-                                     pages=num_pages, page_size=cache.page_size, device=device)
-    by_batch = {}
-    if graphs is not None:
-        sizes = batch_profile_sizes(graphs.batch_sizes, k + 1, max_tokens=max_tokens, num_slots=cache.num_slots,
-                                    pages=num_pages, page_size=cache.page_size)
-        by_batch = profile_batch_latency(forward, sizes, per=k + 1, page_size=cache.page_size, device=device)
-    for s in range(cache.num_slots):
-        cache.reset_slot(s)
-        cache.high_water[s] = 0
-    return latency, by_batch
 
 
 def _build_mtp(spec: Any, model: Any, cache: Any, graphs: Any = None) -> tuple[SpecDecoder, int]:

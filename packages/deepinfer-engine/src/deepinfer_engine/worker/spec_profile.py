@@ -24,8 +24,8 @@ from deepinfer_dspark import LatencyModel
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.worker.cuda_graph import VERIFY_CAPTURE_AFTER, verify_row_sizes
 
-__all__ = ["BATCH_PROFILE_MIN", "batch_profile_sizes", "profile_batch_latency", "profile_target_latency",
-           "profiled_forward"]
+__all__ = ["BATCH_PROFILE_MIN", "batch_profile_sizes", "profile_batch_latency", "profile_cost_curves",
+           "profile_target_latency", "profiled_forward"]
 
 # graph batch buckets below this many sequences get no curve of their own: their steps are launch-bound (flat, so
 # the policy verifies every draft whatever the curve), and every point costs a graph capture at start-up
@@ -121,3 +121,24 @@ def profiled_forward(model: Any, cache: Any, graphs: Any, capture: tuple[int, ..
         return model.forward_features(batch, cache, capture=capture)
 
     return forward
+
+
+def profile_cost_curves(model: Any, cache: Any, graphs: Any, config: Any, k: int, num_pages: int,
+                        device: torch.device) -> tuple[LatencyModel, dict[int, LatencyModel]]:
+    """The cost policy's start-up curves (worker/spec_profile.py): T(Q), and with CUDA graphs one curve per
+    graph batch bucket of 16 sequences or more. The profile's steps are verify chunks of up to k drafts (k + 1
+    rows, the graphs' longest sequence); afterwards every slot is left fresh (no request holds these rows)."""
+    sched = config.scheduler
+    max_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * (k + 1))
+    forward = profiled_forward(model, cache, graphs, tuple(model.args.dspark_target_layer_ids), k + 1)
+    latency = profile_target_latency(forward, block_size=k, max_tokens=max_tokens, num_slots=cache.num_slots,
+                                     pages=num_pages, page_size=cache.page_size, device=device)
+    by_batch = {}
+    if graphs is not None:
+        sizes = batch_profile_sizes(graphs.batch_sizes, k + 1, max_tokens=max_tokens, num_slots=cache.num_slots,
+                                    pages=num_pages, page_size=cache.page_size)
+        by_batch = profile_batch_latency(forward, sizes, per=k + 1, page_size=cache.page_size, device=device)
+    for s in range(cache.num_slots):
+        cache.reset_slot(s)
+        cache.high_water[s] = 0
+    return latency, by_batch
