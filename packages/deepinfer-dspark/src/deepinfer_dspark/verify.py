@@ -101,7 +101,10 @@ def _plan(num_drafts: Sequence[int] | Tensor | np.ndarray, batch: int, width: in
             raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {tuple(m.shape)}")
         lo, hi, total = (int(v) for v in torch.stack([m.min(), m.max(), m.sum()]).tolist()) if batch else (0, 0, 0)
         _check_counts(lo, hi, total + batch, width, num_rows)
-        return (m.to(device), _row_index(m.to(device), width)) if given is None else given
+        if given is not None:
+            return given
+        m = m.to(device)
+        return m, _row_index(m, width)
     host = num_drafts.numpy() if isinstance(num_drafts, Tensor) else num_drafts
     if np.shape(host) != (batch,):
         raise DSparkInputError(f"num_drafts: expected shape ({batch},) (one per draft_ids row), found {np.shape(host)}")

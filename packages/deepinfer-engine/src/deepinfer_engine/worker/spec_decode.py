@@ -71,7 +71,6 @@ class SpecRound:
     index: dict[str, int]  # req_id -> b
     req_ids: list[str] = field(default_factory=list)
     proposal: DraftProposal | None = None
-    num_drafts: Tensor | None = None  # [B] int64
     drafts_host: list[int] = field(default_factory=list)
     survival_host: np.ndarray | None = None  # [B, N] float64 survivals the policy ranked (None: no confidence head)
     positions: Tensor | None = None  # [B] int64 anchor positions p
@@ -327,7 +326,7 @@ class SpecDecoder:
         rnd.survival_host = None if surv is None else wide[:, n:]
         rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
-        rnd.proposal, rnd.num_drafts = prop, self._staging(device).tensor(m.numpy(), torch.int64)
+        rnd.proposal = prop
         index = rnd.index
         out = []
         for c in chunks:
@@ -367,7 +366,7 @@ class SpecDecoder:
 
     def _staging(self, device: torch.device) -> HostStaging:
         if self._stage is None or self._stage.device != device:
-            self._stage = HostStaging(device, slots=8)  # three stagings a round, two rounds in flight (async)
+            self._stage = HostStaging(device, slots=8)  # two stagings a round, two rounds in flight (async)
         return self._stage
 
     @torch.no_grad()
