@@ -46,7 +46,9 @@
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S,
 #            DSPARK_THRESHOLDS: the fixed thresholds compared, DSPARK_EXTRA_WARM: untimed runs while one still captures,
 #            DSPARK_SPREAD: mixed output lengths, --length-spread; DSPARK_STEADY: --steady STEPS, a window of full-batch
-#            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs)
+#            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs; DSPARK_BENCH=0: tests only)
+#     dspark-profile  scripts/spec_round_time.py --profile on the testbed: host phases and device kernels of a speculative
+#            round (PROFILE_PROMPTS, default 256; PROFILE_TEMPS, default "1 0"; PROFILE_POLICY, default verify_all)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -344,7 +346,7 @@ dspark)
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
     [ "${SPEC_TESTS:-1}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
-        packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py
+        packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py packages/deepinfer-kernels/tests/test_sampling_draw_triton.py
     # the Confidence Head through the fused draft round against the eager sampling (same acceptance, and the same
     # predictions with a survival calibration near 1 expected; CONF_CHECK=0 skips it)
     if [ "${CONF_CHECK:-1}" = 1 ]; then
@@ -352,15 +354,24 @@ dspark)
             step "confidence_check${fused:+_unfused}" 90 python3 scripts/dspark_confidence_check.py --device cuda $fused
         done
     fi
-    step dspark_policies ${DSPARK_LIMIT_S:-420} python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed \
+    [ "${DSPARK_BENCH:-1}" = 1 ] && step dspark_policies ${DSPARK_LIMIT_S:-420} python3 scripts/bench_dspark_policies.py --ckpt .cache/dspark-testbed \
         --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
         --temperature ${DSPARK_TEMPS:-0 1} --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling ${DSPARK_ASYNC:-off} \
         --threshold ${DSPARK_THRESHOLDS:-0.2} --extra-warm-runs ${DSPARK_EXTRA_WARM:-3} --length-spread ${DSPARK_SPREAD:-0} \
         --steady ${DSPARK_STEADY:-0} --cost-variants ${DSPARK_VARIANTS:-} ${DSPARK_MAX_SEQS:+--max-num-seqs $DSPARK_MAX_SEQS} \
         --json "$OUT/dspark_policies.json"
     ;;
+dspark-profile)
+    # where a speculative round's time goes at each batch size: host phases and, with --profile, the device kernels
+    # per round (PROFILE_PROMPTS, PROFILE_TEMPS, PROFILE_POLICY)
+    for p in ${PROFILE_PROMPTS:-256}; do
+        step "spec_round_time_$p" ${PROFILE_LIMIT_S:-240} python3 scripts/spec_round_time.py --ckpt .cache/dspark-testbed \
+            --device cuda --prompts "$p" --temperature ${PROFILE_TEMPS:-1 0} --policy ${PROFILE_POLICY:-verify_all} \
+            --repeats 2 --profile --top 40 --output-json "$OUT/spec_round_time_$p.json"
+    done
+    ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile)" >&2
     exit 2
     ;;
 esac

@@ -18,6 +18,7 @@ turns them into drafts (docs/dspark.md "Proposal"):
 from __future__ import annotations
 
 import torch
+from deepinfer_kernels.sampling import softmax_sample
 from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
@@ -83,12 +84,6 @@ def block_confidence(heads: DraftHeads, hidden: Tensor, e: Tensor, greedy: Tenso
         return scored(w, True)
     c = scored(heads.confidence, False)
     return torch.where(greedy.to(c.device)[:, None], scored(w, True), c)
-
-
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    cdf = torch.cumsum(probs, dim=-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return idx.clamp(max=probs.shape[-1] - 1)
 
 
 def check_sampling(batch: int, temperature: Tensor | None, seeds: Tensor | None) -> tuple[bool, bool]:
@@ -164,38 +159,30 @@ def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor,
     # whole of it at once), so everything that does not depend on the previous draft is done once per block
     w2t = heads.markov_head.float().T
     any_sampled = temp is not None
+    vocab = base.shape[-1]
+    draft_probs = None
+    u = None
     if any_sampled:
-        sampled = temp > 0
-        safe_t = torch.where(sampled, temp, torch.ones_like(temp))[:, None]
         offsets = torch.arange(1, width + 1, device=device)
         u = counter_uniforms(seeds, pos[:, None] + offsets[None, :], DRAW_DRAFT)  # [B, N]
-    ids, embeds, probs, greedy_ids, logits_out = [], [], [], [], []
+        draft_probs = probs_out if probs_out is not None else torch.empty(batch, width, vocab, device=device)
+    ids, embeds, logits_out = [], [], []
     for i in range(width):
         e = heads.markov_embed[prev]
-        logits = base[:, i].float() + e.float() @ w2t  # = markov_bias(heads, prev)
-        greedy_tok = logits.argmax(-1)
-        if any_sampled:
-            p = torch.softmax(logits / safe_t, dim=-1)
-            tok = torch.where(sampled, _inverse_cdf(p, u[:, i]), greedy_tok)
-            probs.append(p)
-            greedy_ids.append(greedy_tok)
-        else:
-            tok = greedy_tok
+        # = base + markov_bias(heads, prev), written where the draw leaves this position's distribution
+        logits = torch.addmm(base[:, i].float(), e.float(), w2t,
+                             out=draft_probs[:, i] if draft_probs is not None else None)
         if keep_logits:
-            logits_out.append(logits)
+            logits_out.append(logits.clone())
+        # one draw per row: the inverse CDF of softmax(logits / T), or the argmax of a greedy row; the
+        # distribution (one-hot on greedy rows) overwrites the logits in place
+        tok, _ = softmax_sample(logits, temp, None if u is None else u[:, i].contiguous(),
+                                probs_out=logits if any_sampled else None)
         embeds.append(e)
         ids.append(tok)
         prev = tok
-    draft_probs = None
-    if any_sampled:
-        draft_probs = torch.stack(probs, 1, out=probs_out)
-        if not all_sampled:  # greedy rows of a mixed batch: one-hot at their argmax
-            greedy = ~sampled[:, None, None]
-            draft_probs.masked_fill_(greedy, 0.0)
-            draft_probs.scatter_add_(2, torch.stack(greedy_ids, 1)[..., None],
-                                     greedy.expand(batch, width, 1).to(draft_probs.dtype))
     # greedy requests read the greedy head / STS set (when the heads have one)
-    greedy_rows = None if all_sampled else (~sampled if any_sampled else True)
+    greedy_rows = None if all_sampled else (~(temp > 0) if any_sampled else True)
     return DraftProposal(
         draft_ids=torch.stack(ids, 1),
         draft_probs=draft_probs,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from deepinfer_kernels.sampling import inverse_cdf_sample
 from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
@@ -204,15 +205,6 @@ def verify_uniforms(
     return out
 
 
-def _sample_inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
-    """Token ids `[B]` from unnormalised non-negative `weights [B, V]` and uniforms `u [B]` in [0, 1): the first id
-    whose cumulative weight exceeds u * total (zero-weight ids are never chosen)."""
-    cdf = torch.cumsum(weights, dim=-1)
-    x = (u * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
-    return idx.clamp(max=weights.shape[-1] - 1)
-
-
 def rejection_accept(
     target_probs: Tensor,
     draft_ids: Tensor,
@@ -304,7 +296,7 @@ def _rejection_rows(
         weights = torch.where(rejected[:, None], residual, p_final)
     else:
         weights = p_final
-    final = _sample_inverse_cdf(weights, uniforms[:, width].to(dtype))
+    final = inverse_cdf_sample(weights, uniforms[:, width].to(dtype))
 
     pos = torch.arange(width + 1, device=device)[None, :]
     padded_ids = torch.cat([ids, torch.full((batch, 1), -1, dtype=torch.int64, device=device)], 1)

@@ -1,5 +1,6 @@
-"""Sampling ops (penalties, min-p/top-k/top-p masking, seeded sampling, greedy argmax). Torch references, device
-agnostic and sync-free (CUDA runs use them too); a Triton two-stage greedy argmax for large vocabularies."""
+"""Sampling ops (penalties, min-p/top-k/top-p masking, seeded sampling, greedy argmax, inverse-CDF draws). Torch
+references, device agnostic and sync-free (CUDA runs use them too); Triton two-stage kernels for the greedy argmax
+and the inverse-CDF draws over large vocabularies."""
 
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ __all__ = [
     "apply_penalties",
     "counter_uniform",
     "greedy_argmax",
+    "inverse_cdf_sample",
     "logprobs_topk",
     "mask_logits",
     "sample",
+    "softmax_sample",
     "token_counts",
 ]
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def greedy_argmax(logits: Tensor, *, invalid: int | None = None, backend: str = "auto") -> Tensor:
@@ -42,3 +47,51 @@ def greedy_argmax(logits: Tensor, *, invalid: int | None = None, backend: str = 
 
         return triton_backend.greedy_argmax(logits, invalid=invalid)
     return reference.greedy_argmax(logits, invalid=invalid)
+
+
+def inverse_cdf_sample(weights: Tensor, uniforms: Tensor, *, backend: str = "auto") -> Tensor:
+    """One id per row of unnormalised weights: weights [N, V] float (>= 0), uniforms [N] float32 in [0, 1) ->
+    [N] int64, the first id whose cumulative weight exceeds u * total; zero-weight ids are never chosen, an
+    all-zero row gives V - 1. The Triton kernel (bf16/fp16/fp32) equals the reference up to summation order
+    (`triton_draw`)."""
+    if weights.dim() != 2 or uniforms.shape != weights.shape[:1]:
+        raise ValueError(f"inverse_cdf_sample: expected weights [N, V] and uniforms [N], found "
+                         f"{tuple(weights.shape)} / {tuple(uniforms.shape)}")
+    ok = weights.dtype in _FLOATS and 0 < weights.shape[1] < 2**31 - 1
+    why = f"weights {weights.dtype} [{weights.shape[0]}, {weights.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
+    if resolve_backend("inverse_cdf_sample", backend, weights, uniforms, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.sampling import triton_draw
+
+        return triton_draw.inverse_cdf_sample(weights, uniforms)
+    return reference.inverse_cdf_sample(weights, uniforms)
+
+
+def softmax_sample(logits: Tensor, temperature: Tensor | None = None, uniforms: Tensor | None = None, *,
+                   probs_out: Tensor | None = None, backend: str = "auto") -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Inverse-CDF draw from softmax(logits / temperature) per row, and the row's argmax.
+
+    logits: [N, V] float32, finite (e.g. a draft head's logits); temperature: [N] float32, 0 = a greedy row (its
+    token is the argmax), None = every row greedy; uniforms: [N] float32 in [0, 1), required with temperature.
+    probs_out: [N, V] float32 (may be `logits` itself: overwritten in place) that takes each row's distribution,
+    softmax(logits / T) for sampled rows and one-hot at the argmax for greedy rows; not written without
+    temperature. Returns (tokens [N] int64, argmax [N] int64, ties: the lowest index). The Triton kernel equals
+    the reference up to summation order (`triton_draw`)."""
+    if logits.dim() != 2:
+        raise ValueError(f"softmax_sample: logits must be [N, V], found {tuple(logits.shape)}")
+    n, v = logits.shape
+    if temperature is not None and (temperature.shape != (n,) or uniforms is None or uniforms.shape != (n,)):
+        raise ValueError(f"softmax_sample: expected temperature and uniforms of shape ({n},), found "
+                         f"{None if temperature is None else tuple(temperature.shape)} / "
+                         f"{None if uniforms is None else tuple(uniforms.shape)}")
+    if probs_out is not None and (probs_out.shape != (n, v) or probs_out.dtype != torch.float32):
+        raise ValueError(f"softmax_sample: probs_out must be [{n}, {v}] float32, found {tuple(probs_out.shape)} "
+                         f"{probs_out.dtype}")
+    ok = (logits.dtype == torch.float32 and 0 < v < 2**31 - 1
+          and (probs_out is None or probs_out.stride(-1) == 1))
+    why = f"logits {logits.dtype} [{n}, {v}]; needs float32, 0 < V < 2**31 - 1, probs_out with a contiguous last dim"
+    tensors = [logits] + ([temperature, uniforms] if temperature is not None else [])
+    if resolve_backend("softmax_sample", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.sampling import triton_draw
+
+        return triton_draw.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
+    return reference.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)

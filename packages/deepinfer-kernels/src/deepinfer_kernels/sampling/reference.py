@@ -175,3 +175,40 @@ def greedy_argmax(logits: torch.Tensor, *, invalid: int | None = None) -> torch.
     if invalid is None:
         return ids
     return torch.where(torch.isfinite(logits.amax(dim=-1)), ids, torch.full_like(ids, invalid))
+
+
+def inverse_cdf_sample(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One id per row of unnormalised non-negative `weights [N, V] float`: the first id whose cumulative weight
+    exceeds u * total (`uniforms [N]` in [0, 1)). Zero-weight ids are never chosen; a row whose weights are all
+    zero gives V - 1. Returns [N] int64."""
+    cdf = torch.cumsum(weights, dim=-1)
+    x = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, x, right=True).squeeze(-1)
+    return idx.clamp(max=weights.shape[-1] - 1)
+
+
+def softmax_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
+    *,
+    probs_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw from softmax(logits / temperature), row by row.
+
+    logits: [N, V] float32 (finite); temperature: [N] float32, 0 = greedy row (takes the argmax), None = every row
+    greedy; uniforms: [N] float32 in [0, 1) (with temperature). probs_out: [N, V] float32 (may be `logits`
+    itself) written with each row's distribution: softmax(logits / T) for sampled rows, one-hot at the argmax for
+    greedy rows; not written when temperature is None. Returns (tokens [N] int64, argmax [N] int64; ties: the
+    lowest index)."""
+    best = logits.argmax(dim=-1)
+    if temperature is None:
+        return best, best
+    sampled = temperature > 0
+    safe = torch.where(sampled, temperature, torch.ones_like(temperature)).to(torch.float32)
+    probs = torch.softmax(logits.to(torch.float32) / safe[:, None], dim=-1)
+    tokens = torch.where(sampled, inverse_cdf_sample(probs, uniforms), best)
+    if probs_out is not None:
+        onehot = torch.zeros_like(probs).scatter_(1, best[:, None], 1.0)
+        probs_out.copy_(torch.where(sampled[:, None], probs, onehot))
+    return tokens, best
