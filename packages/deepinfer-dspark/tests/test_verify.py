@@ -8,6 +8,7 @@ import torch
 from deepinfer_dspark import (
     DraftProposal,
     DSparkInputError,
+    TargetLogits,
     greedy_accept,
     probs_from_logits,
     rejection_accept,
@@ -319,6 +320,52 @@ def test_sampled_verify_reads_only_the_rows_it_needs_and_accept_prob_is_optional
         for j in range(int(m[b])):
             want[b, j] = torch.minimum(target[starts[b] + j], q[b, j]).sum()
     torch.testing.assert_close(verify(target, proposal, m, greedy=False, uniforms=u).accept_prob, want)
+
+
+def test_target_logits_give_the_probabilities_results_without_a_distribution_of_every_row():
+    """`TargetLogits` (the engine's sampled rounds without top-k / top-p / min-p): the same tokens and counts as the
+    softmax of every row at the same uniforms, mixed greedy rows included, the analytic accept_prob within fp32
+    rounding; and verification writes no [R, V] tensor (only the B correction rows are softmaxed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.numel = max(self.numel, t.numel())
+            return out
+
+    batch, width, vocab = 6, 5, 300
+    g = torch.Generator().manual_seed(7)
+    m = torch.tensor([5, 0, 3, 5, 2, 1])
+    rows = int((m + 1).sum())
+    logits = 3 * torch.randn(rows, vocab, generator=g)
+    temps = torch.tensor([1.0, 0.6, 1.4, 1.0, 0.8, 2.0]).repeat_interleave(m + 1)
+    probs = torch.softmax(logits / temps[:, None], -1)
+    q = torch.softmax(torch.randn(batch, width, vocab, generator=g), -1)
+    # drafts that the target likes, so that long accepted prefixes occur
+    drafts = torch.stack([probs[torch.clamp(torch.arange(width) + int(s), max=int(s + k))].argmax(-1)
+                          for s, k in zip(torch.cumsum(m + 1, 0) - (m + 1), m)])
+    proposal = DraftProposal(draft_ids=drafts, draft_probs=q)
+    lse = torch.logsumexp(logits / temps[:, None], -1)
+    target = TargetLogits(logits=logits, temperature=temps, lse=lse)
+    for seed in range(20):
+        u = verify_uniforms(m, width, torch.Generator().manual_seed(seed))
+        for greedy in ([False] * batch, [True, False, False, True, False, True]):
+            want = verify(probs, proposal, m.tolist(), greedy=torch.tensor(greedy), uniforms=u)
+            got = verify(target, proposal, m.tolist(), greedy=torch.tensor(greedy), uniforms=u,
+                         argmax=logits.argmax(-1))
+            assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.output_ids, want.output_ids)
+            torch.testing.assert_close(got.accept_prob, want.accept_prob)
+    assert int(want.num_accepted.max()) >= 2
+    with Largest() as seen:
+        verify(target, proposal, m.tolist(), greedy=False, uniforms=u, accept_prob=False)
+    assert seen.numel <= batch * vocab < rows * vocab
 
 
 def test_zero_drafts_samples_from_target_row():

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.sampling import inverse_cdf_sample, reference, softmax_sample
+from deepinfer_kernels.sampling import inverse_cdf_sample, logsumexp_rows, reference, softmax_sample
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -155,3 +155,24 @@ def test_gpu_draws(v, n):
     got = inverse_cdf_sample(w, u, backend="triton")
     _assert_valid_draws(w, u, got)
     assert int((got != reference.inverse_cdf_sample(w, u)).sum()) <= max(1, n // 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("v", [5, 4097, 129280])
+def test_logsumexp_rows(interp, v, dtype):
+    x = _logits(7, v, v).to(dtype)
+    t = torch.tensor([1.0, 0.7, 0.05, 2.0, 1.0, 0.3, 1.0])
+    got = interp.logsumexp_rows(x, t)
+    want = reference.logsumexp_rows(x, t)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(logsumexp_rows(x, t), want)  # CPU auto: the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gpu_logsumexp_rows(dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = (4 * torch.randn(1536, 129280, device="cuda", generator=g)).to(dtype)
+    t = torch.rand(1536, device="cuda", generator=g) * 2 + 0.02
+    torch.testing.assert_close(logsumexp_rows(x, t, backend="triton"), reference.logsumexp_rows(x, t),
+                               rtol=1e-6, atol=1e-5)

@@ -36,6 +36,7 @@ from deepinfer_dspark.schedule import (
 from deepinfer_dspark.stats import AcceptanceStats
 from deepinfer_dspark.verify import (
     AcceptResult,
+    TargetLogits,
     greedy_accept,
     probs_from_logits,
     rejection_accept,
@@ -56,6 +57,7 @@ __all__ = [
     "FLAT_SIGMAS",
     "POLICIES",
     "AcceptResult",
+    "TargetLogits",
     "AcceptanceStats",
     "DSparkConfig",
     "DSparkConfigError",

@@ -27,7 +27,7 @@ from torch import Tensor
 from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.protocol import DraftProposal
 
-__all__ = ["AcceptResult", "greedy_accept", "probs_from_logits", "rejection_accept", "row_plan", "verify",
+__all__ = ["AcceptResult", "TargetLogits", "greedy_accept", "probs_from_logits", "rejection_accept", "row_plan", "verify",
            "verify_uniforms"]
 
 
@@ -68,6 +68,29 @@ class AcceptResult:
         rows = self.output_ids.tolist()
         counts = self.num_emitted.tolist()
         return [row[:n] for row, n in zip(rows, counts)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TargetLogits:
+    """Sampled target rows given as logits, for `verify` / `_rejection_rows`: p[r] = softmax(logits[r] / T[r]) is
+    read only where verification needs it (one value per verified draft, one row per request), so the [R, V]
+    distribution of every row is never written (at 1,536 rows of 129,280 entries that was several fp32 passes of
+    0.8 GB each). Without top-k / top-p / min-p: those need the masked distribution of every row.
+
+    logits: `[R, V]` float (bf16 read as is); temperature: `[R] float32` > 0; lse: `[R] float32`
+    log sum_v exp(logits / T) (`deepinfer_kernels.sampling.logsumexp_rows`)."""
+
+    logits: Tensor
+    temperature: Tensor
+    lse: Tensor
+
+    def at(self, rows: Tensor, ids: Tensor) -> Tensor:
+        """p[rows, ids] (float32, any matching index shapes)."""
+        return torch.exp(self.logits[rows, ids].float() / self.temperature[rows] - self.lse[rows])
+
+    def rows(self, rows: Tensor) -> Tensor:
+        """p[rows] (`[..., V] float32`)."""
+        return torch.softmax(self.logits[rows].float() / self.temperature[rows][..., None], dim=-1)
 
 
 def row_plan(num_drafts: Sequence[int] | np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -255,7 +278,7 @@ def rejection_accept(
 
 
 def _rejection_rows(
-    target_probs: Tensor, index: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor, uniforms: Tensor,
+    target_probs: Tensor | TargetLogits, index: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor, uniforms: Tensor,
     alpha: float, check_ids: bool = True, accept_prob: bool = True,
 ) -> AcceptResult:
     """Core of `rejection_accept` on the varlen target rows `[R, V]` and their `[B, N + 1]` index (`_row_index`).
@@ -266,12 +289,16 @@ def _rejection_rows(
     verified (docs/perf.md, "DSpark in steady state").
     check_ids: range-check the verified draft ids (one device read; callers that drafted them from this vocabulary
     skip it). accept_prob: also the analytic acceptance probability of every verified position (`AcceptResult`; a
-    pass over `[B, N, V]` of both distributions, for statistics only)."""
+    pass over `[B, N, V]` of both distributions, for statistics only). target_probs: the rows' probabilities, or
+    `TargetLogits` (probabilities computed where read)."""
     batch, width = draft_ids.shape
-    device = target_probs.device
-    vocab = target_probs.shape[-1]
-    dtype = torch.promote_types(torch.promote_types(target_probs.dtype, draft_probs.dtype), torch.float32)
-    p = target_probs.to(dtype)
+    logits = isinstance(target_probs, TargetLogits)
+    rows_of = target_probs.logits if logits else target_probs
+    device = rows_of.device
+    vocab = rows_of.shape[-1]
+    dtype = torch.promote_types(torch.promote_types(torch.float32 if logits else rows_of.dtype, draft_probs.dtype),
+                                torch.float32)
+    p = None if logits else target_probs.to(dtype)
     q = draft_probs.to(dtype)
     ids = draft_ids.to(device, torch.int64)
     index = index.to(device)
@@ -280,13 +307,14 @@ def _rejection_rows(
     safe_ids = torch.where(verified, ids, torch.zeros_like(ids))
     if check_ids and bool(((safe_ids < 0) | (safe_ids >= vocab)).any()):
         raise DSparkInputError(f"draft_ids: expected ids in [0, {vocab}) at verified positions")
-    p_d = p[index[:, :width], safe_ids]  # [B, N]
+    p_d = target_probs.at(index[:, :width], safe_ids).to(dtype) if logits else p[index[:, :width], safe_ids]  # [B, N]
     q_d = q.gather(-1, safe_ids[..., None]).squeeze(-1)
     accept = (uniforms[:, :width].to(dtype) * q_d < p_d) & verified
     num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(1)  # [B]
 
     rows = torch.arange(batch, device=device)
-    p_final = p[index[rows, num_accepted]]  # [B, V]: row of the correction / bonus token
+    final_rows = index[rows, num_accepted]
+    p_final = target_probs.rows(final_rows).to(dtype) if logits else p[final_rows]  # [B, V]: correction / bonus row
     rejected = num_accepted < m
     if width > 0:
         q_final = q[rows, num_accepted.clamp(max=width - 1)]
@@ -304,12 +332,13 @@ def _rejection_rows(
     output = torch.where(pos == num_accepted[:, None], final[:, None], output)
     if not accept_prob:
         return AcceptResult(output_ids=output, num_accepted=num_accepted)
-    prob = torch.where(verified, torch.minimum(p[index[:, :width]], q).sum(-1), torch.zeros_like(p_d))
+    p_all = target_probs.rows(index[:, :width]).to(dtype) if logits else p[index[:, :width]]
+    prob = torch.where(verified, torch.minimum(p_all, q).sum(-1), torch.zeros_like(p_d))
     return AcceptResult(output_ids=output, num_accepted=num_accepted, accept_prob=prob.to(torch.float32))
 
 
 def verify(
-    target_probs: Tensor,
+    target_probs: Tensor | TargetLogits,
     proposal: DraftProposal,
     num_drafts: Sequence[int] | Tensor,
     *,
@@ -325,7 +354,8 @@ def verify(
     """Verify a proposal for a batch that mixes greedy and sampled requests.
 
     target_probs: `[R, V]` varlen target rows (see module docstring): probabilities for sampled requests; for greedy
-        requests only the argmax is used, so softmax(logits) at any temperature > 0 works.
+        requests only the argmax is used, so softmax(logits) at any temperature > 0 works. Or `TargetLogits`: the
+        rows' logits, read where needed (greedy rows then take `argmax`, or the logits' argmax).
     proposal: the `DraftProposal` of this round; only its first num_drafts[b] drafts are verified. Its draft_probs
         are required when any request samples.
     num_drafts / greedy: `[B]` values, or True / False for the whole batch. Passed on the host (sequences or CPU
@@ -342,10 +372,11 @@ def verify(
     """
     draft_ids = proposal.draft_ids
     batch, width = draft_ids.shape
-    device = target_probs.device
-    if target_probs.dim() != 2:
-        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(target_probs.shape)}")
-    m, index = _plan(num_drafts, batch, width, device, target_probs.shape[0], plan)  # [B], [B, N + 1]
+    rows_of = target_probs.logits if isinstance(target_probs, TargetLogits) else target_probs
+    device = rows_of.device
+    if rows_of.dim() != 2:
+        raise DSparkInputError(f"target: expected [rows, vocab], found {tuple(rows_of.shape)}")
+    m, index = _plan(num_drafts, batch, width, device, rows_of.shape[0], plan)  # [B], [B, N + 1]
     host_mask = torch.as_tensor(greedy, dtype=torch.bool)
     if host_mask.dim() > 1 or (host_mask.dim() == 1 and host_mask.shape[0] != batch):
         raise DSparkInputError(
@@ -355,13 +386,13 @@ def verify(
         raise DSparkInputError(f"generators: expected one per request ({batch}), found {len(generators)}")
     sampled_host = (~host_mask).nonzero().squeeze(-1)
     greedy_host = host_mask.nonzero().squeeze(-1)
-    if argmax is not None and argmax.shape != (target_probs.shape[0],):
-        raise DSparkInputError(f"argmax: expected [{target_probs.shape[0]}] (one per target row), found "
+    if argmax is not None and argmax.shape != (rows_of.shape[0],):
+        raise DSparkInputError(f"argmax: expected [{rows_of.shape[0]}] (one per target row), found "
                                f"{tuple(argmax.shape)}")
 
     def greedy_result(rows: Tensor | None) -> AcceptResult:  # rows None: every request (no row gathers)
         idx = index if rows is None else index[rows]
-        best = argmax[idx] if argmax is not None else target_probs[idx].argmax(-1)
+        best = argmax[idx] if argmax is not None else rows_of[idx].argmax(-1)
         return _greedy_best(best, draft_ids if rows is None else draft_ids[rows], m if rows is None else m[rows])
 
     if sampled_host.numel() == 0:

@@ -40,6 +40,7 @@ from deepinfer_dspark import (
     DSparkInputError,
     LatencyModel,
     StepPadding,
+    TargetLogits,
     VerifyPolicy,
     allocate,
     propose,
@@ -48,7 +49,7 @@ from deepinfer_dspark import (
     verify,
     verify_counter_uniforms_host,
 )
-from deepinfer_kernels.sampling import mask_logits
+from deepinfer_kernels.sampling import logsumexp_rows, mask_logits
 from torch import Tensor
 
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
@@ -423,7 +424,13 @@ class SpecDecoder:
         # skips an fp32 copy of every row (1,536 x 129,280 x 4 bytes written and read again at 256 requests)
         top, best = raw.max(-1)
         bad = ~torch.isfinite(top)
-        target = self._target(raw.float(), rnd, per_row) if sampled else raw
+        if not sampled:
+            target = raw
+        elif "top_k" in per_row:  # masks need the distribution of every row
+            target = self._target(raw.float(), rnd, per_row)
+        else:  # probabilities read where verification needs them: no softmax of every row (`TargetLogits`)
+            temps = per_row["temperature"]
+            target = TargetLogits(logits=raw, temperature=temps, lse=logsumexp_rows(raw, temps))
         # host num_drafts / greedy flags: verify checks and splits them without device reads; the drafts come
         # from this vocabulary, so their range check is skipped
         # accept_prob=False: the analytic acceptance is a pass over [B, N, V] that only offline statistics read

@@ -24,6 +24,7 @@ __all__ = [
     "greedy_argmax",
     "inverse_cdf_sample",
     "logprobs_topk",
+    "logsumexp_rows",
     "mask_logits",
     "sample",
     "softmax_sample",
@@ -95,3 +96,19 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None = None, uniforms: 
 
         return triton_draw.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
     return reference.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
+
+
+def logsumexp_rows(logits: Tensor, temperature: Tensor, *, backend: str = "auto") -> Tensor:
+    """log sum_v exp(logits / T) per row: logits [R, V] float (bf16 read as is), temperature [R] float32 > 0 ->
+    [R] float32. p[r, v] = exp(logits[r, v] / T[r] - lse[r]) then costs a gather, not a softmax of every row (the
+    Triton kernel reads the logits once and writes nothing of [R, V])."""
+    if logits.dim() != 2 or temperature.shape != logits.shape[:1]:
+        raise ValueError(f"logsumexp_rows: expected logits [R, V] and temperature [R], found {tuple(logits.shape)} "
+                         f"/ {tuple(temperature.shape)}")
+    ok = logits.dtype in _FLOATS and 0 < logits.shape[1] < 2**31 - 1
+    why = f"logits {logits.dtype} [{logits.shape[0]}, {logits.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
+    if resolve_backend("logsumexp_rows", backend, logits, temperature, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.sampling import triton_draw
+
+        return triton_draw.logsumexp_rows(logits, temperature)
+    return reference.logsumexp_rows(logits, temperature)

@@ -212,3 +212,10 @@ def softmax_sample(
         onehot = torch.zeros_like(probs).scatter_(1, best[:, None], 1.0)
         probs_out.copy_(torch.where(sampled[:, None], probs, onehot))
     return tokens, best
+
+
+def logsumexp_rows(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """log sum_v exp(logits[r, v] / temperature[r]) per row: logits [R, V] float, temperature [R] float32 > 0 ->
+    [R] float32. With it, p[r, v] = exp(logits[r, v] / T[r] - lse[r]) is read where needed, without writing the
+    distribution of every row."""
+    return torch.logsumexp(logits.to(torch.float32) / temperature.to(torch.float32)[:, None], dim=-1)

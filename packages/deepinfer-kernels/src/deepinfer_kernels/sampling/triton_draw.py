@@ -19,7 +19,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 
-__all__ = ["CHUNK", "inverse_cdf_sample", "softmax_sample"]
+__all__ = ["CHUNK", "inverse_cdf_sample", "logsumexp_rows", "softmax_sample"]
 
 CHUNK = 4096  # entries of a row per program (32 chunks for the 129,280-entry vocabulary)
 _BIG = tl.constexpr(2**31 - 1)  # an index past every row (V < 2**31)
@@ -135,6 +135,20 @@ def _softmax_probs_kernel(x_ptr, t_ptr, stat_ptr, best_ptr, out_ptr, V, stride_x
     tl.store(out_ptr + row * stride_o + offs, tl.where(t > 0, q, onehot), mask=ok)
 
 
+@triton.jit(do_not_specialize=["C"])
+def _lse_combine_kernel(t_ptr, max_ptr, sum_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    co = tl.arange(0, BLOCK_C)
+    okc = co < C
+    mc = tl.load(max_ptr + row * C + co, mask=okc, other=float("-inf"))
+    sc = tl.load(sum_ptr + row * C + co, mask=okc, other=0.0)
+    t = tl.load(t_ptr + row)
+    ts = tl.where(t > 0, t, 1.0)
+    top = tl.max(mc, 0)
+    z = tl.sum(tl.where(okc & (mc > float("-inf")), sc * tl.exp(tl.math.div_rn(mc, ts) - tl.math.div_rn(top, ts)), 0.0), 0)
+    tl.store(out_ptr + row, tl.math.div_rn(top, ts) + tl.log(z))
+
+
 def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -187,3 +201,24 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None, uniforms: Tensor 
         _softmax_probs_kernel[(n, c)](x, t, stats, best, probs_out, v, x.stride(0), probs_out.stride(0), BLOCK=block,
                                       num_warps=warps)  # fmt: skip
     return tokens, best
+
+
+def logsumexp_rows(logits: Tensor, temperature: Tensor) -> Tensor:
+    """logits [R, V] bf16|fp16|fp32, temperature [R] float32 > 0 -> [R] float32 (`reference.logsumexp_rows`): one
+    read of the logits (the chunk statistics of `softmax_sample`), nothing of [R, V] written."""
+    n, v = logits.shape
+    out = torch.empty((n,), dtype=torch.float32, device=logits.device)
+    if n == 0:
+        return out
+    x = _rows(logits)
+    t = temperature.to(torch.float32).contiguous()
+    check_launchable("logsumexp_rows", _softmax_stats_kernel, x, t)
+    block = min(CHUNK, next_pow2(v))
+    c = cdiv(v, block)
+    maxes = torch.empty((n, c), dtype=torch.float32, device=x.device)
+    args = torch.empty((n, c), dtype=torch.int32, device=x.device)
+    sums = torch.empty((n, c), dtype=torch.float32, device=x.device)
+    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), SAMPLED=True, BLOCK=block,
+                                  num_warps=8 if block >= 2048 else 4)  # fmt: skip
+    _lse_combine_kernel[(n,)](t, maxes, sums, out, c, BLOCK_C=next_pow2(c), num_warps=1)
+    return out
