@@ -16,6 +16,7 @@ from deepinfer_dspark import (
     verify,
     verify_uniforms,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 V = 5
 # chi-square critical values at significance 1e-3 by degrees of freedom (standard table).
@@ -279,24 +280,25 @@ def test_verify_with_host_inputs_and_given_argmax_matches_the_plain_call():
         verify(target, proposal, m.numpy(), greedy=True, plan=(plan[0][:-1], plan[1]))
 
 
+class Largest(TorchDispatchMode):
+    """Records the largest tensor any op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.numel = max(self.numel, t.numel())
+        return out
+
+
 def test_sampled_verify_reads_only_the_rows_it_needs_and_accept_prob_is_optional():
     """Sampled verification gathers one value per (request, draft) and one row per request, never a copy of every
     (request, position) row: no op makes a tensor of B x (N + 1) vocabulary rows. accept_prob=False drops the
     statistics' [B, N, V] pass and changes no token."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.numel = max(self.numel, t.numel())
-            return out
-
     batch, width, vocab = 4, 5, 64
     m = torch.tensor([0, 1, 2, 5])
     rows = int((m + 1).sum())  # 12 of the 24 padded (request, position) rows
@@ -326,20 +328,6 @@ def test_target_logits_give_the_probabilities_results_without_a_distribution_of_
     """`TargetLogits` (the engine's sampled rounds without top-k / top-p / min-p): the same tokens and counts as the
     softmax of every row at the same uniforms, mixed greedy rows included, the analytic accept_prob within fp32
     rounding; and verification writes no [R, V] tensor (only the B correction rows are softmaxed)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Largest(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numel = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor):
-                    self.numel = max(self.numel, t.numel())
-            return out
-
     batch, width, vocab = 6, 5, 300
     g = torch.Generator().manual_seed(7)
     m = torch.tensor([5, 0, 3, 5, 2, 1])

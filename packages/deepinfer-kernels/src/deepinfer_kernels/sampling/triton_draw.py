@@ -153,6 +153,24 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _grid(v: int) -> tuple[int, int, int]:
+    """(chunk entries, chunks per row, warps) for rows of v entries."""
+    block = min(CHUNK, next_pow2(v))
+    return block, cdiv(v, block), 8 if block >= 2048 else 4
+
+
+def _chunk_stats(x: Tensor, t: Tensor, sampled: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Per (row, chunk) max, first argmax and (sampled) sum of exp((x - max) / T): `[N, C]` each."""
+    n, v = x.shape
+    block, c, warps = _grid(v)
+    maxes = torch.empty((n, c), dtype=torch.float32, device=x.device)
+    args = torch.empty((n, c), dtype=torch.int32, device=x.device)
+    sums = torch.empty((n, c), dtype=torch.float32, device=x.device) if sampled else maxes
+    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), SAMPLED=sampled, BLOCK=block,
+                                  num_warps=warps)  # fmt: skip
+    return maxes, args, sums
+
+
 def inverse_cdf_sample(weights: Tensor, uniforms: Tensor) -> Tensor:
     """weights [N, V] bf16|fp16|fp32 (>= 0), uniforms [N] float32 -> [N] int64 (`reference.inverse_cdf_sample`)."""
     n, v = weights.shape
@@ -162,10 +180,8 @@ def inverse_cdf_sample(weights: Tensor, uniforms: Tensor) -> Tensor:
     w = _rows(weights)
     u = uniforms.to(torch.float32).contiguous()
     check_launchable("inverse_cdf_sample", _weight_sums_kernel, w, u)
-    block = min(CHUNK, next_pow2(v))
-    c = cdiv(v, block)
+    block, c, warps = _grid(v)
     sums = torch.empty((n, c), dtype=torch.float32, device=w.device)
-    warps = 8 if block >= 2048 else 4
     _weight_sums_kernel[(n, c)](w, sums, v, c, w.stride(0), BLOCK=block, num_warps=warps)
     _weight_pick_kernel[(n,)](w, u, sums, out, v, c, w.stride(0), BLOCK=block, BLOCK_C=next_pow2(c), num_warps=warps)
     return out
@@ -186,15 +202,9 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None, uniforms: Tensor 
     t = temperature.to(torch.float32).contiguous() if sampled else x  # unread placeholders when greedy
     u = uniforms.to(torch.float32).contiguous() if sampled else x
     check_launchable("softmax_sample", _softmax_stats_kernel, x, t, u)
-    block = min(CHUNK, next_pow2(v))
-    c = cdiv(v, block)
-    warps = 8 if block >= 2048 else 4
-    maxes = torch.empty((n, c), dtype=torch.float32, device=dev)
-    args = torch.empty((n, c), dtype=torch.int32, device=dev)
-    sums = torch.empty((n, c), dtype=torch.float32, device=dev) if sampled else maxes
+    block, c, warps = _grid(v)
+    maxes, args, sums = _chunk_stats(x, t, sampled)
     stats = torch.empty((n, 2), dtype=torch.float32, device=dev) if sampled else maxes
-    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), SAMPLED=sampled, BLOCK=block,
-                                  num_warps=warps)  # fmt: skip
     _softmax_pick_kernel[(n,)](x, t, u, maxes, args, sums, tokens, best, stats, v, c, x.stride(0), SAMPLED=sampled,
                                BLOCK=block, BLOCK_C=next_pow2(c), num_warps=warps)  # fmt: skip
     if sampled and probs_out is not None:
@@ -213,12 +223,7 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor) -> Tensor:
     x = _rows(logits)
     t = temperature.to(torch.float32).contiguous()
     check_launchable("logsumexp_rows", _softmax_stats_kernel, x, t)
-    block = min(CHUNK, next_pow2(v))
-    c = cdiv(v, block)
-    maxes = torch.empty((n, c), dtype=torch.float32, device=x.device)
-    args = torch.empty((n, c), dtype=torch.int32, device=x.device)
-    sums = torch.empty((n, c), dtype=torch.float32, device=x.device)
-    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), SAMPLED=True, BLOCK=block,
-                                  num_warps=8 if block >= 2048 else 4)  # fmt: skip
+    maxes, _, sums = _chunk_stats(x, t, True)
+    c = maxes.shape[1]
     _lse_combine_kernel[(n,)](t, maxes, sums, out, c, BLOCK_C=next_pow2(c), num_warps=1)
     return out
