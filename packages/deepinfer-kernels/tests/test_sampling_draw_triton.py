@@ -1,4 +1,4 @@
-"""Triton inverse-CDF draws (`sampling.triton_draw`) vs the torch references.
+"""Triton inverse-CDF draws (`sampling/triton.py`) vs the torch references.
 
 The kernels sum in chunks, the references with one row-wide cumsum, so a draw may differ where u * total lies
 within rounding of a CDF step. Every draw is checked to be a valid inverse-CDF draw of the reference's CDF with a
@@ -22,7 +22,7 @@ SLACK = 1e-5
 
 @pytest.fixture(scope="module")
 def interp():
-    with triton_interpreter("deepinfer_kernels.sampling.triton_draw") as (mod,):
+    with triton_interpreter("deepinfer_kernels.sampling.triton") as (mod,):
         yield mod
 
 

@@ -54,16 +54,16 @@ def inverse_cdf_sample(weights: Tensor, uniforms: Tensor, *, backend: str = "aut
     """One id per row of unnormalised weights: weights [N, V] float (>= 0), uniforms [N] float32 in [0, 1) ->
     [N] int64, the first id whose cumulative weight exceeds u * total; zero-weight ids are never chosen, an
     all-zero row gives V - 1. The Triton kernel (bf16/fp16/fp32) equals the reference up to summation order
-    (`triton_draw`)."""
+    (`sampling/triton.py`)."""
     if weights.dim() != 2 or uniforms.shape != weights.shape[:1]:
         raise ValueError(f"inverse_cdf_sample: expected weights [N, V] and uniforms [N], found "
                          f"{tuple(weights.shape)} / {tuple(uniforms.shape)}")
     ok = weights.dtype in _FLOATS and 0 < weights.shape[1] < 2**31 - 1
     why = f"weights {weights.dtype} [{weights.shape[0]}, {weights.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
     if resolve_backend("inverse_cdf_sample", backend, weights, uniforms, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton_draw
+        from deepinfer_kernels.sampling import triton as triton_backend
 
-        return triton_draw.inverse_cdf_sample(weights, uniforms)
+        return triton_backend.inverse_cdf_sample(weights, uniforms)
     return reference.inverse_cdf_sample(weights, uniforms)
 
 
@@ -76,7 +76,7 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None = None, uniforms: 
     probs_out: [N, V] float32 (may be `logits` itself: overwritten in place) that takes each row's distribution,
     softmax(logits / T) for sampled rows and one-hot at the argmax for greedy rows; not written without
     temperature. Returns (tokens [N] int64, argmax [N] int64, ties: the lowest index). The Triton kernel equals
-    the reference up to summation order (`triton_draw`)."""
+    the reference up to summation order (`sampling/triton.py`)."""
     if logits.dim() != 2:
         raise ValueError(f"softmax_sample: logits must be [N, V], found {tuple(logits.shape)}")
     n, v = logits.shape
@@ -92,9 +92,9 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None = None, uniforms: 
     why = f"logits {logits.dtype} [{n}, {v}]; needs float32, 0 < V < 2**31 - 1, probs_out with a contiguous last dim"
     tensors = [logits] + ([temperature, uniforms] if temperature is not None else [])
     if resolve_backend("softmax_sample", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton_draw
+        from deepinfer_kernels.sampling import triton as triton_backend
 
-        return triton_draw.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
+        return triton_backend.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
     return reference.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
 
 
@@ -108,7 +108,7 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor, *, backend: str = "auto"
     ok = logits.dtype in _FLOATS and 0 < logits.shape[1] < 2**31 - 1
     why = f"logits {logits.dtype} [{logits.shape[0]}, {logits.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
     if resolve_backend("logsumexp_rows", backend, logits, temperature, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton_draw
+        from deepinfer_kernels.sampling import triton as triton_backend
 
-        return triton_draw.logsumexp_rows(logits, temperature)
+        return triton_backend.logsumexp_rows(logits, temperature)
     return reference.logsumexp_rows(logits, temperature)
