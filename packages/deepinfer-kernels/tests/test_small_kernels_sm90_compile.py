@@ -25,6 +25,24 @@ for dt, block in (("*fp32", 4096), ("*bf16", 32)):
 for use in (True, False):
     out[f"argmax combine {use}"] = rep(st._combine_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32",
         "out_ptr": "*i64", "C": "i32", "invalid": "i32"}, {"USE_INVALID": use, "BLOCK_C": 32}, num_warps=1)
+# the inverse-CDF draws (drafts: fp32 logits; verification: fp32 weights, bf16 logits for the logsumexp)
+for dt in ("*fp32", "*bf16"):
+    out[f"draw weight sums {dt}"] = rep(st._weight_sums_kernel, {"w_ptr": dt, "sum_ptr": "*fp32", "V": "i32",
+        "C": "i32", "stride_w": "i32"}, {"BLOCK": 4096}, num_warps=8)
+    out[f"draw softmax stats {dt}"] = rep(st._softmax_stats_kernel, {"x_ptr": dt, "t_ptr": "*fp32",
+        "max_ptr": "*fp32", "arg_ptr": "*i32", "sum_ptr": "*fp32", "V": "i32", "C": "i32", "stride_x": "i32"},
+        {"SAMPLED": True, "BLOCK": 4096}, num_warps=8)
+out["draw weight pick"] = rep(st._weight_pick_kernel, {"w_ptr": "*fp32", "u_ptr": "*fp32", "sum_ptr": "*fp32",
+    "out_ptr": "*i64", "V": "i32", "C": "i32", "stride_w": "i32"}, {"BLOCK": 4096, "BLOCK_C": 32}, num_warps=8)
+out["draw softmax pick"] = rep(st._softmax_pick_kernel, {"x_ptr": "*fp32", "t_ptr": "*fp32", "u_ptr": "*fp32",
+    "max_ptr": "*fp32", "arg_ptr": "*i32", "sum_ptr": "*fp32", "tok_ptr": "*i64", "best_ptr": "*i64",
+    "stat_ptr": "*fp32", "V": "i32", "C": "i32", "stride_x": "i32"}, {"SAMPLED": True, "BLOCK": 4096, "BLOCK_C": 32},
+    num_warps=8)
+out["draw softmax probs"] = rep(st._softmax_probs_kernel, {"x_ptr": "*fp32", "t_ptr": "*fp32", "stat_ptr": "*fp32",
+    "best_ptr": "*i64", "out_ptr": "*fp32", "V": "i32", "stride_x": "i32", "stride_o": "i32"}, {"BLOCK": 4096},
+    num_warps=8)
+out["draw lse combine"] = rep(st._lse_combine_kernel, {"t_ptr": "*fp32", "max_ptr": "*fp32", "sum_ptr": "*fp32",
+    "out_ptr": "*fp32", "C": "i32"}, {"BLOCK_C": 32}, num_warps=1)
 out["align pairs"] = rep(mt._align_pairs_kernel, {"ids_ptr": "*i64", "pairs_ptr": "*i32", "bexp_ptr": "*i32",
     "scratch_ptr": "*i32", "P": "i32", "E": "i32", "NB": "i32"}, {"BLOCK_M": 16, "BLOCK_P": 512, "BLOCK_E": 512,
     "LOG_E": 9, "BLOCK_B": 256}, num_warps=4)
@@ -66,7 +84,7 @@ print(json.dumps(out))
 
 def test_small_decode_kernels_compile_for_sm90():
     report = run_compile_script(_SCRIPT)
-    assert len(report) == 17
+    assert len(report) == 25
     for name, r in report.items():
         assert r["stack"] <= 64 and r["shared"] <= 227 * 1024, (name, r)  # align pairs keeps 8 bytes on the stack
 
