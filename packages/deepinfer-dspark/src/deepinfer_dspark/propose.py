@@ -149,9 +149,10 @@ def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor,
     row), or None when every row is greedy; seeds `[B] int64` on the device (with temp). all_sampled: every temp
     is > 0, so every row is scored by the sampled confidence head without a per-row choice; False gives the same
     values for such a batch, which is what a graph captured for any sampled batch uses. The draw itself
-    (`deepinfer_kernels.sampling.softmax_sample`) writes one-hot rows for greedy rows of a mixed batch. divisors: `sts_divisors` by greedy flag (made per call when None). probs_out: a
-    contiguous `[B, N, V] float32` tensor that takes the draft probabilities (CUDA graphs of several batch sizes
-    share one); without a sampled row it is not written."""
+    (`deepinfer_kernels.sampling.softmax_sample`) writes one-hot rows for greedy rows of a mixed batch.
+    divisors: `sts_divisors` by greedy flag (made per call when None). probs_out: a contiguous `[B, N, V] float32`
+    tensor that takes the draft probabilities (CUDA graphs of several batch sizes share one); without a sampled row
+    it is not written."""
     base, hidden = block.base_logits, block.hidden
     batch, width, _ = base.shape
     device = base.device

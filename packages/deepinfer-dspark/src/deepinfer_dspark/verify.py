@@ -27,8 +27,8 @@ from torch import Tensor
 from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.protocol import DraftProposal
 
-__all__ = ["AcceptResult", "TargetLogits", "greedy_accept", "probs_from_logits", "rejection_accept", "row_plan", "verify",
-           "verify_uniforms"]
+__all__ = ["AcceptResult", "TargetLogits", "greedy_accept", "probs_from_logits", "rejection_accept", "row_plan",
+           "verify", "verify_uniforms"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,8 +278,8 @@ def rejection_accept(
 
 
 def _rejection_rows(
-    target_probs: Tensor | TargetLogits, index: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor, uniforms: Tensor,
-    alpha: float, check_ids: bool = True, accept_prob: bool = True,
+    target_probs: Tensor | TargetLogits, index: Tensor, draft_ids: Tensor, draft_probs: Tensor, m: Tensor,
+    uniforms: Tensor, alpha: float, check_ids: bool = True, accept_prob: bool = True,
 ) -> AcceptResult:
     """Core of `rejection_accept` on the varlen target rows `[R, V]` and their `[B, N + 1]` index (`_row_index`).
     Reads the vocabulary-wide rows only where it needs them: the draft's probability per (request, position) is a
@@ -307,7 +307,8 @@ def _rejection_rows(
     safe_ids = torch.where(verified, ids, torch.zeros_like(ids))
     if check_ids and bool(((safe_ids < 0) | (safe_ids >= vocab)).any()):
         raise DSparkInputError(f"draft_ids: expected ids in [0, {vocab}) at verified positions")
-    p_d = target_probs.at(index[:, :width], safe_ids).to(dtype) if logits else p[index[:, :width], safe_ids]  # [B, N]
+    # [B, N]
+    p_d = target_probs.at(index[:, :width], safe_ids).to(dtype) if logits else p[index[:, :width], safe_ids]
     q_d = q.gather(-1, safe_ids[..., None]).squeeze(-1)
     accept = (uniforms[:, :width].to(dtype) * q_d < p_d) & verified
     num_accepted = torch.cumprod(accept.to(torch.int64), dim=1).sum(1)  # [B]

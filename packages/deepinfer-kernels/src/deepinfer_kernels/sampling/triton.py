@@ -5,10 +5,11 @@ NaN; then one program per row combines its chunks. torch's argmax of one row is 
 129,280 entries at batch 1); the chunks spread a row over many programs.
 
 Inverse-CDF draws without a row-wide cumulative sum. torch's draw (softmax, cumsum, searchsorted) writes the
-distribution and its CDF, each a pass over [N, V] in fp32; its scan over 129,280 entries ran at about an eighth of the H200's copy rate in a speculative round. Here a row is
-cut into chunks: per (row, chunk) program the chunk's max, first argmax and sum of exp (or, for plain weights, its
-sum); then one program per row combines its chunks, picks the chunk where u * total falls and scans that chunk
-alone. The distribution, when the caller wants it, is written by a third pass (in place over the logits if asked).
+distribution and its CDF, each a pass over [N, V] in fp32; its scan over 129,280 entries ran at about an eighth of
+the H200's copy rate in a speculative round. Here a row is cut into chunks: per (row, chunk) program the chunk's
+max, first argmax and sum of exp (or, for plain weights, its sum); then one program per row combines its chunks,
+picks the chunk where u * total falls and scans that chunk alone. The distribution, when the caller wants it, is
+written by a third pass (in place over the logits if asked).
 
 Draws equal `reference.inverse_cdf_sample` / `reference.softmax_sample` up to float summation order: a token can
 differ only where u * total lies within rounding of a CDF step (the tests bound it), never on a zero-weight id.
@@ -207,7 +208,8 @@ def _lse_combine_kernel(t_ptr, max_ptr, sum_ptr, out_ptr, C, BLOCK_C: tl.constex
     t = tl.load(t_ptr + row)
     ts = tl.where(t > 0, t, 1.0)
     top = tl.max(mc, 0)
-    z = tl.sum(tl.where(okc & (mc > float("-inf")), sc * tl.exp(tl.math.div_rn(mc, ts) - tl.math.div_rn(top, ts)), 0.0), 0)
+    scale = tl.exp(tl.math.div_rn(mc, ts) - tl.math.div_rn(top, ts))
+    z = tl.sum(tl.where(okc & (mc > float("-inf")), sc * scale, 0.0), 0)
     tl.store(out_ptr + row, tl.math.div_rn(top, ts) + tl.log(z))
 
 
