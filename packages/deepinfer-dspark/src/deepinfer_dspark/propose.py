@@ -154,13 +154,12 @@ def sample_core(block: DraftBlock, heads: DraftHeads, prev: Tensor, pos: Tensor,
     tensor that takes the draft probabilities (CUDA graphs of several batch sizes share one); without a sampled row
     it is not written."""
     base, hidden = block.base_logits, block.hidden
-    batch, width, _ = base.shape
+    batch, width, vocab = base.shape
     device = base.device
     # the loop is sequential (each draft conditions the next bias): eagerly one launch per op (a graph replays the
     # whole of it at once), so everything that does not depend on the previous draft is done once per block
     w2t = heads.markov_head.float().T
     any_sampled = temp is not None
-    vocab = base.shape[-1]
     draft_probs = None
     u = None
     if any_sampled:

@@ -34,6 +34,12 @@ __all__ = [
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _float_rows(name: str, x: Tensor) -> tuple[bool, str]:
+    """(a Triton kernel takes these [N, V] rows, why not): bf16/fp16/fp32 and 0 < V < 2**31 - 1."""
+    ok = x.dtype in _FLOATS and 0 < x.shape[1] < 2**31 - 1
+    return ok, f"{name} {x.dtype} [{x.shape[0]}, {x.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
+
+
 def greedy_argmax(logits: Tensor, *, invalid: int | None = None, backend: str = "auto") -> Tensor:
     """logits [N, V] float -> [N] int64 greedy ids, identical to torch.argmax(dim=-1) (ties: the lowest index;
     NaN is the largest value, the first NaN wins). invalid: id of the rows whose max is not finite (NaN, +Inf,
@@ -58,8 +64,7 @@ def inverse_cdf_sample(weights: Tensor, uniforms: Tensor, *, backend: str = "aut
     if weights.dim() != 2 or uniforms.shape != weights.shape[:1]:
         raise ValueError(f"inverse_cdf_sample: expected weights [N, V] and uniforms [N], found "
                          f"{tuple(weights.shape)} / {tuple(uniforms.shape)}")
-    ok = weights.dtype in _FLOATS and 0 < weights.shape[1] < 2**31 - 1
-    why = f"weights {weights.dtype} [{weights.shape[0]}, {weights.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
+    ok, why = _float_rows("weights", weights)
     if resolve_backend("inverse_cdf_sample", backend, weights, uniforms, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.sampling import triton as triton_backend
 
@@ -105,8 +110,7 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor, *, backend: str = "auto"
     if logits.dim() != 2 or temperature.shape != logits.shape[:1]:
         raise ValueError(f"logsumexp_rows: expected logits [R, V] and temperature [R], found {tuple(logits.shape)} "
                          f"/ {tuple(temperature.shape)}")
-    ok = logits.dtype in _FLOATS and 0 < logits.shape[1] < 2**31 - 1
-    why = f"logits {logits.dtype} [{logits.shape[0]}, {logits.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
+    ok, why = _float_rows("logits", logits)
     if resolve_backend("logsumexp_rows", backend, logits, temperature, triton_ok=ok, why_not=why) == "triton":
         from deepinfer_kernels.sampling import triton as triton_backend
 

@@ -132,8 +132,7 @@ def _weight_pick_kernel(w_ptr, u_ptr, sum_ptr, out_ptr, V, C, stride_w, BLOCK: t
 
 
 @triton.jit(do_not_specialize=["V", "C"])
-def _softmax_stats_kernel(x_ptr, t_ptr, max_ptr, arg_ptr, sum_ptr, V, C, stride_x, SAMPLED: tl.constexpr,
-                          BLOCK: tl.constexpr):  # fmt: skip
+def _softmax_stats_kernel(x_ptr, t_ptr, max_ptr, arg_ptr, sum_ptr, V, C, stride_x, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -142,19 +141,18 @@ def _softmax_stats_kernel(x_ptr, t_ptr, max_ptr, arg_ptr, sum_ptr, V, C, stride_
     m = tl.max(x, 0)
     tl.store(max_ptr + row * C + c, m)
     tl.store(arg_ptr + row * C + c, tl.min(tl.where((x == m) & ok, offs, _BIG), 0))
-    if SAMPLED:
-        t = tl.load(t_ptr + row)
-        ts = tl.where(t > 0, t, 1.0)
-        # x / T - max / T: torch's softmax of logits / T subtracts the max of the quotients, which is max / T
-        # (division by T > 0 is monotone). Rounded divisions: Triton's default fp32 division is approximate, and
-        # at T = 0.02 a logit of 40 is a quotient of 2,000 whose last-bit errors moved probabilities by 2e-4
-        e = tl.where(ok, tl.exp(tl.math.div_rn(x, ts) - tl.math.div_rn(m, ts)), 0.0)
-        tl.store(sum_ptr + row * C + c, tl.where(m == float("-inf"), 0.0, tl.sum(e, 0)))
+    t = tl.load(t_ptr + row)
+    ts = tl.where(t > 0, t, 1.0)
+    # x / T - max / T: torch's softmax of logits / T subtracts the max of the quotients, which is max / T
+    # (division by T > 0 is monotone). Rounded divisions: Triton's default fp32 division is approximate, and
+    # at T = 0.02 a logit of 40 is a quotient of 2,000 whose last-bit errors moved probabilities by 2e-4
+    e = tl.where(ok, tl.exp(tl.math.div_rn(x, ts) - tl.math.div_rn(m, ts)), 0.0)
+    tl.store(sum_ptr + row * C + c, tl.where(m == float("-inf"), 0.0, tl.sum(e, 0)))
 
 
 @triton.jit(do_not_specialize=["V", "C"])
 def _softmax_pick_kernel(x_ptr, t_ptr, u_ptr, max_ptr, arg_ptr, sum_ptr, tok_ptr, best_ptr, stat_ptr, V, C,
-                         stride_x, SAMPLED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                         stride_x, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     co = tl.arange(0, BLOCK_C)
     okc = co < C
@@ -163,22 +161,21 @@ def _softmax_pick_kernel(x_ptr, t_ptr, u_ptr, max_ptr, arg_ptr, sum_ptr, tok_ptr
     top = tl.max(mc, 0)
     best = tl.min(tl.where(okc & (mc == top), ac, _BIG), 0)
     tl.store(best_ptr + row, best.to(tl.int64))
-    tok = best
-    if SAMPLED:
-        t = tl.load(t_ptr + row)
-        ts = tl.where(t > 0, t, 1.0)
-        sc = tl.load(sum_ptr + row * C + co, mask=okc, other=0.0)
-        sums = tl.where(okc & (mc > float("-inf")), sc * tl.exp(tl.math.div_rn(mc, ts) - tl.math.div_rn(top, ts)), 0.0)
-        z = tl.sum(sums, 0)
-        x = tl.load(u_ptr + row) * z
-        chunk, below = _chunk_choice(sums, co, okc, x, C)
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < V
-        xv = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        w = tl.where(ok, tl.exp(tl.math.div_rn(xv, ts) - tl.math.div_rn(top, ts)), 0.0)
-        tok = tl.where(t > 0, _pick_in_chunk(w, offs, ok, x, below, V), best)
-        tl.store(stat_ptr + row * 2, top)
-        tl.store(stat_ptr + row * 2 + 1, z)
+    t = tl.load(t_ptr + row)
+    ts = tl.where(t > 0, t, 1.0)
+    sc = tl.load(sum_ptr + row * C + co, mask=okc, other=0.0)
+    scale = tl.exp(tl.math.div_rn(mc, ts) - tl.math.div_rn(top, ts))
+    sums = tl.where(okc & (mc > float("-inf")), sc * scale, 0.0)
+    z = tl.sum(sums, 0)
+    x = tl.load(u_ptr + row) * z
+    chunk, below = _chunk_choice(sums, co, okc, x, C)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    xv = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    w = tl.where(ok, tl.exp(tl.math.div_rn(xv, ts) - tl.math.div_rn(top, ts)), 0.0)
+    tok = tl.where(t > 0, _pick_in_chunk(w, offs, ok, x, below, V), best)
+    tl.store(stat_ptr + row * 2, top)
+    tl.store(stat_ptr + row * 2 + 1, z)
     tl.store(tok_ptr + row, tok.to(tl.int64))
 
 
@@ -223,15 +220,14 @@ def _grid(v: int) -> tuple[int, int, int]:
     return block, cdiv(v, block), 8 if block >= 2048 else 4
 
 
-def _chunk_stats(x: Tensor, t: Tensor, sampled: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Per (row, chunk) max, first argmax and (sampled) sum of exp((x - max) / T): `[N, C]` each."""
+def _chunk_stats(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per (row, chunk) max, first argmax and sum of exp((x - max) / T): `[N, C]` each."""
     n, v = x.shape
     block, c, warps = _grid(v)
     maxes = torch.empty((n, c), dtype=torch.float32, device=x.device)
     args = torch.empty((n, c), dtype=torch.int32, device=x.device)
-    sums = torch.empty((n, c), dtype=torch.float32, device=x.device) if sampled else maxes
-    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), SAMPLED=sampled, BLOCK=block,
-                                  num_warps=warps)  # fmt: skip
+    sums = torch.empty((n, c), dtype=torch.float32, device=x.device)
+    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), BLOCK=block, num_warps=warps)
     return maxes, args, sums
 
 
@@ -255,6 +251,9 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None, uniforms: Tensor 
                    probs_out: Tensor | None = None) -> tuple[Tensor, Tensor]:  # fmt: skip
     """logits [N, V] float32 (last dim contiguous), temperature / uniforms [N] float32 or None, probs_out [N, V]
     float32 (last dim contiguous, may alias logits) -> (tokens, argmax) [N] int64 (`reference.softmax_sample`)."""
+    if temperature is None:  # every row greedy: the argmax alone
+        best = greedy_argmax(logits)
+        return best, best
     n, v = logits.shape
     dev = logits.device
     tokens = torch.empty((n,), dtype=torch.int64, device=dev)
@@ -262,16 +261,15 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None, uniforms: Tensor 
     if n == 0:
         return tokens, best
     x = _rows(logits)
-    sampled = temperature is not None
-    t = temperature.to(torch.float32).contiguous() if sampled else x  # unread placeholders when greedy
-    u = uniforms.to(torch.float32).contiguous() if sampled else x
+    t = temperature.to(torch.float32).contiguous()
+    u = uniforms.to(torch.float32).contiguous()
     check_launchable("softmax_sample", _softmax_stats_kernel, x, t, u)
     block, c, warps = _grid(v)
-    maxes, args, sums = _chunk_stats(x, t, sampled)
-    stats = torch.empty((n, 2), dtype=torch.float32, device=dev) if sampled else maxes
-    _softmax_pick_kernel[(n,)](x, t, u, maxes, args, sums, tokens, best, stats, v, c, x.stride(0), SAMPLED=sampled,
-                               BLOCK=block, BLOCK_C=next_pow2(c), num_warps=warps)  # fmt: skip
-    if sampled and probs_out is not None:
+    maxes, args, sums = _chunk_stats(x, t)
+    stats = torch.empty((n, 2), dtype=torch.float32, device=dev)
+    _softmax_pick_kernel[(n,)](x, t, u, maxes, args, sums, tokens, best, stats, v, c, x.stride(0), BLOCK=block,
+                               BLOCK_C=next_pow2(c), num_warps=warps)  # fmt: skip
+    if probs_out is not None:
         _softmax_probs_kernel[(n, c)](x, t, stats, best, probs_out, v, x.stride(0), probs_out.stride(0), BLOCK=block,
                                       num_warps=warps)  # fmt: skip
     return tokens, best
@@ -287,7 +285,7 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor) -> Tensor:
     x = _rows(logits)
     t = temperature.to(torch.float32).contiguous()
     check_launchable("logsumexp_rows", _softmax_stats_kernel, x, t)
-    maxes, _, sums = _chunk_stats(x, t, True)
+    maxes, _, sums = _chunk_stats(x, t)
     c = maxes.shape[1]
     _lse_combine_kernel[(n,)](t, maxes, sums, out, c, BLOCK_C=next_pow2(c), num_warps=1)
     return out
