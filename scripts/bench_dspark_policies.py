@@ -270,12 +270,21 @@ def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None, steady: 
     return made
 
 
+_AHEAD_DEFAULT: dict[int, bool] = {}  # each decoder's draft-ahead setting as the engine built it
+
+
 def apply_policy(dec: Any, pol: Any, curve: str | None, profiled: Any) -> Any:
     """Set the decoder's policy for one run: fresh copies of the profiled curves (T(Q) and the batch buckets',
     `profiled` = (T(Q), {bucket: curve}); corrected online during the run) for "profile", T(Q) alone for
-    "profile-tq", a fixed affine curve for "BASE,SLOPE", none otherwise. Returns the curves of a profiled run."""
+    "profile-tq", a fixed affine curve for "BASE,SLOPE", none otherwise. A "+no-ahead" suffix turns the decoder's
+    draft-ahead off for the run (`SpecDecoder.draft_ahead`; otherwise it is as the engine built it). Returns the
+    curves of a profiled run."""
     from deepinfer_dspark import LatencyModel
 
+    default = _AHEAD_DEFAULT.setdefault(id(dec), bool(dec.draft_ahead))
+    curve, _, flag = (curve or "").partition("+")
+    dec.draft_ahead = default and flag != "no-ahead"
+    curve = curve or None
     if curve in ("profile", "profile-tq"):
         lat = profiled[0].fresh()
         by_batch = {b: c.fresh() for b, c in profiled[1].items()} if curve == "profile" else {}
@@ -317,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
                          "server, where a run's time follows the mean accepted length, not its slowest request "
                          "(0 = whole generate calls)")
     ap.add_argument("--steady-skip", type=int, default=4)
+    ap.add_argument("--ahead-ab", action="store_true",
+                    help="also run verify_all and cost with draft-ahead off (rows NAME[no-ahead]): the next round's "
+                         "drafts launched in the round instead of at the previous round's read")
     ap.add_argument("--cost-variants", nargs="*", choices=("global", "tq", "sync"), default=[],
                     help="more cost-policy runs: global (exact=False: the argmax over row buckets at every "
                          "temperature; with sampling it anticipates the drafts, so its outputs are not exact: a "
@@ -407,6 +419,10 @@ def main(argv: list[str] | None = None) -> int:
                     "sync": (VerifyPolicy(kind="cost"), "profile")}
         policies += [(f"cost[{v}]", *variants[v]) for v in args.cost_variants]
     policies += [(f"cost[{a}]", VerifyPolicy(kind="cost", lagged=True), a) for a in args.affine]
+    if args.ahead_ab:  # the same policies with the next round's drafts launched in `begin` instead
+        policies += [("verify_all[no-ahead]", VerifyPolicy(kind="verify_all"), "+no-ahead")]
+        if not args.no_profile:
+            policies.append(("cost[no-ahead]", VerifyPolicy(kind="cost", lagged=True), "profile+no-ahead"))
     # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
     for temp in args.temperature:
         warm = SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7)

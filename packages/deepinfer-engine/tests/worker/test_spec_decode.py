@@ -102,6 +102,31 @@ def test_greedy_speculation_equals_plain_greedy_with_checkpoint_drafter(ckpts, v
     assert _ids(llm.generate(PROMPTS[:3], sp, use_tqdm=False)) == plain
 
 
+def test_draft_ahead_gives_the_tokens_and_counts_of_drafting_in_the_round(ckpts) -> None:
+    """`SpecDecoder.draft_ahead` (on with CUDA graphs): the next round's drafts, launched once a round's results are
+    read, give the tokens and statistics of drafting in `begin`, with requests leaving the batch at different
+    steps (the drafted rows are then selected) and greedy and sampled requests in one batch."""
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"})
+    spec = llm.engine.runner.spec
+    sps = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=s)
+           for t, n, s in ((0, 14, 1), (0.9, 9, 2), (0.7, 12, 3), (0, 5, 4))]
+    runs = {}
+    for ahead in (False, True):
+        spec.draft_ahead = ahead
+        spec.reset_stats()
+        outs = llm.generate(PROMPTS, sps, use_tqdm=False)
+        t = spec.timing
+        runs[ahead] = (_ids(outs), spec.stats.as_dict(), (t.ahead_used, t.ahead_selected, t.ahead_missed))
+    assert runs[True][0] == runs[False][0]
+    # counts exactly; the confidences up to float rounding: a subset's rows were computed in a larger batch
+    got, want = runs[True][1], runs[False][1]
+    assert got.keys() == want.keys()
+    assert all(got[k] == (pytest.approx(v, rel=1e-6) if v is not None else None) for k, v in want.items()), got
+    assert runs[False][2] == (0, 0, 0)
+    used, selected, _ = runs[True][2]
+    assert used > selected > 0, runs[True][2]  # whole rounds and subsets of them both came from the drafts ahead
+
+
 def _oracle_run(llm: LLM, prompts, sp, reference) -> list[list[int]]:
     eng = llm.engine
     full = {str(i): list(p) + list(r) for i, (p, r) in enumerate(zip(prompts, reference))}

@@ -3,7 +3,8 @@ speculation with `enforce_eager` == plain decoding, token for token (fp32), for 
 policy: mixed verify lengths per step) and on V4-0731, and for MTP on V4, with mixed prompt lengths and requests
 finishing at different steps; verify steps replay captured ragged (B, L, T) graphs (`GraphStats.verify_replays`), the
 draft passes theirs (`draft_replays` for the DSpark stages, `mtp_replays` for the MTP block), DSpark's draft-ring
-writes theirs (`insert_replays`), no capture fails.
+writes theirs (`insert_replays`), no capture fails, and DSpark rounds take the drafts launched ahead at the previous
+round's read (`SpecTiming.ahead_used`).
 A DSpark round's pass + Markov sampling replayed as one graph gives the eager sampling's proposal bit for bit
 (greedy, mixed and all-sampled rounds). The draft-ring writes replayed as a graph equal the eager ones on the same
 features (ring rows and next drafts)."""
@@ -64,6 +65,10 @@ def test_greedy_speculation_with_graphs_equals_eager_and_plain(ckpts, name: str)
             # the draft-ring writes of every step keeping <= k + 1 rows per sequence (not comparable with
             # verify_replays: the cost policy's start-up profile replays verify graphs without a round)
             assert st.insert_replays >= 10 and st.insert_eager_steps >= 1, st  # prefill steps: eager
+            # draft-ahead is on with graphs: rounds took the drafts launched at the previous round's read (the
+            # requests finish at different steps, so some rounds took a subset of them or drafted their own)
+            timing = llm.engine.runner.spec.timing
+            assert llm.engine.runner.spec.draft_ahead and timing.ahead_used >= 5, timing
         else:  # the MTP block after every step without a prefill chunk
             assert st.mtp_replays >= 10, st
 

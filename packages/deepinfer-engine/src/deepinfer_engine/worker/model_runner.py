@@ -275,5 +275,7 @@ class ModelRunner:
                     top=tuple(zip(top_ids[k][:want], top_vals[k][:want]))))
         if step.spec_round is not None:
             self.spec.after_sampling(step.spec_round, sampled, self.states)
+            # after every host read of the step: the next round's drafts run while the host does its bookkeeping
+            self.spec.launch_ahead(step.spec_round, self.device)
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                  errors=errors, spec=spec)

@@ -77,6 +77,8 @@ class SpecRound:
     positions: Tensor | None = None  # [B] int64 anchor positions p
     seeds: Tensor | None = None  # [B] int64
     keys_host: np.ndarray | None = None  # [B, 2] int64 (anchor position, seed): the verification uniforms' keys
+    inputs_host: np.ndarray | None = None  # [B, 5] int64 (anchor id, position, slot, max drafts, seed)
+    temps_host: Tensor | None = None  # [B] float32 on the host, 0 on greedy rows
     num_drafts_host: Tensor | None = None  # [B] int64 on the host (checks and row counts without a device read)
     greedy: list[bool] = field(default_factory=list)
     params: list[Any] = field(default_factory=list)
@@ -123,6 +125,12 @@ class SpecTiming:
     # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
     # against the latency model's price of it
     by_rows: dict[int, list[float]] = field(default_factory=dict)
+    # draft-ahead (`SpecDecoder.draft_ahead`): rounds whose drafts the previous step launched, of them those that
+    # took a subset of the drafted rows (requests left the batch), and rounds that launched their own because a
+    # request was not drafted ahead or its inputs changed
+    ahead_used: int = 0
+    ahead_selected: int = 0
+    ahead_missed: int = 0
 
     def add_verify(self, rows: int, seconds: float) -> None:
         self.verify_s += seconds
@@ -135,7 +143,8 @@ class SpecTiming:
         return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
                 "finish_ms": 1e3 * self.finish_s / n, "policy_ms": 1e3 * self.policy_s / n,
                 "drafted_ms": 1e3 * self.drafted_s / n, "launch_ms": 1e3 * self.launch_s / n,
-                "lag_ms": 1e3 * self.lag_s / n,
+                "lag_ms": 1e3 * self.lag_s / n, "ahead_used": self.ahead_used,
+                "ahead_selected": self.ahead_selected, "ahead_missed": self.ahead_missed,
                 "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
@@ -202,6 +211,11 @@ class SpecDecoder:
         self.insert_runner: Callable[..., bool] | None = None
         # (start, forward span, capture clock at its read, the curve that priced it) of the previous round
         self._last_cycle: tuple[float, float, float, LatencyModel] | None = None
+        # draft-ahead: the synchronous runner launches the next round's draft pass as soon as a round's results are
+        # read (`launch_ahead`), so the device drafts while the host runs the scheduler and the output processing;
+        # `begin` takes those drafts when its requests and their inputs are the ones drafted (`_take_ahead`)
+        self.draft_ahead = False
+        self._ahead: tuple[list[str], np.ndarray, Tensor, Any, DraftProposal] | None = None
         # seconds the engine's CUDA graphs spent capturing so far (None: no graphs): a round during which a graph
         # was captured (lazily, on a shape's first step) is not timed into the latency model, whose curve and
         # overhead would otherwise learn a capture's second as step time
@@ -264,6 +278,7 @@ class SpecDecoder:
     def begin(self, chunks: Sequence[ScheduledChunk], states: Mapping[str, Any], device: torch.device) -> SpecRound:
         started = time.perf_counter()  # the step the policy trades against includes the draft pass
         captured = self.capture_clock() if self.capture_clock is not None else 0.0
+        ahead, self._ahead = self._ahead, None  # drafts launched ahead serve the next step only
         picked = [c for c in chunks if self.speculates(c, states[c.req_id])]
         can_draft = getattr(self.drafter, "can_draft", None)
         if can_draft is not None:  # drafters whose draft comes from the previous step (MTP)
@@ -290,10 +305,13 @@ class SpecDecoder:
         # on the host: propose reads the greedy / sampled split there and copies it over without a device sync
         temps = torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, rnd.params)],
                              dtype=torch.float32)
-        self.drafter.slots = slots
-        self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
-        prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
-                       seeds=None if all(rnd.greedy) else rnd.seeds)
+        rnd.inputs_host, rnd.temps_host = host, temps
+        prop = self._take_ahead(ahead, rnd.req_ids, host, temps)
+        if prop is None:
+            self.drafter.slots = slots
+            self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
+            prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
+                           seeds=None if all(rnd.greedy) else rnd.seeds)
         base = sum(c.num_tokens for c in chunks if c.req_id not in rnd.index)
         # the policy runs on the host: it is a few small sorts and scans, and m is needed there anyway (the verify
         # chunks' tokens); one copy brings the drafts and the survivals over
@@ -340,6 +358,65 @@ class SpecDecoder:
             rnd.timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             rnd.timer[0].record()
         return rnd
+
+    # ------------------------------------------------------------------------------------------ draft-ahead
+    @torch.no_grad()
+    def launch_ahead(self, rnd: SpecRound, device: torch.device) -> None:
+        """After a round's results are read (and its draft context inserted): launch the next round's draft pass
+        for every request whose round produced a result, at the inputs the scheduler will give it if it keeps
+        decoding: anchor = the last emitted token, position p + accepted + 1, the same slot, seed and temperature.
+        A draft pass reads the draft rings and writes nothing else, so drafts nobody takes cost device time only.
+        Synchronous runners only: an asynchronous runner has launched the next step before this read."""
+        self._ahead = None
+        if not self.draft_ahead or self.deferred_reads or not rnd.results or rnd.inputs_host is None:
+            return
+        n = self.block_size
+        rows, host = [], rnd.inputs_host.copy()
+        for b, rid in enumerate(rnd.req_ids):
+            r = rnd.results.get(rid)
+            if r is None:
+                continue
+            host[b, 0] = r.token_ids[-1]
+            host[b, 1] += r.num_accepted_tokens + 1
+            if host[b, 1] + n <= self.max_position:  # `speculates`: the block's positions must exist
+                rows.append(b)
+        if not rows:
+            return
+        host, temps = host[rows], rnd.temps_host[rows]
+        dev = self._staging(device).tensor(host, torch.int64)
+        anchors, positions, slots, _, seeds = dev.unbind(1)
+        self.drafter.slots = slots
+        self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
+        greedy = not bool((temps > 0).any())
+        prop = propose(self.drafter, anchors, positions, temperature=temps, seeds=None if greedy else seeds)
+        self._ahead = ([rnd.req_ids[b] for b in rows], host, temps, getattr(self.drafter, "heads_version", None), prop)
+
+    def _take_ahead(self, ahead: tuple | None, req_ids: list[str], host: np.ndarray, temps: Tensor
+                    ) -> DraftProposal | None:  # fmt: skip
+        """The drafts `launch_ahead` launched for this round's requests (rows selected when fewer requests run),
+        or None when a request was not drafted ahead or its anchor, position, slot, seed, temperature or the
+        drafter's heads differ (then `begin` drafts the round itself, after the unused drafts on the stream).
+        Drafts taken are the ones `propose` gives here; a subset's rows up to float rounding, since they were
+        computed in a larger batch (verification stays exact: it reads the distributions the drafts came from)."""
+        if ahead is None:
+            return None
+        ids, h, t, version, prop = ahead
+        where = {rid: j for j, rid in enumerate(ids)}
+        rows = [where.get(rid, -1) for rid in req_ids]
+        cols = [0, 1, 2, 4]  # max drafts (column 3) does not change the drafts
+        if (-1 in rows or version != getattr(self.drafter, "heads_version", None)
+                or not np.array_equal(h[rows][:, cols], host[:, cols]) or not torch.equal(t[rows], temps)):
+            self.timing.ahead_missed += 1
+            return None
+        self.timing.ahead_used += 1
+        if rows == list(range(len(ids))):
+            return prop
+        self.timing.ahead_selected += 1
+        idx = self._staging(prop.draft_ids.device).tensor(rows, torch.int64)
+        # an all-greedy subset of a mixed round: no distribution, as `propose` gives for an all-greedy round
+        probs = None if prop.draft_probs is None or not bool((temps > 0).any()) else prop.draft_probs.index_select(0, idx)
+        return DraftProposal(draft_ids=prop.draft_ids.index_select(0, idx), draft_probs=probs,
+                             confidence=None if prop.confidence is None else prop.confidence.index_select(0, idx))
 
     # ------------------------------------------------------------------------------------------ 3. verify
     def _target(self, logits: Tensor, rnd: SpecRound, per_row: dict[str, Tensor]) -> Tensor:
@@ -698,6 +775,9 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         decoder.graph_rows = {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes}
         decoder.capture_clock = lambda: graphs.stats.capture_s
         decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
+        # the draft pass is then one replay the device runs while the host finishes the step (`launch_ahead`);
+        # eagerly (CPU) the pass would run inside the launch, before the bookkeeping it is meant to overlap
+        decoder.draft_ahead = True
     return decoder, k
 
 
