@@ -46,7 +46,9 @@
 #            (DSPARK_PROMPTS, DSPARK_TEMPS, DSPARK_NEW_TOKENS, DSPARK_REPEATS, DSPARK_ASYNC=off|on|both, DSPARK_LIMIT_S,
 #            DSPARK_THRESHOLDS: the fixed thresholds compared, DSPARK_EXTRA_WARM: untimed runs while one still captures,
 #            DSPARK_SPREAD: mixed output lengths, --length-spread; DSPARK_STEADY: --steady STEPS, a window of full-batch
-#            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs; DSPARK_BENCH=0: tests only)
+#            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs; DSPARK_AHEAD_AB=1: --ahead-ab;
+#            DSPARK_BENCH=0: tests only)
+#     dspark-timeline  scripts/spec_timeline.py: device idle time of a steady-state speculative round by host phase
 #     dspark-profile  scripts/spec_round_time.py --profile on the testbed: host phases and device kernels of a speculative
 #            round (PROFILE_PROMPTS, default 256; PROFILE_TEMPS, default "1 0"; PROFILE_POLICY, default verify_all)
 set -u -o pipefail
@@ -358,7 +360,7 @@ dspark)
         --device cuda --prompts ${DSPARK_PROMPTS:-32 128 256} --new-tokens ${DSPARK_NEW_TOKENS:-48} --seeds 1000 \
         --temperature ${DSPARK_TEMPS:-0 1} --repeats ${DSPARK_REPEATS:-5} --warm-runs 1 --async-scheduling ${DSPARK_ASYNC:-off} \
         --threshold ${DSPARK_THRESHOLDS:-0.2} --extra-warm-runs ${DSPARK_EXTRA_WARM:-3} --length-spread ${DSPARK_SPREAD:-0} \
-        --steady ${DSPARK_STEADY:-0} --cost-variants ${DSPARK_VARIANTS:-} ${DSPARK_MAX_SEQS:+--max-num-seqs $DSPARK_MAX_SEQS} \
+        --steady ${DSPARK_STEADY:-0} --cost-variants ${DSPARK_VARIANTS:-} ${DSPARK_MAX_SEQS:+--max-num-seqs $DSPARK_MAX_SEQS} ${DSPARK_AHEAD_AB:+--ahead-ab} \
         --json "$OUT/dspark_policies.json"
     ;;
 dspark-profile)
@@ -370,8 +372,15 @@ dspark-profile)
             --repeats 2 --profile --top 40 --output-json "$OUT/spec_round_time_$p.json"
     done
     ;;
+dspark-timeline)
+    # where the device waits in a steady-state speculative round: GPU idle per step by host phase (TIMELINE_PROMPTS,
+    # TIMELINE_TEMPS, TIMELINE_POLICIES); the chrome traces come back gzipped
+    step spec_timeline ${TIMELINE_LIMIT_S:-300} python3 scripts/spec_timeline.py --ckpt .cache/dspark-testbed \
+        --prompts ${TIMELINE_PROMPTS:-256} --temperature ${TIMELINE_TEMPS:-1 0} --policy ${TIMELINE_POLICIES:-verify_all cost} \
+        --out-dir "$OUT/timeline" ${TIMELINE_ARGS:-}
+    ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile, dspark-timeline)" >&2
     exit 2
     ;;
 esac
