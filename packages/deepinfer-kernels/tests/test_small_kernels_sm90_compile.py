@@ -31,9 +31,10 @@ for dt in ("*fp32", "*bf16"):
         "C": "i32", "stride_w": "i32"}, {"BLOCK": 4096}, num_warps=8)
     out[f"draw softmax stats {dt}"] = rep(st._softmax_stats_kernel, {"x_ptr": dt, "t_ptr": "*fp32",
         "max_ptr": "*fp32", "arg_ptr": "*i32", "sum_ptr": "*fp32", "V": "i32", "C": "i32", "stride_x": "i32"},
-        {"BLOCK": 4096}, num_warps=8)
-out["draw lse stats *bf16"] = rep(st._lse_stats_kernel, {"x_ptr": "*bf16", "t_ptr": "*fp32", "max_ptr": "*fp32",
-    "sum_ptr": "*fp32", "V": "i32", "C": "i32", "stride_x": "i32"}, {"BLOCK": 4096}, num_warps=4)
+        {"BLOCK": 4096, "DRAW": True}, num_warps=8)
+out["draw lse stats *bf16"] = rep(st._softmax_stats_kernel, {"x_ptr": "*bf16", "t_ptr": "*fp32", "max_ptr": "*fp32",
+    "arg_ptr": "*fp32", "sum_ptr": "*fp32", "V": "i32", "C": "i32", "stride_x": "i32"}, {"BLOCK": 4096, "DRAW": False},
+    num_warps=4)
 out["draw weight pick"] = rep(st._weight_pick_kernel, {"w_ptr": "*fp32", "u_ptr": "*fp32", "sum_ptr": "*fp32",
     "out_ptr": "*i64", "V": "i32", "C": "i32", "stride_w": "i32"}, {"BLOCK": 4096, "BLOCK_C": 32}, num_warps=8)
 out["draw softmax pick"] = rep(st._softmax_pick_kernel, {"x_ptr": "*fp32", "t_ptr": "*fp32", "u_ptr": "*fp32",

@@ -132,7 +132,8 @@ def _weight_pick_kernel(w_ptr, u_ptr, sum_ptr, out_ptr, V, C, stride_w, BLOCK: t
 
 
 @triton.jit(do_not_specialize=["V", "C"])
-def _softmax_stats_kernel(x_ptr, t_ptr, max_ptr, arg_ptr, sum_ptr, V, C, stride_x, BLOCK: tl.constexpr):
+def _softmax_stats_kernel(x_ptr, t_ptr, max_ptr, arg_ptr, sum_ptr, V, C, stride_x, BLOCK: tl.constexpr,
+                          DRAW: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
@@ -140,13 +141,19 @@ def _softmax_stats_kernel(x_ptr, t_ptr, max_ptr, arg_ptr, sum_ptr, V, C, stride_
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
     m = tl.max(x, 0)
     tl.store(max_ptr + row * C + c, m)
-    tl.store(arg_ptr + row * C + c, tl.min(tl.where((x == m) & ok, offs, _BIG), 0))
     t = tl.load(t_ptr + row)
     ts = tl.where(t > 0, t, 1.0)
-    # x / T - max / T: torch's softmax of logits / T subtracts the max of the quotients, which is max / T
-    # (division by T > 0 is monotone). Rounded divisions: Triton's default fp32 division is approximate, and
-    # at T = 0.02 a logit of 40 is a quotient of 2,000 whose last-bit errors moved probabilities by 2e-4
-    e = tl.where(ok, tl.exp(tl.math.div_rn(x, ts) - tl.math.div_rn(m, ts)), 0.0)
+    if DRAW:  # the draws: the first argmax too, and the exponent as torch's softmax of logits / T rounds it
+        tl.store(arg_ptr + row * C + c, tl.min(tl.where((x == m) & ok, offs, _BIG), 0))
+        # x / T - max / T: torch's softmax of logits / T subtracts the max of the quotients, which is max / T
+        # (division by T > 0 is monotone). Rounded divisions: Triton's default fp32 division is approximate, and
+        # at T = 0.02 a logit of 40 is a quotient of 2,000 whose last-bit errors moved probabilities by 2e-4
+        e = tl.where(ok, tl.exp(tl.math.div_rn(x, ts) - tl.math.div_rn(m, ts)), 0.0)
+    else:
+        # the logsumexp alone (verification): no draw depends on these sums bit for bit, and a multiply instead of
+        # two rounded divisions per entry halved the kernel's time on the H200 (docs/perf.md); x - max is exact
+        # for bf16 / fp16 logits, so the exponent is within 2 roundings of (x - max) / T
+        e = tl.where(ok, tl.exp((x - m) * (1.0 / ts)), 0.0)
     tl.store(sum_ptr + row * C + c, tl.where(m == float("-inf"), 0.0, tl.sum(e, 0)))
 
 
@@ -195,24 +202,6 @@ def _softmax_probs_kernel(x_ptr, t_ptr, stat_ptr, best_ptr, out_ptr, V, stride_x
     tl.store(out_ptr + row * stride_o + offs, tl.where(t > 0, q, onehot), mask=ok)
 
 
-@triton.jit(do_not_specialize=["V", "C"])
-def _lse_stats_kernel(x_ptr, t_ptr, max_ptr, sum_ptr, V, C, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < V
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, 0)
-    tl.store(max_ptr + row * C + c, m)
-    t = tl.load(t_ptr + row)
-    # (x - max) * (1 / T): no draw depends on these sums bit for bit (unlike the draws' `_softmax_stats_kernel`),
-    # and a multiply instead of a rounded division per entry halves the kernel's time on the H200 (docs/perf.md);
-    # x - max is exact for bf16 / fp16 logits, so the exponent is within 2 roundings of (x - max) / T
-    r = 1.0 / tl.where(t > 0, t, 1.0)
-    e = tl.where(ok, tl.exp((x - m) * r), 0.0)
-    tl.store(sum_ptr + row * C + c, tl.where(m == float("-inf"), 0.0, tl.sum(e, 0)))
-
-
 @triton.jit(do_not_specialize=["C"])
 def _lse_combine_kernel(t_ptr, max_ptr, sum_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -246,7 +235,7 @@ def _chunk_stats(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     maxes = torch.empty((n, c), dtype=torch.float32, device=x.device)
     args = torch.empty((n, c), dtype=torch.int32, device=x.device)
     sums = torch.empty((n, c), dtype=torch.float32, device=x.device)
-    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), BLOCK=block, num_warps=warps)
+    _softmax_stats_kernel[(n, c)](x, t, maxes, args, sums, v, c, x.stride(0), BLOCK=block, DRAW=True, num_warps=warps)
     return maxes, args, sums
 
 
@@ -303,11 +292,12 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor) -> Tensor:
         return out
     x = _rows(logits)
     t = temperature.to(torch.float32).contiguous()
-    check_launchable("logsumexp_rows", _lse_stats_kernel, x, t)
+    check_launchable("logsumexp_rows", _softmax_stats_kernel, x, t)
     block, c, _ = _grid(v)
     maxes = torch.empty((n, c), dtype=torch.float32, device=x.device)
     sums = torch.empty((n, c), dtype=torch.float32, device=x.device)
-    # 4 warps: the fastest of 4 / 8 warps x 2,048 / 4,096 / 8,192 entries timed at 1,536 rows of 129,280 (H200)
-    _lse_stats_kernel[(n, c)](x, t, maxes, sums, v, c, x.stride(0), BLOCK=block, num_warps=4)
+    # 4 warps: the fastest of 4 / 8 warps x 2,048 / 4,096 / 8,192 entries timed at 1,536 rows of 129,280 (H200);
+    # no argmax: arg_ptr is not read (maxes stands in)
+    _softmax_stats_kernel[(n, c)](x, t, maxes, maxes, sums, v, c, x.stride(0), BLOCK=block, DRAW=False, num_warps=4)
     _lse_combine_kernel[(n,)](t, maxes, sums, out, c, BLOCK_C=next_pow2(c), num_warps=1)
     return out
