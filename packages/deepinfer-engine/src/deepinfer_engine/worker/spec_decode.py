@@ -300,7 +300,7 @@ class SpecDecoder:
         host = np.asarray([[c.token_ids[0], c.start_position, c.slot, min(c.num_spec_tokens, self.block_size),
                             s.seed & 0x7FFFFFFFFFFFFFFF] for c, s in zip(picked, sts)], dtype=np.int64)
         dev = self._staging(device).tensor(host, torch.int64)  # pinned: a pageable copy waits for the stream
-        anchors, rnd.positions, slots, max_drafts, rnd.seeds = dev.unbind(1)
+        rnd.positions, rnd.seeds = dev[:, 1], dev[:, 4]
         rnd.keys_host = host[:, [1, 4]]
         # on the host: propose reads the greedy / sampled split there and copies it over without a device sync
         temps = torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, rnd.params)],
@@ -308,10 +308,7 @@ class SpecDecoder:
         rnd.inputs_host, rnd.temps_host = host, temps
         prop = self._take_ahead(ahead, rnd.req_ids, host, temps)
         if prop is None:
-            self.drafter.slots = slots
-            self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
-            prop = propose(self.drafter, anchors, rnd.positions, temperature=temps,
-                           seeds=None if all(rnd.greedy) else rnd.seeds)
+            prop = self._propose(host, dev, temps)
         base = sum(c.num_tokens for c in chunks if c.req_id not in rnd.index)
         # the policy runs on the host: it is a few small sorts and scans, and m is needed there anyway (the verify
         # chunks' tokens); one copy brings the drafts and the survivals over
@@ -383,13 +380,17 @@ class SpecDecoder:
         if not rows:
             return
         host, temps = host[rows], rnd.temps_host[rows]
-        dev = self._staging(device).tensor(host, torch.int64)
+        prop = self._propose(host, self._staging(device).tensor(host, torch.int64), temps)
+        self._ahead = ([rnd.req_ids[b] for b in rows], host, temps, getattr(self.drafter, "heads_version", None), prop)
+
+    def _propose(self, host: np.ndarray, dev: Tensor, temps: Tensor) -> DraftProposal:
+        """The drafter's proposal for rows (anchor id, position, slot, max drafts, seed): `host` `[B, 5]` int64 and
+        its device copy `dev`, temps `[B]` float32 on the host (0 = greedy)."""
         anchors, positions, slots, _, seeds = dev.unbind(1)
         self.drafter.slots = slots
         self.drafter.round_host = (host[:, 2].tolist(), host[:, 0].tolist(), host[:, 1].tolist())
-        greedy = not bool((temps > 0).any())
-        prop = propose(self.drafter, anchors, positions, temperature=temps, seeds=None if greedy else seeds)
-        self._ahead = ([rnd.req_ids[b] for b in rows], host, temps, getattr(self.drafter, "heads_version", None), prop)
+        return propose(self.drafter, anchors, positions, temperature=temps,
+                       seeds=seeds if bool((temps > 0).any()) else None)
 
     def _take_ahead(self, ahead: tuple | None, req_ids: list[str], host: np.ndarray, temps: Tensor
                     ) -> DraftProposal | None:  # fmt: skip
