@@ -348,7 +348,8 @@ dspark)
     xdist=""
     python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
     [ "${SPEC_TESTS:-1}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
-        packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py packages/deepinfer-kernels/tests/test_sampling_draw_triton.py
+        packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py packages/deepinfer-kernels/tests/test_sampling_draw_triton.py \
+        packages/deepinfer-dspark/tests/test_verify.py
     # the Confidence Head through the fused draft round against the eager sampling (same acceptance, and the same
     # predictions with a survival calibration near 1 expected; CONF_CHECK=0 skips it)
     if [ "${CONF_CHECK:-1}" = 1 ]; then

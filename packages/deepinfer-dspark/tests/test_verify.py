@@ -165,6 +165,36 @@ def test_second_token_follows_target_given_first_accepted(draft_name):
         assert stat3 < CHI2_CRIT_1E3[df3]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft_name", ["uniform", "very_wrong", "disjoint"])
+def test_gpu_target_logits_emit_the_target_distribution(draft_name):
+    """The engine's sampled verification on the GPU (`TargetLogits`: `logsumexp_rows`, the fused correction / bonus
+    draw `residual_sample`): the first emitted token follows the target row, the bonus token after an accepted draft
+    the next row (chi-square at 1e-3, the TV bound), with zeros in the target's support (logits -inf)."""
+    from deepinfer_kernels.sampling import logsumexp_rows
+
+    p, bonus = TARGET[2], TARGET[0]
+    q = DRAFTS[draft_name](p)
+    n, dev = N_REQUESTS, "cuda"
+    drafts = torch.multinomial(q, n, replacement=True, generator=torch.Generator().manual_seed(11))[:, None]
+    logits = torch.log(torch.stack([p, bonus])).repeat(n, 1).to(dev)  # rows: position 0, bonus; log 0 = -inf
+    temps = torch.ones(2 * n, device=dev)
+    target = TargetLogits(logits=logits, temperature=temps, lse=logsumexp_rows(logits, temps))
+    proposal = DraftProposal(draft_ids=drafts.to(dev), draft_probs=q.expand(n, 1, V).contiguous().to(dev))
+    u = verify_uniforms(torch.ones(n, dtype=torch.int64), 1, torch.Generator().manual_seed(3)).to(dev)
+    r = verify(target, proposal, [1] * n, greedy=False, uniforms=u, argmax=logits.argmax(-1), accept_prob=False)
+    out, acc = r.output_ids.cpu(), r.num_accepted.cpu()
+    for counts, want in ((torch.bincount(out[:, 0], minlength=V), p),
+                         (torch.bincount(out[acc == 1, 1], minlength=V), bonus)):
+        if int(counts.sum()) < 2_000:  # a draft the target never accepts: no bonus draws to test
+            continue
+        stat, df = _chi2(counts, want)
+        assert stat < CHI2_CRIT_1E3[df], (draft_name, counts.tolist(), stat)
+        if int(counts.sum()) >= N_REQUESTS // 2:  # the TV bound is stated for about N_REQUESTS draws
+            assert _tv(counts, want) < TV_BOUND, (draft_name, counts.tolist())
+    assert abs(float(acc.double().mean()) - float(torch.minimum(p, q).sum())) < 0.015
+
+
 def test_the_statistical_check_detects_a_biased_sampler():
     # Power of the check above: emitting the very wrong draft unchecked must fail it by far.
     p = TARGET[0]

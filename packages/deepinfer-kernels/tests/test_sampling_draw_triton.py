@@ -12,7 +12,13 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_kernels.sampling import inverse_cdf_sample, logsumexp_rows, reference, softmax_sample
+from deepinfer_kernels.sampling import (
+    inverse_cdf_sample,
+    logsumexp_rows,
+    reference,
+    residual_sample,
+    softmax_sample,
+)
 from kernels_testing import triton_interpreter
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
@@ -176,3 +182,60 @@ def test_gpu_logsumexp_rows(dtype):
     t = torch.rand(1536, device="cuda", generator=g) * 2 + 0.02
     torch.testing.assert_close(logsumexp_rows(x, t, backend="triton"), reference.logsumexp_rows(x, t),
                                rtol=1e-6, atol=1e-5)
+
+
+def _residual_case(v: int, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, b: int = 6, seed: int = 3):
+    """A verification's correction / bonus draws: target rows (bf16 logits), draft rows q, the positions, rejection
+    flags and uniforms. q of request 0 is p restricted to the even ids (its residual lives on the odd ids); request 1
+    has q = 2 p at alpha 1 (an all-zero residual: the draw falls back to p); request 2 is a bonus draw (nothing
+    rejected)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    r, n = 2 * b + 1, 3
+    logits = (4 * torch.randn(r, v, device=device, generator=g)).to(dtype)
+    t = torch.rand(r, device=device, generator=g) + 0.3
+    rows = torch.randperm(r, device=device, generator=g)[:b]
+    p = torch.softmax(logits[rows].float() / t[rows][:, None], -1)
+    q = torch.softmax(4 * torch.randn(b, n, v, device=device, generator=g), -1)
+    pos = torch.randint(0, n, (b,), device=device, generator=g)
+    even = p.clone()
+    even[0, 1::2] = 0
+    q[0, pos[0]] = even[0] / even[0].sum()
+    q[1, pos[1]] = 2 * p[1]
+    rejected = torch.ones(b, dtype=torch.bool, device=device)
+    rejected[2] = False
+    u = torch.rand(b, device=device, generator=g)
+    return logits, rows, t, logsumexp_rows(logits, t), q, pos, rejected, u
+
+
+def _residual_weights(logits, rows, t, q, pos, rejected) -> torch.Tensor:
+    """fp64 weights of the draws (the reference's rule)."""
+    p = torch.softmax(logits[rows].double() / t[rows].double()[:, None], -1)
+    res = (p - q[torch.arange(rows.shape[0], device=rows.device), pos].double()).clamp(min=0)
+    res = torch.where(res.sum(-1, keepdim=True) <= 0, p, res)
+    return torch.where(rejected[:, None], res, p)
+
+
+@pytest.mark.parametrize("v", [7, 4097, 129280])
+def test_residual_sample(interp, v):
+    logits, rows, t, lse, q, pos, rejected, u = _residual_case(v)
+    got = interp.residual_sample(logits, rows, t, lse, q, pos, rejected, u)
+    w = _residual_weights(logits, rows, t, q, pos, rejected)
+    _assert_valid_draws(w, u, got)
+    if v > 7:
+        assert int(got[0]) % 2 == 1  # the residual of request 0 lives on the odd ids
+    want = reference.residual_sample(logits, rows, t, lse, q, pos, rejected, u)
+    assert int((got != want).sum()) <= 1, (got, want)
+    assert torch.equal(residual_sample(logits, rows, t, lse, q, pos, rejected, u), want)  # CPU auto: the reference
+    # without draft rows every draw is from p
+    p_only = interp.residual_sample(logits, rows, t, lse, None, None, rejected, u)
+    _assert_valid_draws(torch.softmax(logits[rows].double() / t[rows].double()[:, None], -1), u, p_only)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b", [1, 256])
+def test_gpu_residual_sample(b):
+    logits, rows, t, lse, q, pos, rejected, u = _residual_case(129280, "cuda", b=max(b, 3))
+    got = residual_sample(logits, rows, t, lse, q, pos, rejected, u, backend="triton")
+    _assert_valid_draws(_residual_weights(logits, rows, t, q, pos, rejected), u, got)
+    want = reference.residual_sample(logits, rows, t, lse, q, pos, rejected, u)
+    assert int((got != want).sum()) <= max(1, got.shape[0] // 64), (got, want)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from deepinfer_kernels.sampling import inverse_cdf_sample
+from deepinfer_kernels.sampling import inverse_cdf_sample, residual_sample
 from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
@@ -315,17 +315,20 @@ def _rejection_rows(
 
     rows = torch.arange(batch, device=device)
     final_rows = index[rows, num_accepted]
-    p_final = target_probs.rows(final_rows).to(dtype) if logits else p[final_rows]  # [B, V]: correction / bonus row
     rejected = num_accepted < m
-    if width > 0:
-        q_final = q[rows, num_accepted.clamp(max=width - 1)]
-        residual = torch.clamp(p_final - alpha * q_final, min=0)
-        empty = residual.sum(-1, keepdim=True) <= 0
-        residual = torch.where(empty, p_final, residual)
-        weights = torch.where(rejected[:, None], residual, p_final)
+    at = num_accepted.clamp(max=width - 1) if width > 0 else None
+    if logits and dtype == torch.float32:  # the correction / bonus rows read where drawn: no [B, V] distribution
+        final = residual_sample(target_probs.logits, final_rows, target_probs.temperature, target_probs.lse,
+                                q if width > 0 else None, at, rejected, uniforms[:, width].to(dtype), alpha=alpha)
     else:
+        p_final = target_probs.rows(final_rows).to(dtype) if logits else p[final_rows]  # [B, V]
         weights = p_final
-    final = inverse_cdf_sample(weights, uniforms[:, width].to(dtype))
+        if width > 0:
+            residual = torch.clamp(p_final - alpha * q[rows, at], min=0)
+            empty = residual.sum(-1, keepdim=True) <= 0
+            residual = torch.where(empty, p_final, residual)
+            weights = torch.where(rejected[:, None], residual, p_final)
+        final = inverse_cdf_sample(weights, uniforms[:, width].to(dtype))
 
     pos = torch.arange(width + 1, device=device)[None, :]
     padded_ids = torch.cat([ids, torch.full((batch, 1), -1, dtype=torch.int64, device=device)], 1)

@@ -26,6 +26,7 @@ __all__ = [
     "logprobs_topk",
     "logsumexp_rows",
     "mask_logits",
+    "residual_sample",
     "sample",
     "softmax_sample",
     "token_counts",
@@ -116,3 +117,39 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor, *, backend: str = "auto"
 
         return triton_backend.logsumexp_rows(logits, temperature)
     return reference.logsumexp_rows(logits, temperature)
+
+
+def residual_sample(logits: Tensor, rows: Tensor, temperature: Tensor, lse: Tensor, draft_probs: Tensor | None,
+                    positions: Tensor | None, rejected: Tensor, uniforms: Tensor, *, alpha: float = 1.0,
+                    backend: str = "auto") -> Tensor:  # fmt: skip
+    """The correction / bonus draw of speculative rejection sampling, one per request b (`reference.
+    residual_sample`): from p = softmax(logits[rows[b]] / temperature[rows[b]]), or where `rejected[b]` from the
+    residual max(0, p - alpha * draft_probs[b, positions[b]]) (p when it is all zero).
+
+    logits [R, V] float (bf16 read as is), rows [B] int64, temperature / lse [R] float32 (`logsumexp_rows`),
+    draft_probs [B, N, V] float32 or None (p for every request), positions [B] int64 in [0, N) (with draft_probs),
+    rejected [B] bool, uniforms [B] float32 in [0, 1) -> [B] int64. The Triton kernels read the target row and the
+    draft row once and scan one chunk, without writing a [B, V] distribution; they equal the reference up to
+    float rounding (p as exp(l / T - lse) against a softmax; summation order)."""
+    if logits.dim() != 2 or temperature.shape != logits.shape[:1] or lse.shape != logits.shape[:1]:
+        raise ValueError(f"residual_sample: expected logits [R, V], temperature and lse [R], found "
+                         f"{tuple(logits.shape)} / {tuple(temperature.shape)} / {tuple(lse.shape)}")
+    b = rows.shape[0]
+    if rows.shape != (b,) or rejected.shape != (b,) or uniforms.shape != (b,):
+        raise ValueError(f"residual_sample: expected rows, rejected and uniforms of shape ({b},), found "
+                         f"{tuple(rows.shape)} / {tuple(rejected.shape)} / {tuple(uniforms.shape)}")
+    if draft_probs is not None and (draft_probs.dim() != 3 or draft_probs.shape[0] != b
+                                    or draft_probs.shape[2] != logits.shape[1] or positions is None
+                                    or positions.shape != (b,)):
+        raise ValueError(f"residual_sample: expected draft_probs [{b}, N, {logits.shape[1]}] with positions [{b}], "
+                         f"found {tuple(draft_probs.shape)} / {None if positions is None else tuple(positions.shape)}")
+    ok, why = _float_rows("logits", logits)
+    if draft_probs is not None and (draft_probs.dtype != torch.float32 or draft_probs.stride(-1) != 1):
+        ok, why = False, f"draft_probs {draft_probs.dtype} with last-dim stride {draft_probs.stride(-1)}; needs float32, contiguous rows"
+    tensors = [logits, rows, temperature, lse, rejected, uniforms] + ([draft_probs] if draft_probs is not None else [])
+    if resolve_backend("residual_sample", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.sampling import triton as triton_backend
+
+        return triton_backend.residual_sample(logits, rows, temperature, lse, draft_probs, positions, rejected,
+                                              uniforms, alpha)  # fmt: skip
+    return reference.residual_sample(logits, rows, temperature, lse, draft_probs, positions, rejected, uniforms, alpha)

@@ -219,3 +219,27 @@ def logsumexp_rows(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Ten
     [R] float32. With it, p[r, v] = exp(logits[r, v] / T[r] - lse[r]) is read where needed, without writing the
     distribution of every row."""
     return torch.logsumexp(logits.to(torch.float32) / temperature.to(torch.float32)[:, None], dim=-1)
+
+
+def residual_sample(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    lse: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    rejected: torch.Tensor,
+    uniforms: torch.Tensor,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """The correction / bonus draw of speculative rejection sampling, one per request b: p = softmax(logits[rows[b]]
+    / temperature[rows[b]]); where `rejected[b]`, the residual max(0, p - alpha * draft_probs[b, positions[b]])
+    (p itself when the residual is all zero), else p; then `inverse_cdf_sample` with uniforms[b]. `lse` is not read
+    here (the Triton kernel reads p as exp(l / T - lse)); draft_probs None: p for every request. Returns [B] int64."""
+    p = torch.softmax(logits[rows].to(torch.float32) / temperature[rows].to(torch.float32)[:, None], dim=-1)
+    if draft_probs is None:
+        return inverse_cdf_sample(p, uniforms.to(torch.float32))
+    q = draft_probs[torch.arange(rows.shape[0], device=rows.device), positions].to(torch.float32)
+    residual = torch.clamp(p - alpha * q, min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) <= 0, p, residual)
+    return inverse_cdf_sample(torch.where(rejected[:, None], residual, p), uniforms.to(torch.float32))

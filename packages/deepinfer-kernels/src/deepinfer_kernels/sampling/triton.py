@@ -24,7 +24,7 @@ from torch import Tensor
 
 from deepinfer_kernels._launch import cdiv, check_launchable, next_pow2
 
-__all__ = ["CHUNK", "greedy_argmax", "inverse_cdf_sample", "logsumexp_rows", "softmax_sample"]
+__all__ = ["CHUNK", "greedy_argmax", "inverse_cdf_sample", "logsumexp_rows", "residual_sample", "softmax_sample"]
 
 CHUNK = 4096  # entries of a row per first-stage program (32 programs per row of the 129,280-entry vocabulary)
 _BIG = tl.constexpr(2**31 - 1)  # an index past every row (V < 2**31); constexpr: a kernel may only read those globals
@@ -218,6 +218,51 @@ def _lse_combine_kernel(t_ptr, max_ptr, sum_ptr, out_ptr, C, BLOCK_C: tl.constex
     tl.store(out_ptr + row, tl.math.div_rn(top, ts) + tl.log(z))
 
 
+@triton.jit
+def _target_probs(x_ptr, r, t_ptr, lse_ptr, offs, ok, stride_x):
+    """p = exp(l / T - lse) of target row r at `offs` (0 outside the row)."""
+    x = tl.load(x_ptr + r * stride_x + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    return tl.where(ok, tl.exp(tl.math.div_rn(x, tl.load(t_ptr + r)) - tl.load(lse_ptr + r)), 0.0)
+
+
+@triton.jit(do_not_specialize=["V", "C"])
+def _residual_sums_kernel(x_ptr, rows_ptr, t_ptr, lse_ptr, q_ptr, pos_ptr, rej_ptr, psum_ptr, rsum_ptr, alpha, V, C,
+                          stride_x, stride_qb, stride_qn, BLOCK: tl.constexpr, HAS_Q: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    p = _target_probs(x_ptr, tl.load(rows_ptr + b), t_ptr, lse_ptr, offs, ok, stride_x)
+    tl.store(psum_ptr + b * C + c, tl.sum(p, 0))
+    if HAS_Q:
+        if tl.load(rej_ptr + b) != 0:  # a bonus draw (nothing rejected) reads p alone: no draft row
+            q = tl.load(q_ptr + b * stride_qb + tl.load(pos_ptr + b) * stride_qn + offs, mask=ok, other=0.0)
+            tl.store(rsum_ptr + b * C + c, tl.sum(tl.maximum(p - alpha * q, 0.0), 0))
+
+
+@triton.jit(do_not_specialize=["V", "C"])
+def _residual_pick_kernel(x_ptr, rows_ptr, t_ptr, lse_ptr, q_ptr, pos_ptr, rej_ptr, u_ptr, psum_ptr, rsum_ptr, out_ptr,
+                          alpha, V, C, stride_x, stride_qb, stride_qn, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr,
+                          HAS_Q: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    co = tl.arange(0, BLOCK_C)
+    okc = co < C
+    sums = tl.load(psum_ptr + b * C + co, mask=okc, other=0.0)
+    if HAS_Q:  # the residual's sums are 0 on rows without a rejection (not written); an all-zero residual draws p
+        rs = tl.load(rsum_ptr + b * C + co, mask=okc, other=0.0)
+        use_r = (tl.load(rej_ptr + b) != 0) & (tl.sum(rs, 0) > 0)
+        sums = tl.where(use_r, rs, sums)
+    x = tl.load(u_ptr + b) * tl.sum(sums, 0)
+    chunk, below = _chunk_choice(sums, co, okc, x, C)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < V
+    w = _target_probs(x_ptr, tl.load(rows_ptr + b), t_ptr, lse_ptr, offs, ok, stride_x)
+    if HAS_Q:
+        q = tl.load(q_ptr + b * stride_qb + tl.load(pos_ptr + b) * stride_qn + offs, mask=ok, other=0.0)
+        w = tl.where(use_r, tl.maximum(w - alpha * q, 0.0), w)
+    tl.store(out_ptr + b, _pick_in_chunk(w, offs, ok, x, below, V).to(tl.int64))
+
+
 def _rows(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -300,4 +345,36 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor) -> Tensor:
     # no argmax: arg_ptr is not read (maxes stands in)
     _softmax_stats_kernel[(n, c)](x, t, maxes, maxes, sums, v, c, x.stride(0), BLOCK=block, DRAW=False, num_warps=4)
     _lse_combine_kernel[(n,)](t, maxes, sums, out, c, BLOCK_C=next_pow2(c), num_warps=1)
+    return out
+
+
+def residual_sample(logits: Tensor, rows: Tensor, temperature: Tensor, lse: Tensor, draft_probs: Tensor | None,
+                    positions: Tensor | None, rejected: Tensor, uniforms: Tensor, alpha: float = 1.0) -> Tensor:
+    """`reference.residual_sample` without writing a `[B, V]` distribution: per (request, chunk) the sums of p and
+    of the residual, then per request the chunk where u * total falls and a scan of that chunk (p read as
+    exp(l / T - lse)). logits [R, V] bf16|fp16|fp32 (last dim contiguous), draft_probs [B, N, V] float32 (last
+    dim contiguous) or None."""
+    b = rows.shape[0]
+    out = torch.empty((b,), dtype=torch.int64, device=logits.device)
+    if b == 0:
+        return out
+    x = _rows(logits)
+    v = x.shape[1]
+    t = temperature.to(torch.float32).contiguous()
+    lse = lse.to(torch.float32).contiguous()
+    u = uniforms.to(torch.float32).contiguous()
+    rows = rows.to(torch.int64).contiguous()
+    has_q = draft_probs is not None
+    q = draft_probs if has_q else u  # a stand-in pointer, never read without HAS_Q
+    pos = positions.to(torch.int64).contiguous() if has_q else rows
+    rej = rejected.to(torch.int8).contiguous()
+    check_launchable("residual_sample", _residual_sums_kernel, x, rows, t, lse, q, pos, rej, u)
+    block, c, warps = _grid(v)
+    psum = torch.empty((b, c), dtype=torch.float32, device=x.device)
+    rsum = torch.zeros((b, c), dtype=torch.float32, device=x.device) if has_q else psum
+    sq = (q.stride(0), q.stride(1)) if has_q else (0, 0)
+    _residual_sums_kernel[(b, c)](x, rows, t, lse, q, pos, rej, psum, rsum, float(alpha), v, c, x.stride(0), *sq,
+                                  BLOCK=block, HAS_Q=has_q, num_warps=warps)  # fmt: skip
+    _residual_pick_kernel[(b,)](x, rows, t, lse, q, pos, rej, u, psum, rsum, out, float(alpha), v, c, x.stride(0), *sq,
+                                BLOCK=block, BLOCK_C=next_pow2(c), HAS_Q=has_q, num_warps=warps)  # fmt: skip
     return out
