@@ -76,8 +76,9 @@ class SpecRound:
     survival_host: np.ndarray | None = None  # [B, N] float64 survivals the policy ranked (None: no confidence head)
     positions: Tensor | None = None  # [B] int64 anchor positions p
     seeds: Tensor | None = None  # [B] int64
-    keys_host: np.ndarray | None = None  # [B, 2] int64 (anchor position, seed): the verification uniforms' keys
-    inputs_host: np.ndarray | None = None  # [B, 5] int64 (anchor id, position, slot, max drafts, seed)
+    # [B, 5] int64 (anchor id, position, slot, max drafts, seed): the drafts' inputs; (position, seed) key the
+    # verification's uniforms
+    inputs_host: np.ndarray | None = None
     temps_host: Tensor | None = None  # [B] float32 on the host, 0 on greedy rows
     num_drafts_host: Tensor | None = None  # [B] int64 on the host (checks and row counts without a device read)
     greedy: list[bool] = field(default_factory=list)
@@ -301,7 +302,6 @@ class SpecDecoder:
                             s.seed & 0x7FFFFFFFFFFFFFFF] for c, s in zip(picked, sts)], dtype=np.int64)
         dev = self._staging(device).tensor(host, torch.int64)  # pinned: a pageable copy waits for the stream
         rnd.positions, rnd.seeds = dev[:, 1], dev[:, 4]
-        rnd.keys_host = host[:, [1, 4]]
         # on the host: propose reads the greedy / sampled split there and copies it over without a device sync
         temps = torch.tensor([0.0 if g else float(p.temperature) for g, p in zip(rnd.greedy, rnd.params)],
                              dtype=torch.float32)
@@ -488,7 +488,7 @@ class SpecDecoder:
         if sampled:
             # the uniforms on the host (the same values as `verify_counter_uniforms`): on the device their hash is
             # ~70 launches, most of a sampled round's verification on the H200, whose host is the bound there
-            parts.append((verify_counter_uniforms_host(rnd.keys_host[:, 1], rnd.keys_host[:, 0], self.block_size),
+            parts.append((verify_counter_uniforms_host(rnd.inputs_host[:, 4], rnd.inputs_host[:, 1], self.block_size),
                           torch.float32))
             parts += [(values, dtype) for _, values, dtype in row_params]
         staged = self._staging(logits.device).stage(parts)
