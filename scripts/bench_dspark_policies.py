@@ -270,9 +270,6 @@ def warm_up(llm, prompts, sp, runs: int, extra: int, setup: Any = None, steady: 
     return made
 
 
-_AHEAD_DEFAULT: dict[int, bool] = {}  # each decoder's draft-ahead setting as the engine built it
-
-
 def apply_policy(dec: Any, pol: Any, curve: str | None, profiled: Any) -> Any:
     """Set the decoder's policy for one run: fresh copies of the profiled curves (T(Q) and the batch buckets',
     `profiled` = (T(Q), {bucket: curve}); corrected online during the run) for "profile", T(Q) alone for
@@ -281,9 +278,9 @@ def apply_policy(dec: Any, pol: Any, curve: str | None, profiled: Any) -> Any:
     curves of a profiled run."""
     from deepinfer_dspark import LatencyModel
 
-    default = _AHEAD_DEFAULT.setdefault(id(dec), bool(dec.draft_ahead))
     curve, _, flag = (curve or "").partition("+")
-    dec.draft_ahead = default and flag != "no-ahead"
+    # the engine turns draft-ahead on exactly when verify steps replay CUDA graphs (`build_spec_decoder`)
+    dec.draft_ahead = dec.graph_rows is not None and flag != "no-ahead"
     curve = curve or None
     if curve in ("profile", "profile-tq"):
         lat = profiled[0].fresh()

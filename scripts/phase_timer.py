@@ -10,10 +10,22 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["PhaseTimer"]
+__all__ = ["PhaseTimer", "wrap_phases"]
+
+
+def wrap_phases(phases: Sequence[tuple[str, str, str | None, str]], wrap: Callable[[str, Any], Any]) -> None:
+    """Replace each phase's method or function by `wrap(name, original)` (for the process's lifetime); a phase that
+    is not found is reported on stderr and skipped."""
+    for name, module, owner, attr in phases:
+        mod = importlib.import_module(module)
+        target = mod if owner is None else getattr(mod, owner, None)
+        if target is None or not hasattr(target, attr):
+            print(f"phase {name}: {module}.{owner}.{attr} not found, not wrapped", file=sys.stderr)
+            continue
+        setattr(target, attr, wrap(name, getattr(target, attr)))
 
 
 class PhaseTimer:
@@ -23,13 +35,7 @@ class PhaseTimer:
         self.calls: dict[str, int] = {}
 
     def install(self) -> None:
-        for name, module, owner, attr in self.phases:
-            mod = importlib.import_module(module)
-            target = mod if owner is None else getattr(mod, owner, None)
-            if target is None or not hasattr(target, attr):
-                print(f"phase {name}: {module}.{owner}.{attr} not found, not timed", file=sys.stderr)
-                continue
-            setattr(target, attr, self._wrap(name, getattr(target, attr)))
+        wrap_phases(self.phases, self._wrap)
 
     def _wrap(self, name: str, fn: Any) -> Any:
         sums, calls = self.sums, self.calls

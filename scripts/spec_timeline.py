@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dspark_policies import _steady, _testbed, apply_policy, ensure_calibration, prompt_sets  # noqa: E402
+from phase_timer import wrap_phases  # noqa: E402
 from spec_round_time import PHASES  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,24 +38,15 @@ STEP = ("step", "deepinfer_engine.llm_engine", "LLMEngine", "step_outputs")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def annotate(phases: tuple) -> None:
-    """Wrap each phase in a `record_function` range named after it (for the process's lifetime)."""
-    import importlib
+def _ranged(name: str, fn: Any) -> Any:
+    """fn inside a `record_function` range named after its phase."""
 
-    for name, module, owner, attr in phases:
-        mod = importlib.import_module(module)
-        target = mod if owner is None else getattr(mod, owner, None)
-        if target is None or not hasattr(target, attr):
-            print(f"phase {name}: {module}.{owner}.{attr} not found", file=sys.stderr)
-            continue
-        fn = getattr(target, attr)
+    @functools.wraps(fn)
+    def ranged(*a: Any, **kw: Any) -> Any:
+        with torch.profiler.record_function(name):
+            return fn(*a, **kw)
 
-        def ranged(*a: Any, _fn: Any = fn, _name: str = name, **kw: Any) -> Any:
-            with torch.profiler.record_function(_name):
-                return _fn(*a, **kw)
-
-        functools.update_wrapper(ranged, fn)
-        setattr(target, attr, ranged)
+    return ranged
 
 
 def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -180,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     pols = {"verify_all": (VerifyPolicy(kind="verify_all"), None),
             "threshold": (VerifyPolicy(kind="threshold", threshold=args.threshold), None),
             "cost": (VerifyPolicy(kind="cost", lagged=True), "profile")}
-    annotate((*PHASES, STEP))
+    wrap_phases((*PHASES, STEP), _ranged)
     tokens = (args.skip + args.steps + 2) * (dec.block_size + 1)
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "prompts": args.prompts, "skip": args.skip, "steps": args.steps, "runs": {}}

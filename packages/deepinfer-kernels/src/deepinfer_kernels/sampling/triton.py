@@ -330,7 +330,7 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None, uniforms: Tensor 
 
 def logsumexp_rows(logits: Tensor, temperature: Tensor) -> Tensor:
     """logits [R, V] bf16|fp16|fp32, temperature [R] float32 > 0 -> [R] float32 (`reference.logsumexp_rows`): one
-    read of the logits (the chunk statistics of `softmax_sample`), nothing of [R, V] written."""
+    read of the logits (`_softmax_stats_kernel`'s DRAW=False variant), nothing of [R, V] written."""
     n, v = logits.shape
     out = torch.empty((n,), dtype=torch.float32, device=logits.device)
     if n == 0:
