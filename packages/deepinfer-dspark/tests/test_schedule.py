@@ -55,6 +55,12 @@ def test_allocate_is_prefix_per_request_with_ties():
     assert allocate(a, [3, 3], 4).tolist() == [3, 1]
     assert allocate(a, [1, 3], 3).tolist() == [1, 2]
     assert allocate(a, [3, 3], 100).tolist() == [3, 3]
+    assert allocate(a, [1, 2], 3).tolist() == [1, 2]  # a budget of every candidate: max_drafts itself
+    assert allocate(np.asarray([[np.nan, 0.1]]), [2], 2).tolist() == [2]
+    with pytest.raises(DSparkInputError, match="budget"):
+        allocate(a, [3, 3], -1)
+    with pytest.raises(DSparkInputError, match="max_drafts"):
+        allocate(a, [3, 4], 100)  # checked before the budget is compared
 
 
 def _brute_force(a: torch.Tensor, m: list[int], lat: LatencyModel) -> float:

@@ -307,10 +307,12 @@ def allocate(
 ) -> Tensor:
     """`[B] int64` drafts per request: the `budget` highest-survival candidates (a prefix per request)."""
     m = _check(survival, max_drafts)
-    _, req = _ranked(survival, m)
-    k = min(int(budget), req.size)
+    k = int(budget)
     if k < 0:
-        raise DSparkInputError(f"budget: expected >= 0, found {int(budget)}")
+        raise DSparkInputError(f"budget: expected >= 0, found {k}")
+    if k >= int(m.sum()):  # every candidate: no ranking (the lagged cost policy's budget on a flat curve)
+        return _tensor(m, _device(survival))
+    _, req = _ranked(survival, m)
     return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))
 
 
