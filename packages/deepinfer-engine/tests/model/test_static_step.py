@@ -18,7 +18,7 @@ from deepinfer_engine.model.cache import ModelCache
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config
-from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep, static_paged_arrays
+from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep, static_paged_plan
 from equality import init_random_, max_rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,18 +131,16 @@ def test_static_ring_writes_of_padding_rows(write_padding: bool):
 
 
 def test_static_paged_rows_scratch_and_completion():
-    from deepinfer_engine.model.cache import SeqHost
-
     # ratio 2, page 8 (4 entries / page), 6 entry slots per sequence (2 pages); scratch row 99.
     # seq 0 at ctx 9: completes entry 4 (page 7, row 0 = store row 28), 5 entries; seq 1 at ctx 2: entry 1 in
     # progress (scratch), 1 entry; row 2 is padding
-    bt = np.array([[3, 7], [5, -1], [-1, -1]])
-    seqs = SeqHost(ctx=np.array([9, 2, 0]), qlen=np.ones(3, np.int64), start=np.arange(3), slot=np.array([0, 1, 9]))
-    real = np.array([True, True, False])
-    read, write, new_w, new_seq, offs = static_paged_arrays(2, 8, bt, seqs, real, 6, 99)
-    assert read.reshape(3, 6).tolist() == [[12, 13, 14, 15, 28, 99], [20, 99, 99, 99, 99, 99], [99] * 6]
-    assert write.tolist() == [28, 99, 99] and new_w.tolist() == [4, 1, 0]
-    assert new_seq.tolist() == [0, 1, 2] and offs.tolist() == [0, 6, 12]
+    bt = torch.tensor([[3, 7], [5, -1], [-1, -1]])
+    plan = static_paged_plan(2, 8, bt, torch.tensor([9, 2, 0]), torch.tensor([1, 1, 0]), 6, 99)
+    assert plan.read_rows.view(3, 6).tolist() == [[12, 13, 14, 15, 28, 99], [20, 99, 99, 99, 99, 99], [99] * 6]
+    assert plan.write_rows.tolist() == [28, 99, 99] and plan.new_w.tolist() == [4, 1, 0]
+    assert plan.new_seq.tolist() == [0, 1, 2] and plan.offsets_t.tolist() == [0, 6, 12] and plan.num_new == 3
+    with pytest.raises(InputError, match="block tables"):
+        static_paged_plan(2, 8, bt[:, :1], torch.tensor([9, 2, 0]), torch.tensor([1, 1, 0]), 6, 99)
 
 
 def test_static_step_refuses_too_long_or_too_many():
@@ -180,18 +178,20 @@ def test_static_window_rows_equal_the_device_computation():
 @pytest.mark.parametrize(("tokens", "freeze"), [(1, False), (3, False), (1, True), (3, True)])
 def test_static_plans_equal_fresh_builds_every_step(make_tiny_v41_model, tokens: int, freeze: bool):
     """After every fill each plan's buffer holds what the exact builders give for that step: ring plans
-    (built from ctx / slot only) equal ring_plan_arrays(clip=False); paged and window plans, which skip the
-    rebuild and the copy while their memo is unchanged, equal a fresh build (positions advancing one by one
-    across entry, page and window boundaries; sequences joining and leaving; growing block tables). Frozen
-    (one arena): the same, and the plan objects and batch view the arena."""
-    from deepinfer_engine.model.cache import ring_plan_arrays
+    (built from ctx / slot only) equal ring_plan_arrays(clip=False); window plans, which skip the rebuild and
+    the copy while their memo is unchanged, equal a fresh build; the paged plans the forward computes from the
+    step's buffers equal the exact plans on every real entry (positions advancing one by one across entry, page
+    and window boundaries; sequences joining and leaving; growing block tables). Frozen (one arena): the same,
+    and the plan objects and batch view the arena."""
+    from deepinfer_engine.model.cache import SeqHost, build_paged_plan, ring_plan_arrays
 
     model = make_tiny_v41_model(0)
     cache = ModelCache.allocate(model.args, num_slots=4, num_pages=64, page_size=4, dtype=torch.float32)
     step = StaticDecodeStep(cache, 4, 128, "cpu", tokens=tokens)
     model.forward_features(None, cache, static=step)  # registers every plan the forward asks for
     kinds = {k[0] for k in step._plans}
-    assert {"ring", "paged", "win"} <= kinds, kinds
+    assert {"ring", "win"} <= kinds, kinds
+    ratios = sorted(set(cache.ratios.values()))
     if freeze:
         step.freeze()
         arena = step._seq.dev.untyped_storage().data_ptr()
@@ -217,14 +217,34 @@ def test_static_plans_equal_fresh_builds_every_step(make_tiny_v41_model, tokens:
                 want = plan.build()
                 skipped += plan.last == before[key]
             assert np.array_equal(got, np.concatenate(want)), (k, key)
+        seqs = SeqHost(ctx=ctx, qlen=lens, start=np.cumsum(lens) - lens, slot=np.asarray(live, dtype=np.int64))
+        for r in ratios:
+            _assert_paged_equal(step.context(cache).paged_plan(r),
+                                build_paged_plan(r, cache.page_size, tables, seqs, device=torch.device("cpu")),
+                                step.entries_width(r), cache.scratch_page * (cache.page_size // r))
     assert skipped > 0  # some steps really kept a plan
 
 
+def _assert_paged_equal(static, exact, width: int, scratch: int) -> None:
+    """A fixed-shape paged plan against the exact one: the same page rows on every entry a real sequence reads
+    and every entry its real tokens complete, the scratch row everywhere else."""
+    S = len(exact.counts)
+    read = static.read_rows.tolist()
+    for i in range(S):
+        c = exact.counts[i]
+        assert read[i * width : i * width + c] == exact.read_rows[exact.offsets[i] : exact.offsets[i] + c].tolist()
+        assert set(read[i * width + c : (i + 1) * width]) <= {scratch}
+        mine = {int(w): int(r) for w, r, s in zip(static.new_w, static.write_rows, static.new_seq) if s == i and r != scratch}
+        theirs = {int(w): int(r) for w, r, s in zip(exact.new_w, exact.write_rows, exact.new_seq) if s == i}
+        assert mine == theirs, i
+    assert set(read[S * width :]) <= {scratch}
+    assert set(static.write_rows[static.new_seq >= S].tolist()) <= {scratch}
+
+
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_static_entry_rows_equal_the_device_computation(tokens):
-    """The host-built pool rows of each new entry's tokens (a ratio-2 source's state ring) equal
-    ForwardContext.entry_rows' device computation (RingPlan.pool_rows) over the same static plans: sequences at
-    even and odd positions, verify steps of 3 tokens, padding sequences. Same for the visible entry counts and the new entries' positions."""
+def test_static_visible_counts_equal_the_device_computation(tokens):
+    """The host-built visible entry counts of a fixed-shape step equal ForwardContext.visible_counts' device
+    computation: sequences at even and odd positions, verify steps of 3 tokens, padding sequences."""
     import dataclasses
 
     args = ModelArgs.from_config_dict(tiny_v4_config())
@@ -236,12 +256,6 @@ def test_static_entry_rows_equal_the_device_computation(tokens):
                               input_ids=np.zeros(n * tokens, np.int64), block_tables=np.arange(n * 4).reshape(n, 4),
                               query_lens=None if tokens == 1 else np.full(n, tokens)))  # fmt: skip
         ctx = step.context(cache)
-        plan = ctx.ring_plan(8, (1,) * 4, write=True, max_back=1)
-        paged = ctx.paged_plan(2)
-        got = ctx.entry_rows(plan, paged)
-        want = dataclasses.replace(ctx, static=None, plans={}).entry_rows(plan, paged)
-        assert got.shape == (4 * -(-tokens // 2), 2) and torch.equal(got, want)
-        exact = dataclasses.replace(ctx, static=None, plans={})  # the device computations
+        exact = dataclasses.replace(ctx, static=None, plans={})  # the device computation
+        assert ctx.visible_counts(2).shape == (4 * tokens,)
         assert torch.equal(ctx.visible_counts(2), exact.visible_counts(2))
-        assert torch.equal(ctx.entry_positions(paged), exact.entry_positions(paged))
-        assert ctx.visible_counts(2).shape == (4 * tokens,) and ctx.entry_positions(paged).shape == (got.shape[0],)

@@ -17,13 +17,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from deepinfer_engine.errors import CapacityError
+from deepinfer_engine.errors import CapacityError, InputError
 from deepinfer_engine.model.args import ModelArgs
 from deepinfer_engine.model.cache import ModelCache, SeqHost, build_paged_plan
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.model.model import Transformer
 from deepinfer_engine.model.presets import tiny_v4_config
-from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep, static_paged_arrays
+from deepinfer_engine.model.static_step import DecodeFacts, StaticDecodeStep, static_paged_plan
 from equality import init_random_, max_rel_err
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -137,8 +137,10 @@ def test_static_verify_paged_rows_equal_the_exact_plan():
         real = np.array([True, True, True, False])
         seqs = SeqHost(ctx=np.where(real, ctx, 0), qlen=np.full(B, Q), start=np.arange(B) * Q,
                        slot=np.array([0, 1, 2, 9]))
-        read, write, new_w, new_seq, offs = static_paged_arrays(
-            ratio, PAGE, bt, seqs, real, width, scratch, real_lens=n, tokens=Q)
+        plan = static_paged_plan(ratio, PAGE, torch.from_numpy(bt), torch.from_numpy(seqs.ctx), torch.from_numpy(n),
+                                 width, scratch, tokens=Q)
+        read, write, new_w, new_seq = (t.numpy() for t in (plan.read_rows, plan.write_rows, plan.new_w, plan.new_seq))
+        offs = plan.offsets_t
         K = -(-Q // ratio)
         assert write.shape == (B * K,) and offs.tolist() == [0, width, 2 * width, 3 * width]
         exact = build_paged_plan(ratio, PAGE, bt[:S], SeqHost(ctx=ctx[:S], qlen=n[:S], start=np.cumsum(n[:S]) - n[:S],
@@ -172,6 +174,29 @@ def test_static_verify_window_rows_equal_the_device_computation():
         want = dataclasses.replace(ctx, static=None, plans={}).window_rows(plan, W, noncausal=False)
         assert got.shape == (12, W) and torch.equal(got, want)
 
+
+
+def test_ragged_step_window_rows_come_from_the_device_computation():
+    """A ragged step's forward takes its window rows from ForwardContext's device computation (captured with the
+    graph) rather than a host plan that every change of the rows' layout would rebuild; the host builder refuses."""
+    args = ModelArgs.from_config_dict(tiny_v4_config())
+    cache = ModelCache.allocate(args, num_slots=3, num_pages=12, page_size=PAGE, dtype=torch.float32)
+    step = StaticDecodeStep(cache, 4, 64, "cpu", tokens=3, rows=8)
+    W = args.sliding_window
+    step.fill(DecodeFacts(ctx=np.asarray([0, W + 5], np.int64), slots=np.arange(2, dtype=np.int64),
+                          input_ids=np.zeros(5, np.int64), block_tables=np.arange(8).reshape(2, 4),
+                          query_lens=np.asarray([3, 2])))  # fmt: skip
+    ctx = step.context(cache)
+    plan = ctx.ring_plan(cache.window_rows(0), (W - 1,) * 5, write=True, max_back=W - 1)
+    got = ctx.window_rows(plan, W, noncausal=False)
+    assert got.shape == (8, W) and not any(k[0] == "win" for k in step._plans)
+    rows = plan.pool_rows(step.batch.seq_of_token[:, None].expand(-1, W),
+                          step.batch.positions[:, None] - W + 1 + torch.arange(W)[None, :], step.seq_t)
+    q = step.batch.positions[:, None] - W + 1 + torch.arange(W)[None, :]
+    assert torch.equal(got, torch.where(q >= 0, rows, -1))
+    assert int((got[:3] >= 0).sum()) == 1 + 2 + 3  # sequence 0 from position 0: its own fresh rows only
+    with pytest.raises(InputError, match="ragged"):
+        step.window_rows(plan, W)
 
 def test_static_verify_step_checks_its_facts():
     args = ModelArgs.from_config_dict(tiny_v4_config())

@@ -360,10 +360,10 @@ class ForwardContext:
 
     def paged_plan(self, ratio: int) -> PagedPlan:
         """Cached PagedPlan of the ratio-`ratio` paged families (entries and this step's new entries)."""
-        if self.static is not None:  # block tables checked by the static step's caller, on the host
-            return self.static.paged_plan(ratio)
         key = ("paged", ratio)
         plan = self.plans.get(key)
+        if plan is None and self.static is not None:  # block tables checked by the static step's caller, on the host
+            plan = self.plans[key] = self.static.paged_plan(ratio)  # device ops, once per forward and ratio
         if plan is None:
             if "checked" not in self.plans:  # block-table coverage: once per forward, for every paged ratio
                 ratios = sorted(set(self.cache.ratios.values()))
@@ -392,30 +392,25 @@ class ForwardContext:
 
     def entry_positions(self, paged: PagedPlan) -> Tensor:
         """[M] int64 first token position of each new entry of `paged` (new_w * ratio: where the entry's RoPE
-        is applied); host-built in a fixed-shape step."""
+        is applied)."""
         key = ("entry_pos", paged.ratio)
         pos = self.plans.get(key)
         if pos is None:
-            pos = self.static.entry_positions(paged.ratio) if self.static is not None else paged.new_w * paged.ratio
-            self.plans[key] = pos
+            pos = self.plans[key] = paged.new_w * paged.ratio
         return pos  # type: ignore[return-value]
 
     def entry_rows(self, plan: RingPlan, paged: PagedPlan) -> Tensor:
         """[M, r] int64 pool rows (see RingPlan.gather) of the r token positions of each new entry of `paged`
-        (entry w of sequence new_seq: positions r*w .. r*w + r - 1); a fixed-shape step builds them on the host
-        with its other plans (no device op in the forward)."""
+        (entry w of sequence new_seq: positions r*w .. r*w + r - 1). A fixed-shape step's plans clamp into the
+        pool (`RingPlan.pool_len`): the entries a padding row completes read some row and are dropped."""
         key = ("entry", id(plan), paged.ratio)  # plans live in self.plans for the whole forward
         rows = self.plans.get(key)
         if rows is not None:
             return rows  # type: ignore[return-value]
         r = paged.ratio
-        if self.static is not None:
-            rows = self.static.entry_rows(plan, r)
-        else:
-            seq = paged.new_seq[:, None].expand(-1, r)
-            pos = paged.new_w[:, None] * r + torch.arange(r, device=paged.new_w.device)[None, :]
-            rows = plan.pool_rows(seq, pos, self.seq_t)
-        self.plans[key] = rows
+        seq = paged.new_seq[:, None].expand(-1, r)
+        pos = paged.new_w[:, None] * r + torch.arange(r, device=paged.new_w.device)[None, :]
+        rows = self.plans[key] = plan.pool_rows(seq, pos, self.seq_t)
         return rows
 
     def window_rows(self, plan: RingPlan, window: int, *, noncausal: bool) -> Tensor:
@@ -428,8 +423,11 @@ class ForwardContext:
         idx = self.plans.get(key)
         if idx is not None:
             return idx  # type: ignore[return-value]
-        if self.static is not None and not noncausal and self.window_floor is None:
-            idx = self.plans[key] = self.static.window_rows(plan, window)  # host-built with the step's plans
+        # a fixed-shape step builds them on the host with its other plans, where they are rebuilt only when the step's
+        # layout changes; a ragged step's layout (each sequence's rows) changes whenever the policy verifies other
+        # draft counts, which on the H200's host cost more than these few device ops inside the captured graph
+        if self.static is not None and not noncausal and self.window_floor is None and not self.static.ragged:
+            idx = self.plans[key] = self.static.window_rows(plan, window)
             return idx
         st, seq, pos = self.seq_t, self.seq_of_token, self.batch.positions
         if noncausal:

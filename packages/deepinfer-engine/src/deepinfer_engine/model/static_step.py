@@ -4,9 +4,10 @@ replayed for any batch of at most B sequences feeding 1..Q tokens each whose len
 (docs/cuda_graphs.md). Q = 1 is a plain decode step; Q > 1 a speculative verify step (each sequence: its last
 token and up to Q - 1 drafts).
 
-`StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints and every gather plan a
-forward asks for) and a pinned host twin of each; Engram row ids are computed inside the step from the token ids
-and the cache's device token ring (docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
+`StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints, block tables and the
+host-built gather plans: ring plans, a uniform step's window rows, visible entry counts) and a pinned host twin of
+each; the paged plans, the new entries' rows and positions, a ragged step's window rows and the Engram row ids are
+computed inside the forward by device ops from those buffers (docs/cuda_graphs.md, docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
 twins and copies them into the device buffers (one non-blocking copy per buffer; once `freeze`d into one arena,
 one copy in all plus one per memoised plan that changed; docs/cuda_graphs.md); the captured kernels read the
 device buffers in place. Row j of sequence i is row i * Q + j, at position ctx_i + j. Sequences past the real
@@ -58,7 +59,7 @@ from deepinfer_engine.model.cache import (
 )
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 
-__all__ = ["DecodeFacts", "StaticDecodeStep", "paged_grid", "static_paged_arrays"]
+__all__ = ["DecodeFacts", "StaticDecodeStep", "static_paged_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,53 +98,46 @@ class DecodeFacts:
         )  # fmt: skip
 
 
-def paged_grid(ratio: int, page_size: int, block_tables: np.ndarray, width: int, scratch_row: int) -> np.ndarray:
-    """[B, width] int64 page row of every entry slot w of each sequence's block table (entry w lives in page
-    table[w // per_page], row w % per_page of it), `scratch_row` where the table has no page. It depends on the
-    tables only, so a fixed-shape step rebuilds it when a table changed (a new page), not every step."""
-    per_page = page_size // ratio
-    bt = np.asarray(block_tables, dtype=np.int64)
-    B, width_pages = bt.shape
+def static_paged_plan(
+    ratio: int, page_size: int, block_tables: Tensor, ctx: Tensor, lens: Tensor, width: int, scratch_row: int, *,
+    tokens: int = 1,
+) -> PagedPlan:
+    """The fixed-size PagedPlan of S sequences of `tokens` (Q) rows each, computed by device ops (a captured forward
+    recomputes it at every replay from the step's buffers, so the host builds nothing when positions or tables
+    change): read_rows [S * width], write_rows / new_w / new_seq [S * K] with K = ceil(Q / ratio) new-entry rows
+    per sequence, offsets_t [S].
+
+    block_tables: [S, P] int64 page ids (-1 = none; P pages cover at least `width` entries); ctx: [S] int64 first
+    position of each sequence's new tokens; lens: [S] int64 real tokens n_i of each sequence (0 = a padding
+    sequence; rows past n_i are padding). Entry slot w of sequence i reads its page row (entry w lives in page
+    table[w // per_page], row w % per_page) while w < count_i = (ctx_i + n_i) // ratio, else `scratch_row`.
+    New-entry row k of i is entry ctx_i // ratio + k: its page row when that entry is below count_i (completed by
+    the sequence's real tokens), else `scratch_row` (an entry in progress, or one only padding rows complete, is
+    computed and dropped there). Rows are equal to the exact plan's (`cache.build_paged_plan`) on every entry a
+    real query reads or a real token completes."""
+    r, S = int(ratio), int(ctx.shape[0])
+    per_page = page_size // r
     npages = -(-width // per_page)
-    table = np.full((B, npages), -1, dtype=np.int64)
-    k = min(npages, width_pages)
-    table[:, :k] = bt[:, :k]
-    grid = (table[:, :, None] * per_page + np.arange(per_page, dtype=np.int64)).reshape(B, -1)[:, :width]
-    return np.where(grid >= 0, grid, scratch_row)  # a row is negative exactly where its page is -1
-
-
-def static_paged_arrays(
-    ratio: int, page_size: int, block_tables: np.ndarray, seqs: SeqHost, real: np.ndarray, width: int,
-    scratch_row: int, *, real_lens: np.ndarray | None = None, tokens: int = 1, grid: np.ndarray | None = None,
-) -> list[np.ndarray]:
-    """Host arrays of a fixed-size PagedPlan for B sequences of `tokens` (Q) rows each: [read_rows [B*width],
-    write_rows [B*K], new_w [B*K], new_seq [B*K], offsets [B]] with K = ceil(Q / ratio) new-entry rows per
-    sequence.
-
-    real: [B] bool (False = padding sequence); real_lens: [B] int64 real tokens n_i of each sequence (None: 1
-    each; rows past n_i are padding). Entry slot w of sequence i reads its page row while w < count_i =
-    (ctx_i + n_i) // ratio, else `scratch_row`. New-entry row k of i is entry ctx_i // ratio + k: its page row
-    when that entry is below count_i (completed by the sequence's real tokens), else `scratch_row` (an entry in
-    progress, or one only padding rows complete, is computed and dropped there). grid: `paged_grid` of these
-    tables (computed here when None)."""
-    r = ratio
-    B = seqs.ctx.shape[0]
-    n = np.ones(B, dtype=np.int64) if real_lens is None else np.asarray(real_lens, dtype=np.int64)
-    counts = np.where(real, (seqs.ctx + n) // r, 0)
-    if int(counts.max(initial=0)) > width:
-        raise CapacityError(f"fixed-shape step of {width} entries per sequence: a sequence has {int(counts.max())}")
-    if grid is None:
-        grid = paged_grid(ratio, page_size, block_tables, width, scratch_row)
-    read_rows = np.where(np.arange(width, dtype=np.int64) < counts[:, None], grid, scratch_row).reshape(-1)
+    if block_tables.shape != (S, block_tables.shape[1]) or block_tables.shape[1] < npages:
+        raise InputError(f"static paged plan: block tables {tuple(block_tables.shape)}, expected [{S}, >= {npages}]")
+    dev = ctx.device
+    cols = torch.arange(per_page, device=dev)
+    grid = (block_tables[:, :npages, None] * per_page + cols).reshape(S, -1)[:, :width]
+    grid = torch.where(grid >= 0, grid, scratch_row)  # an entry's row is negative exactly where its page is -1
+    counts = torch.where(lens > 0, (ctx + lens) // r, 0)
+    read_rows = torch.where(torch.arange(width, device=dev) < counts[:, None], grid, scratch_row).reshape(-1)
     K = -(-int(tokens) // r)
-    new_seq = np.repeat(np.arange(B, dtype=np.int64), K)
-    new_w = (seqs.ctx // r)[new_seq] + np.tile(np.arange(K, dtype=np.int64), B)
-    # an entry below count_i lies within the width (count_i <= width), so its grid row exists
-    done = real[new_seq] & (new_w < counts[new_seq])
-    write_rows = np.where(done, grid[new_seq, np.minimum(new_w, width - 1)], scratch_row) if width else (
-        np.full(B * K, scratch_row, dtype=np.int64))
-    offsets = np.arange(B, dtype=np.int64) * width
-    return [read_rows, write_rows, new_w, new_seq, offsets]
+    k = torch.arange(S * K, device=dev)
+    new_seq = k // K
+    new_w = (ctx // r)[new_seq] + k % K
+    done = (lens > 0)[new_seq] & (new_w < counts[new_seq])  # an entry below count_i lies within the width
+    at = new_seq * width + new_w.clamp(max=width - 1)
+    write_rows = torch.where(done, grid.reshape(-1)[at], scratch_row)
+    return PagedPlan(
+        ratio=r, read_rows=read_rows, write_rows=write_rows, new_w=new_w, new_seq=new_seq, num_new=S * K,
+        offsets=tuple(range(0, S * width, width)), counts=(width,) * S,
+        offsets_t=torch.arange(S, device=dev) * width,
+    )  # fmt: skip
 
 
 class _Buffer:
@@ -211,18 +205,20 @@ class StaticDecodeStep:
         T = self.num_rows = int(rows) if self.ragged else B * Q
         # a ragged step's padding rows belong to one more sequence (module docstring)
         S = self.num_seqs = B + 1 if self.ragged else B
+        # the page columns every sequence's block table is padded to: enough for max_len tokens and for the entry
+        # slots of every compressed ratio (`static_paged_plan`)
+        page = int(cache.page_size)
+        self._pages = max([1, -(-self.max_len // page)]
+                          + [-(-self.entries_width(r) // (page // r)) for r in set(cache.ratios.values())])
         # one buffer, one copy per step: input ids | positions | real rows [T each] | ctx | qlen | start | slot [S
-        # each] (| sequence of each row [T]: ragged steps)
-        self._sizes = [T, T, T, S, S, S, S] + ([T] if self.ragged else [])
+        # each] (| sequence of each row [T]: ragged steps) | real tokens per sequence [S] | block tables [S * pages]
+        self._sizes = [T, T, T, S, S, S, S] + ([T] if self.ragged else []) + [S, S * self._pages]
         self._seq = _Buffer((sum(self._sizes),), self.device)
         self._plans: dict[tuple, _Plan] = {}
         # recorded after each fill's copies: the next fill rewrites the pinned sources only once they ran
         self._event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copied = False
-        self._bt = np.full((S, 1), -1, dtype=np.int64)
         self._ones = np.ones(B, dtype=np.int64)
-        self._real = np.zeros(S, dtype=bool)
-        self._lens = np.zeros(S, dtype=np.int64)  # real tokens per sequence (0 for padding sequences)
         self._dynamic: _Buffer | None = None  # after freeze(): the arena part copied every step
         a = self._seq.np
         if not self.ragged:  # qlen and start never change (every sequence has Q rows)
@@ -238,10 +234,13 @@ class StaticDecodeStep:
     def _bind_seq(self) -> None:
         """The batch, sequence tensors and host views over the current `_seq` buffer."""
         B, Q, T = self.batch_size, self.tokens, self.num_rows
-        ids, pos, rows, ctx, qlen, start, slot, *sot = torch.split(self._seq.dev, self._sizes)
+        ids, pos, rows, ctx, qlen, start, slot, *sot, lens, bt = torch.split(self._seq.dev, self._sizes)
         a = self._seq.np
         ends = np.cumsum(self._sizes)
         self._views = [a[e - n : e] for e, n in zip(ends.tolist(), self._sizes)]
+        # real tokens per sequence (0 on padding sequences) and block tables, on the host and the device
+        self._lens, self._lens_t = self._views[-2], lens
+        self._bt, self._bt_t = self._views[-1].reshape(self.num_seqs, self._pages), bt.view(self.num_seqs, self._pages)
         self.seq_t = SeqTensors(ctx=ctx, qlen=qlen, start=start, slot=slot)
         # [T] int64: the rows of the real tokens in batch order (`rows_of`), then 0s: rows [:sum n_i] of a step's
         # outputs are its real rows, gathered on the device without another copy
@@ -359,11 +358,10 @@ class StaticDecodeStep:
             real_rows[: rows.shape[0]], real_rows[rows.shape[0] :] = rows, 0
             pos[:] = (ctx[:, None] + self._arange[:Q][None, :]).reshape(-1)
         slot[:S], slot[S:] = facts.slots, self.cache.scratch_slot
-        self._real[:S], self._real[S:] = True, False
         self._lens[:S], self._lens[S:] = lens, 0
-        bt = np.asarray(facts.block_tables, dtype=np.int64)
-        self._bt = np.full((self.num_seqs, max(1, bt.shape[1])), -1, dtype=np.int64)
-        self._bt[:S, : bt.shape[1]] = bt
+        # columns past `_pages` hold pages of positions >= max_len, which no entry of this step reaches
+        bt = np.asarray(facts.block_tables)[:, : self._pages]
+        self._bt[:S, : bt.shape[1]], self._bt[:S, bt.shape[1] :], self._bt[S:] = bt, -1, -1
         frozen = self._dynamic is not None  # then the sequence ints and every-step plans go in one copy
         if not frozen:
             self._seq.send()
@@ -449,7 +447,12 @@ class StaticDecodeStep:
         """[B * Q, window] int64 causal window rows into the pool of `plan` (one of this step's ring plans), -1 =
         none: ForwardContext.window_rows of a fixed-shape step, built on the host with the other plans (the
         forward then spends no device op on it). Row k of the query at position p = ctx_i + j is position
-        q = p - window + 1 + k: a history row (q < ctx_i) or the sequence's fresh row q - ctx_i, -1 for q < 0."""
+        q = p - window + 1 + k: a history row (q < ctx_i) or the sequence's fresh row q - ctx_i, -1 for q < 0.
+        Uniform steps only: a ragged step's forward computes its window rows on the device (its row layout changes
+        with the drafts verified, and with it this plan)."""
+        if self.ragged:
+            raise InputError("static decode step: a ragged step's window rows are computed on the device "
+                             "(ForwardContext.window_rows), not host-built")
         T = self.num_rows
         back = plan.num_hist // self.num_seqs  # every sequence reads max_back history rows (ring_plan)
         pool_len = plan.num_hist + T
@@ -463,8 +466,7 @@ class StaticDecodeStep:
             return [np.where(q >= 0, rows.clip(0, pool_len - 1), -1).reshape(-1)]
 
         def memo() -> bytes:  # rows q - ctx_i do not depend on ctx_i; only the q >= 0 mask does, up to ctx_i = window
-            clip = np.minimum(self._host_views()[3], window).tobytes()
-            return clip + self._views[7].tobytes() if self.ragged else clip  # ragged: the rows' layout too
+            return np.minimum(self._host_views()[3], window).tobytes()
 
         key = ("win", plan.ring_rows, back, window)
         return self._register(key, build, lambda v: v[0].view(T, window), memo)  # type: ignore[return-value]
@@ -475,71 +477,18 @@ class StaticDecodeStep:
         return self._register(("vis", ratio), lambda: [(self._host_views()[1] + 1) // ratio],
                               lambda v: v[0])  # type: ignore[return-value]
 
-    def entry_positions(self, ratio: int) -> Tensor:
-        """[B * K] int64 new_w * ratio of `paged_plan(ratio)`'s new-entry rows (ForwardContext.entry_positions)."""
-        B, K = self.num_seqs, -(-self.tokens // ratio)
-
-        def build() -> list[np.ndarray]:
-            ctx = self.seq_host.ctx
-            w = np.repeat(ctx // ratio, K) + np.tile(np.arange(K, dtype=np.int64), B)  # static_paged_arrays' new_w
-            return [w * ratio]
-
-        return self._register(("entry_pos", ratio), build, lambda v: v[0])  # type: ignore[return-value]
-
-    def entry_rows(self, plan: RingPlan, ratio: int) -> Tensor:
-        """[B * K, ratio] int64 pool rows of the token positions of each new-entry row of `paged_plan(ratio)` (K =
-        ceil(Q / ratio); entry ctx_i // ratio + k of sequence i): ForwardContext.entry_rows of a fixed-shape step,
-        RingPlan.pool_rows of those positions computed on the host (clamped into the pool like it)."""
-        B, Q = self.num_seqs, self.tokens
-        back = plan.num_hist // B  # every sequence reads max_back history rows (ring_plan)
-        K = -(-Q // ratio)
-        num_hist, pool_len = plan.num_hist, plan.num_hist + self.num_rows
-
-        def build() -> list[np.ndarray]:
-            host = self.seq_host
-            seq = np.repeat(np.arange(B, dtype=np.int64), K)
-            c = host.ctx[seq][:, None]
-            w = host.ctx[seq] // ratio + np.tile(np.arange(K, dtype=np.int64), B)  # static_paged_arrays' new_w
-            pos = w[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]
-            hist = seq[:, None] * back + pos - (c - back)
-            fresh = num_hist + host.start[seq][:, None] + pos - c
-            return [np.where(pos < c, hist, fresh).clip(0, pool_len - 1).reshape(-1)]
-
-        key = ("entry", plan.ring_rows, back, ratio)
-        return self._register(key, build, lambda v: v[0].view(B * K, ratio))  # type: ignore[return-value]
-
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)
 
     def paged_plan(self, ratio: int) -> PagedPlan:
-        cache, B = self.cache, self.num_seqs
-        width = self.entries_width(ratio)
-        scratch_row = cache.scratch_page * (cache.page_size // ratio)
-        num_new = B * -(-self.tokens // ratio)
-
-        grids: dict[bytes, np.ndarray] = {}  # the latest tables' paged_grid
-
-        def build() -> list[np.ndarray]:
-            key = self._bt.tobytes()
-            grid = grids.get(key)
-            if grid is None:
-                grids.clear()
-                grid = grids[key] = paged_grid(ratio, cache.page_size, self._bt, width, scratch_row)
-            return static_paged_arrays(ratio, cache.page_size, self._bt, self.seq_host, self._real, width,
-                                       scratch_row, real_lens=self._lens, tokens=self.tokens, grid=grid)
-
-        def make(v: list[Tensor]) -> PagedPlan:
-            return PagedPlan(
-                ratio=ratio, read_rows=v[0], write_rows=v[1], new_w=v[2], new_seq=v[3], num_new=num_new,
-                offsets=tuple(range(0, B * width, width)), counts=(width,) * B, offsets_t=v[4],
-            )  # fmt: skip
-
-        def memo() -> bytes:  # static_paged_arrays sees ctx only through the entries ctx // r and (ctx + n) // r
-            ctx = self._host_views()[3]
-            return b"".join(((ctx // ratio).tobytes(), ((ctx + self._lens) // ratio).tobytes(), self._real.tobytes(),
-                             self._bt.tobytes()))
-
-        return self._register(("paged", ratio), build, make, memo)  # type: ignore[return-value]
+        """The step's PagedPlan of `ratio`, computed by device ops from its buffers (`static_paged_plan`): call it
+        inside the forward (the capture records the ops, every replay recomputes the rows). Rebuilding it on the
+        host (an earlier version) cost a pass over [B, width] entries whenever a position crossed an entry or a
+        table gained a page, i.e. nearly every verify step."""
+        cache = self.cache
+        return static_paged_plan(ratio, cache.page_size, self._bt_t, self.seq_t.ctx, self._lens_t,
+                                 self.entries_width(ratio), cache.scratch_page * (cache.page_size // ratio),
+                                 tokens=self.tokens)
 
     def check_tables(self, facts: DecodeFacts) -> None:
         """Block-table coverage of the real sequences (host; CapacityError as the exact plans raise)."""
