@@ -114,14 +114,16 @@ class SpecTiming:
     # of draft_s: the verification policy's own host time (schedule_verification), which the cost policy spends more
     # of than the others
     policy_s: float = 0.0
-    # lagged cost: the search over a round's survivals for the next round's budget, run after the round's launch
-    # (while its target step runs on the device, so outside the round's spans)
+    # lagged cost: the search over a round's survivals for the next round's budget, run after the round's forward
+    # is launched and before its verification's launches (while the forward runs on the device; counted in
+    # launch_s)
     lag_s: float = 0.0
     # of draft_s: round start to the end of the drafts' host read (the draft pass on the device, and the host work
     # before it); the rest of draft_s is host work after the read
     drafted_s: float = 0.0
     # of verify_s: from the forward's start to the verification's last launch (host time: input preparation, the
-    # forward's launch or replay, the verification's launches); the rest of verify_s waits for the device
+    # forward's launch or replay, the lagged search, the verification's launches); the rest of verify_s waits for
+    # the device
     launch_s: float = 0.0
     # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
     # against the latency model's price of it
@@ -472,6 +474,10 @@ class SpecDecoder:
         rnd.rows = num_tokens if rows is None else int(rows)
         if not rnd.req_ids:
             return None
+        # the lagged cost policy's search, while the device runs the forward just launched: the verification's
+        # launches queue behind that forward anyway, whereas after them the search outlasted the device's work
+        # at 32 requests (the round then waited for it: 0.2-0.3 ms of a 5-6 ms round on the H200)
+        self.next_budget(rnd)
         lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
         starts = np.cumsum(lens) - lens
         sampled = not all(rnd.greedy)
@@ -520,13 +526,12 @@ class SpecDecoder:
         if rnd.timer is not None:
             rnd.timer[1].record()
         rnd.launched_at = time.perf_counter()
-        self.next_budget(rnd)
         return packed
 
     def next_budget(self, rnd: SpecRound) -> None:
         """Lagged cost policy: the next round's budget from this round's survivals (the global argmax over its
-        row buckets, `VerifyPolicy(exact=False)`), run once the round's target step and verification are
-        launched, while the device runs them."""
+        row buckets, `VerifyPolicy(exact=False)`), run once the round's target step is launched, while the device
+        runs it (`launch_verify`, before the verification's launches)."""
         if rnd.lag_inputs is None or rnd.latency is None:
             return
         t0 = time.perf_counter()
