@@ -234,7 +234,8 @@ def _assert_paged_equal(static, exact, width: int, scratch: int) -> None:
         c = exact.counts[i]
         assert read[i * width : i * width + c] == exact.read_rows[exact.offsets[i] : exact.offsets[i] + c].tolist()
         assert set(read[i * width + c : (i + 1) * width]) <= {scratch}
-        mine = {int(w): int(r) for w, r, s in zip(static.new_w, static.write_rows, static.new_seq) if s == i and r != scratch}
+        mine = {int(w): int(r) for w, r, s in zip(static.new_w, static.write_rows, static.new_seq)
+                if s == i and r != scratch}
         theirs = {int(w): int(r) for w, r, s in zip(exact.new_w, exact.write_rows, exact.new_seq) if s == i}
         assert mine == theirs, i
     assert set(read[S * width :]) <= {scratch}

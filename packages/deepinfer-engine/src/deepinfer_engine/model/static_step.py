@@ -7,17 +7,17 @@ token and up to Q - 1 drafts).
 `StaticDecodeStep` owns static device buffers (token ids, positions, per-sequence ints, block tables and the
 host-built gather plans: ring plans, a uniform step's window rows, visible entry counts) and a pinned host twin of
 each; the paged plans, the new entries' rows and positions, a ragged step's window rows and the Engram row ids are
-computed inside the forward by device ops from those buffers (docs/cuda_graphs.md, docs/async_scheduling.md). `fill(...)` writes one step's facts into the host
-twins and copies them into the device buffers (one non-blocking copy per buffer; once `freeze`d into one arena,
-one copy in all plus one per memoised plan that changed; docs/cuda_graphs.md); the captured kernels read the
-device buffers in place. Row j of sequence i is row i * Q + j, at position ctx_i + j. Sequences past the real
-ones are padding: slot = the cache's scratch slot, positions 0 .. Q - 1, token 0; their ring writes land in the
-scratch slot and their compressed entries in the scratch page, which no request owns. Rows j >= n_i of a real
-sequence feeding n_i < Q tokens are padding too (token 0 at the next positions): they write ring rows past the
-sequence's end, as rejected drafts do (overwritten when the sequence gets there; the cache's rollback slack
-covers Q - 1 rows), no compressed entry (entries only its real tokens complete are written), and their logits
-are dropped. A step made with `write_padding=False` (the DSpark context insertion) sends the ring writes of
-those rows to the scratch slot instead, so that it writes exactly the rows the exact forward writes.
+computed inside the forward by device ops from those buffers (docs/cuda_graphs.md, docs/async_scheduling.md).
+`fill(...)` writes one step's facts into the host twins and copies them into the device buffers (one non-blocking
+copy per buffer; once `freeze`d into one arena, one copy in all plus one per memoised plan that changed); the
+captured kernels read the device buffers in place. Row j of sequence i is row i * Q + j, at position ctx_i + j.
+Sequences past the real ones are padding: slot = the cache's scratch slot, positions 0 .. Q - 1, token 0; their ring
+writes land in the scratch slot and their compressed entries in the scratch page, which no request owns. Rows j >=
+n_i of a real sequence feeding n_i < Q tokens are padding too (token 0 at the next positions): they write ring rows
+past the sequence's end, as rejected drafts do (overwritten when the sequence gets there; the cache's rollback slack
+covers Q - 1 rows), no compressed entry (entries only its real tokens complete are written), and their logits are
+dropped. A step made with `write_padding=False` (the DSpark context insertion) sends the ring writes of those rows
+to the scratch slot instead, so that it writes exactly the rows the exact forward writes.
 
 A ragged step (`rows=T`: the verify steps of speculative decoding) lays the real rows out back to back instead:
 sequence i owns rows start_i .. start_i + n_i - 1 (start_i = n_0 + ... + n_(i-1), n_i <= Q), and rows sum n_i .. T - 1
