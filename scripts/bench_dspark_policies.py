@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "verified_per_step": st["verified_tokens_per_step"], "steps": st["steps"],
                                  "verification_efficiency": st["verification_efficiency"],
                                  "survival_calibration": st["survival_calibration"],
+                                 "survival_reliability": st.get("survival_reliability"),
                                  "predicted_acceptance_by_position": st["predicted_acceptance_by_position"],
                                  "acceptance_by_position": st["acceptance_by_position"],
                                  "num_verified_tokens": st["num_verified_tokens"],

@@ -121,6 +121,25 @@ def test_predicted_survivals_by_hand():
         s.update([0], [1], survival=[[0.5, 0.1]])
 
 
+def test_survival_reliability_by_hand():
+    """Verified drafts binned by their survival: count, mean survival, share accepted; unverified positions and NaN
+    survivals count nowhere; 1.0 and overshoots land in the last bin; merge adds the bins."""
+    s = AcceptanceStats(3)
+    assert s.survival_reliability() == [] and s.as_dict()["survival_reliability"] == []
+    # request 0 verifies 3 and accepts 2: (0.95 yes, 0.6 yes, 0.07 no); request 1 verifies 2, accepts 0:
+    # (0.08 no, 0.04 no); its third survival (0.5) is not verified
+    s.update([2, 0], [3, 2], survival=[[0.95, 0.6, 0.07], [0.08, 0.04, 0.5]])
+    got = {(b["lo"], b["hi"]): (b["n"], round(b["predicted"], 6), b["realized"]) for b in s.survival_reliability()}
+    assert got == {(0.0, 0.05): (1, 0.04, 0.0), (0.05, 0.1): (2, 0.075, 0.0), (0.5, 0.7): (1, 0.6, 1.0),
+                   (0.9, 1.0): (1, 0.95, 1.0)}
+    other = AcceptanceStats(3)
+    other.update([1], [2], survival=[[1.0, float("nan"), 0.0]])
+    s.merge(other)
+    last = s.survival_reliability()[-1]
+    assert (last["n"], last["predicted"], last["realized"]) == (2, pytest.approx(0.975), 1.0)
+    assert sum(b["n"] for b in s.survival_reliability()) == 6  # the NaN survival is in no bin
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_survival_calibration_of_sampled_rounds(scale):
     """Rounds whose drafts are accepted with the conditional probabilities the survivals come from: calibration
@@ -138,6 +157,9 @@ def test_survival_calibration_of_sampled_rounds(scale):
     assert s.survival_calibration == pytest.approx(scale, rel=0.04)
     if scale == 1.0:
         assert s.predicted_acceptance_by_position() == pytest.approx(s.acceptance_by_position(), abs=0.045)
+    big = [b for b in s.survival_reliability() if b["n"] >= 300]
+    assert len(big) >= 5  # calibrated by level too, not only on average (scaled: realized = predicted / scale)
+    assert all(b["realized"] == pytest.approx(b["predicted"] / scale, abs=0.06) for b in big), big
 
 
 def test_counts_equal_a_request_by_request_count():

@@ -13,7 +13,10 @@ from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
 
-__all__ = ["AcceptanceStats"]
+__all__ = ["RELIABILITY_EDGES", "AcceptanceStats"]
+
+# survival bins of the reliability table (`AcceptanceStats.survival_reliability`): finer where the policies cut
+RELIABILITY_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
 def _as_list(name: str, values: Sequence[int] | Tensor) -> list[int]:
@@ -40,7 +43,10 @@ class AcceptanceStats:
       accepted[j]       ... that accepted the draft at position j (num_accepted > j);
       predicted[j]      sum of the predicted survivals a[j] (P(drafts 1..j+1 all accepted)) over the request-steps
                         that verified position j, when the caller passes them: a calibrated Confidence Head gives
-                        predicted[j] ~ accepted[j] (the policies' expected accepted tokens are these sums).
+                        predicted[j] ~ accepted[j] (the policies' expected accepted tokens are these sums);
+      reliability       per survival bin (RELIABILITY_EDGES) [verified drafts, summed survival, accepted drafts]:
+                        the calibration by level, where the policies' cuts fall (a calibrated sum can hide an
+                        overconfident tail behind an underconfident head).
     Token counters (the engine's per-request / per-run metrics): num_draft_tokens (proposed), num_verified_tokens
     (drafts the target checked), num_accepted_tokens; steps = batch steps (update calls).
     """
@@ -58,6 +64,7 @@ class AcceptanceStats:
         self._conf_count = 0
         self.predicted = [0.0] * block_size
         self._predicted_steps = 0  # request-steps whose survivals were given
+        self.reliability = [[0, 0.0, 0] for _ in RELIABILITY_EDGES[1:]]
         self.num_draft_tokens = 0
         self.steps = 0
 
@@ -118,6 +125,18 @@ class AcceptanceStats:
             for j, v in enumerate(np.where(verified, a, 0.0).sum(0).tolist()):
                 self.predicted[j] += v
             self._predicted_steps += len(ver)
+            accepted = np.arange(self.block_size)[None, :] < acc_np[:, None]
+            vals = a[verified].astype(np.float64)
+            # the last bin holds 1.0 (and clamped overshoots); a NaN survival is counted in no bin
+            ok = ~np.isnan(vals)
+            bins = np.clip(np.searchsorted(RELIABILITY_EDGES, vals[ok], side="right") - 1, 0, len(self.reliability) - 1)
+            nb = len(self.reliability)
+            for row, n_, p_, k_ in zip(self.reliability, np.bincount(bins, minlength=nb).tolist(),
+                                       np.bincount(bins, weights=vals[ok], minlength=nb).tolist(),
+                                       np.bincount(bins, weights=accepted[verified][ok], minlength=nb).tolist()):
+                row[0] += n_
+                row[1] += p_
+                row[2] += int(k_)
         if (confidence is None) != (accept_prob is None):
             raise DSparkInputError("confidence / accept_prob: pass both or neither")
         if confidence is not None and accept_prob is not None:
@@ -194,6 +213,13 @@ class AcceptanceStats:
             return None
         return sum(self.predicted) / total
 
+    def survival_reliability(self) -> list[dict[str, float]]:
+        """Per survival bin with verified drafts: its edges, the drafts (`n`), their mean survival (`predicted`) and
+        the share accepted (`realized`); [] without survivals."""
+        edges = RELIABILITY_EDGES
+        return [{"lo": edges[i], "hi": edges[i + 1], "n": n, "predicted": p / n, "realized": k / n}
+                for i, (n, p, k) in enumerate(self.reliability) if n]
+
     @property
     def confidence_error(self) -> float | None:
         """Mean |confidence - analytic acceptance| over verified positions, None if never given."""
@@ -214,6 +240,10 @@ class AcceptanceStats:
         self._conf_count += other._conf_count
         self.predicted = [a + b for a, b in zip(self.predicted, other.predicted)]
         self._predicted_steps += other._predicted_steps
+        for mine, theirs in zip(self.reliability, other.reliability):
+            mine[0] += theirs[0]
+            mine[1] += theirs[1]
+            mine[2] += theirs[2]
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -232,4 +262,5 @@ class AcceptanceStats:
             "confidence_error": self.confidence_error,
             "predicted_acceptance_by_position": self.predicted_acceptance_by_position(),
             "survival_calibration": self.survival_calibration,
+            "survival_reliability": self.survival_reliability(),
         }
