@@ -67,6 +67,19 @@ def prompt_sets(ckpt: Path, tb, seeds: list[int], count: int, length: int) -> li
     return out
 
 
+def request_params(sp: Any, count: int) -> list:
+    """One SamplingParams per request, each with its own seed derived from sp's (`mix_seed(seed, i)`; sp may
+    already be a list). A seed is per request (the same seed gives the same uniforms at the same positions), so one
+    seed shared by the whole batch would make every request draw the same uniforms: at temperature 1 the batch is
+    then one random path replicated, and its acceptance and calibration read that path's luck (on the testbed,
+    position-1 acceptance 0.85-0.89 with one shared seed against 0.757 with a seed per request, the same 0.76 the
+    analytic acceptance gives)."""
+    from deepinfer_engine.engine import mix_seed
+
+    params = list(sp) if isinstance(sp, list) else [sp] * count
+    return [p if p.seed is None else p.replace(seed=mix_seed(p.seed, i)) for i, p in enumerate(params)]
+
+
 def output_lengths(count: int, longest: int, spread: float, seed: int) -> list[int]:
     """`count` output lengths drawn uniformly from [max(1, round((1 - spread) * longest)), longest]."""
     import random
@@ -183,7 +196,7 @@ def _steady(llm, prompts, sp, skip: int, steps: int) -> tuple[int, float, list[l
     with neither the prompts' prefill nor the batch's tail (where the slowest request sets the time) in the
     window. The requests are dropped afterwards."""
     eng = llm.engine
-    ids = llm._add(llm._admit(prompts, [sp] * len(prompts)))
+    ids = llm._add(llm._admit(prompts, sp if isinstance(sp, list) else [sp] * len(prompts)))
     outs: dict[str, list[int]] = {}
     try:
         for _ in range(skip):
@@ -422,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             policies.append(("cost[no-ahead]", VerifyPolicy(kind="cost", lagged=True), "profile+no-ahead"))
     # warm-up at the measured batch size and both modes: Triton compiles per shape, and the first run would pay it
     for temp in args.temperature:
-        warm = SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7)
+        warm = request_params(SamplingParams(max_tokens=12, temperature=temp, ignore_eos=True, seed=7), len(sets[0]))
         for mode in modes:
             plains[mode].generate(sets[0], warm, use_tqdm=False)
             specs[mode].generate(sets[0], warm, use_tqdm=False)
@@ -444,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.length_spread > 0 and not args.steady:  # mixed output lengths: the batch thins out as requests finish
                     sp = [sp.replace(max_tokens=n) for n in output_lengths(count, args.new_tokens, args.length_spread,
                                                                            args.seeds[si])]
+                sp = request_params(sp, count)  # a seed per request (`request_params`)
                 steady = (args.steady_skip, args.steady) if args.steady else None
                 for mode in modes:
                     warm_up(plains[mode], prompts, sp, args.warm_runs, args.extra_warm_runs, steady=steady)

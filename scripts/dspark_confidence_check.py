@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     dec = llm.engine.runner.spec
     if args.no_fused_round:
         dec.drafter.proposal_runner = None
-    sp = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, ignore_eos=True, seed=args.seed)
+    sp = bench.request_params(SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature,
+                                             ignore_eos=True, seed=args.seed), len(prompts))
     llm.generate(prompts, sp, use_tqdm=False)  # warm-up: graph captures
     dec.reset_stats()
     llm.generate(prompts, sp, use_tqdm=False)

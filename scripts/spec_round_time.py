@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dspark_policies import _testbed, ensure_calibration, prompt_sets  # noqa: E402
+from bench_dspark_policies import _testbed, ensure_calibration, prompt_sets, request_params  # noqa: E402
 from phase_timer import PhaseTimer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
                               "prompts": args.prompts, "policy": args.policy, "unfused": args.unfused, "runs": {}}
     for temp in args.temperature:
-        sp = SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True, seed=args.seed)
+        sp = request_params(SamplingParams(max_tokens=args.new_tokens, temperature=temp, ignore_eos=True,
+                                           seed=args.seed), len(prompts))
         for _ in range(2):  # compiles and captures for this temperature's shapes
             one_run(llm, prompts, sp, phases)
         runs = [one_run(llm, prompts, sp, phases) for _ in range(args.repeats)]

@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dspark_policies import _steady, _testbed, apply_policy, ensure_calibration, prompt_sets  # noqa: E402
+from bench_dspark_policies import (  # noqa: E402
+    _steady,
+    _testbed,
+    apply_policy,
+    ensure_calibration,
+    prompt_sets,
+    request_params,
+)
 from phase_timer import wrap_phases  # noqa: E402
 from spec_round_time import PHASES  # noqa: E402
 
@@ -179,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     names = {p[0] for p in PHASES} | {"step"}
     tmp = Path(tempfile.mkdtemp())
     for temp in args.temperature:
-        sp = SamplingParams(max_tokens=tokens, temperature=temp, ignore_eos=True, seed=args.seed)
+        sp = request_params(SamplingParams(max_tokens=tokens, temperature=temp, ignore_eos=True, seed=args.seed),
+                            len(prompts))
         for pname in args.policy:
             pol, curve = pols[pname]
             for _ in range(2):  # compiles, captures and the lagged policy's first shapes
