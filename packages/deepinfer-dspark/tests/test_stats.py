@@ -132,6 +132,9 @@ def test_survival_reliability_by_hand():
     got = {(b["lo"], b["hi"]): (b["n"], round(b["predicted"], 6), b["realized"]) for b in s.survival_reliability()}
     assert got == {(0.0, 0.05): (1, 0.04, 0.0), (0.05, 0.1): (2, 0.075, 0.0), (0.5, 0.7): (1, 0.6, 1.0),
                    (0.9, 1.0): (1, 0.95, 1.0)}
+    bins = s.survival_reliability()  # its totals are the verified / accepted counts and the summed survivals
+    assert sum(b["n"] for b in bins) == s.num_verified_tokens and sum(round(b["n"] * b["realized"]) for b in bins) == 2
+    assert sum(b["n"] * b["predicted"] for b in bins) == pytest.approx(sum(s.predicted))
     other = AcceptanceStats(3)
     other.update([1], [2], survival=[[1.0, float("nan"), 0.0]])
     s.merge(other)

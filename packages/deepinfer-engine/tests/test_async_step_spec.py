@@ -76,7 +76,10 @@ def _assert_same_stats(asy: dict, sync: dict) -> None:
     asynchronous engine drafts for requests that finish while a round is in flight (their rows are dropped), so
     the draft pass runs other batch shapes and the confidences of the others round differently."""
     floats = ("predicted_acceptance_by_position", "survival_calibration")
-    assert {k: v for k, v in asy.items() if k not in floats} == {k: v for k, v in sync.items() if k not in floats}
+    # the survival bins are left out: rounding may move a survival across a bin edge, and their totals are the
+    # verified and accepted counts and the survival sums compared here
+    skip = (*floats, "survival_reliability")
+    assert {k: v for k, v in asy.items() if k not in skip} == {k: v for k, v in sync.items() if k not in skip}
     for k in floats:
         assert (asy[k] is None) == (sync[k] is None) and (asy[k] is None or asy[k] == pytest.approx(sync[k], rel=1e-5))
 

@@ -121,12 +121,9 @@ def test_draft_ahead_gives_the_tokens_and_counts_of_drafting_in_the_round(ckpts)
     # counts exactly; the confidences up to float rounding: a subset's rows were computed in a larger batch
     got, want = runs[True][1], runs[False][1]
     assert got.keys() == want.keys()
-    # the survival bins as totals (drafts, summed survival, accepted): float rounding may move a survival across a
-    # bin edge
-    (n1, p1, k1), (n2, p2, k2) = ((sum(b["n"] for b in r), sum(b["n"] * b["predicted"] for b in r),
-                                   sum(round(b["n"] * b["realized"]) for b in r))
-                                  for r in (got.pop("survival_reliability"), want.pop("survival_reliability")))
-    assert n1 == n2 > 0 and k1 == k2 and p1 == pytest.approx(p2, rel=1e-6)
+    # the survival bins are left out: float rounding may move a survival across a bin edge, and their totals are the
+    # verified and accepted counts and the survival sums compared below
+    got.pop("survival_reliability"), want.pop("survival_reliability")
     assert all(got[k] == (pytest.approx(v, rel=1e-6) if v is not None else None) for k, v in want.items()), got
     assert runs[False][2] == (0, 0, 0)
     used, selected, _ = runs[True][2]
