@@ -3,23 +3,12 @@ the batch would make every request draw the same uniforms (a temperature-1 run w
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("bench_dspark_policies", ROOT / "scripts" / "bench_dspark_policies.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.path.remove(str(ROOT / "scripts"))
+def bench(script):
+    return script("bench_dspark_policies")
 
 
 def test_request_params_give_each_request_its_own_seed(bench):

@@ -5,8 +5,6 @@ token for token under every verification policy. The full-size build and its num
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,13 +17,8 @@ MINI = {"sentences": 120, "seq_len": 32, "target_steps": 3, "target_batch": 2, "
 
 
 @pytest.fixture(scope="module")
-def testbed():
-    spec = importlib.util.spec_from_file_location("dspark_testbed", ROOT / "scripts" / "dspark_testbed.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["dspark_testbed"] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop("dspark_testbed", None)
+def testbed(script):
+    return script("dspark_testbed")
 
 
 def _digest(d: Path) -> dict[str, str]:

@@ -3,25 +3,15 @@ skipped steps and overlapping device intervals, and the category names of a real
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def timeline():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("spec_timeline", ROOT / "scripts" / "spec_timeline.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.path.remove(str(ROOT / "scripts"))
+def timeline(script):
+    return script("spec_timeline")
 
 
 def _x(cat: str, name: str, ts: float, dur: float) -> dict:
