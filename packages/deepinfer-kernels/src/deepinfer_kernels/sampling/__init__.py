@@ -41,20 +41,24 @@ def _float_rows(name: str, x: Tensor) -> tuple[bool, str]:
     return ok, f"{name} {x.dtype} [{x.shape[0]}, {x.shape[1]}]; needs bf16/fp16/fp32, 0 < V < 2**31 - 1"
 
 
+def _dispatch(name: str, backend: str, tensors: list[Tensor], ok: bool, why: str, *args: object, **kw: object):
+    """`name` of the Triton backend (imported on first use: it needs triton) or of the torch reference, whichever
+    `resolve_backend` picks for these tensors; both take the same arguments."""
+    if resolve_backend(name, backend, *tensors, triton_ok=ok, why_not=why) == "triton":
+        from deepinfer_kernels.sampling import triton as triton_backend
+
+        return getattr(triton_backend, name)(*args, **kw)
+    return getattr(reference, name)(*args, **kw)
+
+
 def greedy_argmax(logits: Tensor, *, invalid: int | None = None, backend: str = "auto") -> Tensor:
     """logits [N, V] float -> [N] int64 greedy ids, identical to torch.argmax(dim=-1) (ties: the lowest index;
     NaN is the largest value, the first NaN wins). invalid: id of the rows whose max is not finite (NaN, +Inf,
     all -Inf). backend: "auto" | "torch" | "triton" (the kernel takes bf16/fp16/fp32 [N, V] with V < 2**31)."""
     if logits.dim() != 2:
         raise ValueError(f"greedy_argmax: logits must be [N, V], found {tuple(logits.shape)}")
-    n, v = logits.shape
-    ok = logits.dtype in (torch.bfloat16, torch.float16, torch.float32) and 0 < v < 2**31 - 1
-    why = f"logits {logits.dtype} [{n}, {v}]; needs bf16/fp16/fp32 and 0 < V < 2**31 - 1"
-    if resolve_backend("greedy_argmax", backend, logits, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton as triton_backend
-
-        return triton_backend.greedy_argmax(logits, invalid=invalid)
-    return reference.greedy_argmax(logits, invalid=invalid)
+    ok, why = _float_rows("logits", logits)
+    return _dispatch("greedy_argmax", backend, [logits], ok, why, logits, invalid=invalid)
 
 
 def inverse_cdf_sample(weights: Tensor, uniforms: Tensor, *, backend: str = "auto") -> Tensor:
@@ -66,11 +70,7 @@ def inverse_cdf_sample(weights: Tensor, uniforms: Tensor, *, backend: str = "aut
         raise ValueError(f"inverse_cdf_sample: expected weights [N, V] and uniforms [N], found "
                          f"{tuple(weights.shape)} / {tuple(uniforms.shape)}")
     ok, why = _float_rows("weights", weights)
-    if resolve_backend("inverse_cdf_sample", backend, weights, uniforms, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton as triton_backend
-
-        return triton_backend.inverse_cdf_sample(weights, uniforms)
-    return reference.inverse_cdf_sample(weights, uniforms)
+    return _dispatch("inverse_cdf_sample", backend, [weights, uniforms], ok, why, weights, uniforms)
 
 
 def softmax_sample(logits: Tensor, temperature: Tensor | None = None, uniforms: Tensor | None = None, *,
@@ -97,11 +97,7 @@ def softmax_sample(logits: Tensor, temperature: Tensor | None = None, uniforms: 
           and (probs_out is None or probs_out.stride(-1) == 1))
     why = f"logits {logits.dtype} [{n}, {v}]; needs float32, 0 < V < 2**31 - 1, probs_out with a contiguous last dim"
     tensors = [logits] + ([temperature, uniforms] if temperature is not None else [])
-    if resolve_backend("softmax_sample", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton as triton_backend
-
-        return triton_backend.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
-    return reference.softmax_sample(logits, temperature, uniforms, probs_out=probs_out)
+    return _dispatch("softmax_sample", backend, tensors, ok, why, logits, temperature, uniforms, probs_out=probs_out)
 
 
 def logsumexp_rows(logits: Tensor, temperature: Tensor, *, backend: str = "auto") -> Tensor:
@@ -112,11 +108,7 @@ def logsumexp_rows(logits: Tensor, temperature: Tensor, *, backend: str = "auto"
         raise ValueError(f"logsumexp_rows: expected logits [R, V] and temperature [R], found {tuple(logits.shape)} "
                          f"/ {tuple(temperature.shape)}")
     ok, why = _float_rows("logits", logits)
-    if resolve_backend("logsumexp_rows", backend, logits, temperature, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton as triton_backend
-
-        return triton_backend.logsumexp_rows(logits, temperature)
-    return reference.logsumexp_rows(logits, temperature)
+    return _dispatch("logsumexp_rows", backend, [logits, temperature], ok, why, logits, temperature)
 
 
 def residual_sample(logits: Tensor, rows: Tensor, temperature: Tensor, lse: Tensor, draft_probs: Tensor | None,
@@ -147,9 +139,5 @@ def residual_sample(logits: Tensor, rows: Tensor, temperature: Tensor, lse: Tens
     if draft_probs is not None and (draft_probs.dtype != torch.float32 or draft_probs.stride(-1) != 1):
         ok, why = False, f"draft_probs {draft_probs.dtype} with last-dim stride {draft_probs.stride(-1)}; needs float32, contiguous rows"
     tensors = [logits, rows, temperature, lse, rejected, uniforms] + ([draft_probs] if draft_probs is not None else [])
-    if resolve_backend("residual_sample", backend, *tensors, triton_ok=ok, why_not=why) == "triton":
-        from deepinfer_kernels.sampling import triton as triton_backend
-
-        return triton_backend.residual_sample(logits, rows, temperature, lse, draft_probs, positions, rejected,
-                                              uniforms, alpha)  # fmt: skip
-    return reference.residual_sample(logits, rows, temperature, lse, draft_probs, positions, rejected, uniforms, alpha)
+    return _dispatch("residual_sample", backend, tensors, ok, why, logits, rows, temperature, lse, draft_probs,
+                     positions, rejected, uniforms, alpha)
