@@ -288,10 +288,6 @@ class StaticDecodeStep:
         buffer (made once)."""
         return self._views
 
-    def _row_seq(self) -> np.ndarray:
-        """[T] int64 the sequence of each row (host)."""
-        return self._views[7] if self.ragged else np.repeat(self._arange[: self.batch_size], self.tokens)
-
     @property
     def seq_host(self) -> SeqHost:
         _, _, _, ctx, qlen, start, slot = self._host_views()[:7]
@@ -459,7 +455,7 @@ class StaticDecodeStep:
 
         def build() -> list[np.ndarray]:
             _, p, _, ctx, _, start, _ = self._host_views()[:7]
-            i = self._row_seq()[:, None]
+            i = np.repeat(self._arange[: self.batch_size], self.tokens)[:, None]  # row -> sequence (uniform)
             c = ctx[i]
             q = p[:, None] - window + 1 + np.arange(window, dtype=np.int64)[None, :]
             rows = np.where(q < c, i * back + q - (c - back), plan.num_hist + start[i] + q - c)
