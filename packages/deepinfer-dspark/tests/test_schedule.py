@@ -113,6 +113,8 @@ def test_errors():
         LatencyModel([1, 2], [1.0, -1.0])
     with pytest.raises(DSparkInputError, match="observe"):
         LatencyModel.affine(1, 1, 8).observe(0, 1.0)
+    with pytest.raises(DSparkInputError, match="ragged steps only"):  # a padded step picks a cap, not a K
+        cost_budget(a, [3, 3], LatencyModel.affine(1, 1, 8), padding=StepPadding(2, (2, 4)))
 
 
 def test_cost_base_tokens_prices_the_whole_step():
@@ -324,6 +326,7 @@ def test_ragged_global_k_priced_at_bucket_ends_is_the_dense_first_maximum(chunk:
                                     base_tokens=base)
         want = _dense_ragged_k(a, m, lat, pad, base)
         assert int(got.sum()) == want, (a, m, base, sizes)
+        assert cost_budget(a, m, lat, exact=False, padding=pad, base_tokens=base) == want
         assert got.tolist() == allocate(a, m, want).tolist()
 
 

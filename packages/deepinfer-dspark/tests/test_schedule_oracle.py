@@ -10,7 +10,14 @@ import random
 import numpy as np
 import pytest
 import torch
-from deepinfer_dspark import LatencyModel, VerifyPolicy, allocate, cost_budget, schedule_verification
+from deepinfer_dspark import (
+    LatencyModel,
+    StepPadding,
+    VerifyPolicy,
+    allocate,
+    cost_budget,
+    schedule_verification,
+)
 from torch import Tensor
 
 
@@ -147,6 +154,14 @@ def test_policies_match_the_torch_oracle_on_random_cases(chunk: int):
                 assert got.dtype == torch.int64 and got.tolist() == want.tolist(), (pol, det, a, m, base)
                 assert cost_budget(sa, md, lat, exact=pol.exact, base_tokens=base, deterministic=det) == \
                     _old_cost_budget(a, m, lat, exact=pol.exact, base_tokens=base, deterministic=det)
+            # a ragged step's budget from the values alone (`_values`) is the K of the ranking's top-K
+            top = base + batch * (width + 1)
+            pad = StepPadding(8, tuple(range(max(1, batch), top + 4, rng.choice([1, 3, 8]))), ragged=True)
+            for det in (False, True):
+                got = schedule_verification(pol, md, survival=sa, latency=lat, base_tokens=base, deterministic=det,
+                                            padding=pad)
+                assert cost_budget(sa, md, lat, exact=pol.exact, base_tokens=base, deterministic=det,
+                                   padding=pad) == int(got.sum()), (pol, det, a, m, base, pad)
         count = sum(m)
         for budget in {0, 1, count // 2, count, count + 7}:
             assert allocate(sa, md, budget).tolist() == _old_allocate(a, m, budget).tolist()

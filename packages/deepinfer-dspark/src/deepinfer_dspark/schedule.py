@@ -209,6 +209,17 @@ def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, n
     return flat[order].astype(np.float64), order // max(width, 1)
 
 
+def _values(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
+    """`[C]` the candidates' survivals in `_ranked`'s order without the order itself: clamped to [0, 1],
+    descending, NaN first. A budget needs only these; a sort of the values skips the stable argsort's index work
+    and the gather (the lagged search's host time is round time where the device has finished before it)."""
+    width = survival.shape[1]
+    flat = np.minimum(np.maximum(_host_array(survival), 0.0), 1.0).reshape(-1)  # NaN stays NaN
+    if m.size and int(m.min()) < width:
+        flat = flat[(np.arange(width)[None, :] < m[:, None]).reshape(-1)]
+    return np.sort(flat)[::-1].astype(np.float64)  # NumPy sorts NaN last: first here, as in the ranking
+
+
 def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool, base_tokens: int,
             deterministic: bool) -> int:
     """K over the ranked candidate survivals `vals` (module docstring)."""
@@ -324,16 +335,28 @@ def cost_budget(
     exact: bool = True,
     base_tokens: int = 0,
     deterministic: bool = False,
+    padding: StepPadding | None = None,
 ) -> int:
     """K, the number of drafts to verify in the whole batch (module docstring); 0 <= K <= sum(max_drafts).
 
     base_tokens: query tokens the same step processes besides the S anchors and the K drafts (prefill chunks,
     requests that do not speculate): the step time is T(base_tokens + S + K).
-    deterministic: every request is greedy (module docstring): the global argmax, as exact=False."""
+    deterministic: every request is greedy (module docstring): the global argmax, as exact=False.
+    padding: a ragged step (`StepPadding(..., ragged=True)`): K priced by its row bucket, the K whose top-K
+    `schedule_verification(..., padding=padding)` verifies. A padded (non-ragged) step chooses a cap per request,
+    not a K: use `schedule_verification`."""
     m = _check(survival, max_drafts)
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
-    vals, _ = _ranked(survival, m)
+    if padding is not None and not padding.ragged:
+        raise DSparkInputError("padding: cost_budget prices ragged steps only; a padded step picks a cap per "
+                               "request (schedule_verification)")
+    if latency.flat():  # every draft (`_budget`), without sorting the survivals
+        return int(m.sum())
+    vals = _values(survival, m)
+    if padding is not None:
+        return _ragged(vals, survival.shape[0], latency, padding, exact=exact, base_tokens=base_tokens,
+                       deterministic=deterministic)
     return _budget(vals, survival.shape[0], latency, exact=exact, base_tokens=base_tokens,
                    deterministic=deterministic)
 

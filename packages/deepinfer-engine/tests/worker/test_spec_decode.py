@@ -421,21 +421,23 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
     spec = v41_spec.engine.runner.spec
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     calls = {"in_round": 0, "budgets": [], "allocated": []}
-    search, allocate = spec_decode.schedule_verification, spec_decode.allocate
+    search, budget, allocate = spec_decode.schedule_verification, spec_decode.cost_budget, spec_decode.allocate
 
     def spy_search(policy, *a, **kw):
-        got = search(policy, *a, **kw)
-        if policy.kind == "cost" and not policy.exact:  # next_budget's global argmax
-            calls["budgets"].append(int(got.sum()))
-        elif policy.kind == "cost":
-            calls["in_round"] += 1
-        return got
+        calls["in_round"] += policy.kind == "cost"
+        return search(policy, *a, **kw)
+
+    def spy_budget(*a, **kw):  # next_budget's global argmax
+        assert kw["exact"] is False
+        calls["budgets"].append(budget(*a, **kw))
+        return calls["budgets"][-1]
 
     def spy_allocate(survival, max_drafts, k):
         calls["allocated"].append(k)
         return allocate(survival, max_drafts, k)
 
     monkeypatch.setattr(spec_decode, "schedule_verification", spy_search)
+    monkeypatch.setattr(spec_decode, "cost_budget", spy_budget)
     monkeypatch.setattr(spec_decode, "allocate", spy_allocate)
     try:
         spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),

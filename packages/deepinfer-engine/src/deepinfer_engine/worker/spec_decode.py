@@ -43,6 +43,7 @@ from deepinfer_dspark import (
     TargetLogits,
     VerifyPolicy,
     allocate,
+    cost_budget,
     propose,
     row_plan,
     schedule_verification,
@@ -59,9 +60,6 @@ from deepinfer_engine.worker.spec_profile import profile_cost_curves
 from deepinfer_engine.worker.staging import HostStaging
 
 __all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
-
-# the lagged cost policy's search: the global argmax, non-anticipating a round later (`SpecDecoder.next_budget`)
-_GLOBAL = VerifyPolicy(kind="cost", exact=False)
 
 
 @dataclass(kw_only=True)
@@ -474,10 +472,6 @@ class SpecDecoder:
         rnd.rows = num_tokens if rows is None else int(rows)
         if not rnd.req_ids:
             return None
-        # the lagged cost policy's search, while the device runs the forward just launched: the verification's
-        # launches queue behind that forward anyway, whereas after them the search outlasted the device's work
-        # at 32 requests (the round then waited for it: 0.2-0.3 ms of a 5-6 ms round on the H200)
-        self.next_budget(rnd)
         lens = np.asarray(rnd.drafts_host, dtype=np.int64) + 1
         starts = np.cumsum(lens) - lens
         sampled = not all(rnd.greedy)
@@ -530,16 +524,19 @@ class SpecDecoder:
 
     def next_budget(self, rnd: SpecRound) -> None:
         """Lagged cost policy: the next round's budget from this round's survivals (the global argmax over its
-        row buckets, `VerifyPolicy(exact=False)`), run once the round's target step is launched, while the device
-        runs it (`launch_verify`, before the verification's launches)."""
+        row buckets, `VerifyPolicy(exact=False)`), run where the host would otherwise wait for the device: in
+        `collect_verify`, before the round's read. Between the forward's launch and the verification's launches
+        (tried) it delayed those launches by its whole time on the H200, where the testbed's forward ends before
+        the host has launched the verification: cost's launch took 0.15-0.4 ms longer than a threshold's, about
+        the search's time, at every batch size (docs/perf.md, "The lagged search off the launch path")."""
         if rnd.lag_inputs is None or rnd.latency is None:
             return
         t0 = time.perf_counter()
         shape, survival, max_drafts, base, padding = rnd.lag_inputs
         rnd.lag_inputs = None
-        k = schedule_verification(_GLOBAL, max_drafts, survival=survival, latency=rnd.latency, base_tokens=base,
-                                  deterministic=True, padding=padding)
-        self._lagged = (shape, int(k.sum()))
+        # `padding` is ragged or None (`SpecDecoder.padding`)
+        self._lagged = (shape, cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base,
+                                           deterministic=True, padding=padding))
         self.timing.lag_s += time.perf_counter() - t0
 
     @torch.no_grad()
@@ -554,6 +551,7 @@ class SpecDecoder:
         results: dict[str, SpecResult] = {}
         errors: dict[str, str] = {}
         accepted_rows = {c.req_id: c.num_tokens for c in rnd.chunks if c.req_id not in drop}
+        self.next_budget(rnd)  # while the device finishes the round
         read_at = time.perf_counter()
         if rnd.req_ids:
             host = packed.tolist()  # the round's one host read after the forward
