@@ -135,7 +135,8 @@ def test_static_verify_paged_rows_equal_the_exact_plan():
         n = np.array([1, Q, 2, 0])
         bt = np.array([[3, 7, 1], [5, 2, 6], [4, 8, 0], [-1, -1, -1]])
         real = np.array([True, True, True, False])
-        seqs = SeqHost(ctx=np.where(real, ctx, 0), qlen=np.full(B, Q), start=np.arange(B) * Q,
+        # the padding sequence sits at a position past entries of its own: it must complete none of them
+        seqs = SeqHost(ctx=np.where(real, ctx, 37), qlen=np.full(B, Q), start=np.arange(B) * Q,
                        slot=np.array([0, 1, 2, 9]))
         plan = static_paged_plan(ratio, PAGE, torch.from_numpy(bt), torch.from_numpy(seqs.ctx), torch.from_numpy(n),
                                  width, scratch, tokens=Q)
