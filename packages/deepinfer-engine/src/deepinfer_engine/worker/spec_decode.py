@@ -112,16 +112,14 @@ class SpecTiming:
     # of draft_s: the verification policy's own host time (schedule_verification), which the cost policy spends more
     # of than the others
     policy_s: float = 0.0
-    # lagged cost: the search over a round's survivals for the next round's budget, run after the round's forward
-    # is launched and before its verification's launches (while the forward runs on the device; counted in
-    # launch_s)
+    # lagged cost: the search over a round's survivals for the next round's budget, run before the round's host
+    # read (while the device finishes the round; not in launch_s)
     lag_s: float = 0.0
     # of draft_s: round start to the end of the drafts' host read (the draft pass on the device, and the host work
     # before it); the rest of draft_s is host work after the read
     drafted_s: float = 0.0
     # of verify_s: from the forward's start to the verification's last launch (host time: input preparation, the
-    # forward's launch or replay, the lagged search, the verification's launches); the rest of verify_s waits for
-    # the device
+    # forward's launch or replay, the verification's launches); the rest of verify_s waits for the device
     launch_s: float = 0.0
     # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
     # against the latency model's price of it
