@@ -67,6 +67,20 @@ def prompt_sets(ckpt: Path, tb, seeds: list[int], count: int, length: int) -> li
     return out
 
 
+def run_order(count: int, seed: int, repeat: int) -> list[int]:
+    """The order in which repeat `repeat` times its `count` runs (plain, then each policy: indices 0 .. count - 1),
+    shuffled by a generator seeded from (seed, repeat): reproducible, and no policy keeps one position in every
+    repeat. With a fixed order, cost ran last and right after threshold 0.5 in every repeat, and whatever the host
+    does on that schedule (a slow spell lasts about one run on the H200) fell on the same policy each time."""
+    import random
+
+    from deepinfer_engine.engine import mix_seed
+
+    order = list(range(count))
+    random.Random(mix_seed(seed, repeat)).shuffle(order)
+    return order
+
+
 def request_params(sp: Any, count: int) -> list:
     """One SamplingParams per request, each with its own seed derived from sp's (`mix_seed(seed, i)`; sp may
     already be a list). A seed is per request (the same seed gives the same uniforms at the same positions), so one
@@ -471,15 +485,18 @@ def main(argv: list[str] | None = None) -> int:
                              steady=steady)
                 # timed runs round-robin over plain and the policies (and the scheduling modes), `--repeats`
                 # times: one run is a fraction of a second, so clock and host noise between runs would otherwise
-                # decide the ranking
+                # decide the ranking; each repeat in its own order (`run_order`)
                 timed: dict[str, list] = {}
                 ref = None
-                for _ in range(args.repeats):
+                for rep in range(args.repeats):
                     for mode in modes:
-                        tps, _, out = run(plains[mode], prompts, sp, steady)
-                        ref = ref or out  # the synchronous plain run when there is one
-                        timed.setdefault("plain" + suffix[mode], []).append((tps, None, None, None))
-                        for name, pol, curve in policies:
+                        for i in run_order(1 + len(policies), args.seeds[si], rep):
+                            if i == 0:
+                                tps, _, out = run(plains[mode], prompts, sp, steady)
+                                ref = ref or out  # the synchronous plain run when there is one
+                                timed.setdefault("plain" + suffix[mode], []).append((tps, None, None, None))
+                                continue
+                            name, pol, curve = policies[i - 1]
                             lat = apply_policy(decs[mode], pol, curve, curves[mode])
                             timed.setdefault(name + suffix[mode], []).append((*run(specs[mode], prompts, sp, steady), lat))
                 all_tps = {name: [t[0] for t in runs] for name, runs in timed.items()}

@@ -24,3 +24,13 @@ def test_request_params_give_each_request_its_own_seed(bench):
     mixed = bench.request_params([sp.replace(max_tokens=n) for n in (3, 5)], 2)
     assert [p.max_tokens for p in mixed] == [3, 5] and mixed[0].seed != mixed[1].seed
     assert all(p.seed is None for p in bench.request_params(sp.replace(seed=None), 3))
+
+
+def test_run_order_shuffles_each_repeat_reproducibly(bench):
+    """Each repeat times plain and the policies in its own order: every run once, the same order again for the
+    same (seed, repeat), and over a run's repeats no position held by one policy throughout."""
+    orders = [bench.run_order(5, 1000, rep) for rep in range(12)]
+    assert all(sorted(o) == list(range(5)) for o in orders)
+    assert orders == [bench.run_order(5, 1000, rep) for rep in range(12)]
+    assert all(len({o[k] for o in orders}) > 1 for k in range(5))
+    assert orders != [bench.run_order(5, 1001, rep) for rep in range(12)]
