@@ -49,6 +49,9 @@
 #            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs; DSPARK_AHEAD_AB=1: --ahead-ab;
 #            DSPARK_BENCH=0: tests only)
 #     dspark-timeline  scripts/spec_timeline.py: device idle time of a steady-state speculative round by host phase
+#     decode-ab OLD_TREE  the plain decode step (V4.1 layers-4, all experts, `bench latency` at AB_BATCHES, default
+#            1,64) of this tree and of OLD_TREE alternately in one call (AB_ROUNDS, default 2), after an untimed
+#            warm-up of each: a change to the decode graph measured against the tree before it on one machine
 #     dspark-profile  scripts/spec_round_time.py --profile on the testbed: host phases and device kernels of a speculative
 #            round (PROFILE_PROMPTS, default 256; PROFILE_TEMPS, default "1 0"; PROFILE_POLICY, default verify_all)
 set -u -o pipefail
@@ -380,8 +383,28 @@ dspark-timeline)
         --prompts ${TIMELINE_PROMPTS:-256} --temperature ${TIMELINE_TEMPS:-1 0} --policy ${TIMELINE_POLICIES:-verify_all cost} \
         --out-dir "$OUT/timeline" ${TIMELINE_ARGS:-}
     ;;
+decode-ab)
+    # the plain decode step of this tree against OLD_TREE (a checkout's packages/ root, e.g. from `git archive REV
+    # packages`, carried untracked) in one call: an untimed warm-up run compiles and captures into the shared
+    # caches, then the trees alternate (AB_ROUNDS rounds), each run `bench latency` at AB_BATCHES on V4.1 layers-4
+    [ -n "$OLD" ] || { echo "decode-ab needs OLD_TREE" >&2; exit 2; }
+    rm -rf $CK/v41-l4
+    step make_v41_full 100 python3 -m deepinfer_engine make-checkpoint --arch v41 --preset layers-4 --device cuda --out $CK/v41-l4
+    ab_latency() {  # ab_latency NAME PYTHONPATH STEPS REPEATS
+        step "$1" 240 env PYTHONPATH="$2" python3 -m deepinfer_engine bench latency --model $CK/v41-l4 --device cuda \
+            --batch-size ${AB_BATCHES:-1,64} --input-len 1024 --output-len 4 --num-iters 1 --num-iters-warmup 1 \
+            --decode-steps $3 --decode-repeats $4 --output-json "$OUT/$1.json"
+    }
+    OLD_PY="$SITE:$(src_path "$OLD")"
+    ab_latency warm_new "$NEW_PY" 2 1
+    ab_latency warm_old "$OLD_PY" 2 1
+    for i in $(seq 1 ${AB_ROUNDS:-2}); do
+        ab_latency new_$i "$NEW_PY" 16 4
+        ab_latency old_$i "$OLD_PY" 16 4
+    done
+    ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile, dspark-timeline)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile, dspark-timeline, decode-ab)" >&2
     exit 2
     ;;
 esac
