@@ -49,6 +49,8 @@
 #            steps; DSPARK_VARIANTS: --cost-variants; DSPARK_MAX_SEQS: --max-num-seqs; DSPARK_AHEAD_AB=1: --ahead-ab;
 #            DSPARK_BENCH=0: tests only)
 #     dspark-timeline  scripts/spec_timeline.py: device idle time of a steady-state speculative round by host phase
+#     dspark-interleaved  scripts/bench_dspark_interleaved.py: the policies round by round inside one steady window
+#            per (prompts, temperature) cell, paired by cycle (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES)
 #     decode-ab OLD_TREE  the plain decode step (V4.1 layers-4, all experts, `bench latency` at AB_BATCHES, default
 #            1,64) of this tree and of OLD_TREE alternately in one call (AB_ROUNDS, default 2), after an untimed
 #            warm-up of each: a change to the decode graph measured against the tree before it on one machine
@@ -376,6 +378,13 @@ dspark-profile)
             --repeats 2 --profile --top 40 --output-json "$OUT/spec_round_time_$p.json"
     done
     ;;
+dspark-interleaved)
+    # the policies round by round in one steady window per cell (scripts/bench_dspark_interleaved.py): cost's
+    # tokens/s against each rival over the cycles they share (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES)
+    step dspark_interleaved ${INTER_LIMIT_S:-420} python3 scripts/bench_dspark_interleaved.py --ckpt .cache/dspark-testbed \
+        --device cuda --prompts ${INTER_PROMPTS:-32 128 256} --temperature ${INTER_TEMPS:-1 0} --cycles ${INTER_CYCLES:-96} \
+        --json "$OUT/dspark_interleaved.json"
+    ;;
 dspark-timeline)
     # where the device waits in a steady-state speculative round: GPU idle per step by host phase (TIMELINE_PROMPTS,
     # TIMELINE_TEMPS, TIMELINE_POLICIES); the chrome traces come back gzipped
@@ -404,7 +413,7 @@ decode-ab)
     done
     ;;
 *)
-    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile, dspark-timeline, decode-ab)" >&2
+    echo "unknown mode $MODE (tests, small, full, async, graphs, runtime, records, records-kernels, records-quick, records-final, records-attn, records-tests, closing, breakdown, peer, serving, dspark, dspark-profile, dspark-timeline, dspark-interleaved, decode-ab)" >&2
     exit 2
     ;;
 esac

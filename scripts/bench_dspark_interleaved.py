@@ -1,0 +1,182 @@
+"""DSpark verification policies compared round by round inside one steady window of one engine.
+
+    python scripts/bench_dspark_interleaved.py [--ckpt .cache/dspark-testbed] [--device cuda] [--prompts 32 128 256]
+        [--temperature 1 0] [--threshold 0.2 0.5] [--cycles 96] [--warm-cycles 16] [--skip 4] [--json F]
+
+`bench_dspark_policies.py` times whole runs of one policy each, and on the H200 the runs of one cell spread by
+20-40% from host noise (slow spells of about a run), more than the policies differ (1-5%). Here the batch stays
+full and every cycle runs ONE round of each policy, in a seeded order per cycle (`run_order`): a slow spell hits
+neighbouring rounds of every policy alike, and the comparison pairs the rounds of one cycle. Per policy: the
+tokens its rounds emitted per second of those rounds; cost's tokens/s over each rival's, with a 95% bootstrap
+that resamples whole cycles.
+
+Only the policy object is switched between rounds (`SpecDecoder.policy`): the latency curves and their online
+correction are shared, and the cost policy's lagged budget comes from its own previous round, one cycle earlier
+(`SpecDecoder.set_policy` would drop it). So cost runs a budget two or more rounds old: non-anticipating as the
+one-round lag is, but staler than in a run of cost alone. A round's time is the engine step's wall time (the
+scheduler, the round and its bookkeeping, the output processing); the draft pass launched at its end for the next
+round does the same work whatever policy comes next; no sync separates the rounds, so each round's time runs from
+the previous step's return to its own. Cycles in which a CUDA graph was captured are dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dspark_policies import _testbed, ensure_calibration, prompt_sets, request_params, run_order  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[int]], sp: list, *, skip: int,
+                warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
+    """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
+    cycle], ...]}, "dropped": cycles dropped for a capture}. The requests are dropped afterwards."""
+    eng = llm.engine
+    dec = eng.runner.spec
+    graphs = eng.runner.cuda_graphs
+    cuda = eng.runner.device.type == "cuda"
+    ids = llm._add(llm._admit(prompts, sp))
+    rounds: dict[str, list[list[float]]] = {name: [] for name, _ in policies}
+    dropped = 0
+    try:
+        for _ in range(skip):  # the prompts' prefill and the first rounds
+            eng.step_outputs()
+        if cuda:
+            torch.cuda.synchronize()
+        # a round's time: from the previous step's return to its own (no sync between rounds: the draft pass a
+        # round launches for the next one overlaps the host's bookkeeping, as in a run of one policy)
+        last = time.perf_counter()
+        for c in range(-warm_cycles, cycles):
+            cap0 = graphs.stats.capture_s if graphs is not None else 0.0
+            pre0 = eng.total.prefill_tokens
+            got = []
+            for i in run_order(len(policies), seed, c + warm_cycles):
+                name, pol = policies[i]
+                dec.policy = pol  # the policy only (module docstring)
+                tok0 = eng.total.decode_tokens
+                eng.step_outputs()
+                now = time.perf_counter()
+                got.append((name, eng.total.decode_tokens - tok0, now - last))
+                last = now
+            if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
+                raise SystemExit("interleaved: a prefill step or a finished request fell inside the window; raise "
+                                 "--new-tokens")
+            if c < 0:
+                continue
+            if graphs is not None and graphs.stats.capture_s > cap0:
+                dropped += 1
+                continue
+            for name, tokens, seconds in got:
+                rounds[name].append([tokens, seconds, c])
+    finally:
+        eng.discard([i for i in ids if isinstance(i, str)])
+    return {"rounds": rounds, "dropped": dropped}
+
+
+def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resamples: int = 2000) -> dict[str, Any]:
+    """Per policy: rounds, tokens, seconds, tokens/s over its rounds. Per rival of `subject`: subject's tokens/s
+    over the rival's, both over the cycles they share, with a 95% bootstrap that resamples cycles (a cycle keeps
+    its rounds together, so the pairing survives), and the cycles in which subject's round had the higher rate.
+    Ratios of sums, not a mean of per-round ratios: a round's accepted tokens vary far more than its time."""
+    out: dict[str, Any] = {"policies": {}, "paired": {}}
+    for name, rs in rounds.items():
+        tok, sec = sum(r[0] for r in rs), sum(r[1] for r in rs)
+        out["policies"][name] = {"rounds": len(rs), "tokens": tok, "seconds": sec,
+                                 "tokens_per_s": tok / sec if sec > 0 else None}
+    if subject not in rounds:
+        return out
+    mine = {int(r[2]): (r[0], r[1]) for r in rounds[subject]}
+    rng = random.Random(0)
+    for rival, rs in rounds.items():
+        if rival == subject:
+            continue
+        pairs = [(mine[int(r[2])], (r[0], r[1])) for r in rs if int(r[2]) in mine]
+        if not pairs or not all(a[1] > 0 and b[1] > 0 for a, b in pairs):
+            continue
+
+        def ratio(sample: list) -> float:
+            ta, sa, tb, sb = (sum(x) for x in zip(*((a[0], a[1], b[0], b[1]) for a, b in sample)))
+            return (ta / sa) / (tb / sb) if tb > 0 else math.inf
+
+        boots = sorted(ratio(rng.choices(pairs, k=len(pairs))) for _ in range(resamples))
+        out["paired"][rival] = {"ratio": ratio(pairs), "low": boots[int(0.025 * resamples)],
+                                "high": boots[int(0.975 * resamples) - 1],
+                                "ahead": sum(a[0] / a[1] > b[0] / b[1] for a, b in pairs), "cycles": len(pairs)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", type=Path, default=ROOT / ".cache" / "dspark-testbed")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[32, 128, 256])
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1000)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[1.0, 0.0])
+    ap.add_argument("--threshold", type=float, nargs="*", default=[0.2, 0.5])
+    ap.add_argument("--skip", type=int, default=4, help="untimed steps first (the prompts' prefill)")
+    ap.add_argument("--warm-cycles", type=int, default=16,
+                    help="untimed cycles: CUDA graphs of every policy's row buckets are captured here")
+    ap.add_argument("--cycles", type=int, default=96)
+    ap.add_argument("--new-tokens", type=int, default=0,
+                    help="tokens per request (default: enough for every round of the window)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from deepinfer_dspark import VerifyPolicy
+    from deepinfer_engine import LLM, SamplingParams
+
+    tb = _testbed()
+    if not (args.ckpt / "testbed.json").exists():
+        raise SystemExit(f"{args.ckpt}: no testbed; run scripts/dspark_testbed.py build --out {args.ckpt}")
+    ensure_calibration(args.ckpt, tb)
+    biggest = max(args.prompts)
+    prompts_all = prompt_sets(args.ckpt, tb, [args.seed], biggest, args.prompt_len)[0]
+    opts: dict[str, Any] = dict(device=args.device, max_num_seqs=biggest, enable_prefix_caching=False,
+                                async_scheduling=False)
+    if args.device != "cpu":
+        opts["kv_cache_memory_bytes"] = 1 << 30
+    llm = LLM(str(args.ckpt), speculative_config={"method": "dspark", "policy": "cost"}, **opts)
+    dec = llm.engine.runner.spec
+    policies = [("verify_all", VerifyPolicy(kind="verify_all"))]
+    policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t)) for t in args.threshold]
+    policies.append(("cost", VerifyPolicy(kind="cost", lagged=True)))  # as the engine runs it
+    rounds_per_request = args.skip + len(policies) * (args.warm_cycles + args.cycles) + 1
+    new_tokens = args.new_tokens or rounds_per_request * (dec.block_size + 1)
+    report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
+                              "settings": {k: str(v) for k, v in vars(args).items()}, "cells": []}
+    for temp in args.temperature:
+        for count in args.prompts:
+            sp = request_params(SamplingParams(max_tokens=new_tokens, temperature=temp, ignore_eos=True,
+                                               seed=args.seed), count)
+            got = interleaved(llm, policies, prompts_all[:count], sp, skip=args.skip, warm_cycles=args.warm_cycles,
+                              cycles=args.cycles, seed=args.seed)
+            cell = {"prompts": count, "temperature": temp, "dropped_cycles": got["dropped"],
+                    **compare(got["rounds"]), "rounds": got["rounds"]}
+            report["cells"].append(cell)
+            print(f"P={count} T={temp:g}: {args.cycles - got['dropped']} cycles ({got['dropped']} dropped for a "
+                  "capture)", flush=True)
+            for name, p in cell["policies"].items():
+                pair = cell["paired"].get(name)
+                vs = (f"cost / it {pair['ratio']:.3f} ({pair['low']:.3f}-{pair['high']:.3f}), cost ahead in "
+                      f"{pair['ahead']} of {pair['cycles']}") if pair else ""
+                print(f"  {name:<16} {p['tokens_per_s'] or 0:>10,.0f} tok/s over {p['rounds']} rounds  {vs}",
+                      flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""scripts/bench_dspark_interleaved.py: one round of every policy per cycle, in a seeded order; warm cycles and
+cycles with a CUDA-graph capture are left out; cost's tokens/s against each rival is a ratio of sums over the
+cycles they share, with a bootstrap over whole cycles."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def bench(script):
+    return script("bench_dspark_interleaved")
+
+
+class _Engine:
+    """Steps of a fake engine: each round emits tokens by the policy in force (`spec.policy`), and one step may
+    capture a graph."""
+
+    def __init__(self, emit: dict[str, int], capture_at: int | None = None) -> None:
+        self.spec = types.SimpleNamespace(policy=None)
+        self.runner = types.SimpleNamespace(spec=self.spec, device=types.SimpleNamespace(type="cpu"),
+                                            cuda_graphs=types.SimpleNamespace(stats=types.SimpleNamespace(capture_s=0.0)))
+        self.total = types.SimpleNamespace(decode_tokens=0, prefill_tokens=0)
+        self.emit, self.capture_at, self.steps, self.seen, self.discarded = emit, capture_at, 0, [], None
+
+    def step_outputs(self) -> None:
+        self.steps += 1
+        name = getattr(self.spec.policy, "name", None)
+        self.seen.append(name)
+        self.total.decode_tokens += self.emit.get(name, 1)
+        if self.steps == self.capture_at:
+            self.runner.cuda_graphs.stats.capture_s += 1.0
+
+    def has_unfinished_requests(self) -> bool:
+        return True
+
+    def discard(self, ids) -> None:
+        self.discarded = list(ids)
+
+
+class _LLM:
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+
+    def _admit(self, prompts, sp):
+        return prompts
+
+    def _add(self, admitted):
+        return [f"r{i}" for i in range(len(admitted))]
+
+
+def _policies(*names):
+    return [(n, types.SimpleNamespace(name=n)) for n in names]
+
+
+def test_every_cycle_runs_each_policy_once_in_its_own_order(bench):
+    eng = _Engine({"a": 2, "b": 3, "cost": 4}, capture_at=2 + 3 * 2 + 2)  # after 2 skipped steps, 1 warm and 1
+    # timed cycle of 3 rounds: in timed cycle 1
+    got = bench.interleaved(_LLM(eng), _policies("a", "b", "cost"), [[1]] * 4, [None] * 4, skip=2, warm_cycles=1,
+                            cycles=5, seed=3)
+    assert eng.steps == 2 + 3 * 6 and eng.discarded == ["r0", "r1", "r2", "r3"]
+    cycles = [eng.seen[2 + 3 * k: 5 + 3 * k] for k in range(6)]
+    assert all(sorted(c) == ["a", "b", "cost"] for c in cycles) and len({tuple(c) for c in cycles}) > 1
+    assert got["dropped"] == 1
+    for name, tokens in (("a", 2), ("b", 3), ("cost", 4)):
+        rs = got["rounds"][name]
+        assert [int(r[2]) for r in rs] == [0, 2, 3, 4] and all(r[0] == tokens and r[1] >= 0 for r in rs)
+
+
+def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):
+    rounds = {"cost": [[6, 1.0, 0], [2, 1.0, 1], [6, 2.0, 2]], "rival": [[4, 1.0, 0], [4, 1.0, 1], [4, 2.0, 2]],
+              "late": [[1, 1.0, 2]]}
+    out = bench.compare(rounds)
+    assert out["policies"]["cost"] == {"rounds": 3, "tokens": 14, "seconds": 4.0, "tokens_per_s": 3.5}
+    p = out["paired"]["rival"]
+    assert p["ratio"] == pytest.approx(3.5 / 3.0) and p["low"] <= p["ratio"] <= p["high"]
+    assert (p["ahead"], p["cycles"]) == (2, 3)
+    assert out["paired"]["late"]["ratio"] == pytest.approx(3.0) and out["paired"]["late"]["cycles"] == 1
