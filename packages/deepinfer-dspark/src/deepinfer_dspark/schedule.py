@@ -190,6 +190,11 @@ def _counts(max_drafts: Sequence[int] | Tensor | np.ndarray) -> np.ndarray:
     return np.asarray(_host_array(max_drafts) if isinstance(max_drafts, Tensor) else max_drafts).astype(np.int64)
 
 
+def _clamped(survival: Tensor | np.ndarray) -> np.ndarray:
+    """`[B * N]` the survivals on the host, clamped to [0, 1], flattened (a copy; NaN stays NaN)."""
+    return np.minimum(np.maximum(_host_array(survival), 0.0), 1.0).reshape(-1)
+
+
 def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Candidates sorted by survival (stable, descending): (values `[C]` float64, request index `[C]` int64).
 
@@ -197,7 +202,7 @@ def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, n
     calls replace tens of torch op launches (and the policy's host time is round time: each call here costs a few
     microseconds). A NaN survival ranks first (as in a descending torch sort)."""
     width = survival.shape[1]
-    flat = np.minimum(np.maximum(_host_array(survival), 0.0), 1.0).reshape(-1)  # a copy, clamped; NaN stays NaN
+    flat = _clamped(survival)
     key = -flat  # in [-1, 0]: invalid candidates get 2 (after every valid one), NaN -2 (before)
     count = key.size
     if m.size and int(m.min()) < width:
@@ -214,7 +219,7 @@ def _values(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
     descending, NaN first. A budget needs only these; a sort of the values skips the stable argsort's index work
     and the gather (the lagged search's host time is round time where the device has finished before it)."""
     width = survival.shape[1]
-    flat = np.minimum(np.maximum(_host_array(survival), 0.0), 1.0).reshape(-1)  # NaN stays NaN
+    flat = _clamped(survival)
     if m.size and int(m.min()) < width:
         flat = flat[(np.arange(width)[None, :] < m[:, None]).reshape(-1)]
     return np.sort(flat)[::-1].astype(np.float64)  # NumPy sorts NaN last: first here, as in the ranking

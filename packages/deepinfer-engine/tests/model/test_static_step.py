@@ -143,6 +143,10 @@ def test_static_paged_rows_scratch_and_completion():
         static_paged_plan(2, 8, bt[:, :1], torch.tensor([9, 2, 0]), torch.tensor([1, 1, 0]), 6, 99)
 
 
+# ops that launch no device kernel: the CPU scalars of `where`, host-side copies of Python values
+_NO_KERNEL = {"scalar_tensor", "_to_copy", "lift_fresh"}
+
+
 def test_static_paged_plan_replays_only_ops_on_the_step_buffers():
     """The shape-only tensors of a step's paged plans are made with the step, before any capture: the plan's ops
     are what a captured decode graph replays every step (made inside, they were 30 kernels per ratio, and a B = 1
@@ -169,9 +173,6 @@ def test_static_paged_plan_replays_only_ops_on_the_step_buffers():
                 step.paged_plan(ratio)
             assert 0 < len(k.ops) <= most, (tokens, ratio, k.ops)
             assert "aten::arange" not in k.ops
-
-
-_NO_KERNEL = {"scalar_tensor", "_to_copy", "lift_fresh"}
 
 
 def test_static_step_refuses_too_long_or_too_many():
