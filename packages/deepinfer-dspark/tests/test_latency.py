@@ -107,3 +107,29 @@ def test_fresh_copies_the_profile_without_online_state():
     assert new.overhead == 0.0 and new.observations == 0 and new.overhead_observations == 0
     new.observe(4, 9.0)  # its corrections are its own
     assert lat.seconds == pytest.approx([3.0, 4.5, 5.0])
+
+
+def test_floor_hides_a_forward_shorter_than_the_host_launch():
+    """T(Q) = overhead + max(floor, forward(Q)): a forward that ends within the host's own launch time costs
+    nothing, one past it costs its excess; every host-side reading of the curve agrees with `predict`."""
+    lat = LatencyModel([1, 100, 200], [1e-3, 2e-3, 4e-3], ema=0.5)
+    lat.observe_overhead(5e-4)
+    assert not lat.flat()
+    lat.observe_floor(3e-3)  # the first observation sets it, later ones move it by ema
+    lat.observe_floor(2e-3)
+    assert lat.floor == pytest.approx(2.5e-3) and lat.floor_observations == 2
+    assert lat.predict(1) == pytest.approx(3e-3) and lat.predict(100) == pytest.approx(3e-3)
+    assert lat.predict(200) == pytest.approx(4.5e-3) and lat.forward(200) == pytest.approx(4e-3)
+    q = np.arange(1, 251)
+    want = np.asarray([lat.predict(x) for x in q])
+    np.testing.assert_allclose(lat.host_curve(1, 250), want, rtol=1e-12)
+    np.testing.assert_allclose(lat.host_at(q.astype(np.float64)), want, rtol=1e-12)
+    convex = lat.host_convex_curve(1, 250)  # a convex minorant of predict, raised to the floor
+    assert np.all(np.diff(convex, 2) >= -1e-12) and np.all(convex <= want + 1e-12)
+    assert convex[0] == pytest.approx(3e-3) and convex[-1] == pytest.approx(lat.predict(250))
+    # the floor above every point: no evidence that a larger step costs more
+    lat.observe_floor(1.0)
+    assert lat.flat()
+    assert lat.fresh().floor == 0.0 and lat.fresh().floor_observations == 0
+    with pytest.raises(DSparkInputError, match="floor"):
+        lat.observe_floor(float("nan"))

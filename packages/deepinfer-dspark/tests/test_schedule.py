@@ -15,6 +15,8 @@ from deepinfer_dspark import (
     StepPadding,
     VerifyPolicy,
     allocate,
+    allocate_above,
+    budget_cutoff,
     cost_budget,
     schedule_verification,
 )
@@ -101,6 +103,8 @@ def test_errors():
         VerifyPolicy(kind="markov")
     with pytest.raises(DSparkConfigError, match="threshold"):
         VerifyPolicy(kind="threshold", threshold=1.5)
+    with pytest.raises(DSparkConfigError, match="allocation"):
+        VerifyPolicy(kind="cost", lagged=True, allocation="fill")
     with pytest.raises(DSparkInputError, match="survival"):
         schedule_verification(VerifyPolicy(kind="threshold"), [1, 1])
     with pytest.raises(DSparkInputError, match="latency"):
@@ -299,7 +303,10 @@ def _dense_ragged_k(a: torch.Tensor, m: list[int], lat: LatencyModel, pad: StepP
     q0 = base + a.shape[0]
     expected = np.concatenate(([0.0], np.cumsum(vals))) + a.shape[0]
     rows = pad.bucketed(np.arange(q0, q0 + vals.size + 1))
-    return int(np.argmax(expected / lat.host_at(rows)))
+    seconds = lat.host_at(rows)
+    if seconds[-1] <= seconds.min():  # no smaller step is predicted faster: every draft, as on a flat curve
+        return vals.size
+    return int(np.argmax(expected / seconds))
 
 
 @pytest.mark.parametrize("chunk", range(3))
@@ -339,7 +346,7 @@ def test_online_correction_moves_the_level_not_the_growth():
     prof = [1.23e-3, 1.26e-3, 1.35e-3, 1.71e-3, 2.06e-3]
     lat = LatencyModel(sizes, prof, ema=0.05)
     for q in [90, 95, 100] * 30:
-        lat.observe(q, lat._forward(q) - lat.seconds[0] + prof[0] + 2.5e-3)  # the profile at q, plus 2.5 ms
+        lat.observe(q, lat.forward(q) - lat.seconds[0] + prof[0] + 2.5e-3)  # the profile at q, plus 2.5 ms
     slopes = [(b - a) / (y - x) for a, b, x, y in zip(lat.seconds, lat.seconds[1:], sizes, sizes[1:])]
     want = [(b - a) / (y - x) for a, b, x, y in zip(prof, prof[1:], sizes, sizes[1:])]
     assert slopes == pytest.approx(want)
@@ -382,3 +389,89 @@ def test_exact_ragged_search_crosses_a_step_up_to_the_flat_stretch_behind_it():
     stuck = _ragged(vals, 128, flat_hull, pad, exact=True, base_tokens=0, deterministic=False)
     assert 128 + stuck <= 288
     assert _ragged_rate(a, allocate(a, m, stuck).tolist(), lat, pad, 0) < 0.8 * best_rate
+
+
+@pytest.mark.parametrize("padding", [None, StepPadding(8, (8, 16, 24, 32, 40, 48), ragged=True),
+                                     StepPadding(8, (1, 2, 4, 6))])
+def test_drafts_under_the_floor_are_all_verified_without_a_sort(padding, monkeypatch):
+    """A forward that ends within the host's own launch time (the latency model's floor) costs nothing: every policy
+    choice takes the same time, so cost verifies every draft, and does so before it sorts anything (the host time
+    of a cost round is then about verify_all's). With the floor below the largest step it prunes again."""
+    from deepinfer_dspark import schedule as sched
+
+    a = _survival([[0.9, 0.5, 0.2, 0.1, 0.1]] * 4 + [[0.3, 0.1, 0.1, 0.1, 0.1]] * 4)
+    m = [5] * 8
+    lat = LatencyModel([8, 48], [1e-3, 5e-3])
+    before = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat, padding=padding)
+    assert int(before.sum()) < 40  # a steep curve prunes
+    lat.observe_floor(lat.forward(48) + 1e-4)
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("sorted survivals under the floor")
+
+    monkeypatch.setattr(sched, "_ranked", no_sort)
+    monkeypatch.setattr(sched, "_values", no_sort)
+    for exact in (True, False):
+        got = schedule_verification(VerifyPolicy(kind="cost", exact=exact), m, survival=a, latency=lat,
+                                    padding=padding)
+        assert got.tolist() == m
+    if padding is None or padding.ragged:
+        assert cost_budget(a, m, lat, exact=False, padding=padding) == 40
+    monkeypatch.undo()
+    lat.floor = lat.forward(8)  # below every step: the curve prices the forward again
+    again = schedule_verification(VerifyPolicy(kind="cost"), m, survival=a, latency=lat, padding=padding)
+    assert again.tolist() == before.tolist()
+
+
+def test_cost_budget_prices_through_the_map_only_when_it_reads_values():
+    a = _survival([[0.9, 0.5, 0.2, 0.1, 0.1]] * 4 + [[0.3, 0.1, 0.1, 0.1, 0.1]] * 4)
+    m = [5] * 8
+    lat = LatencyModel([8, 48], [1e-3, 5e-3])
+    seen = []
+
+    def halve(x):
+        seen.append(x.dtype)
+        return x * 0.5
+
+    got = cost_budget(a, m, lat, exact=False, price=halve)
+    assert seen == [np.float64] and got == cost_budget(a * 0.5, m, lat, exact=False)
+    assert got < cost_budget(a, m, lat, exact=False)  # lower survivals buy fewer drafts
+    lat.observe_floor(1.0)  # every draft free: nothing to price
+    assert cost_budget(a, m, lat, exact=False, price=halve) == 40 and len(seen) == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_budgets_cutoff_reproduces_its_top_k(seed: int):
+    """On the round it was searched on, the cutoff of budget K verifies exactly allocate's top-K (ties at the
+    boundary: all of them); every count stays within max_drafts. NaN survivals rank first, as in the ranking."""
+    rng = np.random.default_rng(seed)
+    batch, width = int(rng.integers(1, 40)), 5
+    conf = rng.uniform(0.2, 1.0, size=(batch, width))
+    if seed % 3 == 1:
+        conf = rng.choice([0.0, 0.5, 1.0], size=(batch, width))  # ties
+    if seed % 3 == 2:
+        conf[rng.random((batch, width)) < 0.1] = np.nan
+    a = torch.cumprod(torch.tensor(conf, dtype=torch.float32), 1)
+    m = [int(x) for x in rng.integers(0, width + 1, size=batch)]
+    total = sum(m)
+    for k in range(total + 1):
+        got = allocate_above(a, m, budget_cutoff(a, m, k)).tolist()
+        assert all(0 <= g <= x for g, x in zip(got, m))
+        if seed % 3 == 0:  # distinct values: exactly the top-K
+            assert got == allocate(a, m, k).tolist()
+        else:
+            assert sum(got) >= k and all(g >= t for g, t in zip(got, allocate(a, m, k).tolist()))
+    assert budget_cutoff(a, m, total) == -np.inf and allocate_above(a, m, -np.inf).tolist() == m
+    assert total == 0 or budget_cutoff(a, m, 0) == np.inf
+    # a cutoff above 1: only NaN survivals (ranked first) are above it
+    assert allocate_above(a, m, np.inf).tolist() == [
+        int(np.isnan(a[b, : m[b]].numpy()).sum()) for b in range(batch)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_above_a_cutoff_is_non_anticipating(seed: int):
+    """Whether draft j of a request is verified must not depend on d_j (its survivals from column j on): the cutoff
+    is fixed before the round."""
+    rng, a, m = _random_case(300 + seed)
+    for v in (0.05, 0.3, 0.6, 0.95):
+        _assert_non_anticipating(lambda x, v=v: allocate_above(x, m, v).tolist(), a)

@@ -30,7 +30,7 @@ def _old_curve(lat: LatencyModel, max_tokens: int, points: tuple[list, list] | N
     q = torch.arange(max_tokens + 1, dtype=torch.float64)
     i = (torch.searchsorted(sizes, q, right=False) - 1).clamp(0, len(xs) - 2)
     w = (q - sizes[i]) / (sizes[i + 1] - sizes[i])
-    return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=1e-12) + lat.overhead
+    return (secs[i] + w * (secs[i + 1] - secs[i])).clamp(min=max(lat.floor, 1e-12)) + lat.overhead
 
 
 def _old_convex_curve(lat: LatencyModel, max_tokens: int) -> Tensor:
@@ -77,6 +77,8 @@ def _old_cost_budget(survival, max_drafts, latency, *, exact=True, base_tokens=0
     k = torch.arange(vals.numel() + 1, device=vals.device)
     expected = batch + torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)])
     q0 = base_tokens + batch
+    if bool(_old_curve(latency, q0 + vals.numel())[q0:].min() >= _old_curve(latency, q0 + vals.numel())[-1]):
+        return vals.numel()  # no smaller step is predicted faster (under the floor, e.g.): every draft
     if not exact or deterministic:
         return int(torch.argmax(expected / _old_curve(latency, q0 + vals.numel())[q0 + k]))
     seconds = _old_convex_curve(latency, q0 + vals.numel())[q0 + k]  # the early stop reads the convex minorant
@@ -130,6 +132,8 @@ def _latency(rng: random.Random, top: int) -> LatencyModel:
         lat = LatencyModel(sizes, secs, noise=rng.choice([0.0, 1e-5, 1e-3]) if kind == "noisy" else 0.0)
     if rng.random() < 0.5:
         lat.observe_overhead(rng.uniform(0.0, 0.01))
+    if rng.random() < 0.4:  # the host's launch time: below, within or above the curve's range
+        lat.observe_floor(rng.choice([0.0, 0.5, 1.0, 2.0]) * lat.forward(max(top, 1)))
     return lat
 
 

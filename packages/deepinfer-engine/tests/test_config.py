@@ -58,6 +58,7 @@ def test_speculative_section_defaults_and_validation() -> None:
         ({"num_speculative_tokens": 3}, "without a speculative_method"),
         ({"speculative_method": "dspark", "speculative_latency": "affine:0.1"}, "speculative_latency: found"),
         ({"speculative_method": "dspark", "speculative_latency": "affine:-1,0.1"}, "speculative_latency: found"),
+        ({"speculative_method": "dspark", "speculative_calibration": "isotonic"}, "speculative_calibration: found"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             EngineConfig.from_options(**opts)

@@ -30,10 +30,13 @@ from deepinfer_dspark.schedule import (
     StepPadding,
     VerifyPolicy,
     allocate,
+    allocate_above,
+    budget_cutoff,
     cost_budget,
     schedule_verification,
 )
 from deepinfer_dspark.stats import AcceptanceStats
+from deepinfer_dspark.survival_calibration import SurvivalCalibration
 from deepinfer_dspark.verify import (
     AcceptResult,
     TargetLogits,
@@ -68,9 +71,12 @@ __all__ = [
     "DraftProposal",
     "LatencyModel",
     "StepPadding",
+    "SurvivalCalibration",
     "VerifyPolicy",
     "__version__",
     "allocate",
+    "allocate_above",
+    "budget_cutoff",
     "block_confidence",
     "check_sampling",
     "confidence",

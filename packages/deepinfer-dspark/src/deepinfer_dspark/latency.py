@@ -50,6 +50,11 @@ class LatencyModel:
     noise: standard error of one point in seconds (0 = an exact curve, e.g. `affine`); `flat` compares the
     curve's rise with it. overhead: seconds every step spends outside the profiled forward (the draft pass),
     added to every Q: it moves the level of T, not its growth (`observe_overhead`).
+    floor: seconds the host itself spends between the forward's launch and the round's read (launching the forward
+    and the verification, the lagged search; `observe_floor`). The device runs the forward while the host does
+    that work, so a forward shorter than the floor costs no time: T(Q) = overhead + max(floor, forward(Q)). On the
+    H200 the testbed's launch phase (2.5-5 ms) outlasts its forward at 32 requests, where a round took the same
+    time whatever a policy verified; priced by the forward alone, the cost policy pruned drafts that were free.
     measured: the raw per-size statistics of a profile before the non-decreasing fit (None otherwise).
     """
 
@@ -76,6 +81,8 @@ class LatencyModel:
         self.noise = float(noise)
         self.overhead = 0.0
         self.overhead_observations = 0
+        self.floor = 0.0
+        self.floor_observations = 0
         self.observations = 0
         self.measured: list[float] | None = None
         self._profile = list(seconds)  # the points before any online correction
@@ -142,9 +149,10 @@ class LatencyModel:
 
     def flat(self) -> bool:
         """True when the curve's rise over its points (the non-decreasing lower envelope's last minus first
-        point) is within FLAT_SIGMAS standard errors of a difference of two points: no evidence that verifying
-        more drafts costs more time. An exact curve (noise 0) is flat only when it does not rise at all."""
-        rise = self.seconds[-1] - min(self.seconds)
+        point, both raised to the floor) is within FLAT_SIGMAS standard errors of a difference of two points: no
+        evidence that verifying more drafts costs more time. An exact curve (noise 0) is flat only when it does not
+        rise at all."""
+        rise = max(self.seconds[-1], self.floor) - max(min(self.seconds), self.floor)
         return rise <= FLAT_SIGMAS * math.sqrt(2.0) * self.noise
 
     def observe_overhead(self, seconds: float) -> None:
@@ -154,6 +162,15 @@ class LatencyModel:
             raise DSparkInputError(f"LatencyModel.observe_overhead: expected seconds >= 0, found {seconds}")
         self.overhead += (1.0 if self.overhead_observations == 0 else self.ema) * (seconds - self.overhead)
         self.overhead_observations += 1
+
+    def observe_floor(self, seconds: float) -> None:
+        """Online estimate of the floor (class docstring): the host's own seconds from the forward's launch to the
+        round's read, before it waits for the device. Set by the first observation, then moved by `ema`, as the
+        overhead. Only a device that runs asynchronously to the host has one (on the CPU the forward is host work)."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise DSparkInputError(f"LatencyModel.observe_floor: expected seconds >= 0, found {seconds}")
+        self.floor += (1.0 if self.floor_observations == 0 else self.ema) * (seconds - self.floor)
+        self.floor_observations += 1
 
     def _segment(self, q: float) -> tuple[int, float]:
         """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
@@ -168,12 +185,14 @@ class LatencyModel:
         i, w = self._segment(float(q))
         return max(points[i] + w * (points[i + 1] - points[i]), 1e-12)
 
-    def _forward(self, q: float) -> float:
+    def forward(self, q: float) -> float:
+        """Seconds of the forward of a step of q query tokens (the online-corrected profile), without the floor
+        and the overhead."""
         return self._at(self.seconds, q)
 
     def predict(self, q: float) -> float:
-        """Seconds of a step of q query tokens: the profiled forward plus the overhead."""
-        return self._forward(q) + self.overhead
+        """Seconds of a step of q query tokens: the forward or the floor, whichever is longer, plus the overhead."""
+        return max(self.forward(q), self.floor) + self.overhead
 
     def host_curve(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo + 1] float64` predicted seconds for Q = lo .. hi (`predict` over a range, in NumPy)."""
@@ -181,11 +200,12 @@ class LatencyModel:
 
     def host_at(self, q: np.ndarray) -> np.ndarray:
         """`[n] float64` predicted seconds at the query-token counts `q` (`predict` over an array, in NumPy)."""
-        return _interpolate(self._x, self._y, q) + self.overhead
+        return np.maximum(_interpolate(self._x, self._y, q), self.floor) + self.overhead
 
     def host_convex_curve(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo + 1] float64` the greatest convex curve below `predict` (the lower convex hull of the points,
-        extended past the first and last with the hull's end slopes, plus the overhead) at Q = lo .. hi.
+        extended past the first and last with the hull's end slopes, raised to the floor, plus the overhead) at
+        Q = lo .. hi (the maximum of a convex curve and a constant is convex).
 
         The policy reads it every round, so the profile's hull is evaluated once at every Q up to the last size
         and kept; the online correction adds an affine term to every point (`observe`), and adding an affine
@@ -204,10 +224,10 @@ class LatencyModel:
         q = np.arange(lo, hi + 1, dtype=np.float64)
         base = self._hull[lo: hi + 1] if 0 <= lo and hi <= last else _interpolate(*self._hull_points, q)
         a, b = self._correction
-        return np.maximum(base + (a + self.overhead) + (b / last) * q, 1e-12 + self.overhead)
+        return np.maximum(base + a + (b / last) * q, max(self.floor, 1e-12)) + self.overhead
 
     def fresh(self) -> LatencyModel:
-        """A copy of the profiled curve (points, noise, raw medians, ema) without any online correction or
+        """A copy of the profiled curve (points, noise, raw medians, ema) without any online correction, floor or
         observations: what a new engine would start from."""
         model = LatencyModel(self.sizes, self._profile, ema=self.ema, noise=self.noise)
         model.measured = None if self.measured is None else list(self.measured)

@@ -50,17 +50,29 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
   on the previous round's survivals while that round's target step runs, and the round only allocates that many
   drafts by its own survivals (`allocate`: the top-K, a prefix per request). K depends on the previous round's
   drafts only, so the global argmax is non-anticipating at every temperature, and a K that fills a row bucket
-  still fills it. A survival cutoff carried over instead (tried: the threshold rule at the previous round's K-th
-  survival) does not: at 256 requests and temperature 1 its rounds ran in the 1,152-row bucket 20 times and the
-  1,024 one 15 times in 48, where the in-round search filled 1,280 rows in 44.
+  still fills it. The count does not follow the round, though: at temperature 0 the survivals are bimodal and
+  the number worth verifying varies by round, which a K from an earlier round cuts or pads (on the H200 cost's
+  verified drafts per round spread 1.6x the thresholds' and it emitted 3% fewer tokens at 128 requests).
+  `allocation="cutoff"` spends the budget as a survival cutoff instead: halfway between the K-th and the next
+  candidate of the searched round (`budget_cutoff`), every candidate of the round above it (`allocate_above`), a
+  threshold the search moves with the price of a row. Non-anticipating: the cutoff is fixed before the round.
+  The count filled the row bucket; the cutoff does not (tried on the H200 with the next-ranked candidates filling
+  the count's bucket: the fill added rows that cost host and verification time, and the policy fell 2-4% below
+  the thresholds). A cutoff carried over without the search's price (the previous round's K-th survival, tried
+  first) ran 20 of 48 rounds at 256 requests in the 1,152-row bucket and 15 in the 1,024 one.
   A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
   the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
   (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
+  Likewise a step whose largest choice is predicted to take no longer than any smaller one (`_free`): below the
+  latency model's floor, the host's own launch time, a larger forward costs nothing. Both checks come
+  before any sort, so a policy whose drafts are all free costs about what verify_all does on the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,12 +140,15 @@ class VerifyPolicy:
     threshold). exact: `cost` search mode (module docstring). lagged: `cost` as a caller that runs rounds in a
     loop applies it: each round allocates the budget that the search gave on the previous round's survivals
     (computed while that round's target step runs), so the round itself pays only a ranking's host time (module
-    docstring, "lagged"); `schedule_verification` itself ignores the flag."""
+    docstring, "lagged"); `schedule_verification` itself ignores the flag. allocation: how a lagged round spends
+    the budget: "count" (the top K by its own survivals, `allocate`) or "cutoff" (its survivals above the budget's
+    cutoff, `budget_cutoff` / `allocate_above`)."""
 
     kind: str = "cost"
     threshold: float = 0.5
     exact: bool = True
     lagged: bool = False
+    allocation: str = "count"
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -144,6 +159,8 @@ class VerifyPolicy:
             raise DSparkConfigError(f"VerifyPolicy.exact: expected a bool, found {self.exact!r}")
         if not isinstance(self.lagged, bool):
             raise DSparkConfigError(f"VerifyPolicy.lagged: expected a bool, found {self.lagged!r}")
+        if self.allocation not in ("count", "cutoff"):
+            raise DSparkConfigError(f"VerifyPolicy.allocation: expected count or cutoff, found {self.allocation!r}")
 
 
 def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
@@ -275,6 +292,32 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
     return int(np.argmax(expected / seconds))  # first maximum
 
 
+def _free(m: np.ndarray, batch: int, latency: LatencyModel, padding: StepPadding | None, base_tokens: int) -> bool:
+    """Whether verifying every candidate is predicted to take no longer than any smaller choice (module docstring):
+    then the largest choice, which yields the most tokens, is best. The curve is piecewise linear, so its least
+    value over a range lies at an end or a profiled size; a padded step is priced at its buckets only. Plain
+    floats: the policy calls it every round, and the usual answer (the largest step costs more than the smallest)
+    takes two predictions."""
+    q0 = base_tokens + batch
+    q1 = q0 + int(m.sum())
+    if padding is None:
+        lo, hi, inner = q0, q1, latency.sizes
+    elif padding.ragged:
+        sizes = padding.sizes
+        i, j = bisect.bisect_left(sizes, q0), bisect.bisect_left(sizes, q1)
+        lo, hi, inner = (sizes[i] if i < len(sizes) else q0), (sizes[j] if j < len(sizes) else q1), sizes
+    else:
+        top = int(m.max()) if m.size else 0
+        lo, hi = padding.rows(1), padding.rows(top + 1)
+        if lo is None or hi is None:
+            return False  # `_padded` reports it
+        inner = [padding.batch * q for q in padding.sizes]
+    end = latency.predict(hi)
+    if end > latency.predict(lo):
+        return False
+    return all(latency.predict(q) >= end for q in inner if lo < q < hi)
+
+
 def _padded(survival: Tensor | np.ndarray, m: np.ndarray, latency: LatencyModel, padding: StepPadding, *,
             exact: bool, deterministic: bool) -> np.ndarray:
     """`[B] int64` drafts per request of a padded step (module docstring, "padded steps"): min(max_drafts, c) for
@@ -328,8 +371,71 @@ def allocate(
         raise DSparkInputError(f"budget: expected >= 0, found {k}")
     if k >= int(m.sum()):  # every candidate: no ranking (the lagged cost policy's budget on a flat curve)
         return _tensor(m, _device(survival))
-    _, req = _ranked(survival, m)
-    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))
+    return _tensor(_top_counts(survival, m, k), _device(survival))
+
+
+def _keys(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
+    """`[B * N]` the candidates' ranking keys: the survivals clamped to [0, 1], NaN as +inf (ranked first, as in
+    `_ranked`), candidates past max_drafts as -inf (after every valid one)."""
+    width = survival.shape[1]
+    flat = _clamped(survival)
+    key = np.where(np.isnan(flat), np.inf, flat)
+    if m.size and int(m.min()) < width:
+        key[(np.arange(width)[None, :] >= m[:, None]).reshape(-1)] = -np.inf
+    return key
+
+
+def budget_cutoff(survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, budget: int) -> float:
+    """The survival halfway between the `budget`-th and the next candidate in the ranking (module docstring,
+    "lagged"): -inf when the budget takes every candidate, +inf when it takes none (NaN survivals, ranked first,
+    lie above any finite cutoff). `allocate_above` with it verifies this round's candidates worth the price that
+    `budget` paid on the round it was searched on."""
+    m = _check(survival, max_drafts)
+    k, count = int(budget), int(m.sum())
+    if k >= count:
+        return -math.inf
+    if k <= 0:
+        return math.inf
+    key = _keys(survival, m)
+    n = key.size
+    part = np.partition(key, (n - k - 1, n - k))
+    above, below = float(part[n - k]), float(part[n - k - 1])
+    return above if math.isinf(above) else (above + below) / 2
+
+
+def allocate_above(
+    survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, cutoff: float
+) -> Tensor:
+    """`[B] int64` drafts per request: every candidate whose survival is >= cutoff (a prefix per request, since
+    survivals do not increase with depth; NaN counts as above, as it ranks first). The lagged cost policy's
+    allocation (module docstring, "lagged")."""
+    m = _check(survival, max_drafts)
+    width = survival.shape[1]
+    if cutoff <= 0.0:  # every survival, clamped to [0, 1], is above
+        return _tensor(m, _device(survival))
+    # on the raw survivals: for a cutoff in (0, 1] the comparison with the clamped value is the same, and NaN (not
+    # below anything) counts as above; a handful of NumPy calls, since this runs every round
+    a = _host_array(survival)
+    above = np.isnan(a) if cutoff > 1.0 else ~(a < cutoff)
+    if m.size and int(m.min()) < width:
+        above &= np.arange(width)[None, :] < m[:, None]
+    return _tensor(np.count_nonzero(above, axis=1), _device(survival))
+
+
+def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int) -> np.ndarray:
+    """`[B] int64` per request its candidates among the top k of `_ranked`'s order, 0 <= k < the candidates,
+    without sorting: the k-th largest key by a partition, every key above it, and the first of the keys equal to it
+    in flat (request-major) order, as the stable ranking breaks ties. The engine allocates every round, where a
+    full stable argsort was most of the lagged cost policy's host time."""
+    batch, width = survival.shape
+    key = _keys(survival, m)
+    if k <= 0:
+        return np.zeros(batch, dtype=np.int64)
+    kth = np.partition(key, key.size - k)[key.size - k]
+    take = key > kth
+    equal = key == kth
+    take |= equal & (np.cumsum(equal) <= k - int(np.count_nonzero(take)))
+    return take.reshape(batch, width).sum(1, dtype=np.int64)
 
 
 def cost_budget(
@@ -341,6 +447,7 @@ def cost_budget(
     base_tokens: int = 0,
     deterministic: bool = False,
     padding: StepPadding | None = None,
+    price: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> int:
     """K, the number of drafts to verify in the whole batch (module docstring); 0 <= K <= sum(max_drafts).
 
@@ -349,15 +456,20 @@ def cost_budget(
     deterministic: every request is greedy (module docstring): the global argmax, as exact=False.
     padding: a ragged step (`StepPadding(..., ragged=True)`): K priced by its row bucket, the K whose top-K
     `schedule_verification(..., padding=padding)` verifies. A padded (non-ragged) step chooses a cap per request,
-    not a K: use `schedule_verification`."""
+    not a K: use `schedule_verification`.
+    price: maps the `[B, N]` survivals (a float64 host array) to the values K is priced by (a monotone
+    recalibration, `SurvivalCalibration.apply`); called only when the choice reads them (not on a flat curve or
+    with every draft free), so its host time is spent only where it matters."""
     m = _check(survival, max_drafts)
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
     if padding is not None and not padding.ragged:
         raise DSparkInputError("padding: cost_budget prices ragged steps only; a padded step picks a cap per "
                                "request (schedule_verification)")
-    if latency.flat():  # every draft (`_budget`), without sorting the survivals
+    if latency.flat() or _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
         return int(m.sum())
+    if price is not None:
+        survival = price(np.asarray(_host_array(survival), dtype=np.float64))
     vals = _values(survival, m)
     if padding is not None:
         return _ragged(vals, survival.shape[0], latency, padding, exact=exact, base_tokens=base_tokens,
@@ -421,6 +533,8 @@ def schedule_verification(
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
+    if _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
+        return _tensor(m, _device(survival))
     if padding is not None and not padding.ragged:
         return _tensor(_padded(survival, m, latency, padding, exact=policy.exact, deterministic=deterministic),
                        _device(survival))

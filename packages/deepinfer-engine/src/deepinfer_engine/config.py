@@ -221,6 +221,9 @@ class SpeculativeConfig:
     speculative_latency: str = _opt(
         "profile", "step-time curve of speculative_policy=cost: profile (time the target forward at start-up, "
         "corrected online) or affine:BASE,SLOPE (seconds + seconds per query token, fixed)")
+    speculative_calibration: Literal["online", "off"] = _opt(
+        "online", "speculative_policy=cost prices each survival at the acceptance seen at its level, per greedy / "
+        "sampled rows (online), or at the Confidence Head's value (off)")
 
     def __post_init__(self) -> None:
         if self.speculative_method not in (None, "dspark", "mtp"):
@@ -240,6 +243,8 @@ class SpeculativeConfig:
         if not isinstance(t, int | float) or isinstance(t, bool) or not 0.0 <= t <= 1.0:
             raise ConfigError(f"speculative_threshold: found {t!r}, expected a number in [0, 1]")
         affine_latency(self.speculative_latency)  # validates the spelling
+        if self.speculative_calibration not in ("online", "off"):
+            raise ConfigError(f"speculative_calibration: found {self.speculative_calibration!r}, expected online or off")
 
 
 def affine_latency(spec: str) -> tuple[float, float] | None:
@@ -266,6 +271,7 @@ _SPECULATIVE_KEYS = {
     "policy": "speculative_policy",
     "threshold": "speculative_threshold",
     "latency": "speculative_latency",
+    "calibration": "speculative_calibration",
 }
 
 

@@ -405,51 +405,84 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
             assert sum(c for c, _ in t.by_rows.values()) == t.rounds
             assert abs(sum(s for _, s in t.by_rows.values()) - t.verify_s) < 1e-9
         assert spec.latency.overhead > 0 and spec.latency.observations == spec.stats.steps
+        # on the CPU the forward is host work: no floor under it
+        assert spec.latency.floor == 0.0 and spec.latency.floor_observations == 0
     finally:
         _use_policy(v41_spec, "verify_all")
     assert verified["cost"] == verified["verify_all"], verified
 
 
-def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch) -> None:
-    """The engine's cost policy runs lagged: a round allocates (top-K by its own survivals) the budget K that the
-    global argmax gave on the previous round's survivals, computed after that round's launch; only a round
-    without one, or whose shape (requests, other tokens, graph bucket) changed, runs the search itself. Greedy
-    output stays the target's."""
-    from deepinfer_dspark import LatencyModel, VerifyPolicy
+@pytest.mark.parametrize(("every", "allocation"), [(1, "count"), (3, "count"), (3, "cutoff")])
+def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch, every,
+                                                                 allocation) -> None:
+    """The engine's cost policy runs lagged: a round spends the budget K that the global argmax gave on an earlier
+    round's survivals (computed after that round's launch): the top K by its own survivals, or (allocation="cutoff")
+    its candidates above K's survival cutoff. Only a round without a budget, or whose shape (requests, other tokens,
+    graph bucket) changed, runs the search itself. The search prices the survivals through the online calibration,
+    which learns from every draft the cost rounds verified. With BUDGET_EVERY > 1 a budget serves the rounds after
+    it until the next search or a change of shape. Greedy output stays the target's."""
+    from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
     spec = v41_spec.engine.runner.spec
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    calls = {"in_round": 0, "budgets": [], "allocated": []}
-    search, budget, allocate = spec_decode.schedule_verification, spec_decode.cost_budget, spec_decode.allocate
+    calls = {"in_round": 0, "budgets": [], "cutoffs": [], "count": [], "cutoff": [], "applied": []}
+    kept = spec.calibration
+    spec.calibration = SurvivalCalibration(decay=1.0)
+    apply = spec.calibration.apply
+    search, budget = spec_decode.schedule_verification, spec_decode.cost_budget
+    cutoff, top_k, above = spec_decode.budget_cutoff, spec_decode.allocate, spec_decode.allocate_above
+
+    def spy_apply(*a, **kw):
+        calls["applied"].append(apply(*a, **kw))
+        return calls["applied"][-1]
 
     def spy_search(policy, *a, **kw):
         calls["in_round"] += policy.kind == "cost"
         return search(policy, *a, **kw)
 
     def spy_budget(*a, **kw):  # next_budget's global argmax
-        assert kw["exact"] is False
+        assert kw["exact"] is False and kw["price"] is not None
         calls["budgets"].append(budget(*a, **kw))
         return calls["budgets"][-1]
 
-    def spy_allocate(survival, max_drafts, k):
-        calls["allocated"].append(k)
-        return allocate(survival, max_drafts, k)
+    def spy_cutoff(*a):
+        calls["cutoffs"].append(cutoff(*a))
+        return calls["cutoffs"][-1]
 
-    monkeypatch.setattr(spec_decode, "schedule_verification", spy_search)
-    monkeypatch.setattr(spec_decode, "cost_budget", spy_budget)
-    monkeypatch.setattr(spec_decode, "allocate", spy_allocate)
+    def spy_top_k(survival, max_drafts, k):
+        calls["count"].append(k)
+        return top_k(survival, max_drafts, k)
+
+    def spy_above(survival, max_drafts, v):
+        calls["cutoff"].append(v)
+        return above(survival, max_drafts, v)
+
+    for name, spy in (("schedule_verification", spy_search), ("cost_budget", spy_budget), ("allocate", spy_top_k),
+                      ("allocate_above", spy_above), ("budget_cutoff", spy_cutoff)):
+        monkeypatch.setattr(spec_decode, name, spy)
+    monkeypatch.setattr(spec.calibration, "apply", spy_apply)
+    monkeypatch.setattr(spec_decode, "CALIBRATE_EVERY", 1)
+    monkeypatch.setattr(spec_decode, "BUDGET_EVERY", every)
     try:
-        spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
-                        online_latency=False)
+        spec.set_policy(VerifyPolicy(kind="cost", lagged=True, allocation=allocation),
+                        LatencyModel.affine(0.001, 2e-4, 64), online_latency=False)
         spec.explore_every = 0
         spec.reset_stats()
         assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
         rounds = spec.stats.steps
-        assert len(calls["budgets"]) == rounds and calls["in_round"] + len(calls["allocated"]) == rounds
-        assert calls["in_round"] >= 1 and calls["allocated"]  # the first round searches; later ones allocate
-        assert set(calls["allocated"]) <= set(calls["budgets"]) and spec.timing.lag_s > 0
+        searches = len(calls["budgets"])
+        assert searches == rounds if every == 1 else 0 < searches < rounds
+        spent, unused = calls[allocation], calls["cutoff" if allocation == "count" else "count"]
+        assert calls["in_round"] + len(spent) == rounds and not unused
+        assert calls["in_round"] >= 1 and spent  # the first round searches; later ones spend a budget
+        assert len(calls["cutoffs"]) == searches and spec.timing.lag_s > 0
+        assert set(spent) <= set(calls["budgets"] if allocation == "count" else calls["cutoffs"])
+        assert len(calls["applied"]) == searches + calls["in_round"]  # every search prices through the map
+        assert spec.calibration.drafts.sum() == spec.stats.num_verified_tokens > 0
+        assert spec.calibration.drafts[1].sum() == spec.calibration.drafts.sum()  # greedy rows only
     finally:
+        spec.calibration = kept
         spec.explore_every = 32
         _use_policy(v41_spec, "verify_all")
 
@@ -457,3 +490,17 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
 def test_engine_cost_policy_is_lagged(ckpts) -> None:
     llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost", "latency": "affine:0.01,0.001"})
     assert llm.engine.runner.spec.policy.kind == "cost" and llm.engine.runner.spec.policy.lagged
+
+
+def test_a_round_bound_by_the_host_times_the_floor_not_the_forward() -> None:
+    """A synchronous round on a device: the host's own launch time is the floor's observation; the span times the
+    forward only when the read waited for the device, or when the curve predicts a longer forward than the whole
+    span took (an overstated profile comes down even while the host is the bound)."""
+    from deepinfer_dspark import LatencyModel
+    from deepinfer_engine.worker.spec_decode import DEVICE_BOUND_WAIT_S, round_observations
+
+    lat = LatencyModel([1, 100], [1e-3, 3e-3])
+    host = 2.5e-3
+    assert round_observations(lat, 100, host, host + 2 * DEVICE_BOUND_WAIT_S) == (host, host + 2 * DEVICE_BOUND_WAIT_S)
+    assert round_observations(lat, 10, host, host + DEVICE_BOUND_WAIT_S / 2) == (host, None)  # forward 1.2 ms: hidden
+    assert round_observations(lat, 100, host, host + DEVICE_BOUND_WAIT_S / 2) == (host, host + DEVICE_BOUND_WAIT_S / 2)

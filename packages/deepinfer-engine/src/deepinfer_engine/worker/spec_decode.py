@@ -40,9 +40,12 @@ from deepinfer_dspark import (
     DSparkInputError,
     LatencyModel,
     StepPadding,
+    SurvivalCalibration,
     TargetLogits,
     VerifyPolicy,
     allocate,
+    allocate_above,
+    budget_cutoff,
     cost_budget,
     propose,
     row_plan,
@@ -58,6 +61,28 @@ from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
 from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
 from deepinfer_engine.worker.spec_profile import profile_cost_curves
 from deepinfer_engine.worker.staging import HostStaging
+
+# a round whose host read waited longer than this for the device was bound by the device's forward (a read of a
+# finished result takes tens of microseconds): its span times the forward. A shorter wait means the host's own
+# launch work set the span, which then bounds the forward from above only (`round_observations`).
+DEVICE_BOUND_WAIT_S = 100e-6
+# the survival calibration learns from one speculative round in this many (`SpecDecoder.calibration`)
+CALIBRATE_EVERY = 4
+# the lagged cost policy searches its budget on one round in this many and keeps it for the rounds between, while
+# their shape stays (`SpecDecoder.next_budget`)
+BUDGET_EVERY = 4
+
+
+def round_observations(latency: LatencyModel, rows: int, host_s: float, span_s: float) -> tuple[float, float | None]:
+    """What a synchronous round tells the latency model: (floor, forward span or None). host_s: the host's own
+    seconds from the forward's launch to its read; span_s: up to the read's end. The host's time is the floor's
+    observation. The span is the forward's when the read waited on the device; otherwise the forward ended within
+    the host's work and the span is only an upper bound on it, which corrects the curve only where the curve
+    predicts more than it (a profile that overstates the forward is pulled down even while the host is the bound,
+    and a host-bound span never raises the forward: `LatencyModel` class docstring, floor)."""
+    if span_s - host_s > DEVICE_BOUND_WAIT_S or span_s < latency.forward(rows):
+        return host_s, span_s
+    return host_s, None
 
 __all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
 
@@ -93,7 +118,8 @@ class SpecRound:
     rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
     launched_at: float = 0.0  # perf_counter when the verification was enqueued
     latency: LatencyModel | None = None  # the curve that priced the round (`SpecDecoder.latency_for`)
-    lag_inputs: tuple | None = None  # lagged cost: (shape, survival, max_drafts, base tokens, padding) of the round
+    # lagged cost: (shape, survival, max_drafts, base tokens, padding, greedy rows) of the round
+    lag_inputs: tuple | None = None
     timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
 
@@ -202,9 +228,12 @@ class SpecDecoder:
         self.graph_rows: dict[int, tuple[int, ...]] | None = None
         self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
         self._stage: HostStaging | None = None  # pinned staging of each round's host inputs (`_staging`)
-        # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K) of the latest
-        # round: the budget its survivals gave, for a next round of the same shape (another shape runs the search)
-        self._lagged: tuple[tuple[int, int, int | None], int] | None = None
+        # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K, survival cutoff)
+        # of the latest search: the budget its survivals gave, and with `VerifyPolicy.allocation="cutoff"` the
+        # survival halfway between its K-th and next candidate, for the next rounds of the same shape (another
+        # shape runs the search)
+        self._lagged: tuple[tuple[int, int, int | None], int, float] | None = None
+        self._lag_age = 0  # rounds the budget has been kept (`BUDGET_EVERY`)
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -219,6 +248,9 @@ class SpecDecoder:
         # was captured (lazily, on a shape's first step) is not timed into the latency model, whose curve and
         # overhead would otherwise learn a capture's second as step time
         self.capture_clock: Callable[[], float] | None = None
+        # the cost policy prices survivals through the acceptance seen at their level, per sampling class (greedy
+        # rows accept a draft on another event than the head was trained for: deepinfer_dspark.survival_calibration)
+        self.calibration: SurvivalCalibration | None = None
 
     def set_policy(self, policy: VerifyPolicy, latency: LatencyModel | None = None, *,
                    online_latency: bool | None = None, batch_latency: Mapping[int, LatencyModel] | None = None) -> None:
@@ -329,12 +361,19 @@ class SpecDecoder:
         shape = (len(picked), base, None if padding is None else padding.batch)
         lagged = self._lagged if policy.kind == "cost" and policy.lagged and survival is not None else None
         if lagged is not None and lagged[0] == shape:
-            m = allocate(survival, host[:, 3], lagged[1])  # the previous round's budget (`next_budget`)
+            if policy.allocation == "cutoff":  # the survivals worth the price the budget paid (`next_budget`)
+                m = allocate_above(survival, host[:, 3], lagged[2])
+            else:  # the top K by this round's survivals
+                m = allocate(survival, host[:, 3], lagged[1])
         else:
-            m = schedule_verification(policy, host[:, 3], survival=survival, latency=rnd.latency, base_tokens=base,
+            priced = survival  # the survivals as the cost policy prices them (`calibration`)
+            if policy.kind == "cost" and self.calibration is not None and survival is not None:
+                priced = self.calibration.apply(survival, np.asarray(rnd.greedy))
+            m = schedule_verification(policy, host[:, 3], survival=priced, latency=rnd.latency, base_tokens=base,
                                       deterministic=all(rnd.greedy), padding=padding)
         if self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None:
-            rnd.lag_inputs = (shape, survival, host[:, 3], base, padding)  # `next_budget`, after the launch
+            # `next_budget`, after the launch
+            rnd.lag_inputs = (shape, survival, host[:, 3], base, padding, np.asarray(rnd.greedy))
         self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n:]
@@ -526,15 +565,27 @@ class SpecDecoder:
         `collect_verify`, before the round's read. Between the forward's launch and the verification's launches
         (tried) it delayed those launches by its whole time on the H200, where the testbed's forward ends before
         the host has launched the verification: cost's launch took 0.15-0.4 ms longer than a threshold's, about
-        the search's time, at every batch size (docs/perf.md, "The lagged search off the launch path")."""
+        the search's time, at every batch size (docs/perf.md, "The lagged search off the launch path").
+        The search runs on one round in BUDGET_EVERY; the rounds between keep its budget while the step's shape
+        stays: its host time (0.25-0.57 ms per round on the H200 with the calibration, searched every round) is round
+        time wherever the device finishes first, and the budgets of consecutive rounds differ by noise (docs/perf.md,
+        "The policies round by round; the host's floor ...")."""
         if rnd.lag_inputs is None or rnd.latency is None:
             return
         t0 = time.perf_counter()
-        shape, survival, max_drafts, base, padding = rnd.lag_inputs
+        shape, survival, max_drafts, base, padding, greedy = rnd.lag_inputs
         rnd.lag_inputs = None
-        # `padding` is ragged or None (`SpecDecoder.padding`)
-        self._lagged = (shape, cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base,
-                                           deterministic=True, padding=padding))
+        if self._lagged is not None and self._lagged[0] == shape and self._lag_age + 1 < BUDGET_EVERY:
+            self._lag_age += 1
+            self.timing.lag_s += time.perf_counter() - t0
+            return
+        self._lag_age = 0
+        cal = self.calibration
+        # `padding` is ragged or None (`SpecDecoder.padding`); the calibration runs only if the budget reads values
+        k = cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base, deterministic=True,
+                        padding=padding, price=None if cal is None else lambda a: cal.apply(a, greedy))
+        # both spendings of the budget: `VerifyPolicy.allocation` picks one per round (a benchmark switches it)
+        self._lagged = (shape, k, budget_cutoff(survival, max_drafts, k))
         self.timing.lag_s += time.perf_counter() - t0
 
     @torch.no_grad()
@@ -552,14 +603,18 @@ class SpecDecoder:
         self.next_budget(rnd)  # while the device finishes the round
         read_at = time.perf_counter()
         if rnd.req_ids:
+            host_done = read_at
             host = packed.tolist()  # the round's one host read after the forward
             read_at = time.perf_counter()
+            floor = None  # the host's own time in the forward's window, when the device runs beside it
             if rnd.timer is not None:  # launched ahead of its read: the device time of the forward + verification
                 span = rnd.timer[0].elapsed_time(rnd.timer[1]) / 1e3
             elif self.deferred_reads:  # the CPU ran the forward inside the launch
                 span = rnd.launched_at - rnd.forward_started
             else:
                 span = read_at - rnd.forward_started
+                if packed.device.type != "cpu":
+                    floor = host_done - rnd.forward_started
             self.timing.rounds += 1
             self.timing.draft_s += rnd.forward_started - rnd.started
             self.timing.launch_s += rnd.launched_at - rnd.forward_started
@@ -569,14 +624,25 @@ class SpecDecoder:
                 # the forward as the start-up profile timed it, and the draft pass as a per-step overhead: the
                 # overhead does not grow with the verified drafts, so it must not read as growth of T(Q); the
                 # next round's start closes this cycle (its overhead is observed if no capture ran by then)
-                rnd.latency.observe(rnd.rows, max(span, 1e-9))
+                forward = span
+                if floor is not None:
+                    floor, forward = round_observations(rnd.latency, rnd.rows, floor, span)
+                    rnd.latency.observe_floor(floor)
+                if forward is not None:
+                    rnd.latency.observe(rnd.rows, max(forward, 1e-9))
                 self._last_cycle = (rnd.started, span, captured, rnd.latency)
             live = [b for b, rid in enumerate(rnd.req_ids) if rid not in drop]
             if live:
                 surv = rnd.survival_host
                 if surv is not None and len(live) < len(rnd.req_ids):
                     surv = surv[live]
-                self.stats.update([host[b][0] for b in live], [rnd.drafts_host[b] for b in live], survival=surv)
+                accepted, verified = [host[b][0] for b in live], [rnd.drafts_host[b] for b in live]
+                self.stats.update(accepted, verified, survival=surv)
+                # every CALIBRATE_EVERY-th cost round: its host time is round time, and the map needs no more
+                if (self.calibration is not None and self.policy.kind == "cost" and surv is not None
+                        and self.rounds % CALIBRATE_EVERY == 0):
+                    self.calibration.update(surv, np.asarray(verified), np.asarray(accepted),
+                                            np.asarray([rnd.greedy[b] for b in live]))
             for b in live:
                 rid, a = rnd.req_ids[b], host[b][0]
                 if host[b][1]:
@@ -773,6 +839,8 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
     decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
                           max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k,
                           batch_latency=batch_latency)
+    if spec.speculative_calibration == "online":
+        decoder.calibration = SurvivalCalibration()
     if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
         decoder.graph_rows = {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes}
         decoder.capture_clock = lambda: graphs.stats.capture_s
