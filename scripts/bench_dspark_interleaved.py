@@ -1,7 +1,8 @@
 """DSpark verification policies compared round by round inside one steady window of one engine.
 
     python scripts/bench_dspark_interleaved.py [--ckpt .cache/dspark-testbed] [--device cuda] [--prompts 32 128 256]
-        [--temperature 1 0] [--threshold 0.2 0.5] [--cycles 96] [--warm-cycles 16] [--skip 4] [--json F]
+        [--temperature 1 0] [--threshold 0.2 0.5] [--cycles 96] [--warm-cycles 16] [--skip 4] [--cost-cutoff]
+        [--json F]
 
 `bench_dspark_policies.py` times whole runs of one policy each, and on the H200 the runs of one cell spread by
 20-40% from host noise (slow spells of about a run), more than the policies differ (1-5%). Here the batch stays
@@ -16,7 +17,10 @@ correction are shared, and the cost policy's lagged budget comes from its own pr
 one-round lag is, but staler than in a run of cost alone. A round's time is the engine step's wall time (the
 scheduler, the round and its bookkeeping, the output processing); the draft pass launched at its end for the next
 round does the same work whatever policy comes next; no sync separates the rounds, so each round's time runs from
-the previous step's return to its own. Cycles in which a CUDA graph was captured are dropped.
+the previous step's return to its own. Cycles in which a CUDA graph was captured are dropped, and so are cycles
+with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round, a one-off the policy
+does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy it hit.
+Each round also records the drafts it verified and its policy's host seconds (`SpecTiming` policy + lagged search).
 """
 
 from __future__ import annotations
@@ -36,18 +40,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dspark_policies import _testbed, ensure_calibration, prompt_sets, request_params, run_order  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+STALL_FACTOR = 5.0
 
 
 def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[int]], sp: list, *, skip: int,
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
-    cycle], ...]}, "dropped": cycles dropped for a capture}. The requests are dropped afterwards."""
+    cycle, verified drafts, policy host seconds], ...]}, "dropped": cycles dropped for a capture, "stalled": cycles
+    dropped for a stall}. The requests are dropped afterwards."""
     eng = llm.engine
     dec = eng.runner.spec
     graphs = eng.runner.cuda_graphs
     cuda = eng.runner.device.type == "cuda"
     ids = llm._add(llm._admit(prompts, sp))
     rounds: dict[str, list[list[float]]] = {name: [] for name, _ in policies}
+    cycles_got: list[list[tuple]] = []
     dropped = 0
     try:
         for _ in range(skip):  # the prompts' prefill and the first rounds
@@ -64,10 +71,12 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
             for i in run_order(len(policies), seed, c + warm_cycles):
                 name, pol = policies[i]
                 dec.policy = pol  # the policy only (module docstring)
-                tok0 = eng.total.decode_tokens
+                tok0, ver0 = eng.total.decode_tokens, dec.stats.num_verified_tokens
+                host0 = dec.timing.policy_s + dec.timing.lag_s
                 eng.step_outputs()
                 now = time.perf_counter()
-                got.append((name, eng.total.decode_tokens - tok0, now - last))
+                got.append((name, eng.total.decode_tokens - tok0, now - last, dec.stats.num_verified_tokens - ver0,
+                            dec.timing.policy_s + dec.timing.lag_s - host0))
                 last = now
             if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
                 raise SystemExit("interleaved: a prefill step or a finished request fell inside the window; raise "
@@ -77,11 +86,19 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
             if graphs is not None and graphs.stats.capture_s > cap0:
                 dropped += 1
                 continue
-            for name, tokens, seconds in got:
-                rounds[name].append([tokens, seconds, c])
+            cycles_got.append([(c, *g) for g in got])
     finally:
         eng.discard([i for i in ids if isinstance(i, str)])
-    return {"rounds": rounds, "dropped": dropped}
+    times = sorted(g[3] for cyc in cycles_got for g in cyc)
+    limit = STALL_FACTOR * times[len(times) // 2] if times else math.inf
+    stalled = 0
+    for cyc in cycles_got:
+        if max(g[3] for g in cyc) > limit:
+            stalled += 1
+            continue
+        for c, name, tokens, seconds, verified, host in cyc:
+            rounds[name].append([tokens, seconds, c, verified, host])
+    return {"rounds": rounds, "dropped": dropped, "stalled": stalled}
 
 
 def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resamples: int = 2000) -> dict[str, Any]:
@@ -94,6 +111,10 @@ def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resampl
         tok, sec = sum(r[0] for r in rs), sum(r[1] for r in rs)
         out["policies"][name] = {"rounds": len(rs), "tokens": tok, "seconds": sec,
                                  "tokens_per_s": tok / sec if sec > 0 else None}
+        if rs and len(rs[0]) > 4:
+            out["policies"][name].update(verified_per_round=sum(r[3] for r in rs) / len(rs),
+                                         policy_ms_per_round=1e3 * sum(r[4] for r in rs) / len(rs),
+                                         ms_per_round=1e3 * sec / len(rs))
     if subject not in rounds:
         return out
     mine = {int(r[2]): (r[0], r[1]) for r in rounds[subject]}
@@ -129,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-cycles", type=int, default=16,
                     help="untimed cycles: CUDA graphs of every policy's row buckets are captured here")
     ap.add_argument("--cycles", type=int, default=96)
+    ap.add_argument("--cost-cutoff", action="store_true",
+                    help="also the cost policy spending its budget as a survival cutoff (VerifyPolicy.allocation)")
     ap.add_argument("--new-tokens", type=int, default=0,
                     help="tokens per request (default: enough for every round of the window)")
     ap.add_argument("--json", type=Path, default=None)
@@ -152,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = [("verify_all", VerifyPolicy(kind="verify_all"))]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t)) for t in args.threshold]
     policies.append(("cost", VerifyPolicy(kind="cost", lagged=True)))  # as the engine runs it
+    if args.cost_cutoff:
+        policies.append(("cost[cutoff]", VerifyPolicy(kind="cost", lagged=True, allocation="cutoff")))
     rounds_per_request = args.skip + len(policies) * (args.warm_cycles + args.cycles) + 1
     new_tokens = args.new_tokens or rounds_per_request * (dec.block_size + 1)
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
@@ -163,16 +188,18 @@ def main(argv: list[str] | None = None) -> int:
             got = interleaved(llm, policies, prompts_all[:count], sp, skip=args.skip, warm_cycles=args.warm_cycles,
                               cycles=args.cycles, seed=args.seed)
             cell = {"prompts": count, "temperature": temp, "dropped_cycles": got["dropped"],
-                    **compare(got["rounds"]), "rounds": got["rounds"]}
+                    "stalled_cycles": got["stalled"], **compare(got["rounds"]), "rounds": got["rounds"]}
             report["cells"].append(cell)
-            print(f"P={count} T={temp:g}: {args.cycles - got['dropped']} cycles ({got['dropped']} dropped for a "
-                  "capture)", flush=True)
+            kept = args.cycles - got["dropped"] - got["stalled"]
+            print(f"P={count} T={temp:g}: {kept} cycles ({got['dropped']} dropped for a capture, {got['stalled']} "
+                  "for a stall)", flush=True)
             for name, p in cell["policies"].items():
                 pair = cell["paired"].get(name)
                 vs = (f"cost / it {pair['ratio']:.3f} ({pair['low']:.3f}-{pair['high']:.3f}), cost ahead in "
                       f"{pair['ahead']} of {pair['cycles']}") if pair else ""
-                print(f"  {name:<16} {p['tokens_per_s'] or 0:>10,.0f} tok/s over {p['rounds']} rounds  {vs}",
-                      flush=True)
+                print(f"  {name:<16} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
+                      f"{p.get('verified_per_round', 0):7.1f} verified {p.get('policy_ms_per_round', 0):5.3f} ms "
+                      f"policy  {vs}", flush=True)
             if args.json:
                 args.json.write_text(json.dumps(report) + "\n")
     return 0

@@ -107,7 +107,8 @@ def output_lengths(count: int, longest: int, spread: float, seed: int) -> list[i
 def latency_info(lat) -> dict:
     return {"sizes": list(lat.sizes), "ms": [round(t * 1e3, 3) for t in lat.seconds],
             "measured_ms": None if lat.measured is None else [round(t * 1e3, 3) for t in lat.measured],
-            "noise_ms": round(lat.noise * 1e3, 3), "overhead_ms": round(lat.overhead * 1e3, 3), "flat": lat.flat()}
+            "noise_ms": round(lat.noise * 1e3, 3), "overhead_ms": round(lat.overhead * 1e3, 3),
+            "floor_ms": round(lat.floor * 1e3, 3), "flat": lat.flat()}
 
 
 def graph_info(llm) -> dict | None:

@@ -50,7 +50,8 @@
 #            DSPARK_BENCH=0: tests only)
 #     dspark-timeline  scripts/spec_timeline.py: device idle time of a steady-state speculative round by host phase
 #     dspark-interleaved  scripts/bench_dspark_interleaved.py: the policies round by round inside one steady window
-#            per (prompts, temperature) cell, paired by cycle (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES)
+#            per (prompts, temperature) cell, paired by cycle (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES; INTER_ARGS,
+#            e.g. --cost-cutoff)
 #     decode-ab OLD_TREE  the plain decode step (V4.1 layers-4, all experts, `bench latency` at AB_BATCHES, default
 #            1,64) of this tree and of OLD_TREE alternately in one call (AB_ROUNDS, default 2), after an untimed
 #            warm-up of each: a change to the decode graph measured against the tree before it on one machine
@@ -383,7 +384,7 @@ dspark-interleaved)
     # tokens/s against each rival over the cycles they share (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES)
     step dspark_interleaved ${INTER_LIMIT_S:-420} python3 scripts/bench_dspark_interleaved.py --ckpt .cache/dspark-testbed \
         --device cuda --prompts ${INTER_PROMPTS:-32 128 256} --temperature ${INTER_TEMPS:-1 0} --cycles ${INTER_CYCLES:-96} \
-        --json "$OUT/dspark_interleaved.json"
+        --json "$OUT/dspark_interleaved.json" ${INTER_ARGS:-}
     ;;
 dspark-timeline)
     # where the device waits in a steady-state speculative round: GPU idle per step by host phase (TIMELINE_PROMPTS,

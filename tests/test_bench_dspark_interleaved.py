@@ -1,6 +1,6 @@
 """scripts/bench_dspark_interleaved.py: one round of every policy per cycle, in a seeded order; warm cycles and
-cycles with a CUDA-graph capture are left out; cost's tokens/s against each rival is a ratio of sums over the
-cycles they share, with a bootstrap over whole cycles."""
+cycles with a CUDA-graph capture or a stall are left out; cost's tokens/s against each rival is a ratio of sums
+over the cycles they share, with a bootstrap over whole cycles."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ class _Engine:
     """Steps of a fake engine: each round emits tokens by the policy in force (`spec.policy`), and one step may
     capture a graph."""
 
-    def __init__(self, emit: dict[str, int], capture_at: int | None = None) -> None:
-        self.spec = types.SimpleNamespace(policy=None)
+    def __init__(self, emit: dict[str, int], capture_at: int | None = None, stall_at: int | None = None) -> None:
+        self.spec = types.SimpleNamespace(policy=None, stats=types.SimpleNamespace(num_verified_tokens=0),
+                                          timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0))
+        self.clock, self.stall_at = 0.0, stall_at
         self.runner = types.SimpleNamespace(spec=self.spec, device=types.SimpleNamespace(type="cpu"),
                                             cuda_graphs=types.SimpleNamespace(stats=types.SimpleNamespace(capture_s=0.0)))
         self.total = types.SimpleNamespace(decode_tokens=0, prefill_tokens=0)
@@ -30,6 +32,9 @@ class _Engine:
         name = getattr(self.spec.policy, "name", None)
         self.seen.append(name)
         self.total.decode_tokens += self.emit.get(name, 1)
+        self.spec.stats.num_verified_tokens += 2 * self.emit.get(name, 1)
+        self.spec.timing.policy_s += 1e-3
+        self.clock += 100.0 if self.steps == self.stall_at else 1.0
         if self.steps == self.capture_at:
             self.runner.cuda_graphs.stats.capture_s += 1.0
 
@@ -55,18 +60,20 @@ def _policies(*names):
     return [(n, types.SimpleNamespace(name=n)) for n in names]
 
 
-def test_every_cycle_runs_each_policy_once_in_its_own_order(bench):
-    eng = _Engine({"a": 2, "b": 3, "cost": 4}, capture_at=2 + 3 * 2 + 2)  # after 2 skipped steps, 1 warm and 1
-    # timed cycle of 3 rounds: in timed cycle 1
+def test_every_cycle_runs_each_policy_once_in_its_own_order(bench, monkeypatch):
+    eng = _Engine({"a": 2, "b": 3, "cost": 4}, capture_at=2 + 3 * 2 + 2,  # after 2 skipped steps, 1 warm and 1
+                  stall_at=2 + 3 * 6)  # timed cycle of 3 rounds: in timed cycle 1; a stall in the last one (4)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: eng.clock)
     got = bench.interleaved(_LLM(eng), _policies("a", "b", "cost"), [[1]] * 4, [None] * 4, skip=2, warm_cycles=1,
                             cycles=5, seed=3)
     assert eng.steps == 2 + 3 * 6 and eng.discarded == ["r0", "r1", "r2", "r3"]
     cycles = [eng.seen[2 + 3 * k: 5 + 3 * k] for k in range(6)]
     assert all(sorted(c) == ["a", "b", "cost"] for c in cycles) and len({tuple(c) for c in cycles}) > 1
-    assert got["dropped"] == 1
+    assert got["dropped"] == 1 and got["stalled"] == 1
     for name, tokens in (("a", 2), ("b", 3), ("cost", 4)):
         rs = got["rounds"][name]
-        assert [int(r[2]) for r in rs] == [0, 2, 3, 4] and all(r[0] == tokens and r[1] >= 0 for r in rs)
+        assert [int(r[2]) for r in rs] == [0, 2, 3]
+        assert all(r[0] == tokens and r[1] == 1.0 and r[3] == 2 * tokens and r[4] == pytest.approx(1e-3) for r in rs)
 
 
 def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):
