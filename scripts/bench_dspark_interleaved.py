@@ -1,8 +1,7 @@
 """DSpark verification policies compared round by round inside one steady window of one engine.
 
     python scripts/bench_dspark_interleaved.py [--ckpt .cache/dspark-testbed] [--device cuda] [--prompts 32 128 256]
-        [--temperature 1 0] [--threshold 0.2 0.5] [--cycles 96] [--warm-cycles 16] [--skip 4] [--cost-cutoff]
-        [--json F]
+        [--temperature 1 0] [--threshold 0.2 0.5] [--cycles 96] [--warm-cycles 16] [--skip 4] [--json F]
 
 `bench_dspark_policies.py` times whole runs of one policy each, and on the H200 the runs of one cell spread by
 20-40% from host noise (slow spells of about a run), more than the policies differ (1-5%). Here the batch stays
@@ -150,8 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm-cycles", type=int, default=16,
                     help="untimed cycles: CUDA graphs of every policy's row buckets are captured here")
     ap.add_argument("--cycles", type=int, default=96)
-    ap.add_argument("--cost-cutoff", action="store_true",
-                    help="also the cost policy spending its budget as a survival cutoff (VerifyPolicy.allocation)")
     ap.add_argument("--new-tokens", type=int, default=0,
                     help="tokens per request (default: enough for every round of the window)")
     ap.add_argument("--json", type=Path, default=None)
@@ -175,8 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     policies = [("verify_all", VerifyPolicy(kind="verify_all"))]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t)) for t in args.threshold]
     policies.append(("cost", VerifyPolicy(kind="cost", lagged=True)))  # as the engine runs it
-    if args.cost_cutoff:
-        policies.append(("cost[cutoff]", VerifyPolicy(kind="cost", lagged=True, allocation="cutoff")))
     rounds_per_request = args.skip + len(policies) * (args.warm_cycles + args.cycles) + 1
     new_tokens = args.new_tokens or rounds_per_request * (dec.block_size + 1)
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,

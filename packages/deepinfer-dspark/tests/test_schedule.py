@@ -15,8 +15,6 @@ from deepinfer_dspark import (
     StepPadding,
     VerifyPolicy,
     allocate,
-    allocate_above,
-    budget_cutoff,
     cost_budget,
     schedule_verification,
 )
@@ -103,8 +101,6 @@ def test_errors():
         VerifyPolicy(kind="markov")
     with pytest.raises(DSparkConfigError, match="threshold"):
         VerifyPolicy(kind="threshold", threshold=1.5)
-    with pytest.raises(DSparkConfigError, match="allocation"):
-        VerifyPolicy(kind="cost", lagged=True, allocation="fill")
     with pytest.raises(DSparkInputError, match="survival"):
         schedule_verification(VerifyPolicy(kind="threshold"), [1, 1])
     with pytest.raises(DSparkInputError, match="latency"):
@@ -438,40 +434,3 @@ def test_cost_budget_prices_through_the_map_only_when_it_reads_values():
     assert got < cost_budget(a, m, lat, exact=False)  # lower survivals buy fewer drafts
     lat.observe_floor(1.0)  # every draft free: nothing to price
     assert cost_budget(a, m, lat, exact=False, price=halve) == 40 and len(seen) == 1
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_the_budgets_cutoff_reproduces_its_top_k(seed: int):
-    """On the round it was searched on, the cutoff of budget K verifies exactly allocate's top-K (ties at the
-    boundary: all of them); every count stays within max_drafts. NaN survivals rank first, as in the ranking."""
-    rng = np.random.default_rng(seed)
-    batch, width = int(rng.integers(1, 40)), 5
-    conf = rng.uniform(0.2, 1.0, size=(batch, width))
-    if seed % 3 == 1:
-        conf = rng.choice([0.0, 0.5, 1.0], size=(batch, width))  # ties
-    if seed % 3 == 2:
-        conf[rng.random((batch, width)) < 0.1] = np.nan
-    a = torch.cumprod(torch.tensor(conf, dtype=torch.float32), 1)
-    m = [int(x) for x in rng.integers(0, width + 1, size=batch)]
-    total = sum(m)
-    for k in range(total + 1):
-        got = allocate_above(a, m, budget_cutoff(a, m, k)).tolist()
-        assert all(0 <= g <= x for g, x in zip(got, m))
-        if seed % 3 == 0:  # distinct values: exactly the top-K
-            assert got == allocate(a, m, k).tolist()
-        else:
-            assert sum(got) >= k and all(g >= t for g, t in zip(got, allocate(a, m, k).tolist()))
-    assert budget_cutoff(a, m, total) == -np.inf and allocate_above(a, m, -np.inf).tolist() == m
-    assert total == 0 or budget_cutoff(a, m, 0) == np.inf
-    # a cutoff above 1: only NaN survivals (ranked first) are above it
-    assert allocate_above(a, m, np.inf).tolist() == [
-        int(np.isnan(a[b, : m[b]].numpy()).sum()) for b in range(batch)]
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_allocation_above_a_cutoff_is_non_anticipating(seed: int):
-    """Whether draft j of a request is verified must not depend on d_j (its survivals from column j on): the cutoff
-    is fixed before the round."""
-    rng, a, m = _random_case(300 + seed)
-    for v in (0.05, 0.3, 0.6, 0.95):
-        _assert_non_anticipating(lambda x, v=v: allocate_above(x, m, v).tolist(), a)

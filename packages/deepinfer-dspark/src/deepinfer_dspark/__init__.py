@@ -30,8 +30,6 @@ from deepinfer_dspark.schedule import (
     StepPadding,
     VerifyPolicy,
     allocate,
-    allocate_above,
-    budget_cutoff,
     cost_budget,
     schedule_verification,
 )
@@ -75,8 +73,6 @@ __all__ = [
     "VerifyPolicy",
     "__version__",
     "allocate",
-    "allocate_above",
-    "budget_cutoff",
     "block_confidence",
     "check_sampling",
     "confidence",

@@ -50,16 +50,10 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
   on the previous round's survivals while that round's target step runs, and the round only allocates that many
   drafts by its own survivals (`allocate`: the top-K, a prefix per request). K depends on the previous round's
   drafts only, so the global argmax is non-anticipating at every temperature, and a K that fills a row bucket
-  still fills it. The count does not follow the round, though: at temperature 0 the survivals are bimodal and
-  the number worth verifying varies by round, which a K from an earlier round cuts or pads (on the H200 cost's
-  verified drafts per round spread 1.6x the thresholds' and it emitted 3% fewer tokens at 128 requests).
-  `allocation="cutoff"` spends the budget as a survival cutoff instead: halfway between the K-th and the next
-  candidate of the searched round (`budget_cutoff`), every candidate of the round above it (`allocate_above`), a
-  threshold the search moves with the price of a row. Non-anticipating: the cutoff is fixed before the round.
-  The count filled the row bucket; the cutoff does not (tried on the H200 with the next-ranked candidates filling
-  the count's bucket: the fill added rows that cost host and verification time, and the policy fell 2-4% below
-  the thresholds). A cutoff carried over without the search's price (the previous round's K-th survival, tried
-  first) ran 20 of 48 rounds at 256 requests in the 1,152-row bucket and 15 in the 1,024 one.
+  still fills it. A survival cutoff spending the budget instead (tried twice: the previous round's K-th survival
+  as a threshold, and the survival between the searched K-th and next candidate, with and without the next-ranked
+  candidates filling the count's bucket) loses that: the count above a carried cutoff varies by round and crosses
+  row buckets (docs/perf.md, "The policies round by round ...").
   A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
   the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
   (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
@@ -71,7 +65,6 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
 from __future__ import annotations
 
 import bisect
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -140,15 +133,12 @@ class VerifyPolicy:
     threshold). exact: `cost` search mode (module docstring). lagged: `cost` as a caller that runs rounds in a
     loop applies it: each round allocates the budget that the search gave on the previous round's survivals
     (computed while that round's target step runs), so the round itself pays only a ranking's host time (module
-    docstring, "lagged"); `schedule_verification` itself ignores the flag. allocation: how a lagged round spends
-    the budget: "count" (the top K by its own survivals, `allocate`) or "cutoff" (its survivals above the budget's
-    cutoff, `budget_cutoff` / `allocate_above`)."""
+    docstring, "lagged"); `schedule_verification` itself ignores the flag."""
 
     kind: str = "cost"
     threshold: float = 0.5
     exact: bool = True
     lagged: bool = False
-    allocation: str = "count"
 
     def __post_init__(self) -> None:
         if self.kind not in POLICIES:
@@ -159,8 +149,6 @@ class VerifyPolicy:
             raise DSparkConfigError(f"VerifyPolicy.exact: expected a bool, found {self.exact!r}")
         if not isinstance(self.lagged, bool):
             raise DSparkConfigError(f"VerifyPolicy.lagged: expected a bool, found {self.lagged!r}")
-        if self.allocation not in ("count", "cutoff"):
-            raise DSparkConfigError(f"VerifyPolicy.allocation: expected count or cutoff, found {self.allocation!r}")
 
 
 def _host_array(x: Tensor | np.ndarray) -> np.ndarray:
@@ -383,43 +371,6 @@ def _keys(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
     if m.size and int(m.min()) < width:
         key[(np.arange(width)[None, :] >= m[:, None]).reshape(-1)] = -np.inf
     return key
-
-
-def budget_cutoff(survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, budget: int) -> float:
-    """The survival halfway between the `budget`-th and the next candidate in the ranking (module docstring,
-    "lagged"): -inf when the budget takes every candidate, +inf when it takes none (NaN survivals, ranked first,
-    lie above any finite cutoff). `allocate_above` with it verifies this round's candidates worth the price that
-    `budget` paid on the round it was searched on."""
-    m = _check(survival, max_drafts)
-    k, count = int(budget), int(m.sum())
-    if k >= count:
-        return -math.inf
-    if k <= 0:
-        return math.inf
-    key = _keys(survival, m)
-    n = key.size
-    part = np.partition(key, (n - k - 1, n - k))
-    above, below = float(part[n - k]), float(part[n - k - 1])
-    return above if math.isinf(above) else (above + below) / 2
-
-
-def allocate_above(
-    survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, cutoff: float
-) -> Tensor:
-    """`[B] int64` drafts per request: every candidate whose survival is >= cutoff (a prefix per request, since
-    survivals do not increase with depth; NaN counts as above, as it ranks first). The lagged cost policy's
-    allocation (module docstring, "lagged")."""
-    m = _check(survival, max_drafts)
-    width = survival.shape[1]
-    if cutoff <= 0.0:  # every survival, clamped to [0, 1], is above
-        return _tensor(m, _device(survival))
-    # on the raw survivals: for a cutoff in (0, 1] the comparison with the clamped value is the same, and NaN (not
-    # below anything) counts as above; a handful of NumPy calls, since this runs every round
-    a = _host_array(survival)
-    above = np.isnan(a) if cutoff > 1.0 else ~(a < cutoff)
-    if m.size and int(m.min()) < width:
-        above &= np.arange(width)[None, :] < m[:, None]
-    return _tensor(np.count_nonzero(above, axis=1), _device(survival))
 
 
 def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int) -> np.ndarray:

@@ -412,26 +412,24 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
     assert verified["cost"] == verified["verify_all"], verified
 
 
-@pytest.mark.parametrize(("every", "allocation"), [(1, "count"), (3, "count"), (3, "cutoff")])
-def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch, every,
-                                                                 allocation) -> None:
-    """The engine's cost policy runs lagged: a round spends the budget K that the global argmax gave on an earlier
-    round's survivals (computed after that round's launch): the top K by its own survivals, or (allocation="cutoff")
-    its candidates above K's survival cutoff. Only a round without a budget, or whose shape (requests, other tokens,
-    graph bucket) changed, runs the search itself. The search prices the survivals through the online calibration,
-    which learns from every draft the cost rounds verified. With BUDGET_EVERY > 1 a budget serves the rounds after
-    it until the next search or a change of shape. Greedy output stays the target's."""
+@pytest.mark.parametrize("every", [1, 3])
+def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch, every) -> None:
+    """The engine's cost policy runs lagged: a round allocates (the top K by its own survivals) the budget K that the
+    global argmax gave on an earlier round's survivals, computed after that round's launch; only a round without
+    one, or whose shape (requests, other tokens, graph bucket) changed, runs the search itself. The search prices
+    the survivals through the online calibration, which learns from every draft the cost rounds verified. With
+    BUDGET_EVERY > 1 a budget serves the rounds after it until the next search or a change of shape. Greedy output
+    stays the target's."""
     from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
     spec = v41_spec.engine.runner.spec
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    calls = {"in_round": 0, "budgets": [], "cutoffs": [], "count": [], "cutoff": [], "applied": []}
+    calls = {"in_round": 0, "budgets": [], "allocated": [], "applied": []}
     kept = spec.calibration
     spec.calibration = SurvivalCalibration(decay=1.0)
     apply = spec.calibration.apply
-    search, budget = spec_decode.schedule_verification, spec_decode.cost_budget
-    cutoff, top_k, above = spec_decode.budget_cutoff, spec_decode.allocate, spec_decode.allocate_above
+    search, budget, top_k = spec_decode.schedule_verification, spec_decode.cost_budget, spec_decode.allocate
 
     def spy_apply(*a, **kw):
         calls["applied"].append(apply(*a, **kw))
@@ -446,38 +444,27 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
         calls["budgets"].append(budget(*a, **kw))
         return calls["budgets"][-1]
 
-    def spy_cutoff(*a):
-        calls["cutoffs"].append(cutoff(*a))
-        return calls["cutoffs"][-1]
-
     def spy_top_k(survival, max_drafts, k):
-        calls["count"].append(k)
+        calls["allocated"].append(k)
         return top_k(survival, max_drafts, k)
 
-    def spy_above(survival, max_drafts, v):
-        calls["cutoff"].append(v)
-        return above(survival, max_drafts, v)
-
-    for name, spy in (("schedule_verification", spy_search), ("cost_budget", spy_budget), ("allocate", spy_top_k),
-                      ("allocate_above", spy_above), ("budget_cutoff", spy_cutoff)):
+    for name, spy in (("schedule_verification", spy_search), ("cost_budget", spy_budget), ("allocate", spy_top_k)):
         monkeypatch.setattr(spec_decode, name, spy)
     monkeypatch.setattr(spec.calibration, "apply", spy_apply)
     monkeypatch.setattr(spec_decode, "CALIBRATE_EVERY", 1)
     monkeypatch.setattr(spec_decode, "BUDGET_EVERY", every)
     try:
-        spec.set_policy(VerifyPolicy(kind="cost", lagged=True, allocation=allocation),
-                        LatencyModel.affine(0.001, 2e-4, 64), online_latency=False)
+        spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
+                        online_latency=False)
         spec.explore_every = 0
         spec.reset_stats()
         assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
         rounds = spec.stats.steps
         searches = len(calls["budgets"])
         assert searches == rounds if every == 1 else 0 < searches < rounds
-        spent, unused = calls[allocation], calls["cutoff" if allocation == "count" else "count"]
-        assert calls["in_round"] + len(spent) == rounds and not unused
-        assert calls["in_round"] >= 1 and spent  # the first round searches; later ones spend a budget
-        assert len(calls["cutoffs"]) == searches and spec.timing.lag_s > 0
-        assert set(spent) <= set(calls["budgets"] if allocation == "count" else calls["cutoffs"])
+        assert calls["in_round"] + len(calls["allocated"]) == rounds
+        assert calls["in_round"] >= 1 and calls["allocated"]  # the first round searches; later ones allocate
+        assert set(calls["allocated"]) <= set(calls["budgets"]) and spec.timing.lag_s > 0
         assert len(calls["applied"]) == searches + calls["in_round"]  # every search prices through the map
         assert spec.calibration.drafts.sum() == spec.stats.num_verified_tokens > 0
         assert spec.calibration.drafts[1].sum() == spec.calibration.drafts.sum()  # greedy rows only

@@ -44,8 +44,6 @@ from deepinfer_dspark import (
     TargetLogits,
     VerifyPolicy,
     allocate,
-    allocate_above,
-    budget_cutoff,
     cost_budget,
     propose,
     row_plan,
@@ -228,11 +226,9 @@ class SpecDecoder:
         self.graph_rows: dict[int, tuple[int, ...]] | None = None
         self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
         self._stage: HostStaging | None = None  # pinned staging of each round's host inputs (`_staging`)
-        # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K, survival cutoff)
-        # of the latest search: the budget its survivals gave, and with `VerifyPolicy.allocation="cutoff"` the
-        # survival halfway between its K-th and next candidate, for the next rounds of the same shape (another
-        # shape runs the search)
-        self._lagged: tuple[tuple[int, int, int | None], int, float] | None = None
+        # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K) of the latest
+        # search: the budget its survivals gave, for the next rounds of the same shape (another shape runs the search)
+        self._lagged: tuple[tuple[int, int, int | None], int] | None = None
         self._lag_age = 0  # rounds the budget has been kept (`BUDGET_EVERY`)
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
@@ -361,10 +357,7 @@ class SpecDecoder:
         shape = (len(picked), base, None if padding is None else padding.batch)
         lagged = self._lagged if policy.kind == "cost" and policy.lagged and survival is not None else None
         if lagged is not None and lagged[0] == shape:
-            if policy.allocation == "cutoff":  # the survivals worth the price the budget paid (`next_budget`)
-                m = allocate_above(survival, host[:, 3], lagged[2])
-            else:  # the top K by this round's survivals
-                m = allocate(survival, host[:, 3], lagged[1])
+            m = allocate(survival, host[:, 3], lagged[1])  # the top K by this round's survivals (`next_budget`)
         else:
             priced = survival  # the survivals as the cost policy prices them (`calibration`)
             if policy.kind == "cost" and self.calibration is not None and survival is not None:
@@ -584,8 +577,7 @@ class SpecDecoder:
         # `padding` is ragged or None (`SpecDecoder.padding`); the calibration runs only if the budget reads values
         k = cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base, deterministic=True,
                         padding=padding, price=None if cal is None else lambda a: cal.apply(a, greedy))
-        # both spendings of the budget: `VerifyPolicy.allocation` picks one per round (a benchmark switches it)
-        self._lagged = (shape, k, budget_cutoff(survival, max_drafts, k))
+        self._lagged = (shape, k)
         self.timing.lag_s += time.perf_counter() - t0
 
     @torch.no_grad()
