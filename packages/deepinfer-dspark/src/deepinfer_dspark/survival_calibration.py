@@ -98,11 +98,13 @@ class SurvivalCalibration:
         if a.ndim != 2 or g.shape != (a.shape[0],):
             raise DSparkInputError(f"SurvivalCalibration.apply: expected survival [B, N] and greedy [B], found "
                                    f"{a.shape}, {g.shape}")
+        a = np.clip(a, 0.0, 1.0)  # NaN stays NaN, and np.interp maps NaN to NaN
+        greedy_rows = int(np.count_nonzero(g))
+        if greedy_rows in (0, g.size):  # one class: the usual batch, one call
+            x, y = self.curve(bool(greedy_rows))
+            return np.interp(a, x, y)
         out = np.empty_like(a)
         for cls in (False, True):
-            rows = g == cls
-            if rows.any():
-                x, y = self.curve(cls)
-                out[rows] = np.interp(np.clip(a[rows], 0.0, 1.0), x, y)
-        out[np.isnan(a)] = np.nan
+            x, y = self.curve(cls)
+            out[g == cls] = np.interp(a[g == cls], x, y)
         return out
