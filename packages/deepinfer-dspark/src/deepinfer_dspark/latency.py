@@ -158,19 +158,21 @@ class LatencyModel:
     def observe_overhead(self, seconds: float) -> None:
         """Online correction of the per-step time spent outside the profiled forward: the first observation sets
         it (an EMA from 0 would price the first tens of steps as if they had none), later ones move it by `ema`."""
-        if not (seconds >= 0 and math.isfinite(seconds)):
-            raise DSparkInputError(f"LatencyModel.observe_overhead: expected seconds >= 0, found {seconds}")
-        self.overhead += (1.0 if self.overhead_observations == 0 else self.ema) * (seconds - self.overhead)
-        self.overhead_observations += 1
+        self.overhead, self.overhead_observations = self._follow(
+            "observe_overhead", self.overhead, self.overhead_observations, seconds)
 
     def observe_floor(self, seconds: float) -> None:
         """Online estimate of the floor (class docstring): the host's own seconds from the forward's launch to the
         round's read, before it waits for the device. Set by the first observation, then moved by `ema`, as the
         overhead. Only a device that runs asynchronously to the host has one (on the CPU the forward is host work)."""
+        self.floor, self.floor_observations = self._follow("observe_floor", self.floor, self.floor_observations,
+                                                           seconds)
+
+    def _follow(self, name: str, value: float, count: int, seconds: float) -> tuple[float, int]:
+        """(value, count) after one observation: the first sets the value, later ones move it by `ema`."""
         if not (seconds >= 0 and math.isfinite(seconds)):
-            raise DSparkInputError(f"LatencyModel.observe_floor: expected seconds >= 0, found {seconds}")
-        self.floor += (1.0 if self.floor_observations == 0 else self.ema) * (seconds - self.floor)
-        self.floor_observations += 1
+            raise DSparkInputError(f"LatencyModel.{name}: expected seconds >= 0, found {seconds}")
+        return value + (1.0 if count == 0 else self.ema) * (seconds - value), count + 1
 
     def _segment(self, q: float) -> tuple[int, float]:
         """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
