@@ -133,3 +133,23 @@ def test_floor_hides_a_forward_shorter_than_the_host_launch():
     assert lat.fresh().floor == 0.0 and lat.fresh().floor_observations == 0
     with pytest.raises(DSparkInputError, match="floor"):
         lat.observe_floor(float("nan"))
+
+
+def test_predict_each_is_predict_at_each_size_bit_for_bit():
+    """The cost policy prices a round's row buckets with `predict_each` (plain floats): the same values as
+    `predict` and as the NumPy curve, inside, between, on and past the profiled sizes, with a floor and an
+    overhead, after online corrections."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        sizes = np.unique(rng.integers(1, 2000, size=int(rng.integers(2, 12)))).tolist()
+        if len(sizes) < 2:
+            continue
+        lat = LatencyModel(sizes, np.sort(rng.uniform(1e-3, 9e-3, size=len(sizes))).tolist())
+        lat.observe_overhead(float(rng.uniform(0, 5e-3)))
+        lat.observe_floor(float(rng.uniform(0, 6e-3)))
+        for _ in range(3):
+            lat.observe(int(rng.integers(1, 2500)), float(rng.uniform(1e-3, 9e-3)))
+        qs = sorted(set(rng.integers(0, 3000, size=30).tolist()) | set(sizes))
+        got = lat.predict_each(qs)
+        assert got == [lat.predict(q) for q in qs]
+        assert got == lat.host_at(np.asarray(qs)).tolist()

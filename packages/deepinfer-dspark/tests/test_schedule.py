@@ -360,7 +360,7 @@ def test_exact_ragged_search_crosses_a_step_up_to_the_flat_stretch_behind_it():
     the global argmax verifies far past the step; the non-anticipating search must too (on the curve itself it
     stopped at 256 rows, one draft per request: 22% below the argmax's rate). The hull spreads the step over the
     whole stretch behind it, so it overprices that stretch's flat end a little: here 4 drafts of 5 (2.5% below)."""
-    from deepinfer_dspark.schedule import _ragged, _ranked
+    from deepinfer_dspark.schedule import _ragged, _values
 
     sizes = [1, 2, 4, 8, 16, 32, 56, 64, 72, 80, 88, 96, 112, 128, 144, 160, 176, 192, 224, 256, 288, 320, 352, 384,
              448, 512, 576, 640, 704, 768]
@@ -378,7 +378,7 @@ def test_exact_ragged_search_crosses_a_step_up_to_the_flat_stretch_behind_it():
     best_rate = _ragged_rate(a, best.tolist(), lat, pad, 0)
     assert _ragged_rate(a, exact.tolist(), lat, pad, 0) >= 0.97 * best_rate
     # the curve itself (no hull) would have stopped at the step
-    vals, _ = _ranked(a, np.asarray(m))
+    vals = _values(a, np.asarray(m))
     flat_hull = LatencyModel(sizes, [t * 1e-3 for t in ms], noise=1e-5)
     flat_hull.observe_overhead(7.5e-3)
     flat_hull.host_convex_curve = lambda lo, hi: flat_hull.host_curve(lo, hi)  # the former search's curve
@@ -405,8 +405,8 @@ def test_drafts_under_the_floor_are_all_verified_without_a_sort(padding, monkeyp
     def no_sort(*args, **kwargs):
         raise AssertionError("sorted survivals under the floor")
 
-    monkeypatch.setattr(sched, "_ranked", no_sort)
     monkeypatch.setattr(sched, "_values", no_sort)
+    monkeypatch.setattr(sched, "_top_counts", no_sort)
     for exact in (True, False):
         got = schedule_verification(VerifyPolicy(kind="cost", exact=exact), m, survival=a, latency=lat,
                                     padding=padding)
@@ -426,11 +426,39 @@ def test_cost_budget_prices_through_the_map_only_when_it_reads_values():
     seen = []
 
     def halve(x):
-        seen.append(x.dtype)
+        seen.append(x.shape)
         return x * 0.5
 
     got = cost_budget(a, m, lat, exact=False, price=halve)
-    assert seen == [np.float64] and got == cost_budget(a * 0.5, m, lat, exact=False)
+    assert seen == [(40,)] and got == cost_budget(a * 0.5, m, lat, exact=False)  # the ranked values
     assert got < cost_budget(a, m, lat, exact=False)  # lower survivals buy fewer drafts
     lat.observe_floor(1.0)  # every draft free: nothing to price
     assert cost_budget(a, m, lat, exact=False, price=halve) == 40 and len(seen) == 1
+
+
+def test_cost_prices_through_the_map_and_allocates_by_the_survivals_themselves():
+    """`price` sets the budget (the values E(K) sums) and the allocation ranks the survivals: a map with a flat
+    stretch (here every survival above 0.5 priced 0.5, as an isotonic calibration pools bins) must not hand the
+    budget to the request that comes first in the batch. Ranking the priced values themselves would: their ties
+    break request-major. A ragged step whose row bucket ends inside the tied values (12 of 14) shows it."""
+    a = _survival([[0.6, 0.9, 0.9, 0.9, 0.9], [0.95, 0.95, 0.95, 0.95, 0.95]] * 2)
+    m = [5] * 4
+    lat = LatencyModel([4, 24], [9e-3, 29e-3])  # 16 rows (K = 12) beat 4 (K = 0) and 24 (K = 20)
+    padding = StepPadding(4, (4, 16, 24), ragged=True)
+    seen = []
+
+    def flat_top(x):
+        seen.append(x.shape)
+        return np.minimum(x, 0.5)
+
+    pol = VerifyPolicy(kind="cost", exact=False)
+    got = schedule_verification(pol, m, survival=a, latency=lat, padding=padding, price=flat_top)
+    k = cost_budget(a, m, lat, exact=False, padding=padding, price=flat_top)
+    assert seen == [(20,), (20,)] and k == 12
+    assert got.tolist() == allocate(a, m, k).tolist() == [1, 5, 1, 5]  # the higher survivals first
+    tied = schedule_verification(pol, m, survival=np.minimum(a.numpy(), 0.5), latency=lat,
+                                 padding=padding)
+    assert tied.tolist() == [2, 5, 2, 3]
+    lat.observe_floor(1.0)  # every draft free: nothing to price
+    assert schedule_verification(pol, m, survival=a, latency=lat, padding=padding, price=flat_top).tolist() == m
+    assert len(seen) == 2

@@ -37,6 +37,9 @@ def test_the_map_learns_each_class_on_its_own():
     assert got[0, 2] < 0.1 and got[0, 3] < 0.05 and abs(got[0, 0] - 0.9) < 0.08  # greedy: below 0.5 near zero
     np.testing.assert_allclose(got[1], probe[1], atol=0.08)  # sampled: the identity, within sampling noise
     assert np.all(np.diff(got, axis=1) <= 1e-12)  # still non-increasing along each request
+    # one class's map elementwise, on values of any shape (the ranked survivals the cost policy prices)
+    np.testing.assert_array_equal(cal.map(probe[0], True), got[0])
+    np.testing.assert_array_equal(cal.map(probe.reshape(-1), False).reshape(2, 5)[1], got[1])
 
 
 def test_without_data_the_map_is_the_identity_and_nan_stays_nan():

@@ -3,6 +3,7 @@ tokens, profiled at start-up and corrected online (docs/dspark.md "Verification 
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 import time
@@ -177,9 +178,7 @@ class LatencyModel:
     def _segment(self, q: float) -> tuple[int, float]:
         """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
         s = self.sizes
-        i = 0
-        while i < len(s) - 2 and q > s[i + 1]:
-            i += 1
+        i = min(max(bisect.bisect_left(s, q) - 1, 0), len(s) - 2)  # the first i with q <= s[i + 1], as searchsorted
         return i, (q - s[i]) / (s[i + 1] - s[i])
 
     def _at(self, points: list[float], q: float) -> float:
@@ -195,6 +194,17 @@ class LatencyModel:
     def predict(self, q: float) -> float:
         """Seconds of a step of q query tokens: the forward or the floor, whichever is longer, plus the overhead."""
         return max(self.forward(q), self.floor) + self.overhead
+
+    def predict_each(self, qs: Sequence[int]) -> list[float]:
+        """`predict` at each of a few step sizes, in plain floats (the same arithmetic): the cost policy prices a
+        round's row buckets with it, a dozen points, where NumPy's per-call overhead exceeds the work."""
+        s, y, last = self.sizes, self.seconds, len(self.sizes) - 2
+        floor, overhead, out = self.floor, self.overhead, []
+        for q in qs:
+            i = min(max(bisect.bisect_left(s, q) - 1, 0), last)
+            w = (q - s[i]) / (s[i + 1] - s[i])
+            out.append(max(max(y[i] + w * (y[i + 1] - y[i]), 1e-12), floor) + overhead)
+        return out
 
     def host_curve(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo + 1] float64` predicted seconds for Q = lo .. hi (`predict` over a range, in NumPy)."""

@@ -54,6 +54,12 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
   as a threshold, and the survival between the searched K-th and next candidate, with and without the next-ranked
   candidates filling the count's bucket) loses that: the count above a carried cutoff varies by round and crosses
   row buckets (docs/perf.md, "The policies round by round ...").
+  Greedy rounds need no lag (deterministic, below): the engine runs the global argmax on such a round's own
+  survivals, where the number of drafts worth verifying changes by round and a carried count does not follow it
+  (docs/dspark.md, "Greedy rounds choose in the round").
+price (`cost_budget`, `schedule_verification`): an elementwise non-decreasing map (the survival calibration of one
+  sampling class) applied to the ranked survivals' values; the budget sums the mapped values, and the allocation
+  ranks the survivals themselves, so the map's flat stretches do not reorder candidates.
   A curve that is flat within its measured noise (`LatencyModel.flat`) verifies every draft: a rise smaller than
   the noise is no evidence that a larger step costs more, and pruning on it loses accepted tokens for nothing
   (seen on the H200, where a tiny model's step is launch overhead: docs/perf.md, DSpark policies on the H200).
@@ -65,6 +71,7 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -200,29 +207,12 @@ def _clamped(survival: Tensor | np.ndarray) -> np.ndarray:
     return np.minimum(np.maximum(_host_array(survival), 0.0), 1.0).reshape(-1)
 
 
-def _ranked(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Candidates sorted by survival (stable, descending): (values `[C]` float64, request index `[C]` int64).
-
-    On the host: the inputs are a few hundred values and the engine reads them there anyway, so a handful of NumPy
-    calls replace tens of torch op launches (and the policy's host time is round time: each call here costs a few
-    microseconds). A NaN survival ranks first (as in a descending torch sort)."""
-    width = survival.shape[1]
-    flat = _clamped(survival)
-    key = -flat  # in [-1, 0]: invalid candidates get 2 (after every valid one), NaN -2 (before)
-    count = key.size
-    if m.size and int(m.min()) < width:
-        invalid = (np.arange(width)[None, :] >= m[:, None]).reshape(-1)
-        key[invalid] = 2.0
-        count -= int(np.count_nonzero(invalid))
-    key[np.isnan(key)] = -2.0
-    order = np.argsort(key, kind="stable")[:count]
-    return flat[order].astype(np.float64), order // max(width, 1)
-
-
 def _values(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
-    """`[C]` the candidates' survivals in `_ranked`'s order without the order itself: clamped to [0, 1],
-    descending, NaN first. A budget needs only these; a sort of the values skips the stable argsort's index work
-    and the gather (the lagged search's host time is round time where the device has finished before it)."""
+    """`[C]` the candidates' survivals in ranking order (`_top_counts`) without the order itself: clamped to
+    [0, 1], descending, NaN first (as in a descending torch sort). A budget needs only these, and the allocation
+    only the K-th of them: a sort of the values, without an argsort's index work and gather, is all the ranking the
+    policy's host time pays for (on the host the inputs are a few hundred values, so a handful of NumPy calls
+    replace tens of torch op launches)."""
     width = survival.shape[1]
     flat = _clamped(survival)
     if m.size and int(m.min()) < width:
@@ -260,20 +250,27 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
     if exact and not deterministic:
         k = _budget(vals, batch, latency, exact=True, base_tokens=base_tokens, deterministic=False)
         return min(count, int(padding.bucketed(np.asarray([q0 + k]))[0]) - q0)
-    expected = np.zeros(count + 1)
+    expected = np.empty(count + 1)
+    expected[0] = 0.0
     np.cumsum(vals, out=expected[1:])
     expected += batch
-    sizes = padding._sizes
-    if q0 + count <= sizes[-1] and not np.isnan(expected[-1]):
+    sizes = padding.sizes
+    if q0 + count <= sizes[-1] and not math.isnan(expected[-1]):
         # every K lies in a bucket, and within one the time is constant while E(K) does not decrease, so a
         # bucket's best rate is at its last K: the buckets are priced at their ends (a dozen curve points instead
-        # of every K; the policy's host time is round time too), and the first K of the first best bucket that
-        # reaches its rate is the first maximum over all K, as below
-        ends = np.append(sizes[(sizes >= q0) & (sizes - q0 < count)] - q0, count)
-        seconds = latency.host_at(padding.bucketed(q0 + ends))
-        best = int(np.argmax(expected[ends] / seconds))
-        start = int(ends[best - 1]) + 1 if best else 0
-        return start + int(np.argmax(expected[start: int(ends[best]) + 1] / seconds[best]))
+        # of every K, in plain floats: the policy's host time is round time too), and the first K of the first
+        # best bucket that reaches its rate is the first maximum over all K, as below
+        inner = [q for q in sizes[bisect.bisect_left(sizes, q0):] if q - q0 < count]
+        rows = inner + [sizes[bisect.bisect_left(sizes, q0 + count)]]
+        ends = [q - q0 for q in inner] + [count]
+        rates = [e / t for e, t in zip(expected[ends].tolist(), latency.predict_each(rows))]
+        best = rates.index(max(rates))
+        end = ends[best]
+        start = ends[best - 1] + 1 if best else 0
+        if end == start or expected[end] > expected[end - 1]:  # the last K adds value: the first maximum is it
+            return end
+        top = expected[start: end + 1]  # non-decreasing: its first maximum is the first value equal to its end
+        return start + int(np.argmax(top >= top[-1]))
     rows = padding.bucketed(np.arange(q0, q0 + count + 1, dtype=np.int64))
     lo = int(rows.min())
     seconds = latency.host_curve(lo, int(rows.max()))[rows - lo]
@@ -357,14 +354,20 @@ def allocate(
     k = int(budget)
     if k < 0:
         raise DSparkInputError(f"budget: expected >= 0, found {k}")
+    return _tensor(_allocation(survival, m, k), _device(survival))
+
+
+def _allocation(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float | None = None) -> np.ndarray:
+    """`[B] int64` per request its candidates among the top k (`allocate`); kth: the k-th largest key when the
+    caller has it (`_top_counts`)."""
     if k >= int(m.sum()):  # every candidate: no ranking (the lagged cost policy's budget on a flat curve)
-        return _tensor(m, _device(survival))
-    return _tensor(_top_counts(survival, m, k), _device(survival))
+        return m.copy()
+    return _top_counts(survival, m, k, kth)
 
 
 def _keys(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
     """`[B * N]` the candidates' ranking keys: the survivals clamped to [0, 1], NaN as +inf (ranked first, as in
-    `_ranked`), candidates past max_drafts as -inf (after every valid one). Survivals already in [0, 1] (a
+    `_values`), candidates past max_drafts as -inf (after every valid one). Survivals already in [0, 1] (a
     product of sigmoids, the usual case; NaN fails both bounds) and every candidate valid: the values themselves,
     not copied, at the price of two reductions instead of four elementwise passes."""
     width = survival.shape[1]
@@ -379,23 +382,22 @@ def _keys(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
     return key
 
 
-def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int) -> np.ndarray:
-    """`[B] int64` per request its candidates among the top k of `_ranked`'s order, 0 <= k < the candidates,
-    without sorting: the k-th largest key by a partition, every key above it, and the first of the keys equal to it
-    in flat (request-major) order, as the stable ranking breaks ties. The engine allocates every round, where a
-    full stable argsort was most of the lagged cost policy's host time."""
+def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float | None = None) -> np.ndarray:
+    """`[B] int64` per request its candidates among the top k of the ranking (descending survival, NaN first, ties
+    in flat request-major order), 0 <= k < the candidates, without sorting: the k-th largest key (`kth`, else by a
+    partition), every key above it, and the first of the keys equal to it in flat order. The engine allocates every
+    round, where a full stable argsort was most of the lagged cost policy's host time."""
     batch, width = survival.shape
     if k <= 0:
         return np.zeros(batch, dtype=np.int64)
     key = _keys(survival, m)
-    kth = np.partition(key, key.size - k)[key.size - k]
-    take = key > kth
-    equal = key == kth
-    need = k - int(np.count_nonzero(take))
-    if int(np.count_nonzero(equal)) <= need:  # no tie to break at the boundary (the usual case)
-        take |= equal
-    else:
-        take |= equal & (np.cumsum(equal) <= need)
+    if kth is None:
+        kth = np.partition(key, key.size - k)[key.size - k]
+    take = key >= kth
+    if int(np.count_nonzero(take)) > k:  # a tie at the boundary: the first of the equal keys in flat order
+        take = key > kth
+        equal = key == kth
+        take |= equal & (np.cumsum(equal) <= k - int(np.count_nonzero(take)))
     return np.count_nonzero(take.reshape(batch, width), axis=1)
 
 
@@ -418,9 +420,11 @@ def cost_budget(
     padding: a ragged step (`StepPadding(..., ragged=True)`): K priced by its row bucket, the K whose top-K
     `schedule_verification(..., padding=padding)` verifies. A padded (non-ragged) step chooses a cap per request,
     not a K: use `schedule_verification`.
-    price: maps the `[B, N]` survivals (a float64 host array) to the values K is priced by (a monotone
-    recalibration, `SurvivalCalibration.apply`); called only when the choice reads them (not on a flat curve or
-    with every draft free), so its host time is spent only where it matters."""
+    price: an elementwise non-decreasing map from survivals to the values K is priced by (a recalibration,
+    `SurvivalCalibration.map` of one sampling class; a batch of two classes passes its calibrated survivals as
+    `survival` instead). It is applied to the ranked survivals (`[C] float64`, descending, so its values stay
+    ranked) and only when the choice reads them (not on a flat curve or with every draft free): its host time is
+    spent only where it matters."""
     m = _check(survival, max_drafts)
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
@@ -429,9 +433,9 @@ def cost_budget(
                                "request (schedule_verification)")
     if latency.flat() or _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
         return int(m.sum())
-    if price is not None:
-        survival = price(np.asarray(_host_array(survival), dtype=np.float64))
     vals = _values(survival, m)
+    if price is not None:
+        vals = price(vals)
     if padding is not None:
         return _ragged(vals, survival.shape[0], latency, padding, exact=exact, base_tokens=base_tokens,
                        deterministic=deterministic)
@@ -461,6 +465,7 @@ def schedule_verification(
     base_tokens: int = 0,
     deterministic: bool = False,
     padding: StepPadding | None = None,
+    price: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> Tensor:
     """`[B] int64` drafts each request verifies this step (0 .. max_drafts[b]), on survival's device (CPU without
     survivals).
@@ -473,6 +478,9 @@ def schedule_verification(
     on the drafts of every request (module docstring, "padded steps") and base_tokens is not read (the other
     sequences are in padding.batch); or ragged (`padding.ragged`): the top-K candidates priced by the step's row
     bucket ("ragged steps").
+    price: cost only: an elementwise non-decreasing map from survivals to the values the choice is priced by
+    (`cost_budget`); the allocation ranks the survivals themselves, so the map's flat stretches (ties) do not
+    reorder candidates.
 
     survival and max_drafts may be NumPy arrays: the engine reads the survivals to the host with the drafts, and
     on the host every policy runs in NumPy and launches one torch op (the result tensor; a CPU tensor's `.numpy()`
@@ -497,13 +505,17 @@ def schedule_verification(
     if _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
         return _tensor(m, _device(survival))
     if padding is not None and not padding.ragged:
-        return _tensor(_padded(survival, m, latency, padding, exact=policy.exact, deterministic=deterministic),
+        priced = survival if price is None else price(np.asarray(_host_array(survival), dtype=np.float64))
+        return _tensor(_padded(priced, m, latency, padding, exact=policy.exact, deterministic=deterministic),
                        _device(survival))
-    vals, req = _ranked(survival, m)
+    vals = _values(survival, m)
+    priced = vals if price is None else price(vals)  # still descending: the map does not decrease
     if padding is not None:
-        k = _ragged(vals, survival.shape[0], latency, padding, exact=policy.exact, base_tokens=base_tokens,
+        k = _ragged(priced, survival.shape[0], latency, padding, exact=policy.exact, base_tokens=base_tokens,
                     deterministic=deterministic)
     else:
-        k = _budget(vals, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
+        k = _budget(priced, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
                     deterministic=deterministic)
-    return _tensor(np.bincount(req[:k], minlength=survival.shape[0]), _device(survival))
+    # the ranked survivals give the allocation's k-th key without a partition
+    kth = float(vals[k - 1]) if 0 < k < vals.size and not math.isnan(vals[k - 1]) else None
+    return _tensor(_allocation(survival, m, k, kth), _device(survival))

@@ -90,6 +90,12 @@ class SurvivalCalibration:
             got = self._maps[c] = (x, np.asarray(isotonic(rate.tolist(), (n + self.prior).tolist())))
         return got
 
+    def map(self, values: np.ndarray, greedy: bool) -> np.ndarray:
+        """`float64` the calibrated values of survivals of one class, elementwise (any shape; NaN stays NaN). The
+        cost policy prices a one-class batch's ranked survivals with it (`cost_budget(price=)`)."""
+        x, y = self.curve(greedy)
+        return np.interp(np.clip(values, 0.0, 1.0), x, y)  # np.interp maps NaN to NaN
+
     def apply(self, survival: np.ndarray, greedy: np.ndarray) -> np.ndarray:
         """`[B, N] float64` the calibrated survivals of `survival [B, N]` (rows of each class through its map; NaN
         stays NaN)."""
@@ -98,13 +104,10 @@ class SurvivalCalibration:
         if a.ndim != 2 or g.shape != (a.shape[0],):
             raise DSparkInputError(f"SurvivalCalibration.apply: expected survival [B, N] and greedy [B], found "
                                    f"{a.shape}, {g.shape}")
-        a = np.clip(a, 0.0, 1.0)  # NaN stays NaN, and np.interp maps NaN to NaN
         greedy_rows = int(np.count_nonzero(g))
         if greedy_rows in (0, g.size):  # one class: the usual batch, one call
-            x, y = self.curve(bool(greedy_rows))
-            return np.interp(a, x, y)
+            return self.map(a, bool(greedy_rows))
         out = np.empty_like(a)
         for cls in (False, True):
-            x, y = self.curve(cls)
-            out[g == cls] = np.interp(a[g == cls], x, y)
+            out[g == cls] = self.map(a[g == cls], cls)
         return out

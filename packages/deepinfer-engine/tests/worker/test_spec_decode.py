@@ -414,33 +414,40 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
 
 @pytest.mark.parametrize("every", [1, 3])
 def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch, every) -> None:
-    """The engine's cost policy runs lagged: a round allocates (the top K by its own survivals) the budget K that the
-    global argmax gave on an earlier round's survivals, computed after that round's launch; only a round without
-    one, or whose shape (requests, other tokens, graph bucket) changed, runs the search itself. The search prices
-    the survivals through the online calibration, which learns from every draft the cost rounds verified. With
-    BUDGET_EVERY > 1 a budget serves the rounds after it until the next search or a change of shape. Greedy output
-    stays the target's."""
+    """The engine's cost policy runs lagged on rounds with sampled rows: a round allocates (the top K by its own
+    survivals) the budget K that the global argmax gave on an earlier round's survivals, computed after that round's
+    launch; only a round without one, or whose shape (requests, other tokens, graph bucket) changed, runs the search
+    itself. The search prices the survivals through the online calibration, which learns from every draft the cost
+    rounds verified, per class. With BUDGET_EVERY > 1 a budget serves the rounds after it until the next search or
+    a change of shape. A mixed batch (two greedy, two sampled requests): the greedy ones' output stays the target's."""
     from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
     spec = v41_spec.engine.runner.spec
-    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
-    calls = {"in_round": 0, "budgets": [], "allocated": [], "applied": []}
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True, seed=3)
+    params = [greedy, sampled, greedy, sampled]
+    calls = {"in_round": 0, "greedy": 0, "budgets": [], "allocated": [], "applied": []}
     kept = spec.calibration
     spec.calibration = SurvivalCalibration(decay=1.0)
-    apply = spec.calibration.apply
+    apply, map_values = spec.calibration.apply, spec.calibration.map
     search, budget, top_k = spec_decode.schedule_verification, spec_decode.cost_budget, spec_decode.allocate
 
-    def spy_apply(*a, **kw):
+    def spy_apply(*a, **kw):  # a mixed batch's survivals, both classes
         calls["applied"].append(apply(*a, **kw))
+        return calls["applied"][-1]
+
+    def spy_map(*a, **kw):  # a one-class batch's ranked survivals
+        calls["applied"].append(map_values(*a, **kw))
         return calls["applied"][-1]
 
     def spy_search(policy, *a, **kw):
         calls["in_round"] += policy.kind == "cost"
+        calls["greedy"] += policy.kind == "cost" and kw["deterministic"]
         return search(policy, *a, **kw)
 
     def spy_budget(*a, **kw):  # next_budget's global argmax
-        assert kw["exact"] is False and kw["price"] is not None
+        assert kw["exact"] is False
         calls["budgets"].append(budget(*a, **kw))
         return calls["budgets"][-1]
 
@@ -451,6 +458,7 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
     for name, spy in (("schedule_verification", spy_search), ("cost_budget", spy_budget), ("allocate", spy_top_k)):
         monkeypatch.setattr(spec_decode, name, spy)
     monkeypatch.setattr(spec.calibration, "apply", spy_apply)
+    monkeypatch.setattr(spec.calibration, "map", spy_map)
     monkeypatch.setattr(spec_decode, "CALIBRATE_EVERY", 1)
     monkeypatch.setattr(spec_decode, "BUDGET_EVERY", every)
     try:
@@ -458,16 +466,62 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
                         online_latency=False)
         spec.explore_every = 0
         spec.reset_stats()
-        assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+        got = _ids(v41_spec.generate(PROMPTS, params, use_tqdm=False))
+        assert [got[0], got[2]] == [v41_reference[0], v41_reference[2]]
         rounds = spec.stats.steps
-        searches = len(calls["budgets"])
-        assert searches == rounds if every == 1 else 0 < searches < rounds
+        # rounds whose speculating requests are all greedy (the sampled ones ahead or behind in the schedule)
+        # choose in the round; the others allocate a searched budget, or search in the round when they have none
+        searches, sampled_rounds = len(calls["budgets"]), rounds - calls["greedy"]
         assert calls["in_round"] + len(calls["allocated"]) == rounds
-        assert calls["in_round"] >= 1 and calls["allocated"]  # the first round searches; later ones allocate
+        assert calls["allocated"] and calls["in_round"] > calls["greedy"]  # the first sampled round searches
+        assert searches == sampled_rounds if every == 1 else 0 < searches < sampled_rounds
         assert set(calls["allocated"]) <= set(calls["budgets"]) and spec.timing.lag_s > 0
-        assert len(calls["applied"]) == searches + calls["in_round"]  # every search prices through the map
+        assert len(calls["applied"]) >= searches  # every search prices through the map
         assert spec.calibration.drafts.sum() == spec.stats.num_verified_tokens > 0
-        assert spec.calibration.drafts[1].sum() == spec.calibration.drafts.sum()  # greedy rows only
+        assert min(spec.calibration.drafts.sum(1)) > 0  # both classes learned
+    finally:
+        spec.calibration = kept
+        spec.explore_every = 32
+        _use_policy(v41_spec, "verify_all")
+
+
+def test_greedy_rounds_of_the_lagged_cost_policy_choose_in_the_round(v41_reference, v41_spec, monkeypatch) -> None:
+    """A round whose requests are all greedy has no drafts to bias, so the cost policy chooses its budget on the
+    round's own survivals (the global argmax, priced through the calibration, the allocation ranking the survivals
+    themselves) and never carries one: no search after the launch, no stale budget (a planted one is ignored)."""
+    from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
+    from deepinfer_engine.worker import spec_decode
+
+    spec = v41_spec.engine.runner.spec
+    seen = []
+    search = spec_decode.schedule_verification
+
+    def spy_search(policy, *a, **kw):
+        if policy.kind == "cost":
+            seen.append((kw["deterministic"], kw["price"] is not None))
+        return search(policy, *a, **kw)
+
+    def no_budget(*a, **kw):
+        raise AssertionError("a greedy round searched a budget for later rounds")
+
+    def no_allocate(*a, **kw):
+        raise AssertionError("a greedy round allocated a carried budget")
+
+    monkeypatch.setattr(spec_decode, "schedule_verification", spy_search)
+    monkeypatch.setattr(spec_decode, "cost_budget", no_budget)
+    monkeypatch.setattr(spec_decode, "allocate", no_allocate)
+    kept = spec.calibration
+    spec.calibration = SurvivalCalibration()
+    try:
+        spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
+                        online_latency=False)
+        spec.explore_every = 0
+        spec._lagged = ((4, 0, None), 0)  # a carried budget of no drafts would verify nothing
+        spec.reset_stats()
+        sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+        assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+        assert len(seen) == spec.stats.steps > 0 and set(seen) == {(True, True)}
+        assert spec.stats.num_verified_tokens > 0
     finally:
         spec.calibration = kept
         spec.explore_every = 32

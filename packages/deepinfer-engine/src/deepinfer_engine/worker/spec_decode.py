@@ -355,16 +355,22 @@ class SpecDecoder:
         rnd.latency = self.latency_for(padding)
         survival = None if surv is None else wide[:, n:].astype(np.float32)
         shape = (len(picked), base, None if padding is None else padding.batch)
-        lagged = self._lagged if policy.kind == "cost" and policy.lagged and survival is not None else None
+        # a greedy round's drafts are not random, so its own survivals may choose its budget (the global argmax):
+        # the lag exists for sampled rounds only. At temperature 0 the number of drafts worth verifying varies by
+        # about 12% from round to round (bimodal survivals), which a carried count cannot follow (`next_budget`)
+        deterministic = all(rnd.greedy)
+        lagged = (self._lagged if policy.kind == "cost" and policy.lagged and survival is not None and not deterministic
+                  else None)
         if lagged is not None and lagged[0] == shape:
             m = allocate(survival, host[:, 3], lagged[1])  # the top K by this round's survivals (`next_budget`)
         else:
-            priced = survival  # the survivals as the cost policy prices them (`calibration`)
+            survival_for, price = survival, None  # the survivals as the cost policy prices them (`calibration`)
             if policy.kind == "cost" and self.calibration is not None and survival is not None:
-                priced = self.calibration.apply(survival, np.asarray(rnd.greedy))
-            m = schedule_verification(policy, host[:, 3], survival=priced, latency=rnd.latency, base_tokens=base,
-                                      deterministic=all(rnd.greedy), padding=padding)
-        if self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None:
+                survival_for, price = self._priced(survival, rnd.greedy)
+            m = schedule_verification(policy, host[:, 3], survival=survival_for, latency=rnd.latency,
+                                      base_tokens=base, deterministic=deterministic, padding=padding, price=price)
+        if (self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None
+                and not deterministic):
             # `next_budget`, after the launch
             rnd.lag_inputs = (shape, survival, host[:, 3], base, padding, np.asarray(rnd.greedy))
         self.timing.policy_s += time.perf_counter() - policy_started
@@ -553,7 +559,8 @@ class SpecDecoder:
         return packed
 
     def next_budget(self, rnd: SpecRound) -> None:
-        """Lagged cost policy: the next round's budget from this round's survivals (the global argmax over its
+        """Lagged cost policy (rounds with sampled rows; an all-greedy round chooses its own in `begin`): the next
+        round's budget from this round's survivals (the global argmax over its
         row buckets, `VerifyPolicy(exact=False)`), run where the host would otherwise wait for the device: in
         `collect_verify`, before the round's read. Between the forward's launch and the verification's launches
         (tried) it delayed those launches by its whole time on the H200, where the testbed's forward ends before
@@ -573,12 +580,24 @@ class SpecDecoder:
             self.timing.lag_s += time.perf_counter() - t0
             return
         self._lag_age = 0
-        cal = self.calibration
+        price = None
+        if self.calibration is not None:
+            survival, price = self._priced(survival, greedy)
         # `padding` is ragged or None (`SpecDecoder.padding`); the calibration runs only if the budget reads values
         k = cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base, deterministic=True,
-                        padding=padding, price=None if cal is None else lambda a: cal.apply(a, greedy))
+                        padding=padding, price=price)
         self._lagged = (shape, k)
         self.timing.lag_s += time.perf_counter() - t0
+
+    def _priced(self, survival: np.ndarray, greedy: Sequence[bool]) -> tuple[np.ndarray, Callable | None]:
+        """(survivals, price) that price a round through the calibration (`cost_budget`'s `price`): a round of one
+        sampling class keeps its survivals, whose ranking the class's map keeps, and maps the ranked values only
+        when the choice reads them; a mixed round ranks and prices its calibrated survivals (two maps)."""
+        cal, g = self.calibration, np.asarray(greedy, dtype=bool)
+        if g.all() or not g.any():
+            cls = bool(g.all())
+            return survival, lambda values: cal.map(values, cls)
+        return cal.apply(survival, g), None
 
     @torch.no_grad()
     def collect_verify(self, rnd: SpecRound, packed: Tensor | None, drop: frozenset[str] = frozenset()
