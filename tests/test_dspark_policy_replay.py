@@ -1,0 +1,53 @@
+"""scripts/dspark_policy_replay.py: recorded verify_all rounds replayed per policy. A policy that verifies m drafts
+of a request emits min(m, a) + 1 tokens (a: the drafts accepted with all verified); the time is the curve's price
+of the round's row bucket; the round's own global choice is replayed at T = 0 only."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+
+def _rounds(path, temperature: float, batch: int = 8, width: int = 5, count: int = 24) -> list:
+    rng = np.random.default_rng(0)
+    rounds = []
+    for _ in range(count):
+        good = rng.integers(0, width + 1, size=batch)  # drafts before the survivals drop (bimodal)
+        s = np.where(np.arange(width)[None, :] < good[:, None], 0.95, 0.02) ** np.arange(1, width + 1)[None, :]
+        s = np.minimum.accumulate(s.astype(np.float32), axis=1)
+        rounds.append((s, np.minimum(good, rng.integers(0, width + 1, size=batch)).astype(np.int64)))
+    path.write_bytes(pickle.dumps({"temperature": temperature, "rounds": rounds}))
+    return rounds
+
+
+def _curve(path, batch: int = 8) -> None:
+    sizes = sorted({-(-batch * k // 2) for k in range(2, 13)})
+    row = {"policy": "cost", "prompts": batch, "temperature": 0.0, "latency_after": {"by_batch": {str(batch): {
+        "sizes": sizes, "measured_ms": [1.0 + 0.02 * q for q in sizes], "noise_ms": 0.001, "overhead_ms": 1.0}}}}
+    path.write_text(json.dumps({"rows": [row]}))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replay_counts_tokens_exactly_and_prices_row_buckets(script, tmp_path, temperature, capsys):
+    replay = script("dspark_policy_replay")
+    rounds = _rounds(tmp_path / "r.pkl", temperature)
+    _curve(tmp_path / "c.json")
+    out = tmp_path / "o.json"
+    assert replay.main(["replay", str(tmp_path / "r.pkl"), "--curve-json", str(tmp_path / "c.json"), "--skip", "4",
+                        "--json", str(out)]) == 0
+    got = json.loads(out.read_text())["policies"]
+    kept = rounds[4:]
+    assert got["verify_all"]["verified"] == 40
+    assert got["verify_all"]["tokens"] == pytest.approx(np.mean([8 + a.sum() for _, a in kept]))
+    # threshold 0.5: the prefix of survivals >= 0.5, each request emitting min(that, a) + 1
+    want = np.mean([8 + np.minimum((s >= 0.5).cumprod(1).sum(1), a).sum() for s, a in kept])
+    assert got["threshold 0.5"]["tokens"] == pytest.approx(want)
+    # every time is the curve at the round's row bucket (rows 8 + verified, rounded up to the next of 8, 12, ...)
+    bucket = 8 + 40  # verify_all fills the largest
+    assert got["verify_all"]["ms"] == pytest.approx(1.0 + 1.0 + 0.02 * bucket)
+    assert all(r["tokens"] <= got["verify_all"]["tokens"] + 1e-9 for r in got.values())
+    assert ("cost in the round" in got) == (temperature == 0)
+    assert "rounds of 8 requests" in capsys.readouterr().out
