@@ -24,8 +24,9 @@ import argparse
 import json
 import pickle
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -79,7 +80,14 @@ def _curve(path: str, batch: int, temperature: float, floor_ms: float, overhead_
 
 
 def replay(args: argparse.Namespace) -> dict[str, Any]:
-    from deepinfer_dspark import StepPadding, SurvivalCalibration, VerifyPolicy, allocate, cost_budget, schedule_verification
+    from deepinfer_dspark import (
+        StepPadding,
+        SurvivalCalibration,
+        VerifyPolicy,
+        allocate,
+        cost_budget,
+        schedule_verification,
+    )
 
     rec = pickle.loads(Path(args.rounds).read_bytes())
     rounds, greedy = rec["rounds"], rec["temperature"] == 0

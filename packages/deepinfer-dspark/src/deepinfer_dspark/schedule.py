@@ -220,6 +220,22 @@ def _values(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
     return np.sort(flat)[::-1].astype(np.float64)  # NumPy sorts NaN last: first here, as in the ranking
 
 
+def _ranking(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(vals, key): `[C]` the candidates' survivals in ranking order (`_values`), and the ranking keys of
+    `_top_counts` when they are the survivals' own flat view: every candidate valid and every survival in [0, 1]
+    (a product of sigmoids; NaN fails both bounds), the usual round. Then the values are a sort of that view and
+    nothing else is copied: on the host each NumPy call costs microseconds after the forward has left the caches
+    cold, more than its work on a few hundred values, and the policy's host time is round time."""
+    width = survival.shape[1]
+    a = _host_array(survival)
+    if a.size and (not m.size or int(m.min()) >= width):
+        flat = a.reshape(-1)
+        ranked = np.sort(flat)  # ascending, NaN last: the ends bound every value
+        if float(ranked[0]) >= 0.0 and float(ranked[-1]) <= 1.0:
+            return ranked[::-1], flat
+    return _values(survival, m), None
+
+
 def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool, base_tokens: int,
             deterministic: bool) -> int:
     """K over the ranked candidate survivals `vals` (module docstring)."""
@@ -229,7 +245,7 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
     if latency.flat():  # no measured growth: a pruned draft saves no time (module docstring)
         return count
     expected = np.zeros(count + 1)  # E(K), K = 0..C
-    np.cumsum(vals, out=expected[1:])
+    np.cumsum(vals, dtype=np.float64, out=expected[1:])
     expected += batch
     q0 = base_tokens + batch
     if not exact or deterministic:
@@ -252,7 +268,7 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
         return min(count, int(padding.bucketed(np.asarray([q0 + k]))[0]) - q0)
     expected = np.empty(count + 1)
     expected[0] = 0.0
-    np.cumsum(vals, out=expected[1:])
+    np.cumsum(vals, dtype=np.float64, out=expected[1:])
     expected += batch
     sizes = padding.sizes
     if q0 + count <= sizes[-1] and not math.isnan(expected[-1]):
@@ -382,15 +398,18 @@ def _keys(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:
     return key
 
 
-def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float | None = None) -> np.ndarray:
+def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float | None = None,
+                key: np.ndarray | None = None) -> np.ndarray:
     """`[B] int64` per request its candidates among the top k of the ranking (descending survival, NaN first, ties
     in flat request-major order), 0 <= k < the candidates, without sorting: the k-th largest key (`kth`, else by a
     partition), every key above it, and the first of the keys equal to it in flat order. The engine allocates every
-    round, where a full stable argsort was most of the lagged cost policy's host time."""
+    round, where a full stable argsort was most of the lagged cost policy's host time. key: `_keys` when the
+    caller has them (`_ranking`)."""
     batch, width = survival.shape
     if k <= 0:
         return np.zeros(batch, dtype=np.int64)
-    key = _keys(survival, m)
+    if key is None:
+        key = _keys(survival, m)
     if kth is None:
         kth = np.partition(key, key.size - k)[key.size - k]
     take = key >= kth
@@ -433,7 +452,7 @@ def cost_budget(
                                "request (schedule_verification)")
     if latency.flat() or _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
         return int(m.sum())
-    vals = _values(survival, m)
+    vals, _ = _ranking(survival, m)
     if price is not None:
         vals = price(vals)
     if padding is not None:
@@ -449,7 +468,9 @@ def _above(survival: Tensor | np.ndarray, m: np.ndarray, cutoff: float) -> Tenso
     if _on_host(survival):
         a = _host_array(survival)
         # compared in the survivals' dtype, as torch compares a tensor with a Python scalar
-        ok = (a >= a.dtype.type(cutoff)) & (np.arange(width)[None, :] < m[:, None])
+        ok = a >= a.dtype.type(cutoff)
+        if m.size and int(m.min()) < width:
+            ok &= np.arange(width)[None, :] < m[:, None]
         return _tensor(np.logical_and.accumulate(ok, axis=1).sum(1), _device(survival))
     mt = torch.from_numpy(m).to(survival.device)
     ok = (survival >= cutoff) & (torch.arange(width, device=survival.device)[None, :] < mt[:, None])
@@ -508,7 +529,7 @@ def schedule_verification(
         priced = survival if price is None else price(np.asarray(_host_array(survival), dtype=np.float64))
         return _tensor(_padded(priced, m, latency, padding, exact=policy.exact, deterministic=deterministic),
                        _device(survival))
-    vals = _values(survival, m)
+    vals, key = _ranking(survival, m)
     priced = vals if price is None else price(vals)  # still descending: the map does not decrease
     if padding is not None:
         k = _ragged(priced, survival.shape[0], latency, padding, exact=policy.exact, base_tokens=base_tokens,
@@ -516,6 +537,8 @@ def schedule_verification(
     else:
         k = _budget(priced, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
                     deterministic=deterministic)
+    if k >= vals.size:  # every candidate (vals holds the valid ones)
+        return _tensor(m, _device(survival))
     # the ranked survivals give the allocation's k-th key without a partition
-    kth = float(vals[k - 1]) if 0 < k < vals.size and not math.isnan(vals[k - 1]) else None
-    return _tensor(_allocation(survival, m, k, kth), _device(survival))
+    kth = float(vals[k - 1]) if k > 0 and not math.isnan(vals[k - 1]) else None
+    return _tensor(_top_counts(survival, m, k, kth, key), _device(survival))

@@ -94,7 +94,8 @@ class SurvivalCalibration:
         """`float64` the calibrated values of survivals of one class, elementwise (any shape; NaN stays NaN). The
         cost policy prices a one-class batch's ranked survivals with it (`cost_budget(price=)`)."""
         x, y = self.curve(greedy)
-        return np.interp(np.clip(values, 0.0, 1.0), x, y)  # np.interp maps NaN to NaN
+        # np.interp holds the end values outside the bins' range (as a clip to [0, 1] would) and maps NaN to NaN
+        return np.interp(values, x, y)
 
     def apply(self, survival: np.ndarray, greedy: np.ndarray) -> np.ndarray:
         """`[B, N] float64` the calibrated survivals of `survival [B, N]` (rows of each class through its map; NaN
