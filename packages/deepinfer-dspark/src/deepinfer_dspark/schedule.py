@@ -229,10 +229,9 @@ def _ranking(survival: Tensor | np.ndarray, m: np.ndarray) -> tuple[np.ndarray, 
     width = survival.shape[1]
     a = _host_array(survival)
     if a.size and (not m.size or int(m.min()) >= width):
-        flat = a.reshape(-1)
-        ranked = np.sort(flat)  # ascending, NaN last: the ends bound every value
+        ranked = np.sort(a, axis=None)  # flattened, ascending, NaN last: the ends bound every value
         if float(ranked[0]) >= 0.0 and float(ranked[-1]) <= 1.0:
-            return ranked[::-1], flat
+            return ranked[::-1], a.reshape(-1)
     return _values(survival, m), None
 
 
@@ -266,12 +265,9 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
     if exact and not deterministic:
         k = _budget(vals, batch, latency, exact=True, base_tokens=base_tokens, deterministic=False)
         return min(count, int(padding.bucketed(np.asarray([q0 + k]))[0]) - q0)
-    expected = np.empty(count + 1)
-    expected[0] = 0.0
-    np.cumsum(vals, dtype=np.float64, out=expected[1:])
-    expected += batch
+    total = np.cumsum(vals, dtype=np.float64)  # E(K) = batch + total[K - 1]
     sizes = padding.sizes
-    if q0 + count <= sizes[-1] and not math.isnan(expected[-1]):
+    if q0 + count <= sizes[-1] and not math.isnan(total[-1]):
         # every K lies in a bucket, and within one the time is constant while E(K) does not decrease, so a
         # bucket's best rate is at its last K: the buckets are priced at their ends (a dozen curve points instead
         # of every K, in plain floats: the policy's host time is round time too), and the first K of the first
@@ -279,14 +275,18 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
         inner = [q for q in sizes[bisect.bisect_left(sizes, q0):] if q - q0 < count]
         rows = inner + [sizes[bisect.bisect_left(sizes, q0 + count)]]
         ends = [q - q0 for q in inner] + [count]
-        rates = [e / t for e, t in zip(expected[ends].tolist(), latency.predict_each(rows))]
+        sums = total[[max(k - 1, 0) for k in ends]].tolist()
+        expected = [batch + (x if k else 0.0) for k, x in zip(ends, sums)]
+        rates = [e / t for e, t in zip(expected, latency.predict_each(rows))]
         best = rates.index(max(rates))
         end = ends[best]
         start = ends[best - 1] + 1 if best else 0
-        if end == start or expected[end] > expected[end - 1]:  # the last K adds value: the first maximum is it
+        # the last K adds value: the first maximum is it
+        if end == start or expected[best] > batch + (float(total[end - 2]) if end > 1 else 0.0):
             return end
-        top = expected[start: end + 1]  # non-decreasing: its first maximum is the first value equal to its end
-        return start + int(np.argmax(top >= top[-1]))
+        top = batch + np.concatenate(([0.0], total))[start: end + 1]  # non-decreasing: the first value equal to
+        return start + int(np.argmax(top >= top[-1]))  # its end is its first maximum
+    expected = batch + np.concatenate(([0.0], total))
     rows = padding.bucketed(np.arange(q0, q0 + count + 1, dtype=np.int64))
     lo = int(rows.min())
     seconds = latency.host_curve(lo, int(rows.max()))[rows - lo]
