@@ -523,12 +523,13 @@ def schedule_verification(
         raise DSparkInputError("latency: the 'cost' policy needs a LatencyModel, found None")
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
+    device = _device(survival)
     if _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
-        return _tensor(m, _device(survival))
+        return _tensor(m, device)
+    survival = _host_array(survival)  # one read of survivals on another device
     if padding is not None and not padding.ragged:
-        priced = survival if price is None else price(np.asarray(_host_array(survival), dtype=np.float64))
-        return _tensor(_padded(priced, m, latency, padding, exact=policy.exact, deterministic=deterministic),
-                       _device(survival))
+        priced = survival if price is None else price(np.asarray(survival, dtype=np.float64))
+        return _tensor(_padded(priced, m, latency, padding, exact=policy.exact, deterministic=deterministic), device)
     vals, key = _ranking(survival, m)
     priced = vals if price is None else price(vals)  # still descending: the map does not decrease
     if padding is not None:
@@ -538,7 +539,7 @@ def schedule_verification(
         k = _budget(priced, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
                     deterministic=deterministic)
     if k >= vals.size:  # every candidate (vals holds the valid ones)
-        return _tensor(m, _device(survival))
+        return _tensor(m, device)
     # the ranked survivals give the allocation's k-th key without a partition
     kth = float(vals[k - 1]) if k > 0 and not math.isnan(vals[k - 1]) else None
-    return _tensor(_top_counts(survival, m, k, kth, key), _device(survival))
+    return _tensor(_top_counts(survival, m, k, kth, key), device)
