@@ -370,15 +370,9 @@ def allocate(
     k = int(budget)
     if k < 0:
         raise DSparkInputError(f"budget: expected >= 0, found {k}")
-    return _tensor(_allocation(survival, m, k), _device(survival))
-
-
-def _allocation(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float | None = None) -> np.ndarray:
-    """`[B] int64` per request its candidates among the top k (`allocate`); kth: the k-th largest key when the
-    caller has it (`_top_counts`)."""
     if k >= int(m.sum()):  # every candidate: no ranking (the lagged cost policy's budget on a flat curve)
-        return m.copy()
-    return _top_counts(survival, m, k, kth)
+        return _tensor(m, _device(survival))
+    return _tensor(_top_counts(survival, m, k), _device(survival))
 
 
 def _keys(survival: Tensor | np.ndarray, m: np.ndarray) -> np.ndarray:

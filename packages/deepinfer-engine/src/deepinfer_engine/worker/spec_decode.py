@@ -364,11 +364,11 @@ class SpecDecoder:
         if lagged is not None and lagged[0] == shape:
             m = allocate(survival, host[:, 3], lagged[1])  # the top K by this round's survivals (`next_budget`)
         else:
-            survival_for, price = survival, None  # the survivals as the cost policy prices them (`calibration`)
+            ranked, price = survival, None  # the survivals as the cost policy ranks and prices them (`calibration`)
             if policy.kind == "cost" and self.calibration is not None and survival is not None:
-                survival_for, price = self._priced(survival, rnd.greedy)
-            m = schedule_verification(policy, host[:, 3], survival=survival_for, latency=rnd.latency,
-                                      base_tokens=base, deterministic=deterministic, padding=padding, price=price)
+                ranked, price = self._priced(survival, rnd.greedy)
+            m = schedule_verification(policy, host[:, 3], survival=ranked, latency=rnd.latency, base_tokens=base,
+                                      deterministic=deterministic, padding=padding, price=price)
         if (self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None
                 and not deterministic):
             # `next_budget`, after the launch
