@@ -583,7 +583,7 @@ class SpecDecoder:
         price = None
         if self.calibration is not None:
             survival, price = self._priced(survival, greedy)
-        # `padding` is ragged or None (`SpecDecoder.padding`); the calibration runs only if the budget reads values
+        # `padding` is ragged or None (`SpecDecoder.padding`); a one-class map runs only if the budget reads values
         k = cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base, deterministic=True,
                         padding=padding, price=price)
         self._lagged = (shape, k)
