@@ -137,6 +137,10 @@ def _latency(rng: random.Random, top: int) -> LatencyModel:
     return lat
 
 
+# elementwise non-decreasing maps a cost policy may price survivals through (`price=`), NaN kept
+_MAPS = (lambda v: np.minimum(v, 0.5), lambda v: np.sqrt(v), lambda v: np.floor(v * 4) / 4, lambda v: 0.5 * v + 0.1)
+
+
 @pytest.mark.parametrize("chunk", range(4))
 def test_policies_match_the_torch_oracle_on_random_cases(chunk: int):
     rng = random.Random(1000 + chunk)
@@ -166,6 +170,15 @@ def test_policies_match_the_torch_oracle_on_random_cases(chunk: int):
                                             padding=pad)
                 assert cost_budget(sa, md, lat, exact=pol.exact, base_tokens=base, deterministic=det,
                                    padding=pad) == int(got.sum()), (pol, det, a, m, base, pad)
+                assert got.tolist() == _old_allocate(a, m, int(got.sum())).tolist()
+                # priced through a non-decreasing map (with flat stretches: ties), ranked by the survivals
+                price = rng.choice(_MAPS)
+                for step in (pad, None):
+                    k = cost_budget(sa, md, lat, exact=pol.exact, base_tokens=base, deterministic=det, padding=step,
+                                    price=price)
+                    got = schedule_verification(pol, md, survival=sa, latency=lat, base_tokens=base,
+                                                deterministic=det, padding=step, price=price)
+                    assert got.tolist() == _old_allocate(a, m, k).tolist(), (pol, det, a, m, base, step)
         count = sum(m)
         for budget in {0, 1, count // 2, count, count + 7}:
             assert allocate(sa, md, budget).tolist() == _old_allocate(a, m, budget).tolist()
