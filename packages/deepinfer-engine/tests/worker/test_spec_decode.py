@@ -545,3 +545,36 @@ def test_a_round_bound_by_the_host_times_the_floor_not_the_forward() -> None:
     assert round_observations(lat, 100, host, host + 2 * DEVICE_BOUND_WAIT_S) == (host, host + 2 * DEVICE_BOUND_WAIT_S)
     assert round_observations(lat, 10, host, host + DEVICE_BOUND_WAIT_S / 2) == (host, None)  # forward 1.2 ms: hidden
     assert round_observations(lat, 100, host, host + DEVICE_BOUND_WAIT_S / 2) == (host, host + DEVICE_BOUND_WAIT_S / 2)
+
+
+@pytest.mark.parametrize("busy", [True, False])
+def test_the_policy_warms_with_its_previous_call_while_the_device_drafts(v41_reference, v41_spec, busy) -> None:
+    """While the device still drafts (`device_busy`), `begin` runs the policy's previous call and throws it away
+    (its code into the caches before this round's call). It changes nothing the round decides: the same drafts
+    verified, the same greedy output; with the device idle it does not run."""
+    from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
+
+    spec = v41_spec.engine.runner.spec
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    verified = {}
+    kept = spec.calibration
+    try:
+        spec.explore_every = 0
+        for name in ("warm-up run", "plain", "warmed"):  # the first run fills the prefix cache as the others find it
+            spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
+                            online_latency=False)
+            spec.calibration = SurvivalCalibration()  # each run learns from its own rounds only
+            spec.device_busy = (lambda: busy) if name == "warmed" else None
+            spec._warm.clear()
+            spec.reset_stats()
+            assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+            verified[name] = spec.stats.num_verified_tokens
+            warmed, rounds = spec.timing.warmed, spec.timing.rounds
+        assert verified["warmed"] == verified["plain"] > 0
+        assert (warmed == rounds - 1 and spec.timing.warm_s > 0) if busy else warmed == 0
+    finally:
+        spec.calibration = kept
+        spec.device_busy = None
+        spec._warm.clear()
+        spec.explore_every = 32
+        _use_policy(v41_spec, "verify_all")

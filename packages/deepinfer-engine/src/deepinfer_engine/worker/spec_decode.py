@@ -71,6 +71,14 @@ CALIBRATE_EVERY = 4
 BUDGET_EVERY = 4
 
 
+def cuda_busy() -> bool:
+    """Whether the current CUDA stream still runs work enqueued before this call (an event recorded now and
+    queried: no wait)."""
+    event = torch.cuda.Event()
+    event.record()
+    return not event.query()
+
+
 def round_observations(latency: LatencyModel, rows: int, host_s: float, span_s: float) -> tuple[float, float | None]:
     """What a synchronous round tells the latency model: (floor, forward span or None). host_s: the host's own
     seconds from the forward's launch to its read; span_s: up to the read's end. The host's time is the floor's
@@ -154,6 +162,10 @@ class SpecTiming:
     ahead_used: int = 0
     ahead_selected: int = 0
     ahead_missed: int = 0
+    # of drafted_s: rounds whose host ran the policy's previous call while the device still drafted (`begin`), and
+    # its seconds
+    warmed: int = 0
+    warm_s: float = 0.0
 
     def add_verify(self, rows: int, seconds: float) -> None:
         self.verify_s += seconds
@@ -167,7 +179,8 @@ class SpecTiming:
                 "finish_ms": 1e3 * self.finish_s / n, "policy_ms": 1e3 * self.policy_s / n,
                 "drafted_ms": 1e3 * self.drafted_s / n, "launch_ms": 1e3 * self.launch_s / n,
                 "lag_ms": 1e3 * self.lag_s / n, "ahead_used": self.ahead_used,
-                "ahead_selected": self.ahead_selected, "ahead_missed": self.ahead_missed,
+                "ahead_selected": self.ahead_selected, "ahead_missed": self.ahead_missed, "warmed": self.warmed,
+                "warm_ms": 1e3 * self.warm_s / n,
                 "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
@@ -244,6 +257,10 @@ class SpecDecoder:
         # was captured (lazily, on a shape's first step) is not timed into the latency model, whose curve and
         # overhead would otherwise learn a capture's second as step time
         self.capture_clock: Callable[[], float] | None = None
+        # on a device: whether the host would wait for the work queued so far (`cuda_busy`); then `begin` warms the
+        # policy's code with its previous call (`_warm`, per policy) before it reads the drafts. None: never
+        self.device_busy: Callable[[], bool] | None = None
+        self._warm: dict[VerifyPolicy, tuple[Callable, tuple, dict]] = {}
         # the cost policy prices survivals through the acceptance seen at their level, per sampling class (greedy
         # rows accept a draft on another event than the head was trained for: deepinfer_dspark.survival_calibration)
         self.calibration: SurvivalCalibration | None = None
@@ -341,6 +358,15 @@ class SpecDecoder:
         surv = prop.survival()
         wide = prop.draft_ids.to(torch.float64) if surv is None else torch.cat(
             [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
+        warm = self._warm.get(self.policy) if self.device_busy is not None else None
+        if warm is not None and self.device_busy():
+            # the host is about to wait for the draft pass: it runs this policy's previous call meanwhile and throws
+            # the result away, so that this round's call finds its code and data in the caches (on the CPU a call
+            # after the round's other host work took 4-6x a repeat of it: docs/dspark.md "Verification policies")
+            warm_started = time.perf_counter()
+            warm[0](*warm[1], **warm[2])
+            self.timing.warm_s += time.perf_counter() - warm_started
+            self.timing.warmed += 1
         wide = wide.cpu().numpy()  # the one host read before the forward
         self.timing.drafted_s += time.perf_counter() - started
         n = self.block_size
@@ -362,13 +388,18 @@ class SpecDecoder:
         lagged = (self._lagged if policy.kind == "cost" and policy.lagged and survival is not None and not deterministic
                   else None)
         if lagged is not None and lagged[0] == shape:
-            m = allocate(survival, host[:, 3], lagged[1])  # the top K by this round's survivals (`next_budget`)
+            # the top K by this round's survivals (`next_budget`)
+            call: tuple[Callable, tuple, dict] = (allocate, (survival, host[:, 3], lagged[1]), {})
         else:
             ranked, price = survival, None  # the survivals as the cost policy ranks and prices them (`calibration`)
             if policy.kind == "cost" and self.calibration is not None and survival is not None:
                 ranked, price = self._priced(survival, rnd.greedy)
-            m = schedule_verification(policy, host[:, 3], survival=ranked, latency=rnd.latency, base_tokens=base,
-                                      deterministic=deterministic, padding=padding, price=price)
+            call = (schedule_verification, (policy, host[:, 3]), dict(
+                survival=ranked, latency=rnd.latency, base_tokens=base, deterministic=deterministic, padding=padding,
+                price=price))
+        m = call[0](*call[1], **call[2])
+        if self.device_busy is not None and policy is self.policy:  # not an exploration round's verify_all
+            self._warm[policy] = call
         if (self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None
                 and not deterministic):
             # `next_budget`, after the launch
@@ -859,6 +890,8 @@ def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, n
         # the draft pass is then one replay the device runs while the host finishes the step (`launch_ahead`);
         # eagerly (CPU) the pass would run inside the launch, before the bookkeeping it is meant to overlap
         decoder.draft_ahead = True
+    if device.type == "cuda":  # the host waits for the drafts there: time to warm the policy's code
+        decoder.device_busy = cuda_busy
     return decoder, k
 
 
