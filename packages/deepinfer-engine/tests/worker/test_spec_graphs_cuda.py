@@ -149,3 +149,21 @@ def test_insert_graph_writes_the_eager_rings(ckpts) -> None:
         torch.set_float32_matmul_precision(old)
     st = graphs.stats
     assert st.insert_replays == len(rounds) and st.insert_captures == 2 and not graphs.failed, (st, graphs.failed)
+
+
+def test_cuda_busy_sees_queued_work_without_waiting() -> None:
+    """`cuda_busy` (the policy warms its code while it is True): True while the stream still runs a queued kernel,
+    False once it has finished; asking does not wait."""
+    import time
+
+    import torch
+    from deepinfer_engine.worker.spec_decode import cuda_busy
+
+    torch.cuda.synchronize()
+    assert not cuda_busy()
+    torch.cuda._sleep(200_000_000)  # a kernel spinning for well over 10 ms
+    t0 = time.perf_counter()
+    assert cuda_busy()
+    assert time.perf_counter() - t0 < 5e-3
+    torch.cuda.synchronize()
+    assert not cuda_busy()
