@@ -130,6 +130,40 @@ def test_draft_ahead_gives_the_tokens_and_counts_of_drafting_in_the_round(ckpts)
     assert used > selected > 0, runs[True][2]  # whole rounds and subsets of them both came from the drafts ahead
 
 
+def test_round_statistics_are_counted_after_the_next_draft_launch(ckpts) -> None:
+    """A round's statistics and calibration update are bookkeeping the next draft pass does not need: they run after
+    `launch_ahead` launched it (while a device drafts), not between the round's read and that launch. They are
+    complete whenever they are read, and count every round."""
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"})
+    spec = llm.engine.runner.spec
+    spec.draft_ahead = True
+    events = []
+    propose, update, collect = spec._propose, spec._stats.update, spec.collect_verify
+
+    def spy_collect(*a, **kw):
+        events.append("read")
+        return collect(*a, **kw)
+
+    def spy_propose(*a, **kw):
+        events.append("draft")
+        return propose(*a, **kw)
+
+    def spy_update(*a, **kw):
+        events.append("count")
+        return update(*a, **kw)
+
+    spec.collect_verify, spec._propose, spec._stats.update = spy_collect, spy_propose, spy_update
+    spec.timing.deferred_s = 0.0
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    llm.generate(PROMPTS, sp, use_tqdm=False)
+    rounds = events.count("count")
+    assert rounds == spec.stats.steps == spec.timing.rounds > 3 and spec.timing.deferred_s > 0
+    # after a round's read, the next round's draft launch comes before the round is counted
+    after_read = [events[i + 1: i + 3] for i, e in enumerate(events) if e == "read"]
+    assert sum(nxt == ["draft", "count"] for nxt in after_read) >= rounds - 2, events
+    assert not any(nxt[:1] == ["count"] for nxt in after_read) and not spec._deferred
+
+
 def _oracle_run(llm: LLM, prompts, sp, reference) -> list[list[int]]:
     eng = llm.engine
     full = {str(i): list(p) + list(r) for i, (p, r) in enumerate(zip(prompts, reference))}
