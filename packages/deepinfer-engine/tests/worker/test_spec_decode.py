@@ -582,33 +582,27 @@ def test_a_round_bound_by_the_host_times_the_floor_not_the_forward() -> None:
 
 
 @pytest.mark.parametrize("busy", [True, False])
-def test_the_policy_warms_with_its_previous_call_while_the_device_drafts(v41_reference, v41_spec, busy) -> None:
+def test_the_policy_warms_with_its_previous_call_while_the_device_drafts(ckpts, v41_reference, busy) -> None:
     """While the device still drafts (`device_busy`), `begin` runs the policy's previous call and throws it away
     (its code into the caches before this round's call). It changes nothing the round decides: the same drafts
-    verified, the same greedy output; with the device idle it does not run."""
+    verified, the same greedy output; with the device idle it does not run. (An engine of its own, without a
+    prefix cache: the runs must start from the same state.)"""
     from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
 
-    spec = v41_spec.engine.runner.spec
+    llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost"}, enable_prefix_caching=False)
+    spec = llm.engine.runner.spec
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     verified = {}
-    kept = spec.calibration
-    try:
-        spec.explore_every = 0
-        for name in ("warm-up run", "plain", "warmed"):  # the first run fills the prefix cache as the others find it
-            spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
-                            online_latency=False)
-            spec.calibration = SurvivalCalibration()  # each run learns from its own rounds only
-            spec.device_busy = (lambda: busy) if name == "warmed" else None
-            spec._warm.clear()
-            spec.reset_stats()
-            assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
-            verified[name] = spec.stats.num_verified_tokens
-            warmed, rounds = spec.timing.warmed, spec.timing.rounds
-        assert verified["warmed"] == verified["plain"] > 0
-        assert (warmed == rounds - 1 and spec.timing.warm_s > 0) if busy else warmed == 0
-    finally:
-        spec.calibration = kept
-        spec.device_busy = None
+    spec.explore_every = 0
+    for name in ("plain", "warmed"):
+        spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
+                        online_latency=False)
+        spec.calibration = SurvivalCalibration()  # each run learns from its own rounds only
+        spec.device_busy = (lambda: busy) if name == "warmed" else None
         spec._warm.clear()
-        spec.explore_every = 32
-        _use_policy(v41_spec, "verify_all")
+        spec.reset_stats()
+        assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+        verified[name] = spec.stats.num_verified_tokens
+        warmed, rounds = spec.timing.warmed, spec.timing.rounds
+    assert verified["warmed"] == verified["plain"] > 0
+    assert (warmed == rounds - 1 and spec.timing.warm_s > 0) if busy else warmed == 0

@@ -468,19 +468,24 @@ class SpecDecoder:
         self._ahead = None
         if not self.draft_ahead or self.deferred_reads or not rnd.results or rnd.inputs_host is None:
             return
-        n = self.block_size
-        rows, host = [], rnd.inputs_host.copy()
-        for b, rid in enumerate(rnd.req_ids):
-            r = rnd.results.get(rid)
-            if r is None:
-                continue
-            host[b, 0] = r.token_ids[-1]
-            host[b, 1] += r.num_accepted_tokens + 1
-            if host[b, 1] + n <= self.max_position:  # `speculates`: the block's positions must exist
-                rows.append(b)
+        # whole columns at once: element by element, NumPy's scalar indexing was 0.18 ms at 256 requests, on the
+        # host's path from the round's read to this launch (the device idles through it)
+        got = [rnd.results.get(rid) for rid in rnd.req_ids]
+        rows = [b for b, r in enumerate(got) if r is not None]
         if not rows:
             return
-        host, temps = host[rows], rnd.temps_host[rows]
+        every = len(rows) == len(got)
+        host = rnd.inputs_host.copy() if every else rnd.inputs_host[rows]
+        live = got if every else [got[b] for b in rows]
+        host[:, 0] = [r.token_ids[-1] for r in live]
+        host[:, 1] += [r.num_accepted_tokens + 1 for r in live]
+        fits = host[:, 1] + self.block_size <= self.max_position  # `speculates`: the block's positions must exist
+        if not fits.all():
+            keep = np.flatnonzero(fits)
+            if not keep.size:
+                return
+            host, rows, every = host[keep], [rows[i] for i in keep], False
+        temps = rnd.temps_host if every else rnd.temps_host[torch.as_tensor(rows)]
         prop = self._propose(host, self._staging(device).tensor(host, torch.int64), temps)
         self._ahead = ([rnd.req_ids[b] for b in rows], host, temps, getattr(self.drafter, "heads_version", None), prop)
 
