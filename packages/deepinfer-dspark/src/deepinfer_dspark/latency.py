@@ -175,16 +175,19 @@ class LatencyModel:
             raise DSparkInputError(f"LatencyModel.{name}: expected seconds >= 0, found {seconds}")
         return value + (1.0 if count == 0 else self.ema) * (seconds - value), count + 1
 
-    def _segment(self, q: float) -> tuple[int, float]:
-        """(index i of the left point, weight of the right point) for q, clamped to the first / last segment."""
-        s = self.sizes
-        i = min(max(bisect.bisect_left(s, q) - 1, 0), len(s) - 2)  # the first i with q <= s[i + 1], as searchsorted
-        return i, (q - s[i]) / (s[i + 1] - s[i])
+    def _at_each(self, points: list[float], qs: Sequence[float]) -> list[float]:
+        """`points` (one per profiled size) interpolated at each q, the end segments extended, floored at 1e-12; in
+        plain floats: the cost policy prices a dozen row buckets per round, where NumPy's per-call overhead exceeds
+        the work."""
+        s, last, out = self.sizes, len(self.sizes) - 2, []
+        for q in qs:
+            i = min(max(bisect.bisect_left(s, q) - 1, 0), last)  # the first i with q <= s[i + 1], as searchsorted
+            w = (q - s[i]) / (s[i + 1] - s[i])
+            out.append(max(points[i] + w * (points[i + 1] - points[i]), 1e-12))
+        return out
 
     def _at(self, points: list[float], q: float) -> float:
-        """`points` (one per profiled size) interpolated at q, the last segment extrapolated."""
-        i, w = self._segment(float(q))
-        return max(points[i] + w * (points[i + 1] - points[i]), 1e-12)
+        return self._at_each(points, (float(q),))[0]
 
     def forward(self, q: float) -> float:
         """Seconds of the forward of a step of q query tokens (the online-corrected profile), without the floor
@@ -196,15 +199,9 @@ class LatencyModel:
         return max(self.forward(q), self.floor) + self.overhead
 
     def predict_each(self, qs: Sequence[int]) -> list[float]:
-        """`predict` at each of a few step sizes, in plain floats (the same arithmetic): the cost policy prices a
-        round's row buckets with it, a dozen points, where NumPy's per-call overhead exceeds the work."""
-        s, y, last = self.sizes, self.seconds, len(self.sizes) - 2
-        floor, overhead, out = self.floor, self.overhead, []
-        for q in qs:
-            i = min(max(bisect.bisect_left(s, q) - 1, 0), last)
-            w = (q - s[i]) / (s[i + 1] - s[i])
-            out.append(max(max(y[i] + w * (y[i + 1] - y[i]), 1e-12), floor) + overhead)
-        return out
+        """`predict` at each of a few step sizes (`_at_each`)."""
+        floor, overhead = self.floor, self.overhead
+        return [max(f, floor) + overhead for f in self._at_each(self.seconds, qs)]
 
     def host_curve(self, lo: int, hi: int) -> np.ndarray:
         """`[hi - lo + 1] float64` predicted seconds for Q = lo .. hi (`predict` over a range, in NumPy)."""
@@ -284,7 +281,7 @@ class LatencyModel:
 
 def _interpolate(xs: Sequence[float], ys: Sequence[float], q: np.ndarray) -> np.ndarray:
     """`[n] float64` the piecewise-linear curve through (xs, ys) at q, the end segments extended (as
-    `LatencyModel._segment`), floored at 1e-12."""
+    `LatencyModel._at_each`), floored at 1e-12."""
     x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
     q = np.asarray(q, dtype=np.float64)
     i = np.minimum(np.maximum(np.searchsorted(x, q, side="left") - 1, 0), x.size - 2)
