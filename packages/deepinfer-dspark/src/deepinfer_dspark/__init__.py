@@ -33,6 +33,7 @@ from deepinfer_dspark.schedule import (
     cost_budget,
     schedule_verification,
 )
+from deepinfer_dspark.schedule_device import DevicePlan, plan_schedule, schedule_on_device
 from deepinfer_dspark.stats import AcceptanceStats
 from deepinfer_dspark.survival_calibration import SurvivalCalibration
 from deepinfer_dspark.verify import (
@@ -63,6 +64,7 @@ __all__ = [
     "DSparkConfig",
     "DSparkConfigError",
     "DSparkInputError",
+    "DevicePlan",
     "DraftBlock",
     "DraftHeads",
     "DraftModel",
@@ -82,12 +84,14 @@ __all__ = [
     "greedy_accept",
     "isotonic",
     "markov_bias",
+    "plan_schedule",
     "probs_from_logits",
     "propose",
     "rejection_accept",
     "row_plan",
     "sample_block",
     "sample_core",
+    "schedule_on_device",
     "schedule_verification",
     "sts_divisors",
     "verify",

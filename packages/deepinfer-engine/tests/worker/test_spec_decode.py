@@ -586,7 +586,7 @@ def test_the_policy_warms_with_its_previous_call_while_the_device_drafts(ckpts, 
     """While the device still drafts (`device_busy`), `begin` runs the policy's previous call and throws it away
     (its code into the caches before this round's call). It changes nothing the round decides: the same drafts
     verified, the same greedy output; with the device idle it does not run. (An engine of its own, without a
-    prefix cache: the runs must start from the same state.)"""
+    prefix cache: the runs must start from the same state; the decision stays on the host, `decide_on_device`.)"""
     from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
 
     llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost"}, enable_prefix_caching=False)
@@ -594,6 +594,7 @@ def test_the_policy_warms_with_its_previous_call_while_the_device_drafts(ckpts, 
     sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     verified = {}
     spec.explore_every = 0
+    spec.decide_on_device = False
     for name in ("plain", "warmed"):
         spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
                         online_latency=False)

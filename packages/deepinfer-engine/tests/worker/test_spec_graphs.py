@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from deepinfer_engine import LLM, SamplingParams
@@ -323,6 +324,64 @@ def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeyp
     assert any(sum(got) < sum(m) for m, pad, got, _ in calls if pad is not None)  # the steep bucket curve prunes
     assert bucket.observations > 0 and spec.latency.observations == 0
     assert bucket.overhead_observations > 0 and spec.latency.overhead_observations == 0
+
+
+def test_the_decision_on_the_device_is_the_hosts(ckpts) -> None:
+    """While the device drafts (here: `device_busy` reports so), `begin` enqueues the policy's decision behind the
+    draft pass and reads the counts with the drafts: threshold, the cost policy's global argmax on greedy rounds
+    (ragged row buckets, prices through the greedy calibration) and its carried budget on sampled rounds. It
+    verifies what the host decides, draft for draft: the same tokens and statistics with it off, with requests
+    nearing max_tokens, leaving the batch, and cut to fewer drafts by the token budget."""
+    from deepinfer_dspark import SurvivalCalibration
+
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 12, 12, 7)]
+    sampled = [SamplingParams(temperature=0.8, max_tokens=n, ignore_eos=True, seed=s) for n, s in ((12, 1), (12, 2),
+                                                                                                   (12, 3), (7, 4))]
+    # greedy drafts priced far below their survivals: a decision that ignored the calibration would verify others
+    calibration = SurvivalCalibration()
+    grid = np.linspace(0.0, 1.0, 40)[None, :]
+    for _ in range(30):
+        calibration.update(grid, np.asarray([40]), np.asarray([0]), np.asarray([True]))
+    for budget in (None, 20):  # 20 tokens: three requests of 1 + 5, the fourth gets 1 + 1
+        llm = _llm(ckpts["v41"], speculative_config={"method": "dspark"}, enable_prefix_caching=False,
+                   **({} if budget is None else {"max_num_batched_tokens": budget}))
+        _with_static_graphs(llm)
+        spec = llm.engine.runner.spec
+        spec.draft_ahead = True
+        spec.device_busy = lambda: True
+        _decisions_match_the_host(llm, spec, calibration, greedy, sampled)
+        del llm, spec
+        gc.collect()
+
+
+def _decisions_match_the_host(llm, spec, calibration, greedy, sampled) -> None:
+    import copy
+
+    from deepinfer_dspark import LatencyModel, VerifyPolicy
+
+    for policy in (VerifyPolicy(kind="threshold", threshold=0.3), VerifyPolicy(kind="cost", lagged=True)):
+        for sps in (greedy, sampled):
+            runs = {}
+            for decide in (False, True):
+                # a steep fixed curve: the cost policy prunes, and both runs price every round alike
+                spec.set_policy(policy, LatencyModel.affine(0.001, 0.002, 64), online_latency=False)
+                spec.calibration = copy.deepcopy(calibration)
+                spec.decide_on_device = decide
+                spec.reset_stats()
+                outs = llm.generate(PROMPTS, sps, use_tqdm=False)
+                stats = spec.stats.as_dict()
+                stats.pop("survival_reliability")  # survival bins: a float rounding may cross an edge
+                runs[decide] = (_ids(outs), stats, spec.timing.decided, spec.timing.rounds)
+            # counts exactly; survival sums up to float rounding (two runs of one engine differ by ~1e-7 there)
+            got, want = runs[True][1], runs[False][1]
+            assert runs[True][0] == runs[False][0] and got.keys() == want.keys(), (policy, sps[0].temperature)
+            assert all(got[k] == (pytest.approx(v, rel=1e-5) if v is not None else None) for k, v in want.items()), \
+                (policy, sps[0].temperature, got, want)
+            assert got["num_verified_tokens"] < got["num_draft_tokens"]  # the policy pruned
+            decided, rounds = runs[True][2:]
+            # every round but a sampled cost round without a carried budget (the first, and after a shape change)
+            assert runs[False][2] == 0 and (decided == rounds if sps is greedy or policy.kind == "threshold"
+                                            else 0 < decided < rounds), (policy, sps[0].temperature, decided, rounds)
 
 
 def test_build_spec_decoder_wires_the_graphs(ckpts, monkeypatch) -> None:

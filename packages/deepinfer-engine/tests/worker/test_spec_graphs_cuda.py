@@ -67,8 +67,14 @@ def test_greedy_speculation_with_graphs_equals_eager_and_plain(ckpts, name: str)
             assert st.insert_replays >= 10 and st.insert_eager_steps >= 1, st  # prefill steps: eager
             # draft-ahead is on with graphs: rounds took the drafts launched at the previous round's read (the
             # requests finish at different steps, so some rounds took a subset of them or drafted their own)
-            timing = llm.engine.runner.spec.timing
-            assert llm.engine.runner.spec.draft_ahead and timing.ahead_used >= 5, timing
+            spec = llm.engine.runner.spec
+            timing = spec.timing
+            assert spec.draft_ahead and timing.ahead_used >= 5, timing
+            if policy != "verify_all":  # the decision behind the draft pass, on every round (forced busy)
+                spec.device_busy, spec.explore_every = (lambda: True), 0  # no exploration round's verify_all
+                spec.reset_stats()
+                assert _generate(llm) == plain, (name, policy, "decided on the device")
+                assert spec.timing.decided == spec.timing.rounds > 0, spec.timing
         else:  # the MTP block after every step without a prefill chunk
             assert st.mtp_replays >= 10, st
 

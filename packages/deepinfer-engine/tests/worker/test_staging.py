@@ -19,6 +19,7 @@ def _parts(k: int) -> list[tuple[object, torch.dtype]]:
         (np.arange(2 * n, dtype=np.int64).reshape(2, n) * k, torch.int64),
         ([], torch.int64),
         ([k, -k, 7], torch.int32),
+        ([0.1 * k, 1e-300], torch.float64),  # after 12 bytes: aligned to 8
     ]
 
 
@@ -40,8 +41,8 @@ def test_cpu_parts_are_fresh_tensors() -> None:
     t = st.tensor(src, torch.int64)
     src[0] = 9
     assert t.tolist() == [1, 2, 3]  # nor with the caller's array
-    with pytest.raises(InputError, match="found dtype torch.float64"):
-        st.tensor([1.0], torch.float64)
+    with pytest.raises(InputError, match="found dtype torch.float16"):
+        st.tensor([1.0], torch.float16)
 
 
 @pytest.mark.gpu

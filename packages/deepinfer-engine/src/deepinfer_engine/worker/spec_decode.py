@@ -45,8 +45,10 @@ from deepinfer_dspark import (
     VerifyPolicy,
     allocate,
     cost_budget,
+    plan_schedule,
     propose,
     row_plan,
+    schedule_on_device,
     schedule_verification,
     verify,
     verify_counter_uniforms_host,
@@ -168,6 +170,10 @@ class SpecTiming:
     warm_s: float = 0.0
     # the rounds' statistics and calibration updates, run after the next draft pass's launch (`SpecDecoder._flush`)
     deferred_s: float = 0.0
+    # of drafted_s: rounds whose counts the device decided behind the draft pass (`SpecDecoder.decide_on_device`),
+    # and the host's seconds planning and enqueueing those decisions (while the device drafted)
+    decided: int = 0
+    decide_s: float = 0.0
 
     def add_verify(self, rows: int, seconds: float) -> None:
         self.verify_s += seconds
@@ -183,6 +189,7 @@ class SpecTiming:
                 "lag_ms": 1e3 * self.lag_s / n, "ahead_used": self.ahead_used,
                 "ahead_selected": self.ahead_selected, "ahead_missed": self.ahead_missed, "warmed": self.warmed,
                 "warm_ms": 1e3 * self.warm_s / n, "deferred_ms": 1e3 * self.deferred_s / n,
+                "decided": self.decided, "decide_ms": 1e3 * self.decide_s / n,
                 "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
@@ -265,6 +272,11 @@ class SpecDecoder:
         # policy's code with its previous call (`_warm`, per policy) before it reads the drafts. None: never
         self.device_busy: Callable[[], bool] | None = None
         self._warm: dict[VerifyPolicy, tuple[Callable, tuple, dict]] = {}
+        # while the device still drafts, `begin` enqueues the policy's decision behind the draft pass instead
+        # (`deepinfer_dspark.schedule_on_device`, where the policy allows it) and reads the counts with the drafts:
+        # the host plans it while it would wait anyway, and no host decision stands between the read and the verify
+        # step's launch (docs/dspark.md "The decision on the device")
+        self.decide_on_device = True
         # the cost policy prices survivals through the acceptance seen at their level, per sampling class (greedy
         # rows accept a draft on another event than the head was trained for: deepinfer_dspark.survival_calibration)
         self.calibration: SurvivalCalibration | None = None
@@ -380,13 +392,37 @@ class SpecDecoder:
         if prop is None:
             prop = self._propose(host, dev, temps)
         base = sum(c.num_tokens for c in chunks if c.req_id not in rnd.index)
-        # the policy runs on the host: it is a few small sorts and scans, and m is needed there anyway (the verify
-        # chunks' tokens); one copy brings the drafts and the survivals over
+        n = self.block_size
+        self.rounds += 1
+        policy = self.policy
+        if (policy.kind == "cost" and self.online_latency and self.latency is not None and self.explore_every
+                and self.rounds % self.explore_every == 0):
+            policy = VerifyPolicy(kind="verify_all")  # sample the curve at the large step sizes too
+            self.explored += 1
+        padding = self.padding(chunks, rnd.index)
+        rnd.latency = self.latency_for(padding)
+        shape = (len(picked), base, None if padding is None else padding.batch)
+        # a greedy round's drafts are not random, so its own survivals may choose its budget (the global argmax):
+        # the lag exists for sampled rounds only. At temperature 0 the number of drafts worth verifying varies by
+        # about 12% from round to round (bimodal survivals), which a carried count cannot follow (`next_budget`)
+        deterministic = all(rnd.greedy)
         surv = prop.survival()
-        wide = prop.draft_ids.to(torch.float64) if surv is None else torch.cat(
-            [prop.draft_ids.to(torch.float64), surv.to(torch.float64)], 1)
-        warm = self._warm.get(self.policy) if self.device_busy is not None else None
-        if warm is not None and self.device_busy():
+        lagged = (self._lagged[1] if policy.kind == "cost" and policy.lagged and surv is not None and not deterministic
+                  and self._lagged is not None and self._lagged[0] == shape else None)
+        busy = surv is not None and self.device_busy is not None and self.device_busy()
+        decided = None
+        if busy and self.decide_on_device and policy.kind != "verify_all":
+            # the host would wait for the draft pass here: it plans the decision and the device runs it right
+            # after the drafts, so the one read below brings the counts too
+            decided = self._decide_on_device(policy, rnd, host, dev, surv, base, padding, lagged, device)
+        # the policy runs on the host otherwise: it is a few small sorts and scans, and m is needed there anyway
+        # (the verify chunks' tokens); one copy brings the drafts, the survivals (and the device's counts) over
+        cols = [prop.draft_ids.to(torch.float64)]
+        cols += [] if surv is None else [surv.to(torch.float64)]
+        cols += [] if decided is None else [decided[:, None].to(torch.float64)]
+        wide = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
+        warm = self._warm.get(self.policy) if busy and decided is None else None
+        if warm is not None:
             # the host is about to wait for the draft pass: it runs this policy's previous call meanwhile and throws
             # the result away, so that this round's call finds its code and data in the caches (on the CPU a call
             # after the round's other host work took 4-6x a repeat of it: docs/dspark.md "Verification policies")
@@ -396,44 +432,31 @@ class SpecDecoder:
             self.timing.warmed += 1
         wide = wide.cpu().numpy()  # the one host read before the forward
         self.timing.drafted_s += time.perf_counter() - started
-        n = self.block_size
-        self.rounds += 1
-        policy = self.policy
-        if (policy.kind == "cost" and self.online_latency and self.latency is not None and self.explore_every
-                and self.rounds % self.explore_every == 0):
-            policy = VerifyPolicy(kind="verify_all")  # sample the curve at the large step sizes too
-            self.explored += 1
         policy_started = time.perf_counter()
-        padding = self.padding(chunks, rnd.index)
-        rnd.latency = self.latency_for(padding)
-        survival = None if surv is None else wide[:, n:].astype(np.float32)
-        shape = (len(picked), base, None if padding is None else padding.batch)
-        # a greedy round's drafts are not random, so its own survivals may choose its budget (the global argmax):
-        # the lag exists for sampled rounds only. At temperature 0 the number of drafts worth verifying varies by
-        # about 12% from round to round (bimodal survivals), which a carried count cannot follow (`next_budget`)
-        deterministic = all(rnd.greedy)
-        lagged = (self._lagged if policy.kind == "cost" and policy.lagged and survival is not None and not deterministic
-                  else None)
-        if lagged is not None and lagged[0] == shape:
-            # the top K by this round's survivals (`next_budget`)
-            call: tuple[Callable, tuple, dict] = (allocate, (survival, host[:, 3], lagged[1]), {})
+        survival = None if surv is None else wide[:, n: 2 * n].astype(np.float32)
+        if decided is not None:
+            m = torch.from_numpy(wide[:, -1].astype(np.int64))
         else:
-            ranked, price = survival, None  # the survivals as the cost policy ranks and prices them (`calibration`)
-            if policy.kind == "cost" and self.calibration is not None and survival is not None:
-                ranked, price = self._priced(survival, rnd.greedy)
-            call = (schedule_verification, (policy, host[:, 3]), dict(
-                survival=ranked, latency=rnd.latency, base_tokens=base, deterministic=deterministic, padding=padding,
-                price=price))
-        m = call[0](*call[1], **call[2])
-        if self.device_busy is not None and policy is self.policy:  # not an exploration round's verify_all
-            self._warm[policy] = call
+            if lagged is not None:
+                # the top K by this round's survivals (`next_budget`)
+                call: tuple[Callable, tuple, dict] = (allocate, (survival, host[:, 3], lagged), {})
+            else:
+                ranked, price = survival, None  # the survivals as the cost policy ranks and prices them
+                if policy.kind == "cost" and self.calibration is not None and survival is not None:
+                    ranked, price = self._priced(survival, rnd.greedy)
+                call = (schedule_verification, (policy, host[:, 3]), dict(
+                    survival=ranked, latency=rnd.latency, base_tokens=base, deterministic=deterministic,
+                    padding=padding, price=price))
+            m = call[0](*call[1], **call[2])
+            if self.device_busy is not None and policy is self.policy:  # not an exploration round's verify_all
+                self._warm[policy] = call
         if (self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None
                 and not deterministic):
             # `next_budget`, after the launch
             rnd.lag_inputs = (shape, survival, host[:, 3], base, padding, np.asarray(rnd.greedy))
         self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
-        rnd.survival_host = None if surv is None else wide[:, n:]
+        rnd.survival_host = None if surv is None else wide[:, n: 2 * n]
         rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
         rnd.num_drafts_host = m
         rnd.proposal = prop
@@ -449,6 +472,29 @@ class SpecDecoder:
             rnd.timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             rnd.timer[0].record()
         return rnd
+
+    def _decide_on_device(self, policy: VerifyPolicy, rnd: SpecRound, host: np.ndarray, dev: Tensor, surv: Tensor,
+                          base: int, padding: StepPadding | None, lagged: int | None, device: torch.device
+                          ) -> Tensor | None:  # fmt: skip
+        """`[B] int64` the round's counts, enqueued on the device behind the draft pass (`begin`), or None where the
+        host decides: the sampled rows' early-stop search, or a search over a round of both sampling classes with
+        the calibration on (it prices each class through its own map). The decision is the host's on the same
+        inputs: the policy, the carried budget, the curve of the round's step, the calibration of its class."""
+        started = time.perf_counter()
+        greedy = rnd.greedy
+        price = None
+        if policy.kind == "cost" and lagged is None and self.calibration is not None:
+            if any(greedy) and not all(greedy):
+                return None
+            price = self.calibration.curve(all(greedy))
+        plan = plan_schedule(policy, host[:, 3], latency=rnd.latency, base_tokens=base, deterministic=all(greedy),
+                             padding=padding, budget=lagged, price=price)
+        counts = None
+        if plan is not None:
+            counts = schedule_on_device(plan, surv, dev[:, 3], upload=self._staging(device).stage)
+            self.timing.decided += 1
+        self.timing.decide_s += time.perf_counter() - started
+        return counts
 
     # ------------------------------------------------------------------------------------------ draft-ahead
     def launch_ahead(self, rnd: SpecRound, device: torch.device) -> None:

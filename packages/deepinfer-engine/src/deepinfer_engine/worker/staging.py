@@ -27,8 +27,9 @@ from deepinfer_engine.errors import ConfigError, InputError
 
 __all__ = ["HostStaging"]
 
-_ALIGN = 8  # bytes: every dtype staged here (int32/int64/float32) views an 8-byte aligned offset
-_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+_ALIGN = 8  # bytes: every dtype staged here (int32/int64/float32/float64) views an 8-byte aligned offset
+_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
+       torch.bool: np.bool_}
 
 
 def _np_dtype(dtype: torch.dtype) -> type:
