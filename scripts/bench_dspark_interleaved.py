@@ -19,7 +19,10 @@ round does the same work whatever policy comes next; no sync separates the round
 the previous step's return to its own. Cycles in which a CUDA graph was captured are dropped, and so are cycles
 with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round, a one-off the policy
 does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy it hit.
-Each round also records the drafts it verified and its policy's host seconds (`SpecTiming` policy + lagged search).
+Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming` policy
++ lagged search) and whether the device decided its counts (`SpecDecoder.decide_on_device`). `--host-decision` adds,
+for each policy but verify_all, a rival NAME[host] that decides on the host: the decision on the device against
+the host's, paired by cycle like the policies.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ STALL_FACTOR = 5.0
 def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[int]], sp: list, *, skip: int,
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
-    cycle, verified drafts, policy host seconds], ...]}, "dropped": cycles dropped for a capture, "stalled": cycles
-    dropped for a stall}. The requests are dropped afterwards."""
+    cycle, verified drafts, policy host seconds, decided on the device (0 / 1)], ...]}, "dropped": cycles dropped
+    for a capture, "stalled": cycles dropped for a stall}. A name ending in "[host]" decides on the host. The
+    requests are dropped afterwards."""
     eng = llm.engine
     dec = eng.runner.spec
     graphs = eng.runner.cuda_graphs
@@ -70,12 +74,13 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
             for i in run_order(len(policies), seed, c + warm_cycles):
                 name, pol = policies[i]
                 dec.policy = pol  # the policy only (module docstring)
+                dec.decide_on_device = not name.endswith("[host]")
                 tok0, ver0 = eng.total.decode_tokens, dec.stats.num_verified_tokens
-                host0 = dec.timing.policy_s + dec.timing.lag_s
+                host0, decided0 = dec.timing.policy_s + dec.timing.lag_s, dec.timing.decided
                 eng.step_outputs()
                 now = time.perf_counter()
                 got.append((name, eng.total.decode_tokens - tok0, now - last, dec.stats.num_verified_tokens - ver0,
-                            dec.timing.policy_s + dec.timing.lag_s - host0))
+                            dec.timing.policy_s + dec.timing.lag_s - host0, dec.timing.decided - decided0))
                 last = now
             if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
                 raise SystemExit("interleaved: a prefill step or a finished request fell inside the window; raise "
@@ -95,8 +100,8 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
         if max(g[3] for g in cyc) > limit:
             stalled += 1
             continue
-        for c, name, tokens, seconds, verified, host in cyc:
-            rounds[name].append([tokens, seconds, c, verified, host])
+        for c, name, tokens, seconds, verified, host, decided in cyc:
+            rounds[name].append([tokens, seconds, c, verified, host, decided])
     return {"rounds": rounds, "dropped": dropped, "stalled": stalled}
 
 
@@ -114,6 +119,8 @@ def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resampl
             out["policies"][name].update(verified_per_round=sum(r[3] for r in rs) / len(rs),
                                          policy_ms_per_round=1e3 * sum(r[4] for r in rs) / len(rs),
                                          ms_per_round=1e3 * sec / len(rs))
+        if rs and len(rs[0]) > 5:
+            out["policies"][name]["decided_on_device"] = sum(r[5] for r in rs) / len(rs)
     if subject not in rounds:
         return out
     mine = {int(r[2]): (r[0], r[1]) for r in rounds[subject]}
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=0,
                     help="tokens per request (default: enough for every round of the window)")
+    ap.add_argument("--host-decision", action="store_true",
+                    help="add NAME[host] for each policy but verify_all: its decision on the host, not the device")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -172,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = [("verify_all", VerifyPolicy(kind="verify_all"))]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t)) for t in args.threshold]
     policies.append(("cost", VerifyPolicy(kind="cost", lagged=True)))  # as the engine runs it
+    if args.host_decision:
+        policies += [(f"{name}[host]", pol) for name, pol in policies if pol.kind != "verify_all"]
     rounds_per_request = args.skip + len(policies) * (args.warm_cycles + args.cycles) + 1
     new_tokens = args.new_tokens or rounds_per_request * (dec.block_size + 1)
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
@@ -192,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                 pair = cell["paired"].get(name)
                 vs = (f"cost / it {pair['ratio']:.3f} ({pair['low']:.3f}-{pair['high']:.3f}), cost ahead in "
                       f"{pair['ahead']} of {pair['cycles']}") if pair else ""
-                print(f"  {name:<16} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
+                print(f"  {name:<22} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
                       f"{p.get('verified_per_round', 0):7.1f} verified {p.get('policy_ms_per_round', 0):5.3f} ms "
-                      f"policy  {vs}", flush=True)
+                      f"policy {p.get('decided_on_device', 0):4.0%} on device  {vs}", flush=True)
             if args.json:
                 args.json.write_text(json.dumps(report) + "\n")
     return 0
