@@ -51,7 +51,7 @@
 #     dspark-timeline  scripts/spec_timeline.py: device idle time of a steady-state speculative round by host phase
 #     dspark-interleaved  scripts/bench_dspark_interleaved.py: the policies round by round inside one steady window
 #            per (prompts, temperature) cell, paired by cycle (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES; INTER_ARGS,
-#            e.g. --threshold 0.1 0.2)
+#            e.g. --threshold 0.1 0.2; --host-decision pairs each policy with its decision on the host)
 #     decode-ab OLD_TREE  the plain decode step (V4.1 layers-4, all experts, `bench latency` at AB_BATCHES, default
 #            1,64) of this tree and of OLD_TREE alternately in one call (AB_ROUNDS, default 2), after an untimed
 #            warm-up of each: a change to the decode graph measured against the tree before it on one machine
@@ -355,7 +355,7 @@ dspark)
     python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
     [ "${SPEC_TESTS:-1}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider $xdist \
         packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py packages/deepinfer-kernels/tests/test_sampling_draw_triton.py \
-        packages/deepinfer-dspark/tests/test_verify.py
+        packages/deepinfer-dspark/tests/test_verify.py packages/deepinfer-dspark/tests/test_schedule_device.py
     # the Confidence Head through the fused draft round against the eager sampling (same acceptance, and the same
     # predictions with a survival calibration near 1 expected; CONF_CHECK=0 skips it)
     if [ "${CONF_CHECK:-1}" = 1 ]; then
@@ -381,7 +381,10 @@ dspark-profile)
     ;;
 dspark-interleaved)
     # the policies round by round in one steady window per cell (scripts/bench_dspark_interleaved.py): cost's
-    # tokens/s against each rival over the cycles they share (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES)
+    # tokens/s against each rival over the cycles they share (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES); SPEC_TESTS=1
+    # runs the speculative GPU tests first (the graphs, the decision on the device against the host's)
+    [ "${SPEC_TESTS:-0}" = 1 ] && step spec_graph_tests 150 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+        packages/deepinfer-engine/tests/worker/test_spec_graphs_cuda.py packages/deepinfer-dspark/tests/test_schedule_device.py
     step dspark_interleaved ${INTER_LIMIT_S:-420} python3 scripts/bench_dspark_interleaved.py --ckpt .cache/dspark-testbed \
         --device cuda --prompts ${INTER_PROMPTS:-32 128 256} --temperature ${INTER_TEMPS:-1 0} --cycles ${INTER_CYCLES:-96} \
         --json "$OUT/dspark_interleaved.json" ${INTER_ARGS:-}
