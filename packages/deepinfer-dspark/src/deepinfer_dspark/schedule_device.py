@@ -155,8 +155,7 @@ def schedule_on_device(plan: DevicePlan, survival: Tensor, max_drafts: Tensor, *
         k: Tensor | int = plan.budget
     else:
         k = _search(plan, ranked, upload or _to_device(device))
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=device)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
     return (rank < k).reshape(batch, width).sum(1)
 
 
