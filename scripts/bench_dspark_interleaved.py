@@ -20,9 +20,9 @@ the previous step's return to its own. Cycles in which a CUDA graph was captured
 with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round, a one-off the policy
 does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy it hit.
 Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming` policy
-+ lagged search) and whether the device decided its counts (`SpecDecoder.decide_on_device`). `--host-decision` adds,
-for each policy but verify_all, a rival NAME[host] that decides on the host: the decision on the device against
-the host's, paired by cycle like the policies.
++ lagged search) and whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine).
+`--device-decision` adds, for each policy but verify_all, a rival NAME[device] that decides on the device while it
+drafts: the decision on the device against the host's, paired by cycle like the policies.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
     cycle, verified drafts, policy host seconds, decided on the device (0 / 1)], ...]}, "dropped": cycles dropped
-    for a capture, "stalled": cycles dropped for a stall}. A name ending in "[host]" decides on the host. The
-    requests are dropped afterwards."""
+    for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]" decides on the device, the
+    others on the host. The requests are dropped afterwards."""
     eng = llm.engine
     dec = eng.runner.spec
     graphs = eng.runner.cuda_graphs
@@ -74,7 +74,7 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
             for i in run_order(len(policies), seed, c + warm_cycles):
                 name, pol = policies[i]
                 dec.policy = pol  # the policy only (module docstring)
-                dec.decide_on_device = not name.endswith("[host]")
+                dec.decide_on_device = name.endswith("[device]")
                 tok0, ver0 = eng.total.decode_tokens, dec.stats.num_verified_tokens
                 host0, decided0 = dec.timing.policy_s + dec.timing.lag_s, dec.timing.decided
                 eng.step_outputs()
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cycles", type=int, default=96)
     ap.add_argument("--new-tokens", type=int, default=0,
                     help="tokens per request (default: enough for every round of the window)")
-    ap.add_argument("--host-decision", action="store_true",
-                    help="add NAME[host] for each policy but verify_all: its decision on the host, not the device")
+    ap.add_argument("--device-decision", action="store_true",
+                    help="add NAME[device] for each policy but verify_all: its decision on the device while it drafts")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     policies = [("verify_all", VerifyPolicy(kind="verify_all"))]
     policies += [(f"threshold[{t}]", VerifyPolicy(kind="threshold", threshold=t)) for t in args.threshold]
     policies.append(("cost", VerifyPolicy(kind="cost", lagged=True)))  # as the engine runs it
-    if args.host_decision:
-        policies += [(f"{name}[host]", pol) for name, pol in policies if pol.kind != "verify_all"]
+    if args.device_decision:
+        policies += [(f"{name}[device]", pol) for name, pol in policies if pol.kind != "verify_all"]
     rounds_per_request = args.skip + len(policies) * (args.warm_cycles + args.cycles) + 1
     new_tokens = args.new_tokens or rounds_per_request * (dec.block_size + 1)
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,

@@ -51,7 +51,7 @@
 #     dspark-timeline  scripts/spec_timeline.py: device idle time of a steady-state speculative round by host phase
 #     dspark-interleaved  scripts/bench_dspark_interleaved.py: the policies round by round inside one steady window
 #            per (prompts, temperature) cell, paired by cycle (INTER_PROMPTS, INTER_TEMPS, INTER_CYCLES; INTER_ARGS,
-#            e.g. --threshold 0.1 0.2; --host-decision pairs each policy with its decision on the host)
+#            e.g. --threshold 0.1 0.2; --device-decision pairs each policy with its decision on the device)
 #     decode-ab OLD_TREE  the plain decode step (V4.1 layers-4, all experts, `bench latency` at AB_BATCHES, default
 #            1,64) of this tree and of OLD_TREE alternately in one call (AB_ROUNDS, default 2), after an untimed
 #            warm-up of each: a change to the decode graph measured against the tree before it on one machine

@@ -21,7 +21,7 @@ class _Engine:
     def __init__(self, emit: dict[str, int], capture_at: int | None = None, stall_at: int | None = None) -> None:
         self.spec = types.SimpleNamespace(policy=None, stats=types.SimpleNamespace(num_verified_tokens=0),
                                           timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0, decided=0),
-                                          decide_on_device=True)
+                                          decide_on_device=False)
         self.clock, self.stall_at = 0.0, stall_at
         self.runner = types.SimpleNamespace(spec=self.spec, device=types.SimpleNamespace(type="cpu"),
                                             cuda_graphs=types.SimpleNamespace(stats=types.SimpleNamespace(capture_s=0.0)))
@@ -63,21 +63,21 @@ def _policies(*names):
 
 
 def test_every_cycle_runs_each_policy_once_in_its_own_order(bench, monkeypatch):
-    eng = _Engine({"a": 2, "b[host]": 3, "cost": 4}, capture_at=2 + 3 * 2 + 2,  # after 2 skipped steps, 1 warm
+    eng = _Engine({"a": 2, "b[device]": 3, "cost": 4}, capture_at=2 + 3 * 2 + 2,  # after 2 skipped steps, 1 warm
                   stall_at=2 + 3 * 6)  # and 1 timed cycle of 3 rounds: in timed cycle 1; a stall in the last one (4)
     monkeypatch.setattr(bench.time, "perf_counter", lambda: eng.clock)
-    got = bench.interleaved(_LLM(eng), _policies("a", "b[host]", "cost"), [[1]] * 4, [None] * 4, skip=2,
+    got = bench.interleaved(_LLM(eng), _policies("a", "b[device]", "cost"), [[1]] * 4, [None] * 4, skip=2,
                             warm_cycles=1, cycles=5, seed=3)
     assert eng.steps == 2 + 3 * 6 and eng.discarded == ["r0", "r1", "r2", "r3"]
     cycles = [eng.seen[2 + 3 * k: 5 + 3 * k] for k in range(6)]
-    assert all(sorted(c) == ["a", "b[host]", "cost"] for c in cycles) and len({tuple(c) for c in cycles}) > 1
+    assert all(sorted(c) == ["a", "b[device]", "cost"] for c in cycles) and len({tuple(c) for c in cycles}) > 1
     assert got["dropped"] == 1 and got["stalled"] == 1
-    for name, tokens in (("a", 2), ("b[host]", 3), ("cost", 4)):
+    for name, tokens in (("a", 2), ("b[device]", 3), ("cost", 4)):
         rs = got["rounds"][name]
         assert [int(r[2]) for r in rs] == [0, 2, 3]
         assert all(r[0] == tokens and r[1] == 1.0 and r[3] == 2 * tokens and r[4] == pytest.approx(1e-3) for r in rs)
-        # a [host] rival decides on the host; the others on the device
-        assert all(r[5] == (0 if name.endswith("[host]") else 1) for r in rs), name
+        # a [device] rival decides on the device; the others on the host
+        assert all(r[5] == (1 if name.endswith("[device]") else 0) for r in rs), name
 
 
 def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):

@@ -173,8 +173,12 @@ def _search(plan: DevicePlan, ranked: Tensor, upload: Upload) -> Tensor:
     if knots:
         vals = _interp(vals, *knots)
     expected = torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)]) + plan.batch  # E(K), K = 0 .. count
-    # [1]-shaped indices throughout: a 0-d index tensor is read to the host (a sync)
-    best = torch.argmax(expected[ends] / seconds).reshape(1)  # the first maximum
+    # [1]-shaped indices throughout: a 0-d index tensor is read to the host (a sync). The first maximum by a min over
+    # the maximal positions: CUDA's argmax did not return the first of equal rates (rates tie where the floor makes
+    # two buckets cost the same and the drafts between them are worth 0); a NaN rate is handled at the end
+    rates = expected[ends] / seconds
+    where = torch.arange(rates.numel(), device=rates.device)
+    best = torch.where(rates >= rates.max(), where, rates.numel() - 1).min().reshape(1)
     # the first K of that bucket reaching its end's E (E does not decrease: the priced values are >= 0), the first
     # maximum over every K
     k = torch.maximum(torch.searchsorted(expected, expected[ends[best]]), starts[best])

@@ -72,6 +72,7 @@ def test_greedy_speculation_with_graphs_equals_eager_and_plain(ckpts, name: str)
             assert spec.draft_ahead and timing.ahead_used >= 5, timing
             if policy != "verify_all":  # the decision behind the draft pass, on every round (forced busy)
                 spec.device_busy, spec.explore_every = (lambda: True), 0  # no exploration round's verify_all
+                spec.decide_on_device = True
                 spec.reset_stats()
                 assert _generate(llm) == plain, (name, policy, "decided on the device")
                 assert spec.timing.decided == spec.timing.rounds > 0, spec.timing

@@ -272,11 +272,11 @@ class SpecDecoder:
         # policy's code with its previous call (`_warm`, per policy) before it reads the drafts. None: never
         self.device_busy: Callable[[], bool] | None = None
         self._warm: dict[VerifyPolicy, tuple[Callable, tuple, dict]] = {}
-        # while the device still drafts, `begin` enqueues the policy's decision behind the draft pass instead
-        # (`deepinfer_dspark.schedule_on_device`, where the policy allows it) and reads the counts with the drafts:
-        # the host plans it while it would wait anyway, and no host decision stands between the read and the verify
-        # step's launch (docs/dspark.md "The decision on the device")
-        self.decide_on_device = True
+        # on: while the device still drafts, `begin` enqueues the policy's decision behind the draft pass
+        # (`deepinfer_dspark.schedule_on_device`, where the policy allows it) and reads the counts with the drafts.
+        # Off by default: as eager torch ops (6-40 launches) it tied the host's NumPy decision on the H200 at best,
+        # and lost up to 0.58 ms per round at 32 requests (docs/dspark.md "The decision on the device")
+        self.decide_on_device = False
         # the cost policy prices survivals through the acceptance seen at their level, per sampling class (greedy
         # rows accept a draft on another event than the head was trained for: deepinfer_dspark.survival_calibration)
         self.calibration: SurvivalCalibration | None = None
