@@ -22,7 +22,10 @@ does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), w
 Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming` policy
 + lagged search) and whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine).
 `--device-decision` adds, for each policy but verify_all, a rival NAME[device] that decides on the device while it
-drafts: the decision on the device against the host's, paired by cycle like the policies.
+drafts: the decision on the device against the host's, paired by cycle like the policies. `--control` adds
+"cost (again)", the same policy a second time: the spread of cost's ratio against it is what the bench reads
+between identical policies (an A/A comparison; the bootstrap over cycles treats cycles as independent, while the
+text each policy's rounds decode differs, and its difficulty drifts slowly).
 """
 
 from __future__ import annotations
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per request (default: enough for every round of the window)")
     ap.add_argument("--device-decision", action="store_true",
                     help="add NAME[device] for each policy but verify_all: its decision on the device while it drafts")
+    ap.add_argument("--control", action="store_true", help="add the cost policy a second time (an A/A comparison)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -183,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     policies.append(("cost", VerifyPolicy(kind="cost", lagged=True)))  # as the engine runs it
     if args.device_decision:
         policies += [(f"{name}[device]", pol) for name, pol in policies if pol.kind != "verify_all"]
+    if args.control:
+        policies.append(("cost (again)", policies[[n for n, _ in policies].index("cost")][1]))
     rounds_per_request = args.skip + len(policies) * (args.warm_cycles + args.cycles) + 1
     new_tokens = args.new_tokens or rounds_per_request * (dec.block_size + 1)
     report: dict[str, Any] = {"device": str(llm.engine.runner.device), "torch": torch.__version__,
