@@ -12,8 +12,9 @@ decision right behind it, and the round's one host read brings the counts with t
 The decisions are `schedule_verification`'s: the same ranking (descending survival clamped to [0, 1], NaN first,
 candidates past max_drafts last, ties in request-major / depth-minor order), the same first maximum of E(K) / T(K)
 over the same candidate K, the same prices. On the CPU the float64 sums are taken in the same order and the counts
-equal the host's bit for bit; a GPU's cumulative sum may round the last bit differently, which can move the choice
-only between two K whose rates tie to ~1e-16.
+equal the host's bit for bit; a GPU's scan rounds sums in another order, so the device takes rates (and yields)
+within `TIE` (1e-12, relative) of each other as equal and the first of them, as the host takes the first of an
+exact tie. It differs from the host only where candidates worth less than 1e-12 of the step's yield decide.
 
 Planned: `verify_all`, `threshold`, the cost policy's allocation of a carried budget (`VerifyPolicy(lagged=True)`,
 rounds with sampled rows) and its global argmax (`deterministic=True` or `exact=False`: all-greedy rounds) over a
@@ -38,6 +39,10 @@ from deepinfer_dspark.schedule import StepPadding, VerifyPolicy, _free
 __all__ = ["DevicePlan", "plan_schedule", "schedule_on_device"]
 
 KINDS = ("all", "threshold", "top_k", "search")
+# relative gap under which two rates, or two expected yields, count as equal: a GPU's scan sums in another order
+# than the host's sequential one, so K that tie exactly on the host (candidates worth 0 between them) differ there
+# by a few ulps (about 1e-16 per addition); the first of such a tie is taken, as the host does
+TIE = 1e-12
 
 
 @dataclass(frozen=True, eq=False)
@@ -173,15 +178,15 @@ def _search(plan: DevicePlan, ranked: Tensor, upload: Upload) -> Tensor:
     if knots:
         vals = _interp(vals, *knots)
     expected = torch.cat([vals.new_zeros(1), torch.cumsum(vals, 0)]) + plan.batch  # E(K), K = 0 .. count
-    # [1]-shaped indices throughout: a 0-d index tensor is read to the host (a sync). The first maximum by a min over
-    # the maximal positions: CUDA's argmax did not return the first of equal rates (rates tie where the floor makes
-    # two buckets cost the same and the drafts between them are worth 0); a NaN rate is handled at the end
+    # [1]-shaped indices throughout: a 0-d index tensor is read to the host (a sync). The first maximum, up to `TIE`,
+    # by a min over the maximal positions (rates tie where the floor prices two K alike and the candidates between
+    # them are worth 0; CUDA's argmax does not promise the first of equal values); a NaN rate is handled at the end
     rates = expected[ends] / seconds
     where = torch.arange(rates.numel(), device=rates.device)
-    best = torch.where(rates >= rates.max(), where, rates.numel() - 1).min().reshape(1)
-    # the first K of that bucket reaching its end's E (E does not decrease: the priced values are >= 0), the first
-    # maximum over every K
-    k = torch.maximum(torch.searchsorted(expected, expected[ends[best]]), starts[best])
+    best = torch.where(rates >= rates.max() * (1.0 - TIE), where, rates.numel() - 1).min().reshape(1)
+    # the first K of that bucket reaching its end's E up to `TIE` (E does not decrease: the priced values are >= 0),
+    # the first maximum over every K
+    k = torch.maximum(torch.searchsorted(expected, expected[ends[best]] * (1.0 - TIE)), starts[best])
     # a NaN price (ranked first) makes every E(K > 0) NaN, and the host's argmax stops at the first NaN rate: K = 1
     return torch.where(expected[-1:].isnan(), torch.ones_like(k), k)
 
