@@ -272,9 +272,7 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
         # bucket's best rate is at its last K: the buckets are priced at their ends (a dozen curve points instead
         # of every K, in plain floats: the policy's host time is round time too), and the first K of the first
         # best bucket that reaches its rate is the first maximum over all K, as below
-        inner = [q for q in sizes[bisect.bisect_left(sizes, q0):] if q - q0 < count]
-        rows = inner + [sizes[bisect.bisect_left(sizes, q0 + count)]]
-        ends = [q - q0 for q in inner] + [count]
+        ends, rows = _bucket_ends(sizes, q0, count)
         sums = total[[max(k - 1, 0) for k in ends]].tolist()
         expected = [batch + (x if k else 0.0) for k, x in zip(ends, sums)]
         rates = [e / t for e, t in zip(expected, latency.predict_each(rows))]
@@ -287,10 +285,23 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
         top = batch + np.concatenate(([0.0], total))[start: end + 1]  # non-decreasing: the first value equal to
         return start + int(np.argmax(top >= top[-1]))  # its end is its first maximum
     expected = batch + np.concatenate(([0.0], total))
-    rows = padding.bucketed(np.arange(q0, q0 + count + 1, dtype=np.int64))
+    return int(np.argmax(expected / _every_k_seconds(latency, padding, q0, count)))  # first maximum
+
+
+def _bucket_ends(sizes: tuple[int, ...], q0: int, count: int) -> tuple[list[int], list[int]]:
+    """(ends, rows) of a ragged step of q0 rows besides its candidates, count candidates, q0 + count <= the largest
+    size: each row bucket's last K (the last one: every candidate) and the rows that bucket runs."""
+    inner = [q for q in sizes[bisect.bisect_left(sizes, q0):] if q - q0 < count]
+    return [q - q0 for q in inner] + [count], inner + [sizes[bisect.bisect_left(sizes, q0 + count)]]
+
+
+def _every_k_seconds(latency: LatencyModel, padding: StepPadding | None, q0: int, count: int) -> np.ndarray:
+    """`[count + 1] float64` the predicted time of the step at each K = 0 .. count (its row bucket's, ragged)."""
+    rows = np.arange(q0, q0 + count + 1, dtype=np.int64)
+    if padding is not None:
+        rows = padding.bucketed(rows)
     lo = int(rows.min())
-    seconds = latency.host_curve(lo, int(rows.max()))[rows - lo]
-    return int(np.argmax(expected / seconds))  # first maximum
+    return latency.host_curve(lo, int(rows.max()))[rows - lo]
 
 
 def _free(m: np.ndarray, batch: int, latency: LatencyModel, padding: StepPadding | None, base_tokens: int) -> bool:

@@ -24,7 +24,6 @@ ragged or unpadded step. Not planned (`plan_schedule` returns None, the host dec
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.latency import LatencyModel
-from deepinfer_dspark.schedule import StepPadding, VerifyPolicy, _free
+from deepinfer_dspark.schedule import StepPadding, VerifyPolicy, _bucket_ends, _every_k_seconds, _free
 
 __all__ = ["DevicePlan", "plan_schedule", "schedule_on_device"]
 
@@ -110,17 +109,14 @@ def plan_schedule(
     if count == 0 or latency.flat() or _free(m, batch, latency, padding, base_tokens):
         return DevicePlan(kind="all")
     q0 = base_tokens + batch
-    sizes = padding.sizes if padding is not None else ()
-    if padding is not None and q0 + count <= sizes[-1]:
+    if padding is not None and q0 + count <= padding.sizes[-1]:
         # a bucket's best rate is at its last K (`schedule._ragged`): its ends, and the first K of each bucket
-        inner = [q for q in sizes[bisect.bisect_left(sizes, q0):] if q - q0 < count]
-        ends = [q - q0 for q in inner] + [count]
-        seconds = latency.predict_each(inner + [sizes[bisect.bisect_left(sizes, q0 + count)]])
+        ends, rows = _bucket_ends(padding.sizes, q0, count)
+        seconds = latency.predict_each(rows)
         starts = [0] + [e + 1 for e in ends[:-1]]
     else:  # every K priced (an unbucketed step, or one past the largest bucket)
         ends = starts = np.arange(count + 1, dtype=np.int64)
-        rows = ends + q0 if padding is None else padding.bucketed(ends + q0)
-        seconds = latency.host_curve(int(rows.min()), int(rows.max()))[rows - int(rows.min())]
+        seconds = _every_k_seconds(latency, padding, q0, count)
     knots = None
     if price is not None:
         x, y = (np.asarray(v, dtype=np.float64) for v in price)
