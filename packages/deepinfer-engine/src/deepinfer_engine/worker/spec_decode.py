@@ -409,9 +409,13 @@ class SpecDecoder:
         surv = prop.survival()
         lagged = (self._lagged[1] if policy.kind == "cost" and policy.lagged and surv is not None and not deterministic
                   and self._lagged is not None and self._lagged[0] == shape else None)
-        busy = surv is not None and self.device_busy is not None and self.device_busy()
+        on_device = self.decide_on_device and policy.kind != "verify_all"
+        warm = self._warm.get(self.policy)
+        # asked only when something would use the answer (an event recorded and queried per call)
+        busy = (surv is not None and self.device_busy is not None and (on_device or warm is not None)
+                and self.device_busy())
         decided = None
-        if busy and self.decide_on_device and policy.kind != "verify_all":
+        if busy and on_device:
             # the host would wait for the draft pass here: it plans the decision and the device runs it right
             # after the drafts, so the one read below brings the counts too
             decided = self._decide_on_device(policy, rnd, host, dev, surv, base, padding, lagged, device)
@@ -421,8 +425,7 @@ class SpecDecoder:
         cols += [] if surv is None else [surv.to(torch.float64)]
         cols += [] if decided is None else [decided[:, None].to(torch.float64)]
         wide = torch.cat(cols, 1) if len(cols) > 1 else cols[0]
-        warm = self._warm.get(self.policy) if busy and decided is None else None
-        if warm is not None:
+        if busy and decided is None and warm is not None:
             # the host is about to wait for the draft pass: it runs this policy's previous call meanwhile and throws
             # the result away, so that this round's call finds its code and data in the caches (on the CPU a call
             # after the round's other host work took 4-6x a repeat of it: docs/dspark.md "Verification policies")
