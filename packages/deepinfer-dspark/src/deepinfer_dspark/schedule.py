@@ -256,8 +256,9 @@ def _budget(vals: np.ndarray, batch: int, latency: LatencyModel, *, exact: bool,
 
 
 def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPadding, *, exact: bool,
-            base_tokens: int, deterministic: bool) -> int:
-    """K over the ranked candidate survivals `vals` of a ragged step (module docstring, "ragged steps")."""
+            base_tokens: int, deterministic: bool, prices: tuple[list[int], list[float]] | None = None) -> int:
+    """K over the ranked candidate survivals `vals` of a ragged step (module docstring, "ragged steps"). prices:
+    `_bucket_prices` of this step when the caller has them."""
     count = vals.size
     if batch == 0 or count == 0 or latency.flat():
         return count
@@ -266,16 +267,17 @@ def _ragged(vals: np.ndarray, batch: int, latency: LatencyModel, padding: StepPa
         k = _budget(vals, batch, latency, exact=True, base_tokens=base_tokens, deterministic=False)
         return min(count, int(padding.bucketed(np.asarray([q0 + k]))[0]) - q0)
     total = np.cumsum(vals, dtype=np.float64)  # E(K) = batch + total[K - 1]
-    sizes = padding.sizes
-    if q0 + count <= sizes[-1] and not math.isnan(total[-1]):
+    if prices is None:
+        prices = _bucket_prices(latency, padding, q0, count)
+    if prices is not None and not math.isnan(total[-1]):
         # every K lies in a bucket, and within one the time is constant while E(K) does not decrease, so a
         # bucket's best rate is at its last K: the buckets are priced at their ends (a dozen curve points instead
         # of every K, in plain floats: the policy's host time is round time too), and the first K of the first
         # best bucket that reaches its rate is the first maximum over all K, as below
-        ends, rows = _bucket_ends(sizes, q0, count)
+        ends, seconds = prices
         sums = total[[max(k - 1, 0) for k in ends]].tolist()
         expected = [batch + (x if k else 0.0) for k, x in zip(ends, sums)]
-        rates = [e / t for e, t in zip(expected, latency.predict_each(rows))]
+        rates = [e / t for e, t in zip(expected, seconds)]
         best = rates.index(max(rates))
         end = ends[best]
         start = ends[best - 1] + 1 if best else 0
@@ -293,6 +295,24 @@ def _bucket_ends(sizes: tuple[int, ...], q0: int, count: int) -> tuple[list[int]
     size: each row bucket's last K (the last one: every candidate) and the rows that bucket runs."""
     inner = [q for q in sizes[bisect.bisect_left(sizes, q0):] if q - q0 < count]
     return [q - q0 for q in inner] + [count], inner + [sizes[bisect.bisect_left(sizes, q0 + count)]]
+
+
+def _bucket_prices(latency: LatencyModel, padding: StepPadding | None, q0: int,
+                   count: int) -> tuple[list[int], list[float]] | None:
+    """(ends, seconds): a ragged step's bucket ends (`_bucket_ends`) and the predicted time of each, or None where a
+    step is not priced by buckets (unbucketed, or past the largest size). The free check (`_all_free`) and the
+    search read the same dozen predictions: each call on the policy's path costs its time again in a cold cache."""
+    if padding is None or not padding.ragged or q0 + count > padding.sizes[-1]:
+        return None
+    ends, rows = _bucket_ends(padding.sizes, q0, count)
+    return ends, latency.predict_each(rows)
+
+
+def _all_free(prices: tuple[list[int], list[float]]) -> bool:
+    """`_free` of a ragged step from its `_bucket_prices`: its rows are every bucket from the smallest choice's to
+    the largest's, so the largest choice is free when no bucket is predicted to take less time than its own."""
+    seconds = prices[1]
+    return seconds[-1] <= min(seconds)
 
 
 def _every_k_seconds(latency: LatencyModel, padding: StepPadding | None, q0: int, count: int) -> np.ndarray:
@@ -422,7 +442,7 @@ def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float
         take = key > kth
         equal = key == kth
         take |= equal & (np.cumsum(equal) <= k - int(np.count_nonzero(take)))
-    return np.count_nonzero(take.reshape(batch, width), axis=1)
+    return take.reshape(batch, width).sum(1)  # a bool sum: one reduction, where count_nonzero(axis=) takes two
 
 
 def cost_budget(
@@ -455,14 +475,17 @@ def cost_budget(
     if padding is not None and not padding.ragged:
         raise DSparkInputError("padding: cost_budget prices ragged steps only; a padded step picks a cap per "
                                "request (schedule_verification)")
-    if latency.flat() or _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
-        return int(m.sum())
+    batch, count = survival.shape[0], int(m.sum())
+    prices = _bucket_prices(latency, padding, base_tokens + batch, count)
+    if latency.flat() or (_all_free(prices) if prices is not None else _free(m, batch, latency, padding,
+                                                                             base_tokens)):
+        return count  # every draft, unsorted
     vals, _ = _ranking(survival, m)
     if price is not None:
         vals = price(vals)
     if padding is not None:
-        return _ragged(vals, survival.shape[0], latency, padding, exact=exact, base_tokens=base_tokens,
-                       deterministic=deterministic)
+        return _ragged(vals, batch, latency, padding, exact=exact, base_tokens=base_tokens,
+                       deterministic=deterministic, prices=prices)
     return _budget(vals, survival.shape[0], latency, exact=exact, base_tokens=base_tokens,
                    deterministic=deterministic)
 
@@ -529,8 +552,10 @@ def schedule_verification(
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
     device = _device(survival)
-    if _free(m, survival.shape[0], latency, padding, base_tokens):  # every draft, unsorted
-        return _tensor(m, device)
+    batch = survival.shape[0]
+    prices = _bucket_prices(latency, padding, base_tokens + batch, int(m.sum()))
+    if _all_free(prices) if prices is not None else _free(m, batch, latency, padding, base_tokens):
+        return _tensor(m, device)  # every draft, unsorted
     survival = _host_array(survival)  # one read of survivals on another device
     if padding is not None and not padding.ragged:
         priced = survival if price is None else price(np.asarray(survival, dtype=np.float64))
@@ -538,10 +563,10 @@ def schedule_verification(
     vals, key = _ranking(survival, m)
     priced = vals if price is None else price(vals)  # still descending: the map does not decrease
     if padding is not None:
-        k = _ragged(priced, survival.shape[0], latency, padding, exact=policy.exact, base_tokens=base_tokens,
-                    deterministic=deterministic)
+        k = _ragged(priced, batch, latency, padding, exact=policy.exact, base_tokens=base_tokens,
+                    deterministic=deterministic, prices=prices)
     else:
-        k = _budget(priced, survival.shape[0], latency, exact=policy.exact, base_tokens=base_tokens,
+        k = _budget(priced, batch, latency, exact=policy.exact, base_tokens=base_tokens,
                     deterministic=deterministic)
     if k >= vals.size:  # every candidate (vals holds the valid ones)
         return _tensor(m, device)

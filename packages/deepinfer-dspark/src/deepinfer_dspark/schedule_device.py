@@ -33,7 +33,14 @@ from torch import Tensor
 
 from deepinfer_dspark.errors import DSparkInputError
 from deepinfer_dspark.latency import LatencyModel
-from deepinfer_dspark.schedule import StepPadding, VerifyPolicy, _bucket_ends, _every_k_seconds, _free
+from deepinfer_dspark.schedule import (
+    StepPadding,
+    VerifyPolicy,
+    _all_free,
+    _bucket_prices,
+    _every_k_seconds,
+    _free,
+)
 
 __all__ = ["DevicePlan", "plan_schedule", "schedule_on_device"]
 
@@ -105,14 +112,15 @@ def plan_schedule(
         return None
     if base_tokens < 0:
         raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
-    # `schedule_verification`'s order: every draft when none is predicted to cost time, or with nothing to rank
-    if count == 0 or latency.flat() or _free(m, batch, latency, padding, base_tokens):
-        return DevicePlan(kind="all")
     q0 = base_tokens + batch
-    if padding is not None and q0 + count <= padding.sizes[-1]:
+    prices = _bucket_prices(latency, padding, q0, count)
+    # `schedule_verification`'s order: every draft when none is predicted to cost time, or with nothing to rank
+    if count == 0 or latency.flat() or (_all_free(prices) if prices is not None
+                                        else _free(m, batch, latency, padding, base_tokens)):
+        return DevicePlan(kind="all")
+    if prices is not None:
         # a bucket's best rate is at its last K (`schedule._ragged`): its ends, and the first K of each bucket
-        ends, rows = _bucket_ends(padding.sizes, q0, count)
-        seconds = latency.predict_each(rows)
+        ends, seconds = prices
         starts = [0] + [e + 1 for e in ends[:-1]]
     else:  # every K priced (an unbucketed step, or one past the largest bucket)
         ends = starts = np.arange(count + 1, dtype=np.int64)
