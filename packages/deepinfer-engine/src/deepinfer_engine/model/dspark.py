@@ -167,7 +167,7 @@ def insert_context(model: nn.Module, batch: ForwardBatch | None, cache: ModelCac
         if static.write_padding:
             raise InputError("DSpark insert_context: found a fixed-shape step with write_padding=True, expected "
                              "write_padding=False (see StaticInsert: padding rows must not reach the rings)")
-        ctx = static.context(cache)
+        ctx = static.context(cache, kernel_backend=getattr(model, "kernel_backend", "device"))
         batch = ctx.batch
     s0 = stages[0]
     m = s0.main_norm(s0.main_proj(features))
@@ -294,7 +294,7 @@ def draft_block(model: nn.Module, batch: ForwardBatch | None, cache: ModelCache,
     if static is None:
         ctx = ForwardContext.build(batch, cache, block_noncausal=True)
     else:
-        ctx = static.context(cache, block_noncausal=True)
+        ctx = static.context(cache, block_noncausal=True, kernel_backend=getattr(model, "kernel_backend", "device"))
         batch = ctx.batch
     e = model.embed.weight[batch.input_ids]
     r = e[:, None, :].expand(-1, a.hc_mult, -1).contiguous()  # [T, n, d]

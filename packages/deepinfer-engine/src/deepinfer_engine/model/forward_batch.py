@@ -266,6 +266,9 @@ class ForwardContext:
     engram_rows: Tensor | None = None  # [T, num_engram_layers, lookups] int64 rows into each engram.embed
     image_mask: Tensor | None = None  # [T] bool image-sentinel positions (Engram gate 0)
     side_streams: SideStreams | None = None
+    # the model's kernel backend (`Transformer.kernel_backend`) for plans computed by kernels (a fixed-shape step's
+    # paged rows)
+    kernel_backend: str = "device"
     engram_kv: dict[int, Overlapped] = field(default_factory=dict)
     compressed: dict[int, CompressedView] = field(default_factory=dict)
     topk: dict[int, Tensor] = field(default_factory=dict)
@@ -363,7 +366,7 @@ class ForwardContext:
         key = ("paged", ratio)
         plan = self.plans.get(key)
         if plan is None and self.static is not None:  # block tables checked by the static step's caller, on the host
-            plan = self.plans[key] = self.static.paged_plan(ratio)  # device ops, once per forward and ratio
+            plan = self.plans[key] = self.static.paged_plan(ratio, backend=self.kernel_backend)  # once per forward
         if plan is None:
             if "checked" not in self.plans:  # block-table coverage: once per forward, for every paged ratio
                 ratios = sorted(set(self.cache.ratios.values()))

@@ -254,7 +254,7 @@ class Transformer(nn.Module):
             ctx = ForwardContext.build(batch, cache, host=host, capture_layers=tuple(capture), state_captures=True)
             ctx.engram_rows = self._engram_rows(ctx)
         else:
-            ctx = static.context(cache, capture_layers=tuple(capture))
+            ctx = static.context(cache, capture_layers=tuple(capture), kernel_backend=self.kernel_backend)
             ctx.engram_rows = self._engram_rows(ctx)
             batch = ctx.batch
         a = self.args

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from deepinfer_kernels.paged_rows import PagedRowsConstants, paged_rows, paged_rows_constants
 from torch import Tensor
 
 from deepinfer_engine.errors import CapacityError, InputError
@@ -59,7 +60,7 @@ from deepinfer_engine.model.cache import (
 )
 from deepinfer_engine.model.forward_batch import ForwardBatch, ForwardContext, StepHost
 
-__all__ = ["DecodeFacts", "PlanConstants", "StaticDecodeStep", "paged_plan_constants", "static_paged_plan"]
+__all__ = ["DecodeFacts", "StaticDecodeStep", "static_paged_plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,80 +99,39 @@ class DecodeFacts:
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class PlanConstants:
-    """The shape-only tensors of a static paged plan (`paged_plan_constants`), made once per step and ratio
-    before any capture: made inside `static_paged_plan` they were a third of its kernels, replayed every step.
-
-    page_of: [width] int64 page column of entry slot w (w // per_page); in_page: [width] int64 its row in that
-    page (w % per_page); slots: [width] int64 w; new_seq: [S * K] int64 sequence of new-entry row k (k // K);
-    new_k: [S * K] int64 k % K; new_base: [S * K] int64 new_seq * width; offsets_t: [S] int64 i * width.
-    """
-
-    page_of: Tensor
-    in_page: Tensor
-    slots: Tensor
-    new_seq: Tensor
-    new_k: Tensor
-    new_base: Tensor
-    offsets_t: Tensor
-
-
-def paged_plan_constants(ratio: int, page_size: int, num_seqs: int, width: int, tokens: int,
-                         device: torch.device | str) -> PlanConstants:
-    """`PlanConstants` of S = num_seqs sequences of `tokens` rows, `width` entry slots each, at `ratio`."""
-    per_page, K = int(page_size) // int(ratio), -(-int(tokens) // int(ratio))
-    w = torch.arange(int(width), device=device)
-    k = torch.arange(int(num_seqs) * K, device=device)
-    new_seq = k // K
-    return PlanConstants(page_of=w // per_page, in_page=w % per_page, slots=w, new_seq=new_seq, new_k=k % K,
-                         new_base=new_seq * int(width), offsets_t=torch.arange(int(num_seqs), device=device) * width)
-
-
 def static_paged_plan(
     ratio: int, page_size: int, block_tables: Tensor, ctx: Tensor, lens: Tensor, width: int, scratch_row: int, *,
-    tokens: int = 1, consts: PlanConstants | None = None,
+    tokens: int = 1, consts: PagedRowsConstants | None = None, backend: str = "auto",
 ) -> PagedPlan:
-    """The fixed-size PagedPlan of S sequences of `tokens` (Q) rows each, computed by device ops (a captured forward
+    """The fixed-size PagedPlan of S sequences of `tokens` (Q) rows each, computed on the device (a captured forward
     recomputes it at every replay from the step's buffers, so the host builds nothing when positions or tables
     change): read_rows [S * width], write_rows / new_w / new_seq [S * K] with K = ceil(Q / ratio) new-entry rows
     per sequence, offsets_t [S].
 
     block_tables: [S, P] int64 page ids (-1 = none; P pages cover at least `width` entries); ctx: [S] int64 first
     position (>= 0) of each sequence's new tokens; lens: [S] int64 real tokens n_i of each sequence (0 = a padding
-    sequence; rows past n_i are padding). Entry slot w of sequence i reads its page row (entry w lives in page
-    table[w // per_page], row w % per_page) while w < count_i = (ctx_i + n_i) // ratio, else `scratch_row`.
-    New-entry row k of i is entry ctx_i // ratio + k: its page row when that entry is below count_i (completed by
-    the sequence's real tokens), else `scratch_row` (an entry in progress, or one only padding rows complete, is
-    computed and dropped there). Rows are equal to the exact plan's (`cache.build_paged_plan`) on every entry a
-    real query reads or a real token completes.
-    consts: the shape-only tensors (`paged_plan_constants`; made here when None). A captured step passes its own,
-    so that the graph replays only the ops that read the step's buffers: 16 kernels per ratio for one-token steps,
-    19 for verify steps, against 30 with the constants made inside."""
+    sequence; rows past n_i are padding). The rows are `deepinfer_kernels.paged_rows`': entry slot w of sequence
+    i reads its page row while w < count_i = (ctx_i + n_i) // ratio, else `scratch_row`; new-entry row k of i is
+    entry ctx_i // ratio + k, its page row when that entry is below count_i (completed by the sequence's real
+    tokens), else `scratch_row` (an entry in progress, or one only padding rows complete, is computed and dropped
+    there). Rows are equal to the exact plan's (`cache.build_paged_plan`) on every entry a real query reads or a
+    real token completes.
+    consts: the shape-only tensors (`paged_rows_constants`; made here when None). A captured step makes its own
+    before the capture. backend: the kernel backend (one Triton launch per ratio on CUDA, else the torch reference:
+    16 launches per ratio for one-token steps, 19 for verify steps; with the shape-only tensors made inside the
+    plan, 30, and a B = 1 decode step of V4.1 at real width took 80 us longer than with host-built plans)."""
     r, S = int(ratio), int(ctx.shape[0])
     per_page = page_size // r
     npages = -(-width // per_page)
     if block_tables.shape != (S, block_tables.shape[1]) or block_tables.shape[1] < npages:
         raise InputError(f"static paged plan: block tables {tuple(block_tables.shape)}, expected [{S}, >= {npages}]")
     K = -(-int(tokens) // r)
-    c = consts if consts is not None else paged_plan_constants(r, page_size, S, width, tokens, ctx.device)
+    c = consts if consts is not None else paged_rows_constants(r, page_size, S, width, tokens, ctx.device)
     if c.slots.shape != (width,) or c.new_seq.shape != (S * K,):
         raise InputError(f"static paged plan: constants for {c.slots.shape[0]} slots and {c.new_seq.shape[0]} new "
                          f"entries, expected {width} and {S * K}")  # fmt: skip
-    pages = block_tables.index_select(1, c.page_of)  # [S, width] the page of every entry slot
-    grid = torch.add(c.in_page, pages, alpha=per_page)
-    grid = torch.where(pages >= 0, grid, scratch_row)  # an entry's row is negative exactly where its page is -1
-    # a padding sequence completes nothing (count 0), so no new entry of it is below its count either
-    counts = torch.where(lens > 0, (ctx + lens) // r, 0)
-    read_rows = torch.where(c.slots < counts[:, None], grid, scratch_row).reshape(-1)
-    first = ctx // r
-    if K == 1:  # new-entry row k is sequence k's
-        new_w, done = first, first < counts
-    else:
-        new_w = first[c.new_seq] + c.new_k
-        done = new_w < counts[c.new_seq]
-    at = c.new_base + new_w.clamp(max=width - 1)  # an entry below count_i lies within the width
-    write_rows = torch.where(done, grid.reshape(-1)[at], scratch_row)
+    read_rows, write_rows, new_w = paged_rows(block_tables, ctx, lens, ratio=r, page_size=page_size, width=width,
+                                              tokens=tokens, scratch_row=scratch_row, consts=c, backend=backend)
     return PagedPlan(
         ratio=r, read_rows=read_rows, write_rows=write_rows, new_w=new_w, new_seq=c.new_seq, num_new=S * K,
         offsets=tuple(range(0, S * width, width)), counts=(width,) * S, offsets_t=c.offsets_t,
@@ -266,7 +226,7 @@ class StaticDecodeStep:
         # a uniform step's row -> sequence map never changes; a ragged step's is a per-step buffer (`_sizes`)
         self._seq_of_token = None if self.ragged else torch.arange(B, device=self.device).repeat_interleave(Q)
         # made here, before any capture, so that a captured forward replays only the plan ops that read buffers
-        self._plan_consts = {r: paged_plan_constants(r, page, S, self.entries_width(r), Q, self.device)
+        self._plan_consts = {r: paged_rows_constants(r, page, S, self.entries_width(r), Q, self.device)
                              for r in sorted(set(cache.ratios.values()))}
         self._bind_seq()
         self.fill(DecodeFacts(ctx=np.zeros(0, np.int64), slots=np.zeros(0, np.int64),
@@ -517,7 +477,7 @@ class StaticDecodeStep:
     def entries_width(self, ratio: int) -> int:
         return -(-self.max_len // ratio)
 
-    def paged_plan(self, ratio: int) -> PagedPlan:
+    def paged_plan(self, ratio: int, *, backend: str = "device") -> PagedPlan:
         """The step's PagedPlan of `ratio`, computed by device ops from its buffers (`static_paged_plan`): call it
         inside the forward (the capture records the ops, every replay recomputes the rows). Rebuilding it on the
         host (an earlier version) cost a pass over [B, width] entries whenever a position crossed an entry or a
@@ -525,7 +485,7 @@ class StaticDecodeStep:
         cache = self.cache
         return static_paged_plan(ratio, cache.page_size, self._bt_t, self.seq_t.ctx, self._lens_t,
                                  self.entries_width(ratio), cache.scratch_page * (cache.page_size // ratio),
-                                 tokens=self.tokens, consts=self._plan_consts[ratio])
+                                 tokens=self.tokens, consts=self._plan_consts[ratio], backend=backend)
 
     def check_tables(self, facts: DecodeFacts) -> None:
         """Block-table coverage of the real sequences (host; CapacityError as the exact plans raise)."""

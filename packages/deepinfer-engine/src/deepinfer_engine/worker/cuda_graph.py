@@ -672,7 +672,7 @@ class CudaGraphRunner:
 
         @torch.no_grad()  # as Transformer.forward_mtp: whatever the caller's grad mode
         def forward() -> Tensor:
-            ctx = step.context(self.cache)
+            ctx = step.context(self.cache, kernel_backend=m.kernel_backend)
             h, _ = m.mtp[0].forward_mtp(hin, m.embed.weight[step.batch.input_ids], ctx)
             return m.head.f32_out(h)
 
