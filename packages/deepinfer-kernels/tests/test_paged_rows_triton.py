@@ -94,3 +94,25 @@ def test_gpu_matches_reference(case):
         for a, b in zip(paged_rows(bt, ctx, lens, backend="triton", **kw), paged_rows(bt, ctx, lens, backend="torch",
                                                                                     **kw)):
             assert torch.equal(a, b), (case, seed)
+
+
+def test_kernel_compiles_for_sm90():
+    """The interpreter runs Python semantics the GPU compiler may reject: compile the kernel for sm_90a offline, as
+    the engine launches it (one-token steps, K = 1 with KB = 2; verify steps, K = 2)."""
+    from kernels_testing import run_compile_script
+
+    report = run_compile_script(r"""
+import json
+from kernels_testing import sm90_compile_report as rep
+from deepinfer_kernels.paged_rows import triton as pr
+
+sig = {"bt_ptr": "*i64", "ctx_ptr": "*i64", "lens_ptr": "*i64", "read_ptr": "*i64", "write_ptr": "*i64",
+       "new_w_ptr": "*i64", "pages": "i32", "width": "i32", "per_page": "i32", "ratio": "i32", "K": "i32",
+       "scratch_row": "i32"}
+out = {f"block {b} KB {kb}": rep(pr._paged_rows_kernel, sig, {"BLOCK": b, "KB": kb}, num_warps=4)
+       for b, kb in ((512, 2), (1024, 2), (16, 4))}
+print(json.dumps(out))
+""")
+    assert len(report) == 3
+    for name, r in report.items():
+        assert r["stack"] == 0, (name, r)
