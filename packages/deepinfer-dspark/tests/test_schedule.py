@@ -462,3 +462,33 @@ def test_cost_prices_through_the_map_and_allocates_by_the_survivals_themselves()
     lat.observe_floor(1.0)  # every draft free: nothing to price
     assert schedule_verification(pol, m, survival=a, latency=lat, padding=padding, price=flat_top).tolist() == m
     assert len(seen) == 2
+
+
+def test_a_ragged_steps_free_check_from_its_bucket_prices_is_the_general_one():
+    """The cost policy decides whether a ragged step's drafts are all free from the bucket prices its search reads
+    (`_all_free` over `_bucket_prices`), not from `_free`'s own predictions: the two must agree on every step the
+    prices cover, flat stretches and floors included (a floor makes whole runs of buckets cost the same, where a
+    strict comparison would differ)."""
+    from deepinfer_dspark.schedule import _all_free, _bucket_prices, _free
+
+    rng = random.Random(7)
+    seen = {True: 0, False: 0}
+    for _ in range(400):
+        batch = rng.randint(1, 24)
+        sizes = tuple(sorted(rng.sample(range(1, 7 * batch + 8), rng.randint(1, 8))))
+        points = sorted(rng.sample(range(1, 8 * batch + 9), 3))
+        seconds = [rng.choice([1e-3, 2e-3, 2e-3, 3e-3]) for _ in points]
+        lat = LatencyModel(points, seconds)
+        if rng.random() < 0.5:
+            lat.observe_floor(rng.choice([1.5e-3, 2e-3, 5e-3]))
+        m = np.asarray([rng.randint(0, 5) for _ in range(batch)], dtype=np.int64)
+        base = rng.randint(0, 3)
+        pad = StepPadding(batch, sizes, ragged=True)
+        prices = _bucket_prices(lat, pad, base + batch, int(m.sum()))
+        if prices is None:
+            assert base + batch + int(m.sum()) > sizes[-1]
+            continue
+        free = _free(m, batch, lat, pad, base)
+        assert _all_free(prices) == free, (sizes, points, seconds, lat.floor, m.tolist(), base)
+        seen[free] += 1
+    assert min(seen.values()) >= 20  # both answers were exercised
