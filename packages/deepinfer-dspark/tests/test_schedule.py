@@ -466,10 +466,10 @@ def test_cost_prices_through_the_map_and_allocates_by_the_survivals_themselves()
 
 def test_a_ragged_steps_free_check_from_its_bucket_prices_is_the_general_one():
     """The cost policy decides whether a ragged step's drafts are all free from the bucket prices its search reads
-    (`_all_free` over `_bucket_prices`), not from `_free`'s own predictions: the two must agree on every step the
+    (`_free(..., prices)` over `_bucket_prices`), not from `_free`'s own predictions: the two must agree on every step the
     prices cover, flat stretches and floors included (a floor makes whole runs of buckets cost the same, where a
     strict comparison would differ)."""
-    from deepinfer_dspark.schedule import _all_free, _bucket_prices, _free
+    from deepinfer_dspark.schedule import _bucket_prices, _free
 
     rng = random.Random(7)
     seen = {True: 0, False: 0}
@@ -489,6 +489,6 @@ def test_a_ragged_steps_free_check_from_its_bucket_prices_is_the_general_one():
             assert base + batch + int(m.sum()) > sizes[-1]
             continue
         free = _free(m, batch, lat, pad, base)
-        assert _all_free(prices) == free, (sizes, points, seconds, lat.floor, m.tolist(), base)
+        assert _free(m, batch, lat, pad, base, prices) == free, (sizes, points, seconds, lat.floor, m.tolist(), base)
         seen[free] += 1
     assert min(seen.values()) >= 20  # both answers were exercised

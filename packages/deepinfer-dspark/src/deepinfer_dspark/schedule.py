@@ -300,19 +300,12 @@ def _bucket_ends(sizes: tuple[int, ...], q0: int, count: int) -> tuple[list[int]
 def _bucket_prices(latency: LatencyModel, padding: StepPadding | None, q0: int,
                    count: int) -> tuple[list[int], list[float]] | None:
     """(ends, seconds): a ragged step's bucket ends (`_bucket_ends`) and the predicted time of each, or None where a
-    step is not priced by buckets (unbucketed, or past the largest size). The free check (`_all_free`) and the
-    search read the same dozen predictions: each call on the policy's path costs its time again in a cold cache."""
+    step is not priced by buckets (unbucketed, or past the largest size). The free check (`_free`) and the search
+    read the same dozen predictions: each call on the policy's path costs its time again in a cold cache."""
     if padding is None or not padding.ragged or q0 + count > padding.sizes[-1]:
         return None
     ends, rows = _bucket_ends(padding.sizes, q0, count)
     return ends, latency.predict_each(rows)
-
-
-def _all_free(prices: tuple[list[int], list[float]]) -> bool:
-    """`_free` of a ragged step from its `_bucket_prices`: its rows are every bucket from the smallest choice's to
-    the largest's, so the largest choice is free when no bucket is predicted to take less time than its own."""
-    seconds = prices[1]
-    return seconds[-1] <= min(seconds)
 
 
 def _every_k_seconds(latency: LatencyModel, padding: StepPadding | None, q0: int, count: int) -> np.ndarray:
@@ -324,12 +317,16 @@ def _every_k_seconds(latency: LatencyModel, padding: StepPadding | None, q0: int
     return latency.host_curve(lo, int(rows.max()))[rows - lo]
 
 
-def _free(m: np.ndarray, batch: int, latency: LatencyModel, padding: StepPadding | None, base_tokens: int) -> bool:
+def _free(m: np.ndarray, batch: int, latency: LatencyModel, padding: StepPadding | None, base_tokens: int,
+          prices: tuple[list[int], list[float]] | None = None) -> bool:
     """Whether verifying every candidate is predicted to take no longer than any smaller choice (module docstring):
     then the largest choice, which yields the most tokens, is best. The curve is piecewise linear, so its least
     value over a range lies at an end or a profiled size; a padded step is priced at its buckets only. Plain
     floats: the policy calls it every round, and the usual answer (the largest step costs more than the smallest)
-    takes two predictions."""
+    takes two predictions. prices: the step's `_bucket_prices` when the caller has them: a ragged step's rows are
+    then every bucket from the smallest choice's to the largest's, so the answer is read off them."""
+    if prices is not None:
+        return prices[1][-1] <= min(prices[1])
     q0 = base_tokens + batch
     q1 = q0 + int(m.sum())
     if padding is None:
@@ -477,8 +474,7 @@ def cost_budget(
                                "request (schedule_verification)")
     batch, count = survival.shape[0], int(m.sum())
     prices = _bucket_prices(latency, padding, base_tokens + batch, count)
-    if latency.flat() or (_all_free(prices) if prices is not None else _free(m, batch, latency, padding,
-                                                                             base_tokens)):
+    if latency.flat() or _free(m, batch, latency, padding, base_tokens, prices):
         return count  # every draft, unsorted
     vals, _ = _ranking(survival, m)
     if price is not None:
@@ -554,7 +550,7 @@ def schedule_verification(
     device = _device(survival)
     batch = survival.shape[0]
     prices = _bucket_prices(latency, padding, base_tokens + batch, int(m.sum()))
-    if _all_free(prices) if prices is not None else _free(m, batch, latency, padding, base_tokens):
+    if _free(m, batch, latency, padding, base_tokens, prices):
         return _tensor(m, device)  # every draft, unsorted
     survival = _host_array(survival)  # one read of survivals on another device
     if padding is not None and not padding.ragged:

@@ -36,7 +36,6 @@ from deepinfer_dspark.latency import LatencyModel
 from deepinfer_dspark.schedule import (
     StepPadding,
     VerifyPolicy,
-    _all_free,
     _bucket_prices,
     _every_k_seconds,
     _free,
@@ -115,8 +114,7 @@ def plan_schedule(
     q0 = base_tokens + batch
     prices = _bucket_prices(latency, padding, q0, count)
     # `schedule_verification`'s order: every draft when none is predicted to cost time, or with nothing to rank
-    if count == 0 or latency.flat() or (_all_free(prices) if prices is not None
-                                        else _free(m, batch, latency, padding, base_tokens)):
+    if count == 0 or latency.flat() or _free(m, batch, latency, padding, base_tokens, prices):
         return DevicePlan(kind="all")
     if prices is not None:
         # a bucket's best rate is at its last K (`schedule._ragged`): its ends, and the first K of each bucket

@@ -715,8 +715,8 @@ class SpecDecoder:
         cal = self.calibration
         greedy_rows = sum(map(bool, greedy))  # plain Python: a NumPy copy of the list costs more on this path
         if greedy_rows in (0, len(greedy)):
-            x, y = cal.curve(greedy_rows == len(greedy))  # `cal.map`'s knots, read here: a call less on the path
-            return survival, lambda values: np.interp(values, x, y)
+            cls = greedy_rows == len(greedy)
+            return survival, lambda values: cal.map(values, cls)
         return cal.apply(survival, np.asarray(greedy, dtype=bool)), None
 
     @torch.no_grad()
