@@ -20,7 +20,11 @@ the previous step's return to its own. Cycles in which a CUDA graph was captured
 with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round, a one-off the policy
 does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy it hit.
 Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming` policy
-+ lagged search) and whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine).
++ lagged search), whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine) and the
+rows its verify step ran (the graph's row bucket, from `SpecTiming.by_rows`). Per cell, `by_rows` sets each row
+bucket's measured round time (every policy's rounds, and cost's alone) beside the cost policy's price of that
+bucket at the window's end (`LatencyModel.predict` of the cell's batch curve): whether the rows the cost policy
+adds inside a bucket, or by filling the next one, cost what its curve says.
 `--device-decision` adds, for each policy but verify_all, a rival NAME[device] that decides on the device while it
 drafts: the decision on the device against the host's, paired by cycle like the policies. `--control` adds
 "cost (again)", the same policy a second time: the spread of cost's ratio against it is what the bench reads
@@ -51,8 +55,8 @@ STALL_FACTOR = 5.0
 def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[int]], sp: list, *, skip: int,
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
-    cycle, verified drafts, policy host seconds, decided on the device (0 / 1)], ...]}, "dropped": cycles dropped
-    for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]" decides on the device, the
+    cycle, verified drafts, policy host seconds, decided on the device (0 / 1), verify rows (0: none)], ...]},
+    "dropped": cycles dropped for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]" decides on the device, the
     others on the host. The requests are dropped afterwards."""
     eng = llm.engine
     dec = eng.runner.spec
@@ -80,10 +84,12 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
                 dec.decide_on_device = name.endswith("[device]")
                 tok0, ver0 = eng.total.decode_tokens, dec.stats.num_verified_tokens
                 host0, decided0 = dec.timing.policy_s + dec.timing.lag_s, dec.timing.decided
+                seen0 = {r: c for r, (c, _) in dec.timing.by_rows.items()}
                 eng.step_outputs()
                 now = time.perf_counter()
+                rows = next((r for r, (c, _) in dec.timing.by_rows.items() if c > seen0.get(r, 0)), 0)
                 got.append((name, eng.total.decode_tokens - tok0, now - last, dec.stats.num_verified_tokens - ver0,
-                            dec.timing.policy_s + dec.timing.lag_s - host0, dec.timing.decided - decided0))
+                            dec.timing.policy_s + dec.timing.lag_s - host0, dec.timing.decided - decided0, rows))
                 last = now
             if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
                 raise SystemExit("interleaved: a prefill step or a finished request fell inside the window; raise "
@@ -103,8 +109,8 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
         if max(g[3] for g in cyc) > limit:
             stalled += 1
             continue
-        for c, name, tokens, seconds, verified, host, decided in cyc:
-            rounds[name].append([tokens, seconds, c, verified, host, decided])
+        for c, name, tokens, seconds, verified, host, decided, rows in cyc:
+            rounds[name].append([tokens, seconds, c, verified, host, decided, rows])
     return {"rounds": rounds, "dropped": dropped, "stalled": stalled}
 
 
@@ -143,6 +149,23 @@ def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resampl
         out["paired"][rival] = {"ratio": ratio(pairs), "low": boots[int(0.025 * resamples)],
                                 "high": boots[int(0.975 * resamples) - 1],
                                 "ahead": sum(a[0] / a[1] > b[0] / b[1] for a, b in pairs), "cycles": len(pairs)}
+    return out
+
+
+def by_rows(rounds: dict[str, list[list[float]]], curve: Any, subject: str = "cost") -> list[dict[str, Any]]:
+    """Per verify row bucket of the cell: its rounds and mean round milliseconds over every policy and over
+    `subject`'s alone, beside `curve.predict(rows)` (the cost policy's price of a step of that bucket; None without
+    a curve). A bucket the curve prices like its neighbour but whose rounds take longer is rows the policy thinks
+    free."""
+    out = []
+    every = [r for rs in rounds.values() for r in rs if len(r) > 6 and r[6]]
+    for rows in sorted({int(r[6]) for r in every}):
+        mine = [r for r in rounds.get(subject, []) if len(r) > 6 and int(r[6]) == rows]
+        alls = [r for r in every if int(r[6]) == rows]
+        out.append({"rows": rows, "rounds": len(alls), "ms": 1e3 * sum(r[1] for r in alls) / len(alls),
+                    f"{subject}_rounds": len(mine),
+                    f"{subject}_ms": 1e3 * sum(r[1] for r in mine) / len(mine) if mine else None,
+                    "curve_ms": 1e3 * curve.predict(rows) if curve is not None else None})
     return out
 
 
@@ -199,8 +222,12 @@ def main(argv: list[str] | None = None) -> int:
                                                seed=args.seed), count)
             got = interleaved(llm, policies, prompts_all[:count], sp, skip=args.skip, warm_cycles=args.warm_cycles,
                               cycles=args.cycles, seed=args.seed)
+            # the curve that priced this cell's steps: its graph batch bucket's (`SpecDecoder.latency_for`)
+            batch = min((b for b in dec.batch_latency if b >= count), default=None)
+            curve = dec.batch_latency[batch] if batch is not None else dec.latency
             cell = {"prompts": count, "temperature": temp, "dropped_cycles": got["dropped"],
-                    "stalled_cycles": got["stalled"], **compare(got["rounds"]), "rounds": got["rounds"]}
+                    "stalled_cycles": got["stalled"], **compare(got["rounds"]),
+                    "by_rows": by_rows(got["rounds"], curve), "rounds": got["rounds"]}
             report["cells"].append(cell)
             kept = args.cycles - got["dropped"] - got["stalled"]
             print(f"P={count} T={temp:g}: {kept} cycles ({got['dropped']} dropped for a capture, {got['stalled']} "
@@ -212,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<22} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
                       f"{p.get('verified_per_round', 0):7.1f} verified {p.get('policy_ms_per_round', 0):5.3f} ms "
                       f"policy {p.get('decided_on_device', 0):4.0%} on device  {vs}", flush=True)
+            for b in cell["by_rows"]:
+                mine = f"{b['cost_ms']:6.2f} ms" if b["cost_ms"] is not None else "     -   "
+                price = f"{b['curve_ms']:6.2f} ms" if b["curve_ms"] is not None else "-"
+                print(f"  rows {b['rows']:>5}: {b['rounds']:4d} rounds {b['ms']:6.2f} ms; cost's {b['cost_rounds']:4d} "
+                      f"rounds {mine}; cost's curve {price}", flush=True)
             if args.json:
                 args.json.write_text(json.dumps(report) + "\n")
     return 0

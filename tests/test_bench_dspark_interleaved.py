@@ -15,12 +15,14 @@ def bench(script):
 
 
 class _Engine:
-    """Steps of a fake engine: each round emits tokens by the policy in force (`spec.policy`), counts a decision on
-    the device when it is on (`spec.decide_on_device`), and one step may capture a graph."""
+    """Steps of a fake engine: each round emits tokens by the policy in force (`spec.policy`), runs a verify step of
+    8 rows per token (`SpecTiming.by_rows`), counts a decision on the device when it is on
+    (`spec.decide_on_device`), and one step may capture a graph."""
 
     def __init__(self, emit: dict[str, int], capture_at: int | None = None, stall_at: int | None = None) -> None:
         self.spec = types.SimpleNamespace(policy=None, stats=types.SimpleNamespace(num_verified_tokens=0),
-                                          timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0, decided=0),
+                                          timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0, decided=0,
+                                                                       by_rows={8: [5, 0.1], 24: [1, 0.1]}),
                                           decide_on_device=False)
         self.clock, self.stall_at = 0.0, stall_at
         self.runner = types.SimpleNamespace(spec=self.spec, device=types.SimpleNamespace(type="cpu"),
@@ -36,6 +38,8 @@ class _Engine:
         self.spec.stats.num_verified_tokens += 2 * self.emit.get(name, 1)
         self.spec.timing.policy_s += 1e-3
         self.spec.timing.decided += int(self.spec.decide_on_device)
+        entry = self.spec.timing.by_rows.setdefault(8 * self.emit.get(name, 1), [0, 0.0])
+        entry[0] += 1
         self.clock += 100.0 if self.steps == self.stall_at else 1.0
         if self.steps == self.capture_at:
             self.runner.cuda_graphs.stats.capture_s += 1.0
@@ -78,6 +82,7 @@ def test_every_cycle_runs_each_policy_once_in_its_own_order(bench, monkeypatch):
         assert all(r[0] == tokens and r[1] == 1.0 and r[3] == 2 * tokens and r[4] == pytest.approx(1e-3) for r in rs)
         # a [device] rival decides on the device; the others on the host
         assert all(r[5] == (1 if name.endswith("[device]") else 0) for r in rs), name
+        assert all(r[6] == 8 * tokens for r in rs), name  # the row bucket its verify step ran
 
 
 def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):
@@ -89,3 +94,16 @@ def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):
     assert p["ratio"] == pytest.approx(3.5 / 3.0) and p["low"] <= p["ratio"] <= p["high"]
     assert (p["ahead"], p["cycles"]) == (2, 3)
     assert out["paired"]["late"]["ratio"] == pytest.approx(3.0) and out["paired"]["late"]["cycles"] == 1
+
+
+def test_by_rows_sets_each_buckets_round_time_beside_the_curves_price(bench):
+    rounds = {"cost": [[6, 0.010, 0, 3, 0.0, 0, 64], [6, 0.014, 1, 3, 0.0, 0, 96]],
+              "rival": [[4, 0.012, 0, 2, 0.0, 0, 64], [4, 0.011, 1, 2, 0.0, 0, 0]],  # 0: a round without a verify step
+              "old": [[4, 0.011, 0]]}  # records without rows are left out
+    curve = types.SimpleNamespace(predict=lambda q: 1e-4 * q)
+    got = bench.by_rows(rounds, curve)
+    assert [b["rows"] for b in got] == [64, 96]
+    assert got[0]["rounds"] == 2 and got[0]["ms"] == pytest.approx(11.0) and got[0]["cost_ms"] == pytest.approx(10.0)
+    assert got[1]["rounds"] == got[1]["cost_rounds"] == 1 and got[1]["curve_ms"] == pytest.approx(9.6)
+    assert bench.by_rows({"rival": rounds["rival"]}, None) == [
+        {"rows": 64, "rounds": 1, "ms": pytest.approx(12.0), "cost_rounds": 0, "cost_ms": None, "curve_ms": None}]
