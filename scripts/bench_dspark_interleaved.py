@@ -56,8 +56,8 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
     cycle, verified drafts, policy host seconds, decided on the device (0 / 1), verify rows (0: none)], ...]},
-    "dropped": cycles dropped for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]" decides on the device, the
-    others on the host. The requests are dropped afterwards."""
+    "dropped": cycles dropped for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]"
+    decides on the device, the others on the host. The requests are dropped afterwards."""
     eng = llm.engine
     dec = eng.runner.spec
     graphs = eng.runner.cuda_graphs
@@ -190,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
-    from deepinfer_dspark import VerifyPolicy
+    from deepinfer_dspark import StepPadding, VerifyPolicy
     from deepinfer_engine import LLM, SamplingParams
+    from deepinfer_engine.worker.cuda_graph import pick_bucket
 
     tb = _testbed()
     if not (args.ckpt / "testbed.json").exists():
@@ -222,9 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                                                seed=args.seed), count)
             got = interleaved(llm, policies, prompts_all[:count], sp, skip=args.skip, warm_cycles=args.warm_cycles,
                               cycles=args.cycles, seed=args.seed)
-            # the curve that priced this cell's steps: its graph batch bucket's (`SpecDecoder.latency_for`)
-            batch = min((b for b in dec.batch_latency if b >= count), default=None)
-            curve = dec.batch_latency[batch] if batch is not None else dec.latency
+            # the curve that priced this cell's steps, chosen as the engine chooses it (`SpecDecoder.padding`: the
+            # graph batch bucket of the step's sequences; `latency_for`: that bucket's curve)
+            bucket = pick_bucket(count, sorted(dec.graph_rows)) if dec.graph_rows else None
+            curve = dec.latency_for(None if bucket is None else StepPadding(bucket, dec.graph_rows[bucket], ragged=True))
             cell = {"prompts": count, "temperature": temp, "dropped_cycles": got["dropped"],
                     "stalled_cycles": got["stalled"], **compare(got["rounds"]),
                     "by_rows": by_rows(got["rounds"], curve), "rounds": got["rounds"]}
