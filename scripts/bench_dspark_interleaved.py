@@ -25,8 +25,13 @@ rows its verify step ran (the graph's row bucket, from `SpecTiming.by_rows`). Pe
 bucket's measured round time (every policy's rounds, and cost's alone) beside the cost policy's price of that
 bucket at the window's end (`LatencyModel.predict` of the cell's batch curve): whether the rows the cost policy
 adds inside a bucket, or by filling the next one, cost what its curve says.
+After the cells, `sweep` sums up each rival over them: the geometric mean of cost's ratio, its range, and the cells
+won, tied and lost at 95%. A threshold is one setting for every load a server meets, so the question is whether
+any fixed rival beats cost anywhere, and whether cost beats each of them somewhere; the sweep should span the loads
+where verifying every draft is free (a few requests) to those where it is not.
 `--device-decision` adds, for each policy but verify_all, a rival NAME[device] that decides on the device while it
-drafts: the decision on the device against the host's, paired by cycle like the policies. `--control` adds
+drafts: the decision on the device against the host's, paired by cycle like the policies; cost[device] is then also compared with the host's
+rivals (`paired_device`, and its own sweep). `--control` adds
 "cost (again)", the same policy a second time: the spread of cost's ratio against it is what the bench reads
 between identical policies (an A/A comparison; the bootstrap over cycles treats cycles as independent, while the
 text each policy's rounds decode differs, and its difficulty drifts slowly).
@@ -152,6 +157,22 @@ def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resampl
     return out
 
 
+def sweep(cells: list[dict[str, Any]], key: str = "paired") -> dict[str, dict[str, Any]]:
+    """Per rival over the cells that pair it (`cell[key]`, `compare`'s "paired"): the geometric mean of the
+    subject's ratio, its range, and the cells where the 95% interval lies above 1 (won), below 1 (lost) or holds 1
+    (tied). A deployment sets one threshold for every load and temperature it meets, so the policy to prefer is
+    the one that no fixed rival beats anywhere and that beats each rival somewhere, not the winner of one cell."""
+    out: dict[str, dict[str, Any]] = {}
+    rivals = dict.fromkeys(r for c in cells for r in c.get(key, {}))
+    for rival in rivals:
+        got = [c[key][rival] for c in cells if rival in c.get(key, {})]
+        ratios = [g["ratio"] for g in got]
+        out[rival] = {"cells": len(got), "geomean": math.exp(sum(map(math.log, ratios)) / len(ratios)),
+                      "min": min(ratios), "max": max(ratios), "won": sum(g["low"] > 1 for g in got),
+                      "lost": sum(g["high"] < 1 for g in got), "tied": sum(g["low"] <= 1 <= g["high"] for g in got)}
+    return out
+
+
 def by_rows(rounds: dict[str, list[list[float]]], curve: Any, subject: str = "cost") -> list[dict[str, Any]]:
     """Per verify row bucket of the cell: its rounds and mean round milliseconds over every policy and over
     `subject`'s alone, beside `curve.predict(rows)` (the cost policy's price of a step of that bucket; None without
@@ -230,6 +251,9 @@ def main(argv: list[str] | None = None) -> int:
             cell = {"prompts": count, "temperature": temp, "dropped_cycles": got["dropped"],
                     "stalled_cycles": got["stalled"], **compare(got["rounds"]),
                     "by_rows": by_rows(got["rounds"], curve), "rounds": got["rounds"]}
+            if args.device_decision:  # the decision on the device as the subject, against the host's rivals
+                cell["paired_device"] = {r: v for r, v in compare(got["rounds"], "cost[device]")["paired"].items()
+                                         if not r.endswith("[device]") and r != "cost"}
             report["cells"].append(cell)
             kept = args.cycles - got["dropped"] - got["stalled"]
             print(f"P={count} T={temp:g}: {kept} cycles ({got['dropped']} dropped for a capture, {got['stalled']} "
@@ -241,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<22} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
                       f"{p.get('verified_per_round', 0):7.1f} verified {p.get('policy_ms_per_round', 0):5.3f} ms "
                       f"policy {p.get('decided_on_device', 0):4.0%} on device  {vs}", flush=True)
+            if "paired_device" in cell:
+                print("  cost[device] / it: " + ", ".join(f"{r} {v['ratio']:.3f} ({v['low']:.3f}-{v['high']:.3f})"
+                                                          for r, v in cell["paired_device"].items()), flush=True)
             for b in cell["by_rows"]:
                 mine = f"{b['cost_ms']:6.2f} ms" if b["cost_ms"] is not None else "     -   "
                 price = f"{b['curve_ms']:6.2f} ms" if b["curve_ms"] is not None else "-"
@@ -248,6 +275,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"rounds {mine}; cost's curve {price}", flush=True)
             if args.json:
                 args.json.write_text(json.dumps(report) + "\n")
+    keys = [("cost", "paired")] + ([("cost[device]", "paired_device")] if args.device_decision else [])
+    report["sweep"] = {subject: sweep(report["cells"], key) for subject, key in keys}
+    print(f"over the {len(report['cells'])} cells (geometric mean, range; cells won / tied / lost at 95%):")
+    for subject, rivals in report["sweep"].items():
+        for rival, v in rivals.items():
+            print(f"  {subject} / {rival:<22} {v['geomean']:.3f} ({v['min']:.3f}-{v['max']:.3f}); "
+                  f"{v['won']} / {v['tied']} / {v['lost']} of {v['cells']}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report) + "\n")
     return 0
 
 

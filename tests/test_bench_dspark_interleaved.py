@@ -107,3 +107,22 @@ def test_by_rows_sets_each_buckets_round_time_beside_the_curves_price(bench):
     assert got[1]["rounds"] == got[1]["cost_rounds"] == 1 and got[1]["curve_ms"] == pytest.approx(9.6)
     assert bench.by_rows({"rival": rounds["rival"]}, None) == [
         {"rows": 64, "rounds": 1, "ms": pytest.approx(12.0), "cost_rounds": 0, "cost_ms": None, "curve_ms": None}]
+
+
+def test_sweep_sums_up_each_rival_over_the_cells(bench):
+    def pair(ratio, low, high):
+        return {"ratio": ratio, "low": low, "high": high}
+
+    cells = [{"paired": {"verify_all": pair(1.10, 1.05, 1.15), "threshold[0.2]": pair(0.98, 0.95, 1.01)}},
+             {"paired": {"verify_all": pair(1.00, 0.97, 1.03), "threshold[0.2]": pair(1.04, 1.01, 1.07)}},
+             {"paired": {"verify_all": pair(0.90, 0.85, 0.95)}},  # a rival left out of a cell
+             {"other": {}}]
+    got = bench.sweep(cells)
+    assert list(got) == ["verify_all", "threshold[0.2]"]
+    v = got["verify_all"]
+    assert v["cells"] == 3 and v["geomean"] == pytest.approx((1.10 * 1.00 * 0.90) ** (1 / 3))
+    assert (v["min"], v["max"]) == (0.90, 1.10) and (v["won"], v["tied"], v["lost"]) == (1, 1, 1)
+    t = got["threshold[0.2]"]
+    assert t["cells"] == 2 and t["geomean"] == pytest.approx((0.98 * 1.04) ** 0.5)
+    assert (t["won"], t["tied"], t["lost"]) == (1, 1, 0)
+    assert bench.sweep(cells, key="paired_device") == {}
