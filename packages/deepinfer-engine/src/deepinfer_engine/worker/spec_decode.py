@@ -111,7 +111,6 @@ class SpecRound:
     # verification's uniforms
     inputs_host: np.ndarray | None = None
     temps_host: Tensor | None = None  # [B] float32 on the host, 0 on greedy rows
-    num_drafts_host: Tensor | None = None  # [B] int64 on the host (checks and row counts without a device read)
     greedy: list[bool] = field(default_factory=list)
     params: list[Any] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)  # per b: first logits row of its m + 1 rows
@@ -461,7 +460,6 @@ class SpecDecoder:
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n: 2 * n]
         rnd.drafts_host = drafts = [int(k) for k in m.tolist()]
-        rnd.num_drafts_host = m
         rnd.proposal = prop
         index = rnd.index
         out = []
