@@ -193,9 +193,20 @@ def test_plans_left_to_the_host_and_bad_plans() -> None:
     assert plan_schedule(VerifyPolicy(kind="cost", exact=False), m, latency=lat).kind == "search"
     with pytest.raises(DSparkInputError, match="budget"):
         plan_schedule(VerifyPolicy(kind="cost"), m, latency=lat, budget=-1)
-    with pytest.raises(DSparkInputError, match="price"):
-        plan_schedule(VerifyPolicy(kind="cost"), m, latency=lat, deterministic=True,
-                      price=(np.asarray([0.5, 0.2]), np.asarray([0.1, 0.2])))
+    for x, y in (([0.5, 0.2], [0.1, 0.2]),  # x decreasing
+                 ([0.2, 0.2], [0.1, 0.2]),  # x not strictly increasing
+                 ([0.2, 0.5], [0.3, 0.2]),  # y decreasing
+                 ([0.2, 0.5], [-0.1, 0.2]),  # y below 0
+                 ([0.2, np.nan], [0.1, 0.2]), ([0.2, 0.5], [0.1, np.nan]), ([np.nan], [0.5]),  # NaN knots
+                 ([0.2, 0.5], [0.1, 0.2, 0.3]),  # lengths differ
+                 ([], []),  # no knot
+                 ([[0.2, 0.5]], [[0.1, 0.2]])):  # not 1-D
+        with pytest.raises(DSparkInputError, match="price"):
+            plan_schedule(VerifyPolicy(kind="cost"), m, latency=lat, deterministic=True,
+                          price=(np.asarray(x), np.asarray(y)))
+    ok = plan_schedule(VerifyPolicy(kind="cost"), m, latency=lat, deterministic=True,
+                       price=(np.asarray([0.5]), np.asarray([0.0])))
+    assert ok.kind == "search" and ok.price is not None
     with pytest.raises(DSparkInputError, match="kind"):
         DevicePlan(kind="cap")
     with pytest.raises(DSparkInputError, match="search"):
