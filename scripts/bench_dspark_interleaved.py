@@ -30,8 +30,8 @@ won, tied and lost at 95%. A threshold is one setting for every load a server me
 any fixed rival beats cost anywhere, and whether cost beats each of them somewhere; the sweep should span the loads
 where verifying every draft is free (a few requests) to those where it is not.
 `--device-decision` adds, for each policy but verify_all, a rival NAME[device] that decides on the device while it
-drafts: the decision on the device against the host's, paired by cycle like the policies; cost[device] is then also compared with the host's
-rivals (`paired_device`, and its own sweep). `--control` adds
+drafts: the decision on the device against the host's, paired by cycle like the policies; cost[device] is then
+also compared with the host's rivals (`paired_device`, and its own sweep). `--control` adds
 "cost (again)", the same policy a second time: the spread of cost's ratio against it is what the bench reads
 between identical policies (an A/A comparison; the bootstrap over cycles treats cycles as independent, while the
 text each policy's rounds decode differs, and its difficulty drifts slowly).
