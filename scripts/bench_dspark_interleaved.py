@@ -20,8 +20,10 @@ the previous step's return to its own. Cycles in which a CUDA graph was captured
 with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round, a one-off the policy
 does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy it hit.
 Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming` policy
-+ lagged search), whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine) and the
-rows its verify step ran (the graph's row bucket, from `SpecTiming.by_rows`). Per cell, `by_rows` sets each row
++ lagged search), whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine), the
+rows its verify step ran (the graph's row bucket, from `SpecTiming.by_rows`) and the host seconds that planned and
+enqueued a decision on the device before the read (`SpecTiming.decide_s`: overlapped with the draft pass while the
+device drafts, round time where it has finished). Per cell, `by_rows` sets each row
 bucket's measured round time (every policy's rounds, and cost's alone) beside the cost policy's price of that
 bucket at the window's end (`LatencyModel.predict` of the cell's batch curve): whether the rows the cost policy
 adds inside a bucket, or by filling the next one, cost what its curve says.
@@ -60,7 +62,8 @@ STALL_FACTOR = 5.0
 def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[int]], sp: list, *, skip: int,
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
-    cycle, verified drafts, policy host seconds, decided on the device (0 / 1), verify rows (0: none)], ...]},
+    cycle, verified drafts, policy host seconds, decided on the device (0 / 1), verify rows (0: none), host seconds
+    of the device decision's plan and launch], ...]},
     "dropped": cycles dropped for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]"
     decides on the device, the others on the host. The requests are dropped afterwards."""
     eng = llm.engine
@@ -88,13 +91,14 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
                 dec.policy = pol  # the policy only (module docstring)
                 dec.decide_on_device = name.endswith("[device]")
                 tok0, ver0 = eng.total.decode_tokens, dec.stats.num_verified_tokens
-                host0, decided0 = dec.timing.policy_s + dec.timing.lag_s, dec.timing.decided
+                host0, decided0, plan0 = dec.timing.policy_s + dec.timing.lag_s, dec.timing.decided, dec.timing.decide_s
                 seen0 = {r: c for r, (c, _) in dec.timing.by_rows.items()}
                 eng.step_outputs()
                 now = time.perf_counter()
                 rows = next((r for r, (c, _) in dec.timing.by_rows.items() if c > seen0.get(r, 0)), 0)
                 got.append((name, eng.total.decode_tokens - tok0, now - last, dec.stats.num_verified_tokens - ver0,
-                            dec.timing.policy_s + dec.timing.lag_s - host0, dec.timing.decided - decided0, rows))
+                            dec.timing.policy_s + dec.timing.lag_s - host0, dec.timing.decided - decided0, rows,
+                            dec.timing.decide_s - plan0))
                 last = now
             if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
                 raise SystemExit("interleaved: a prefill step or a finished request fell inside the window; raise "
@@ -114,8 +118,8 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
         if max(g[3] for g in cyc) > limit:
             stalled += 1
             continue
-        for c, name, tokens, seconds, verified, host, decided, rows in cyc:
-            rounds[name].append([tokens, seconds, c, verified, host, decided, rows])
+        for c, name, tokens, seconds, verified, host, decided, rows, plan in cyc:
+            rounds[name].append([tokens, seconds, c, verified, host, decided, rows, plan])
     return {"rounds": rounds, "dropped": dropped, "stalled": stalled}
 
 
@@ -135,6 +139,8 @@ def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resampl
                                          ms_per_round=1e3 * sec / len(rs))
         if rs and len(rs[0]) > 5:
             out["policies"][name]["decided_on_device"] = sum(r[5] for r in rs) / len(rs)
+        if rs and len(rs[0]) > 7:
+            out["policies"][name]["plan_ms_per_round"] = 1e3 * sum(r[7] for r in rs) / len(rs)
     if subject not in rounds:
         return out
     mine = {int(r[2]): (r[0], r[1]) for r in rounds[subject]}
@@ -264,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{pair['ahead']} of {pair['cycles']}") if pair else ""
                 print(f"  {name:<22} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
                       f"{p.get('verified_per_round', 0):7.1f} verified {p.get('policy_ms_per_round', 0):5.3f} ms "
-                      f"policy {p.get('decided_on_device', 0):4.0%} on device  {vs}", flush=True)
+                      f"policy {p.get('decided_on_device', 0):4.0%} on device "
+                      f"(+{p.get('plan_ms_per_round', 0):5.3f} ms plan)  {vs}", flush=True)
             if "paired_device" in cell:
                 print("  cost[device] / it: " + ", ".join(f"{r} {v['ratio']:.3f} ({v['low']:.3f}-{v['high']:.3f})"
                                                           for r, v in cell["paired_device"].items()), flush=True)

@@ -21,7 +21,7 @@ class _Engine:
 
     def __init__(self, emit: dict[str, int], capture_at: int | None = None, stall_at: int | None = None) -> None:
         self.spec = types.SimpleNamespace(policy=None, stats=types.SimpleNamespace(num_verified_tokens=0),
-                                          timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0, decided=0,
+                                          timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0, decided=0, decide_s=0.0,
                                                                        by_rows={8: [5, 0.1], 24: [1, 0.1]}),
                                           decide_on_device=False)
         self.clock, self.stall_at = 0.0, stall_at
@@ -38,6 +38,7 @@ class _Engine:
         self.spec.stats.num_verified_tokens += 2 * self.emit.get(name, 1)
         self.spec.timing.policy_s += 1e-3
         self.spec.timing.decided += int(self.spec.decide_on_device)
+        self.spec.timing.decide_s += 2e-3 * self.spec.decide_on_device
         entry = self.spec.timing.by_rows.setdefault(8 * self.emit.get(name, 1), [0, 0.0])
         entry[0] += 1
         self.clock += 100.0 if self.steps == self.stall_at else 1.0
@@ -83,6 +84,8 @@ def test_every_cycle_runs_each_policy_once_in_its_own_order(bench, monkeypatch):
         # a [device] rival decides on the device; the others on the host
         assert all(r[5] == (1 if name.endswith("[device]") else 0) for r in rs), name
         assert all(r[6] == 8 * tokens for r in rs), name  # the row bucket its verify step ran
+        # the host's seconds planning and launching a decision on the device
+        assert all(r[7] == pytest.approx(2e-3 if name.endswith("[device]") else 0.0) for r in rs), name
 
 
 def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):
