@@ -13,7 +13,7 @@ that resamples whole cycles.
 Only the policy object is switched between rounds (`SpecDecoder.policy`): the latency curves and their online
 correction are shared, and the cost policy's lagged budget comes from its own previous round, one cycle earlier
 (`SpecDecoder.set_policy` would drop it). So at T > 0 cost runs a budget two or more rounds old: non-anticipating as
-the one-round lag is, but staler than in a run of cost alone (at T = 0 every round chooses its own). A round's time is the engine step's wall time (the
+the one-round lag is, but staler than in a run of cost alone (at T = 0 its survival cutoff likewise). A round's time is the engine step's wall time (the
 scheduler, the round and its bookkeeping, the output processing); the draft pass launched at its end for the next
 round does the same work whatever policy comes next; no sync separates the rounds, so each round's time runs from
 the previous step's return to its own. Cycles in which a CUDA graph was captured are dropped, and so are cycles

@@ -14,8 +14,9 @@ a `bench_dspark_policies.py --json` run on the target device (`latency_after.by_
 `--floor-ms` for the host's launch floor), with the engine's ragged row buckets. Per policy: verified drafts and
 emitted tokens per round, the modeled round time and the modeled tokens/s (emitted tokens over modeled seconds).
 The times are a model of the device, not a measurement; the tokens are exact. Policies: verify_all, thresholds,
-the lagged cost count (the budget searched on the survivals of `lag` rounds before, on one round in `every`),
-and cost chosen in the round (the engine's greedy rounds), with the engine's online survival calibration.
+the lagged cost count (the budget searched on the survivals of `lag` rounds before, on one round in `every`:
+the engine's rounds with sampled rows), and at T = 0 cost chosen in the round and the carried survival cutoff
+(`cost_cutoff`, the engine's greedy rounds), with the engine's online survival calibration.
 """
 
 from __future__ import annotations
@@ -85,7 +86,9 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
         SurvivalCalibration,
         VerifyPolicy,
         allocate,
+        allocate_above,
         cost_budget,
+        cost_cutoff,
         schedule_verification,
     )
 
@@ -128,6 +131,16 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             return allocate(s, m, st["k"]).numpy()
         return choose
 
+    def cutoff(lag: int, every: int):  # the engine's greedy rounds: a carried survival cutoff
+        def choose(i, s, cal, st):
+            j = i - lag
+            if j < 0:
+                return m
+            if j % every == 0 or "c" not in st:
+                st["c"] = cost_cutoff(rounds[j][0], m, lat, padding=pad, price=price(cal))
+            return allocate_above(s, m, st["c"]).numpy()
+        return choose
+
     def in_round(i, s, cal, st):
         return schedule_verification(VerifyPolicy(kind="cost"), m, survival=s, latency=lat, padding=pad,
                                      deterministic=True, price=price(cal)).numpy()
@@ -137,14 +150,15 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     policies.update({f"cost lagged {lag}, every {e}": lagged(lag, e) for lag in (1, 4) for e in (1, 4)})
     if greedy:  # at T > 0 a round's own survivals choosing its global K would bias the output
         policies["cost in the round"] = in_round
+        policies.update({f"cost cutoff, lag {lag}, every {e}": cutoff(lag, e) for lag, e in ((1, 1), (1, 4))})
     res = {name: run(choose) for name, choose in policies.items()}
     best = max(r["tokens_per_s"] for name, r in res.items() if name.startswith("threshold"))
     print(f"{len(rounds)} rounds of {batch} requests, T = {rec['temperature']:g} (first {args.skip} skipped); "
           f"modeled time: {args.curve_json}, floor {args.floor_ms} ms")
-    print(f"{'policy':26} {'verified':>9} {'tokens':>8} {'ms':>7} {'tok/s':>8} {'/best thr':>9}")
+    print(f"{'policy':28} {'verified':>9} {'tokens':>8} {'ms':>7} {'tok/s':>8} {'/best thr':>9}")
     for name, r in res.items():
         r["over_best_threshold"] = r["tokens_per_s"] / best
-        print(f"{name:26} {r['verified']:9.1f} {r['tokens']:8.1f} {r['ms']:7.2f} {r['tokens_per_s']:8.0f} "
+        print(f"{name:28} {r['verified']:9.1f} {r['tokens']:8.1f} {r['ms']:7.2f} {r['tokens_per_s']:8.0f} "
               f"{r['over_best_threshold']:9.3f}")
     return {"rounds": len(rounds), "batch": batch, "temperature": rec["temperature"], "floor_ms": args.floor_ms,
             "policies": res}

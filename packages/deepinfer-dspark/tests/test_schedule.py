@@ -15,7 +15,9 @@ from deepinfer_dspark import (
     StepPadding,
     VerifyPolicy,
     allocate,
+    allocate_above,
     cost_budget,
+    cost_cutoff,
     schedule_verification,
 )
 
@@ -492,3 +494,53 @@ def test_a_ragged_steps_free_check_from_its_bucket_prices_is_the_general_one():
         assert _free(m, batch, lat, pad, base, prices) == free, (sizes, points, seconds, lat.floor, m.tolist(), base)
         seen[free] += 1
     assert min(seen.values()) >= 20  # both answers were exercised
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_cutoff_verifies_the_early_stop_searchs_drafts(seed: int, ragged: bool):
+    """`cost_cutoff` is the early-stop search's price of a draft as a survival level: applied to the survivals it
+    was searched on (`allocate_above`), it verifies the top K of the exact search over the convex curve (not the
+    bucket fill), up to ties; through a price map, the K of the priced values. Rounds of 16 requests x 5 drafts,
+    ragged buckets of 8 rows, a convex curve."""
+    rng = np.random.default_rng(seed)
+    a = np.cumprod(rng.uniform(0.2, 1.0, size=(16, 5)), axis=1).astype(np.float32)
+    m = rng.integers(0, 6, size=16)
+    lat = LatencyModel([16, 48, 96], [2e-3, 3e-3, 6e-3])
+    padding = StepPadding(16, tuple(range(24, 97, 8)), ragged=True) if ragged else None
+    for price in (None, np.sqrt):
+        vals = np.sort(np.concatenate([a[b, : m[b]] for b in range(16)]))[::-1].astype(np.float64)
+        k = cost_budget(a, m, lat, exact=True, padding=None, price=price)  # exact: the convex curve, no fill
+        c = cost_cutoff(a, m, lat, padding=padding, price=price)
+        got = allocate_above(a, m, c)
+        assert got.dtype == torch.int64 and got.tolist() == allocate(a, m, k).tolist(), (k, c)
+        assert 0 < k < vals.size and vals[k] < c < vals[k - 1]
+    assert cost_cutoff(a, m, lat, padding=padding, price=np.sqrt) < cost_cutoff(a, m, lat, padding=padding)
+
+
+def test_cutoff_ends_and_errors():
+    a = _survival([[0.9, 0.5, 0.2, 0.1, 0.1]] * 4 + [[0.3, 0.1, 0.1, 0.1, 0.1]] * 4)
+    m = [5] * 8
+    steep = LatencyModel([8, 48], [1e-3, 5e-3])
+    c = cost_cutoff(a, m, steep)
+    assert 0.0 < c < 1.0
+    assert cost_cutoff(a, m, LatencyModel.affine(1.0, 1e-9, 64)) == 0.0  # every draft worth its row
+    assert cost_cutoff(a, m, LatencyModel.affine(1e-3, 1.0, 64)) == float("inf")  # no draft is
+    assert allocate_above(a, m, float("inf")).tolist() == [0] * 8
+    assert allocate_above(a, m, 0.0).tolist() == m
+    free = LatencyModel([8, 48], [1e-3, 5e-3])
+    free.observe_floor(1.0)  # under the host's floor every draft is free
+    assert cost_cutoff(a, m, free) == 0.0
+    assert cost_cutoff(a, [0] * 8, steep) == 0.0
+    nan = a.clone()
+    nan[0, :] = float("nan")  # ranked first by the search; never a level to compare with
+    got = cost_cutoff(nan, m, steep)
+    assert got == got and allocate_above(nan, m, got)[0] == 0
+    with pytest.raises(DSparkInputError, match="cutoff"):
+        allocate_above(a, m, float("nan"))
+    with pytest.raises(DSparkInputError, match="cutoff"):
+        allocate_above(a, m, -0.1)
+    with pytest.raises(DSparkInputError, match="padding"):
+        cost_cutoff(a, m, steep, padding=StepPadding(8, (1, 2, 6)))
+    with pytest.raises(DSparkInputError, match="base_tokens"):
+        cost_cutoff(a, m, steep, base_tokens=-1)

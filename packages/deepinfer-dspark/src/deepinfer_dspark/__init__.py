@@ -30,7 +30,9 @@ from deepinfer_dspark.schedule import (
     StepPadding,
     VerifyPolicy,
     allocate,
+    allocate_above,
     cost_budget,
+    cost_cutoff,
     schedule_verification,
 )
 from deepinfer_dspark.schedule_device import DevicePlan, plan_schedule, schedule_on_device
@@ -75,10 +77,12 @@ __all__ = [
     "VerifyPolicy",
     "__version__",
     "allocate",
+    "allocate_above",
     "block_confidence",
     "check_sampling",
     "confidence",
     "cost_budget",
+    "cost_cutoff",
     "counter_uniforms",
     "fit_sts",
     "greedy_accept",

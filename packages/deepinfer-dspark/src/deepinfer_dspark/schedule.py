@@ -54,9 +54,18 @@ lagged (`VerifyPolicy(kind="cost", lagged=True)`, the engine's cost policy): a r
   as a threshold, and the survival between the searched K-th and next candidate, with and without the next-ranked
   candidates filling the count's bucket) loses that: the count above a carried cutoff varies by round and crosses
   row buckets (docs/perf.md, "The policies round by round ...").
-  Greedy rounds need no lag (deterministic, below): the engine runs the global argmax on such a round's own
-  survivals, where the number of drafts worth verifying changes by round and a carried count does not follow it
-  (docs/dspark.md, "Greedy rounds choose in the round").
+  Greedy rounds carry a cutoff instead (below).
+greedy rounds (`cost_cutoff`, `allocate_above`): at T = 0 the survivals are bimodal and the number of drafts worth
+  verifying changes by about 12% from round to round, which a carried count does not follow; choosing in the round
+  follows it (a greedy round's drafts are not random, so its own survivals may choose) but puts the search's host
+  time on the round's critical path. The engine carries a price instead: the early-stop search (exact=True, over
+  the convex curve) admits a candidate while its value exceeds the current rate times the curve's slope (the
+  marginal rule of maximising E/T), so its K on an earlier round's survivals ends at a survival level, and the
+  round verifies each request's drafts at or above that level: a threshold's host work, at a level that moves
+  with the curve, the load and the calibration. The bucket fill is left out on purpose: a carried level admits a
+  count that varies by round, and filling the searched round's bucket would set the level inside the low mode.
+  Replayed on recorded greedy rounds it verified as many drafts as the best fixed threshold, at its tokens
+  (docs/perf.md, "Greedy rounds by a carried cutoff").
 price (`cost_budget`, `schedule_verification`): an elementwise non-decreasing map (the survival calibration of one
   sampling class) applied to the ranked survivals' values; the budget sums the mapped values, and the allocation
   ranks the survivals themselves, so the map's flat stretches do not reorder candidates.
@@ -87,7 +96,9 @@ __all__ = [
     "StepPadding",
     "VerifyPolicy",
     "allocate",
+    "allocate_above",
     "cost_budget",
+    "cost_cutoff",
     "schedule_verification",
 ]
 
@@ -484,6 +495,55 @@ def cost_budget(
                        deterministic=deterministic, prices=prices)
     return _budget(vals, survival.shape[0], latency, exact=exact, base_tokens=base_tokens,
                    deterministic=deterministic)
+
+
+def cost_cutoff(
+    survival: Tensor | np.ndarray,
+    max_drafts: Sequence[int] | Tensor | np.ndarray,
+    latency: LatencyModel,
+    *,
+    base_tokens: int = 0,
+    padding: StepPadding | None = None,
+    price: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> float:
+    """The survival cutoff at the cost policy's price of a draft on these survivals (module docstring, "greedy
+    rounds"): verifying each request's drafts with survival >= the cutoff (`allocate_above`) verifies on this round
+    the K of the early-stop search over the convex curve (exact=True, without the bucket fill), up to ties. 0.0
+    where every draft is worth its row (a flat curve, every draft free, or K = every candidate), `math.inf` where
+    none is. Arguments as `cost_budget`; padding: ragged or None (a padded step chooses a cap per request)."""
+    m = _check(survival, max_drafts)
+    if base_tokens < 0:
+        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
+    if padding is not None and not padding.ragged:
+        raise DSparkInputError("padding: a survival cutoff prices ragged steps only; a padded step picks a cap per "
+                               "request (schedule_verification)")
+    batch, count = survival.shape[0], int(m.sum())
+    if count == 0 or latency.flat() or _free(m, batch, latency, padding, base_tokens,
+                                            _bucket_prices(latency, padding, base_tokens + batch, count)):
+        return 0.0
+    vals, _ = _ranking(survival, m)
+    k = _budget(vals if price is None else price(vals), batch, latency, exact=True, base_tokens=base_tokens,
+                deterministic=False)
+    if k >= vals.size:
+        return 0.0
+    if k == 0:
+        return math.inf
+    # between the last admitted and the first refused survival; a NaN survival (ranked first) admits nothing
+    # above it on a threshold's comparison, so a boundary at one verifies none of the finite ones
+    hi, lo = float(vals[k - 1]), float(vals[k])
+    return math.inf if math.isnan(hi) or math.isnan(lo) else (hi + lo) / 2
+
+
+def allocate_above(
+    survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, cutoff: float
+) -> Tensor:
+    """`[B] int64` drafts per request: the longest prefix (within max_drafts) whose survivals are >= `cutoff` (a
+    `cost_cutoff` carried from an earlier round): a threshold's work on the host, on survival's device."""
+    m = _check(survival, max_drafts)
+    c = float(cutoff)
+    if math.isnan(c) or c < 0.0:
+        raise DSparkInputError(f"cutoff: expected a survival >= 0 (or inf), found {cutoff!r}")
+    return _above(survival, m, c)
 
 
 def _above(survival: Tensor | np.ndarray, m: np.ndarray, cutoff: float) -> Tensor:

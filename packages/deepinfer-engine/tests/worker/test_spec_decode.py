@@ -448,12 +448,14 @@ def test_cost_policy_verifies_all_on_a_flat_noisy_curve_and_times_its_rounds(v41
 
 @pytest.mark.parametrize("every", [1, 3])
 def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, v41_spec, monkeypatch, every) -> None:
-    """The engine's cost policy runs lagged on rounds with sampled rows: a round allocates (the top K by its own
-    survivals) the budget K that the global argmax gave on an earlier round's survivals, computed after that round's
-    launch; only a round without one, or whose shape (requests, other tokens, graph bucket) changed, runs the search
-    itself. The search prices the survivals through the online calibration, which learns from every draft the cost
-    rounds verified, per class. With BUDGET_EVERY > 1 a budget serves the rounds after it until the next search or
-    a change of shape. A mixed batch (two greedy, two sampled requests): the greedy ones' output stays the target's."""
+    """The engine's cost policy runs lagged: a round with sampled rows allocates (the top K by its own survivals)
+    the budget K that the global argmax gave on an earlier such round's survivals; an all-greedy round verifies
+    its drafts above the survival cutoff (`cost_cutoff`) searched on an earlier all-greedy round. Both are computed
+    after that round's launch; only a round without one for its class, or whose shape (requests, other tokens, graph
+    bucket) changed, runs the search itself. The search prices the survivals through the online calibration, which
+    learns from every draft the cost rounds verified, per class. With BUDGET_EVERY > 1 a value serves the rounds
+    after it until the next search or a change of shape. A mixed batch (two greedy, two sampled requests): the
+    greedy ones' output stays the target's."""
     from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
@@ -461,11 +463,13 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
     greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     sampled = SamplingParams(temperature=1.0, max_tokens=14, ignore_eos=True, seed=3)
     params = [greedy, sampled, greedy, sampled]
-    calls = {"in_round": 0, "greedy": 0, "budgets": [], "allocated": [], "applied": []}
+    calls = {"in_round": 0, "greedy_in_round": 0, "budgets": [], "cutoffs": [], "allocated": [], "above": [],
+             "applied": []}
     kept = spec.calibration
     spec.calibration = SurvivalCalibration(decay=1.0)
     apply, map_values = spec.calibration.apply, spec.calibration.map
     search, budget, top_k = spec_decode.schedule_verification, spec_decode.cost_budget, spec_decode.allocate
+    cutoff, above = spec_decode.cost_cutoff, spec_decode.allocate_above
 
     def spy_apply(*a, **kw):  # a mixed batch's survivals, both classes
         calls["applied"].append(apply(*a, **kw))
@@ -477,19 +481,28 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
 
     def spy_search(policy, *a, **kw):
         calls["in_round"] += policy.kind == "cost"
-        calls["greedy"] += policy.kind == "cost" and kw["deterministic"]
+        calls["greedy_in_round"] += policy.kind == "cost" and kw["deterministic"]
         return search(policy, *a, **kw)
 
-    def spy_budget(*a, **kw):  # next_budget's global argmax
+    def spy_budget(*a, **kw):  # next_budget's global argmax (rounds with sampled rows)
         assert kw["exact"] is False
         calls["budgets"].append(budget(*a, **kw))
         return calls["budgets"][-1]
+
+    def spy_cutoff(*a, **kw):  # next_budget's cutoff (all-greedy rounds)
+        calls["cutoffs"].append(cutoff(*a, **kw))
+        return calls["cutoffs"][-1]
 
     def spy_top_k(survival, max_drafts, k):
         calls["allocated"].append(k)
         return top_k(survival, max_drafts, k)
 
-    for name, spy in (("schedule_verification", spy_search), ("cost_budget", spy_budget), ("allocate", spy_top_k)):
+    def spy_above(survival, max_drafts, c):
+        calls["above"].append(c)
+        return above(survival, max_drafts, c)
+
+    for name, spy in (("schedule_verification", spy_search), ("cost_budget", spy_budget), ("allocate", spy_top_k),
+                      ("cost_cutoff", spy_cutoff), ("allocate_above", spy_above)):
         monkeypatch.setattr(spec_decode, name, spy)
     monkeypatch.setattr(spec.calibration, "apply", spy_apply)
     monkeypatch.setattr(spec.calibration, "map", spy_map)
@@ -503,14 +516,17 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
         got = _ids(v41_spec.generate(PROMPTS, params, use_tqdm=False))
         assert [got[0], got[2]] == [v41_reference[0], v41_reference[2]]
         rounds = spec.stats.steps
-        # rounds whose speculating requests are all greedy (the sampled ones ahead or behind in the schedule)
-        # choose in the round; the others allocate a searched budget, or search in the round when they have none
-        searches, sampled_rounds = len(calls["budgets"]), rounds - calls["greedy"]
-        assert calls["in_round"] + len(calls["allocated"]) == rounds
-        assert calls["allocated"] and calls["in_round"] > calls["greedy"]  # the first sampled round searches
-        assert searches == sampled_rounds if every == 1 else 0 < searches < sampled_rounds
-        assert set(calls["allocated"]) <= set(calls["budgets"]) and spec.timing.lag_s > 0
-        assert len(calls["applied"]) >= searches  # every search prices through the map
+        # each round either searches in the round or applies a carried value of its class
+        assert calls["in_round"] + len(calls["allocated"]) + len(calls["above"]) == rounds
+        greedy_rounds = calls["greedy_in_round"] + len(calls["above"])
+        sampled_rounds = rounds - greedy_rounds
+        assert calls["allocated"] and calls["above"]  # both classes carried a value
+        assert calls["in_round"] - calls["greedy_in_round"] >= 1 and calls["greedy_in_round"] >= 1  # first rounds
+        for searched, n in ((calls["budgets"], sampled_rounds), (calls["cutoffs"], greedy_rounds)):
+            assert len(searched) == n if every == 1 else 0 < len(searched) < n
+        assert set(calls["allocated"]) <= set(calls["budgets"]) and set(calls["above"]) <= set(calls["cutoffs"])
+        assert spec.timing.lag_s > 0
+        assert len(calls["applied"]) >= len(calls["budgets"])  # every search prices through the map
         assert spec.calibration.drafts.sum() == spec.stats.num_verified_tokens > 0
         assert min(spec.calibration.drafts.sum(1)) > 0  # both classes learned
     finally:
@@ -519,43 +535,68 @@ def test_lagged_cost_policy_allocates_the_previous_rounds_budget(v41_reference, 
         _use_policy(v41_spec, "verify_all")
 
 
-def test_greedy_rounds_of_the_lagged_cost_policy_choose_in_the_round(v41_reference, v41_spec, monkeypatch) -> None:
-    """A round whose requests are all greedy has no drafts to bias, so the cost policy chooses its budget on the
-    round's own survivals (the global argmax, priced through the calibration, the allocation ranking the survivals
-    themselves) and never carries one: no search after the launch, no stale budget (a planted one is ignored)."""
+def test_greedy_rounds_of_the_lagged_cost_policy_carry_a_cutoff_not_a_count(v41_reference, v41_spec,
+                                                                            monkeypatch) -> None:
+    """A round whose requests are all greedy verifies the drafts above the survival cutoff an earlier greedy round
+    searched (`cost_cutoff`, priced through the greedy calibration), so the count follows the round's own
+    survivals: a planted count is ignored, a planted cutoff of 0 verifies every draft and one past every
+    survival none, and the output stays the target's whatever the cutoff."""
     from deepinfer_dspark import LatencyModel, SurvivalCalibration, VerifyPolicy
     from deepinfer_engine.worker import spec_decode
 
     spec = v41_spec.engine.runner.spec
-    seen = []
-    search = spec_decode.schedule_verification
+    seen = {"search": [], "cutoff": [], "above": []}
+    search, cutoff, above = spec_decode.schedule_verification, spec_decode.cost_cutoff, spec_decode.allocate_above
 
     def spy_search(policy, *a, **kw):
         if policy.kind == "cost":
-            seen.append((kw["deterministic"], kw["price"] is not None))
+            seen["search"].append((kw["deterministic"], kw["price"] is not None))
         return search(policy, *a, **kw)
 
-    def no_budget(*a, **kw):
-        raise AssertionError("a greedy round searched a budget for later rounds")
+    def spy_cutoff(*a, **kw):
+        seen["cutoff"].append(kw["price"] is not None)
+        return cutoff(*a, **kw)
+
+    def spy_above(survival, max_drafts, c):
+        got = above(survival, max_drafts, c)
+        seen["above"].append((c, got.tolist(), [int(x) for x in max_drafts]))
+        return got
 
     def no_allocate(*a, **kw):
-        raise AssertionError("a greedy round allocated a carried budget")
+        raise AssertionError("a greedy round allocated a carried count")
+
+    def no_budget(*a, **kw):
+        raise AssertionError("a greedy round searched a count for later rounds")
 
     monkeypatch.setattr(spec_decode, "schedule_verification", spy_search)
-    monkeypatch.setattr(spec_decode, "cost_budget", no_budget)
+    monkeypatch.setattr(spec_decode, "cost_cutoff", spy_cutoff)
+    monkeypatch.setattr(spec_decode, "allocate_above", spy_above)
     monkeypatch.setattr(spec_decode, "allocate", no_allocate)
+    monkeypatch.setattr(spec_decode, "cost_budget", no_budget)
+    monkeypatch.setattr(spec_decode, "BUDGET_EVERY", 1)
     kept = spec.calibration
     spec.calibration = SurvivalCalibration()
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     try:
         spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
                         online_latency=False)
         spec.explore_every = 0
-        spec._lagged = ((4, 0, None), 0)  # a carried budget of no drafts would verify nothing
+        spec._lagged = ((4, 0, None), 0)  # a carried count of no drafts would verify nothing
         spec.reset_stats()
-        sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
         assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
-        assert len(seen) == spec.stats.steps > 0 and set(seen) == {(True, True)}
+        rounds = spec.stats.steps
+        assert len(seen["search"]) + len(seen["above"]) == rounds and seen["above"]
+        assert set(seen["search"]) == {(True, True)} and set(seen["cutoff"]) == {True}
+        assert len(seen["cutoff"]) == rounds  # searched after every launch (BUDGET_EVERY = 1)
         assert spec.stats.num_verified_tokens > 0
+        for c, want in ((0.0, "all"), (float("inf"), "none")):
+            seen["above"].clear()
+            monkeypatch.setattr(spec_decode, "cost_cutoff", lambda *a, c=c, **kw: c)
+            spec.set_policy(VerifyPolicy(kind="cost", lagged=True))
+            spec._cutoff = None
+            assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
+            assert seen["above"] and all(x == c for x, _, _ in seen["above"])
+            assert all(got == (m if want == "all" else [0] * len(m)) for _, got, m in seen["above"])
     finally:
         spec.calibration = kept
         spec.explore_every = 32

@@ -328,8 +328,9 @@ def test_cost_policy_prices_ragged_steps_and_learns_at_their_rows(ckpts, monkeyp
 
 def test_the_decision_on_the_device_is_the_hosts(ckpts) -> None:
     """While the device drafts (here: `device_busy` reports so), `begin` enqueues the policy's decision behind the
-    draft pass and reads the counts with the drafts: threshold, the cost policy's global argmax on greedy rounds
-    (ragged row buckets, prices through the greedy calibration) and its carried budget on sampled rounds. It
+    draft pass and reads the counts with the drafts: threshold, the cost policy's carried cutoff on greedy
+    rounds (the global argmax over ragged row buckets, priced through the greedy calibration, on a round without
+    one) and its carried budget on sampled rounds. It
     verifies what the host decides, draft for draft: the same tokens and statistics with it off, with requests
     nearing max_tokens, leaving the batch, and cut to fewer drafts by the token budget."""
     from deepinfer_dspark import SurvivalCalibration

@@ -44,7 +44,9 @@ from deepinfer_dspark import (
     TargetLogits,
     VerifyPolicy,
     allocate,
+    allocate_above,
     cost_budget,
+    cost_cutoff,
     plan_schedule,
     propose,
     row_plan,
@@ -125,7 +127,7 @@ class SpecRound:
     rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
     launched_at: float = 0.0  # perf_counter when the verification was enqueued
     latency: LatencyModel | None = None  # the curve that priced the round (`SpecDecoder.latency_for`)
-    # lagged cost: (shape, survival, max_drafts, base tokens, padding, greedy rows) of the round
+    # lagged cost: (shape, survival, max_drafts, base tokens, padding, greedy rows, all greedy) of the round
     lag_inputs: tuple | None = None
     timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
 
@@ -250,9 +252,12 @@ class SpecDecoder:
         self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
         self._stage: HostStaging | None = None  # pinned staging of each round's host inputs (`_staging`)
         # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K) of the latest
-        # search: the budget its survivals gave, for the next rounds of the same shape (another shape runs the search)
+        # search on a round with sampled rows: the budget its survivals gave, for the next such rounds of the same
+        # shape (another shape runs the search); `_cutoff` the same for all-greedy rounds, with the survival cutoff
+        # at the searched round's price of a draft (`cost_cutoff`) instead of a count
         self._lagged: tuple[tuple[int, int, int | None], int] | None = None
-        self._lag_age = 0  # rounds the budget has been kept (`BUDGET_EVERY`)
+        self._cutoff: tuple[tuple[int, int, int | None], float] | None = None
+        self._lag_age = [0, 0]  # per class (sampled, greedy): rounds the carried value has been kept (`BUDGET_EVERY`)
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -288,7 +293,7 @@ class SpecDecoder:
         if policy.kind == "cost" and latency is None and self.latency is None:
             raise ValueError("set_policy: the cost policy needs a LatencyModel")
         self.policy = policy
-        self._lagged = None
+        self._lagged = self._cutoff = None
         if latency is not None:
             self.latency = latency
             self.batch_latency = dict(batch_latency or {})
@@ -401,13 +406,17 @@ class SpecDecoder:
         padding = self.padding(chunks, rnd.index)
         rnd.latency = self.latency_for(padding)
         shape = (len(picked), base, None if padding is None else padding.batch)
-        # a greedy round's drafts are not random, so its own survivals may choose its budget (the global argmax):
-        # the lag exists for sampled rounds only. At temperature 0 the number of drafts worth verifying varies by
-        # about 12% from round to round (bimodal survivals), which a carried count cannot follow (`next_budget`)
+        # rounds with sampled rows allocate a count searched on an earlier round (the lag keeps the choice
+        # non-anticipating); all-greedy rounds verify the drafts above a carried survival cutoff: at temperature 0
+        # the number of drafts worth verifying varies by about 12% from round to round (bimodal survivals), which a
+        # count cannot follow and a cutoff does (`next_budget`). Without one for this shape, the round searches
         deterministic = all(rnd.greedy)
         surv = prop.survival()
-        lagged = (self._lagged[1] if policy.kind == "cost" and policy.lagged and surv is not None and not deterministic
-                  and self._lagged is not None and self._lagged[0] == shape else None)
+        carries = policy.kind == "cost" and policy.lagged and surv is not None
+        lagged = (self._lagged[1] if carries and not deterministic and self._lagged is not None
+                  and self._lagged[0] == shape else None)
+        cutoff = (self._cutoff[1] if carries and deterministic and self._cutoff is not None
+                  and self._cutoff[0] == shape else None)
         on_device = self.decide_on_device and policy.kind != "verify_all"
         warm = self._warm.get(self.policy)
         # asked only when something would use the answer (an event recorded and queried per call)
@@ -417,7 +426,7 @@ class SpecDecoder:
         if busy and on_device:
             # the host would wait for the draft pass here: it plans the decision and the device runs it right
             # after the drafts, so the one read below brings the counts too
-            decided = self._decide_on_device(policy, rnd, host, dev, surv, base, padding, lagged, device)
+            decided = self._decide_on_device(policy, rnd, host, dev, surv, base, padding, lagged, cutoff, device)
         # the policy runs on the host otherwise: it is a few small sorts and scans, and m is needed there anyway
         # (the verify chunks' tokens); one copy brings the drafts, the survivals (and the device's counts) over
         cols = [prop.draft_ids.to(torch.float64)]
@@ -442,6 +451,8 @@ class SpecDecoder:
             if lagged is not None:
                 # the top K by this round's survivals (`next_budget`)
                 call: tuple[Callable, tuple, dict] = (allocate, (survival, host[:, 3], lagged), {})
+            elif cutoff is not None:
+                call = (allocate_above, (survival, host[:, 3], cutoff), {})  # a threshold's work (`next_budget`)
             else:
                 ranked, price = survival, None  # the survivals as the cost policy ranks and prices them
                 if policy.kind == "cost" and self.calibration is not None and survival is not None:
@@ -452,10 +463,9 @@ class SpecDecoder:
             m = call[0](*call[1], **call[2])
             if self.device_busy is not None and policy is self.policy:  # not an exploration round's verify_all
                 self._warm[policy] = call
-        if (self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None
-                and not deterministic):
+        if self.policy.kind == "cost" and self.policy.lagged and survival is not None and rnd.latency is not None:
             # `next_budget`, after the launch
-            rnd.lag_inputs = (shape, survival, host[:, 3], base, padding, np.asarray(rnd.greedy))
+            rnd.lag_inputs = (shape, survival, host[:, 3], base, padding, rnd.greedy, deterministic)
         self.timing.policy_s += time.perf_counter() - policy_started
         ids = wide[:, :n].astype(np.int64).tolist()
         rnd.survival_host = None if surv is None else wide[:, n: 2 * n]
@@ -475,15 +485,21 @@ class SpecDecoder:
         return rnd
 
     def _decide_on_device(self, policy: VerifyPolicy, rnd: SpecRound, host: np.ndarray, dev: Tensor, surv: Tensor,
-                          base: int, padding: StepPadding | None, lagged: int | None, device: torch.device
-                          ) -> Tensor | None:  # fmt: skip
+                          base: int, padding: StepPadding | None, lagged: int | None, cutoff: float | None,
+                          device: torch.device) -> Tensor | None:  # fmt: skip
         """`[B] int64` the round's counts, enqueued on the device behind the draft pass (`begin`), or None where the
         host decides: the sampled rows' early-stop search, or a search over a round of both sampling classes with
         the calibration on (it prices each class through its own map). The decision is the host's on the same
-        inputs: the policy, the carried budget, the curve of the round's step, the calibration of its class."""
+        inputs: the policy, the carried budget or cutoff, the curve of the round's step, the calibration of its
+        class."""
         started = time.perf_counter()
         greedy = rnd.greedy
         price = None
+        if cutoff is not None:  # a threshold at the carried cutoff; past every survival, a budget of none
+            if cutoff > 1.0:
+                lagged = 0
+            else:
+                policy = VerifyPolicy(kind="threshold", threshold=cutoff)
         if policy.kind == "cost" and lagged is None and self.calibration is not None:
             if any(greedy) and not all(greedy):
                 return None
@@ -676,34 +692,41 @@ class SpecDecoder:
         return packed
 
     def next_budget(self, rnd: SpecRound) -> None:
-        """Lagged cost policy (rounds with sampled rows; an all-greedy round chooses its own in `begin`): the next
-        round's budget from this round's survivals (the global argmax over its
-        row buckets, `VerifyPolicy(exact=False)`), run where the host would otherwise wait for the device: in
-        `collect_verify`, before the round's read. Between the forward's launch and the verification's launches
-        (tried) it delayed those launches by its whole time on the H200, where the testbed's forward ends before
-        the host has launched the verification: cost's launch took 0.15-0.4 ms longer than a threshold's, about
-        the search's time, at every batch size (docs/perf.md, "The lagged search off the launch path").
-        The search runs on one round in BUDGET_EVERY; the rounds between keep its budget while the step's shape
-        stays: its host time (0.25-0.57 ms per round on the H200 with the calibration, searched every round) is round
-        time wherever the device finishes first, and the budgets of consecutive rounds differ by noise (docs/perf.md,
-        "The policies round by round; the host's floor ...")."""
+        """Lagged cost policy: what the next rounds of this round's shape and class carry, from this round's
+        survivals, run where the host would otherwise wait for the device: in `collect_verify`, before the round's
+        read. A round with sampled rows gives the next such rounds a budget (the global argmax over its row buckets,
+        `VerifyPolicy(exact=False)`); an all-greedy round gives the next greedy rounds a survival cutoff
+        (`cost_cutoff`: the early-stop search's price of a draft), which a round applies at a threshold's host
+        time. Between the forward's launch and the verification's launches (tried) the search delayed those
+        launches by its whole time on the H200, where the testbed's forward ends before the host has launched the
+        verification: cost's launch took 0.15-0.4 ms longer than a threshold's, about the search's time, at every
+        batch size (docs/perf.md, "The lagged search off the launch path").
+        The search runs on one round in BUDGET_EVERY per class; the rounds between keep its value while the step's
+        shape stays: its host time (0.25-0.57 ms per round on the H200 with the calibration, searched every round)
+        is round time wherever the device finishes first, and the budgets of consecutive rounds differ by noise
+        (docs/perf.md, "The policies round by round; the host's floor ...")."""
         if rnd.lag_inputs is None or rnd.latency is None:
             return
         t0 = time.perf_counter()
-        shape, survival, max_drafts, base, padding, greedy = rnd.lag_inputs
+        shape, survival, max_drafts, base, padding, greedy, deterministic = rnd.lag_inputs
         rnd.lag_inputs = None
-        if self._lagged is not None and self._lagged[0] == shape and self._lag_age + 1 < BUDGET_EVERY:
-            self._lag_age += 1
+        cls = int(deterministic)
+        kept = self._cutoff if cls else self._lagged
+        if kept is not None and kept[0] == shape and self._lag_age[cls] + 1 < BUDGET_EVERY:
+            self._lag_age[cls] += 1
             self.timing.lag_s += time.perf_counter() - t0
             return
-        self._lag_age = 0
+        self._lag_age[cls] = 0
         price = None
         if self.calibration is not None:
             survival, price = self._priced(survival, greedy)
-        # `padding` is ragged or None (`SpecDecoder.padding`); a one-class map runs only if the budget reads values
-        k = cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base, deterministic=True,
-                        padding=padding, price=price)
-        self._lagged = (shape, k)
+        # `padding` is ragged or None (`SpecDecoder.padding`); a one-class map runs only if the search reads values
+        if cls:
+            self._cutoff = (shape, cost_cutoff(survival, max_drafts, rnd.latency, base_tokens=base, padding=padding,
+                                               price=price))
+        else:
+            self._lagged = (shape, cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base,
+                                               deterministic=True, padding=padding, price=price))
         self.timing.lag_s += time.perf_counter() - t0
 
     def _priced(self, survival: np.ndarray, greedy: Sequence[bool]) -> tuple[np.ndarray, Callable | None]:
