@@ -13,20 +13,23 @@ that resamples whole cycles.
 Only the policy object is switched between rounds (`SpecDecoder.policy`): the latency curves and their online
 correction are shared, and the cost policy's lagged budget comes from its own previous round, one cycle earlier
 (`SpecDecoder.set_policy` would drop it). So at T > 0 cost runs a budget two or more rounds old: non-anticipating as
-the one-round lag is, but staler than in a run of cost alone (at T = 0 its survival cutoff likewise). A round's time is the engine step's wall time (the
-scheduler, the round and its bookkeeping, the output processing); the draft pass launched at its end for the next
-round does the same work whatever policy comes next; no sync separates the rounds, so each round's time runs from
-the previous step's return to its own. Cycles in which a CUDA graph was captured are dropped, and so are cycles
-with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round, a one-off the policy
-does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy it hit.
-Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming` policy
-+ lagged search), whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine), the
-rows its verify step ran (the graph's row bucket, from `SpecTiming.by_rows`) and the host seconds that planned and
-enqueued a decision on the device before the read (`SpecTiming.decide_s`: overlapped with the draft pass while the
-device drafts, round time where it has finished). Per cell, `by_rows` sets each row
-bucket's measured round time (every policy's rounds, and cost's alone) beside the cost policy's price of that
-bucket at the window's end (`LatencyModel.predict` of the cell's batch curve): whether the rows the cost policy
-adds inside a bucket, or by filling the next one, cost what its curve says.
+the one-round lag is, but staler than in a run of cost alone (at T = 0 its survival cutoff likewise). A round's time
+is the engine step's wall time (the scheduler, the round and its bookkeeping, the output processing); the draft pass
+launched at its end for the next round does the same work whatever policy comes next; no sync separates the rounds,
+so each round's time runs from the previous step's return to its own. Cycles in which a CUDA graph was captured are
+dropped, and so are cycles with a stall: a round over STALL_FACTOR times the cell's median round (one 200 ms round,
+a one-off the policy does not cause, outweighed 95 others of 20 ms in a ratio of sums on the H200), whichever policy
+it hit.
+Each round also records the drafts it verified, its policy's host seconds after the drafts' read (`SpecTiming`
+policy + lagged search), whether the device decided its counts (`SpecDecoder.decide_on_device`, off in the engine),
+the rows its verify step ran (the graph's row bucket, from `SpecTiming.by_rows`) and the host seconds that planned
+and enqueued a decision on the device before the read (`SpecTiming.decide_s`: overlapped with the draft pass while
+the device drafts, round time where it has finished), and the policy's other host work, which the policy window does
+not hold: the warm-up call while the device drafts (`warm_s`), the deferred statistics and calibration update after
+the next draft pass's launch (`deferred_s`), and the lagged search's share of the policy seconds (`lag_s`). Per
+cell, `by_rows` sets each row bucket's measured round time (every policy's rounds, and cost's alone) beside the cost
+policy's price of that bucket at the window's end (`LatencyModel.predict` of the cell's batch curve): whether the
+rows the cost policy adds inside a bucket, or by filling the next one, cost what its curve says.
 After the cells, `sweep` sums up each rival over them: the geometric mean of cost's ratio, its range, and the cells
 won, tied and lost at 95%. A threshold is one setting for every load a server meets, so the question is whether
 any fixed rival beats cost anywhere, and whether cost beats each of them somewhere; the sweep should span the loads
@@ -63,7 +66,7 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
                 warm_cycles: int, cycles: int, seed: int) -> dict[str, Any]:
     """Rounds of every policy in a full batch of `prompts` (module docstring): {"rounds": {name: [[tokens, seconds,
     cycle, verified drafts, policy host seconds, decided on the device (0 / 1), verify rows (0: none), host seconds
-    of the device decision's plan and launch], ...]},
+    of the device decision's plan and launch, warm-up seconds, deferred seconds, lagged-search seconds], ...]},
     "dropped": cycles dropped for a capture, "stalled": cycles dropped for a stall}. A name ending in "[device]"
     decides on the device, the others on the host. The requests are dropped afterwards."""
     eng = llm.engine
@@ -92,13 +95,15 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
                 dec.decide_on_device = name.endswith("[device]")
                 tok0, ver0 = eng.total.decode_tokens, dec.stats.num_verified_tokens
                 host0, decided0, plan0 = dec.timing.policy_s + dec.timing.lag_s, dec.timing.decided, dec.timing.decide_s
+                other0 = (dec.timing.warm_s, dec.timing.deferred_s, dec.timing.lag_s)
                 seen0 = {r: c for r, (c, _) in dec.timing.by_rows.items()}
                 eng.step_outputs()
                 now = time.perf_counter()
                 rows = next((r for r, (c, _) in dec.timing.by_rows.items() if c > seen0.get(r, 0)), 0)
                 got.append((name, eng.total.decode_tokens - tok0, now - last, dec.stats.num_verified_tokens - ver0,
                             dec.timing.policy_s + dec.timing.lag_s - host0, dec.timing.decided - decided0, rows,
-                            dec.timing.decide_s - plan0))
+                            dec.timing.decide_s - plan0, dec.timing.warm_s - other0[0],
+                            dec.timing.deferred_s - other0[1], dec.timing.lag_s - other0[2]))
                 last = now
             if eng.total.prefill_tokens != pre0 or not eng.has_unfinished_requests():
                 raise SystemExit("interleaved: a prefill step or a finished request fell inside the window; raise "
@@ -118,8 +123,8 @@ def interleaved(llm: Any, policies: list[tuple[str, Any]], prompts: list[list[in
         if max(g[3] for g in cyc) > limit:
             stalled += 1
             continue
-        for c, name, tokens, seconds, verified, host, decided, rows, plan in cyc:
-            rounds[name].append([tokens, seconds, c, verified, host, decided, rows, plan])
+        for c, name, tokens, seconds, *rest in cyc:
+            rounds[name].append([tokens, seconds, c, *rest])
     return {"rounds": rounds, "dropped": dropped, "stalled": stalled}
 
 
@@ -139,8 +144,9 @@ def compare(rounds: dict[str, list[list[float]]], subject: str = "cost", resampl
                                          ms_per_round=1e3 * sec / len(rs))
         if rs and len(rs[0]) > 5:
             out["policies"][name]["decided_on_device"] = sum(r[5] for r in rs) / len(rs)
-        if rs and len(rs[0]) > 7:
-            out["policies"][name]["plan_ms_per_round"] = 1e3 * sum(r[7] for r in rs) / len(rs)
+        for i, key in ((7, "plan"), (8, "warm"), (9, "deferred"), (10, "lag")):
+            if rs and len(rs[0]) > i:
+                out["policies"][name][f"{key}_ms_per_round"] = 1e3 * sum(r[i] for r in rs) / len(rs)
     if subject not in rounds:
         return out
     mine = {int(r[2]): (r[0], r[1]) for r in rounds[subject]}
@@ -271,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name:<22} {p['tokens_per_s'] or 0:>10,.0f} tok/s  {p.get('ms_per_round', 0):6.2f} ms "
                       f"{p.get('verified_per_round', 0):7.1f} verified {p.get('policy_ms_per_round', 0):5.3f} ms "
                       f"policy {p.get('decided_on_device', 0):4.0%} on device "
-                      f"(+{p.get('plan_ms_per_round', 0):5.3f} ms plan)  {vs}", flush=True)
+                      f"(+{p.get('plan_ms_per_round', 0):5.3f} ms plan; of it lag {p.get('lag_ms_per_round', 0):5.3f}; "
+                      f"warm {p.get('warm_ms_per_round', 0):5.3f}, deferred {p.get('deferred_ms_per_round', 0):5.3f})"
+                      f"  {vs}", flush=True)
             if "paired_device" in cell:
                 print("  cost[device] / it: " + ", ".join(f"{r} {v['ratio']:.3f} ({v['low']:.3f}-{v['high']:.3f})"
                                                           for r, v in cell["paired_device"].items()), flush=True)

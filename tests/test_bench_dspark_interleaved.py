@@ -22,6 +22,7 @@ class _Engine:
     def __init__(self, emit: dict[str, int], capture_at: int | None = None, stall_at: int | None = None) -> None:
         self.spec = types.SimpleNamespace(policy=None, stats=types.SimpleNamespace(num_verified_tokens=0),
                                           timing=types.SimpleNamespace(policy_s=0.0, lag_s=0.0, decided=0, decide_s=0.0,
+                                                                       warm_s=0.0, deferred_s=0.0,
                                                                        by_rows={8: [5, 0.1], 24: [1, 0.1]}),
                                           decide_on_device=False)
         self.clock, self.stall_at = 0.0, stall_at
@@ -37,6 +38,9 @@ class _Engine:
         self.total.decode_tokens += self.emit.get(name, 1)
         self.spec.stats.num_verified_tokens += 2 * self.emit.get(name, 1)
         self.spec.timing.policy_s += 1e-3
+        self.spec.timing.lag_s += 5e-4 * (name == "cost")
+        self.spec.timing.warm_s += 3e-4
+        self.spec.timing.deferred_s += 4e-4
         self.spec.timing.decided += int(self.spec.decide_on_device)
         self.spec.timing.decide_s += 2e-3 * self.spec.decide_on_device
         entry = self.spec.timing.by_rows.setdefault(8 * self.emit.get(name, 1), [0, 0.0])
@@ -80,12 +84,19 @@ def test_every_cycle_runs_each_policy_once_in_its_own_order(bench, monkeypatch):
     for name, tokens in (("a", 2), ("b[device]", 3), ("cost", 4)):
         rs = got["rounds"][name]
         assert [int(r[2]) for r in rs] == [0, 2, 3]
-        assert all(r[0] == tokens and r[1] == 1.0 and r[3] == 2 * tokens and r[4] == pytest.approx(1e-3) for r in rs)
+        lag = 5e-4 * (name == "cost")
+        assert all(r[0] == tokens and r[1] == 1.0 and r[3] == 2 * tokens and r[4] == pytest.approx(1e-3 + lag)
+                   for r in rs)
         # a [device] rival decides on the device; the others on the host
         assert all(r[5] == (1 if name.endswith("[device]") else 0) for r in rs), name
         assert all(r[6] == 8 * tokens for r in rs), name  # the row bucket its verify step ran
         # the host's seconds planning and launching a decision on the device
         assert all(r[7] == pytest.approx(2e-3 if name.endswith("[device]") else 0.0) for r in rs), name
+        # the policy's other host work: warm-up, deferred statistics, the lagged search (of r[4])
+        assert all(r[8:] == pytest.approx([3e-4, 4e-4, lag]) for r in rs), name
+    per = bench.compare(got["rounds"])["policies"]
+    assert per["cost"]["lag_ms_per_round"] == pytest.approx(0.5) and per["a"]["lag_ms_per_round"] == 0.0
+    assert per["a"]["warm_ms_per_round"] == pytest.approx(0.3) and per["a"]["deferred_ms_per_round"] == pytest.approx(0.4)
 
 
 def test_compare_is_a_ratio_of_sums_over_shared_cycles(bench):
