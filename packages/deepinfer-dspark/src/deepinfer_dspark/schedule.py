@@ -453,6 +453,23 @@ def _top_counts(survival: Tensor | np.ndarray, m: np.ndarray, k: int, kth: float
     return take.reshape(batch, width).sum(1)  # a bool sum: one reduction, where count_nonzero(axis=) takes two
 
 
+def _search_inputs(
+    survival: Tensor | np.ndarray, max_drafts: Sequence[int] | Tensor | np.ndarray, latency: LatencyModel,
+    base_tokens: int, padding: StepPadding | None, caller: str,
+) -> tuple[np.ndarray, tuple[list[int], list[float]] | None, bool]:
+    """(max_drafts on the host, the step's `_bucket_prices`, whether every draft is free) for a search over a
+    ragged or unpadded step, its inputs checked (`caller` names it in the padding error)."""
+    m = _check(survival, max_drafts)
+    if base_tokens < 0:
+        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
+    if padding is not None and not padding.ragged:
+        raise DSparkInputError(f"padding: {caller} ragged steps only; a padded step picks a cap per request "
+                               "(schedule_verification)")
+    batch, count = survival.shape[0], int(m.sum())
+    prices = _bucket_prices(latency, padding, base_tokens + batch, count)
+    return m, prices, latency.flat() or _free(m, batch, latency, padding, base_tokens, prices)
+
+
 def cost_budget(
     survival: Tensor | np.ndarray,
     max_drafts: Sequence[int] | Tensor | np.ndarray,
@@ -477,15 +494,9 @@ def cost_budget(
     `survival` instead). It is applied to the ranked survivals (`[C] float64`, descending, so its values stay
     ranked) and only when the choice reads them (not on a flat curve or with every draft free): its host time is
     spent only where it matters."""
-    m = _check(survival, max_drafts)
-    if base_tokens < 0:
-        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
-    if padding is not None and not padding.ragged:
-        raise DSparkInputError("padding: cost_budget prices ragged steps only; a padded step picks a cap per "
-                               "request (schedule_verification)")
+    m, prices, free = _search_inputs(survival, max_drafts, latency, base_tokens, padding, "cost_budget prices")
     batch, count = survival.shape[0], int(m.sum())
-    prices = _bucket_prices(latency, padding, base_tokens + batch, count)
-    if latency.flat() or _free(m, batch, latency, padding, base_tokens, prices):
+    if free:
         return count  # every draft, unsorted
     vals, _ = _ranking(survival, m)
     if price is not None:
@@ -511,15 +522,9 @@ def cost_cutoff(
     the K of the early-stop search over the convex curve (exact=True, without the bucket fill), up to ties. 0.0
     where every draft is worth its row (a flat curve, every draft free, or K = every candidate), `math.inf` where
     none is. Arguments as `cost_budget`; padding: ragged or None (a padded step chooses a cap per request)."""
-    m = _check(survival, max_drafts)
-    if base_tokens < 0:
-        raise DSparkInputError(f"base_tokens: expected >= 0, found {base_tokens}")
-    if padding is not None and not padding.ragged:
-        raise DSparkInputError("padding: a survival cutoff prices ragged steps only; a padded step picks a cap per "
-                               "request (schedule_verification)")
-    batch, count = survival.shape[0], int(m.sum())
-    if count == 0 or latency.flat() or _free(m, batch, latency, padding, base_tokens,
-                                            _bucket_prices(latency, padding, base_tokens + batch, count)):
+    m, _, free = _search_inputs(survival, max_drafts, latency, base_tokens, padding, "a survival cutoff prices")
+    batch = survival.shape[0]
+    if free or not m.any():
         return 0.0
     vals, _ = _ranking(survival, m)
     k = _budget(vals if price is None else price(vals), batch, latency, exact=True, base_tokens=base_tokens,
