@@ -140,6 +140,45 @@ def test_async_speculation_equals_sync_and_plain_with_mixed_acceptance(tiny_ckpt
         assert (la.token_id, la.rank) == (lb.token_id, lb.rank) and la.logprob == pytest.approx(lb.logprob, abs=1e-5)
 
 
+def test_async_speculation_with_the_cost_policy_carries_its_values_and_stays_lossless(tiny_ckpt, monkeypatch) -> None:
+    """The lagged cost policy under asynchronous scheduling (a fixed affine curve that prunes): the values it carries
+    are searched in `collect_verify`, which the asynchronous loop runs too. All-greedy rounds verify above a carried
+    survival cutoff, rounds with the sampled request allocate a carried count, and the greedy outputs equal plain
+    decoding."""
+    from deepinfer_engine.worker import spec_decode
+
+    ckpt = tiny_ckpt("v41")
+    plain = _llm(ckpt, "v41", spec=False)
+    sps = [GREEDY, GREEDY.replace(max_tokens=9), SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True),
+           GREEDY.replace(max_tokens=11)]
+    requests = {str(i): (p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, sps))}
+    want = _run(plain, requests)
+    calls = {"allocate_above": 0, "allocate": 0}
+
+    def counted(name: str):
+        original = getattr(spec_decode, name)
+
+        def spy(*a, **kw):
+            calls[name] += 1
+            return original(*a, **kw)
+        return spy
+
+    for name in calls:
+        monkeypatch.setattr(spec_decode, name, counted(name))
+    monkeypatch.setattr(spec_decode, "BUDGET_EVERY", 1)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", page_size=4, max_num_seqs=4, async_scheduling=True,
+              speculative_config={"method": "dspark", "policy": "cost", "latency": "affine:0.001,0.002"})
+    _is_async_spec(llm)
+    llm.engine.runner.spec.explore_every = 0
+    got = _run(llm, requests)
+    for rid in ("0", "1", "3"):
+        assert _view(got)[rid] == _view(want)[rid], rid
+    assert calls["allocate_above"] > 0 and calls["allocate"] > 0, calls
+    stats = llm.engine.spec_stats()
+    assert 0 < stats.num_verified_tokens < stats.num_draft_tokens  # the policy pruned
+    _assert_clean(llm)
+
+
 @pytest.mark.slow  # ~10-20 s on 2 busy CPU cores: three engines on a tiny model
 def test_async_speculation_with_the_checkpoint_drafter_late_stops_aborts_and_bad_requests(v4_0731) -> None:
     """V4-0731 with its own DSpark stages: a stop string (found after the next round was launched: that row is
