@@ -2,6 +2,7 @@
 
     python scripts/dspark_policy_replay.py record --prompts 128 --rounds 80 --temperature 0 --out rounds.pkl
     python scripts/dspark_policy_replay.py replay rounds.pkl --curve-json policies.json [--floor-ms 3] [--json F]
+    python scripts/dspark_policy_replay.py features train.pkl test.pkl   (rounds recorded at T > 0)
 
 `record` runs the testbed (`.cache/dspark-testbed`, built by `scripts/dspark_testbed.py build`) on the CPU with
 verify_all and keeps, per round in which every request verified all N drafts, the survivals `[B, N]` and each
@@ -17,6 +18,15 @@ The times are a model of the device, not a measurement; the tokens are exact. Po
 the lagged cost count (the budget searched on the survivals of `lag` rounds before, on one round in `every`:
 the engine's rounds with sampled rows), and at T = 0 cost chosen in the round and the carried survival cutoff
 (`cost_cutoff`, the engine's greedy rounds), with the engine's online survival calibration.
+
+`features` asks whether the sampled drafts' own probabilities rank drafts better than the Confidence Head alone:
+a round recorded at T > 0 also keeps each draft's confidence c_j and the probability q_j its draft distribution
+gave it. A logistic fit of the conditional acceptance on (1, logit c_j, log q_j, j, [j = 0] log q_j) over the
+first recording's rounds is applied to the second's: a threshold on survivals built from it, against one on the
+head's own survivals, by the share of verified drafts cut at 97% of verify_all's tokens and the tokens kept at a
+30% cut. A draft's own q_j depends on the draft, so a choice of whether to verify it must not read it (at T > 0
+that biases the output: the rejected mass no longer matches the residual distribution); the exact score reads
+the fitted acceptance of the drafts before it and the head's c_j for itself.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def record(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
     from bench_dspark_policies import _testbed, ensure_calibration, prompt_sets, request_params
     from deepinfer_engine import LLM, SamplingParams
 
@@ -54,12 +65,38 @@ def record(args: argparse.Namespace) -> None:
         return update(accepted, verified, survival=survival, **kw)
 
     dec.stats.update = keep
+    features: list[tuple[np.ndarray, np.ndarray]] = []
+    if args.temperature > 0:  # per kept round: confidences and the drafts' own probabilities
+        begin, pending = dec.begin, []
+
+        def begin_with_features(*a, **kw):
+            rnd = begin(*a, **kw)
+            p = rnd.proposal
+            if p is not None and p.draft_probs is not None and p.confidence is not None:
+                q = torch.gather(p.draft_probs, 2, p.draft_ids[:, :, None])[:, :, 0]
+                pending.append((np.asarray(rnd.survival_host).copy(), p.confidence.float().cpu().numpy().copy(),
+                                q.float().cpu().numpy().copy()))
+            return rnd
+
+        def keep_features(*a, **kw):
+            n = len(rounds)
+            out = keep(*a, **kw)
+            if len(rounds) > n:  # the round kept: its proposal's features, matched by its survivals
+                while pending and not np.array_equal(pending[0][0].astype(np.float32), rounds[-1][0]):
+                    pending.pop(0)
+                if not pending:
+                    raise SystemExit("record: a kept round's proposal was not seen")
+                features.append(pending.pop(0)[1:])
+            return out
+
+        dec.begin, dec.stats.update = begin_with_features, keep_features
     sp = SamplingParams(max_tokens=(args.rounds + 8) * (dec.block_size + 1), temperature=args.temperature,
                         ignore_eos=True, seed=args.seed)
     llm._add(llm._admit(prompts, request_params(sp, count)))
     while len(rounds) < args.rounds:
         llm.engine.step_outputs()
-    Path(args.out).write_bytes(pickle.dumps({"temperature": args.temperature, "rounds": rounds}))
+    Path(args.out).write_bytes(pickle.dumps({"temperature": args.temperature, "rounds": rounds,
+                                             "features": features[: len(rounds)]}))
     print(f"{len(rounds)} rounds of {count} requests; accepted drafts per request {np.mean([a.mean() for _, a in rounds]):.3f}")
 
 
@@ -164,6 +201,78 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
             "policies": res}
 
 
+def _features(c: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """`[B, N, 5]` (1, logit c, log q, position, [position 0] log q) of a round's drafts."""
+    c = np.clip(c.astype(np.float64), 1e-6, 1 - 1e-6)
+    lq = np.log(np.clip(q.astype(np.float64), 1e-9, 1.0))
+    pos = np.broadcast_to(np.arange(c.shape[1], dtype=np.float64)[None, :], c.shape)
+    return np.stack([np.ones_like(c), np.log(c) - np.log1p(-c), lq, pos, lq * (pos == 0)], -1)
+
+
+def fit_acceptance(rounds: list, features: list) -> np.ndarray:
+    """Logistic weights of a draft's conditional acceptance (drafts reached: all before it accepted) on
+    `_features`, by Newton's method."""
+    xs, ys = [], []
+    for (_, a), (c, q) in zip(rounds, features):
+        depth = np.arange(c.shape[1])[None, :]
+        reached = depth <= a[:, None]
+        xs.append(_features(c, q)[reached])
+        ys.append((depth < a[:, None])[reached])
+    x, y = np.concatenate(xs), np.concatenate(ys).astype(np.float64)
+    w = np.zeros(x.shape[1])
+    for _ in range(50):
+        p = 1.0 / (1.0 + np.exp(-x @ w))
+        step = np.linalg.solve((x * (p * (1 - p))[:, None]).T @ x + 1e-6 * np.eye(w.size), x.T @ (p - y))
+        w -= step
+        if np.abs(step).max() < 1e-10:
+            break
+    return w
+
+
+def frontier(scores: list[np.ndarray], accepted: list[np.ndarray]) -> dict[str, float]:
+    """A survival threshold swept over `[B, N]` scores (each request verifies its prefix at or above it) on rounds
+    whose accepted drafts are `accepted`: the largest share of verified drafts cut while keeping >= 97% of
+    verify_all's tokens, and the tokens kept at the smallest cut >= 30%."""
+    full = sum(a.size + a.sum() for a in accepted)
+    drafts = sum(s.size for s in scores)
+    points = []
+    for t in np.concatenate([np.linspace(0.0, 0.3, 301), np.linspace(0.3, 1.0, 71)[1:]]):
+        ver = tok = 0
+        for s, a in zip(scores, accepted):
+            m = np.logical_and.accumulate(s >= t, axis=1).sum(1)
+            ver, tok = ver + m.sum(), tok + a.size + np.minimum(m, a).sum()
+        points.append((1.0 - ver / drafts, tok / full))
+    return {"cut_at_97": max((c for c, k in points if k >= 0.97), default=0.0),
+            "tokens_at_30": min(((c, k) for c, k in points if c >= 0.30), default=(0.0, 0.0))[1]}
+
+
+def features_report(args: argparse.Namespace) -> dict[str, Any]:
+    train, test = (pickle.loads(Path(p).read_bytes()) for p in (args.train, args.test))
+    for name, rec in (("train", train), ("test", test)):
+        if not rec.get("features") or len(rec["features"]) != len(rec["rounds"]):
+            raise SystemExit(f"features: the {name} recording has no draft features (record it at T > 0)")
+    w = fit_acceptance(train["rounds"], train["features"])
+    accepted = [a for _, a in test["rounds"]]
+
+    def exact(c: np.ndarray, q: np.ndarray) -> np.ndarray:
+        fitted = 1.0 / (1.0 + np.exp(-_features(c, q) @ w))
+        before = np.concatenate([np.ones((c.shape[0], 1)), np.cumprod(fitted, 1)[:, :-1]], 1)
+        return before * c  # the drafts before j by their fitted acceptance, draft j by the head alone
+
+    out = {"weights": w.tolist(), "rounds": len(accepted),
+           "head": frontier([np.cumprod(c, 1) for c, _ in test["features"]], accepted),
+           "fitted, exact": frontier([exact(c, q) for c, q in test["features"]], accepted),
+           "fitted, reading each draft's own q (biased at T > 0)": frontier(
+               [np.cumprod(1.0 / (1.0 + np.exp(-_features(c, q) @ w)), 1) for c, q in test["features"]], accepted)}
+    print(f"weights (1, logit c, log q, position, [position 0] log q): {np.round(w, 3).tolist()}; "
+          f"{len(accepted)} test rounds")
+    for name in ("head", "fitted, exact", "fitted, reading each draft's own q (biased at T > 0)"):
+        r = out[name]
+        print(f"  {name:52} cut at >= 97% tokens {100 * r['cut_at_97']:5.1f}%; tokens at a 30% cut "
+              f"{100 * r['tokens_at_30']:5.1f}%")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -182,11 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--thresholds", type=float, nargs="+", default=[0.1, 0.2, 0.3, 0.5])
     rep.add_argument("--skip", type=int, default=8, help="rounds left out at the start (the calibration warms up)")
     rep.add_argument("--json", default=None)
+    fea = sub.add_parser("features", help="the drafts' own probabilities against the head, on T > 0 recordings")
+    fea.add_argument("train")
+    fea.add_argument("test")
+    fea.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.command == "record":
         record(args)
         return 0
-    out = replay(args)
+    out = replay(args) if args.command == "replay" else features_report(args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

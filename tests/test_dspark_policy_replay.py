@@ -56,3 +56,37 @@ def test_replay_counts_tokens_exactly_and_prices_row_buckets(script, tmp_path, t
         cut = got["cost cutoff, lag 1, every 1"]
         assert 0 < cut["verified"] < 40 and cut["tokens"] <= got["verify_all"]["tokens"]
     assert "rounds of 8 requests" in capsys.readouterr().out
+
+
+def test_features_fit_the_drafts_own_probability_and_score_exactly(script, tmp_path, capsys):
+    """`features`: on rounds where a draft's acceptance follows its own probability q besides the head's c, the fit
+    weighs log q, and its exact survivals (a draft's own q read only for the drafts after it) cut more drafts at 97%
+    of the tokens than the head's."""
+    replay = script("dspark_policy_replay")
+    rng = np.random.default_rng(1)
+
+    def recording(path, count=40, batch=32, width=5):
+        rounds, feats = [], []
+        for _ in range(count):
+            c = rng.uniform(0.3, 0.9, size=(batch, width))
+            q = rng.uniform(0.01, 1.0, size=(batch, width))
+            accept = rng.random((batch, width)) < np.clip(c * np.sqrt(q) * 1.3, 0, 1)
+            a = np.logical_and.accumulate(accept, axis=1).sum(1).astype(np.int64)
+            rounds.append((np.cumprod(c, 1).astype(np.float32), a))
+            feats.append((c.astype(np.float32), q.astype(np.float32)))
+        path.write_bytes(pickle.dumps({"temperature": 1.0, "rounds": rounds, "features": feats}))
+
+    recording(tmp_path / "a.pkl")
+    recording(tmp_path / "b.pkl")
+    out = tmp_path / "o.json"
+    assert replay.main(["features", str(tmp_path / "a.pkl"), str(tmp_path / "b.pkl"), "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["weights"][2] > 0.2 and got["rounds"] == 40  # log q carries weight
+    assert got["fitted, exact"]["cut_at_97"] > got["head"]["cut_at_97"]
+    assert "test rounds" in capsys.readouterr().out
+    # hand-checked frontier: one request, two drafts of scores 0.9 / 0.5, both accepted
+    r = replay.frontier([np.asarray([[0.9, 0.5]])], [np.asarray([2])])
+    assert r["cut_at_97"] == 0.0 and r["tokens_at_30"] == pytest.approx(2 / 3)
+    with pytest.raises(SystemExit, match="no draft features"):
+        (tmp_path / "c.pkl").write_bytes(pickle.dumps({"temperature": 0.0, "rounds": [], "features": []}))
+        replay.main(["features", str(tmp_path / "c.pkl"), str(tmp_path / "b.pkl")])
