@@ -184,3 +184,37 @@ def test_counts_equal_a_request_by_request_count():
                 accepted[j] += j < a
     assert (s.histogram, s.verified, s.reached, s.accepted) == (hist, verified, reached, accepted)
     assert s.request_steps == 70 and s.steps == 4 and s.num_draft_tokens == 70 * n
+
+
+def test_survival_sums_and_bins_equal_a_draft_by_draft_count():
+    """The survival accumulators (`predicted`, `reliability`) against a draft-by-draft count: verified drafts
+    only, NaN survivals in no bin (but in no sum either), values past 1 in the last bin, exact bin edges upward."""
+    import random
+
+    import numpy as np
+    from deepinfer_dspark.stats import RELIABILITY_EDGES
+
+    rng = random.Random(1)
+    n = 5
+    s = AcceptanceStats(n)
+    predicted, rel = [0.0] * n, [[0, 0.0, 0] for _ in RELIABILITY_EDGES[1:]]
+    picks = [0.0, 0.05, 0.1, 0.3, 1.0, 1.0000001, float("nan")]
+    for batch in (1, 7, 64):
+        drafts = [rng.randint(0, n) for _ in range(batch)]
+        acc = [rng.randint(0, m) for m in drafts]
+        surv = np.asarray([[rng.choice(picks) if rng.random() < 0.3 else rng.random() for _ in range(n)]
+                           for _ in range(batch)])
+        s.update(acc, drafts, survival=surv)
+        for b, (a, m) in enumerate(zip(acc, drafts)):
+            for j in range(m):
+                v = float(surv[b, j])
+                if v != v:
+                    continue
+                predicted[j] += v
+                i = min(max(sum(v >= e for e in RELIABILITY_EDGES) - 1, 0), len(rel) - 1)
+                rel[i][0] += 1
+                rel[i][1] += v
+                rel[i][2] += j < a
+    assert s.predicted == pytest.approx(predicted)
+    assert [r[0] for r in s.reliability] == [r[0] for r in rel] and [r[2] for r in s.reliability] == [r[2] for r in rel]
+    assert [r[1] for r in s.reliability] == pytest.approx([r[1] for r in rel])

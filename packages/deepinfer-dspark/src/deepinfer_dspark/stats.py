@@ -19,18 +19,21 @@ __all__ = ["RELIABILITY_EDGES", "AcceptanceStats"]
 RELIABILITY_EDGES = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 1.0)
 
 
-def _as_list(name: str, values: Sequence[int] | Tensor) -> list[int]:
+# the inner edges as an array, for the bins' one search per update (read-only: shared by every accumulator)
+_INNER_EDGES = np.asarray(RELIABILITY_EDGES[1:-1])
+_INNER_EDGES.flags.writeable = False
+
+
+def _as_counts(name: str, values: Sequence[int] | Tensor) -> np.ndarray:
+    """`[B] int64` counts per request (a tensor is read once; other values as `int` reads them)."""
     if isinstance(values, Tensor):
         if values.dim() != 1 or values.dtype.is_floating_point:
             raise DSparkInputError(f"{name}: expected a [B] integer tensor, found {tuple(values.shape)} {values.dtype}")
-        return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
-
-
-def _more_than(values: np.ndarray, n: int) -> list[int]:
-    """[n] counts of `values` (ints in 0..n) above j, for j = 0 .. n - 1."""
-    hist = np.bincount(values, minlength=n + 1)
-    return (len(values) - np.cumsum(hist)[:n]).tolist()
+        return values.detach().cpu().numpy().astype(np.int64)
+    out = np.asarray(values)
+    if out.ndim != 1:
+        raise DSparkInputError(f"{name}: expected [B] counts, found shape {out.shape}")
+    return out.astype(np.int64)
 
 
 class AcceptanceStats:
@@ -43,7 +46,8 @@ class AcceptanceStats:
       accepted[j]       ... that accepted the draft at position j (num_accepted > j);
       predicted[j]      sum of the predicted survivals a[j] (P(drafts 1..j+1 all accepted)) over the request-steps
                         that verified position j, when the caller passes them: a calibrated Confidence Head gives
-                        predicted[j] ~ accepted[j] (the policies' expected accepted tokens are these sums);
+                        predicted[j] ~ accepted[j] (the policies' expected accepted tokens are these sums); a
+                        NaN survival (a broken head) adds nothing, so one bad round does not void the run's sums;
       reliability       per survival bin (RELIABILITY_EDGES) [verified drafts, summed survival, accepted drafts]:
                         the calibration by level, where the policies' cuts fall (a calibrated sum can hide an
                         overconfident tail behind an underconfident head).
@@ -83,71 +87,79 @@ class AcceptanceStats:
         predicted `confidence [B, N]` and the analytic `accept_prob [B, N]` (AcceptResult.accept_prob) to track
         mean |c - accept_prob| over verified positions; optionally the survivals `[B, N]` the step was scheduled
         by (host array or tensor), summed over the verified positions (`predicted`)."""
-        acc = _as_list("num_accepted", num_accepted)
-        ver = _as_list("num_drafts", num_drafts)
-        if len(acc) != len(ver):
-            raise DSparkInputError(f"num_accepted / num_drafts: lengths differ ({len(acc)} vs {len(ver)})")
-        # counted as arrays: the engine updates once per speculative round with every request of the batch
-        acc_np = np.asarray(acc, dtype=np.int64)
-        ver_np = np.asarray(ver, dtype=np.int64)
-        bad = np.flatnonzero((ver_np < 0) | (ver_np > self.block_size) | (acc_np < 0) | (acc_np > ver_np))
-        if bad.size:
-            i = int(bad[0])
+        # counted as arrays: the engine updates once per speculative round with every request of the batch, and
+        # after the round's forward each NumPy call costs microseconds, so the counts come from one joint table
+        acc_np = _as_counts("num_accepted", num_accepted)
+        ver_np = _as_counts("num_drafts", num_drafts)
+        batch = ver_np.size
+        if acc_np.size != batch:
+            raise DSparkInputError(f"num_accepted / num_drafts: lengths differ ({acc_np.size} vs {batch})")
+        n = self.block_size
+        bad = (acc_np < 0) | (acc_np > ver_np) | (ver_np > n)  # accepted >= 0 and <= drafts: drafts >= 0 too
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
             raise DSparkInputError(
-                f"num_accepted / num_drafts: expected 0 <= accepted <= drafts <= {self.block_size}, found "
-                f"accepted={acc[i]}, drafts={ver[i]}"
+                f"num_accepted / num_drafts: expected 0 <= accepted <= drafts <= {n}, found "
+                f"accepted={acc_np[i]}, drafts={ver_np[i]}"
             )
         if num_proposed is None:
-            self.num_draft_tokens += self.block_size * len(ver)
+            self.num_draft_tokens += n * batch
         else:
-            prop = _as_list("num_proposed", num_proposed)
-            if len(prop) != len(ver) or any(not m <= p <= self.block_size for p, m in zip(prop, ver)):
+            prop = _as_counts("num_proposed", num_proposed)
+            if prop.size != batch or bool(((prop < ver_np) | (prop > n)).any()):
                 raise DSparkInputError(
-                    f"num_proposed: expected {len(ver)} values with num_drafts <= proposed <= {self.block_size}, "
-                    f"found {prop}"
+                    f"num_proposed: expected {batch} values with num_drafts <= proposed <= {n}, "
+                    f"found {prop.tolist()}"
                 )
-            self.num_draft_tokens += sum(prop)
+            self.num_draft_tokens += int(prop.sum())
         self.steps += 1
-        self.request_steps += len(acc)
-        n = self.block_size
-        for k, c in enumerate(np.bincount(acc_np, minlength=n + 1).tolist()):
-            self.histogram[k] += c
-        # position j is verified while j < drafts, reached while j <= accepted as well, accepted while j < accepted
-        for counts, upto in ((self.verified, ver_np), (self.reached, np.minimum(ver_np, acc_np + 1)),
-                             (self.accepted, acc_np)):
-            for j, c in enumerate(_more_than(upto, n)):
-                counts[j] += c
+        self.request_steps += batch
+        # table[v][a]: request-steps that verified v drafts and accepted a of them. Position j is verified while
+        # j < v, reached while j <= a as well, accepted while j < a
+        table = np.bincount(ver_np * (n + 1) + acc_np, minlength=(n + 1) ** 2).reshape(n + 1, n + 1)
+        # at_least[v, a]: request-steps with >= v verified and >= a accepted
+        at_least = table[::-1, ::-1].cumsum(0).cumsum(1)[::-1, ::-1]
+        hist, verified, reached, accepted = (table.sum(0).tolist(), at_least[1:, 0].tolist(),
+                                             at_least[np.arange(1, n + 1), np.arange(n)].tolist(),
+                                             at_least[0, 1:].tolist())
+        for j in range(n):
+            self.verified[j] += verified[j]
+            self.reached[j] += reached[j]
+            self.accepted[j] += accepted[j]
+        for k in range(n + 1):
+            self.histogram[k] += hist[k]
         if survival is not None:
             a = survival.detach().cpu().numpy() if isinstance(survival, Tensor) else np.asarray(survival)
-            if a.shape != (len(ver), self.block_size):
-                raise DSparkInputError(f"survival: expected [{len(ver)}, {self.block_size}], found {a.shape}")
-            verified = np.arange(self.block_size)[None, :] < np.asarray(ver, dtype=np.int64)[:, None]
-            for j, v in enumerate(np.where(verified, a, 0.0).sum(0).tolist()):
+            if a.shape != (batch, n):
+                raise DSparkInputError(f"survival: expected [{batch}, {n}], found {a.shape}")
+            depth = np.arange(n)[None, :]
+            # a NaN survival adds to no sum and to no bin
+            counted = (depth < ver_np[:, None]) & (a == a)
+            vals = np.where(counted, a, 0.0)
+            for j, v in enumerate(vals.sum(0).tolist()):
                 self.predicted[j] += v
-            self._predicted_steps += len(ver)
-            accepted = np.arange(self.block_size)[None, :] < acc_np[:, None]
-            vals = a[verified].astype(np.float64)
-            # the last bin holds 1.0 (and clamped overshoots); a NaN survival is counted in no bin
-            ok = ~np.isnan(vals)
-            bins = np.clip(np.searchsorted(RELIABILITY_EDGES, vals[ok], side="right") - 1, 0, len(self.reliability) - 1)
+            self._predicted_steps += batch
+            # bin i holds [edge i, edge i + 1); the last one 1.0 and clamped overshoots: bins x 2 + accepted, and
+            # the drafts not counted in a bin of their own past the end
             nb = len(self.reliability)
-            for row, n_, p_, k_ in zip(self.reliability, np.bincount(bins, minlength=nb).tolist(),
-                                       np.bincount(bins, weights=vals[ok], minlength=nb).tolist(),
-                                       np.bincount(bins, weights=accepted[verified][ok], minlength=nb).tolist()):
-                row[0] += n_
-                row[1] += p_
-                row[2] += int(k_)
+            bins = np.minimum(np.searchsorted(_INNER_EDGES, vals, side="right"), nb - 1)
+            index = np.where(counted, 2 * bins + (depth < acc_np[:, None]), 2 * nb).reshape(-1)
+            drafts = np.bincount(index, minlength=2 * nb + 1).tolist()
+            sums = np.bincount(index, weights=vals.reshape(-1), minlength=2 * nb + 1).tolist()
+            for i, row in enumerate(self.reliability):
+                row[0] += drafts[2 * i] + drafts[2 * i + 1]
+                row[1] += sums[2 * i] + sums[2 * i + 1]
+                row[2] += drafts[2 * i + 1]
         if (confidence is None) != (accept_prob is None):
             raise DSparkInputError("confidence / accept_prob: pass both or neither")
         if confidence is not None and accept_prob is not None:
-            batch = len(ver)
             if confidence.shape != accept_prob.shape or confidence.dim() != 2 or confidence.shape[0] != batch:
                 raise DSparkInputError(
                     f"confidence / accept_prob: expected equal [{batch}, N] shapes, found {tuple(confidence.shape)} "
                     f"and {tuple(accept_prob.shape)}"
                 )
             cols = torch.arange(confidence.shape[1], device=confidence.device)
-            mask = cols[None, :] < torch.as_tensor(ver, device=confidence.device)[:, None]
+            mask = cols[None, :] < torch.from_numpy(ver_np).to(confidence.device)[:, None]
             err = (confidence.to(torch.float64) - accept_prob.to(torch.float64)).abs()[mask]
             self._conf_abs_err += float(err.sum())
             self._conf_count += int(err.numel())
