@@ -51,8 +51,6 @@ def test_replay_counts_tokens_exactly_and_prices_row_buckets(script, tmp_path, t
     assert all(r["tokens"] <= got["verify_all"]["tokens"] + 1e-9 for r in got.values())
     assert ("cost in the round" in got) == (temperature == 0) == ("cost cutoff, lag 1, every 4" in got)
     if temperature == 0:  # the cutoff searched on each round before, applied as a threshold
-        from deepinfer_dspark import cost_cutoff  # noqa: F401  (the script's own import must resolve)
-
         cut = got["cost cutoff, lag 1, every 1"]
         assert 0 < cut["verified"] < 40 and cut["tokens"] <= got["verify_all"]["tokens"]
     assert "rounds of 8 requests" in capsys.readouterr().out

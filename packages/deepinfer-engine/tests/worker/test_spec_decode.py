@@ -581,7 +581,7 @@ def test_greedy_rounds_of_the_lagged_cost_policy_carry_a_cutoff_not_a_count(v41_
         spec.set_policy(VerifyPolicy(kind="cost", lagged=True), LatencyModel.affine(0.001, 2e-4, 64),
                         online_latency=False)
         spec.explore_every = 0
-        spec._lagged = ((4, 0, None), 0)  # a carried count of no drafts would verify nothing
+        spec._carried[0] = ((4, 0, None), 0)  # a carried count of no drafts would verify nothing
         spec.reset_stats()
         assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
         rounds = spec.stats.steps
@@ -593,7 +593,7 @@ def test_greedy_rounds_of_the_lagged_cost_policy_carry_a_cutoff_not_a_count(v41_
             seen["above"].clear()
             monkeypatch.setattr(spec_decode, "cost_cutoff", lambda *a, c=c, **kw: c)
             spec.set_policy(VerifyPolicy(kind="cost", lagged=True))
-            spec._cutoff = None
+            spec._carried[1] = None
             assert _ids(v41_spec.generate(PROMPTS, sp, use_tqdm=False)) == v41_reference
             assert seen["above"] and all(x == c for x, _, _ in seen["above"])
             assert all(got == (m if want == "all" else [0] * len(m)) for _, got, m in seen["above"])

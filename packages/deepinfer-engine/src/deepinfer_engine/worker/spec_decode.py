@@ -251,13 +251,12 @@ class SpecDecoder:
         self.graph_rows: dict[int, tuple[int, ...]] | None = None
         self._paddings: dict[int, StepPadding] = {}  # StepPadding per batch bucket of graph_rows
         self._stage: HostStaging | None = None  # pinned staging of each round's host inputs (`_staging`)
-        # lagged cost policy: ((speculating requests, other query tokens, graph batch bucket), K) of the latest
-        # search on a round with sampled rows: the budget its survivals gave, for the next such rounds of the same
-        # shape (another shape runs the search); `_cutoff` the same for all-greedy rounds, with the survival cutoff
-        # at the searched round's price of a draft (`cost_cutoff`) instead of a count
-        self._lagged: tuple[tuple[int, int, int | None], int] | None = None
-        self._cutoff: tuple[tuple[int, int, int | None], float] | None = None
-        self._lag_age = [0, 0]  # per class (sampled, greedy): rounds the carried value has been kept (`BUDGET_EVERY`)
+        # lagged cost policy, per class (0: rounds with sampled rows, 1: all-greedy rounds): ((speculating
+        # requests, other query tokens, graph batch bucket), value) of the latest search, for the next rounds of
+        # that class and shape (another shape runs the search): a budget K for class 0, a survival cutoff
+        # (`cost_cutoff`) for class 1; and the rounds each value has been kept (`BUDGET_EVERY`)
+        self._carried: list[tuple[tuple[int, int, int | None], float] | None] = [None, None]
+        self._lag_age = [0, 0]
         # the draft-context insertion as a CUDA graph replay (worker/cuda_graph.py `run_insert`): (ctx, slots,
         # kept rows, first feature rows, features, rows per sequence) -> whether it replayed (False: eager)
         self.insert_runner: Callable[..., bool] | None = None
@@ -293,7 +292,7 @@ class SpecDecoder:
         if policy.kind == "cost" and latency is None and self.latency is None:
             raise ValueError("set_policy: the cost policy needs a LatencyModel")
         self.policy = policy
-        self._lagged = self._cutoff = None
+        self._carried = [None, None]
         if latency is not None:
             self.latency = latency
             self.batch_latency = dict(batch_latency or {})
@@ -412,11 +411,10 @@ class SpecDecoder:
         # count cannot follow and a cutoff does (`next_budget`). Without one for this shape, the round searches
         deterministic = all(rnd.greedy)
         surv = prop.survival()
-        carries = policy.kind == "cost" and policy.lagged and surv is not None
-        lagged = (self._lagged[1] if carries and not deterministic and self._lagged is not None
-                  and self._lagged[0] == shape else None)
-        cutoff = (self._cutoff[1] if carries and deterministic and self._cutoff is not None
-                  and self._cutoff[0] == shape else None)
+        kept = self._carried[deterministic] if policy.kind == "cost" and policy.lagged and surv is not None else None
+        value = kept[1] if kept is not None and kept[0] == shape else None
+        lagged = None if deterministic or value is None else int(value)
+        cutoff = value if deterministic else None
         on_device = self.decide_on_device and policy.kind != "verify_all"
         warm = self._warm.get(self.policy)
         # asked only when something would use the answer (an event recorded and queried per call)
@@ -711,7 +709,7 @@ class SpecDecoder:
         shape, survival, max_drafts, base, padding, greedy, deterministic = rnd.lag_inputs
         rnd.lag_inputs = None
         cls = int(deterministic)
-        kept = self._cutoff if cls else self._lagged
+        kept = self._carried[cls]
         if kept is not None and kept[0] == shape and self._lag_age[cls] + 1 < BUDGET_EVERY:
             self._lag_age[cls] += 1
             self.timing.lag_s += time.perf_counter() - t0
@@ -721,12 +719,10 @@ class SpecDecoder:
         if self.calibration is not None:
             survival, price = self._priced(survival, greedy)
         # `padding` is ragged or None (`SpecDecoder.padding`); a one-class map runs only if the search reads values
-        if cls:
-            self._cutoff = (shape, cost_cutoff(survival, max_drafts, rnd.latency, base_tokens=base, padding=padding,
-                                               price=price))
-        else:
-            self._lagged = (shape, cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base,
-                                               deterministic=True, padding=padding, price=price))
+        search = (cost_cutoff(survival, max_drafts, rnd.latency, base_tokens=base, padding=padding, price=price)
+                  if cls else cost_budget(survival, max_drafts, rnd.latency, exact=False, base_tokens=base,
+                                          deterministic=True, padding=padding, price=price))
+        self._carried[cls] = (shape, search)
         self.timing.lag_s += time.perf_counter() - t0
 
     def _priced(self, survival: np.ndarray, greedy: Sequence[bool]) -> tuple[np.ndarray, Callable | None]:
