@@ -16,8 +16,9 @@ a `bench_dspark_policies.py --json` run on the target device (`latency_after.by_
 emitted tokens per round, the modeled round time and the modeled tokens/s (emitted tokens over modeled seconds).
 The times are a model of the device, not a measurement; the tokens are exact. Policies: verify_all, thresholds,
 the lagged cost count (the budget searched on the survivals of `lag` rounds before, on one round in `every`:
-the engine's rounds with sampled rows), and at T = 0 cost chosen in the round and the carried survival cutoff
-(`cost_cutoff`, the engine's greedy rounds), with the engine's online survival calibration.
+the engine's rounds with sampled rows), the carried survival cutoff (`cost_cutoff`, the engine's greedy rounds;
+read from an earlier round, so unbiased at T > 0 too) and at T = 0 cost chosen in the round, with the engine's
+online survival calibration.
 
 `features` asks whether the sampled drafts' own probabilities rank drafts better than the Confidence Head alone:
 a round recorded at T > 0 also keeps each draft's confidence c_j and the probability q_j its draft distribution
@@ -187,7 +188,8 @@ def replay(args: argparse.Namespace) -> dict[str, Any]:
     policies.update({f"cost lagged {lag}, every {e}": lagged(lag, e) for lag in (1, 4) for e in (1, 4)})
     if greedy:  # at T > 0 a round's own survivals choosing its global K would bias the output
         policies["cost in the round"] = in_round
-        policies.update({f"cost cutoff, lag {lag}, every {e}": cutoff(lag, e) for lag, e in ((1, 1), (1, 4))})
+    # a cutoff read from an earlier round is non-anticipating at any temperature
+    policies.update({f"cost cutoff, lag {lag}, every {e}": cutoff(lag, e) for lag, e in ((1, 1), (1, 4))})
     res = {name: run(choose) for name, choose in policies.items()}
     best = max(r["tokens_per_s"] for name, r in res.items() if name.startswith("threshold"))
     print(f"{len(rounds)} rounds of {batch} requests, T = {rec['temperature']:g} (first {args.skip} skipped); "
