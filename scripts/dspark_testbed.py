@@ -708,7 +708,7 @@ def shipped_heads(ckpt: Path, which: str = "shipped") -> dict:
     """StageDrafter keyword arguments from the calibration files beside `ckpt` (what the engine loads):
     "shipped" = greedy head + STS sets, "checkpoint" = the checkpoint's head alone with its STS sets, "raw" =
     the checkpoint's head uncalibrated."""
-    from deepinfer_engine.worker.spec_decode import STS_FILE, confidence_files
+    from deepinfer_engine.worker.spec_build import STS_FILE, confidence_files
 
     if which == "raw":
         return {}

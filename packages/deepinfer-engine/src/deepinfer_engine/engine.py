@@ -277,7 +277,7 @@ class EngineCore:
                                      plan.num_slots), max_model_len=max_model_len)  # fmt: skip
         spec, num_spec = None, 0
         if config.speculative.speculative_method is not None:
-            from deepinfer_engine.worker.spec_decode import build_spec_decoder
+            from deepinfer_engine.worker.spec_build import build_spec_decoder
 
             spec, num_spec = build_spec_decoder(config, model, cache, model_dir=model_dir, num_pages=plan.num_pages,
                                                 device=device, graphs=graphs)

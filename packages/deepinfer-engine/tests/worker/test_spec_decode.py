@@ -374,16 +374,6 @@ def test_shipped_greedy_confidence_head_is_loaded_per_row_and_stays_lossless(tmp
     save_file({"greedy": torch.zeros(1, width + 1)}, str(path / "dspark_confidence.safetensors"))
     with pytest.raises(ConfigError, match="Confidence Head calibration"):
         _llm(path, speculative_config={"method": "dspark"})
-    from deepinfer_engine.worker.spec_decode import confidence_files
-
-    (tmp_path / "bad").mkdir()
-    (tmp_path / "bad" / "dspark_sts.json").write_text("{not json")
-    with pytest.raises(ConfigError, match="invalid JSON"):
-        confidence_files(tmp_path / "bad", torch.device("cpu"))
-    (tmp_path / "bad" / "dspark_sts.json").write_text(json.dumps({"greedy": "hot"}))
-    with pytest.raises(ConfigError, match="expected a temperature"):
-        confidence_files(tmp_path / "bad", torch.device("cpu"))
-    assert confidence_files(tmp_path / "missing", torch.device("cpu")) == ({}, None)
 
 
 def test_cost_policy_explores_large_verify_steps(v41_reference, v41_spec) -> None:

@@ -390,7 +390,7 @@ def test_build_spec_decoder_wires_the_graphs(ckpts, monkeypatch) -> None:
     it, prices verify steps by the ragged row buckets of each batch bucket, with a curve per batch bucket timed on
     that bucket's own graphs, and reads the runner's capture clock."""
     from deepinfer_engine.worker import spec_profile
-    from deepinfer_engine.worker.spec_decode import build_spec_decoder
+    from deepinfer_engine.worker.spec_build import build_spec_decoder
 
     llm = _llm(ckpts["v41"], speculative_config={"method": "dspark", "policy": "cost"}, enable_prefix_caching=False)
     eng = llm.engine

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +36,6 @@ import torch
 from deepinfer_dspark import (
     AcceptanceStats,
     DraftProposal,
-    DSparkInputError,
     LatencyModel,
     StepPadding,
     SurvivalCalibration,
@@ -60,9 +58,11 @@ from torch import Tensor
 
 from deepinfer_engine.core.sched_output import ScheduledChunk, SpecResult
 from deepinfer_engine.model.forward_batch import ForwardBatch, StepHost
-from deepinfer_engine.worker.cuda_graph import pick_bucket, verify_row_sizes
-from deepinfer_engine.worker.spec_profile import profile_cost_curves
+from deepinfer_engine.worker.cuda_graph import pick_bucket
+from deepinfer_engine.worker.spec_round import SpecRound, SpecTiming
 from deepinfer_engine.worker.staging import HostStaging
+
+__all__ = ["DEVICE_BOUND_WAIT_S", "SpecDecoder", "cuda_busy", "round_observations"]
 
 # a round whose host read waited longer than this for the device was bound by the device's forward (a read of a
 # finished result takes tens of microseconds): its span times the forward. A shorter wait means the host's own
@@ -93,105 +93,6 @@ def round_observations(latency: LatencyModel, rows: int, host_s: float, span_s: 
     if span_s - host_s > DEVICE_BOUND_WAIT_S or span_s < latency.forward(rows):
         return host_s, span_s
     return host_s, None
-
-__all__ = ["SpecDecoder", "SpecRound", "SpecTiming", "build_spec_decoder"]
-
-
-@dataclass(kw_only=True)
-class SpecRound:
-    """One step's speculative state between `begin` and `finish` (B = verifying requests, round order)."""
-
-    chunks: tuple[ScheduledChunk, ...]  # the step's chunks; verify chunks carry [g, d_1 .. d_m]
-    index: dict[str, int]  # req_id -> b
-    req_ids: list[str] = field(default_factory=list)
-    proposal: DraftProposal | None = None
-    drafts_host: list[int] = field(default_factory=list)
-    survival_host: np.ndarray | None = None  # [B, N] float64 survivals the policy ranked (None: no confidence head)
-    positions: Tensor | None = None  # [B] int64 anchor positions p
-    seeds: Tensor | None = None  # [B] int64
-    # [B, 5] int64 (anchor id, position, slot, max drafts, seed): the drafts' inputs; (position, seed) key the
-    # verification's uniforms
-    inputs_host: np.ndarray | None = None
-    temps_host: Tensor | None = None  # [B] float32 on the host, 0 on greedy rows
-    greedy: list[bool] = field(default_factory=list)
-    params: list[Any] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)  # per b: first logits row of its m + 1 rows
-    started: float = 0.0  # perf_counter when the round began (before the draft pass)
-    captured_before: float = 0.0  # the graphs' capture seconds when the round began (`SpecDecoder.capture_clock`)
-    forward_started: float = 0.0  # ... when the draft pass and the policy were done (the target step begins)
-    keep: dict[str, int] = field(default_factory=dict)  # rows of each chunk now part of its sequence
-    results: dict[str, SpecResult] = field(default_factory=dict)
-    hidden: Tensor | None = None  # the target's final streams [T, n, d] (drafters that read them: MTP)
-    features: dict[int, Tensor] = field(default_factory=dict)  # captured target features, until collected
-    num_tokens: int = 0  # query tokens of the step
-    rows: int = 0  # rows its forward ran (num_tokens, or a replayed graph's padded rows): the latency model's Q
-    launched_at: float = 0.0  # perf_counter when the verification was enqueued
-    latency: LatencyModel | None = None  # the curve that priced the round (`SpecDecoder.latency_for`)
-    # lagged cost: (shape, survival, max_drafts, base tokens, padding, greedy rows, all greedy) of the round
-    lag_inputs: tuple | None = None
-    timer: tuple[Any, Any] | None = None  # CUDA events around forward + verification (reads deferred on CUDA)
-
-
-@dataclass
-class SpecTiming:
-    """Host wall time of the speculative rounds since the last `reset_stats` (perf_counter sums; the two host reads
-    of a round synchronise the device, so on a GPU these are device-inclusive). draft_s: round start to the end
-    of the draft pass and the policy (its host read); verify_s: from there to the host read of the verification
-    (input preparation, the target forward, verification); finish_s: the bookkeeping after that read (results,
-    statistics, draft-context insertion)."""
-
-    rounds: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    finish_s: float = 0.0
-    # of draft_s: the verification policy's own host time (schedule_verification), which the cost policy spends more
-    # of than the others
-    policy_s: float = 0.0
-    # lagged cost: the search over a round's survivals for the next round's budget, run before the round's host
-    # read (while the device finishes the round; not in launch_s)
-    lag_s: float = 0.0
-    # of draft_s: round start to the end of the drafts' host read (the draft pass on the device, and the host work
-    # before it); the rest of draft_s is host work after the read
-    drafted_s: float = 0.0
-    # of verify_s: from the forward's start to the verification's last launch (host time: input preparation, the
-    # forward's launch or replay, the verification's launches); the rest of verify_s waits for the device
-    launch_s: float = 0.0
-    # rows the forward ran (a graph's row bucket) -> [rounds, verify seconds]: what each step size cost as run,
-    # against the latency model's price of it
-    by_rows: dict[int, list[float]] = field(default_factory=dict)
-    # draft-ahead (`SpecDecoder.draft_ahead`): rounds whose drafts the previous step launched, of them those that
-    # took a subset of the drafted rows (requests left the batch), and rounds that launched their own because a
-    # request was not drafted ahead or its inputs changed
-    ahead_used: int = 0
-    ahead_selected: int = 0
-    ahead_missed: int = 0
-    # of drafted_s: rounds whose host ran the policy's previous call while the device still drafted (`begin`), and
-    # its seconds
-    warmed: int = 0
-    warm_s: float = 0.0
-    # the rounds' statistics and calibration updates, run after the next draft pass's launch (`SpecDecoder._flush`)
-    deferred_s: float = 0.0
-    # of drafted_s: rounds whose counts the device decided behind the draft pass (`SpecDecoder.decide_on_device`),
-    # and the host's seconds planning and enqueueing those decisions (while the device drafted)
-    decided: int = 0
-    decide_s: float = 0.0
-
-    def add_verify(self, rows: int, seconds: float) -> None:
-        self.verify_s += seconds
-        entry = self.by_rows.setdefault(int(rows), [0, 0.0])
-        entry[0] += 1
-        entry[1] += seconds
-
-    def as_dict(self) -> dict[str, Any]:
-        n = max(self.rounds, 1)
-        return {"rounds": self.rounds, "draft_ms": 1e3 * self.draft_s / n, "verify_ms": 1e3 * self.verify_s / n,
-                "finish_ms": 1e3 * self.finish_s / n, "policy_ms": 1e3 * self.policy_s / n,
-                "drafted_ms": 1e3 * self.drafted_s / n, "launch_ms": 1e3 * self.launch_s / n,
-                "lag_ms": 1e3 * self.lag_s / n, "ahead_used": self.ahead_used,
-                "ahead_selected": self.ahead_selected, "ahead_missed": self.ahead_missed, "warmed": self.warmed,
-                "warm_ms": 1e3 * self.warm_s / n, "deferred_ms": 1e3 * self.deferred_s / n,
-                "decided": self.decided, "decide_ms": 1e3 * self.decide_s / n,
-                "verify_ms_by_rows": {r: [int(c), round(1e3 * t / c, 4)] for r, (c, t) in sorted(self.by_rows.items())}}
 
 
 class SpecDecoder:
@@ -873,155 +774,3 @@ class SpecDecoder:
             host=StepHost(ctx_lens=tuple(starts), input_ids=ids, block_tables=tables),
         )  # fmt: skip
         self.drafter.insert_context(batch, {lid: f.index_select(0, sel) for lid, f in features.items()})
-
-
-STS_FILE = "dspark_sts.json"
-CONFIDENCE_FILE = "dspark_confidence.safetensors"
-
-
-def confidence_files(model_dir: Any, device: torch.device) -> tuple[dict[str, Any], Tensor | None]:
-    """The Confidence Head calibration shipped beside the weights (docs/dspark.md "Confidence heads"):
-    (`{"greedy" | "sampling": STS temperature(s)}`, the greedy head `[1, d + r] float32` or None).
-
-    `dspark_sts.json` holds the STS sets of the checkpoint's own head (`sampling`; `greedy` = that head serving
-    greedy requests); `dspark_confidence.safetensors` a separate greedy head (`greedy` `[1, d + r]`) and its STS set
-    (`greedy_sts` `[N]`, default 1), which then replaces the json's greedy set. Missing files mean none; a
-    malformed one raises ConfigError."""
-    import json
-    from pathlib import Path
-
-    from deepinfer_engine.errors import ConfigError
-
-    if model_dir is None:
-        return {}, None
-    sts: dict[str, Any] = {}
-    sts_file = Path(model_dir) / STS_FILE
-    if sts_file.exists():
-        try:
-            raw = json.loads(sts_file.read_text())
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{sts_file}: found invalid JSON ({err}), expected {{\"greedy\" | \"sampling\": "
-                              "temperatures}; fix: refit it (scripts/dspark_testbed.py) or delete the file") from err
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{sts_file}: found {type(raw).__name__}, expected an object; fix: refit or delete it")
-        for mode, v in raw.items():
-            if mode not in ("greedy", "sampling"):
-                continue
-            ok = isinstance(v, (int, float)) or (isinstance(v, list) and v and all(isinstance(t, (int, float)) for t in v))
-            if not ok:
-                raise ConfigError(f"{sts_file}: {mode!r} found {v!r}, expected a temperature or a list of them; "
-                                  "fix: refit it (scripts/dspark_testbed.py) or delete the file")
-            sts[mode] = tuple(float(t) for t in v) if isinstance(v, list) else float(v)
-    head = None
-    head_file = Path(model_dir) / CONFIDENCE_FILE
-    if head_file.exists():
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(head_file))
-        head = tensors.get("greedy")
-        if head is None or head.dim() not in (1, 2) or not head.dtype.is_floating_point:
-            found = None if head is None else f"{tuple(head.shape)} {head.dtype}"
-            raise ConfigError(f"{head_file}: tensor 'greedy' found {found}, expected a [1, d + r] float head; "
-                              "fix: rebuild it (scripts/dspark_testbed.py build) or delete the file")
-        head = head.to(device, torch.float32).reshape(1, -1)
-        t = tensors.get("greedy_sts")
-        sts["greedy"] = 1.0 if t is None else tuple(float(x) for x in t.reshape(-1).tolist())
-    return sts, head
-
-
-def build_spec_decoder(config: Any, model: Any, cache: Any, *, model_dir: Any, num_pages: int,
-                       device: torch.device, graphs: Any = None) -> tuple[SpecDecoder, int]:
-    """The engine's speculative decoder for `config.speculative` (method "dspark": the checkpoint's DSpark
-    stages behind `StageDrafter`) and the drafts per step the scheduler reserves. ConfigError when the
-    checkpoint cannot serve the method or the cache cannot roll back that many drafts. graphs: the engine's
-    CudaGraphRunner or None; with it the DSpark draft pass replays its graphs and the cost policy's start-up
-    profile times graph-replayed verify steps."""
-
-    from deepinfer_engine.config import affine_latency
-    from deepinfer_engine.errors import ConfigError
-    from deepinfer_engine.model.dspark_drafter import StageDrafter
-
-    spec = config.speculative
-    args = model.args
-    if spec.speculative_method == "mtp":
-        return _build_mtp(spec, model, cache, graphs)
-    if not args.has_dspark or getattr(model, "mtp", None) is None:
-        raise ConfigError(
-            "speculative_method='dspark': found a checkpoint without DSpark draft stages (dspark_block_size "
-            "missing); expected a V4.1 / V4-0731 checkpoint. Fix: leave speculative_method unset"
-        )
-    block = int(args.dspark_block_size)
-    k = spec.num_speculative_tokens or block
-    if k > block:
-        raise ConfigError(f"num_speculative_tokens: found {k}, expected <= the checkpoint's dspark_block_size {block}")
-    if k > cache.slack + 1:
-        raise ConfigError(f"num_speculative_tokens: found {k}, expected <= the cache rollback slack + 1 "
-                          f"({cache.slack + 1}): a rejected tail must not overwrite rows the next step reads")
-    # the cost policy runs lagged: its search overlaps the previous round's target step (VerifyPolicy.lagged)
-    policy = VerifyPolicy(kind=spec.speculative_policy, threshold=float(spec.speculative_threshold),
-                          lagged=spec.speculative_policy == "cost")
-    sts, greedy_head = confidence_files(model_dir, device)
-    tables = torch.full((cache.num_slots, 1), -1, dtype=torch.int32, device=device)  # the stages own no pages
-    # greedy requests read their own head / STS set per row (DraftHeads.greedy_*), so a mixed batch needs no switch
-    try:
-        drafter = StageDrafter(model, cache, tables, sts=sts.get("sampling", 1.0), greedy_confidence=greedy_head,
-                               greedy_sts=sts.get("greedy"))
-    except DSparkInputError as err:
-        raise ConfigError(f"{model_dir}: the shipped Confidence Head calibration does not fit this checkpoint "
-                          f"({err}); fix: rebuild it for this checkpoint or delete {STS_FILE} / {CONFIDENCE_FILE}") from err
-    if graphs is not None:  # the stages' parallel pass (and the Markov sampling) replay a CUDA graph per bucket
-        drafter.block_runner = graphs.run_draft
-        drafter.proposal_runner = graphs.run_draft_proposal
-    if policy.kind in ("threshold", "cost") and drafter.heads.confidence is None:
-        raise ConfigError(f"speculative_policy: found {policy.kind!r}, but the checkpoint has no Confidence Head; "
-                          "use verify_all")
-    latency, batch_latency, online = None, {}, True
-    if policy.kind == "cost":
-        max_tokens = config.scheduler.max_num_batched_tokens
-        fixed = affine_latency(spec.speculative_latency)
-        if fixed is not None:
-            latency, online = LatencyModel.affine(fixed[0], fixed[1], max_tokens), False
-        else:
-            latency, batch_latency = profile_cost_curves(model, cache, graphs, config, k, num_pages, device)
-    decoder = SpecDecoder(drafter, policy=policy, latency=latency, capture=tuple(args.dspark_target_layer_ids),
-                          max_position=int(args.max_position_embeddings), online_latency=online, max_drafts=k,
-                          batch_latency=batch_latency)
-    if spec.speculative_calibration == "online":
-        decoder.calibration = SurvivalCalibration()
-    if graphs is not None:  # verify steps replay graphs padded to these shapes (worker/cuda_graph.py)
-        decoder.graph_rows = {b: verify_row_sizes(b, k + 1) for b in graphs.batch_sizes}
-        decoder.capture_clock = lambda: graphs.stats.capture_s
-        decoder.insert_runner = graphs.run_insert  # the draft-ring writes too, one graph per batch bucket
-        # the draft pass is then one replay the device runs while the host finishes the step (`launch_ahead`);
-        # eagerly (CPU) the pass would run inside the launch, before the bookkeeping it is meant to overlap
-        decoder.draft_ahead = True
-    if device.type == "cuda":  # the host waits for the drafts there: time to warm the policy's code
-        decoder.device_busy = cuda_busy
-    return decoder, k
-
-
-def _build_mtp(spec: Any, model: Any, cache: Any, graphs: Any = None) -> tuple[SpecDecoder, int]:
-    """V4's MTP block as a one-token drafter (worker/mtp_draft.py): verify_all only (no Confidence Head)."""
-    from deepinfer_engine.errors import ConfigError
-    from deepinfer_engine.worker.mtp_draft import MTPDrafter
-
-    args = model.args
-    if args.has_dspark or getattr(model, "mtp", None) is None or not int(args.num_nextn_predict_layers):
-        raise ConfigError(
-            "speculative_method='mtp': found a checkpoint without a V4 MTP block (num_nextn_predict_layers = 0, or "
-            "DSpark stages instead); expected a V4-Flash checkpoint. Fix: speculative_method='dspark' for DSpark "
-            "checkpoints, or leave it unset"
-        )
-    k = spec.num_speculative_tokens or 1
-    if k != 1:
-        raise ConfigError(f"num_speculative_tokens: found {k} with speculative_method='mtp', expected 1 (one MTP "
-                          "block drafts one token)")
-    if spec.speculative_policy != "verify_all":
-        raise ConfigError(f"speculative_policy: found {spec.speculative_policy!r} with speculative_method='mtp', "
-                          "expected verify_all (the MTP block has no Confidence Head)")
-    drafter = MTPDrafter(model, cache)
-    if graphs is not None:  # the block's pass over each step's accepted positions replays a CUDA graph
-        drafter.block_runner = graphs.run_mtp
-    decoder = SpecDecoder(drafter, policy=VerifyPolicy(kind="verify_all"), latency=None, capture=(),
-                          max_position=int(args.max_position_embeddings), max_drafts=1)
-    return decoder, 1
